@@ -1,0 +1,1 @@
+"""distserve: goodput-optimised LLM serving with disaggregated prefill and decode."""

@@ -1,0 +1,218 @@
+"""Frozen configuration dataclasses shared by every package. They hold no state."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from distserve.errors import InvalidConfigError, InvalidSamplingParamsError
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Architecture of a LLaMA-family decoder, read from an HF ``config.json``.
+
+    ``rope_parameters`` is the HF rope dict (``{"rope_type": "default", "rope_theta": ...}`` or a
+    scaling config such as llama3/linear/yarn); it is handed to transformers' rope initialisers.
+    """
+
+    name: str
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    rms_norm_eps: float
+    rope_parameters: dict[str, Any] = field(hash=False, compare=False)
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    mlp_bias: bool = False
+    hidden_act: str = "silu"
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    dtype: str = "float32"
+    path: str | None = None  # folder with config.json + *.safetensors + tokenizer files
+
+    def __post_init__(self) -> None:
+        if self.num_heads % self.num_kv_heads != 0:
+            raise InvalidConfigError(
+                f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}"
+            )
+        if self.dtype not in ("float32", "bfloat16", "float16"):
+            raise InvalidConfigError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """Bytes of K and V for one token over all layers."""
+        itemsize = 4 if self.dtype == "float32" else 2
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * itemsize
+
+    @classmethod
+    def from_hf_config(
+        cls, hf: dict[str, Any], name: str, path: str | None = None, dtype: str = "float32"
+    ) -> "ModelConfig":
+        """Build from a parsed HF ``config.json`` dict (LLaMA 2/3, SmolLM2, Qwen2, Mistral)."""
+        model_type = hf.get("model_type", "llama")
+        if model_type not in ("llama", "mistral", "qwen2"):
+            raise InvalidConfigError(f"unsupported model_type {model_type!r} (llama, mistral, qwen2)")
+        num_heads = int(hf["num_attention_heads"])
+        hidden = int(hf["hidden_size"])
+        head_dim = hf.get("head_dim") or hidden // num_heads
+        rope = dict(hf.get("rope_parameters") or {})
+        scaling = hf.get("rope_scaling")
+        if not rope:
+            rope = dict(scaling) if scaling else {}
+            if "type" in rope and "rope_type" not in rope:
+                rope["rope_type"] = rope.pop("type")
+            rope.setdefault("rope_type", "default")
+            rope["rope_theta"] = float(hf.get("rope_theta", 10000.0))
+        eos = hf.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+        return cls(
+            name=name,
+            model_type=model_type,
+            vocab_size=int(hf["vocab_size"]),
+            hidden_size=hidden,
+            intermediate_size=int(hf["intermediate_size"]),
+            num_layers=int(hf["num_hidden_layers"]),
+            num_heads=num_heads,
+            num_kv_heads=int(hf.get("num_key_value_heads") or num_heads),
+            head_dim=int(head_dim),
+            max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
+            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            rope_parameters=rope,
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            attention_bias=bool(hf.get("attention_bias", model_type == "qwen2")),
+            mlp_bias=bool(hf.get("mlp_bias", False)),
+            hidden_act=str(hf.get("hidden_act", "silu")),
+            bos_token_id=hf.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+            dtype=dtype,
+            path=path,
+        )
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """Paged KV cache: ``num_blocks`` blocks of ``block_size`` tokens each.
+
+    If ``num_blocks`` is None it is derived from ``kv_cache_memory_gb``.
+    """
+
+    block_size: int = 16
+    num_blocks: int | None = None
+    kv_cache_memory_gb: float = 1.0
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1:
+            raise InvalidConfigError(f"block_size must be >= 1, got {self.block_size}")
+        if self.num_blocks is not None and self.num_blocks < 1:
+            raise InvalidConfigError(f"num_blocks must be >= 1, got {self.num_blocks}")
+        if self.kv_cache_memory_gb <= 0:
+            raise InvalidConfigError("kv_cache_memory_gb must be > 0")
+
+    def resolve_num_blocks(self, model: ModelConfig) -> int:
+        if self.num_blocks is not None:
+            return self.num_blocks
+        per_block = model.kv_bytes_per_token * self.block_size
+        return max(1, int(self.kv_cache_memory_gb * (1 << 30) // per_block))
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Per-step limits and the policy (a name from the scheduler policy registry)."""
+
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    policy: str = "fcfs"
+    enable_chunked_prefill: bool = False
+    max_model_len: int | None = None  # defaults to the model's max_position_embeddings
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise InvalidConfigError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise InvalidConfigError("max_num_batched_tokens must be >= 1")
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """Tensor (``tp``) and pipeline (``pp``) parallel degrees of one instance."""
+
+    tp: int = 1
+    pp: int = 1
+
+    def __post_init__(self) -> None:
+        if self.tp < 1 or self.pp < 1:
+            raise InvalidConfigError(f"tp and pp must be >= 1, got tp={self.tp} pp={self.pp}")
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.pp
+
+
+@dataclass(frozen=True)
+class SLO:
+    """Latency objectives: a request meets its SLO if TTFT <= ttft_s and TPOT <= tpot_s."""
+
+    ttft_s: float
+    tpot_s: float
+    attainment: float = 0.9
+
+    def __post_init__(self) -> None:
+        if self.ttft_s <= 0 or self.tpot_s <= 0:
+            raise InvalidConfigError("ttft_s and tpot_s must be > 0")
+        if not 0 < self.attainment <= 1:
+            raise InvalidConfigError("attainment must be in (0, 1]")
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to sample one request's output; validated on construction.
+
+    ``top_k <= 0`` disables top-k; ``temperature == 0`` is greedy. ``logprobs`` returns the
+    log-probability (under the unmodified model distribution) of each chosen token.
+    """
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    logprobs: bool = False
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        # Accept lists/str from callers but store tuples so the object stays hashable and frozen.
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        else:
+            object.__setattr__(self, "stop", tuple(self.stop or ()))
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids or ()))
+        err = InvalidSamplingParamsError
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise err(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            raise err(f"temperature must be >= 0, got {self.temperature!r}")
+        if not (0 < self.top_p <= 1):
+            raise err(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not isinstance(self.top_k, int):
+            raise err(f"top_k must be an integer, got {self.top_k!r}")
+        if self.min_tokens < 0 or self.min_tokens > self.max_tokens:
+            raise err(f"min_tokens must be in [0, max_tokens], got {self.min_tokens!r}")
+        if any(not s for s in self.stop):
+            raise err("stop strings must be non-empty")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0

@@ -1,0 +1,217 @@
+"""LLaMA-family decoder (LLaMA 2/3, SmolLM2, Qwen2, Mistral) over a packed batch and a paged KV cache.
+
+Projections are fused at load time (``qkv_proj`` = [q; k; v], ``gate_up_proj`` = [gate; up]) so a
+layer is four matmuls. Inputs are packed: ``T`` new tokens of all sequences in one batch.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from distserve.config import ModelConfig
+from kernels.paged_attention import AttentionMetadata, paged_attention, write_kv
+
+TORCH_DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
+
+
+def rope_inv_freq(config: ModelConfig) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies [head_dim // 2] and attention scaling, via transformers' rope initialisers."""
+    params = dict(config.rope_parameters)
+    rope_type = params.get("rope_type", "default")
+    theta = float(params.get("rope_theta", 10000.0))
+    if rope_type == "default":
+        dim = config.head_dim
+        inv = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+        return inv, 1.0
+    if rope_type == "dynamic":
+        raise ValueError("dynamic NTK rope scaling depends on the sequence length; not supported")
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    hf = LlamaConfig(
+        hidden_size=config.hidden_size,
+        num_attention_heads=config.num_heads,
+        num_key_value_heads=config.num_kv_heads,
+        head_dim=config.head_dim,
+        max_position_embeddings=config.max_position_embeddings,
+        rope_parameters=params,
+    )
+    inv, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf, torch.device("cpu"))
+    return inv.float(), float(scaling)
+
+
+class RotaryEmbedding(nn.Module):
+    """Precomputed cos/sin tables; HF's rotate-half convention."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        inv_freq, scaling = rope_inv_freq(config)
+        pos = torch.arange(config.max_position_embeddings, dtype=torch.float32)
+        freqs = torch.outer(pos, inv_freq)  # [P, D/2]
+        emb = torch.cat((freqs, freqs), dim=-1)  # [P, D]
+        self.register_buffer("cos", (emb.cos() * scaling), persistent=False)
+        self.register_buffer("sin", (emb.sin() * scaling), persistent=False)
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        # [T, 1, D] each, broadcast over heads
+        return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x: [T, heads, D]
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Same arithmetic as HF LlamaRMSNorm: normalise in fp32, cast, then scale.
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.num_heads = config.num_heads
+        self.num_kv_heads = config.num_kv_heads
+        self.head_dim = config.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.scale = self.head_dim**-0.5
+        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.attention_bias and config.model_type != "qwen2")
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [T, hidden]
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:  # [T, hidden]
+        t = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = apply_rope(q.view(t, self.num_heads, self.head_dim), cos, sin)
+        k = apply_rope(k.view(t, self.num_kv_heads, self.head_dim), cos, sin)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        k_cache, v_cache = kv_cache
+        write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        o = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)  # [T, H, D]
+        return self.o_proj(o.reshape(t, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.intermediate = config.intermediate_size
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * self.intermediate, bias=config.mlp_bias)
+        self.down_proj = nn.Linear(self.intermediate, config.hidden_size, bias=config.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaForCausalLM(nn.Module):
+    """The decoder; ``forward`` returns final hidden states, ``compute_logits`` the vocab logits."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.rotary = RotaryEmbedding(config)
+        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T]
+        positions: torch.Tensor,  # [T]
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],  # per layer
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:  # [T, hidden]
+        x = self.embed_tokens(input_ids)
+        cos, sin = self.rotary(positions, x.dtype)
+        for layer, kv in zip(self.layers, kv_caches):
+            x = layer(x, cos, sin, kv, meta)
+        return self.norm(x)
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, V] fp32
+        return self.lm_head(hidden).float()
+
+    def load_hf_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Load HF LLaMA parameter names, fusing q/k/v and gate/up."""
+        own: dict[str, torch.Tensor] = {
+            "embed_tokens.weight": state["model.embed_tokens.weight"],
+            "norm.weight": state["model.norm.weight"],
+            "lm_head.weight": state.get("lm_head.weight", state["model.embed_tokens.weight"]),
+        }
+        for i in range(self.config.num_layers):
+            p = f"model.layers.{i}."
+            o = f"layers.{i}."
+            attn = p + "self_attn."
+            own[o + "self_attn.qkv_proj.weight"] = torch.cat(
+                [state[attn + n + "_proj.weight"] for n in ("q", "k", "v")], dim=0
+            )
+            if self.config.attention_bias:
+                own[o + "self_attn.qkv_proj.bias"] = torch.cat(
+                    [state[attn + n + "_proj.bias"] for n in ("q", "k", "v")], dim=0
+                )
+            own[o + "self_attn.o_proj.weight"] = state[attn + "o_proj.weight"]
+            if attn + "o_proj.bias" in state:
+                own[o + "self_attn.o_proj.bias"] = state[attn + "o_proj.bias"]
+            mlp = p + "mlp."
+            own[o + "mlp.gate_up_proj.weight"] = torch.cat(
+                [state[mlp + "gate_proj.weight"], state[mlp + "up_proj.weight"]], dim=0
+            )
+            own[o + "mlp.down_proj.weight"] = state[mlp + "down_proj.weight"]
+            if self.config.mlp_bias:
+                own[o + "mlp.gate_up_proj.bias"] = torch.cat(
+                    [state[mlp + "gate_proj.bias"], state[mlp + "up_proj.bias"]], dim=0
+                )
+                own[o + "mlp.down_proj.bias"] = state[mlp + "down_proj.bias"]
+            own[o + "input_layernorm.weight"] = state[p + "input_layernorm.weight"]
+            own[o + "post_attention_layernorm.weight"] = state[p + "post_attention_layernorm.weight"]
+        missing, unexpected = self.load_state_dict(own, strict=False)
+        missing = [m for m in missing if not m.startswith("rotary.")]
+        if missing or unexpected:
+            raise ValueError(f"weight mismatch: missing={missing} unexpected={unexpected}")
+        if self.config.tie_word_embeddings or "lm_head.weight" not in state:
+            self.lm_head.weight = self.embed_tokens.weight

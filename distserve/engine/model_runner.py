@@ -1,0 +1,113 @@
+"""Executes a ``StepPlan`` on torch: owns the model, the KV cache tensors and per-request RNG state."""
+
+from __future__ import annotations
+
+import torch
+
+from distserve.config import ModelConfig
+from distserve.engine.model import TORCH_DTYPES, LlamaForCausalLM
+from distserve.engine.sampler import Sampler
+from distserve.engine.scheduler import SampledToken, StepPlan
+from kernels.paged_attention import AttentionMetadata
+
+
+class ModelRunner:
+    """Runs the model over a packed batch and samples one token per finished chunk."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        state_dict: dict[str, torch.Tensor],
+        num_blocks: int,
+        block_size: int,
+        eos_token_ids: tuple[int, ...] = (),
+        device: str = "cpu",
+    ) -> None:
+        self.config = config
+        self.device = torch.device(device)
+        self.dtype = TORCH_DTYPES[config.dtype]
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.eos_token_ids = eos_token_ids
+        model = LlamaForCausalLM(config)
+        model.load_hf_state_dict(state_dict)
+        self.model = model.to(device=self.device, dtype=self.dtype).eval()
+        self.model.rotary.float()  # keep the rope tables in fp32 whatever the weights' dtype
+        # [layers, 2, num_blocks, block_size, kv_heads, head_dim]; zeroed so masked slots are finite.
+        self.kv_cache = torch.zeros(
+            (config.num_layers, 2, num_blocks, block_size, config.num_kv_heads, config.head_dim),
+            dtype=self.dtype,
+            device=self.device,
+        )
+        self.kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(config.num_layers)]
+        self.sampler = Sampler()
+        self._generators: dict[str, torch.Generator] = {}
+
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        if copies:
+            src = torch.tensor([c[0] for c in copies], device=self.device)
+            dst = torch.tensor([c[1] for c in copies], device=self.device)
+            self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]
+
+    def prepare(self, plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
+        """Packed inputs: token ids [T], positions [T], attention metadata, and rows to sample."""
+        bs = self.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        query_lens: list[int] = []
+        context_lens: list[int] = []
+        tables: list[list[int]] = []
+        sample_rows: list[int] = []
+        for chunk in plan.chunks:
+            n = len(chunk.token_ids)
+            start = chunk.start_pos
+            input_ids.extend(chunk.token_ids)
+            pos = range(start, start + n)
+            positions.extend(pos)
+            table = chunk.block_table
+            slots.extend(table[p // bs] * bs + p % bs for p in pos)
+            query_lens.append(n)
+            context_lens.append(start + n)
+            tables.append(table)
+            if chunk.sample:
+                sample_rows.append(len(input_ids) - 1)
+        meta = AttentionMetadata.build(query_lens, context_lens, slots, tables, bs, self.device)
+        ids = torch.tensor(input_ids, dtype=torch.int64, device=self.device)
+        pos_t = torch.tensor(positions, dtype=torch.int64, device=self.device)
+        return ids, pos_t, meta, sample_rows
+
+    @torch.inference_mode()
+    def execute(self, plan: StepPlan) -> list[SampledToken]:
+        for seq_id in plan.finished_seq_ids:
+            self._generators.pop(seq_id, None)
+        self.copy_blocks(plan.block_copies)
+        if not plan.chunks:
+            return []
+        ids, positions, meta, sample_rows = self.prepare(plan)
+        hidden = self.model(ids, positions, self.kv_caches, meta)  # [T, hidden]
+        if not sample_rows:
+            return []
+        logits = self.model.compute_logits(hidden[sample_rows])  # [N, V]
+        chunks = [c for c in plan.chunks if c.sample]
+        out = self.sampler(
+            logits,
+            [c.sampling for c in chunks],
+            [self._generator(c.seq_id, c.sampling.seed) for c in chunks],
+            [c.num_output_tokens for c in chunks],
+            self.eos_token_ids,
+        )
+        want = any(c.sampling.logprobs for c in chunks)
+        return [
+            SampledToken(c.seq_id, tok, out.logprobs[i] if want and out.logprobs and c.sampling.logprobs else None)
+            for i, (c, tok) in enumerate(zip(chunks, out.token_ids))
+        ]
+
+    def _generator(self, seq_id: str, seed: int | None) -> torch.Generator | None:
+        if seed is None:
+            return None
+        gen = self._generators.get(seq_id)
+        if gen is None:
+            gen = torch.Generator(device=self.device).manual_seed(seed)
+            self._generators[seq_id] = gen
+        return gen

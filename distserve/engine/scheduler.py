@@ -1,0 +1,271 @@
+"""Continuous-batching scheduler and the ``StepPlan`` contract shared by the real runner and the simulator.
+
+Every step the scheduler decides how many new tokens each sequence computes (a decode is one
+token; a prefill is the uncached part of the prompt, possibly chunked) under a token budget and a
+sequence cap, allocating KV blocks as it goes and preempting by recompute when blocks run out.
+The result is a plain ``StepPlan``; whoever executes it reports sampled tokens back through
+``update_from_output``.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from distserve.config import SamplingParams, SchedulerConfig
+from distserve.engine.block_manager import BlockManager
+from distserve.engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class ScheduledChunk:
+    """``token_ids`` are computed at positions ``start_pos ..``; if ``sample`` a token is sampled after."""
+
+    seq_id: str
+    token_ids: list[int]
+    start_pos: int
+    block_table: list[int]
+    sample: bool
+    sampling: SamplingParams
+    num_output_tokens: int
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def is_decode(self) -> bool:
+        """One query token: batched with the decodes (a chunked prefill's 1-token tail included)."""
+        return len(self.token_ids) == 1
+
+
+@dataclass
+class StepPlan:
+    """One engine step: decodes first, then prefill chunks (the attention kernel relies on the order)."""
+
+    chunks: list[ScheduledChunk] = field(default_factory=list)
+    block_copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) before running
+    preempted_seq_ids: list[str] = field(default_factory=list)
+    finished_seq_ids: list[str] = field(default_factory=list)  # freed since the last plan
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(len(c.token_ids) for c in self.chunks)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.chunks
+
+
+@dataclass
+class SampledToken:
+    seq_id: str
+    token_id: int
+    logprob: float | None = None
+
+
+# ---- policies: a sort key over sequences; the largest key is preempted first --------------------
+PolicyKey = Callable[[Sequence], tuple]
+
+
+def _fcfs_key(seq: Sequence) -> tuple:
+    return (seq.arrival_time, seq.order)
+
+
+def _priority_key(seq: Sequence) -> tuple:
+    return (seq.priority, seq.arrival_time, seq.order)
+
+
+SCHEDULING_POLICIES: dict[str, PolicyKey] = {"fcfs": _fcfs_key, "priority": _priority_key}
+
+
+def get_policy(name: str) -> PolicyKey:
+    if name not in SCHEDULING_POLICIES:
+        raise ValueError(f"unknown scheduling policy {name!r}; choose from {sorted(SCHEDULING_POLICIES)}")
+    return SCHEDULING_POLICIES[name]
+
+
+class Scheduler:
+    """Colocated continuous batching: running sequences first, then admissions by policy."""
+
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        block_manager: BlockManager,
+        max_model_len: int,
+        eos_token_ids: tuple[int, ...] = (),
+    ) -> None:
+        self.config = config
+        self.eos_token_ids = eos_token_ids
+        self.block_manager = block_manager
+        self.max_model_len = max_model_len
+        self.policy = get_policy(config.policy)
+        self.waiting: list[Sequence] = []  # sorted by policy key
+        self._waiting_keys: list[tuple] = []
+        self.running: list[Sequence] = []
+        self._finished_since_plan: list[str] = []
+        self._order = 0
+        self.num_preemptions = 0
+
+    # ---- queue management --------------------------------------------------------------------
+    def add(self, seq: Sequence) -> None:
+        seq.order = self._order
+        self._order += 1
+        self._enqueue(seq)
+
+    def _enqueue(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        key = self.policy(seq)
+        i = bisect.bisect_right(self._waiting_keys, key)
+        self._waiting_keys.insert(i, key)
+        self.waiting.insert(i, seq)
+
+    def _pop_waiting(self, i: int = 0) -> Sequence:
+        self._waiting_keys.pop(i)
+        return self.waiting.pop(i)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """Stop ``seq`` (done, stopped or aborted) and release its blocks."""
+        if seq.status is SequenceStatus.FINISHED:
+            return
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self._pop_waiting(self.waiting.index(seq))
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        self._finished_since_plan.append(seq.seq_id)
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Recompute later: drop its KV and put it back in the waiting queue."""
+        self.running.remove(seq)
+        self.block_manager.free(seq)
+        seq.num_computed_tokens = 0
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self._enqueue(seq)
+
+    # ---- the step ------------------------------------------------------------------------------
+    def schedule(self) -> StepPlan:
+        plan = StepPlan(finished_seq_ids=self._finished_since_plan)
+        self._finished_since_plan = []
+        budget = self.config.max_num_batched_tokens
+        decodes: list[ScheduledChunk] = []
+        prefills: list[ScheduledChunk] = []
+        preempted = False
+
+        # Running sequences in policy order, so the lowest-ranked are preempted first.
+        self.running.sort(key=self.policy)
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(seq.num_uncomputed_tokens, budget)
+            if n <= 0:
+                i += 1
+                continue
+            copies = self.block_manager.append_slots(seq, n)
+            while copies is None:
+                victim = self.running[-1]
+                self._preempt(victim)
+                plan.preempted_seq_ids.append(victim.seq_id)
+                preempted = True
+                if victim is seq:
+                    break
+                copies = self.block_manager.append_slots(seq, n)
+            if copies is None:
+                break
+            plan.block_copies.extend(copies)
+            chunk = self._chunk(seq, n)
+            (decodes if chunk.is_decode else prefills).append(chunk)
+            budget -= n
+            i += 1
+
+        # Admit waiting sequences unless we just had to preempt (memory is tight).
+        while self.waiting and not preempted and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            if not self.block_manager.can_allocate(seq):
+                break
+            n = seq.num_tokens - self.block_manager.num_cached_prefix_tokens(seq)
+            if n > budget:
+                if self.config.enable_chunked_prefill:
+                    n = budget
+                elif decodes or prefills:
+                    break
+                # A prompt larger than the whole budget runs alone rather than never.
+            self._pop_waiting()
+            self.block_manager.allocate(seq)
+            n = min(n, seq.num_uncomputed_tokens)
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            prefills.append(self._chunk(seq, n))
+            budget -= n
+        plan.chunks = decodes + prefills
+        return plan
+
+    def _chunk(self, seq: Sequence, n: int) -> ScheduledChunk:
+        start = seq.num_computed_tokens
+        return ScheduledChunk(
+            seq_id=seq.seq_id,
+            token_ids=seq.token_ids[start : start + n],
+            start_pos=start,
+            block_table=list(seq.block_table),
+            sample=start + n == seq.num_tokens,
+            sampling=seq.sampling,
+            num_output_tokens=seq.num_output_tokens,
+        )
+
+    def update_from_output(
+        self, plan: StepPlan, sampled: list[SampledToken], seqs: dict[str, Sequence], now: float
+    ) -> list[Sequence]:
+        """Advance computed counts, append sampled tokens, apply token-level stop rules.
+
+        Returns the sequences that received a token this step (finished ones included).
+        """
+        by_id = {s.seq_id: s for s in sampled}
+        updated: list[Sequence] = []
+        for chunk in plan.chunks:
+            seq = seqs.get(chunk.seq_id)
+            if seq is None or seq.status is not SequenceStatus.RUNNING:
+                continue  # aborted or preempted while the step ran
+            seq.num_computed_tokens = chunk.start_pos + chunk.num_tokens
+            self.block_manager.commit(seq)
+            token = by_id.get(chunk.seq_id)
+            if token is None:
+                continue
+            seq.token_ids.append(token.token_id)
+            if token.logprob is not None:
+                seq.logprobs.append(token.logprob)
+            if seq.first_token_time is None:
+                seq.first_token_time = now
+            reason = self.check_token_stop(seq)
+            if reason is not None:
+                seq.finish_time = now
+                self.finish(seq, reason)
+            updated.append(seq)
+        return updated
+
+    def check_token_stop(self, seq: Sequence) -> str | None:
+        """Stop reason from the last token alone (stop strings are the engine's job), or None."""
+        sp = seq.sampling
+        token = seq.token_ids[-1]
+        if seq.num_output_tokens >= sp.min_tokens:
+            if not sp.ignore_eos and token in self.eos_token_ids:
+                return "stop"
+            if token in sp.stop_token_ids:
+                return "stop"
+        if seq.num_output_tokens >= sp.max_tokens or seq.num_tokens >= self.max_model_len:
+            return "length"
+        return None

@@ -1,0 +1,65 @@
+"""The mutable request state that flows through scheduler, block manager and model runner."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from distserve.config import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One request. ``token_ids`` is prompt + output; KV exists for the first ``num_computed_tokens``."""
+
+    seq_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    arrival_time: float = 0.0
+    priority: int = 0  # lower runs first under the "priority" policy
+    token_ids: list[int] = field(default_factory=list)
+    status: SequenceStatus = SequenceStatus.WAITING
+    block_table: list[int] = field(default_factory=list)
+    block_hashes: list[int] = field(default_factory=list)  # content hash of each committed full block
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0  # prefix-cache hits at the last admission
+    num_preemptions: int = 0
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    finish_reason: str | None = None
+    logprobs: list[float] = field(default_factory=list)
+    order: int = 0  # admission counter; breaks arrival-time ties deterministically
+
+    def __post_init__(self) -> None:
+        if not self.token_ids:
+            self.token_ids = list(self.prompt_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - len(self.prompt_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[len(self.prompt_token_ids) :]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens

@@ -1,0 +1,1 @@
+"""Attention kernels over a paged KV cache (torch CPU implementation; GPU backends when available)."""

@@ -1,0 +1,134 @@
+"""Scheduler on CPU with a fake runner: budgets, chunking, policies, preemption, no deadlock."""
+
+from distserve.config import SamplingParams, SchedulerConfig
+from distserve.engine.block_manager import BlockManager
+from distserve.engine.scheduler import SampledToken, Scheduler, StepPlan
+from distserve.engine.sequence import Sequence, SequenceStatus
+
+
+def make(
+    num_blocks: int = 64, block_size: int = 4, max_model_len: int = 1024, **cfg: object
+) -> tuple[Scheduler, dict[str, Sequence]]:
+    bm = BlockManager(num_blocks, block_size)
+    return Scheduler(SchedulerConfig(**cfg), bm, max_model_len, eos_token_ids=(0,)), {}  # type: ignore[arg-type]
+
+
+def add(sched: Scheduler, seqs: dict[str, Sequence], sid: str, n: int, max_tokens: int = 4, **kw: object) -> Sequence:
+    base = 1 + 100 * len(seqs)  # distinct prompts: no accidental prefix hits
+    seq = Sequence(sid, [base + i for i in range(n)], SamplingParams(max_tokens=max_tokens), **kw)  # type: ignore[arg-type]
+    seqs[sid] = seq
+    sched.add(seq)
+    return seq
+
+
+def fake_run(plan: StepPlan) -> list[SampledToken]:
+    """Sample token 7 for every chunk that samples."""
+    return [SampledToken(c.seq_id, 7) for c in plan.chunks if c.sample]
+
+
+def run_to_completion(sched: Scheduler, seqs: dict[str, Sequence], max_steps: int = 500) -> list[StepPlan]:
+    plans = []
+    for _ in range(max_steps):
+        if not sched.has_unfinished():
+            return plans
+        plan = sched.schedule()
+        plans.append(plan)
+        sched.update_from_output(plan, fake_run(plan), seqs, now=float(len(plans)))
+    raise AssertionError("scheduler did not finish: deadlock or livelock")
+
+
+def test_token_budget_and_decodes_first() -> None:
+    sched, seqs = make(max_num_batched_tokens=20)
+    add(sched, seqs, "a", 10)
+    add(sched, seqs, "b", 8)
+    add(sched, seqs, "c", 8)  # does not fit in the first step's budget
+    p1 = sched.schedule()
+    assert [c.seq_id for c in p1.chunks] == ["a", "b"] and p1.num_batched_tokens == 18
+    sched.update_from_output(p1, fake_run(p1), seqs, 1.0)
+    p2 = sched.schedule()
+    # decodes of a and b first, then c's prefill
+    assert [(c.seq_id, c.num_tokens) for c in p2.chunks] == [("a", 1), ("b", 1), ("c", 8)]
+    assert p2.chunks[0].start_pos == 10 and p2.chunks[0].token_ids == [7]
+
+
+def test_max_num_seqs() -> None:
+    sched, seqs = make(max_num_seqs=2)
+    for i in range(4):
+        add(sched, seqs, f"s{i}", 4)
+    plan = sched.schedule()
+    assert len(plan.chunks) == 2 and sched.num_waiting == 2
+
+
+def test_chunked_prefill_splits_long_prompt() -> None:
+    sched, seqs = make(max_num_batched_tokens=8, enable_chunked_prefill=True)
+    add(sched, seqs, "long", 20)
+    p = sched.schedule()
+    assert p.chunks[0].num_tokens == 8 and not p.chunks[0].sample
+    sched.update_from_output(p, fake_run(p), seqs, 1.0)
+    p = sched.schedule()
+    assert p.chunks[0].start_pos == 8 and p.chunks[0].num_tokens == 8 and not p.chunks[0].sample
+    sched.update_from_output(p, fake_run(p), seqs, 2.0)
+    p = sched.schedule()
+    assert p.chunks[0].num_tokens == 4 and p.chunks[0].sample
+    sched.update_from_output(p, fake_run(p), seqs, 3.0)
+    assert seqs["long"].num_output_tokens == 1
+
+
+def test_prompt_larger_than_budget_runs_alone_without_chunking() -> None:
+    sched, seqs = make(max_num_batched_tokens=8)
+    add(sched, seqs, "big", 20)
+    add(sched, seqs, "small", 4)
+    p = sched.schedule()
+    assert [c.seq_id for c in p.chunks] == ["big"] and p.chunks[0].num_tokens == 20
+    run_to_completion(sched, seqs)
+
+
+def test_priority_policy_admits_lowest_value_first() -> None:
+    sched, seqs = make(max_num_seqs=1, policy="priority")
+    add(sched, seqs, "low", 4, priority=5, arrival_time=0.0)
+    add(sched, seqs, "high", 4, priority=0, arrival_time=1.0)
+    assert sched.schedule().chunks[0].seq_id == "high"
+
+
+def test_fcfs_policy_admits_by_arrival() -> None:
+    sched, seqs = make(max_num_seqs=1)
+    add(sched, seqs, "late", 4, arrival_time=2.0)
+    add(sched, seqs, "early", 4, arrival_time=1.0)
+    assert sched.schedule().chunks[0].seq_id == "early"
+
+
+def test_preemption_by_recompute_then_everything_finishes() -> None:
+    # 6 blocks of 4 tokens: three 7-token prompts (2 blocks each) fill the cache; decoding needs more.
+    sched, seqs = make(num_blocks=6, block_size=4)
+    for i in range(3):
+        add(sched, seqs, f"s{i}", 7, max_tokens=6, arrival_time=float(i))
+    plans = run_to_completion(sched, seqs)
+    preempted = [sid for p in plans for sid in p.preempted_seq_ids]
+    assert preempted, "the cache is too small for all three: someone must be preempted"
+    assert preempted[0] == "s2"  # FCFS: the latest arrival goes first
+    for s in seqs.values():
+        assert s.status is SequenceStatus.FINISHED and s.finish_reason == "length"
+        assert s.num_output_tokens == 6
+    assert sched.block_manager.num_free_blocks == 6
+    # A preempted sequence is recomputed from its prompt *and* its generated tokens.
+    s2_prefills = [c for p in plans for c in p.chunks if c.seq_id == "s2" and c.num_tokens > 1]
+    assert len(s2_prefills) >= 2 and s2_prefills[1].start_pos + s2_prefills[1].num_tokens > 7
+
+
+def test_eos_and_stop_tokens_finish() -> None:
+    sched, seqs = make()
+    seq = add(sched, seqs, "a", 4, max_tokens=10)
+    plan = sched.schedule()
+    sched.update_from_output(plan, [SampledToken("a", 0)], seqs, 1.0)  # eos
+    assert seq.status is SequenceStatus.FINISHED and seq.finish_reason == "stop"
+    assert sched.block_manager.num_free_blocks == 64
+
+
+def test_finished_ids_reported_once() -> None:
+    sched, seqs = make()
+    seq = add(sched, seqs, "a", 4, max_tokens=1)
+    plan = sched.schedule()
+    sched.update_from_output(plan, fake_run(plan), seqs, 1.0)
+    assert seq.is_finished
+    assert sched.schedule().finished_seq_ids == ["a"]
+    assert sched.schedule().finished_seq_ids == []
