@@ -97,10 +97,12 @@ def _gather_context(
     cache: torch.Tensor,  # [NB, BS, KVH, D]
     block_table: torch.Tensor,  # [..., nb]
 ) -> torch.Tensor:  # [..., KVH, nb * BS, D]
-    blocks = cache[block_table]  # [..., nb, BS, KVH, D]
-    lead = blocks.shape[:-4]
-    nb, bs, kvh, d = blocks.shape[-4:]
-    return blocks.reshape(*lead, nb * bs, kvh, d).transpose(-3, -2)
+    # index_select on the flat block index is several times faster than advanced indexing on CPU.
+    _, bs, kvh, d = cache.shape
+    lead = block_table.shape[:-1]
+    nb = block_table.shape[-1]
+    blocks = cache.index_select(0, block_table.reshape(-1))  # [prod(lead) * nb, BS, KVH, D]
+    return blocks.view(*lead, nb * bs, kvh, d).transpose(-3, -2)
 
 
 def paged_attention(

@@ -50,18 +50,19 @@ class Sampler:
         Returns:
             The chosen ids and, if any row set ``logprobs``, every row's log-probability.
         """
+        logits = logits.detach()
         num_rows = logits.shape[0]
         masked = _mask_min_tokens(logits, params, num_output_tokens, eos_token_ids)  # [N, V]
         sampled_rows = [i for i, p in enumerate(params) if not p.greedy]
         if not sampled_rows:
-            token_ids = masked.argmax(dim=-1)  # [N]
+            token_ids = _argmax(masked)  # [N]
         elif len(sampled_rows) == num_rows:
             token_ids = _sample(masked, params, generators)
         else:
             greedy_idx = torch.tensor([i for i, p in enumerate(params) if p.greedy])  # [G]
             sampled_idx = torch.tensor(sampled_rows)  # [S]
             token_ids = torch.empty(num_rows, dtype=torch.long)
-            token_ids[greedy_idx] = masked[greedy_idx].argmax(dim=-1)
+            token_ids[greedy_idx] = _argmax(masked[greedy_idx])
             token_ids[sampled_idx] = _sample(
                 masked[sampled_idx],
                 [params[i] for i in sampled_rows],
@@ -73,6 +74,12 @@ class Sampler:
             chosen = raw.gather(1, token_ids[:, None]).squeeze(1)  # [N]
             logprobs = (chosen - torch.logsumexp(raw, dim=-1)).tolist()
         return SamplerOutput(token_ids=token_ids.tolist(), logprobs=logprobs)
+
+
+def _argmax(logits: torch.Tensor) -> torch.Tensor:
+    """Row-wise argmax (``[N]``) of ``logits`` (``[N, V]``); ties go to the lowest index."""
+    # numpy's argmax is ~10x faster than torch's on CPU and breaks ties the same way.
+    return torch.from_numpy(logits.float().numpy().argmax(axis=-1))
 
 
 def _mask_min_tokens(
@@ -105,9 +112,13 @@ def _sample(
 ) -> torch.Tensor:
     """Sample one token per row of ``logits`` (``[M, V]``, non-greedy rows); returns ``[M]`` ids."""
     temperature = torch.tensor([p.temperature for p in params], dtype=torch.float32)  # [M]
-    scaled = logits / temperature[:, None]  # [M, V] float32, a fresh tensor
-    _apply_top_k_top_p(scaled, params)
+    scaled = logits / temperature[:, None]  # [M, V] float32
     weights = (scaled - scaled.amax(dim=-1, keepdim=True)).exp_()  # [M, V] unnormalised probs
+    threshold = _filter_thresholds(scaled, params)  # [M]
+    if threshold is not None:
+        # Multiplying by a bool mask in numpy is ~5x faster than torch's masked_fill_ on CPU.
+        weights_np = weights.numpy()
+        np.multiply(weights_np, scaled.numpy() >= threshold[:, None], out=weights_np)
     # float64 so tail tokens keep their own probability instead of float32 rounding noise.
     cdf = weights.cumsum(dim=-1, dtype=torch.float64)  # [M, V]
     total = cdf[:, -1]  # [M]
@@ -128,15 +139,15 @@ def _uniforms(generators: Sequence[torch.Generator | None]) -> torch.Tensor:
     return uniforms
 
 
-def _apply_top_k_top_p(scaled: torch.Tensor, params: Sequence[SamplingParams]) -> None:
-    """Set to -inf, in place, every entry of ``scaled`` (``[M, V]`` float32) outside its row's
-    top-k and then top-p set. Ties with the last kept value are kept."""
+def _filter_thresholds(scaled: torch.Tensor, params: Sequence[SamplingParams]) -> np.ndarray | None:
+    """Per row of ``scaled`` (``[M, V]``), the smallest value kept by top-k and then top-p
+    (``[M]``, -inf for unfiltered rows), or None if no row filters. Ties with it are kept."""
     num_rows, vocab_size = scaled.shape
     top_k = [p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params]
     nucleus_rows = [j for j, p in enumerate(params) if p.top_p < 1]
     top_k_rows = [j for j, p in enumerate(params) if p.top_p >= 1 and top_k[j] < vocab_size]
     if not nucleus_rows and not top_k_rows:
-        return
+        return None
     # numpy's partition and values-only sort are several times faster than torch.topk/sort on CPU.
     values = scaled.numpy()  # [M, V], shares memory
     threshold = np.full(num_rows, -np.inf, dtype=np.float32)  # [M]
@@ -150,7 +161,7 @@ def _apply_top_k_top_p(scaled: torch.Tensor, params: Sequence[SamplingParams]) -
             torch.tensor([top_k[j] for j in nucleus_rows]),
             torch.tensor([params[j].top_p for j in nucleus_rows], dtype=torch.float64),
         ).numpy()
-    scaled.masked_fill_(scaled < torch.from_numpy(threshold)[:, None], float("-inf"))
+    return threshold
 
 
 def _nucleus_threshold(values: np.ndarray, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
@@ -158,11 +169,13 @@ def _nucleus_threshold(values: np.ndarray, top_k: torch.Tensor, top_p: torch.Ten
     ``V`` = off) then top-p (``[R]``): the fewest largest tokens whose probability is >= top_p."""
     vocab_size = values.shape[1]
     ascending = torch.from_numpy(np.sort(values, axis=-1))  # [R, V]
-    first_in_top_k = vocab_size - top_k  # [R]
     weights = (ascending - ascending[:, -1:]).exp_()  # [R, V]
-    weights.masked_fill_(torch.arange(vocab_size)[None, :] < first_in_top_k[:, None], 0.0)
     cdf = weights.cumsum(dim=-1, dtype=torch.float64)  # [R, V]
-    droppable_mass = (1.0 - top_p + _TOP_P_SLACK) * cdf[:, -1]  # [R]
-    num_dropped = (cdf <= droppable_mass[:, None]).sum(dim=-1)  # [R]
-    first_kept = num_dropped.clamp_(max=vocab_size - 1)  # [R]
+    first_in_top_k = (vocab_size - top_k)[:, None]  # [R, 1]
+    mass_below_top_k = cdf.gather(1, (first_in_top_k - 1).clamp(min=0))  # [R, 1]
+    mass_below_top_k[first_in_top_k == 0] = 0.0
+    top_k_mass = cdf[:, -1:] - mass_below_top_k  # [R, 1]
+    droppable = mass_below_top_k + (1.0 - top_p[:, None] + _TOP_P_SLACK) * top_k_mass  # [R, 1]
+    # Everything below the top k has cdf <= mass_below_top_k <= droppable, so it is dropped too.
+    first_kept = (cdf <= droppable).sum(dim=-1).clamp_(max=vocab_size - 1)  # [R]
     return ascending.gather(1, first_kept[:, None]).squeeze(1)
