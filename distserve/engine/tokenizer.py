@@ -14,6 +14,7 @@ if TYPE_CHECKING:
 
 # Turn terminators that chat models emit instead of (or besides) their nominal eos token.
 _END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end_of_text|>", "<|endoftext|>", "<end_of_turn>", "<|end|>")
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
 _NUM_CONTEXT_TOKENS = 5
 _REPLACEMENT_CHAR = "\ufffd"
 
@@ -33,8 +34,12 @@ class Tokenizer:
         ``generation_config.json``, whose eos ids are added to ``eos_token_ids``)."""
         from transformers import AutoTokenizer
 
+        if not os.path.isdir(path):
+            raise ModelNotFoundError(f"tokenizer folder {path!r} does not exist")
+        if not any(os.path.isfile(os.path.join(path, name)) for name in _TOKENIZER_FILES):
+            raise ModelNotFoundError(f"folder {path!r} has no tokenizer files ({', '.join(_TOKENIZER_FILES)})")
         try:
-            hf_tokenizer = AutoTokenizer.from_pretrained(path)
+            hf_tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
         except Exception as exc:  # transformers raises OSError/ValueError/KeyError/... for bad folders
             raise ModelNotFoundError(f"cannot load a tokenizer from {path!r}: {exc}") from exc
         tokenizer = cls(hf_tokenizer)
@@ -43,13 +48,12 @@ class Tokenizer:
             try:
                 with open(generation_config, encoding="utf-8") as f:
                     eos = json.load(f).get("eos_token_id")
-            except (OSError, ValueError):
+            except (OSError, ValueError, AttributeError):
                 eos = None
             if isinstance(eos, int):
                 tokenizer._extra_eos_token_ids = (eos,)
             elif isinstance(eos, list):
                 tokenizer._extra_eos_token_ids = tuple(int(e) for e in eos)
-            tokenizer._eos_token_ids = None
         return tokenizer
 
     @property

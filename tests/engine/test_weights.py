@@ -6,7 +6,9 @@ import dataclasses
 import json
 import pathlib
 import subprocess
+import time
 import zipfile
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -202,6 +204,32 @@ def test_folder_without_safetensors(tmp_path: pathlib.Path) -> None:
     (tmp_path / "model.safetensors").unlink()
     with pytest.raises(ModelNotFoundError, match="safetensors"):
         load_model(str(tmp_path))
+
+
+def test_folder_without_tokenizer(tmp_path: pathlib.Path) -> None:
+    hf_model, _ = build_tiny_hf_model()
+    hf_model.save_pretrained(tmp_path)
+    with pytest.raises(ModelNotFoundError, match="no tokenizer files"):
+        load_model(str(tmp_path))
+
+
+def test_concurrent_gguf_conversion_runs_once(monkeypatch: pytest.MonkeyPatch, tmp_path: pathlib.Path) -> None:
+    monkeypatch.setenv("DISTSERVE_CACHE", str(tmp_path / "cache"))
+    gguf_file = tmp_path / "model.gguf"
+    gguf_file.write_bytes(b"GGUF")
+    conversions: list[pathlib.Path] = []
+
+    def fake_convert(path: pathlib.Path, target: pathlib.Path) -> None:
+        conversions.append(path)
+        time.sleep(0.2)
+        target.mkdir(parents=True)
+        (target / "config.json").write_text("{}", encoding="utf-8")
+
+    monkeypatch.setattr(weights, "_convert_gguf", fake_convert)
+    with ThreadPoolExecutor(max_workers=3) as pool:
+        dirs = list(pool.map(resolve_model_dir, [str(gguf_file)] * 3))
+    assert len(conversions) == 1
+    assert len(set(dirs)) == 1 and pathlib.Path(dirs[0]).name.startswith("gguf-model-")
 
 
 def test_corrupt_safetensors(tmp_path: pathlib.Path) -> None:
