@@ -13,7 +13,7 @@ from distserve.config import SamplingParams
 # Logits arrive as float32, so a nucleus whose mass equals top_p exactly (0.5 + 0.3 vs 0.8) is off
 # by ~1e-7 and, without this relative slack, would pull in one token more than intended.
 _TOP_P_SLACK = 1e-6
-# Below this, logits / temperature overflows float32 and the distribution is argmax anyway.
+# Smaller temperatures can round to 0 in float32 (0 / 0 = NaN); sampling is argmax long before.
 _MIN_TEMPERATURE = 1e-5
 _CDF_BLOCK = 256
 
@@ -30,7 +30,8 @@ class Sampler:
     """Stateless batch sampler; seeded requests bring their own ``torch.Generator``.
 
     Sampled rows draw one uniform each and invert the row's CDF, so a seeded row's token depends
-    only on its own logits, params and generator. Greedy rows consume no randomness.
+    only on its own logits, params and generator. Greedy rows consume no randomness. Top-k and
+    top-p keep every token tied with the last one kept (as vLLM does).
     """
 
     def __call__(
@@ -115,13 +116,14 @@ def _sample(
 ) -> torch.Tensor:
     """Sample one token per row of ``logits`` (``[M, V]``, non-greedy rows); returns ``[M]`` ids."""
     temperature = torch.tensor([max(p.temperature, _MIN_TEMPERATURE) for p in params])  # [M]
-    scaled = logits / temperature[:, None]  # [M, V] float32
-    weights = (scaled - scaled.amax(dim=-1, keepdim=True)).exp_()  # [M, V] unnormalised probs
-    threshold = _filter_thresholds(scaled, params)  # [M]
+    logits = logits.float()
+    # One buffer updated in place: fresh 6 MB tensors cost more in page faults than the math.
+    weights = (logits - logits.amax(dim=-1, keepdim=True)).div_(temperature[:, None]).exp_()
+    threshold = _filter_thresholds(weights, params)  # [M]
     if threshold is not None:
         # Multiplying by a bool mask in numpy is ~5x faster than torch's masked_fill_ on CPU.
-        weights_np = weights.numpy()
-        np.multiply(weights_np, scaled.numpy() >= threshold[:, None], out=weights_np)
+        weights_np = weights.numpy()  # [M, V], shares memory
+        np.multiply(weights_np, weights_np >= threshold[:, None], out=weights_np)
     return _inverse_cdf(weights, _uniforms(generators))
 
 
@@ -137,24 +139,27 @@ def _uniforms(generators: Sequence[torch.Generator | None]) -> torch.Tensor:
     return uniforms
 
 
-def _filter_thresholds(scaled: torch.Tensor, params: Sequence[SamplingParams]) -> np.ndarray | None:
-    """Per row of ``scaled`` (``[M, V]``), the smallest value kept by top-k and then top-p
-    (``[M]``, -inf for unfiltered rows), or None if no row filters. Ties with it are kept."""
-    num_rows, vocab_size = scaled.shape
+def _filter_thresholds(
+    weights: torch.Tensor, params: Sequence[SamplingParams]
+) -> np.ndarray | None:
+    """Per row of ``weights`` (``[M, V]``, unnormalised probs with max 1), the smallest weight kept
+    by top-k and then top-p (``[M]``, 0 for unfiltered rows), or None if no row filters. Ties
+    with it are kept."""
+    num_rows, vocab_size = weights.shape
     top_k = [p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params]
     filtered = [j for j, p in enumerate(params) if p.top_p < 1 or top_k[j] < vocab_size]
     if not filtered:
         return None
     # numpy's partition and values-only sort are several times faster than torch.topk/sort on CPU.
-    values = scaled.numpy()  # [M, V], shares memory
-    threshold = np.full(num_rows, -np.inf, dtype=np.float32)  # [M]
+    values = weights.numpy()  # [M, V], shares memory
+    threshold = np.zeros(num_rows, dtype=np.float32)  # [M]
     for k in sorted({top_k[j] for j in filtered}):
         rows = [j for j in filtered if top_k[j] == k]
         candidates = values if len(rows) == num_rows else values[rows]  # [R, V]
         if k < vocab_size:
             candidates = np.partition(candidates, vocab_size - k, axis=-1)[:, vocab_size - k :]
             threshold[rows] = candidates[:, 0]  # [R, k], k-th largest first
-        nucleus = [i for i, j in enumerate(rows) if params[j].top_p < 0.7]
+        nucleus = [i for i, j in enumerate(rows) if params[j].top_p < 1]
         if nucleus:
             top_p = torch.tensor([params[rows[i]].top_p for i in nucleus], dtype=torch.float64)
             nucleus_candidates = candidates if len(nucleus) == len(rows) else candidates[nucleus]
@@ -165,12 +170,11 @@ def _filter_thresholds(scaled: torch.Tensor, params: Sequence[SamplingParams]) -
 
 
 def _nucleus_threshold(ascending: np.ndarray, top_p: torch.Tensor) -> np.ndarray:
-    """Smallest value (``[R]``) of the fewest largest entries of each row of ``ascending``
-    (``[R, L]``, sorted) whose softmax mass is >= ``top_p`` (``[R]``)."""
-    sorted_values = torch.from_numpy(ascending)  # [R, L]
-    weights = (sorted_values - sorted_values[:, -1:]).exp_()  # [R, L]
-    num_dropped = _inverse_cdf(weights, 1.0 - top_p + _TOP_P_SLACK)  # [R]
-    return sorted_values.gather(1, num_dropped[:, None]).squeeze(1).numpy()
+    """Smallest weight (``[R]``) of the fewest largest entries of each row of ``ascending``
+    (``[R, L]`` sorted weights) that hold at least ``top_p`` (``[R]``) of the row's mass."""
+    sorted_weights = torch.from_numpy(ascending)  # [R, L]
+    num_dropped = _inverse_cdf(sorted_weights, 1.0 - top_p + _TOP_P_SLACK)  # [R]
+    return sorted_weights.gather(1, num_dropped[:, None]).squeeze(1).numpy()
 
 
 def _inverse_cdf(weights: torch.Tensor, quantiles: torch.Tensor) -> torch.Tensor:

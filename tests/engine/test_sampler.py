@@ -128,7 +128,7 @@ def test_seeded_row_ignores_rest_of_batch(target: SamplingParams, position: str)
 
 
 def test_top_k_only_keeps_k_largest() -> None:
-    logits = torch.randn(1, 200).repeat(4000, 1)  # [4000, 200]
+    logits = torch.randn(1, 1000).repeat(4000, 1)  # [4000, 1000]
     out = run(logits, [SamplingParams(top_k=5)] * 4000)
     top5 = set(logits[0].topk(5).indices.tolist())
     assert set(out.token_ids) == top5
@@ -197,6 +197,20 @@ def test_frequencies_match_softmax() -> None:
     chi_square = (((observed - n * expected) ** 2) / (n * expected)).sum().item()
     assert chi_square < 35.0  # 11 degrees of freedom: p ~ 2.5e-4
     assert (observed / n - expected).abs().max() < 0.015
+
+
+def test_frequencies_match_softmax_over_a_large_vocab() -> None:
+    vocab_size, n = 1000, 20000
+    special = {3: 4.0, 300: 3.5, 555: 3.0, 999: 2.0}
+    logits = torch.full((1, vocab_size), -2.0)  # [1, 1000]
+    for token, logit in special.items():
+        logits[0, token] = logit
+    expected = logits[0].softmax(dim=-1).double()
+    observed = frequencies(run(logits.repeat(n, 1), [SamplingParams()] * n).token_ids, vocab_size)
+    for token in special:
+        assert abs(observed[token] - expected[token]).item() < 0.015
+    rest = [t for t in range(vocab_size) if t not in special]
+    assert abs(observed[rest].sum() - expected[rest].sum()).item() < 0.015
 
 
 def test_seeded_frequencies_match_softmax() -> None:
