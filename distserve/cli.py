@@ -12,7 +12,12 @@ from distserve.errors import DistServeError
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2-135m", help="tiny | smollm2-135m | HF folder | .gguf file")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "float32", "bfloat16", "float16"],
+        help="auto: bfloat16 on CUDA or CPUs with AMX/AVX512-BF16, else float32",
+    )
     p.add_argument("--kv-cache-gb", type=float, default=0.5, help="memory for the paged KV cache")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
 

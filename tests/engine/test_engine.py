@@ -10,7 +10,7 @@ from distserve.engine.llm_engine import LLMEngine
 from distserve.engine.weights import LoadedModel, build_tiny_hf_model, load_model
 from distserve.errors import DistServeError, InvalidSamplingParamsError, PromptTooLongError
 
-GREEDY32 = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
+GREEDY32 = SamplingParams(max_tokens=32, min_tokens=32, temperature=0.0)  # = HF min_new_tokens
 PROMPTS = [
     "Hello, my name is",
     "The capital of France is Paris and the capital of Italy is",

@@ -1,0 +1,303 @@
+"""Moving one request's KV blocks from prefill workers to decode workers along the resharding plan.
+
+Each worker runs ``send_kv`` (prefill side) or ``recv_kv`` (decode side) for the request; both
+walk ``reshard_plan`` in order and act on the slices that involve them. A slice is one message
+holding all of the request's blocks for its layers × KV heads, never one message per block.
+
+Prefix dedup: the caller trims both block lists before calling (``blocks_to_send`` tells how many
+leading blocks the receiver already holds, ``trim_block_lists`` applies it).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from distserve.kvtransfer.layout import KVLayout
+from distserve.kvtransfer.plan import TransferSlice, reshard_plan
+from distserve.kvtransfer.transport import MAX_TAG, Handle, KVTransport
+
+RankMap = Sequence[int] | Mapping[int, int]  # instance-local rank -> global transport rank
+BlockIds = Sequence[int] | torch.Tensor
+
+
+@dataclass
+class MigrationStats:
+    """What one worker moved for one request."""
+
+    num_blocks_sent: int = 0  # blocks of the request carried (sent or received)
+    num_blocks_skipped: int = 0  # leading blocks the receiver already held
+    num_bytes: int = 0  # payload bytes this worker sent or received
+    seconds: float = 0.0
+
+    @property
+    def gbytes_per_s(self) -> float:
+        return self.num_bytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
+
+
+class StagingBuffers:
+    """Reusable buffers for packed and received slices, one per slice position.
+
+    Fresh multi-hundred-MB allocations page-fault on first touch (on CPU that halves the copy
+    speed); a worker that keeps one ``StagingBuffers`` across requests avoids it. A buffer is
+    reused by the next call, so one instance per worker, not shared between threads.
+    """
+
+    def __init__(self, device: str | torch.device = "cpu") -> None:
+        self.device = torch.device(device)
+        self._buffers: list[torch.Tensor] = []  # flat uint8
+
+    def get(self, position: int, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+        nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        while len(self._buffers) <= position:
+            self._buffers.append(torch.empty(0, dtype=torch.uint8, device=self.device))
+        if self._buffers[position].numel() < nbytes:
+            self._buffers[position] = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        return self._buffers[position][:nbytes].view(dtype).view(tuple(shape))
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.numel() for b in self._buffers)
+
+    def clear(self) -> None:
+        self._buffers = []
+
+
+# ---- packing ---------------------------------------------------------------------------------
+def _block_index(block_ids: BlockIds, num_blocks: int, device: torch.device) -> torch.Tensor:
+    """Validated int64 index tensor [n] of block ids."""
+    idx = torch.as_tensor(block_ids, dtype=torch.int64, device=device).reshape(-1)
+    if idx.numel():
+        lo, hi = int(idx.min()), int(idx.max())
+        if lo < 0 or hi >= num_blocks:
+            raise ValueError(f"block ids must be in [0, {num_blocks}), got range [{lo}, {hi}]")
+        if torch.unique(idx).numel() != idx.numel():
+            raise ValueError("block ids contain duplicates")
+    return idx
+
+
+def _check_slices(kv_cache: torch.Tensor, layer_slice: tuple[int, int], head_slice: tuple[int, int]) -> None:
+    if kv_cache.dim() != 6 or kv_cache.shape[1] != 2:
+        raise ValueError(f"kv_cache must be [layers, 2, num_blocks, block_size, kv_heads, head_dim], got {tuple(kv_cache.shape)}")
+    (l0, l1), (h0, h1) = layer_slice, head_slice
+    if not (0 <= l0 < l1 <= kv_cache.shape[0] and 0 <= h0 < h1 <= kv_cache.shape[4]):
+        raise ValueError(
+            f"local layer slice {layer_slice} / head slice {head_slice} outside a cache of "
+            f"{kv_cache.shape[0]} layers × {kv_cache.shape[4]} KV heads"
+        )
+
+
+def pack_blocks(
+    kv_cache: torch.Tensor,  # [L, 2, NB, BS, H, D]
+    block_ids: BlockIds,
+    layer_slice: tuple[int, int],
+    head_slice: tuple[int, int],
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:  # [l1 - l0, 2, n, BS, h1 - h0, D] contiguous
+    """Gather the given blocks' K and V for local layers × local KV heads into one contiguous tensor."""
+    _check_slices(kv_cache, layer_slice, head_slice)
+    (l0, l1), (h0, h1) = layer_slice, head_slice
+    _, _, num_blocks, bs, num_heads, d = kv_cache.shape
+    idx = _block_index(block_ids, num_blocks, kv_cache.device)
+    n = idx.numel()
+    shape = (l1 - l0, 2, n, bs, h1 - h0, d)
+    if out is None:
+        out = torch.empty(shape, dtype=kv_cache.dtype, device=kv_cache.device)
+    elif tuple(out.shape) != shape or out.dtype != kv_cache.dtype or not out.is_contiguous():
+        raise ValueError(f"out is {tuple(out.shape)} {out.dtype}, expected contiguous {shape} {kv_cache.dtype}")
+    rows = (l1 - l0) * 2
+    src = kv_cache[l0:l1]  # [l, 2, NB, BS, H, D]
+    if h1 - h0 == num_heads and src.is_contiguous():
+        # All heads: each (layer, K/V) row of a block is one contiguous run, the fastest gather.
+        torch.index_select(src.view(rows, num_blocks, bs * num_heads * d), 1, idx, out=out.view(rows, n, -1))
+    else:
+        torch.index_select(src[..., h0:h1, :].reshape(rows, num_blocks, bs, h1 - h0, d), 1, idx,
+                           out=out.view(rows, n, bs, h1 - h0, d))
+    return out
+
+
+def unpack_blocks(
+    kv_cache: torch.Tensor,  # [L, 2, NB, BS, H, D]
+    block_ids: BlockIds,
+    layer_slice: tuple[int, int],
+    head_slice: tuple[int, int],
+    data: torch.Tensor,  # [l1 - l0, 2, n, BS, h1 - h0, D]
+) -> None:
+    """Scatter a packed tensor (``pack_blocks``'s output) into the given blocks of the cache."""
+    _check_slices(kv_cache, layer_slice, head_slice)
+    (l0, l1), (h0, h1) = layer_slice, head_slice
+    _, _, num_blocks, bs, num_heads, d = kv_cache.shape
+    idx = _block_index(block_ids, num_blocks, kv_cache.device)
+    n = idx.numel()
+    shape = (l1 - l0, 2, n, bs, h1 - h0, d)
+    if tuple(data.shape) != shape:
+        raise ValueError(f"data is {tuple(data.shape)} but {n} blocks of this slice are {shape}")
+    data = data.to(device=kv_cache.device, dtype=kv_cache.dtype).contiguous()
+    rows = (l1 - l0) * 2
+    dst = kv_cache[l0:l1]
+    if h1 - h0 == num_heads and dst.is_contiguous():
+        dst.view(rows, num_blocks, -1).index_copy_(1, idx, data.view(rows, n, -1))
+    else:
+        dst[..., h0:h1, :].index_copy_(2, idx, data)
+
+
+# ---- one request, one worker ---------------------------------------------------------------
+def _to_global(rank_map: RankMap, rank: int) -> int:
+    try:
+        return int(rank_map[rank])
+    except (KeyError, IndexError):
+        raise ValueError(f"no global transport rank for instance rank {rank}") from None
+
+
+def _check_worker(kv_cache: torch.Tensor, layout: KVLayout, rank: int, side: str) -> tuple[int, int]:
+    """Validate a worker's cache against its layout; return its (first layer, first KV head)."""
+    tp_rank, pp_rank = layout.coords(rank)
+    expected = layout.local_shape(kv_cache.shape[2] if kv_cache.dim() == 6 else 0, pp_rank, tp_rank)
+    if tuple(kv_cache.shape) != expected or kv_cache.dtype != layout.torch_dtype:
+        raise ValueError(
+            f"{side} rank {rank}: kv_cache is {tuple(kv_cache.shape)} {kv_cache.dtype}, "
+            f"its layout expects {expected} {layout.torch_dtype}"
+        )
+    return layout.local_layers(pp_rank)[0], layout.local_heads(tp_rank)[0]
+
+
+def _local(s: TransferSlice, first_layer: int, first_head: int) -> tuple[tuple[int, int], tuple[int, int]]:
+    return (
+        (s.layers[0] - first_layer, s.layers[1] - first_layer),
+        (s.kv_heads[0] - first_head, s.kv_heads[1] - first_head),
+    )
+
+
+def _check_tags(tag_base: int, plan: list[TransferSlice]) -> None:
+    if tag_base < 0 or tag_base + len(plan) - 1 > MAX_TAG:
+        raise ValueError(f"tags [{tag_base}, {tag_base + len(plan)}) must lie in [0, {MAX_TAG}]")
+
+
+def num_tags(layout_src: KVLayout, layout_dst: KVLayout) -> int:
+    """Tags one request uses (``tag_base`` .. ``tag_base + num_tags - 1``); space concurrent requests by this."""
+    return len(reshard_plan(layout_src, layout_dst))
+
+
+def send_kv(
+    transport: KVTransport,
+    kv_cache: torch.Tensor,  # [local layers, 2, NB, BS, local kv heads, D]
+    layout_src: KVLayout,
+    layout_dst: KVLayout,
+    my_src_rank: int,
+    block_ids: BlockIds,
+    dst_rank_to_global: RankMap,
+    tag_base: int,
+    *,
+    staging: StagingBuffers | None = None,
+    num_blocks_skipped: int = 0,
+) -> MigrationStats:
+    """Send this prefill worker's share of a request's KV; returns once every send has completed.
+
+    ``block_ids`` are this worker's block ids of the request, already trimmed of any prefix the
+    receiver holds. Slice i of the plan travels with tag ``tag_base + i``.
+    """
+    start = time.perf_counter()
+    first_layer, first_head = _check_worker(kv_cache, layout_src, my_src_rank, "source")
+    plan = reshard_plan(layout_src, layout_dst)
+    _check_tags(tag_base, plan)
+    idx = _block_index(block_ids, kv_cache.shape[2], kv_cache.device)
+    stats = MigrationStats(num_blocks_sent=idx.numel(), num_blocks_skipped=num_blocks_skipped)
+    if idx.numel() == 0:
+        return stats
+    handles: list[Handle] = []
+    for i, s in enumerate(plan):
+        if s.src_rank != my_src_rank:
+            continue
+        layers, heads = _local(s, first_layer, first_head)
+        out = staging.get(len(handles), s.shape(idx.numel(), layout_src), kv_cache.dtype) if staging else None
+        data = pack_blocks(kv_cache, idx, layers, heads, out)
+        handles.append(transport.isend(data, _to_global(dst_rank_to_global, s.dst_rank), tag_base + i))
+        stats.num_bytes += data.nbytes
+    for h in handles:
+        h.wait()
+    stats.seconds = time.perf_counter() - start
+    return stats
+
+
+def recv_kv(
+    transport: KVTransport,
+    kv_cache: torch.Tensor,  # [local layers, 2, NB, BS, local kv heads, D]
+    layout_src: KVLayout,
+    layout_dst: KVLayout,
+    my_dst_rank: int,
+    block_ids: BlockIds,
+    src_rank_to_global: RankMap,
+    tag_base: int,
+    *,
+    staging: StagingBuffers | None = None,
+    num_blocks_skipped: int = 0,
+) -> MigrationStats:
+    """Receive this decode worker's share of a request's KV into ``block_ids`` of its cache.
+
+    All receives are posted first, then completed and scattered in plan order, so unpacking one
+    slice overlaps the arrival of the next.
+    """
+    start = time.perf_counter()
+    first_layer, first_head = _check_worker(kv_cache, layout_dst, my_dst_rank, "destination")
+    plan = reshard_plan(layout_src, layout_dst)
+    _check_tags(tag_base, plan)
+    idx = _block_index(block_ids, kv_cache.shape[2], kv_cache.device)
+    stats = MigrationStats(num_blocks_sent=idx.numel(), num_blocks_skipped=num_blocks_skipped)
+    if idx.numel() == 0:
+        return stats
+    posted: list[tuple[TransferSlice, Handle, torch.Tensor]] = []
+    for i, s in enumerate(plan):
+        if s.dst_rank != my_dst_rank:
+            continue
+        shape = s.shape(idx.numel(), layout_dst)
+        out = staging.get(len(posted), shape, kv_cache.dtype) if staging else None
+        handle, buf = transport.irecv(shape, kv_cache.dtype, _to_global(src_rank_to_global, s.src_rank), tag_base + i, out)
+        posted.append((s, handle, buf))
+    for s, handle, buf in posted:
+        handle.wait()
+        layers, heads = _local(s, first_layer, first_head)
+        unpack_blocks(kv_cache, idx, layers, heads, buf)
+        stats.num_bytes += buf.nbytes
+    stats.seconds = time.perf_counter() - start
+    return stats
+
+
+# ---- prefix dedup ----------------------------------------------------------------------------
+def blocks_to_send(src_block_hashes: Sequence[int], dst_has_hash: Callable[[int], bool]) -> int:
+    """How many leading blocks of the request the receiver already holds (skip these).
+
+    ``src_block_hashes`` are the chained content hashes of the request's *full* blocks (a partly
+    filled last block has no hash, so it is always sent). Only a contiguous prefix counts: a held
+    block after a missing one is sent anyway, since its hash chains through the missing block.
+    """
+    num_held = 0
+    for h in src_block_hashes:
+        if not dst_has_hash(h):
+            break
+        num_held += 1
+    return num_held
+
+
+def trim_block_lists(
+    src_block_ids: Sequence[int], dst_block_ids: Sequence[int], num_skipped: int
+) -> tuple[list[int], list[int]]:
+    """Drop the ``num_skipped`` leading blocks the receiver holds from both sides' lists.
+
+    ``dst_block_ids`` may cover the whole request (same length as ``src_block_ids``) or only the
+    blocks to receive (``len(src_block_ids) - num_skipped``); anything else is a ValueError.
+    """
+    if not 0 <= num_skipped <= len(src_block_ids):
+        raise ValueError(f"num_skipped={num_skipped} outside [0, {len(src_block_ids)}]")
+    if len(dst_block_ids) == len(src_block_ids):
+        return list(src_block_ids[num_skipped:]), list(dst_block_ids[num_skipped:])
+    if len(dst_block_ids) == len(src_block_ids) - num_skipped:
+        return list(src_block_ids[num_skipped:]), list(dst_block_ids)
+    raise ValueError(
+        f"block list length mismatch: {len(src_block_ids)} source blocks, {len(dst_block_ids)} destination "
+        f"blocks, {num_skipped} skipped (destination must hold {len(src_block_ids)} or "
+        f"{len(src_block_ids) - num_skipped})"
+    )

@@ -1,0 +1,236 @@
+"""KV migration bandwidth: ``send_kv``/``recv_kv`` over gloo vs raw ``dist.send``/``recv`` of the same bytes.
+
+SmolLM2-135M's KV shape (30 layers, 3 KV heads, head_dim 64, block_size 16, fp32; 46 KB per token)
+for requests of 1k-16k tokens with scattered block ids on both sides. Two cases, each in its own
+process group on 127.0.0.1: prefill tp1pp1 → decode tp1pp1 (2 processes) and prefill tp1pp1 →
+decode tp1pp2 (3 processes, resharding by layer). The raw baseline sends, in the same run, one
+contiguous tensor per (sender, receiver) pair holding exactly that pair's bytes (no gather or
+scatter). Also times one decode step (batch 16) of a real ``LLMEngine`` to express migration in
+decode steps. Writes JSON + markdown + PNG under --out-dir; the last stdout line is the JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import socket
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from distserve.kvtransfer import KVLayout, StagingBuffers, TorchDistTransport, init_process_group, recv_kv, send_kv
+from distserve.kvtransfer.plan import reshard_plan
+
+SMOLLM2_KV: dict[str, Any] = dict(num_layers=30, num_kv_heads=3, head_dim=64, block_size=16, dtype="float32")
+CASES = {"tp1pp1_to_tp1pp1": (1, 1, 1, 1), "tp1pp1_to_tp1pp2": (1, 1, 1, 2)}  # src tp, pp; dst tp, pp
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def timed(fn: Callable[[], None]) -> float:
+    """Seconds from a common barrier until the slowest rank finishes ``fn``."""
+    dist.barrier()
+    t0 = time.perf_counter()
+    fn()
+    elapsed = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+    return float(elapsed.item())
+
+
+def worker(
+    rank: int, world_size: int, port: int, case: str, lengths: list[int], repeats: int, threads: int, results: Any
+) -> None:
+    torch.set_num_threads(threads)
+    init_process_group(rank, world_size, f"tcp://127.0.0.1:{port}", backend="gloo")
+    transport = TorchDistTransport()
+    stp, spp, dtp, dpp = CASES[case]
+    src = KVLayout(tp=stp, pp=spp, **SMOLLM2_KV)
+    dst = KVLayout(tp=dtp, pp=dpp, **SMOLLM2_KV)
+    is_src = rank < src.world_size
+    layout, local_rank = (src, rank) if is_src else (dst, rank - src.world_size)
+    tp_rank, pp_rank = layout.coords(local_rank)
+    src_to_global = list(range(src.world_size))
+    dst_to_global = [src.world_size + r for r in range(dst.world_size)]
+    plan = reshard_plan(src, dst)
+    mine = [s for s in plan if (s.src_rank if is_src else s.dst_rank) == local_rank]
+    gen = torch.Generator().manual_seed(1234 + rank)
+    staging = StagingBuffers()
+    max_blocks = -(-max(lengths) // src.block_size)
+    num_cache_blocks = max_blocks + max_blocks // 4 + 8  # slack, so the ids are scattered
+    cache = torch.randn(layout.local_shape(num_cache_blocks, pp_rank, tp_rank), generator=gen)
+    rows: list[dict[str, Any]] = []
+    for num_tokens in lengths:
+        num_blocks = -(-num_tokens // src.block_size)
+        block_ids = torch.randperm(num_cache_blocks, generator=gen)[:num_blocks].tolist()
+        raw_bufs = [torch.ones(s.nbytes(num_blocks, src) // 4) for s in mine]
+
+        def migrate() -> None:
+            if is_src:
+                send_kv(transport, cache, src, dst, local_rank, block_ids, dst_to_global, 0, staging=staging)
+            else:
+                recv_kv(transport, cache, src, dst, local_rank, block_ids, src_to_global, 0, staging=staging)
+
+        def raw() -> None:
+            if is_src:
+                works = [dist.isend(b, dst=dst_to_global[s.dst_rank], tag=1) for s, b in zip(mine, raw_bufs)]
+            else:
+                works = [dist.irecv(b, src=src_to_global[s.src_rank], tag=1) for s, b in zip(mine, raw_bufs)]
+            for w in works:
+                w.wait()
+
+        migrate()  # warm up connections and staging buffers
+        raw()
+        t_mig, t_raw = [], []
+        for _ in range(repeats):  # interleaved so both see the same machine state
+            t_mig.append(timed(migrate))
+            t_raw.append(timed(raw))
+        rows.append({
+            "case": case, "num_tokens": num_tokens, "num_bytes": sum(s.nbytes(num_blocks, src) for s in plan),
+            "num_messages": len(plan), "migration_s": statistics.median(t_mig), "raw_s": statistics.median(t_raw),
+        })
+        del raw_bufs
+    if rank == 0:
+        results.put(rows)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def run_case(case: str, lengths: list[int], repeats: int, threads: int) -> list[dict[str, Any]]:
+    stp, spp, dtp, dpp = CASES[case]
+    world_size = stp * spp + dtp * dpp
+    ctx = mp.get_context("spawn")
+    results = ctx.SimpleQueue()
+    mp.start_processes(
+        worker, args=(world_size, free_port(), case, lengths, repeats, threads, results),
+        nprocs=world_size, join=True, start_method="spawn",
+    )
+    return results.get()  # type: ignore[no-any-return]
+
+
+def decode_step_ms(model: str, batch: int, prompt_len: int, num_steps: int) -> float:
+    """Median wall time of a decode-only ``engine.step()`` with ``batch`` requests in flight."""
+    from distserve.config import SamplingParams
+    from distserve.engine.llm_engine import LLMEngine
+
+    engine = LLMEngine(model, dtype="float32")
+    vocab = engine.model_config.vocab_size
+    gen = torch.Generator().manual_seed(0)
+    sp = SamplingParams(max_tokens=num_steps + 8, temperature=0.0, ignore_eos=True)
+    for _ in range(batch):
+        engine.add_request(torch.randint(10, vocab, (prompt_len,), generator=gen).tolist(), sp)
+    while engine.scheduler.num_waiting or any(s.num_output_tokens == 0 for s in engine._seqs.values()):
+        engine.step()  # prefill every request first: the timed steps are decode-only
+    times = []
+    for _ in range(num_steps):
+        t0 = time.perf_counter()
+        outs = engine.step()
+        times.append(time.perf_counter() - t0)
+        assert len(outs) == batch, "a timed step was not a full decode batch"
+    return statistics.median(times) * 1e3
+
+
+def write_outputs(out_dir: Path, stem: str, rows: list[dict[str, Any]], figures: dict[str, Any]) -> None:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / f"{stem}.json").write_text(json.dumps({"figures": figures, "rows": rows}, indent=2))
+    md = [
+        "| case | tokens | MB | messages | migration ms | raw ms | migration GB/s | raw GB/s | ratio | migration / decode step |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    md += [
+        f"| {r['case']} | {r['num_tokens']} | {r['num_bytes'] / 1e6:.1f} | {r['num_messages']} | "
+        f"{r['migration_s'] * 1e3:.1f} | {r['raw_s'] * 1e3:.1f} | {r['migration_gbps']:.2f} | {r['raw_gbps']:.2f} | "
+        f"{r['ratio']:.2f} | {r['migration_over_decode_step']:.2f} |"
+        for r in rows
+    ]
+    md.append(f"\nDecode step ({figures['decode_model']}, batch {figures['decode_batch']}, "
+              f"context ~{figures['decode_prompt_len']}): {figures['decode_step_ms']:.1f} ms")
+    (out_dir / f"{stem}.md").write_text("\n".join(md) + "\n")
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for case in CASES:
+        case_rows = [r for r in rows if r["case"] == case]
+        x = [r["num_tokens"] for r in case_rows]
+        ax.plot(x, [r["migration_gbps"] for r in case_rows], "o-", label=f"send_kv/recv_kv {case}")
+        ax.plot(x, [r["raw_gbps"] for r in case_rows], "s--", label=f"raw dist.send/recv {case}")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("request length (tokens)")
+    ax.set_ylabel("GB/s")
+    ax.set_title("KV migration over gloo, 127.0.0.1 (SmolLM2-135M KV shape, fp32)")
+    ax.set_ylim(bottom=0)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out_dir / f"{stem}.png", dpi=120)
+    plt.close(fig)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--lengths", default="1024,2048,4096,8192,16384", help="request lengths in tokens")
+    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--threads", type=int, default=1, help="torch threads per transfer process")
+    ap.add_argument("--model", default="smollm2-135m", help="engine for the decode-step timing")
+    ap.add_argument("--decode-batch", type=int, default=16)
+    ap.add_argument("--decode-prompt-len", type=int, default=256)
+    ap.add_argument("--decode-steps", type=int, default=10)
+    ap.add_argument("--out-dir", default="experiments/results")
+    ap.add_argument("--quick", action="store_true", help="lengths 256 and 1024, tiny model, fewer repeats")
+    args = ap.parse_args()
+    if args.quick:
+        args.lengths, args.repeats, args.model, args.decode_prompt_len, args.decode_steps = "256,1024", 3, "tiny", 64, 5
+    lengths = [int(x) for x in args.lengths.split(",") if x]
+
+    rows: list[dict[str, Any]] = []
+    for case in CASES:
+        rows += run_case(case, lengths, args.repeats, args.threads)
+    step_ms = decode_step_ms(args.model, args.decode_batch, args.decode_prompt_len, args.decode_steps)
+    for r in rows:
+        r["migration_gbps"] = r["num_bytes"] / r["migration_s"] / 1e9
+        r["raw_gbps"] = r["num_bytes"] / r["raw_s"] / 1e9
+        r["ratio"] = r["raw_s"] / r["migration_s"]
+        r["migration_over_decode_step"] = r["migration_s"] * 1e3 / step_ms
+
+    figures: dict[str, Any] = {
+        "kv_shape": SMOLLM2_KV, "lengths": lengths, "repeats": args.repeats, "threads": args.threads,
+        "decode_model": args.model, "decode_batch": args.decode_batch, "decode_prompt_len": args.decode_prompt_len,
+        "decode_step_ms": round(step_ms, 2),
+    }
+    for r in rows:
+        key = f"{r['case']}_{r['num_tokens']}"
+        figures[f"migration_gbps_{key}"] = round(r["migration_gbps"], 3)
+        figures[f"raw_gbps_{key}"] = round(r["raw_gbps"], 3)
+        figures[f"ratio_{key}"] = round(r["ratio"], 3)
+        figures[f"migration_ms_{key}"] = round(r["migration_s"] * 1e3, 2)
+        figures[f"migration_over_decode_step_{key}"] = round(r["migration_over_decode_step"], 3)
+    figures["min_ratio"] = round(min(r["ratio"] for r in rows), 3)
+    figures["median_ratio"] = round(statistics.median(r["ratio"] for r in rows), 3)
+
+    print(f"{'case':<18} {'tokens':>6} {'MB':>7} {'mig ms':>8} {'raw ms':>8} {'mig GB/s':>8} {'raw GB/s':>8} "
+          f"{'ratio':>6} {'/decode':>7}")
+    for r in rows:
+        print(f"{r['case']:<18} {r['num_tokens']:>6} {r['num_bytes'] / 1e6:>7.1f} {r['migration_s'] * 1e3:>8.1f} "
+              f"{r['raw_s'] * 1e3:>8.1f} {r['migration_gbps']:>8.2f} {r['raw_gbps']:>8.2f} {r['ratio']:>6.2f} "
+              f"{r['migration_over_decode_step']:>7.2f}")
+    print(f"decode step ({args.model}, batch {args.decode_batch}): {step_ms:.1f} ms")
+    stem = "bench_kv_migration_quick" if args.quick else "bench_kv_migration"
+    write_outputs(Path(args.out_dir), stem, rows, figures)
+    print(json.dumps(figures))
+
+
+if __name__ == "__main__":
+    main()
