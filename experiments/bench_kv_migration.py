@@ -25,6 +25,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from distserve.kvtransfer import KVLayout, StagingBuffers, TorchDistTransport, init_process_group, recv_kv, send_kv
+from distserve.kvtransfer.migration import DEFAULT_CHUNK_BYTES, messages
 from distserve.kvtransfer.plan import reshard_plan
 
 SMOLLM2_KV: dict[str, Any] = dict(num_layers=30, num_kv_heads=3, head_dim=64, block_size=16, dtype="float32")
@@ -48,7 +49,8 @@ def timed(fn: Callable[[], None]) -> float:
 
 
 def worker(
-    rank: int, world_size: int, port: int, case: str, lengths: list[int], repeats: int, threads: int, results: Any
+    rank: int, world_size: int, port: int, case: str, lengths: list[int], repeats: int, threads: int,
+    chunk_bytes: int | None, results: Any,
 ) -> None:
     torch.set_num_threads(threads)
     init_process_group(rank, world_size, f"tcp://127.0.0.1:{port}", backend="gloo")
@@ -74,11 +76,16 @@ def worker(
         block_ids = torch.randperm(num_cache_blocks, generator=gen)[:num_blocks].tolist()
         raw_bufs = [torch.ones(s.nbytes(num_blocks, src) // 4) for s in mine]
 
-        def migrate() -> None:
+        def migrate(chunk: int | None = chunk_bytes) -> None:
             if is_src:
-                send_kv(transport, cache, src, dst, local_rank, block_ids, dst_to_global, 0, staging=staging)
+                send_kv(transport, cache, src, dst, local_rank, block_ids, dst_to_global, 0, staging=staging,
+                        chunk_bytes=chunk)
             else:
-                recv_kv(transport, cache, src, dst, local_rank, block_ids, src_to_global, 0, staging=staging)
+                recv_kv(transport, cache, src, dst, local_rank, block_ids, src_to_global, 0, staging=staging,
+                        chunk_bytes=chunk)
+
+        def migrate_unchunked() -> None:
+            migrate(None)
 
         def raw() -> None:
             if is_src:
@@ -90,13 +97,17 @@ def worker(
 
         migrate()  # warm up connections and staging buffers
         raw()
-        t_mig, t_raw = [], []
-        for _ in range(repeats):  # interleaved so both see the same machine state
+        migrate_unchunked()
+        t_mig, t_raw, t_one = [], [], []
+        for _ in range(repeats):  # interleaved so all see the same machine state
             t_mig.append(timed(migrate))
             t_raw.append(timed(raw))
+            t_one.append(timed(migrate_unchunked))
         rows.append({
             "case": case, "num_tokens": num_tokens, "num_bytes": sum(s.nbytes(num_blocks, src) for s in plan),
             "num_messages": len(plan), "migration_s": statistics.median(t_mig), "raw_s": statistics.median(t_raw),
+            "num_messages_chunked": sum(1 for _ in messages(plan, num_blocks, src, chunk_bytes)),
+            "one_message_per_slice_s": statistics.median(t_one),
         })
         del raw_bufs
     if rank == 0:
@@ -105,13 +116,15 @@ def worker(
     dist.destroy_process_group()
 
 
-def run_case(case: str, lengths: list[int], repeats: int, threads: int) -> list[dict[str, Any]]:
+def run_case(
+    case: str, lengths: list[int], repeats: int, threads: int, chunk_bytes: int | None
+) -> list[dict[str, Any]]:
     stp, spp, dtp, dpp = CASES[case]
     world_size = stp * spp + dtp * dpp
     ctx = mp.get_context("spawn")
     results = ctx.SimpleQueue()
     mp.start_processes(
-        worker, args=(world_size, free_port(), case, lengths, repeats, threads, results),
+        worker, args=(world_size, free_port(), case, lengths, repeats, threads, chunk_bytes, results),
         nprocs=world_size, join=True, start_method="spawn",
     )
     return results.get()  # type: ignore[no-any-return]
@@ -184,6 +197,8 @@ def main() -> None:
     ap.add_argument("--lengths", default="1024,2048,4096,8192,16384", help="request lengths in tokens")
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--threads", type=int, default=1, help="torch threads per transfer process")
+    ap.add_argument("--chunk-mb", type=float, default=DEFAULT_CHUNK_BYTES / (1 << 20),
+                    help="layer-chunk size of big slices in MiB (0: one message per slice)")
     ap.add_argument("--model", default="smollm2-135m", help="engine for the decode-step timing")
     ap.add_argument("--decode-batch", type=int, default=16)
     ap.add_argument("--decode-prompt-len", type=int, default=256)
@@ -195,9 +210,10 @@ def main() -> None:
         args.lengths, args.repeats, args.model, args.decode_prompt_len, args.decode_steps = "256,1024", 3, "tiny", 64, 5
     lengths = [int(x) for x in args.lengths.split(",") if x]
 
+    chunk_bytes = int(args.chunk_mb * (1 << 20)) or None
     rows: list[dict[str, Any]] = []
     for case in CASES:
-        rows += run_case(case, lengths, args.repeats, args.threads)
+        rows += run_case(case, lengths, args.repeats, args.threads, chunk_bytes)
     step_ms = decode_step_ms(args.model, args.decode_batch, args.decode_prompt_len, args.decode_steps)
     for r in rows:
         r["migration_gbps"] = r["num_bytes"] / r["migration_s"] / 1e9

@@ -6,11 +6,14 @@ layer is four matmuls. Inputs are packed: ``T`` new tokens of all sequences in o
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from distserve.config import ModelConfig
+from distserve.engine.parallel import ShardSpec
 from kernels.paged_attention import AttentionMetadata, paged_attention, write_kv
 
 TORCH_DTYPES: dict[str, torch.dtype] = {
@@ -143,17 +146,31 @@ class RMSNorm(nn.Module):
         return self.weight * xf.to(x.dtype)
 
 
+AllReduce = Callable[[torch.Tensor], torch.Tensor]
+
+
+def _identity(x: torch.Tensor) -> torch.Tensor:
+    return x
+
+
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    """Heads split over TP ranks: column-parallel ``qkv_proj``, row-parallel ``o_proj`` + all-reduce."""
+
+    def __init__(self, config: ModelConfig, shard: ShardSpec, all_reduce: AllReduce) -> None:
         super().__init__()
-        self.num_heads = config.num_heads
-        self.num_kv_heads = config.num_kv_heads
+        h0, h1 = shard.heads(config)
+        k0, k1 = shard.kv_heads(config)
+        self.num_heads = h1 - h0
+        self.num_kv_heads = k1 - k0
         self.head_dim = config.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.scale = self.head_dim**-0.5
+        self.all_reduce = all_reduce
         self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.attention_bias and config.model_type != "qwen2")
+        # Row-parallel: the bias is added once, by TP rank 0, before the all-reduce sums the partials.
+        o_bias = config.attention_bias and config.model_type != "qwen2" and shard.tp_rank == 0
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=o_bias)
 
     def forward(
         self,
@@ -164,7 +181,7 @@ class Attention(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [T, hidden]
         t = x.shape[0]
-        qkv = self.qkv_proj(x)  # [T, (H + 2 KVH) * D]
+        qkv = self.qkv_proj(x)  # [T, (H + 2 KVH) * D] local heads
         # Rotate q and k together: one set of elementwise kernels instead of two.
         qk = apply_rope(qkv[:, : self.q_size + self.kv_size].view(t, -1, self.head_dim), cos, sin)
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)  # [T, H, D], [T, KVH, D]
@@ -172,28 +189,32 @@ class Attention(nn.Module):
         k_cache, v_cache = kv_cache
         write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         o = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)  # [T, H, D]
-        return self.o_proj(o.reshape(t, self.q_size))
+        return self.all_reduce(self.o_proj(o.reshape(t, self.q_size)))
 
 
 class MLP(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    """SwiGLU with the intermediate dimension split over TP ranks."""
+
+    def __init__(self, config: ModelConfig, shard: ShardSpec, all_reduce: AllReduce) -> None:
         super().__init__()
-        self.intermediate = config.intermediate_size
+        i0, i1 = shard.intermediate(config)
+        self.intermediate = i1 - i0
+        self.all_reduce = all_reduce
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * self.intermediate, bias=config.mlp_bias)
-        self.down_proj = nn.Linear(self.intermediate, config.hidden_size, bias=config.mlp_bias)
+        self.down_proj = nn.Linear(self.intermediate, config.hidden_size, bias=config.mlp_bias and shard.tp_rank == 0)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.all_reduce(self.down_proj(F.silu(gate) * up))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, shard: ShardSpec, all_reduce: AllReduce) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config)
+        self.self_attn = Attention(config, shard, all_reduce)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config)
+        self.mlp = MLP(config, shard, all_reduce)
 
     def forward(
         self,
@@ -208,71 +229,91 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    """The decoder; ``forward`` returns final hidden states, ``compute_logits`` the vocab logits."""
+    """The part of the decoder one worker holds: its pipeline stage's layers, its TP shard of each.
 
-    def __init__(self, config: ModelConfig) -> None:
+    The first stage embeds token ids; later stages take the previous stage's hidden states. The
+    last stage applies the final norm; ``compute_logits`` exists there only.
+    """
+
+    def __init__(self, config: ModelConfig, shard: ShardSpec | None = None, all_reduce: AllReduce | None = None) -> None:
         super().__init__()
         self.config = config
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.shard = shard = shard or ShardSpec()
+        shard.validate(config)
+        all_reduce = all_reduce or _identity
+        self.layer_start, self.layer_end = shard.layers(config)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size) if shard.is_first_stage else None
         self.rotary = RotaryEmbedding(config)
-        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, shard, all_reduce) for _ in range(self.layer_end - self.layer_start)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if shard.is_last_stage else None
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False) if shard.is_last_stage else None
 
     @torch.inference_mode()
     def forward(
         self,
-        input_ids: torch.Tensor,  # [T]
         positions: torch.Tensor,  # [T]
-        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],  # per layer
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],  # one per local layer
         meta: AttentionMetadata,
-    ) -> torch.Tensor:  # [T, hidden]
-        x = self.embed_tokens(input_ids)
+        input_ids: torch.Tensor | None = None,  # [T] on the first stage
+        hidden: torch.Tensor | None = None,  # [T, hidden] from the previous stage otherwise
+    ) -> torch.Tensor:  # [T, hidden]; normalised on the last stage
+        if self.embed_tokens is not None:
+            assert input_ids is not None
+            x = self.embed_tokens(input_ids)
+        else:
+            assert hidden is not None
+            x = hidden
         cos, sin = self.rotary(positions, x.dtype)
         for layer, kv in zip(self.layers, kv_caches):
             x = layer(x, cos, sin, kv, meta)
-        return self.norm(x)
+        return self.norm(x) if self.norm is not None else x
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, V] fp32
+        assert self.lm_head is not None, "logits exist on the last pipeline stage only"
         return self.lm_head(hidden).float()
 
     def load_hf_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        """Load HF LLaMA parameter names, fusing q/k/v and gate/up."""
-        own: dict[str, torch.Tensor] = {
-            "embed_tokens.weight": state["model.embed_tokens.weight"],
-            "norm.weight": state["model.norm.weight"],
-            "lm_head.weight": state.get("lm_head.weight", state["model.embed_tokens.weight"]),
-        }
-        for i in range(self.config.num_layers):
-            p = f"model.layers.{i}."
-            o = f"layers.{i}."
-            attn = p + "self_attn."
-            own[o + "self_attn.qkv_proj.weight"] = torch.cat(
-                [state[attn + n + "_proj.weight"] for n in ("q", "k", "v")], dim=0
-            )
-            if self.config.attention_bias:
-                own[o + "self_attn.qkv_proj.bias"] = torch.cat(
-                    [state[attn + n + "_proj.bias"] for n in ("q", "k", "v")], dim=0
-                )
-            own[o + "self_attn.o_proj.weight"] = state[attn + "o_proj.weight"]
-            if attn + "o_proj.bias" in state:
+        """Load HF LLaMA parameter names: keep this worker's layers and shards, fuse q/k/v and gate/up."""
+        cfg, shard = self.config, self.shard
+        d = cfg.head_dim
+        h0, h1 = shard.heads(cfg)
+        k0, k1 = shard.kv_heads(cfg)
+        i0, i1 = shard.intermediate(cfg)
+        q_rows, kv_rows = slice(h0 * d, h1 * d), slice(k0 * d, k1 * d)
+        own: dict[str, torch.Tensor] = {}
+        if shard.is_first_stage:
+            own["embed_tokens.weight"] = state["model.embed_tokens.weight"]
+        if shard.is_last_stage:
+            own["norm.weight"] = state["model.norm.weight"]
+            own["lm_head.weight"] = state.get("lm_head.weight", state["model.embed_tokens.weight"])
+        for local, i in enumerate(range(self.layer_start, self.layer_end)):
+            p, o = f"model.layers.{i}.", f"layers.{local}."
+            attn, mlp = p + "self_attn.", p + "mlp."
+            rows = {"q": q_rows, "k": kv_rows, "v": kv_rows}
+            own[o + "self_attn.qkv_proj.weight"] = torch.cat([state[attn + n + "_proj.weight"][r] for n, r in rows.items()])
+            if cfg.attention_bias:
+                own[o + "self_attn.qkv_proj.bias"] = torch.cat([state[attn + n + "_proj.bias"][r] for n, r in rows.items()])
+            own[o + "self_attn.o_proj.weight"] = state[attn + "o_proj.weight"][:, q_rows]
+            if self.layers[local].self_attn.o_proj.bias is not None:
                 own[o + "self_attn.o_proj.bias"] = state[attn + "o_proj.bias"]
-            mlp = p + "mlp."
             own[o + "mlp.gate_up_proj.weight"] = torch.cat(
-                [state[mlp + "gate_proj.weight"], state[mlp + "up_proj.weight"]], dim=0
+                [state[mlp + "gate_proj.weight"][i0:i1], state[mlp + "up_proj.weight"][i0:i1]]
             )
-            own[o + "mlp.down_proj.weight"] = state[mlp + "down_proj.weight"]
-            if self.config.mlp_bias:
+            own[o + "mlp.down_proj.weight"] = state[mlp + "down_proj.weight"][:, i0:i1]
+            if cfg.mlp_bias:
                 own[o + "mlp.gate_up_proj.bias"] = torch.cat(
-                    [state[mlp + "gate_proj.bias"], state[mlp + "up_proj.bias"]], dim=0
+                    [state[mlp + "gate_proj.bias"][i0:i1], state[mlp + "up_proj.bias"][i0:i1]]
                 )
-                own[o + "mlp.down_proj.bias"] = state[mlp + "down_proj.bias"]
+                if self.layers[local].mlp.down_proj.bias is not None:
+                    own[o + "mlp.down_proj.bias"] = state[mlp + "down_proj.bias"]
             own[o + "input_layernorm.weight"] = state[p + "input_layernorm.weight"]
             own[o + "post_attention_layernorm.weight"] = state[p + "post_attention_layernorm.weight"]
         missing, unexpected = self.load_state_dict(own, strict=False)
         missing = [m for m in missing if not m.startswith("rotary.")]
         if missing or unexpected:
             raise ValueError(f"weight mismatch: missing={missing} unexpected={unexpected}")
-        if self.config.tie_word_embeddings or "lm_head.weight" not in state:
+        if self.lm_head is not None and self.embed_tokens is not None and "lm_head.weight" not in state:
             self.lm_head.weight = self.embed_tokens.weight

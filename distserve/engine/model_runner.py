@@ -1,4 +1,9 @@
-"""Executes a ``StepPlan`` on torch: owns the model, the KV cache tensors and per-request RNG state."""
+"""Executes a ``StepPlan`` on torch: owns the model shard, its KV cache tensors and per-request RNG state.
+
+Every worker of an instance runs the same plan. With pipeline parallelism, stages after the first
+receive hidden states from the previous stage and all but the last send theirs on; only the
+driver (TP rank 0 of the last stage) samples and returns tokens.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +11,7 @@ import torch
 
 from distserve.config import ModelConfig
 from distserve.engine.model import TORCH_DTYPES, LlamaForCausalLM, prepack_linears
+from distserve.engine.parallel import ParallelState, ShardSpec
 from distserve.engine.sampler import Sampler
 from distserve.engine.scheduler import SampledToken, StepPlan
 from kernels.paged_attention import AttentionMetadata
@@ -23,25 +29,31 @@ class ModelRunner:
         eos_token_ids: tuple[int, ...] = (),
         device: str = "cpu",
         prepack_weights: bool = True,
+        parallel: ParallelState | None = None,
     ) -> None:
         self.config = config
+        self.parallel = parallel or ParallelState(ShardSpec())
+        shard = self.parallel.shard
         self.device = torch.device(device)
         self.dtype = TORCH_DTYPES[config.dtype]
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.eos_token_ids = eos_token_ids
-        model = LlamaForCausalLM(config)
+        model = LlamaForCausalLM(config, shard, self.parallel.all_reduce)
         model.load_hf_state_dict(state_dict)
         self.model = model.to(device=self.device, dtype=self.dtype).eval()
         self.model.rotary.float()  # keep the rope tables in fp32 whatever the weights' dtype
         self.num_prepacked = prepack_linears(self.model) if prepack_weights and self.device.type == "cpu" else 0
-        # [layers, 2, num_blocks, block_size, kv_heads, head_dim]; zeroed so masked slots are finite.
+        num_layers = model.layer_end - model.layer_start
+        k0, k1 = shard.kv_heads(config)
+        # [local_layers, 2, num_blocks, block_size, local_kv_heads, head_dim] (the KVLayout of
+        # distserve.kvtransfer); zeroed so masked slots are finite.
         self.kv_cache = torch.zeros(
-            (config.num_layers, 2, num_blocks, block_size, config.num_kv_heads, config.head_dim),
+            (num_layers, 2, num_blocks, block_size, k1 - k0, config.head_dim),
             dtype=self.dtype,
             device=self.device,
         )
-        self.kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(config.num_layers)]
+        self.kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(num_layers)]
         self.sampler = Sampler()
         self._generators: dict[str, torch.Generator] = {}
 
@@ -87,8 +99,15 @@ class ModelRunner:
         if not plan.chunks:
             return []
         ids, positions, meta, sample_rows = self.prepare(plan)
-        hidden = self.model(ids, positions, self.kv_caches, meta)  # [T, hidden]
-        if not sample_rows:
+        shard = self.parallel.shard
+        prev = None
+        if not shard.is_first_stage:
+            prev = self.parallel.recv_from_prev_stage((ids.shape[0], self.config.hidden_size), self.dtype)
+        hidden = self.model(positions, self.kv_caches, meta, input_ids=ids, hidden=prev)  # [T, hidden]
+        if not shard.is_last_stage:
+            self.parallel.send_to_next_stage(hidden)
+            return []
+        if not sample_rows or not shard.is_driver:
             return []
         logits = self.model.compute_logits(hidden[sample_rows])  # [N, V]
         chunks = [c for c in plan.chunks if c.sample]

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from distserve.kvtransfer.layout import KVLayout
+from distserve.kvtransfer.layout import KVLayout, layer_range
 from distserve.kvtransfer.plan import TransferSlice, reshard_plan
 from distserve.kvtransfer.transport import MAX_TAG, Handle, KVTransport
 
@@ -172,14 +172,41 @@ def _local(s: TransferSlice, first_layer: int, first_head: int) -> tuple[tuple[i
     )
 
 
-def _check_tags(tag_base: int, plan: list[TransferSlice]) -> None:
-    if tag_base < 0 or tag_base + len(plan) - 1 > MAX_TAG:
-        raise ValueError(f"tags [{tag_base}, {tag_base + len(plan)}) must lie in [0, {MAX_TAG}]")
+DEFAULT_CHUNK_BYTES = 4 << 20  # see ``messages``: big slices travel as layer chunks of at least this size
+
+
+def messages(
+    plan: Sequence[TransferSlice], num_blocks: int, layout: KVLayout, chunk_bytes: int | None = DEFAULT_CHUNK_BYTES
+) -> list[tuple[int, TransferSlice]]:
+    """The messages of one request, in send order: (tag offset, slice narrowed to a layer chunk).
+
+    With ``chunk_bytes=None`` every slice is one message. Otherwise a slice bigger than
+    ``2 * chunk_bytes`` is cut along layers into pieces of at least ``chunk_bytes`` (each still
+    holding all of the request's blocks), so packing, transfer and unpacking overlap. Sender and
+    receiver must use the same ``chunk_bytes``. Tag offsets lie in ``[0, num_tags(...))``.
+    """
+    if chunk_bytes is not None and chunk_bytes < 1:
+        raise ValueError(f"chunk_bytes must be >= 1 or None, got {chunk_bytes}")
+    out: list[tuple[int, TransferSlice]] = []
+    for i, s in enumerate(plan):
+        nbytes = s.nbytes(num_blocks, layout)
+        num_chunks = 1 if chunk_bytes is None else max(1, min(s.num_layers, nbytes // chunk_bytes))
+        for c in range(num_chunks):
+            c0, c1 = layer_range(s.num_layers, num_chunks, c)
+            piece = TransferSlice(s.src_rank, s.dst_rank, (s.layers[0] + c0, s.layers[0] + c1), s.kv_heads)
+            out.append((i * layout.num_layers + c0, piece))
+    return out
 
 
 def num_tags(layout_src: KVLayout, layout_dst: KVLayout) -> int:
-    """Tags one request uses (``tag_base`` .. ``tag_base + num_tags - 1``); space concurrent requests by this."""
-    return len(reshard_plan(layout_src, layout_dst))
+    """Tags one request may use (``tag_base`` .. ``tag_base + num_tags - 1``); space concurrent requests by this."""
+    return len(reshard_plan(layout_src, layout_dst)) * layout_src.num_layers
+
+
+def _check_tags(tag_base: int, layout_src: KVLayout, layout_dst: KVLayout) -> None:
+    span = num_tags(layout_src, layout_dst)
+    if tag_base < 0 or tag_base + span - 1 > MAX_TAG:
+        raise ValueError(f"tags [{tag_base}, {tag_base + span}) must lie in [0, {MAX_TAG}]")
 
 
 def send_kv(
@@ -193,29 +220,30 @@ def send_kv(
     tag_base: int,
     *,
     staging: StagingBuffers | None = None,
+    chunk_bytes: int | None = DEFAULT_CHUNK_BYTES,
     num_blocks_skipped: int = 0,
 ) -> MigrationStats:
     """Send this prefill worker's share of a request's KV; returns once every send has completed.
 
     ``block_ids`` are this worker's block ids of the request, already trimmed of any prefix the
-    receiver holds. Slice i of the plan travels with tag ``tag_base + i``.
+    receiver holds. Messages (see ``messages``) are packed and posted in plan order.
     """
     start = time.perf_counter()
     first_layer, first_head = _check_worker(kv_cache, layout_src, my_src_rank, "source")
-    plan = reshard_plan(layout_src, layout_dst)
-    _check_tags(tag_base, plan)
+    _check_tags(tag_base, layout_src, layout_dst)
     idx = _block_index(block_ids, kv_cache.shape[2], kv_cache.device)
     stats = MigrationStats(num_blocks_sent=idx.numel(), num_blocks_skipped=num_blocks_skipped)
     if idx.numel() == 0:
         return stats
+    plan = reshard_plan(layout_src, layout_dst)
     handles: list[Handle] = []
-    for i, s in enumerate(plan):
+    for tag, s in messages(plan, idx.numel(), layout_src, chunk_bytes):
         if s.src_rank != my_src_rank:
             continue
         layers, heads = _local(s, first_layer, first_head)
         out = staging.get(len(handles), s.shape(idx.numel(), layout_src), kv_cache.dtype) if staging else None
         data = pack_blocks(kv_cache, idx, layers, heads, out)
-        handles.append(transport.isend(data, _to_global(dst_rank_to_global, s.dst_rank), tag_base + i))
+        handles.append(transport.isend(data, _to_global(dst_rank_to_global, s.dst_rank), tag_base + tag))
         stats.num_bytes += data.nbytes
     for h in handles:
         h.wait()
@@ -234,28 +262,30 @@ def recv_kv(
     tag_base: int,
     *,
     staging: StagingBuffers | None = None,
+    chunk_bytes: int | None = DEFAULT_CHUNK_BYTES,
     num_blocks_skipped: int = 0,
 ) -> MigrationStats:
     """Receive this decode worker's share of a request's KV into ``block_ids`` of its cache.
 
     All receives are posted first, then completed and scattered in plan order, so unpacking one
-    slice overlaps the arrival of the next.
+    message overlaps the arrival of the next.
     """
     start = time.perf_counter()
     first_layer, first_head = _check_worker(kv_cache, layout_dst, my_dst_rank, "destination")
-    plan = reshard_plan(layout_src, layout_dst)
-    _check_tags(tag_base, plan)
+    _check_tags(tag_base, layout_src, layout_dst)
     idx = _block_index(block_ids, kv_cache.shape[2], kv_cache.device)
     stats = MigrationStats(num_blocks_sent=idx.numel(), num_blocks_skipped=num_blocks_skipped)
     if idx.numel() == 0:
         return stats
+    plan = reshard_plan(layout_src, layout_dst)
     posted: list[tuple[TransferSlice, Handle, torch.Tensor]] = []
-    for i, s in enumerate(plan):
+    for tag, s in messages(plan, idx.numel(), layout_dst, chunk_bytes):
         if s.dst_rank != my_dst_rank:
             continue
         shape = s.shape(idx.numel(), layout_dst)
         out = staging.get(len(posted), shape, kv_cache.dtype) if staging else None
-        handle, buf = transport.irecv(shape, kv_cache.dtype, _to_global(src_rank_to_global, s.src_rank), tag_base + i, out)
+        src = _to_global(src_rank_to_global, s.src_rank)
+        handle, buf = transport.irecv(shape, kv_cache.dtype, src, tag_base + tag, out)
         posted.append((s, handle, buf))
     for s, handle, buf in posted:
         handle.wait()
