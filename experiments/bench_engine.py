@@ -100,7 +100,6 @@ def bench_hf(model: str, dtype: str, prompts: list[str], max_tokens: int) -> dic
     run(prompts[:2])
     t_batch, ids = run(prompts)
     t_single, _ = run(prompts[:1])
-    del hf
     gc.collect()
     return {"tok_s_batch": len(prompts) * max_tokens / t_batch, "tok_s_b1": max_tokens / t_single, "token_ids": ids}
 

@@ -5,74 +5,19 @@ Engine step = ``schedule`` → ``execute`` → ``postprocess`` (detokenize, stop
 
 from __future__ import annotations
 
-import itertools
 import time
-from collections.abc import Iterator, Sequence as Seq
-from dataclasses import dataclass
 
-from distserve.config import CacheConfig, SamplingParams, SchedulerConfig
+from distserve.config import CacheConfig, SchedulerConfig
 from distserve.engine.block_manager import BlockManager
 from distserve.engine.model import resolve_dtype
 from distserve.engine.model_runner import ModelRunner
+from distserve.engine.outputs import EngineBase, RequestMetrics, RequestOutput
 from distserve.engine.scheduler import Scheduler
 from distserve.engine.sequence import Sequence
-from distserve.engine.tokenizer import IncrementalDetokenizer
 from distserve.engine.weights import LoadedModel, load_model
-from distserve.errors import DistServeError, InvalidConfigError, PromptTooLongError
-
-MAX_DEFAULT_BLOCKS = 16384
 
 
-@dataclass
-class RequestMetrics:
-    arrival_time: float
-    first_token_time: float | None
-    finish_time: float | None
-    num_prompt_tokens: int
-    num_cached_tokens: int
-    num_output_tokens: int
-
-    @property
-    def ttft_s(self) -> float | None:
-        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
-
-    @property
-    def tpot_s(self) -> float | None:
-        """Mean time per output token after the first (0 for a single-token output)."""
-        if self.finish_time is None or self.first_token_time is None:
-            return None
-        if self.num_output_tokens <= 1:
-            return 0.0
-        return (self.finish_time - self.first_token_time) / (self.num_output_tokens - 1)
-
-
-@dataclass
-class RequestOutput:
-    """A request's state after a step; ``new_*`` hold what arrived since its previous output."""
-
-    request_id: str
-    prompt_token_ids: list[int]
-    token_ids: list[int]
-    text: str
-    new_token_ids: list[int]
-    new_text: str
-    finished: bool
-    finish_reason: str | None
-    metrics: RequestMetrics
-    logprobs: list[float] | None = None
-
-
-@dataclass
-class _TextState:
-    detok: IncrementalDetokenizer
-    num_tokens_reported: int = 0
-    text_reported: int = 0  # chars of ``text`` already returned
-    text: str = ""
-    stop_hit: bool = False
-    hold_back: int = 0  # chars withheld while they could still become a stop string
-
-
-class LLMEngine:
+class LLMEngine(EngineBase):
     """Offline ``generate`` and streaming over one model with a paged KV cache.
 
     ``dtype`` applies when ``model`` is a name or path (``auto``: bf16 where the hardware has fast
@@ -89,81 +34,19 @@ class LLMEngine:
         device: str = "cpu",
     ) -> None:
         loaded = load_model(model, resolve_dtype(dtype, device)) if isinstance(model, str) else model
-        self.model_config = loaded.config
-        self.tokenizer = loaded.tokenizer
-        self.cache_config = cache_config or CacheConfig()
-        self.scheduler_config = scheduler_config or SchedulerConfig()
+        super().__init__(loaded, cache_config, scheduler_config)
         bs = self.cache_config.block_size
-        num_blocks = self.cache_config.num_blocks or min(
-            self.cache_config.resolve_num_blocks(self.model_config), MAX_DEFAULT_BLOCKS
-        )
-        model_len = self.scheduler_config.max_model_len or self.model_config.max_position_embeddings
-        if model_len > self.model_config.max_position_embeddings:
-            raise InvalidConfigError(
-                f"max_model_len={model_len} exceeds the model's max_position_embeddings="
-                f"{self.model_config.max_position_embeddings}"
-            )
-        # A sequence can never hold more tokens than the whole cache.
-        self.max_model_len = min(model_len, num_blocks * bs)
-        self.eos_token_ids = tuple(sorted(set(self.model_config.eos_token_ids) | set(self.tokenizer.eos_token_ids)))
-        self.block_manager = BlockManager(num_blocks, bs, self.cache_config.enable_prefix_caching)
+        self.block_manager = BlockManager(self.num_blocks, bs, self.cache_config.enable_prefix_caching)
         self.scheduler = Scheduler(self.scheduler_config, self.block_manager, self.max_model_len, self.eos_token_ids)
-        self.runner = ModelRunner(loaded.config, loaded.state_dict, num_blocks, bs, self.eos_token_ids, device)
-        self._seqs: dict[str, Sequence] = {}
-        self._text: dict[str, _TextState] = {}
-        self._ids = itertools.count()
+        self.runner = ModelRunner(loaded.config, loaded.state_dict, self.num_blocks, bs, self.eos_token_ids, device)
         self.num_steps = 0
 
-    # ---- requests ----------------------------------------------------------------------------
-    def encode_prompt(self, prompt: str | Seq[int]) -> list[int]:
-        """Token ids of ``prompt``, validated against the vocabulary and the context length."""
-        if isinstance(prompt, str):
-            ids = self.tokenizer.encode(prompt)
-        else:
-            ids = [int(t) for t in prompt]
-            bad = [t for t in ids if not 0 <= t < self.model_config.vocab_size]
-            if bad:
-                raise DistServeError(f"prompt token ids out of range [0, {self.model_config.vocab_size}): {bad[:5]}")
-        if not ids:
-            raise DistServeError("prompt is empty")
-        if len(ids) >= self.max_model_len:
-            raise PromptTooLongError(
-                f"prompt has {len(ids)} tokens but the context holds {self.max_model_len} "
-                f"(at least one output token must fit)"
-            )
-        return ids
-
-    def add_request(
-        self,
-        prompt: str | Seq[int],
-        sampling: SamplingParams | None = None,
-        request_id: str | None = None,
-        priority: int = 0,
-        arrival_time: float | None = None,
-    ) -> str:
-        """Queue a request; raises a ``DistServeError`` (a ValueError) for bad input."""
-        sampling = sampling or SamplingParams()
-        ids = self.encode_prompt(prompt)
-        request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
-        if request_id in self._seqs:
-            raise DistServeError(f"request id {request_id!r} is already in flight")
-        seq = Sequence(
-            seq_id=request_id,
-            prompt_token_ids=ids,
-            sampling=sampling,
-            arrival_time=time.monotonic() if arrival_time is None else arrival_time,
-            priority=priority,
-        )
-        self._seqs[request_id] = seq
-        hold = max((len(s) for s in sampling.stop), default=1) - 1
-        self._text[request_id] = _TextState(self.tokenizer.detokenizer(ids), hold_back=hold)
+    def _submit(self, seq: Sequence) -> None:
         self.scheduler.add(seq)
-        return request_id
 
     def abort_request(self, request_id: str) -> None:
         """Stop a request and free its blocks; unknown or finished ids are ignored."""
-        seq = self._seqs.pop(request_id, None)
-        self._text.pop(request_id, None)
+        seq = self._forget(request_id)
         if seq is not None and not seq.is_finished:
             seq.finish_time = time.monotonic()
             self.scheduler.finish(seq, "abort")
@@ -183,104 +66,7 @@ class LLMEngine:
         now = time.monotonic()
         self.num_steps += 1
         updated = self.scheduler.update_from_output(plan, sampled, self._seqs, now)
-        return [self._postprocess(seq, now) for seq in updated]
-
-    def _postprocess(self, seq: Sequence, now: float) -> RequestOutput:
-        state = self._text[seq.seq_id]
-        sp = seq.sampling
-        new_ids = seq.token_ids[seq.num_prompt_tokens + state.num_tokens_reported :]
-        for tok in new_ids:
-            state.detok.push(tok)
-        if seq.is_finished:
-            state.detok.flush()
-        text = state.detok.text
-        if sp.stop and not state.stop_hit:
-            # Only the tail can contain a new match: the previous text was already checked.
-            from_pos = max(0, len(state.text) - max(len(s) for s in sp.stop) + 1)
-            hit: tuple[int, str] | None = None
-            for s in sp.stop:
-                idx = text.find(s, from_pos)
-                if idx != -1 and (hit is None or idx < hit[0]):
-                    hit = (idx, s)
-            if hit is not None:
-                idx, s = hit
-                text = text[: idx + len(s)] if sp.include_stop_str_in_output else text[:idx]
-                state.stop_hit = True
-                if not seq.is_finished:
-                    seq.finish_time = now
-                    self.scheduler.finish(seq, "stop")
-        state.text = text
-        finished = seq.is_finished
-        visible = len(text) if (finished or state.stop_hit) else max(state.text_reported, len(text) - state.hold_back)
-        new_text = text[state.text_reported : visible]
-        state.text_reported = visible
-        state.num_tokens_reported += len(new_ids)
-        out = RequestOutput(
-            request_id=seq.seq_id,
-            prompt_token_ids=seq.prompt_token_ids,
-            token_ids=seq.output_token_ids,
-            text=text[:visible],
-            new_token_ids=new_ids,
-            new_text=new_text,
-            finished=finished,
-            finish_reason=seq.finish_reason,
-            metrics=RequestMetrics(
-                arrival_time=seq.arrival_time,
-                first_token_time=seq.first_token_time,
-                finish_time=seq.finish_time,
-                num_prompt_tokens=seq.num_prompt_tokens,
-                num_cached_tokens=seq.num_cached_tokens,
-                num_output_tokens=seq.num_output_tokens,
-            ),
-            logprobs=list(seq.logprobs) if sp.logprobs else None,
-        )
-        if finished:
-            self._seqs.pop(seq.seq_id, None)
-            self._text.pop(seq.seq_id, None)
-        return out
-
-    # ---- convenience APIs ----------------------------------------------------------------------
-    def generate(
-        self,
-        prompts: str | Seq[str] | Seq[Seq[int]],
-        sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
-    ) -> list[RequestOutput]:
-        """Run prompts to completion (batched with whatever else is in flight); outputs in input order."""
-        if isinstance(prompts, str):
-            prompts = [prompts]
-        prompts = list(prompts)
-        if sampling_params is None or isinstance(sampling_params, SamplingParams):
-            params = [sampling_params or SamplingParams()] * len(prompts)
-        else:
-            params = list(sampling_params)
-            if len(params) != len(prompts):
-                raise DistServeError(f"got {len(prompts)} prompts but {len(params)} sampling params")
-        encoded = [self.encode_prompt(p) for p in prompts]  # validate all before queueing any
-        ids = [self.add_request(e, sp) for e, sp in zip(encoded, params)]
-        pending = set(ids)
-        results: dict[str, RequestOutput] = {}
-        while pending:
-            for out in self.step():
-                if out.finished and out.request_id in pending:
-                    results[out.request_id] = out
-                    pending.discard(out.request_id)
-        return [results[i] for i in ids]
-
-    def stream(
-        self, prompt: str | Seq[int], sampling: SamplingParams | None = None, priority: int = 0
-    ) -> Iterator[RequestOutput]:
-        """Yield this request's outputs as tokens arrive; other requests in flight advance too."""
-        request_id = self.add_request(prompt, sampling, priority=priority)
-        try:
-            while True:
-                for out in self.step():
-                    if out.request_id == request_id:
-                        yield out
-                        if out.finished:
-                            return
-        finally:
-            if request_id in self._seqs:
-                self.abort_request(request_id)
+        return [self._output(seq, now, self.scheduler.finish) for seq in updated]
 
     def stats(self) -> dict[str, float]:
         """Gauges for monitoring: queue lengths, KV usage, prefix-cache hit rate, preemptions."""

@@ -210,7 +210,8 @@ class Scheduler:
             n = min(n, seq.num_uncomputed_tokens)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
-            prefills.append(self._chunk(seq, n))
+            chunk = self._chunk(seq, n)
+            (decodes if chunk.is_decode else prefills).append(chunk)
             budget -= n
         plan.chunks = decodes + prefills
         return plan

@@ -132,3 +132,12 @@ def test_finished_ids_reported_once() -> None:
     assert seq.is_finished
     assert sched.schedule().finished_seq_ids == ["a"]
     assert sched.schedule().finished_seq_ids == []
+
+
+def test_one_token_chunks_are_batched_with_decodes() -> None:
+    # A budget remainder of 1 gives a newly admitted prompt a 1-token chunk: it must sit with the decodes.
+    sched, seqs = make(max_num_batched_tokens=5, enable_chunked_prefill=True)
+    add(sched, seqs, "a", 4)
+    add(sched, seqs, "b", 6)
+    plan = sched.schedule()
+    assert [(c.seq_id, c.num_tokens) for c in plan.chunks] == [("b", 1), ("a", 4)]

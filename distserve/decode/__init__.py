@@ -1,0 +1,1 @@
+"""Decode phase: the decode scheduler and the decode instance (admits migrated KV, continuous batching)."""

@@ -1,0 +1,286 @@
+"""What callers get back: ``RequestOutput`` per step, the text pipeline behind it, and the shared
+``generate`` / ``stream`` API every engine (colocated or disaggregated) offers on top of
+``add_request`` / ``step`` / ``abort_request``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterator, Sequence as Seq
+from dataclasses import dataclass
+
+from distserve.config import CacheConfig, SamplingParams, SchedulerConfig
+from distserve.engine.sequence import Sequence
+from distserve.engine.tokenizer import IncrementalDetokenizer, Tokenizer
+from distserve.engine.weights import LoadedModel
+from distserve.errors import DistServeError, InvalidConfigError, PromptTooLongError
+
+
+@dataclass
+class RequestMetrics:
+    arrival_time: float
+    first_token_time: float | None
+    finish_time: float | None
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    num_output_tokens: int
+
+    @property
+    def ttft_s(self) -> float | None:
+        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+    @property
+    def tpot_s(self) -> float | None:
+        """Mean time per output token after the first (0 for a single-token output)."""
+        if self.finish_time is None or self.first_token_time is None:
+            return None
+        if self.num_output_tokens <= 1:
+            return 0.0
+        return (self.finish_time - self.first_token_time) / (self.num_output_tokens - 1)
+
+
+@dataclass
+class RequestOutput:
+    """A request's state after a step; ``new_*`` hold what arrived since its previous output."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    new_token_ids: list[int]
+    new_text: str
+    finished: bool
+    finish_reason: str | None
+    metrics: RequestMetrics
+    logprobs: list[float] | None = None
+
+
+@dataclass
+class _TextState:
+    detok: IncrementalDetokenizer
+    num_tokens_reported: int = 0
+    text_reported: int = 0  # chars of ``text`` already returned
+    text: str = ""
+    stop_hit: bool = False
+    hold_back: int = 0  # chars withheld while they could still become a stop string
+
+
+class OutputProcessor:
+    """Incremental detokenization and stop strings; stop-string hits are finished via ``finish``."""
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self._text: dict[str, _TextState] = {}
+
+    def add(self, seq: Sequence) -> None:
+        hold = max((len(s) for s in seq.sampling.stop), default=1) - 1
+        self._text[seq.seq_id] = _TextState(self.tokenizer.detokenizer(seq.prompt_token_ids), hold_back=hold)
+
+    def discard(self, request_id: str) -> None:
+        self._text.pop(request_id, None)
+
+    def process(self, seq: Sequence, now: float, finish: Callable[[Sequence, str], None]) -> RequestOutput:
+        """The output for ``seq``'s tokens since its previous output (forgets finished requests)."""
+        state = self._text[seq.seq_id]
+        sp = seq.sampling
+        new_ids = seq.token_ids[seq.num_prompt_tokens + state.num_tokens_reported :]
+        for tok in new_ids:
+            state.detok.push(tok)
+        if seq.is_finished:
+            state.detok.flush()
+        text = state.detok.text
+        if sp.stop and not state.stop_hit:
+            # Only the tail can contain a new match: the previous text was already checked.
+            from_pos = max(0, len(state.text) - max(len(s) for s in sp.stop) + 1)
+            hit: tuple[int, str] | None = None
+            for s in sp.stop:
+                idx = text.find(s, from_pos)
+                if idx != -1 and (hit is None or idx < hit[0]):
+                    hit = (idx, s)
+            if hit is not None:
+                idx, s = hit
+                text = text[: idx + len(s)] if sp.include_stop_str_in_output else text[:idx]
+                state.stop_hit = True
+                if not seq.is_finished:
+                    seq.finish_time = now
+                    finish(seq, "stop")
+        state.text = text
+        finished = seq.is_finished
+        visible = len(text) if (finished or state.stop_hit) else max(state.text_reported, len(text) - state.hold_back)
+        new_text = text[state.text_reported : visible]
+        state.text_reported = visible
+        state.num_tokens_reported += len(new_ids)
+        out = RequestOutput(
+            request_id=seq.seq_id,
+            prompt_token_ids=seq.prompt_token_ids,
+            token_ids=seq.output_token_ids,
+            text=text[:visible],
+            new_token_ids=new_ids,
+            new_text=new_text,
+            finished=finished,
+            finish_reason=seq.finish_reason,
+            metrics=RequestMetrics(
+                arrival_time=seq.arrival_time,
+                first_token_time=seq.first_token_time,
+                finish_time=seq.finish_time,
+                num_prompt_tokens=seq.num_prompt_tokens,
+                num_cached_tokens=seq.num_cached_tokens,
+                num_output_tokens=seq.num_output_tokens,
+            ),
+            logprobs=list(seq.logprobs) if sp.logprobs else None,
+        )
+        if finished:
+            self._text.pop(seq.seq_id, None)
+        return out
+
+
+
+MAX_DEFAULT_BLOCKS = 16384
+
+
+class EngineBase(ABC):
+    """The request front end every engine shares (colocated or disaggregated).
+
+    It validates prompts, keeps the live sequences and turns their tokens into ``RequestOutput``s;
+    subclasses run the sequences (``_submit``, ``step``, ``abort_request``, ``has_unfinished_requests``)
+    and get ``generate`` and ``stream`` for free.
+    """
+
+    def __init__(
+        self, loaded: LoadedModel, cache_config: CacheConfig | None, scheduler_config: SchedulerConfig | None
+    ) -> None:
+        self.model_config = loaded.config
+        self.tokenizer = loaded.tokenizer
+        self.cache_config = cache_config or CacheConfig()
+        self.scheduler_config = scheduler_config or SchedulerConfig()
+        self.num_blocks = self.cache_config.num_blocks or min(
+            self.cache_config.resolve_num_blocks(self.model_config), MAX_DEFAULT_BLOCKS
+        )
+        model_len = self.scheduler_config.max_model_len or self.model_config.max_position_embeddings
+        if model_len > self.model_config.max_position_embeddings:
+            raise InvalidConfigError(
+                f"max_model_len={model_len} exceeds the model's max_position_embeddings="
+                f"{self.model_config.max_position_embeddings}"
+            )
+        # A sequence can never hold more tokens than a whole cache.
+        self.max_model_len = min(model_len, self.num_blocks * self.cache_config.block_size)
+        self.eos_token_ids = tuple(sorted(set(self.model_config.eos_token_ids) | set(self.tokenizer.eos_token_ids)))
+        self.outputs = OutputProcessor(self.tokenizer)
+        self._seqs: dict[str, Sequence] = {}
+        self._ids = itertools.count()
+
+    @abstractmethod
+    def _submit(self, seq: Sequence) -> None:
+        """Hand a new, validated sequence to the scheduler that will run it."""
+
+    @abstractmethod
+    def step(self) -> list[RequestOutput]: ...
+
+    @abstractmethod
+    def abort_request(self, request_id: str) -> None: ...
+
+    @abstractmethod
+    def has_unfinished_requests(self) -> bool: ...
+
+    @property
+    def num_requests(self) -> int:
+        return len(self._seqs)
+
+    def encode_prompt(self, prompt: str | Seq[int]) -> list[int]:
+        """Token ids of ``prompt``, validated against the vocabulary and the context length."""
+        if isinstance(prompt, str):
+            ids = self.tokenizer.encode(prompt)
+        else:
+            ids = [int(t) for t in prompt]
+            bad = [t for t in ids if not 0 <= t < self.model_config.vocab_size]
+            if bad:
+                raise DistServeError(f"prompt token ids out of range [0, {self.model_config.vocab_size}): {bad[:5]}")
+        if not ids:
+            raise DistServeError("prompt is empty")
+        if len(ids) >= self.max_model_len:
+            raise PromptTooLongError(
+                f"prompt has {len(ids)} tokens but the context holds {self.max_model_len} "
+                f"(at least one output token must fit)"
+            )
+        return ids
+
+    def add_request(
+        self,
+        prompt: str | Seq[int],
+        sampling: SamplingParams | None = None,
+        request_id: str | None = None,
+        priority: int = 0,
+        arrival_time: float | None = None,
+    ) -> str:
+        """Queue a request; raises a ``DistServeError`` (a ValueError) for bad input."""
+        sampling = sampling or SamplingParams()
+        ids = self.encode_prompt(prompt)
+        request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
+        if request_id in self._seqs:
+            raise DistServeError(f"request id {request_id!r} is already in flight")
+        seq = Sequence(
+            seq_id=request_id,
+            prompt_token_ids=ids,
+            sampling=sampling,
+            arrival_time=time.monotonic() if arrival_time is None else arrival_time,
+            priority=priority,
+        )
+        self._seqs[request_id] = seq
+        self.outputs.add(seq)
+        self._submit(seq)
+        return request_id
+
+    def _forget(self, request_id: str) -> Sequence | None:
+        self.outputs.discard(request_id)
+        return self._seqs.pop(request_id, None)
+
+    def _output(self, seq: Sequence, now: float, finish: Callable[[Sequence, str], None]) -> RequestOutput:
+        out = self.outputs.process(seq, now, finish)
+        if out.finished:
+            self._seqs.pop(out.request_id, None)
+        return out
+
+    def generate(
+        self,
+        prompts: str | Seq[str] | Seq[Seq[int]],
+        sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """Run prompts to completion (batched with whatever else is in flight); outputs in input order."""
+        if isinstance(prompts, str):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            params = [sampling_params or SamplingParams()] * len(prompts)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(prompts):
+                raise DistServeError(f"got {len(prompts)} prompts but {len(params)} sampling params")
+        encoded = [self.encode_prompt(p) for p in prompts]  # validate all before queueing any
+        ids = [self.add_request(e, sp) for e, sp in zip(encoded, params)]
+        pending = set(ids)
+        results: dict[str, RequestOutput] = {}
+        while pending:
+            for out in self.step():
+                if out.finished and out.request_id in pending:
+                    results[out.request_id] = out
+                    pending.discard(out.request_id)
+        return [results[i] for i in ids]
+
+    def stream(
+        self, prompt: str | Seq[int], sampling: SamplingParams | None = None, priority: int = 0
+    ) -> Iterator[RequestOutput]:
+        """Yield this request's outputs as tokens arrive; other requests in flight advance too."""
+        request_id = self.add_request(prompt, sampling, priority=priority)
+        try:
+            while True:
+                for out in self.step():
+                    if out.request_id == request_id:
+                        yield out
+                        if out.finished:
+                            return
+        finally:
+            if request_id in self._seqs:
+                self.abort_request(request_id)
+

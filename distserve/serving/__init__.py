@@ -1,0 +1,1 @@
+"""Serving: controller, routing, migration orchestration, HTTP API, metrics."""

@@ -1,0 +1,71 @@
+"""A real migration over torch.distributed (gloo) between processes: prefill tp1·pp2 → decode tp2·pp1."""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from distserve.kvtransfer import KVLayout, TorchDistTransport, init_process_group, recv_kv, send_kv, trim_block_lists
+
+SRC = KVLayout(num_layers=5, num_kv_heads=4, head_dim=8, block_size=4, tp=1, pp=2)
+DST = KVLayout(num_layers=5, num_kv_heads=4, head_dim=8, block_size=4, tp=2, pp=1)
+NUM_BLOCKS, NUM_SKIPPED, NB_SRC, NB_DST = 12, 3, 20, 16
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def request(seed: int) -> tuple[torch.Tensor, list[int], list[int]]:
+    """Global KV [L, 2, n, BS, H, D] and scattered block ids on both sides; identical in every process."""
+    gen = torch.Generator().manual_seed(seed)
+    full = torch.randn((SRC.num_layers, 2, NUM_BLOCKS, SRC.block_size, SRC.num_kv_heads, SRC.head_dim), generator=gen)
+    src_ids = torch.randperm(NB_SRC, generator=gen)[:NUM_BLOCKS].tolist()
+    dst_ids = torch.randperm(NB_DST, generator=gen)[:NUM_BLOCKS].tolist()
+    return full, src_ids, dst_ids
+
+
+def shard(full: torch.Tensor, lay: KVLayout, rank: int) -> torch.Tensor:
+    tp_rank, pp_rank = lay.coords(rank)
+    (l0, l1), (h0, h1) = lay.local_layers(pp_rank), lay.local_heads(tp_rank)
+    return full[l0:l1, :, :, :, h0:h1]
+
+
+def worker(rank: int, world_size: int, port: int) -> None:
+    torch.set_num_threads(1)
+    assert init_process_group(rank, world_size, f"tcp://127.0.0.1:{port}", backend="gloo") == "gloo"
+    transport = TorchDistTransport()
+    src_to_global = list(range(SRC.world_size))
+    dst_to_global = [SRC.world_size + r for r in range(DST.world_size)]
+    for seed, skipped, chunk_bytes in [(0, 0, None), (1, NUM_SKIPPED, 512)]:  # second request: prefix held
+        full, src_ids, dst_ids = request(seed)
+        send_ids, recv_ids = trim_block_lists(src_ids, dst_ids, skipped)
+        tag_base = 100 * seed
+        if rank < SRC.world_size:
+            cache = torch.zeros(SRC.local_shape(NB_SRC, *reversed(SRC.coords(rank))))
+            cache[:, :, src_ids] = shard(full, SRC, rank)
+            stats = send_kv(transport, cache, SRC, DST, rank, send_ids, dst_to_global, tag_base, chunk_bytes=chunk_bytes)
+            assert stats.num_blocks_sent == NUM_BLOCKS - skipped
+        else:
+            local = rank - SRC.world_size
+            cache = torch.full(DST.local_shape(NB_DST, *reversed(DST.coords(local))), -1.0)
+            cache[:, :, dst_ids[:skipped]] = shard(full, DST, local)[:, :, :skipped]
+            recv_kv(transport, cache, SRC, DST, local, recv_ids, src_to_global, tag_base, chunk_bytes=chunk_bytes)
+            torch.testing.assert_close(cache[:, :, dst_ids], shard(full, DST, local), rtol=0, atol=0)
+            others = [b for b in range(NB_DST) if b not in dst_ids]
+            assert bool((cache[:, :, others] == -1.0).all())
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+@pytest.mark.timeout(120)
+def test_gloo_migration_prefill_pp2_to_decode_tp2() -> None:
+    world_size = SRC.world_size + DST.world_size
+    # Raises ProcessRaisedException if any worker fails an assertion.
+    mp.start_processes(worker, args=(world_size, free_port()), nprocs=world_size, join=True, start_method="spawn")
