@@ -21,3 +21,7 @@ class ModelNotFoundError(DistServeError):
 
 class InvalidConfigError(DistServeError):
     """An engine/cache/scheduler/parallel configuration value is invalid."""
+
+
+class QueueFullError(DistServeError):
+    """Admission refused: the request queue is at its bound (HTTP 429)."""

@@ -1,0 +1,48 @@
+"""The one interface the HTTP layer talks to, whatever runs the requests.
+
+``EngineClient`` is async and streaming. Implementations: ``ThreadedEngineClient`` drives any
+in-process ``EngineBase`` (the colocated ``LLMEngine`` or ``LocalDisaggEngine``) from a background
+thread; the Ray runtime's controller client implements the same methods over actor calls.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import AsyncIterator, Sequence as Seq
+
+from distserve.config import SamplingParams
+from distserve.engine.outputs import RequestOutput
+from distserve.engine.tokenizer import Tokenizer
+
+
+class EngineClient(ABC):
+    """Submit, stream and abort requests; read gauges for metrics."""
+
+    model_name: str
+    tokenizer: Tokenizer
+    max_model_len: int
+
+    @abstractmethod
+    def generate(
+        self,
+        prompt: str | Seq[int],
+        sampling: SamplingParams,
+        request_id: str,
+        priority: int = 0,
+    ) -> AsyncIterator[RequestOutput]:
+        """Stream this request's outputs until one has ``finished``.
+
+        Bad input raises a ``DistServeError`` from the first ``__anext__``; a full queue raises
+        ``QueueFullError``. Closing the iterator early (client gone) aborts the request.
+        """
+
+    @abstractmethod
+    async def abort(self, request_id: str) -> None:
+        """Stop a request and free its KV everywhere; unknown ids are ignored."""
+
+    @abstractmethod
+    async def stats(self) -> dict[str, object]:
+        """Gauges for /metrics (queue lengths, KV usage, migration counters), per instance where known."""
+
+    @abstractmethod
+    async def shutdown(self) -> None: ...
