@@ -33,6 +33,36 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ignore-eos", action="store_true")
 
 
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _port(text: str) -> int:
+    value = int(text)
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"must be in [0, 65535], got {value}")
+    return value
+
+
+def _add_serve_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    p.add_argument("--port", type=_port, default=8000, help="0 picks a free port")
+    p.add_argument("--served-model-name", default=None, help="model name clients send (default: --model)")
+    p.add_argument("--max-queued-requests", type=_positive_int, default=256, help="requests in flight before 429")
+    p.add_argument("--colocated", type=_positive_int, default=None, metavar="N", help="N colocated engines instead of xPyD")
+    p.add_argument("--prefill", type=_positive_int, default=None, metavar="N", help="prefill instances (default 1)")
+    p.add_argument("--decode", type=_positive_int, default=None, metavar="M", help="decode instances (default 1)")
+    for phase in ("prefill", "decode"):
+        for kind, what in (("tp", "tensor"), ("pp", "pipeline")):
+            p.add_argument(f"--{phase}-{kind}", type=_positive_int, default=1, help=f"{what}-parallel degree of {phase}")
+    p.add_argument("--placement", default=None, metavar="FILE", help="deploy a Placement JSON from `distserve plan`")
+    p.add_argument("--ray-serve", action="store_true", help="run as a Ray Serve application (default: plain uvicorn)")
+    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="distserve", description="distserve: disaggregated LLM serving")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -43,6 +73,10 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     gen.add_argument("--json", action="store_true", help="print one JSON object with text, ids and timings")
     gen.set_defaults(func=cmd_generate)
+    srv = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
+    _add_model_args(srv)
+    _add_serve_args(srv)
+    srv.set_defaults(func=cmd_serve)
     return parser
 
 
@@ -94,6 +128,70 @@ def cmd_generate(args: argparse.Namespace) -> int:
         )
     else:
         sys.stdout.write("\n")
+    return 0
+
+
+def _check_serve_args(args: argparse.Namespace) -> None:
+    from distserve.errors import InvalidConfigError
+
+    for flag in ("prefill_tp", "prefill_pp", "decode_tp", "decode_pp"):
+        if getattr(args, flag) != 1:
+            raise InvalidConfigError(
+                f"--{flag.replace('_', '-')} {getattr(args, flag)}: tensor/pipeline-parallel serving needs the "
+                "Ray runtime, which is not available yet; use 1"
+            )
+    if args.placement is not None:
+        raise InvalidConfigError(
+            f"--placement {args.placement}: deploying a placement needs the Ray runtime, which is not available "
+            "yet; use --prefill/--decode or --colocated"
+        )
+    if args.colocated is not None and (args.prefill is not None or args.decode is not None):
+        raise InvalidConfigError("--colocated cannot be combined with --prefill/--decode")
+
+
+def _print_ready(url: str, model: str, layout: str) -> None:
+    body = json.dumps({"model": model, "messages": [{"role": "user", "content": "What is the capital of France?"}], "max_tokens": 32})
+    print(f"distserve: serving {model!r} ({layout}) at {url}/v1  (metrics: {url}/metrics)")
+    print(f"  curl {url}/v1/chat/completions -H 'Content-Type: application/json' -d '{body}'", flush=True)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    _check_serve_args(args)
+    served = args.served_model_name or args.model
+    if args.colocated is not None:
+        layout = f"{args.colocated} colocated engine{'s' if args.colocated > 1 else ''}"
+    else:
+        layout = f"{args.prefill or 1}P{args.decode or 1}D disaggregated"
+    if args.ray_serve:
+        from distserve.serving.app import ServeOptions, run_ray_serve
+
+        options = ServeOptions(
+            model=args.model,
+            served_model_name=served,
+            colocated=args.colocated or 0,
+            prefill=args.prefill or 1,
+            decode=args.decode or 1,
+            dtype=args.dtype,
+            kv_cache_gb=args.kv_cache_gb,
+            block_size=args.block_size,
+            max_queued_requests=args.max_queued_requests,
+        )
+        run_ray_serve(options, args.host, args.port, on_ready=lambda url: _print_ready(url, served, f"{layout}, Ray Serve"))
+        return 0
+    from distserve.config import CacheConfig
+    from distserve.serving.api import run_server
+    from distserve.serving.threaded_client import build_local_engine_client
+
+    client = build_local_engine_client(
+        args.model,
+        num_colocated=args.colocated or 0,
+        num_prefill=args.prefill or 1,
+        num_decode=args.decode or 1,
+        dtype=args.dtype,
+        cache_config=CacheConfig(block_size=args.block_size, kv_cache_memory_gb=args.kv_cache_gb),
+        max_queued_requests=args.max_queued_requests,
+    )
+    run_server(client, served, args.host, args.port, on_ready=lambda url: _print_ready(url, served, layout), log_level=args.log_level)
     return 0
 
 

@@ -140,12 +140,11 @@ class OutputProcessor:
 MAX_DEFAULT_BLOCKS = 16384
 
 
-class EngineBase(ABC):
-    """The request front end every engine shares (colocated or disaggregated).
+class RequestFrontend(ABC):
+    """The request front end every engine shares (colocated, in-process or Ray-disaggregated).
 
     It validates prompts, keeps the live sequences and turns their tokens into ``RequestOutput``s;
-    subclasses run the sequences (``_submit``, ``step``, ``abort_request``, ``has_unfinished_requests``)
-    and get ``generate`` and ``stream`` for free.
+    subclasses decide where a new sequence runs (``_submit``).
     """
 
     def __init__(
@@ -174,15 +173,6 @@ class EngineBase(ABC):
     @abstractmethod
     def _submit(self, seq: Sequence) -> None:
         """Hand a new, validated sequence to the scheduler that will run it."""
-
-    @abstractmethod
-    def step(self) -> list[RequestOutput]: ...
-
-    @abstractmethod
-    def abort_request(self, request_id: str) -> None: ...
-
-    @abstractmethod
-    def has_unfinished_requests(self) -> bool: ...
 
     @property
     def num_requests(self) -> int:
@@ -241,6 +231,19 @@ class EngineBase(ABC):
         if out.finished:
             self._seqs.pop(out.request_id, None)
         return out
+
+
+class EngineBase(RequestFrontend):
+    """A synchronous engine: ``step`` runs one batch. ``generate`` and ``stream`` come for free."""
+
+    @abstractmethod
+    def step(self) -> list[RequestOutput]: ...
+
+    @abstractmethod
+    def abort_request(self, request_id: str) -> None: ...
+
+    @abstractmethod
+    def has_unfinished_requests(self) -> bool: ...
 
     def generate(
         self,

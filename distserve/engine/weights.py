@@ -68,8 +68,11 @@ def cache_dir() -> pathlib.Path:
     return pathlib.Path.home() / ".cache" / "distserve"
 
 
-def load_model(name_or_path: str, dtype: str = "float32") -> LoadedModel:
-    """Load config, weights (HF LLaMA names, cast to ``dtype``) and tokenizer of a model."""
+def load_model(name_or_path: str, dtype: str = "float32", weights: bool = True) -> LoadedModel:
+    """Load config, weights (HF LLaMA names, cast to ``dtype``) and tokenizer of a model.
+
+    ``weights=False`` skips the tensors (empty ``state_dict``): for processes that only route.
+    """
     torch_dtype = _torch_dtype(dtype)
     if name_or_path == TINY_MODEL_NAME:
         hf_model, tokenizer = build_tiny_hf_model()
@@ -77,7 +80,7 @@ def load_model(name_or_path: str, dtype: str = "float32") -> LoadedModel:
         state_dict = {k: v.detach() for k, v in hf_model.state_dict().items()}
         return LoadedModel(config, _finalize_state_dict(state_dict, config, torch_dtype), tokenizer)
     model_dir = str(resolve_model_dir(name_or_path))
-    return _load_folder(model_dir, name=_display_name(name_or_path, model_dir), dtype=dtype)
+    return _load_folder(model_dir, name=_display_name(name_or_path, model_dir), dtype=dtype, weights=weights)
 
 
 def resolve_model_dir(name_or_path: str) -> str | None:
@@ -258,7 +261,7 @@ def _safetensors_files(model_dir: pathlib.Path) -> list[pathlib.Path]:
     return sorted(model_dir.glob("*.safetensors"))
 
 
-def _load_folder(model_dir: str, name: str, dtype: str) -> LoadedModel:
+def _load_folder(model_dir: str, name: str, dtype: str, weights: bool = True) -> LoadedModel:
     from safetensors.torch import load_file
 
     folder = pathlib.Path(model_dir)
@@ -277,6 +280,8 @@ def _load_folder(model_dir: str, name: str, dtype: str) -> LoadedModel:
         raise ModelNotFoundError(f"model folder {model_dir!r} has no *.safetensors weight files")
     torch_dtype = _torch_dtype(dtype)
     state_dict: dict[str, torch.Tensor] = {}
+    if not weights:
+        return LoadedModel(config, state_dict, Tokenizer.from_pretrained(str(folder)))
     for file in files:
         try:
             shard = load_file(str(file))

@@ -10,6 +10,7 @@ leading blocks the receiver already holds, ``trim_block_lists`` applies it).
 
 from __future__ import annotations
 
+import hashlib
 import math
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -200,13 +201,21 @@ def messages(
 
 def num_tags(layout_src: KVLayout, layout_dst: KVLayout) -> int:
     """Tags one request may use (``tag_base`` .. ``tag_base + num_tags - 1``); space concurrent requests by this."""
-    return len(reshard_plan(layout_src, layout_dst)) * layout_src.num_layers
+    return len(reshard_plan(layout_src, layout_dst)) * layout_src.num_layers + 1  # + 1: the header
 
 
-def _check_tags(tag_base: int, layout_src: KVLayout, layout_dst: KVLayout) -> None:
+def _check_tags(tag_base: int, layout_src: KVLayout, layout_dst: KVLayout) -> int:
+    """Validate the request's tag range; return the header's tag."""
     span = num_tags(layout_src, layout_dst)
     if tag_base < 0 or tag_base + span - 1 > MAX_TAG:
         raise ValueError(f"tags [{tag_base}, {tag_base + span}) must lie in [0, {MAX_TAG}]")
+    return tag_base + span - 1
+
+
+def _fingerprint(layout_src: KVLayout, layout_dst: KVLayout, chunk_bytes: int | None) -> int:
+    """Stable id of everything both sides must agree on besides the block count."""
+    digest = hashlib.blake2b(repr((layout_src, layout_dst, chunk_bytes)).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
 
 
 def send_kv(
@@ -226,22 +235,25 @@ def send_kv(
     """Send this prefill worker's share of a request's KV; returns once every send has completed.
 
     ``block_ids`` are this worker's block ids of the request, already trimmed of any prefix the
-    receiver holds. Messages (see ``messages``) are packed and posted in plan order.
+    receiver holds. Each destination first gets a 2-int header (block count, fingerprint of the
+    layouts and chunking) so a disagreement is a ValueError on the receiver rather than a size
+    mismatch inside the backend (gloo aborts the process). Messages (see ``messages``) are then
+    packed and posted in plan order.
     """
     start = time.perf_counter()
     first_layer, first_head = _check_worker(kv_cache, layout_src, my_src_rank, "source")
-    _check_tags(tag_base, layout_src, layout_dst)
+    header_tag = _check_tags(tag_base, layout_src, layout_dst)
     idx = _block_index(block_ids, kv_cache.shape[2], kv_cache.device)
-    stats = MigrationStats(num_blocks_sent=idx.numel(), num_blocks_skipped=num_blocks_skipped)
-    if idx.numel() == 0:
-        return stats
+    n = idx.numel()
+    stats = MigrationStats(num_blocks_sent=n, num_blocks_skipped=num_blocks_skipped)
     plan = reshard_plan(layout_src, layout_dst)
-    handles: list[Handle] = []
-    for tag, s in messages(plan, idx.numel(), layout_src, chunk_bytes):
-        if s.src_rank != my_src_rank:
-            continue
+    mine = [(tag, s) for tag, s in messages(plan, n, layout_src, chunk_bytes) if s.src_rank == my_src_rank]
+    header = torch.tensor([n, _fingerprint(layout_src, layout_dst, chunk_bytes)], dtype=torch.int64, device=transport.device)
+    peers = dict.fromkeys(_to_global(dst_rank_to_global, s.dst_rank) for _, s in mine)
+    handles: list[Handle] = [transport.isend(header, peer, header_tag) for peer in peers]
+    for tag, s in mine if n else []:
         layers, heads = _local(s, first_layer, first_head)
-        out = staging.get(len(handles), s.shape(idx.numel(), layout_src), kv_cache.dtype) if staging else None
+        out = staging.get(len(handles), s.shape(n, layout_src), kv_cache.dtype) if staging else None
         data = pack_blocks(kv_cache, idx, layers, heads, out)
         handles.append(transport.isend(data, _to_global(dst_rank_to_global, s.dst_rank), tag_base + tag))
         stats.num_bytes += data.nbytes
@@ -267,22 +279,31 @@ def recv_kv(
 ) -> MigrationStats:
     """Receive this decode worker's share of a request's KV into ``block_ids`` of its cache.
 
-    All receives are posted first, then completed and scattered in plan order, so unpacking one
-    message overlaps the arrival of the next.
+    Checks every source's header (ValueError if block counts, layouts or chunking disagree), then
+    posts all receives and completes and scatters them in plan order, so unpacking one message
+    overlaps the arrival of the next.
     """
     start = time.perf_counter()
     first_layer, first_head = _check_worker(kv_cache, layout_dst, my_dst_rank, "destination")
-    _check_tags(tag_base, layout_src, layout_dst)
+    header_tag = _check_tags(tag_base, layout_src, layout_dst)
     idx = _block_index(block_ids, kv_cache.shape[2], kv_cache.device)
-    stats = MigrationStats(num_blocks_sent=idx.numel(), num_blocks_skipped=num_blocks_skipped)
-    if idx.numel() == 0:
-        return stats
+    n = idx.numel()
+    stats = MigrationStats(num_blocks_sent=n, num_blocks_skipped=num_blocks_skipped)
     plan = reshard_plan(layout_src, layout_dst)
+    mine = [(tag, s) for tag, s in messages(plan, n, layout_dst, chunk_bytes) if s.dst_rank == my_dst_rank]
+    peers = list(dict.fromkeys(_to_global(src_rank_to_global, s.src_rank) for _, s in mine))
+    headers = [transport.irecv((2,), torch.int64, peer, header_tag) for peer in peers]
+    fingerprint = _fingerprint(layout_src, layout_dst, chunk_bytes)
+    for peer, (handle, header) in zip(peers, headers):
+        handle.wait()
+        their_n, their_fingerprint = (int(x) for x in header.tolist())
+        if their_fingerprint != fingerprint:
+            raise ValueError(f"rank {peer} sends with different layouts or chunk_bytes than this receiver expects")
+        if their_n != n:
+            raise ValueError(f"block list length mismatch: rank {peer} sends {their_n} blocks, this receiver expects {n}")
     posted: list[tuple[TransferSlice, Handle, torch.Tensor]] = []
-    for tag, s in messages(plan, idx.numel(), layout_dst, chunk_bytes):
-        if s.dst_rank != my_dst_rank:
-            continue
-        shape = s.shape(idx.numel(), layout_dst)
+    for tag, s in mine if n else []:
+        shape = s.shape(n, layout_dst)
         out = staging.get(len(posted), shape, kv_cache.dtype) if staging else None
         src = _to_global(src_rank_to_global, s.src_rank)
         handle, buf = transport.irecv(shape, kv_cache.dtype, src, tag_base + tag, out)

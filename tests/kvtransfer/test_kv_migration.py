@@ -172,12 +172,21 @@ def test_send_kv_rejects_a_cache_that_does_not_match_its_layout() -> None:
         send_kv(t0, torch.zeros(src.local_shape(3, 0, 0)), src, dst, 0, [0], [], 0)
 
 
-def test_block_count_mismatch_between_sides_is_a_value_error() -> None:
+@pytest.mark.parametrize("num_recv_blocks", [2, 0])
+def test_block_count_mismatch_between_sides_is_a_value_error(num_recv_blocks: int) -> None:
     lay = make_layout(1, 1)
     t0, t1 = InProcessTransport.create_world(2, timeout_s=10)
-    send_kv(t0, torch.zeros(lay.local_shape(4, 0, 0)), lay, lay, 0, [0, 1, 2], [1], 0, chunk_bytes=None)
-    with pytest.raises(ValueError, match="block count"):
-        recv_kv(t1, torch.zeros(lay.local_shape(4, 0, 0)), lay, lay, 0, [0, 1], [0], 0, chunk_bytes=None)
+    send_kv(t0, torch.zeros(lay.local_shape(4, 0, 0)), lay, lay, 0, [0, 1, 2], [1], 0)
+    with pytest.raises(ValueError, match="length mismatch: rank 0 sends 3 blocks"):
+        recv_kv(t1, torch.zeros(lay.local_shape(4, 0, 0)), lay, lay, 0, list(range(num_recv_blocks)), [0], 0)
+
+
+def test_chunking_mismatch_between_sides_is_a_value_error() -> None:
+    lay = make_layout(1, 1)
+    t0, t1 = InProcessTransport.create_world(2, timeout_s=10)
+    send_kv(t0, torch.zeros(lay.local_shape(4, 0, 0)), lay, lay, 0, [0, 1], [1], 0, chunk_bytes=64)
+    with pytest.raises(ValueError, match="chunk_bytes"):
+        recv_kv(t1, torch.zeros(lay.local_shape(4, 0, 0)), lay, lay, 0, [2, 3], [0], 0, chunk_bytes=None)
 
 
 def test_trim_block_lists() -> None:

@@ -1,0 +1,139 @@
+"""``Placement``: the deployable description of a serving setup, as data (JSON in, JSON out).
+
+``distserve plan`` writes one; ``distserve serve --placement FILE`` deploys exactly that. The
+shorthand flags (``--prefill 1 --decode 1 --prefill-tp 1 ...``, ``--colocated N``) build one too.
+
+    {"prefill": [{"tp": 2, "pp": 1, "node": 0}], "decode": [{"tp": 1, "pp": 1, "node": 0}],
+     "colocated": [], "predicted": {...optional planner figures...}}
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from distserve.config import ParallelConfig
+from distserve.errors import InvalidConfigError
+
+
+@dataclass(frozen=True)
+class InstanceSpec:
+    """One instance: its parallelism and, optionally, the node (index) its workers must use."""
+
+    tp: int = 1
+    pp: int = 1
+    node: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("tp", "pp"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise InvalidConfigError(f"instance {name} must be an integer >= 1, got {value!r}")
+        if self.node is not None and (not isinstance(self.node, int) or self.node < 0):
+            raise InvalidConfigError(f"instance node must be an integer >= 0, got {self.node!r}")
+
+    @property
+    def parallel(self) -> ParallelConfig:
+        return ParallelConfig(tp=self.tp, pp=self.pp)
+
+    @property
+    def num_workers(self) -> int:
+        return self.tp * self.pp
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Prefill and decode instances (disaggregated), or colocated instances (the baseline)."""
+
+    prefill: tuple[InstanceSpec, ...] = ()
+    decode: tuple[InstanceSpec, ...] = ()
+    colocated: tuple[InstanceSpec, ...] = ()
+    predicted: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "prefill", tuple(self.prefill))
+        object.__setattr__(self, "decode", tuple(self.decode))
+        object.__setattr__(self, "colocated", tuple(self.colocated))
+        disagg = bool(self.prefill or self.decode)
+        if disagg and not (self.prefill and self.decode):
+            raise InvalidConfigError("a disaggregated placement needs at least one prefill and one decode instance")
+        if disagg and self.colocated:
+            raise InvalidConfigError("a placement is either disaggregated (prefill/decode) or colocated, not both")
+        if not disagg and not self.colocated:
+            raise InvalidConfigError("a placement needs prefill+decode instances or colocated instances")
+
+    @property
+    def is_disaggregated(self) -> bool:
+        return bool(self.prefill)
+
+    @property
+    def num_workers(self) -> int:
+        return sum(i.num_workers for i in self.prefill + self.decode + self.colocated)
+
+    @classmethod
+    def disaggregated(
+        cls, num_prefill: int = 1, num_decode: int = 1, prefill_tp: int = 1, prefill_pp: int = 1,
+        decode_tp: int = 1, decode_pp: int = 1,
+    ) -> "Placement":
+        """The shorthand flags: ``num_prefill`` × (prefill_tp, prefill_pp) and ``num_decode`` × (decode_tp, decode_pp)."""
+        if num_prefill < 1 or num_decode < 1:
+            raise InvalidConfigError(f"--prefill and --decode must be >= 1, got {num_prefill} and {num_decode}")
+        return cls(
+            prefill=tuple(InstanceSpec(prefill_tp, prefill_pp) for _ in range(num_prefill)),
+            decode=tuple(InstanceSpec(decode_tp, decode_pp) for _ in range(num_decode)),
+        )
+
+    @classmethod
+    def colocated_instances(cls, n: int, tp: int = 1, pp: int = 1) -> "Placement":
+        if n < 1:
+            raise InvalidConfigError(f"--colocated must be >= 1, got {n}")
+        return cls(colocated=tuple(InstanceSpec(tp, pp) for _ in range(n)))
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "prefill": [asdict(i) for i in self.prefill],
+            "decode": [asdict(i) for i in self.decode],
+            "colocated": [asdict(i) for i in self.colocated],
+        }
+        if self.predicted:
+            out["predicted"] = self.predicted
+        return out
+
+    @classmethod
+    def from_dict(cls, data: Any) -> "Placement":
+        if not isinstance(data, dict):
+            raise InvalidConfigError("placement JSON must be an object with 'prefill'/'decode' or 'colocated' lists")
+        unknown = set(data) - {"prefill", "decode", "colocated", "predicted"}
+        if unknown:
+            raise InvalidConfigError(f"unknown placement keys: {sorted(unknown)}")
+
+        def specs(key: str) -> tuple[InstanceSpec, ...]:
+            items = data.get(key) or []
+            if not isinstance(items, list):
+                raise InvalidConfigError(f"placement '{key}' must be a list")
+            out = []
+            for i, item in enumerate(items):
+                if not isinstance(item, dict) or set(item) - {"tp", "pp", "node"}:
+                    raise InvalidConfigError(f"placement {key}[{i}] must be an object with tp, pp and optional node")
+                out.append(InstanceSpec(**item))
+            return tuple(out)
+
+        return cls(specs("prefill"), specs("decode"), specs("colocated"), dict(data.get("predicted") or {}))
+
+    def to_json(self, path: str | Path | None = None) -> str:
+        text = json.dumps(self.to_dict(), indent=2)
+        if path is not None:
+            Path(path).write_text(text + "\n")
+        return text
+
+    @classmethod
+    def load(cls, path: str | Path) -> "Placement":
+        try:
+            data = json.loads(Path(path).read_text())
+        except OSError as exc:
+            raise InvalidConfigError(f"cannot read placement file {path}: {exc.strerror}") from exc
+        except json.JSONDecodeError as exc:
+            raise InvalidConfigError(f"placement file {path} is not valid JSON: {exc}") from exc
+        return cls.from_dict(data)

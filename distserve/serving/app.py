@@ -1,0 +1,142 @@
+"""Ray Serve application: the OpenAI API as a Serve ingress deployment (``serve run distserve.serving.app:build_app model=tiny``)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import FastAPI
+from ray import serve
+from ray.serve import Application
+
+from distserve.config import CacheConfig
+from distserve.errors import InvalidConfigError
+from distserve.serving.threaded_client import DEFAULT_MAX_QUEUED_REQUESTS, ThreadedEngineClient, build_local_engine_client
+
+RAY_NUM_CPUS = 8
+APP_NAME = "distserve"
+
+
+@dataclass(frozen=True)
+class ServeOptions:
+    """What the ingress deployment runs, from ``key=value`` args (all strings on the ``serve run`` command line)."""
+
+    model: str = "smollm2-135m"
+    served_model_name: str | None = None
+    colocated: int = 0
+    prefill: int = 1
+    decode: int = 1
+    dtype: str = "auto"
+    kv_cache_gb: float = 0.5
+    block_size: int = 16
+    max_queued_requests: int = DEFAULT_MAX_QUEUED_REQUESTS
+
+    @classmethod
+    def from_args(cls, args: Mapping[str, Any]) -> ServeOptions:
+        fields: dict[str, Callable[[Any], Any]] = {
+            "model": str,
+            "served_model_name": str,
+            "colocated": int,
+            "prefill": int,
+            "decode": int,
+            "dtype": str,
+            "kv_cache_gb": float,
+            "block_size": int,
+            "max_queued_requests": int,
+        }
+        unknown = sorted(set(args) - set(fields))
+        if unknown:
+            raise InvalidConfigError(f"unknown app args {unknown}; expected some of {sorted(fields)}")
+        values: dict[str, Any] = {}
+        for key, value in args.items():
+            if value is None:
+                continue
+            try:
+                values[key] = fields[key](value)
+            except (TypeError, ValueError) as exc:
+                raise InvalidConfigError(f"app arg {key}={value!r} is not a valid {fields[key].__name__}") from exc
+        return cls(**values)
+
+    def build_client(self) -> ThreadedEngineClient:
+        return build_local_engine_client(
+            self.model,
+            num_colocated=self.colocated,
+            num_prefill=self.prefill,
+            num_decode=self.decode,
+            dtype=self.dtype,
+            cache_config=CacheConfig(block_size=self.block_size, kv_cache_memory_gb=self.kv_cache_gb),
+            max_queued_requests=self.max_queued_requests,
+        )
+
+
+@serve.deployment(ray_actor_options={"num_cpus": 0.1})
+@serve.ingress()
+class DistServeIngress:
+    """One replica: a ``ThreadedEngineClient`` over in-process engines behind the FastAPI app."""
+
+    def __init__(self, options: ServeOptions) -> None:
+        self.options = options
+        self.client = options.build_client()
+
+    def __serve_build_asgi_app__(self) -> FastAPI:
+        from distserve.serving.api import build_fastapi_app
+
+        return build_fastapi_app(self.client, self.options.served_model_name or self.options.model)
+
+    def __del__(self) -> None:
+        client = getattr(self, "client", None)
+        if client is not None:
+            client.close()
+
+
+def build_app(args: Mapping[str, Any]) -> Application:
+    """The Serve application for ``serve run distserve.serving.app:build_app model=tiny prefill=1 decode=1``."""
+    return DistServeIngress.bind(ServeOptions.from_args(args))  # type: ignore[attr-defined]
+
+
+def init_ray_local(temp_dir: str | None = None) -> bool:
+    """Start a private loopback-only Ray instance unless one is initialised; True if this call started it."""
+    import ray
+
+    if ray.is_initialized():
+        return False
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    kwargs: dict[str, Any] = {"_temp_dir": temp_dir} if temp_dir else {}
+    ray.init(
+        address="local",
+        num_cpus=RAY_NUM_CPUS,
+        include_dashboard=False,
+        _node_ip_address="127.0.0.1",
+        **kwargs,
+    )
+    return True
+
+
+def run_ray_serve(
+    options: ServeOptions, host: str, port: int, *, on_ready: Callable[[str], None] | None = None
+) -> None:
+    """Deploy on Ray Serve with the HTTP proxy on ``host:port`` and block until SIGINT/SIGTERM, then tear down."""
+    import ray
+
+    stop = threading.Event()
+    handlers = {s: signal.signal(s, lambda *_: stop.set()) for s in (signal.SIGINT, signal.SIGTERM)}
+    started_ray = False
+    try:
+        started_ray = init_ray_local()
+        serve.start(http_options={"host": host, "port": port})
+        serve.run(DistServeIngress.bind(options), name=APP_NAME, route_prefix="/")  # type: ignore[attr-defined]
+        if on_ready is not None:
+            on_ready(f"http://{host}:{port}")
+        while not stop.wait(0.5):
+            pass
+    finally:
+        if ray.is_initialized():
+            serve.shutdown()
+        if started_ray:
+            ray.shutdown()
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)

@@ -1,0 +1,468 @@
+"""The Controller: deploys a ``Placement`` on Ray, routes requests, migrates KV, streams outputs.
+
+Instances are threaded Ray actors (``InstanceServer``) in one placement group each (STRICT_PACK,
+on the node the placement names). All their workers form one torch.distributed world (gloo on
+CPU, NCCL on GPU): TP/PP groups inside an instance, point-to-point KV migration between them.
+
+Per instance an asyncio task keeps calling ``step`` while it has work, so prefill and decode
+instances run concurrently in their own processes. When a prefill step yields a first token,
+the request waits (KV held) until a decode instance ``reserve``s room — pull-based — then both
+sides post the transfer; the decode side reports it received, and only then is the prefill side
+told to ``release`` its blocks. A failed transfer re-prefills the request; a dead instance's
+requests are re-run (prompt + tokens so far) on a surviving instance of the same phase.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import os
+import socket
+import time
+from collections.abc import AsyncIterator, Sequence as Seq
+from dataclasses import dataclass, field
+from typing import Any
+
+from distserve.config import CacheConfig, SamplingParams, SchedulerConfig
+from distserve.engine.model import resolve_dtype
+from distserve.engine.outputs import RequestFrontend, RequestOutput
+from distserve.engine.sequence import Sequence, SequenceStatus
+from distserve.engine.weights import load_model
+from distserve.errors import DistServeError, InvalidConfigError, QueueFullError
+from distserve.kvtransfer.layout import KVLayout
+from distserve.kvtransfer.migration import num_tags
+from distserve.kvtransfer.transport import MAX_TAG
+from distserve.placement.placement import InstanceSpec as PlacedInstance
+from distserve.placement.placement import Placement
+from distserve.serving.instance_server import InstanceServer, InstanceSpec, StepResult
+from distserve.serving.worker import Worker, WorkerSpec
+
+CPUS_PER_WORKER = 0.1  # Ray bookkeeping only: on 2 cores, the OS shares the cores among workers.
+
+
+class RayWorkerFactory:
+    """Creates a worker actor in its bundle of the instance's placement group (picklable)."""
+
+    def __init__(self, placement_group: Any) -> None:
+        self.placement_group = placement_group
+
+    def __call__(self, spec: WorkerSpec) -> Any:
+        import ray
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        strategy = PlacementGroupSchedulingStrategy(self.placement_group, placement_group_bundle_index=spec.shard.rank)
+        return (
+            ray.remote(Worker)
+            .options(num_cpus=CPUS_PER_WORKER, max_concurrency=4, scheduling_strategy=strategy)
+            .remote(spec)
+        )
+
+
+@dataclass
+class _Instance:
+    spec: InstanceSpec
+    actor: Any
+    placement_group: Any
+    layout: KVLayout | None = None
+    has_work: bool = False
+    alive: bool = True
+    wake: asyncio.Event = field(default_factory=asyncio.Event)
+    num_assigned: int = 0  # requests routed here and not yet finished or moved on
+    last_stats: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def phase(self) -> str:
+        return self.spec.phase
+
+    def kick(self) -> None:
+        self.has_work = True
+        self.wake.set()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _node_resources(node_index: int | None) -> dict[str, float]:
+    """Bundle resources pinning a worker to the placement's node ``node_index``.
+
+    A cluster may label its nodes with ``distserve_node_<i>`` custom resources; otherwise node i
+    is the i-th alive Ray node by node id, addressed through Ray's built-in ``node:<ip>`` resource.
+    """
+    if node_index is None:
+        return {}
+    import ray
+
+    label = f"distserve_node_{node_index}"
+    if label in ray.cluster_resources():
+        return {label: 0.001}
+    nodes = sorted((n for n in ray.nodes() if n["Alive"]), key=lambda n: n["NodeID"])
+    if node_index >= len(nodes):
+        raise InvalidConfigError(f"placement names node {node_index} but the Ray cluster has {len(nodes)} node(s)")
+    return {f"node:{nodes[node_index]['NodeManagerAddress']}": 0.001}
+
+
+class Controller(RequestFrontend):
+    """Owns the instances of one placement; an asyncio object living in the serving process."""
+
+    def __init__(
+        self,
+        model: str,
+        placement: Placement,
+        *,
+        dtype: str = "auto",
+        cache_config: CacheConfig | None = None,
+        scheduler_config: SchedulerConfig | None = None,
+        prefill_scheduler_config: SchedulerConfig | None = None,
+        max_queued_requests: int = 1024,
+        num_threads_per_worker: int = 1,
+    ) -> None:
+        self.model_name = model
+        self.dtype = resolve_dtype(dtype)
+        super().__init__(load_model(model, self.dtype, weights=False), cache_config, scheduler_config)
+        self.placement = placement
+        self.prefill_scheduler_config = prefill_scheduler_config or self.scheduler_config
+        self.max_queued_requests = max_queued_requests
+        self.num_threads_per_worker = num_threads_per_worker
+        self.instances: list[_Instance] = []
+        self._queues: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
+        self._owner: dict[str, _Instance] = {}
+        self._source: dict[str, _Instance] = {}  # decode-bound request -> prefill instance holding its KV
+        self._pending: list[tuple[_Instance, str]] = []  # prefilled, waiting for a decode instance
+        self._migration_lock = asyncio.Lock()
+        self._tags = itertools.count()
+        self._tasks: list[asyncio.Task[None]] = []
+        self._closed = False
+        self.migration_counters = {"num_migrations": 0, "kv_migration_blocks_skipped_total": 0}
+        self.migration_durations: list[float] = []
+        self._migration_started: dict[str, float] = {}
+
+    # ---- deployment --------------------------------------------------------------------------
+    async def start(self) -> None:
+        """Create placement groups and instance actors, form the torch.distributed world, start loops."""
+        import ray
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        groups: list[tuple[str, tuple[PlacedInstance, ...]]] = [
+            ("prefill", self.placement.prefill), ("decode", self.placement.decode), ("colocated", self.placement.colocated)
+        ]
+        next_rank = 0
+        for phase, specs in groups:
+            sched = self.prefill_scheduler_config if phase == "prefill" else self.scheduler_config
+            for i, placed in enumerate(specs):
+                world = placed.num_workers
+                bundle = {"CPU": CPUS_PER_WORKER, **_node_resources(placed.node)}
+                pg = placement_group([dict(bundle) for _ in range(world)], strategy="STRICT_PACK")
+                spec = InstanceSpec(
+                    instance_id=f"{phase}-{i}", phase=phase, model=self.model_name, dtype=self.dtype,
+                    cache=self.cache_config, scheduler=sched, num_blocks=self.num_blocks,
+                    max_model_len=self.max_model_len, eos_token_ids=self.eos_token_ids, tp=placed.tp, pp=placed.pp,
+                    global_ranks=list(range(next_rank, next_rank + world)), num_threads=self.num_threads_per_worker,
+                )
+                next_rank += world
+                self.instances.append(_Instance(spec, None, pg))
+        await asyncio.gather(*(asyncio.wrap_future(_ready_future(inst.placement_group)) for inst in self.instances))
+        for inst in self.instances:
+            strategy = PlacementGroupSchedulingStrategy(inst.placement_group, placement_group_bundle_index=0)
+            inst.actor = (
+                ray.remote(InstanceServer)
+                .options(num_cpus=CPUS_PER_WORKER, max_concurrency=8, max_restarts=0, scheduling_strategy=strategy)
+                .remote(inst.spec, RayWorkerFactory(inst.placement_group))
+            )
+        host = "127.0.0.1" if all(p.node in (None, 0) for p in self.placement.prefill + self.placement.decode + self.placement.colocated) else ray.util.get_node_ip_address()
+        init_method = f"tcp://{host}:{_free_port()}"
+        await asyncio.gather(*(inst.actor.init.remote(init_method, next_rank) for inst in self.instances))
+        layouts = await asyncio.gather(*(inst.actor.layout.remote() for inst in self.instances))
+        for inst, layout in zip(self.instances, layouts):
+            inst.layout = layout
+            self._tasks.append(asyncio.create_task(self._loop(inst)))
+
+    async def shutdown(self) -> None:
+        import ray
+        from ray.util.placement_group import remove_placement_group
+
+        self._closed = True
+        for inst in self.instances:
+            inst.wake.set()
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        for inst in self.instances:
+            if inst.alive:
+                try:
+                    await asyncio.wait_for(inst.actor.shutdown.remote(), timeout=10)
+                except Exception:  # noqa: BLE001 - best effort: the actor is killed below anyway
+                    pass
+            ray.kill(inst.actor, no_restart=True)
+            remove_placement_group(inst.placement_group)
+        for q in self._queues.values():
+            q.put_nowait(DistServeError("the server is shutting down"))
+
+    # ---- requests ----------------------------------------------------------------------------
+    def _submit(self, seq: Sequence) -> None:
+        self._route_new(seq)
+
+    def _route_new(self, seq: Sequence) -> None:
+        entry = [i for i in self.instances if i.alive and i.phase in ("prefill", "colocated")]
+        if not entry:
+            raise DistServeError("no prefill or colocated instance is alive")
+        inst = min(entry, key=lambda i: i.num_assigned)
+        inst.num_assigned += 1
+        self._owner[seq.seq_id] = inst
+        copy = _copy_sequence(seq)
+        inst.actor.add.remote(copy)
+        inst.kick()
+
+    async def generate(
+        self, prompt: str | Seq[int], sampling: SamplingParams, request_id: str, priority: int = 0
+    ) -> AsyncIterator[RequestOutput]:
+        """Stream one request's outputs; closing the iterator early aborts the request."""
+        if len(self._queues) >= self.max_queued_requests:
+            raise QueueFullError(f"{len(self._queues)} requests in flight (max {self.max_queued_requests})")
+        queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self._queues[request_id] = queue
+        try:
+            self.add_request(prompt, sampling, request_id=request_id, priority=priority)
+        except BaseException:
+            self._queues.pop(request_id, None)
+            raise
+        finished = False
+        try:
+            while True:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if item.finished:
+                    finished = True
+                    return
+        finally:
+            self._queues.pop(request_id, None)
+            if not finished:
+                await self.abort(request_id)
+
+    async def abort(self, request_id: str) -> None:
+        seq = self._forget(request_id)
+        if seq is None:
+            return
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = "abort"
+        self._drop(request_id, "abort")
+
+    def _drop(self, request_id: str, reason: str) -> None:
+        """Tell every instance holding this request's KV to free it."""
+        self._pending = [(i, s) for i, s in self._pending if s != request_id]
+        for holder in (self._owner.pop(request_id, None), self._source.pop(request_id, None)):
+            if holder is not None and holder.alive:
+                holder.num_assigned = max(0, holder.num_assigned - 1)
+                holder.actor.abort.remote(request_id, reason)
+                holder.kick()
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        """A stop string matched: the request is done here and on whichever instance runs it."""
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        seq.finish_time = time.monotonic()
+        self._drop(seq.seq_id, reason)
+
+    # ---- instance loops ----------------------------------------------------------------------
+    async def _loop(self, inst: _Instance) -> None:
+        import ray
+
+        while not self._closed:
+            if not inst.has_work:
+                inst.wake.clear()
+                await inst.wake.wait()
+                continue
+            try:
+                result: StepResult = await inst.actor.step.remote()
+            except (ray.exceptions.RayActorError, ray.exceptions.ActorDiedError):
+                await self._on_death(inst)
+                return
+            inst.has_work = result.has_work
+            self._apply(inst, result)
+            if self._pending:
+                await self._migrate_pending()
+
+    def _apply(self, inst: _Instance, result: StepResult) -> None:
+        now = time.monotonic()
+        for seq_id in result.received:
+            source = self._source.pop(seq_id, None)
+            if source is not None and source.alive:
+                source.actor.release.remote(seq_id)  # acknowledged: the prefill KV may go
+                source.num_assigned = max(0, source.num_assigned - 1)
+                source.kick()
+            started = self._migration_started.pop(seq_id, None)
+            if started is not None:
+                self.migration_durations.append(now - started)
+        for seq_id in result.failed_transfers:
+            self._on_failed_transfer(seq_id)
+        for up in result.updates:
+            seq = self._seqs.get(up.seq_id)
+            if seq is None or seq.is_finished:
+                continue
+            seq.token_ids.extend(up.new_token_ids)
+            seq.logprobs.extend(up.new_logprobs)
+            if up.new_token_ids and seq.first_token_time is None:
+                seq.first_token_time = now
+                seq.num_cached_tokens = up.num_cached_tokens
+            if up.finished:
+                seq.status = SequenceStatus.FINISHED
+                seq.finish_reason = up.finish_reason
+                seq.finish_time = now
+                owner = self._owner.pop(seq.seq_id, None)
+                if owner is not None:
+                    owner.num_assigned = max(0, owner.num_assigned - 1)
+            elif up.awaiting_migration:
+                self._pending.append((inst, seq.seq_id))
+            out = self._output(seq, now, self._finish)
+            queue = self._queues.get(seq.seq_id)
+            if queue is not None:
+                queue.put_nowait(out)
+
+    async def _migrate_pending(self) -> None:
+        """Move waiting requests to decode instances with room, oldest first (pull-based)."""
+        async with self._migration_lock:
+            still: list[tuple[_Instance, str]] = []
+            for src, seq_id in self._pending:
+                seq = self._seqs.get(seq_id)
+                if seq is None or seq.is_finished or not src.alive:
+                    continue
+                if still or not await self._migrate(src, seq):
+                    still.append((src, seq_id))  # FCFS: nobody overtakes a request waiting for room
+            self._pending = still
+
+    async def _migrate(self, src: _Instance, seq: Sequence) -> bool:
+        decodes = [i for i in self.instances if i.alive and i.phase == "decode"]
+        if not decodes:
+            return False
+        for dst in sorted(decodes, key=lambda i: i.num_assigned):
+            reservation = await dst.actor.reserve.remote(_copy_sequence(seq))
+            if reservation is not None:
+                break
+        else:
+            return False
+        assert src.layout is not None and dst.layout is not None
+        span = num_tags(src.layout, dst.layout)
+        tag = 1 + (next(self._tags) * span) % (MAX_TAG - span - 1)
+        self._migration_started[seq.seq_id] = time.monotonic()
+        self._owner[seq.seq_id] = dst
+        self._source[seq.seq_id] = src
+        dst.num_assigned += 1
+        first, end = reservation.num_reused_blocks, reservation.num_blocks_to_fill
+        self.migration_counters["num_migrations"] += 1
+        self.migration_counters["kv_migration_blocks_skipped_total"] += first
+        await asyncio.gather(
+            src.actor.start_send.remote(seq.seq_id, first, end, dst.layout, dst.spec.global_ranks, tag),
+            dst.actor.start_recv.remote(seq.seq_id, reservation, src.layout, src.spec.global_ranks, tag),
+        )
+        dst.kick()
+        src.kick()
+        return True
+
+    def _on_failed_transfer(self, seq_id: str) -> None:
+        """Re-prefill on the instance that still holds the request (cheap: its prefix is cached)."""
+        src = self._source.pop(seq_id, None)
+        dst = self._owner.get(seq_id)
+        if dst is not None and dst.phase == "decode":
+            dst.actor.cancel_reservation.remote(seq_id)
+            dst.num_assigned = max(0, dst.num_assigned - 1)
+            dst.kick()
+        self._migration_started.pop(seq_id, None)
+        if src is not None and src.alive:
+            self._owner[seq_id] = src
+            src.actor.requeue.remote(seq_id)
+            src.kick()
+
+    async def _on_death(self, inst: _Instance) -> None:
+        """Re-run the dead instance's requests from prompt + tokens so far on survivors."""
+        inst.alive = False
+        lost = [sid for sid, owner in self._owner.items() if owner is inst]
+        lost += [sid for sid, src in self._source.items() if src is inst and sid not in lost]
+        self._pending = [(i, s) for i, s in self._pending if i is not inst]
+        for seq_id in lost:
+            seq = self._seqs.get(seq_id)
+            self._owner.pop(seq_id, None)
+            holder = self._source.pop(seq_id, None)
+            if holder is not None and holder is not inst and holder.alive:
+                holder.actor.abort.remote(seq_id, "abort")
+            if seq is None or seq.is_finished:
+                continue
+            try:
+                self._route_new(seq)
+            except DistServeError as exc:
+                queue = self._queues.get(seq_id)
+                if queue is not None:
+                    queue.put_nowait(exc)
+
+    # ---- observability -----------------------------------------------------------------------
+    async def stats(self) -> dict[str, object]:
+        alive = [i for i in self.instances if i.alive]
+        per = await asyncio.gather(*(i.actor.stats.remote() for i in alive), return_exceptions=True)
+        instances = [s for s in per if isinstance(s, dict)]
+        durations, self.migration_durations = self.migration_durations, []
+        return {
+            "instances": instances,
+            "kv_migration_seconds": durations,
+            "num_requests_awaiting_migration": len(self._pending),
+            **self.migration_counters,
+        }
+
+    async def placement_report(self) -> list[dict[str, Any]]:
+        """Where each instance's workers run (Ray node ids), for checks and /debug."""
+        nodes = await asyncio.gather(*(i.actor.worker_node_ids.remote() for i in self.instances))
+        return [
+            {"instance": i.spec.instance_id, "tp": i.spec.tp, "pp": i.spec.pp, "node_ids": n}
+            for i, n in zip(self.instances, nodes)
+        ]
+
+
+def _copy_sequence(seq: Sequence) -> Sequence:
+    """A fresh sequence for another process: tokens so far, no blocks."""
+    return Sequence(
+        seq_id=seq.seq_id,
+        prompt_token_ids=list(seq.prompt_token_ids),
+        sampling=seq.sampling,
+        arrival_time=seq.arrival_time,
+        priority=seq.priority,
+        token_ids=list(seq.token_ids),
+        first_token_time=seq.first_token_time,
+        logprobs=list(seq.logprobs),
+    )
+
+
+def _ready_future(pg: Any) -> Any:
+    import concurrent.futures
+
+    import ray
+
+    fut: concurrent.futures.Future[Any] = concurrent.futures.Future()
+
+    def wait() -> None:
+        try:
+            fut.set_result(ray.get(pg.ready(), timeout=120))
+        except Exception as exc:  # noqa: BLE001 - surfaced to the caller through the future
+            fut.set_exception(
+                InvalidConfigError(f"the cluster cannot host this placement (placement group not ready: {exc})")
+            )
+
+    import threading
+
+    threading.Thread(target=wait, daemon=True).start()
+    return fut
+
+
+def ray_init_local(temp_dir: str | None = None, num_cpus: int = 8) -> None:
+    """Start (or join) Ray on loopback with small, explicit resources, if not running already."""
+    import ray
+
+    if ray.is_initialized():
+        return
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    kwargs: dict[str, Any] = {"num_cpus": num_cpus, "include_dashboard": False, "_node_ip_address": "127.0.0.1"}
+    if temp_dir:
+        kwargs["_temp_dir"] = temp_dir
+    ray.init(**kwargs)

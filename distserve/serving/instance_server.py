@@ -1,0 +1,328 @@
+"""An instance as the runtime sees it: a phase scheduler driving ``tp × pp`` workers, plus KV transfer.
+
+Ray-free (the runtime wraps it in a threaded Ray actor). Rank 0 runs in this process; other
+ranks are worker actors created by ``create_remote_worker``. ``step`` runs while ``reserve``,
+``start_send`` and ``start_recv`` may arrive on other threads: scheduler state is guarded by a
+lock held only around scheduling and bookkeeping, never around model execution, and operations
+that free blocks (abort, release) are deferred to the next step boundary so an in-flight step
+never writes into a block that was handed to someone else.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from distserve.config import CacheConfig, SchedulerConfig
+from distserve.decode.scheduler import DecodeScheduler, Reservation
+from distserve.engine.block_manager import BlockManager
+from distserve.engine.parallel import ShardSpec
+from distserve.engine.scheduler import SampledToken, Scheduler, StepPlan
+from distserve.engine.sequence import Sequence
+from distserve.kvtransfer.layout import KVLayout
+from distserve.prefill.scheduler import PrefillScheduler
+from distserve.serving.worker import TransferResult, Worker, WorkerSpec
+
+SCHEDULERS: dict[str, type[Scheduler]] = {
+    "prefill": PrefillScheduler,
+    "decode": DecodeScheduler,
+    "colocated": Scheduler,
+}
+
+
+@dataclass
+class InstanceSpec:
+    """What an instance is: phase, model, caches and parallelism; plain data for Ray."""
+
+    instance_id: str
+    phase: str  # prefill | decode | colocated
+    model: str
+    dtype: str
+    cache: CacheConfig
+    scheduler: SchedulerConfig
+    num_blocks: int
+    max_model_len: int
+    eos_token_ids: tuple[int, ...]
+    tp: int
+    pp: int
+    global_ranks: list[int]  # instance-local rank -> global torch.distributed rank
+    num_threads: int = 1
+
+
+@dataclass
+class SeqUpdate:
+    """What happened to one request in a step (tokens since its previous update)."""
+
+    seq_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[float]
+    finished: bool
+    finish_reason: str | None
+    num_cached_tokens: int
+    awaiting_migration: bool = False
+
+
+@dataclass
+class StepResult:
+    updates: list[SeqUpdate] = field(default_factory=list)
+    received: list[str] = field(default_factory=list)  # decode: KV arrived, request now decoding
+    failed_transfers: list[str] = field(default_factory=list)
+    has_work: bool = False
+    step_seconds: float = 0.0
+    num_batched_tokens: int = 0
+
+
+class InstanceServer:
+    def __init__(self, spec: InstanceSpec, create_remote_worker: Callable[[WorkerSpec], Any] | None = None) -> None:
+        if spec.phase not in SCHEDULERS:
+            raise ValueError(f"unknown phase {spec.phase!r}")
+        self.spec = spec
+        self.block_manager = BlockManager(spec.num_blocks, spec.cache.block_size, spec.cache.enable_prefix_caching)
+        self.scheduler = SCHEDULERS[spec.phase](spec.scheduler, self.block_manager, spec.max_model_len, spec.eos_token_ids)
+        self.seqs: dict[str, Sequence] = {}
+        self._reported: dict[str, int] = {}  # output tokens already reported per request
+        self._lock = threading.Lock()
+        self._deferred: list[Callable[[], None]] = []
+        self._pending: dict[str, set[int]] = {}  # transfer key -> ranks still busy
+        self._failed: set[str] = set()
+        self.last_step_s = 0.0
+        self.num_steps = 0
+
+        def worker_spec(rank: int) -> WorkerSpec:
+            shard = ShardSpec(tp=spec.tp, pp=spec.pp, tp_rank=rank % spec.tp, pp_rank=rank // spec.tp)
+            return WorkerSpec(
+                spec.model, spec.dtype, spec.num_blocks, spec.cache.block_size, spec.eos_token_ids, shard,
+                list(spec.global_ranks), spec.num_threads,
+            )
+
+        world = spec.tp * spec.pp
+        if world > 1 and create_remote_worker is None:
+            raise ValueError("an instance with tp * pp > 1 needs create_remote_worker")
+        self.local = Worker(worker_spec(0))
+        self.remote = [create_remote_worker(worker_spec(r)) for r in range(1, world)] if world > 1 else []
+
+    # ---- set-up --------------------------------------------------------------------------------
+    def init(self, init_method: str, world_size: int) -> str:
+        """Every rank joins the world; returns the backend (gloo on CPU, nccl on GPU)."""
+        refs = [w.init.remote(init_method, world_size) for w in self.remote]
+        backend = self.local.init(init_method, world_size)
+        _ray_get(refs)
+        return backend
+
+    def layout(self) -> KVLayout:
+        assert self.local.layout is not None
+        return self.local.layout
+
+    def ranks(self) -> list[int]:
+        return list(self.spec.global_ranks)
+
+    # ---- requests ----------------------------------------------------------------------------
+    def add(self, seq: Sequence) -> None:
+        with self._lock:
+            self.seqs[seq.seq_id] = seq
+            self._reported[seq.seq_id] = seq.num_output_tokens
+            self.scheduler.add(seq)
+
+    def abort(self, seq_id: str, reason: str = "abort") -> None:
+        """Finish a request here (abort, or a stop string the controller matched); frees its KV."""
+
+        def run() -> None:
+            seq = self.seqs.pop(seq_id, None)
+            self._reported.pop(seq_id, None)
+            if seq is not None and not seq.is_finished:
+                self.scheduler.finish(seq, reason)
+
+        with self._lock:
+            self._deferred.append(run)
+
+    def release(self, seq_id: str) -> None:
+        """Prefill side: the decode side acknowledged the KV; free it at the next step boundary."""
+
+        def run() -> None:
+            assert isinstance(self.scheduler, PrefillScheduler)
+            self.scheduler.release(seq_id)
+            self.seqs.pop(seq_id, None)
+            self._reported.pop(seq_id, None)
+
+        with self._lock:
+            self._deferred.append(run)
+
+    def requeue(self, seq_id: str) -> None:
+        """Prefill side: the transfer failed; prefill the request again."""
+
+        def run() -> None:
+            assert isinstance(self.scheduler, PrefillScheduler)
+            self.scheduler.requeue(seq_id)
+
+        with self._lock:
+            self._deferred.append(run)
+
+    def reserve(self, seq: Sequence) -> Reservation | None:
+        """Decode side: blocks for a migrating request (prompt + first token), or None if full."""
+        with self._lock:
+            assert isinstance(self.scheduler, DecodeScheduler)
+            reservation = self.scheduler.reserve(seq)
+            if reservation is not None:
+                self.seqs[seq.seq_id] = seq
+                self._reported[seq.seq_id] = seq.num_output_tokens
+            return reservation
+
+    def start_send(
+        self, seq_id: str, first: int, end: int, dst_layout: KVLayout, dst_ranks: list[int], tag_base: int
+    ) -> None:
+        """Prefill side: post the sends of blocks [first, end) of a request awaiting migration."""
+        with self._lock:
+            assert isinstance(self.scheduler, PrefillScheduler)
+            blocks = self.scheduler.awaiting_migration[seq_id].block_table[first:end]
+            self._pending["send:" + seq_id] = set(range(len(self.remote) + 1))
+        self._fan_out("start_send", "send:" + seq_id, blocks, dst_layout, dst_ranks, tag_base, first)
+
+    def start_recv(
+        self, seq_id: str, reservation: Reservation, src_layout: KVLayout, src_ranks: list[int], tag_base: int
+    ) -> None:
+        """Decode side: post the receives into the reserved blocks."""
+        first, end = reservation.num_reused_blocks, reservation.num_blocks_to_fill
+        with self._lock:
+            self._pending["recv:" + seq_id] = set(range(len(self.remote) + 1))
+        self._fan_out("start_recv", "recv:" + seq_id, reservation.block_table[first:end], src_layout, src_ranks, tag_base, first)
+
+    def cancel_reservation(self, seq_id: str) -> None:
+        def run() -> None:
+            assert isinstance(self.scheduler, DecodeScheduler)
+            self.scheduler.cancel(seq_id)
+            self.seqs.pop(seq_id, None)
+            self._reported.pop(seq_id, None)
+
+        with self._lock:
+            self._deferred.append(run)
+
+    def _fan_out(self, method: str, *args: Any) -> None:
+        refs = [getattr(w, method).remote(*args) for w in self.remote]
+        getattr(self.local, method)(*args)
+        _ray_get(refs)
+
+    # ---- the step ----------------------------------------------------------------------------
+    def step(self) -> StepResult:
+        t0 = time.perf_counter()
+        result = StepResult()
+        with self._lock:
+            for run in self._deferred:
+                run()
+            self._deferred.clear()
+            self._collect_transfers(result)
+            plan = self.scheduler.schedule()
+        sampled = self._execute(plan)
+        with self._lock:
+            updated = self.scheduler.update_from_output(plan, sampled, self.seqs, time.monotonic())
+            for seq in updated:
+                result.updates.append(self._update(seq))
+            s = self.scheduler
+            result.has_work = bool(s.waiting or s.running or self._pending or self._deferred)
+        self.last_step_s = result.step_seconds = time.perf_counter() - t0
+        result.num_batched_tokens = plan.num_batched_tokens
+        self.num_steps += 1
+        return result
+
+    def _execute(self, plan: StepPlan) -> list[SampledToken]:
+        if plan.is_empty and not plan.finished_seq_ids:
+            return []
+        refs = [w.execute.remote(plan) for w in self.remote]
+        sampled = self.local.execute(plan)
+        for other in _ray_get(refs):
+            sampled = sampled or other
+        return sampled
+
+    def _collect_transfers(self, result: StepResult) -> None:
+        if not self._pending:
+            return
+        done: list[TransferResult] = list(self.local.poll())
+        done_ranks: list[tuple[int, TransferResult]] = [(0, d) for d in done]
+        if self.remote:
+            for rank, polled in enumerate(_ray_get([w.poll.remote() for w in self.remote]), start=1):
+                done_ranks.extend((rank, d) for d in polled)
+        for rank, d in done_ranks:
+            busy = self._pending.get(d.key)
+            if busy is None:
+                continue
+            busy.discard(rank)
+            if not d.ok:
+                self._failed.add(d.key)
+            if busy:
+                continue
+            del self._pending[d.key]
+            kind, seq_id = d.key.split(":", 1)
+            failed = d.key in self._failed
+            self._failed.discard(d.key)
+            if failed:
+                result.failed_transfers.append(seq_id)
+                if kind == "recv":
+                    assert isinstance(self.scheduler, DecodeScheduler)
+                    self.scheduler.cancel(seq_id)
+                    self.seqs.pop(seq_id, None)
+            elif kind == "recv":
+                assert isinstance(self.scheduler, DecodeScheduler)
+                if self.scheduler.complete(seq_id) is not None:
+                    result.received.append(seq_id)
+
+    def _update(self, seq: Sequence) -> SeqUpdate:
+        seen = self._reported.get(seq.seq_id, 0)
+        n = seq.num_output_tokens
+        new = seq.output_token_ids[seen:]
+        self._reported[seq.seq_id] = n
+        awaiting = isinstance(self.scheduler, PrefillScheduler) and seq.seq_id in self.scheduler.awaiting_migration
+        if seq.is_finished:
+            self.seqs.pop(seq.seq_id, None)
+            self._reported.pop(seq.seq_id, None)
+        return SeqUpdate(
+            seq.seq_id, new, seq.logprobs[seen:] if seq.logprobs else [], seq.is_finished,
+            seq.finish_reason, seq.num_cached_tokens, awaiting,
+        )
+
+    def load(self) -> int:
+        with self._lock:
+            s = self.scheduler
+            return sum(q.num_uncomputed_tokens for q in s.waiting + s.running)
+
+    def stats(self) -> dict[str, Any]:
+        with self._lock:
+            s = self.scheduler
+            out: dict[str, Any] = {
+                "instance": self.spec.instance_id,
+                "phase": self.spec.phase,
+                "num_requests_waiting": s.num_waiting,
+                "num_requests_running": s.num_running,
+                "kv_cache_usage_perc": self.block_manager.usage,
+                "num_free_blocks": self.block_manager.num_free_blocks,
+                "step_seconds": self.last_step_s,
+                "num_steps": self.num_steps,
+                "tp": self.spec.tp,
+                "pp": self.spec.pp,
+            }
+            if isinstance(s, PrefillScheduler):
+                out["num_requests_awaiting_migration"] = s.num_awaiting_migration
+            if isinstance(s, DecodeScheduler):
+                out["num_requests_migrating"] = len(s.migrating)
+            return out
+
+    def node_id(self) -> str:
+        import ray
+
+        return ray.get_runtime_context().get_node_id()
+
+    def worker_node_ids(self) -> list[str]:
+        return [self.node_id()] + _ray_get([w.node_id.remote() for w in self.remote])
+
+    def shutdown(self) -> None:
+        _ray_get([w.shutdown.remote() for w in self.remote])
+        self.local.shutdown()
+
+
+def _ray_get(refs: list[Any]) -> list[Any]:
+    if not refs:
+        return []
+    import ray
+
+    return list(ray.get(refs))

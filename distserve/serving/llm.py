@@ -1,0 +1,125 @@
+"""``DisaggLLM``: the synchronous Python API over a Ray deployment of a ``Placement``.
+
+Same ``generate`` / ``stream`` calls as the colocated ``LLMEngine``; the controller's event loop
+runs on a background thread of the calling process, the instances in Ray actors.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import queue
+import threading
+from collections.abc import Coroutine, Iterator, Sequence as Seq
+from typing import Any, TypeVar
+
+from distserve.config import CacheConfig, SamplingParams, SchedulerConfig
+from distserve.engine.outputs import RequestOutput
+from distserve.errors import DistServeError
+from distserve.placement.placement import Placement
+from distserve.serving.controller import Controller, ray_init_local
+
+T = TypeVar("T")
+
+
+class DisaggLLM:
+    def __init__(
+        self,
+        model: str = "tiny",
+        placement: Placement | None = None,
+        *,
+        dtype: str = "auto",
+        cache_config: CacheConfig | None = None,
+        scheduler_config: SchedulerConfig | None = None,
+        prefill_scheduler_config: SchedulerConfig | None = None,
+        ray_temp_dir: str | None = None,
+    ) -> None:
+        ray_init_local(ray_temp_dir)
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="distserve-controller", daemon=True)
+        self._thread.start()
+        self.controller = Controller(
+            model,
+            placement or Placement.disaggregated(),
+            dtype=dtype,
+            cache_config=cache_config,
+            scheduler_config=scheduler_config,
+            prefill_scheduler_config=prefill_scheduler_config,
+        )
+        self.tokenizer = self.controller.tokenizer
+        self._ids = itertools.count()
+        self._run(self.controller.start())
+
+    def _run(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
+
+    def generate(
+        self,
+        prompts: str | Seq[str] | Seq[Seq[int]],
+        sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """Run prompts to completion concurrently; outputs in input order."""
+        if isinstance(prompts, str):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            params = [sampling_params or SamplingParams()] * len(prompts)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(prompts):
+                raise DistServeError(f"got {len(prompts)} prompts but {len(params)} sampling params")
+        encoded = [self.controller.encode_prompt(p) for p in prompts]  # validate all before queueing any
+
+        async def one(ids: list[int], sp: SamplingParams) -> RequestOutput:
+            last = None
+            async for out in self.controller.generate(ids, sp, f"llm-{next(self._ids)}"):
+                last = out
+            assert last is not None
+            return last
+
+        async def run_all() -> list[RequestOutput]:
+            return list(await asyncio.gather(*(one(e, sp) for e, sp in zip(encoded, params))))
+
+        return self._run(run_all())
+
+    def stream(self, prompt: str | Seq[int], sampling: SamplingParams | None = None) -> Iterator[RequestOutput]:
+        """Yield this request's outputs as tokens arrive."""
+        ids = self.controller.encode_prompt(prompt)
+        bridge: queue.Queue[RequestOutput | BaseException | None] = queue.Queue()
+
+        async def pump() -> None:
+            try:
+                async for out in self.controller.generate(ids, sampling or SamplingParams(), f"llm-{next(self._ids)}"):
+                    bridge.put(out)
+            except BaseException as exc:  # noqa: BLE001 - handed to the consuming thread
+                bridge.put(exc)
+            finally:
+                bridge.put(None)
+
+        fut = asyncio.run_coroutine_threadsafe(pump(), self._loop)
+        try:
+            while (item := bridge.get()) is not None:
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+        finally:
+            fut.cancel()
+
+    def stats(self) -> dict[str, object]:
+        return self._run(self.controller.stats())
+
+    def placement_report(self) -> list[dict[str, Any]]:
+        return self._run(self.controller.placement_report())
+
+    def shutdown(self) -> None:
+        try:
+            self._run(self.controller.shutdown(), timeout=60)
+        finally:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout=10)
+
+    def __enter__(self) -> "DisaggLLM":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()

@@ -1,0 +1,210 @@
+"""Prometheus metrics of the HTTP layer: request latency histograms and per-instance engine gauges.
+
+Names follow vLLM's with the prefix ``distserve:``. Each ``ServingMetrics`` owns its own
+``CollectorRegistry`` so several apps (tests) can live in one process.
+
+``EngineClient.stats()`` returns a ``ClientStats`` dict::
+
+    {
+        "instances": [
+            {"instance": "prefill-0", "phase": "prefill",      # phase: prefill | decode | colocated
+             "num_requests_waiting": 0, "num_requests_running": 1, "kv_cache_usage_perc": 0.02},
+            {"instance": "decode-0", "phase": "decode", ...},
+        ],
+        "kv_migration_bytes_total": 123456,                    # cumulative since start
+        "kv_migration_blocks_skipped_total": 16,               # cumulative: prefix blocks the receiver held
+        "kv_migration_seconds": [0.0012, 0.0009],              # durations of migrations since the previous call
+    }
+
+``kv_cache_usage_perc`` is a fraction in [0, 1] (1 = full), as in vLLM. The top-level migration
+figures are exported with ``instance="all", phase="decode"`` (the pulling side); a runtime that
+knows which decode instance pulled may instead put the same three keys in that instance's dict.
+``normalize_stats`` also accepts what ``LLMEngine.stats()`` and ``LocalDisaggEngine.stats()`` return.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Mapping
+from typing import Any, NotRequired, TypedDict
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from distserve.engine.outputs import RequestOutput
+
+PREFIX = "distserve:"
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+AGGREGATE_INSTANCE = "all"
+
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0)
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
+E2E_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
+MIGRATION_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+
+
+class InstanceStats(TypedDict):
+    instance: str
+    phase: str
+    num_requests_waiting: float
+    num_requests_running: float
+    kv_cache_usage_perc: float
+    kv_migration_bytes_total: NotRequired[float]
+    kv_migration_blocks_skipped_total: NotRequired[float]
+    kv_migration_seconds: NotRequired[list[float]]
+
+
+class ClientStats(TypedDict):
+    instances: list[InstanceStats]
+    kv_migration_bytes_total: float
+    kv_migration_blocks_skipped_total: float
+    kv_migration_seconds: list[float]
+
+
+_GAUGES = (
+    ("num_requests_waiting", "Requests waiting to be scheduled on the instance."),
+    ("num_requests_running", "Requests in the instance's running batch."),
+    ("kv_cache_usage_perc", "Fraction of the instance's KV-cache blocks in use (1 = full)."),
+)
+_MIGRATION_COUNTERS = (
+    ("kv_migration_bytes", "Bytes of KV cache moved from prefill to decode instances."),
+    ("kv_migration_blocks_skipped", "KV blocks not moved because the receiver already held the prefix."),
+)
+
+
+def instance_stats(raw: Mapping[str, Any], instance: str, phase: str) -> InstanceStats:
+    return {
+        "instance": instance,
+        "phase": phase,
+        "num_requests_waiting": float(raw.get("num_requests_waiting", 0)),
+        "num_requests_running": float(raw.get("num_requests_running", 0)),
+        "kv_cache_usage_perc": float(raw.get("kv_cache_usage_perc", 0.0)),
+    }
+
+
+def normalize_stats(raw: Mapping[str, Any]) -> ClientStats:
+    """The ``ClientStats`` shape from itself, ``LocalDisaggEngine.stats()`` or ``LLMEngine.stats()``."""
+    if "instances" in raw:
+        instances = [dict(i) for i in raw["instances"]]
+    elif isinstance(raw.get("prefill"), Mapping) or isinstance(raw.get("decode"), Mapping):
+        instances = [
+            instance_stats(s, name, phase)
+            for phase in ("prefill", "decode")
+            for name, s in dict(raw.get(phase) or {}).items()
+        ]
+    elif "num_requests_waiting" in raw:
+        instances = [instance_stats(raw, "colocated-0", "colocated")]
+    else:
+        instances = []
+    seconds = raw.get("kv_migration_seconds", [])
+    return {
+        "instances": instances,  # type: ignore[typeddict-item]
+        "kv_migration_bytes_total": float(raw.get("kv_migration_bytes_total", 0)),
+        "kv_migration_blocks_skipped_total": float(raw.get("kv_migration_blocks_skipped_total", 0)),
+        "kv_migration_seconds": [float(s) for s in seconds] if isinstance(seconds, list) else [],
+    }
+
+
+class _EngineCollector(Collector):
+    """Exports the latest ``ClientStats`` snapshot: per-instance gauges and cumulative migration counters."""
+
+    def __init__(self) -> None:
+        self.snapshot: ClientStats | None = None
+
+    def collect(self) -> Iterator[Metric]:
+        labels = ["instance", "phase"]
+        snap = self.snapshot
+        for key, doc in _GAUGES:
+            family = GaugeMetricFamily(PREFIX + key, doc, labels=labels)
+            for inst in snap["instances"] if snap else []:
+                family.add_metric([inst["instance"], inst["phase"]], float(inst.get(key, 0.0)))  # type: ignore[arg-type]
+            yield family
+        for key, doc in _MIGRATION_COUNTERS:
+            family_c = CounterMetricFamily(PREFIX + key, doc, labels=labels)
+            if snap is not None:
+                family_c.add_metric([AGGREGATE_INSTANCE, "decode"], float(snap[f"{key}_total"]))  # type: ignore[literal-required]
+                for inst in snap["instances"]:
+                    if f"{key}_total" in inst:
+                        family_c.add_metric([inst["instance"], inst["phase"]], float(inst[f"{key}_total"]))  # type: ignore[literal-required]
+            yield family_c
+
+
+class RequestTimer:
+    """Observes one request's stream: TTFT, inter-token latency and, at the end, E2E and token counts."""
+
+    def __init__(self, metrics: ServingMetrics, start: float | None = None) -> None:
+        self.metrics = metrics
+        self.start = time.perf_counter() if start is None else start
+        self.last_token_time: float | None = None
+        self.num_prompt_tokens = 0
+        self.num_output_tokens = 0
+        self.done = False
+
+    def observe(self, out: RequestOutput) -> None:
+        now = time.perf_counter()
+        m = self.metrics
+        num_new = len(out.new_token_ids)
+        if num_new:
+            if self.last_token_time is None:
+                m.ttft.observe(now - self.start)
+                self.num_prompt_tokens = len(out.prompt_token_ids)
+                m.prompt_tokens_total.inc(self.num_prompt_tokens)
+            else:
+                gap = (now - self.last_token_time) / num_new
+                for _ in range(num_new):
+                    m.itl.observe(gap)
+            self.last_token_time = now
+            self.num_output_tokens += num_new
+            m.generation_tokens_total.inc(num_new)
+        if out.finished:
+            self.finish(out.finish_reason or "stop", len(out.prompt_token_ids))
+
+    def finish(self, reason: str, num_prompt_tokens: int | None = None) -> None:
+        """Record the end of the request (``abort`` when the client went away)."""
+        if self.done:
+            return
+        self.done = True
+        m = self.metrics
+        m.e2e.observe(time.perf_counter() - self.start)
+        m.request_success.labels(finish_reason=reason).inc()
+        m.request_prompt_tokens.observe(num_prompt_tokens if num_prompt_tokens is not None else self.num_prompt_tokens)
+        m.request_generation_tokens.observe(self.num_output_tokens)
+
+
+class ServingMetrics:
+    """All metrics of one app, in their own registry."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
+        r = self.registry
+        self.ttft = Histogram(PREFIX + "time_to_first_token_seconds", "Time to first token, measured at the API server.", buckets=TTFT_BUCKETS, registry=r)
+        self.itl = Histogram(PREFIX + "inter_token_latency_seconds", "Time between consecutive output tokens.", buckets=ITL_BUCKETS, registry=r)
+        self.e2e = Histogram(PREFIX + "e2e_request_latency_seconds", "End-to-end request latency at the API server.", buckets=E2E_BUCKETS, registry=r)
+        self.request_prompt_tokens = Histogram(PREFIX + "request_prompt_tokens", "Prompt tokens per request.", buckets=TOKEN_BUCKETS, registry=r)
+        self.request_generation_tokens = Histogram(PREFIX + "request_generation_tokens", "Generated tokens per request.", buckets=TOKEN_BUCKETS, registry=r)
+        self.request_success = Counter(PREFIX + "request_success", "Finished requests by finish reason.", ["finish_reason"], registry=r)
+        self.prompt_tokens_total = Counter(PREFIX + "prompt_tokens", "Prompt tokens processed.", registry=r)
+        self.generation_tokens_total = Counter(PREFIX + "generation_tokens", "Tokens generated.", registry=r)
+        self.kv_migration_seconds = Histogram(
+            PREFIX + "kv_migration_seconds", "Duration of one request's KV migration.", ["instance", "phase"], buckets=MIGRATION_BUCKETS, registry=r
+        )
+        self._engine = _EngineCollector()
+        r.register(self._engine)
+
+    def request_timer(self) -> RequestTimer:
+        return RequestTimer(self)
+
+    def update_engine_stats(self, raw: Mapping[str, Any]) -> None:
+        """Take a fresh ``EngineClient.stats()`` snapshot: gauges, migration totals, new migration durations."""
+        snap = normalize_stats(raw)
+        self._engine.snapshot = snap
+        for seconds in snap["kv_migration_seconds"]:
+            self.kv_migration_seconds.labels(instance=AGGREGATE_INSTANCE, phase="decode").observe(seconds)
+        for inst in snap["instances"]:
+            for seconds in inst.get("kv_migration_seconds", []):
+                self.kv_migration_seconds.labels(instance=inst["instance"], phase=inst["phase"]).observe(seconds)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

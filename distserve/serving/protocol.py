@@ -1,0 +1,344 @@
+"""OpenAI-compatible request/response bodies (pydantic v2) and their conversion to ``SamplingParams``."""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from distserve.config import SamplingParams
+from distserve.errors import InvalidSamplingParamsError
+
+FinishReason = Literal["stop", "length", "abort"]
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+class APIError(Exception):
+    """An error answered with OpenAI's body ``{"error": {"message", "type", "param", "code"}}``."""
+
+    def __init__(
+        self,
+        status_code: int,
+        message: str,
+        *,
+        param: str | None = None,
+        type: str = "invalid_request_error",
+        code: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status_code = status_code
+        self.message = message
+        self.param = param
+        self.type = type
+        self.code = code
+
+    def body(self) -> dict[str, Any]:
+        return ErrorResponse(error=ErrorInfo(message=self.message, type=self.type, param=self.param, code=self.code)).model_dump()
+
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorInfo
+
+
+def bad_request(message: str, param: str | None = None) -> APIError:
+    return APIError(400, message, param=param)
+
+
+# ---- requests --------------------------------------------------------------------------------
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="allow")  # unknown OpenAI fields are ignored, as vLLM does
+
+
+class StreamOptions(_Request):
+    include_usage: bool = False
+
+
+_SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "min_tokens", "stop")
+
+
+class _SamplingRequest(_Request):
+    model: str | None = None
+    temperature: float | None = None  # None: 1.0, as in OpenAI
+    top_p: float | None = None
+    top_k: int | None = None  # extension: 0 or -1 disables
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None  # extension
+    seed: int | None = None
+    min_tokens: int | None = None  # extension
+    ignore_eos: bool = False  # extension
+    include_stop_str_in_output: bool = False  # extension
+    priority: int = 0  # extension: lower runs first under the priority policy
+    user: str | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+    def _check_supported(self) -> None:
+        if self.n != 1:
+            raise bad_request(f"n must be 1 (one choice per request), got {self.n}", "n")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if value not in (None, 0, 0.0):
+                raise bad_request(f"{name} is not supported (must be 0 or omitted), got {value}", name)
+        if self.logit_bias:
+            raise bad_request("logit_bias is not supported", "logit_bias")
+        if self.stream_options is not None and not self.stream:
+            raise bad_request("stream_options is only allowed when stream is true", "stream_options")
+
+    def _sampling(self, max_tokens: int, max_tokens_param: str, logprobs: bool) -> SamplingParams:
+        self._check_supported()
+        stop: tuple[str, ...] = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+        try:
+            return SamplingParams(
+                max_tokens=max_tokens,
+                temperature=1.0 if self.temperature is None else self.temperature,
+                top_p=1.0 if self.top_p is None else self.top_p,
+                top_k=self.top_k or 0,
+                seed=self.seed,
+                stop=stop,
+                stop_token_ids=tuple(self.stop_token_ids or ()),
+                min_tokens=self.min_tokens or 0,
+                ignore_eos=self.ignore_eos,
+                logprobs=logprobs,
+                include_stop_str_in_output=self.include_stop_str_in_output,
+            )
+        except InvalidSamplingParamsError as exc:
+            message = str(exc)
+            param = next((f for f in _SAMPLING_FIELDS if message.startswith(f)), None)
+            if param == "max_tokens":
+                param = max_tokens_param
+            raise bad_request(message, param) from exc
+
+
+class CompletionRequest(_SamplingRequest):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+    def prompt_input(self) -> str | list[int]:
+        """The single prompt (text or token ids); batches of prompts are refused."""
+        p = self.prompt
+        if isinstance(p, str):
+            return p
+        if not p:
+            raise bad_request("prompt is empty", "prompt")
+        if isinstance(p[0], int):
+            return [int(t) for t in p]  # type: ignore[arg-type]
+        if len(p) != 1:
+            raise bad_request(f"only one prompt per request is supported, got {len(p)}", "prompt")
+        first = p[0]
+        return first if isinstance(first, str) else [int(t) for t in first]  # type: ignore[union-attr]
+
+    def to_sampling_params(self, max_model_len: int) -> SamplingParams:
+        if self.echo:
+            raise bad_request("echo is not supported", "echo")
+        if self.suffix:
+            raise bad_request("suffix is not supported", "suffix")
+        if self.best_of not in (None, 1):
+            raise bad_request(f"best_of must be 1, got {self.best_of}", "best_of")
+        if self.logprobs is not None and not 0 <= self.logprobs <= 1:
+            raise bad_request(
+                f"logprobs must be 0 or 1 (only the chosen token's logprob is returned), got {self.logprobs}", "logprobs"
+            )
+        max_tokens = self.max_tokens if self.max_tokens is not None else max_model_len
+        return self._sampling(max_tokens, "max_tokens", self.logprobs is not None)
+
+
+class ContentPart(_Request):
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(_Request):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+    def text(self, index: int) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        texts: list[str] = []
+        for j, part in enumerate(self.content):
+            if part.type != "text" or part.text is None:
+                raise bad_request(
+                    f"only text content parts are supported, got type {part.type!r}", f"messages[{index}].content[{j}]"
+                )
+            texts.append(part.text)
+        return "\n".join(texts)
+
+
+class ChatCompletionRequest(_SamplingRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    add_generation_prompt: bool = True  # extension
+
+    def chat_messages(self) -> list[dict[str, str]]:
+        return [{"role": m.role, "content": m.text(i)} for i, m in enumerate(self.messages)]
+
+    def to_sampling_params(self, num_prompt_tokens: int, max_model_len: int) -> SamplingParams:
+        """Without a token limit the answer may fill the rest of the context, as in vLLM."""
+        if self.top_logprobs not in (None, 0):
+            raise bad_request(
+                f"top_logprobs must be 0 (only the chosen token's logprob is returned), got {self.top_logprobs}",
+                "top_logprobs",
+            )
+        if self.max_completion_tokens is not None:
+            max_tokens, param = self.max_completion_tokens, "max_completion_tokens"
+        elif self.max_tokens is not None:
+            max_tokens, param = self.max_tokens, "max_tokens"
+        else:
+            max_tokens, param = max(1, max_model_len - num_prompt_tokens), "max_tokens"
+        return self._sampling(max_tokens, param, self.logprobs)
+
+
+# ---- responses -------------------------------------------------------------------------------
+class UsageInfo(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+    @classmethod
+    def of(cls, num_prompt_tokens: int, num_completion_tokens: int) -> UsageInfo:
+        return cls(
+            prompt_tokens=num_prompt_tokens,
+            completion_tokens=num_completion_tokens,
+            total_tokens=num_prompt_tokens + num_completion_tokens,
+        )
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str] = Field(default_factory=list)
+    token_logprobs: list[float] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float]] | None = None
+    text_offset: list[int] = Field(default_factory=list)
+
+
+class CompletionChoice(BaseModel):
+    index: int = 0
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: FinishReason | None = None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo
+    system_fingerprint: str | None = None
+
+
+class CompletionChunk(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None = None
+
+
+class ChatTokenLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+    top_logprobs: list[dict[str, Any]] = Field(default_factory=list)
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatTokenLogprob] | None = None
+
+
+class ChatMessageOut(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int = 0
+    message: ChatMessageOut
+    logprobs: ChatLogprobs | None = None
+    finish_reason: FinishReason | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatChoice]
+    usage: UsageInfo
+    system_fingerprint: str | None = None
+
+
+class ChatDelta(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(BaseModel):
+    index: int = 0
+    delta: ChatDelta
+    logprobs: ChatLogprobs | None = None
+    finish_reason: FinishReason | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: UsageInfo | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    owned_by: str = "distserve"
+    root: str | None = None
+    max_model_len: int | None = None
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+def sse(payload: BaseModel | dict[str, Any], *, include_usage: bool = True) -> str:
+    """One server-sent event; chunks carry ``usage`` only when the client asked for usage."""
+    if isinstance(payload, BaseModel):
+        data = payload.model_dump(exclude=None if include_usage else {"usage"})
+        if isinstance(payload, ChatCompletionChunk):
+            for choice in data["choices"]:
+                choice["delta"] = {k: v for k, v in choice["delta"].items() if v is not None}
+    else:
+        data = payload
+    return f"data: {json.dumps(data, ensure_ascii=False, separators=(',', ':'))}\n\n"

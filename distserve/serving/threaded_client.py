@@ -1,0 +1,346 @@
+"""``ThreadedEngineClient``: drives in-process engines from one background thread for the async HTTP layer."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator, Callable, Sequence as Seq
+from dataclasses import dataclass, field
+from typing import Any
+
+from distserve.config import CacheConfig, SamplingParams
+from distserve.engine.llm_engine import LLMEngine
+from distserve.engine.outputs import EngineBase, RequestOutput
+from distserve.errors import DistServeError, InvalidConfigError, QueueFullError
+from distserve.serving.client import EngineClient
+from distserve.serving.local_disagg import LocalDisaggEngine
+from distserve.serving.metrics import ClientStats, InstanceStats, instance_stats
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MAX_QUEUED_REQUESTS = 256
+STATS_TIMEOUT_S = 30.0
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread crashed or was shut down; in-flight and new requests fail with this."""
+
+
+@dataclass
+class _Stream:
+    """Where one request's outputs go: an ``asyncio.Queue`` living on the caller's event loop."""
+
+    request_id: str
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue[RequestOutput | BaseException]
+
+
+@dataclass
+class _Add:
+    stream: _Stream
+    prompt: str | Seq[int]
+    sampling: SamplingParams
+    priority: int
+
+
+@dataclass
+class _Abort:
+    request_id: str
+
+
+@dataclass
+class _Stats:
+    future: concurrent.futures.Future[ClientStats]
+
+
+@dataclass
+class _Stop:
+    reason: str = "the engine client was shut down"
+
+
+_Command = _Add | _Abort | _Stats | _Stop
+
+
+@dataclass
+class _EngineSlot:
+    engine: EngineBase
+    index: int
+    request_ids: set[str] = field(default_factory=set)
+    num_migration_durations_reported: int = 0
+
+
+class ThreadedEngineClient(EngineClient):
+    """An ``EngineClient`` over one or more in-process engines (``LLMEngine``, ``LocalDisaggEngine``).
+
+    One background thread owns the engines and is the only thread that calls them; commands
+    (add, abort, stats, stop) arrive through a thread-safe queue, and outputs go back to each
+    request's ``asyncio.Queue`` with ``loop.call_soon_threadsafe``. The thread steps while any
+    engine has work and blocks on the command queue otherwise. With several engines, a new
+    request goes to the one with the fewest requests in flight.
+
+    Args:
+        engines: the engine, or engines of the same model, to drive.
+        max_queued_requests: bound on requests in flight; beyond it ``generate`` raises ``QueueFullError``.
+        model_name: defaults to the first engine's model name.
+    """
+
+    def __init__(
+        self,
+        engines: EngineBase | Seq[EngineBase],
+        *,
+        max_queued_requests: int = DEFAULT_MAX_QUEUED_REQUESTS,
+        model_name: str | None = None,
+    ) -> None:
+        engine_list = [engines] if isinstance(engines, EngineBase) else list(engines)
+        if not engine_list:
+            raise InvalidConfigError("ThreadedEngineClient needs at least one engine")
+        if max_queued_requests < 1:
+            raise InvalidConfigError(f"max_queued_requests must be >= 1, got {max_queued_requests}")
+        first = engine_list[0]
+        self.engines = engine_list
+        self.model_name = model_name or first.model_config.name
+        self.tokenizer = first.tokenizer
+        self.max_model_len = min(e.max_model_len for e in engine_list)
+        self.max_queued_requests = max_queued_requests
+        self._slots = [_EngineSlot(e, i) for i, e in enumerate(engine_list)]
+        self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
+        self._streams: dict[str, tuple[_Stream, _EngineSlot]] = {}  # engine thread only
+        self._num_outstanding = 0
+        self._count_lock = threading.Lock()
+        self._dead: EngineDeadError | None = None
+        self._thread = threading.Thread(target=self._run, name="distserve-engine", daemon=True)
+        self._thread.start()
+
+    # ---- async API (any event loop) ----------------------------------------------------------
+    @property
+    def is_dead(self) -> bool:
+        return self._dead is not None
+
+    @property
+    def num_outstanding(self) -> int:
+        return self._num_outstanding
+
+    async def generate(
+        self,
+        prompt: str | Seq[int],
+        sampling: SamplingParams,
+        request_id: str,
+        priority: int = 0,
+    ) -> AsyncIterator[RequestOutput]:
+        if self._dead is not None:
+            raise EngineDeadError(str(self._dead))
+        with self._count_lock:
+            if self._num_outstanding >= self.max_queued_requests:
+                raise QueueFullError(
+                    f"server is at its limit of {self.max_queued_requests} requests in flight; retry later"
+                )
+            self._num_outstanding += 1
+        stream = _Stream(request_id, asyncio.get_running_loop(), asyncio.Queue())
+        finished = False
+        try:
+            self._commands.put(_Add(stream, prompt, sampling, priority))
+            if self._dead is not None:  # died before it could see the command
+                finished = True
+                raise EngineDeadError(str(self._dead))
+            while True:
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            with self._count_lock:
+                self._num_outstanding -= 1
+            if not finished:
+                self._commands.put(_Abort(request_id))
+
+    async def abort(self, request_id: str) -> None:
+        self._commands.put(_Abort(request_id))
+
+    async def stats(self) -> dict[str, object]:
+        """Per-instance gauges and migration figures in the shape documented in ``serving.metrics``."""
+        if self._dead is not None:
+            raise EngineDeadError(str(self._dead))
+        fut: concurrent.futures.Future[ClientStats] = concurrent.futures.Future()
+        self._commands.put(_Stats(fut))
+        if self._dead is not None:
+            raise EngineDeadError(str(self._dead))
+        return dict(await asyncio.wait_for(asyncio.wrap_future(fut), STATS_TIMEOUT_S))
+
+    async def shutdown(self) -> None:
+        await asyncio.to_thread(self.close)
+
+    def close(self, timeout_s: float = 30.0) -> None:
+        """Stop the engine thread (failing requests still in flight) and wait for it."""
+        if self._thread.is_alive():
+            self._commands.put(_Stop())
+            self._thread.join(timeout_s)
+
+    # ---- the engine thread ---------------------------------------------------------------------
+    def _has_work(self) -> bool:
+        return any(slot.engine.has_unfinished_requests() for slot in self._slots)
+
+    def _run(self) -> None:
+        try:
+            while True:
+                cmd: _Command | None = self._commands.get() if not self._has_work() else self._next_command()
+                while cmd is not None:
+                    if isinstance(cmd, _Stop):
+                        self._fail_all(EngineDeadError(cmd.reason))
+                        return
+                    self._handle(cmd)
+                    cmd = self._next_command()
+                self._step()
+        except BaseException as exc:  # noqa: BLE001 - any engine failure must reach every waiting stream
+            logger.exception("engine thread crashed")
+            self._fail_all(EngineDeadError(f"engine failed: {type(exc).__name__}: {exc}"))
+
+    def _next_command(self) -> _Command | None:
+        try:
+            return self._commands.get_nowait()
+        except queue.Empty:
+            return None
+
+    def _handle(self, cmd: _Command) -> None:
+        if isinstance(cmd, _Add):
+            self._add(cmd)
+        elif isinstance(cmd, _Abort):
+            entry = self._streams.pop(cmd.request_id, None)
+            if entry is not None:
+                entry[1].request_ids.discard(cmd.request_id)
+                entry[1].engine.abort_request(cmd.request_id)
+        elif isinstance(cmd, _Stats):
+            try:
+                cmd.future.set_result(self._collect_stats())
+            except Exception as exc:  # noqa: BLE001 - reported to the caller, the engine keeps running
+                cmd.future.set_exception(exc)
+
+    def _add(self, cmd: _Add) -> None:
+        rid = cmd.stream.request_id
+        slot = min(self._slots, key=lambda s: (s.engine.num_requests, s.index))
+        try:
+            if rid in self._streams:
+                raise DistServeError(f"request id {rid!r} is already in flight")
+            slot.engine.add_request(cmd.prompt, cmd.sampling, request_id=rid, priority=cmd.priority)
+        except Exception as exc:  # noqa: BLE001 - validation errors go to this request only
+            self._deliver([(cmd.stream, exc)])
+            return
+        self._streams[rid] = (cmd.stream, slot)
+        slot.request_ids.add(rid)
+
+    def _step(self) -> None:
+        for slot in self._slots:
+            if not slot.engine.has_unfinished_requests():
+                continue
+            batch: list[tuple[_Stream, RequestOutput | BaseException]] = []
+            for out in slot.engine.step():
+                entry = self._streams.get(out.request_id)
+                if entry is None:
+                    continue
+                batch.append((entry[0], out))
+                if out.finished:
+                    del self._streams[out.request_id]
+                    slot.request_ids.discard(out.request_id)
+            self._deliver(batch)
+
+    def _deliver(self, items: list[tuple[_Stream, RequestOutput | BaseException]]) -> None:
+        """Hand outputs to their event loops, one wake-up per loop per step."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[_Stream, RequestOutput | BaseException]]] = {}
+        for stream, item in items:
+            by_loop.setdefault(stream.loop, []).append((stream, item))
+        for loop, group in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, group)
+            except RuntimeError:  # the caller's loop is closed: nobody is listening any more
+                for stream, _ in group:
+                    self._drop(stream.request_id)
+
+    def _drop(self, request_id: str) -> None:
+        entry = self._streams.pop(request_id, None)
+        if entry is not None:
+            entry[1].request_ids.discard(request_id)
+            entry[1].engine.abort_request(request_id)
+
+    def _fail_all(self, exc: EngineDeadError) -> None:
+        self._dead = exc
+        streams = [entry[0] for entry in self._streams.values()]
+        for rid, (_, slot) in list(self._streams.items()):
+            try:
+                slot.engine.abort_request(rid)
+            except Exception:  # noqa: BLE001 - the engine may be broken; the streams must still fail
+                pass
+        self._streams.clear()
+        self._deliver([(s, exc) for s in streams])
+        while (cmd := self._next_command()) is not None:
+            if isinstance(cmd, _Add):
+                self._deliver([(cmd.stream, exc)])
+            elif isinstance(cmd, _Stats):
+                cmd.future.set_exception(exc)
+
+    def _collect_stats(self) -> ClientStats:
+        instances: list[InstanceStats] = []
+        total_bytes = total_skipped = 0
+        durations: list[float] = []
+        for slot in self._slots:
+            engine = slot.engine
+            if isinstance(engine, LocalDisaggEngine):
+                for phase, group in (("prefill", engine.prefill), ("decode", engine.decode)):
+                    for inst in group:
+                        instances.append(instance_stats(inst.stats(), _qualified(inst.instance_id, slot), phase))
+                m = engine.migration
+                total_bytes += m.num_bytes
+                total_skipped += m.num_blocks_skipped
+                durations.extend(m.durations_s[slot.num_migration_durations_reported :])
+                slot.num_migration_durations_reported = len(m.durations_s)
+            elif isinstance(engine, LLMEngine):
+                instances.append(instance_stats(engine.stats(), f"colocated-{slot.index}", "colocated"))
+            else:
+                raw: Callable[[], Any] | None = getattr(engine, "stats", None)
+                stats = raw() if callable(raw) else {}
+                instances.append(instance_stats(stats, f"engine-{slot.index}", "colocated"))
+        return {
+            "instances": instances,
+            "kv_migration_bytes_total": total_bytes,
+            "kv_migration_blocks_skipped_total": total_skipped,
+            "kv_migration_seconds": durations,
+        }
+
+
+def _qualified(instance_id: str, slot: _EngineSlot) -> str:
+    return instance_id if slot.index == 0 else f"{instance_id}@{slot.index}"
+
+
+def _put_all(items: list[tuple[_Stream, RequestOutput | BaseException]]) -> None:
+    for stream, item in items:
+        stream.queue.put_nowait(item)
+
+
+def build_local_engine_client(
+    model: str = "smollm2-135m",
+    *,
+    num_colocated: int = 0,
+    num_prefill: int = 1,
+    num_decode: int = 1,
+    dtype: str = "auto",
+    cache_config: CacheConfig | None = None,
+    max_queued_requests: int = DEFAULT_MAX_QUEUED_REQUESTS,
+) -> ThreadedEngineClient:
+    """``num_colocated`` > 0: that many ``LLMEngine``s (least-loaded routing); else one ``LocalDisaggEngine`` xPyD."""
+    from distserve.engine.model import resolve_dtype
+    from distserve.engine.weights import load_model
+
+    if num_colocated < 0:
+        raise InvalidConfigError(f"num_colocated must be >= 0, got {num_colocated}")
+    loaded = load_model(model, resolve_dtype(dtype))
+    engines: list[EngineBase]
+    if num_colocated > 0:
+        engines = [LLMEngine(loaded, cache_config=cache_config) for _ in range(num_colocated)]
+    else:
+        engines = [LocalDisaggEngine(loaded, num_prefill=num_prefill, num_decode=num_decode, cache_config=cache_config)]
+    return ThreadedEngineClient(engines, max_queued_requests=max_queued_requests, model_name=loaded.config.name)
