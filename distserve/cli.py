@@ -179,9 +179,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
         run_ray_serve(options, args.host, args.port, on_ready=lambda url: _print_ready(url, served, f"{layout}, Ray Serve"))
         return 0
     from distserve.config import CacheConfig
-    from distserve.serving.api import run_server
+    from distserve.serving.api import open_listen_socket, run_server
     from distserve.serving.threaded_client import build_local_engine_client
 
+    sock = open_listen_socket(args.host, args.port)
     client = build_local_engine_client(
         args.model,
         num_colocated=args.colocated or 0,
@@ -191,7 +192,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         cache_config=CacheConfig(block_size=args.block_size, kv_cache_memory_gb=args.kv_cache_gb),
         max_queued_requests=args.max_queued_requests,
     )
-    run_server(client, served, args.host, args.port, on_ready=lambda url: _print_ready(url, served, layout), log_level=args.log_level)
+    run_server(client, served, sock, on_ready=lambda url: _print_ready(url, served, layout), log_level=args.log_level)
     return 0
 
 

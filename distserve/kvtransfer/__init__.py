@@ -2,9 +2,12 @@
 
 from distserve.kvtransfer.layout import KVLayout, kv_head_range, layer_range
 from distserve.kvtransfer.migration import (
+    DEFAULT_CHUNK_BYTES,
     MigrationStats,
     StagingBuffers,
     blocks_to_send,
+    messages,
+    num_tags,
     pack_blocks,
     recv_kv,
     send_kv,
@@ -22,8 +25,8 @@ from distserve.kvtransfer.transport import (
 )
 
 __all__ = [
-    "KVLayout", "kv_head_range", "layer_range", "MigrationStats", "StagingBuffers", "blocks_to_send",
-    "pack_blocks", "recv_kv", "send_kv", "trim_block_lists", "unpack_blocks", "TransferSlice",
+    "KVLayout", "kv_head_range", "layer_range", "DEFAULT_CHUNK_BYTES", "MigrationStats", "StagingBuffers", "blocks_to_send",
+    "messages", "num_tags", "pack_blocks", "recv_kv", "send_kv", "trim_block_lists", "unpack_blocks", "TransferSlice",
     "reshard_plan", "KV_TRANSPORTS", "InProcessTransport", "KVTransport", "TorchDistTransport",
     "get_transport", "init_process_group",
 ]

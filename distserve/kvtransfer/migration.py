@@ -1,8 +1,9 @@
 """Moving one request's KV blocks from prefill workers to decode workers along the resharding plan.
 
 Each worker runs ``send_kv`` (prefill side) or ``recv_kv`` (decode side) for the request; both
-walk ``reshard_plan`` in order and act on the slices that involve them. A slice is one message
-holding all of the request's blocks for its layers × KV heads, never one message per block.
+walk ``reshard_plan`` in order and act on the slices that involve them. A slice carries all of the
+request's blocks for its layers × KV heads, never one message per block: it is one message, or,
+when large (``chunk_bytes``), a few layer pieces pipelined so gather, transfer and scatter overlap.
 
 Prefix dedup: the caller trims both block lists before calling (``blocks_to_send`` tells how many
 leading blocks the receiver already holds, ``trim_block_lists`` applies it).
@@ -173,7 +174,10 @@ def _local(s: TransferSlice, first_layer: int, first_head: int) -> tuple[tuple[i
     )
 
 
-DEFAULT_CHUNK_BYTES = 4 << 20  # see ``messages``: big slices travel as layer chunks of at least this size
+# Slices of at least twice this size travel as layer chunks (see ``messages``). On a 2-core CPU box
+# over gloo, 16 MiB pieces let packing and unpacking overlap the transfer without paying much
+# per-message wake-up cost; see experiments/bench_kv_migration.py.
+DEFAULT_CHUNK_BYTES = 16 << 20
 
 
 def messages(
@@ -181,10 +185,12 @@ def messages(
 ) -> list[tuple[int, TransferSlice]]:
     """The messages of one request, in send order: (tag offset, slice narrowed to a layer chunk).
 
-    With ``chunk_bytes=None`` every slice is one message. Otherwise a slice bigger than
-    ``2 * chunk_bytes`` is cut along layers into pieces of at least ``chunk_bytes`` (each still
-    holding all of the request's blocks), so packing, transfer and unpacking overlap. Sender and
-    receiver must use the same ``chunk_bytes``. Tag offsets lie in ``[0, num_tags(...))``.
+    With ``chunk_bytes=None`` every slice is exactly one message. Otherwise a slice of ``nbytes``
+    is cut along layers into ``min(num_layers, nbytes // chunk_bytes)`` near-equal pieces (one
+    piece below ``2 * chunk_bytes``); every piece still holds all of the request's blocks (never
+    one message per block). Pipelining the pieces lets packing, transfer and unpacking overlap. Sender and
+    receiver must use the same ``chunk_bytes`` (the header check catches a mismatch). Tag offsets
+    lie in ``[0, num_tags(...) - 1)``.
     """
     if chunk_bytes is not None and chunk_bytes < 1:
         raise ValueError(f"chunk_bytes must be >= 1 or None, got {chunk_bytes}")
@@ -251,9 +257,9 @@ def send_kv(
     header = torch.tensor([n, _fingerprint(layout_src, layout_dst, chunk_bytes)], dtype=torch.int64, device=transport.device)
     peers = dict.fromkeys(_to_global(dst_rank_to_global, s.dst_rank) for _, s in mine)
     handles: list[Handle] = [transport.isend(header, peer, header_tag) for peer in peers]
-    for tag, s in mine if n else []:
+    for position, (tag, s) in enumerate(mine if n else []):
         layers, heads = _local(s, first_layer, first_head)
-        out = staging.get(len(handles), s.shape(n, layout_src), kv_cache.dtype) if staging else None
+        out = staging.get(position, s.shape(n, layout_src), kv_cache.dtype) if staging else None
         data = pack_blocks(kv_cache, idx, layers, heads, out)
         handles.append(transport.isend(data, _to_global(dst_rank_to_global, s.dst_rank), tag_base + tag))
         stats.num_bytes += data.nbytes

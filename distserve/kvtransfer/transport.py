@@ -146,7 +146,9 @@ class InProcessTransport(KVTransport):
 
 # ---- torch.distributed -----------------------------------------------------------------------
 class _WorkHandle(Handle):
-    def __init__(self, work: Any, tensor: torch.Tensor) -> None:
+    def __init__(self, work: dist.Work | None, tensor: torch.Tensor) -> None:
+        if work is None:
+            raise ValueError("this rank is not a member of the transport's process group")
         self._work = work
         self._tensor = tensor  # keep the buffer alive until the operation completes
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+import socket
 import threading
 import time
 import uuid
@@ -21,7 +22,7 @@ from starlette.types import Receive, Scope, Send
 
 from distserve.config import SamplingParams
 from distserve.engine.outputs import RequestOutput
-from distserve.errors import DistServeError, PromptTooLongError, QueueFullError
+from distserve.errors import DistServeError, InvalidConfigError, PromptTooLongError, QueueFullError
 from distserve.serving.client import EngineClient
 from distserve.serving.metrics import CONTENT_TYPE, RequestTimer, ServingMetrics
 from distserve.serving.protocol import (
@@ -73,14 +74,17 @@ async def _unless_disconnected(request: Request, awaitable: Awaitable[T]) -> T:
     watcher = asyncio.ensure_future(_wait_for_disconnect(request))
     try:
         await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:
+        task.cancel()
+        raise
     finally:
         watcher.cancel()
-        if not task.done():
-            task.cancel()
-            with suppress(asyncio.CancelledError):
-                await task
-            raise ClientDisconnected()
-    return task.result()
+    if task.done():
+        return task.result()
+    task.cancel()
+    with suppress(Exception, asyncio.CancelledError):
+        await task
+    raise ClientDisconnected()
 
 
 class _SSEResponse(StreamingResponse):
@@ -250,7 +254,6 @@ def _usage(out: RequestOutput) -> UsageInfo:
 
 
 async def _events(
-    server: _Server,
     stream: AsyncIterator[RequestOutput],
     first: RequestOutput,
     timer: RequestTimer,
@@ -300,9 +303,8 @@ def build_fastapi_app(
         if first.get("type") == "json_invalid":
             return _error_response(APIError(400, f"invalid JSON body: {first.get('ctx', {}).get('error', '')}".strip()))
         param = _validation_param(tuple(first.get("loc", ())))
-        message = "; ".join(
-            f"{_validation_param(tuple(e.get('loc', ()))) or 'body'}: {e.get('msg', 'invalid')}" for e in errors[:5]
-        )
+        lines = (f"{_validation_param(tuple(e.get('loc', ()))) or 'body'}: {e.get('msg', 'invalid')}" for e in errors)
+        message = "; ".join(dict.fromkeys(lines))
         return _error_response(APIError(400, message, param=param))
 
     @app.exception_handler(StarletteHTTPException)
@@ -328,8 +330,8 @@ def build_fastapi_app(
     async def prometheus_metrics() -> Response:
         try:
             server.metrics.update_engine_stats(await asyncio.wait_for(client.stats(), STATS_TIMEOUT_S))
-        except Exception:  # noqa: BLE001 - the request-side metrics are still worth serving
-            logger.warning("engine stats unavailable for /metrics", exc_info=True)
+        except Exception as exc:  # noqa: BLE001 - the request-side metrics are still worth serving
+            logger.warning("engine stats unavailable for /metrics: %s", exc)
         return Response(server.metrics.render(), media_type=CONTENT_TYPE)
 
     @app.post("/v1/completions", response_model=None)
@@ -364,7 +366,7 @@ def build_fastapi_app(
             emitted["chars"] += len(out.new_text)
             return [chunk([CompletionChoice(text=out.new_text, logprobs=logprobs, finish_reason=out.finish_reason)])]
 
-        events = _events(server, stream, first, timer, render, body.include_usage, lambda u: chunk([], u))
+        events = _events(stream, first, timer, render, body.include_usage, lambda u: chunk([], u))
         return _SSEResponse(events)
 
     @app.post("/v1/chat/completions", response_model=None)
@@ -418,40 +420,54 @@ def build_fastapi_app(
                 events.append(chunk([ChatChunkChoice(delta=delta, logprobs=logprobs, finish_reason=out.finish_reason)]))
             return events
 
-        events = _events(server, stream, first, timer, render, body.include_usage, lambda u: chunk([], u))
+        events = _events(stream, first, timer, render, body.include_usage, lambda u: chunk([], u))
         return _SSEResponse(events)
 
     return app
 
 
+def open_listen_socket(host: str, port: int) -> socket.socket:
+    """Bind ``host:port`` now (port 0 picks a free one) so a busy port fails before the model loads.
+
+    The socket only listens once uvicorn starts, so early clients are refused rather than left hanging.
+    """
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise InvalidConfigError(f"--host/--port: cannot listen on {host}:{port}: {exc.strerror or exc}") from exc
+    return sock
+
+
 def run_server(
     client: EngineClient,
     served_model_name: str,
-    host: str = "127.0.0.1",
-    port: int = 8000,
+    sock: socket.socket,
     *,
     on_ready: Callable[[str], None] | None = None,
     log_level: str = "info",
 ) -> None:
-    """Serve with plain uvicorn until SIGINT/SIGTERM, then shut ``client`` down.
+    """Serve on the bound ``sock`` with plain uvicorn until SIGINT/SIGTERM, then shut ``client`` down.
 
-    ``on_ready`` gets the base URL (``http://host:port``) once the socket is listening.
+    ``on_ready`` gets the base URL (``http://host:port``) once uvicorn accepts connections.
     """
     import uvicorn
 
     app = build_fastapi_app(client, served_model_name)
+    host, port = sock.getsockname()[:2]
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False, timeout_graceful_shutdown=5)
     server = uvicorn.Server(config)
+    url_host = f"[{host}]" if ":" in host else host
 
     async def main() -> None:
         try:
-            task = asyncio.create_task(server.serve())
+            task = asyncio.create_task(server.serve(sockets=[sock]))
             while not server.started and not task.done():
                 await asyncio.sleep(0.05)
             if server.started and on_ready is not None:
-                sock = server.servers[0].sockets[0]
-                bound_host, bound_port = sock.getsockname()[:2]
-                on_ready(f"http://{bound_host}:{bound_port}")
+                on_ready(f"http://{url_host}:{port}")
             await task
         finally:
             await client.shutdown()
@@ -462,7 +478,6 @@ def run_server(
     try:
         asyncio.run(main())
     finally:
+        sock.close()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-    if not server.started:
-        raise OSError(f"could not serve on {host}:{port} (see the log above)")

@@ -462,6 +462,7 @@ def ray_init_local(temp_dir: str | None = None, num_cpus: int = 8) -> None:
     if ray.is_initialized():
         return
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # keep Ray's addresses on loopback
     kwargs: dict[str, Any] = {"num_cpus": num_cpus, "include_dashboard": False, "_node_ip_address": "127.0.0.1"}
     if temp_dir:
         kwargs["_temp_dir"] = temp_dir

@@ -86,6 +86,7 @@ class InstanceServer:
         self._reported: dict[str, int] = {}  # output tokens already reported per request
         self._lock = threading.Lock()
         self._deferred: list[Callable[[], None]] = []
+        self._executing = False  # a plan is on the workers: block-freeing operations must wait
         self._pending: dict[str, set[int]] = {}  # transfer key -> ranks still busy
         self._failed: set[str] = set()
         self.last_step_s = 0.0
@@ -135,8 +136,7 @@ class InstanceServer:
             if seq is not None and not seq.is_finished:
                 self.scheduler.finish(seq, reason)
 
-        with self._lock:
-            self._deferred.append(run)
+        self._defer(run)
 
     def release(self, seq_id: str) -> None:
         """Prefill side: the decode side acknowledged the KV; free it at the next step boundary."""
@@ -147,8 +147,7 @@ class InstanceServer:
             self.seqs.pop(seq_id, None)
             self._reported.pop(seq_id, None)
 
-        with self._lock:
-            self._deferred.append(run)
+        self._defer(run)
 
     def requeue(self, seq_id: str) -> None:
         """Prefill side: the transfer failed; prefill the request again."""
@@ -157,8 +156,7 @@ class InstanceServer:
             assert isinstance(self.scheduler, PrefillScheduler)
             self.scheduler.requeue(seq_id)
 
-        with self._lock:
-            self._deferred.append(run)
+        self._defer(run)
 
     def reserve(self, seq: Sequence) -> Reservation | None:
         """Decode side: blocks for a migrating request (prompt + first token), or None if full."""
@@ -196,8 +194,15 @@ class InstanceServer:
             self.seqs.pop(seq_id, None)
             self._reported.pop(seq_id, None)
 
+        self._defer(run)
+
+    def _defer(self, run: Callable[[], None]) -> None:
+        """Run now if no step is executing, else at the next step boundary."""
         with self._lock:
-            self._deferred.append(run)
+            if self._executing:
+                self._deferred.append(run)
+            else:
+                run()
 
     def _fan_out(self, method: str, *args: Any) -> None:
         refs = [getattr(w, method).remote(*args) for w in self.remote]
@@ -214,8 +219,16 @@ class InstanceServer:
             self._deferred.clear()
             self._collect_transfers(result)
             plan = self.scheduler.schedule()
-        sampled = self._execute(plan)
+            self._executing = True
+        try:
+            sampled = self._execute(plan)
+        finally:
+            with self._lock:
+                self._executing = False
         with self._lock:
+            for run in self._deferred:
+                run()
+            self._deferred.clear()
             updated = self.scheduler.update_from_output(plan, sampled, self.seqs, time.monotonic())
             for seq in updated:
                 result.updates.append(self._update(seq))

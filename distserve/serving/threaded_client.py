@@ -8,7 +8,7 @@ import logging
 import queue
 import threading
 from collections.abc import AsyncIterator, Callable, Sequence as Seq
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from distserve.config import CacheConfig, SamplingParams
@@ -68,7 +68,6 @@ _Command = _Add | _Abort | _Stats | _Stop
 class _EngineSlot:
     engine: EngineBase
     index: int
-    request_ids: set[str] = field(default_factory=set)
     num_migration_durations_reported: int = 0
 
 
@@ -213,7 +212,6 @@ class ThreadedEngineClient(EngineClient):
         elif isinstance(cmd, _Abort):
             entry = self._streams.pop(cmd.request_id, None)
             if entry is not None:
-                entry[1].request_ids.discard(cmd.request_id)
                 entry[1].engine.abort_request(cmd.request_id)
         elif isinstance(cmd, _Stats):
             try:
@@ -232,7 +230,6 @@ class ThreadedEngineClient(EngineClient):
             self._deliver([(cmd.stream, exc)])
             return
         self._streams[rid] = (cmd.stream, slot)
-        slot.request_ids.add(rid)
 
     def _step(self) -> None:
         for slot in self._slots:
@@ -246,7 +243,6 @@ class ThreadedEngineClient(EngineClient):
                 batch.append((entry[0], out))
                 if out.finished:
                     del self._streams[out.request_id]
-                    slot.request_ids.discard(out.request_id)
             self._deliver(batch)
 
     def _deliver(self, items: list[tuple[_Stream, RequestOutput | BaseException]]) -> None:
@@ -264,7 +260,6 @@ class ThreadedEngineClient(EngineClient):
     def _drop(self, request_id: str) -> None:
         entry = self._streams.pop(request_id, None)
         if entry is not None:
-            entry[1].request_ids.discard(request_id)
             entry[1].engine.abort_request(request_id)
 
     def _fail_all(self, exc: EngineDeadError) -> None:

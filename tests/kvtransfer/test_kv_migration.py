@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from typing import Any
 
 import pytest
@@ -41,7 +42,7 @@ def shard(full: torch.Tensor, lay: KVLayout, rank: int) -> torch.Tensor:
     return full[l0:l1, :, :, :, h0:h1]
 
 
-def run_ranks(fns: list[Callable[[], Any]]) -> list[Any]:
+def run_ranks(fns: Sequence[Callable[[], Any]]) -> list[Any]:
     with ThreadPoolExecutor(max_workers=len(fns)) as pool:
         futures = [pool.submit(f) for f in fns]
         return [f.result(timeout=60) for f in futures]
@@ -72,16 +73,17 @@ def migrate_request(
     src_to_global = list(range(src.world_size))
     dst_to_global = {r: src.world_size + r for r in range(dst.world_size)}
     tag_base = 1000
-    fns: list[Callable[[], Any]] = [
-        lambda r=r: send_kv(world[r], src_caches[r], src, dst, r, send_ids, dst_to_global, tag_base,
-                            chunk_bytes=chunk_bytes, staging=StagingBuffers(), num_blocks_skipped=num_skipped)
+    senders = [
+        partial(send_kv, world[r], src_caches[r], src, dst, r, send_ids, dst_to_global, tag_base,
+                chunk_bytes=chunk_bytes, staging=StagingBuffers(), num_blocks_skipped=num_skipped)
         for r in range(src.world_size)
-    ] + [
-        lambda r=r: recv_kv(world[dst_to_global[r]], dst_caches[r], src, dst, r, recv_ids, src_to_global,
-                            tag_base, chunk_bytes=chunk_bytes, num_blocks_skipped=num_skipped)
+    ]
+    receivers = [
+        partial(recv_kv, world[dst_to_global[r]], dst_caches[r], src, dst, r, recv_ids, src_to_global, tag_base,
+                chunk_bytes=chunk_bytes, num_blocks_skipped=num_skipped)
         for r in range(dst.world_size)
     ]
-    stats = run_ranks(fns)
+    stats = run_ranks([*senders, *receivers])
 
     # Assemble the global KV back from the decode workers and compare with the original.
     assembled = torch.full_like(full, float("nan"))
@@ -244,7 +246,7 @@ def test_inprocess_transport_across_threads() -> None:
         world[rank].isend(torch.full((4,), float(rank)), dst=(rank + 1) % 3, tag=5).wait()
         return float(world[rank].recv((4,), torch.float32, src=(rank - 1) % 3, tag=5).sum())
 
-    assert run_ranks([lambda r=r: ring(r) for r in range(3)]) == [8.0, 0.0, 4.0]
+    assert run_ranks([partial(ring, r) for r in range(3)]) == [8.0, 0.0, 4.0]
 
 
 def test_transport_registry() -> None:

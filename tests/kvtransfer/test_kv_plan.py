@@ -80,7 +80,7 @@ def test_plan_is_cached_and_callers_cannot_corrupt_it() -> None:
 )
 def test_mismatched_models_rejected(change: dict[str, object]) -> None:
     with pytest.raises(ValueError, match="different KV caches"):
-        reshard_plan(layout(1, 1), layout(1, 1, **change))
+        reshard_plan(layout(1, 1), layout(1, 1, **change))  # type: ignore[arg-type]
 
 
 def test_slice_nbytes() -> None:

@@ -1,0 +1,98 @@
+"""`distserve serve`: bad flags exit 2 naming the flag; a real server process answers and exits cleanly on SIGINT."""
+
+from __future__ import annotations
+
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import openai
+import pytest
+
+from distserve.cli import main
+
+
+@pytest.mark.parametrize(
+    "argv,needle",
+    [
+        (["--prefill-tp", "2"], "--prefill-tp"),
+        (["--decode-pp", "2"], "--decode-pp"),
+        (["--placement", "plan.json"], "--placement"),
+        (["--colocated", "2", "--prefill", "1"], "--colocated"),
+    ],
+)
+def test_unsupported_layouts_exit_2(capsys: pytest.CaptureFixture[str], argv: list[str], needle: str) -> None:
+    assert main(["serve", "--model", "tiny", *argv]) == 2
+    err = capsys.readouterr().err
+    assert needle in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize(
+    "argv,needle",
+    [
+        (["--port", "-1"], "--port"),
+        (["--port", "70000"], "--port"),
+        (["--prefill", "0"], "--prefill"),
+        (["--colocated", "0"], "--colocated"),
+        (["--max-queued-requests", "0"], "--max-queued-requests"),
+        (["--decode", "many"], "--decode"),
+    ],
+)
+def test_bad_flags_exit_2(capsys: pytest.CaptureFixture[str], argv: list[str], needle: str) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(["serve", "--model", "tiny", *argv])
+    assert exc.value.code == 2
+    assert needle in capsys.readouterr().err
+
+
+def test_busy_port_exits_2_before_loading(capsys: pytest.CaptureFixture[str]) -> None:
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        assert main(["serve", "--model", "tiny", "--port", str(busy.getsockname()[1])]) == 2
+    assert "--port" in capsys.readouterr().err
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.mark.timeout(120)
+def test_serve_process_answers_and_stops_on_sigint() -> None:
+    port = _free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "distserve.cli", "serve", "--model", "tiny", "--port", str(port), "--log-level", "warning"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 90
+        while True:
+            assert proc.poll() is None, proc.communicate()
+            assert time.monotonic() < deadline, "server did not become healthy"
+            try:
+                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
+        resp = client.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=4, temperature=0
+        )
+        assert resp.usage is not None and resp.usage.completion_tokens >= 1
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 0, err
+    assert f"{url}/v1" in out and "curl " in out
+    assert "Traceback" not in err

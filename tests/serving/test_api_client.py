@@ -1,0 +1,260 @@
+"""ThreadedEngineClient and the API's building blocks without sockets: errors, bounds, aborts, crashes, stats, SSE close."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import AsyncIterator
+
+import httpx
+import pytest
+
+from distserve.config import CacheConfig, SamplingParams
+from distserve.engine.llm_engine import LLMEngine
+from distserve.engine.outputs import RequestOutput
+from distserve.engine.weights import LoadedModel, load_model
+from distserve.errors import PromptTooLongError, QueueFullError
+from distserve.serving.api import _SSEResponse, build_fastapi_app
+from distserve.serving.local_disagg import LocalDisaggEngine
+from distserve.serving.metrics import ServingMetrics, normalize_stats
+from distserve.serving.threaded_client import EngineDeadError, ThreadedEngineClient
+
+pytestmark = pytest.mark.timeout(60)
+
+CACHE = CacheConfig(num_blocks=512, block_size=16)
+LONG = SamplingParams(max_tokens=900, ignore_eos=True, temperature=0)
+SHORT = SamplingParams(max_tokens=4, temperature=0)
+
+
+@pytest.fixture(scope="module")
+def tiny() -> LoadedModel:
+    return load_model("tiny")
+
+
+async def drain(stream: AsyncIterator[RequestOutput]) -> RequestOutput:
+    last = None
+    async for out in stream:
+        last = out
+    assert last is not None and last.finished
+    return last
+
+
+def test_outputs_match_engine_and_validation_errors_surface(tiny: LoadedModel) -> None:
+    ref = LLMEngine(tiny, cache_config=CACHE).generate(["abc"], SHORT)[0]
+    client = ThreadedEngineClient(LocalDisaggEngine(tiny, cache_config=CACHE))
+
+    async def run() -> None:
+        out = await drain(client.generate("abc", SHORT, "r1"))
+        assert out.token_ids == ref.token_ids and out.text == ref.text
+        bad = client.generate("x" * 3000, SHORT, "r2")
+        with pytest.raises(PromptTooLongError):
+            await anext(bad)
+        assert client.num_outstanding == 0
+
+    try:
+        asyncio.run(run())
+    finally:
+        client.close()
+
+
+def test_queue_bound_and_close_aborts(tiny: LoadedModel) -> None:
+    engine = LocalDisaggEngine(tiny, cache_config=CACHE)
+    client = ThreadedEngineClient(engine, max_queued_requests=2)
+
+    async def run() -> None:
+        a = client.generate("a", LONG, "a")
+        b = client.generate("b", LONG, "b")
+        await anext(a)
+        await anext(b)
+        with pytest.raises(QueueFullError):
+            await anext(client.generate("c", SHORT, "c"))
+        await a.aclose()
+        await b.aclose()
+        assert client.num_outstanding == 0
+        out = await drain(client.generate("c", SHORT, "c"))
+        assert out.finish_reason in ("stop", "length")
+
+    try:
+        asyncio.run(run())
+        deadline = time.monotonic() + 5
+        while engine.has_unfinished_requests() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert not engine.has_unfinished_requests()
+        assert all(i.block_manager.usage == 0.0 for i in engine.prefill + engine.decode)
+    finally:
+        client.close()
+
+
+def test_engine_crash_fails_streams_instead_of_hanging(tiny: LoadedModel) -> None:
+    engine = LLMEngine(tiny, cache_config=CACHE)
+    real_step = engine.step
+    calls = {"n": 0}
+
+    def step() -> list[RequestOutput]:
+        calls["n"] += 1
+        if calls["n"] > 3:
+            raise RuntimeError("boom")
+        return real_step()
+
+    engine.step = step  # type: ignore[method-assign]
+    client = ThreadedEngineClient(engine)
+
+    async def run() -> None:
+        streams = [client.generate(p, LONG, p) for p in ("a", "b", "c")]
+        results = await asyncio.wait_for(asyncio.gather(*(drain(s) for s in streams), return_exceptions=True), 10)
+        assert all(isinstance(r, EngineDeadError) and "boom" in str(r) for r in results)
+        with pytest.raises(EngineDeadError):
+            await anext(client.generate("d", SHORT, "d"))
+        with pytest.raises(EngineDeadError):
+            await client.stats()
+
+    try:
+        asyncio.run(run())
+        assert client.is_dead
+        app = build_fastapi_app(client, "tiny")
+
+        async def http() -> None:
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as h:
+                assert (await h.get("/health")).status_code == 503
+                resp = await h.post("/v1/completions", json={"prompt": "x"})
+                assert resp.status_code == 503 and resp.json()["error"]["message"]
+                assert (await h.get("/metrics")).status_code == 200
+
+        asyncio.run(http())
+    finally:
+        client.close()
+
+
+def test_shutdown_fails_in_flight_and_stops_thread(tiny: LoadedModel) -> None:
+    client = ThreadedEngineClient(LLMEngine(tiny, cache_config=CACHE))
+
+    async def run() -> None:
+        stream = client.generate("a", LONG, "a")
+        await anext(stream)
+        await client.shutdown()
+        with pytest.raises(EngineDeadError):
+            await drain(stream)
+
+    asyncio.run(run())
+    assert not client._thread.is_alive()
+
+
+def test_idle_thread_sleeps(tiny: LoadedModel) -> None:
+    engine = LLMEngine(tiny, cache_config=CACHE)
+    real = engine.has_unfinished_requests
+    calls = {"n": 0}
+
+    def counting() -> bool:
+        calls["n"] += 1
+        return real()
+
+    engine.has_unfinished_requests = counting  # type: ignore[method-assign]
+    client = ThreadedEngineClient(engine)
+    try:
+        asyncio.run(drain(client.generate("a", SHORT, "a")))
+        time.sleep(0.1)
+        before = calls["n"]
+        time.sleep(0.5)
+        assert calls["n"] - before <= 2  # blocked on the command queue, not spinning
+    finally:
+        client.close()
+
+
+def test_stats_shapes(tiny: LoadedModel) -> None:
+    disagg = ThreadedEngineClient(LocalDisaggEngine(tiny, num_prefill=2, num_decode=1, cache_config=CACHE))
+    colocated = ThreadedEngineClient([LLMEngine(tiny, cache_config=CACHE), LLMEngine(tiny, cache_config=CACHE)])
+
+    async def run() -> None:
+        await asyncio.gather(*(drain(disagg.generate(p, SHORT, p)) for p in ("a", "b", "c")))
+        stats = await disagg.stats()
+        assert [(i["instance"], i["phase"]) for i in stats["instances"]] == [  # type: ignore[index]
+            ("prefill-0", "prefill"), ("prefill-1", "prefill"), ("decode-0", "decode")
+        ]
+        assert stats["kv_migration_bytes_total"] > 0  # type: ignore[operator]
+        assert len(stats["kv_migration_seconds"]) == 3  # type: ignore[arg-type]
+        assert (await disagg.stats())["kv_migration_seconds"] == []  # only new durations
+        outs = await asyncio.gather(*(drain(colocated.generate(p, SHORT, p)) for p in ("a", "b")))
+        assert all(o.finished for o in outs)
+        stats = await colocated.stats()
+        assert [(i["instance"], i["phase"]) for i in stats["instances"]] == [  # type: ignore[index]
+            ("colocated-0", "colocated"), ("colocated-1", "colocated")
+        ]
+        assert stats["kv_migration_seconds"] == [] and stats["kv_migration_bytes_total"] == 0
+
+    try:
+        asyncio.run(run())
+    finally:
+        disagg.close()
+        colocated.close()
+
+
+def test_colocated_engines_share_load(tiny: LoadedModel) -> None:
+    engines = [LLMEngine(tiny, cache_config=CACHE), LLMEngine(tiny, cache_config=CACHE)]
+    seen: list[int] = []
+    for i, e in enumerate(engines):
+        real = e.add_request
+
+        def add(*args: object, _real=real, _i=i, **kwargs: object) -> str:
+            seen.append(_i)
+            return _real(*args, **kwargs)  # type: ignore[arg-type]
+
+        e.add_request = add  # type: ignore[method-assign]
+    client = ThreadedEngineClient(engines)
+
+    async def run() -> None:
+        streams = [client.generate(p, LONG, p) for p in ("a", "b")]
+        for s in streams:
+            await anext(s)
+        for s in streams:
+            await s.aclose()
+
+    try:
+        asyncio.run(run())
+        assert sorted(seen) == [0, 1]
+    finally:
+        client.close()
+
+
+def test_normalize_raw_engine_stats(tiny: LoadedModel) -> None:
+    disagg = normalize_stats(LocalDisaggEngine(tiny, cache_config=CACHE).stats())
+    assert [i["phase"] for i in disagg["instances"]] == ["prefill", "decode"]
+    colocated = normalize_stats(LLMEngine(tiny, cache_config=CACHE).stats())
+    assert colocated["instances"][0]["instance"] == "colocated-0"
+    metrics = ServingMetrics()
+    metrics.update_engine_stats({**disagg, "kv_migration_seconds": [0.001, 0.002]})
+    assert b'distserve:kv_migration_seconds_count{instance="all",phase="decode"} 2.0' in metrics.render()
+
+
+def test_sse_response_closes_its_generator_on_disconnect() -> None:
+    """Starlette's StreamingResponse leaves the generator to the GC; ours closes it, which aborts the request."""
+    closed = threading.Event()
+
+    async def events() -> AsyncIterator[str]:
+        try:
+            while True:
+                yield "data: x\n\n"
+                await asyncio.sleep(0.01)
+        finally:
+            closed.set()
+
+    async def run() -> None:
+        gen = events()
+        disconnect = asyncio.Event()
+        sent: list[dict[str, object]] = []
+
+        async def receive() -> dict[str, object]:
+            await disconnect.wait()
+            return {"type": "http.disconnect"}
+
+        async def send(message: dict[str, object]) -> None:
+            sent.append(message)
+            if len(sent) >= 3:  # the client leaves while a chunk is being written: ``gen`` sits at a yield
+                disconnect.set()
+                await asyncio.sleep(10)
+
+        scope = {"type": "http", "asgi": {"spec_version": "2.3"}}
+        await asyncio.wait_for(_SSEResponse(gen)(scope, receive, send), 5)  # type: ignore[arg-type]
+        assert closed.is_set()  # ``gen`` is still referenced here, so no GC finalizer did it
+
+    asyncio.run(run())

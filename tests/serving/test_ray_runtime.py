@@ -1,0 +1,97 @@
+"""The disaggregated runtime on Ray: TP/PP instances, resharded KV migration, placement, faults."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import pytest
+
+from distserve.config import CacheConfig, SamplingParams
+from distserve.engine.llm_engine import LLMEngine
+from distserve.engine.weights import load_model
+from distserve.placement.placement import InstanceSpec, Placement
+from distserve.serving.llm import DisaggLLM
+
+PROMPTS = ["Hello, my name is", "The capital of France is", "a b c d e f g h i j k l m n o p", "1 2 3"]
+SP = SamplingParams(max_tokens=16, min_tokens=16, temperature=0.0)
+CACHE = CacheConfig(num_blocks=256, block_size=4)
+
+pytestmark = pytest.mark.timeout(300)
+
+
+@pytest.fixture(scope="module")
+def reference() -> list[list[int]]:
+    return [o.token_ids for o in LLMEngine(load_model("tiny"), cache_config=CACHE).generate(PROMPTS, SP)]
+
+
+def wait_until(cond: Any, timeout_s: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        time.sleep(0.05)
+    return bool(cond())
+
+
+def deploy(placement: Placement, **kw: Any) -> DisaggLLM:
+    return DisaggLLM("tiny", placement, dtype="float32", cache_config=CACHE, **kw)
+
+
+@pytest.mark.parametrize(
+    "prefill,decode",
+    [((1, 1), (1, 1)), ((2, 1), (1, 2)), ((1, 2), (2, 1)), ((2, 2), (2, 2))],
+    ids=["p1x1-d1x1", "p2x1-d1x2", "p1x2-d2x1", "p2x2-d2x2"],
+)
+def test_1p1d_resharded_matches_colocated(ray_cluster: Any, reference: list[list[int]], prefill: tuple[int, int], decode: tuple[int, int]) -> None:
+    placement = Placement(prefill=(InstanceSpec(*prefill, node=0),), decode=(InstanceSpec(*decode, node=0),))
+    with deploy(placement) as llm:
+        outs = llm.generate(PROMPTS, SP)
+        assert [o.token_ids for o in outs] == reference
+        assert llm.stats()["num_migrations"] == len(PROMPTS)
+        assert wait_until(lambda: all(i["kv_cache_usage_perc"] == 0.0 for i in llm.stats()["instances"]))
+
+
+def test_prefix_aware_migration_and_streaming(ray_cluster: Any) -> None:
+    shared = "System: you are a helpful assistant. Answer briefly. " * 2
+    with deploy(Placement.disaggregated()) as llm:
+        llm.generate([shared + "Q: hi"], SP)
+        streamed = list(llm.stream(shared + "Q: bye", SP))
+        assert llm.stats()["kv_migration_blocks_skipped_total"] >= 16
+        assert streamed[-1].finished and len(streamed[-1].token_ids) == 16
+        assert "".join(o.new_text for o in streamed) == streamed[-1].text
+    fresh = LLMEngine(load_model("tiny"), cache_config=CACHE).generate([shared + "Q: bye"], SP)[0]
+    assert streamed[-1].token_ids == fresh.token_ids
+
+
+def test_workers_land_on_the_named_nodes_and_flow_across(ray_cluster: Any, reference: list[list[int]]) -> None:
+    import ray
+
+    node_of = {n["Resources"].get("distserve_node_1", 0) > 0: n["NodeID"] for n in ray.nodes() if n["Alive"]}
+    placement = Placement(prefill=(InstanceSpec(2, 1, node=0),), decode=(InstanceSpec(1, 2, node=1),))
+    with deploy(placement) as llm:
+        report = {r["instance"]: r["node_ids"] for r in llm.placement_report()}
+        assert report["prefill-0"] == [node_of[False]] * 2
+        assert report["decode-0"] == [node_of[True]] * 2
+        assert [o.token_ids for o in llm.generate(PROMPTS, SP)] == reference
+
+
+def test_dead_decode_instance_requests_rerun_on_survivor(ray_cluster: Any, reference: list[list[int]]) -> None:
+    import ray
+
+    long = SamplingParams(max_tokens=48, min_tokens=48, temperature=0.0)
+    expected = [o.token_ids for o in LLMEngine(load_model("tiny"), cache_config=CACHE).generate(PROMPTS, long)]
+    with deploy(Placement.disaggregated(num_prefill=1, num_decode=2)) as llm:
+        victim = next(i for i in llm.controller.instances if i.spec.instance_id == "decode-0")
+        streams = [llm.stream(p, long) for p in PROMPTS]
+        firsts = [next(s) for s in streams]  # every request has its first token
+        time.sleep(0.2)
+        ray.kill(victim.actor, no_restart=True)
+        finals = []
+        for first, stream in zip(firsts, streams):
+            last = first
+            for last in stream:
+                pass
+            finals.append(last)
+        assert [o.token_ids for o in finals] == expected
+        assert all(o.finish_reason == "length" for o in finals)
