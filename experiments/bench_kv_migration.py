@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import resource
 import socket
 import statistics
 import time
@@ -133,6 +135,34 @@ def run_case(
     return results.get()  # type: ignore[no-any-return]
 
 
+def cpu_busy_s() -> float | None:
+    """CPU seconds all processes on the machine have been busy since boot (None off Linux)."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(x) for x in f.readline().split()[1:]]
+    except OSError:
+        return None
+    user, nice, system, _idle, _iowait, irq, softirq = fields[:7]
+    return (user + nice + system + irq + softirq) / os.sysconf("SC_CLK_TCK")
+
+
+def other_load(fn: Callable[[], Any]) -> tuple[Any, float | None]:
+    """Run ``fn``; also return how many cores *other* processes kept busy meanwhile.
+
+    A rough noise indicator: kernel time spent on loopback traffic outside our processes counts
+    as "other" too, so ~0.2 is what an otherwise idle machine shows.
+    """
+    busy0, t0 = cpu_busy_s(), time.perf_counter()
+    ours0 = resource.getrusage(resource.RUSAGE_CHILDREN)
+    result = fn()
+    ours1 = resource.getrusage(resource.RUSAGE_CHILDREN)
+    busy1, wall = cpu_busy_s(), time.perf_counter() - t0
+    if busy0 is None or busy1 is None:
+        return result, None
+    ours = (ours1.ru_utime + ours1.ru_stime) - (ours0.ru_utime + ours0.ru_stime)
+    return result, max(0.0, (busy1 - busy0 - ours) / wall)
+
+
 def decode_step_ms(model: str, batch: int, prompt_len: int, num_steps: int) -> float:
     """Median wall time of a decode-only ``engine.step()`` with ``batch`` requests in flight."""
     from distserve.config import SamplingParams
@@ -176,6 +206,9 @@ def write_outputs(out_dir: Path, stem: str, rows: list[dict[str, Any]], figures:
         f"{r['ratio_one_msg_per_slice']:.2f} | {r['migration_over_decode_step']:.2f} |"
         for r in rows
     ]
+    md.append("\nCores kept busy by other processes meanwhile: " + ", ".join(
+        f"{k.removeprefix('other_processes_busy_cores_')} {v}" for k, v in figures.items()
+        if k.startswith("other_processes_busy_cores_")))
     md.append(f"\nOne decode step ({figures['decode_model']}, batch {figures['decode_batch']}, prompt "
               f"{figures['decode_prompt_len']} tokens): {figures['decode_step_ms']:.1f} ms")
     (out_dir / f"{stem}.md").write_text("\n".join(md) + "\n")
@@ -226,8 +259,10 @@ def main() -> None:
     chunk_bytes = int(args.chunk_mb * (1 << 20)) or None
 
     rows: list[dict[str, Any]] = []
+    other_cores: dict[str, float | None] = {}
     for case in CASES:
-        rows += run_case(case, lengths, args.repeats, args.threads, chunk_bytes)
+        case_rows, other_cores[case] = other_load(lambda: run_case(case, lengths, args.repeats, args.threads, chunk_bytes))
+        rows += case_rows
     step_ms = decode_step_ms(args.model, args.decode_batch, args.decode_prompt_len, args.decode_steps)
     for r in rows:
         for mode in MODES:
@@ -240,7 +275,10 @@ def main() -> None:
         "kv_shape": SMOLLM2_KV, "lengths": lengths, "repeats": args.repeats, "threads": args.threads,
         "chunk_mb": args.chunk_mb, "decode_model": args.model, "decode_batch": args.decode_batch,
         "decode_prompt_len": args.decode_prompt_len, "decode_step_ms": round(step_ms, 2),
+        "num_cpus": os.cpu_count(),
     }
+    for case, cores in other_cores.items():  # > 0.3 means another job shared the cores: ratios are pessimistic
+        figures[f"other_processes_busy_cores_{case}"] = None if cores is None else round(cores, 2)
     for r in rows:
         key = f"{r['case']}_{r['num_tokens']}"
         figures[f"migration_ms_{key}"] = round(r["chunked_s"] * 1e3, 2)
@@ -260,6 +298,7 @@ def main() -> None:
               f"{r['chunked_s'] * 1e3:>8.1f} {r['one_msg_per_slice_s'] * 1e3:>8.1f} {r['raw_s'] * 1e3:>7.1f} "
               f"{r['chunked_gbps']:>5.2f} {r['raw_gbps']:>8.2f} {r['ratio_chunked']:>5.2f} "
               f"{r['ratio_one_msg_per_slice']:>5.2f} {r['migration_over_decode_step']:>7.2f}")
+    print("cores kept busy by other processes during the transfers:", other_cores)
     print(f"decode step ({args.model}, batch {args.decode_batch}, prompt {args.decode_prompt_len}): {step_ms:.1f} ms")
     stem = "bench_kv_migration_quick" if args.quick else "bench_kv_migration"
     write_outputs(Path(args.out_dir), stem, rows, figures)

@@ -27,7 +27,9 @@ class KVTransport(ABC):
     """Sends and receives whole tensors between ranks of one world.
 
     Peer ids are global ranks in the transport's world. A message is matched by (src, dst, tag);
-    messages with the same (src, dst, tag) arrive in the order they were sent.
+    messages with the same (src, dst, tag) arrive in the order they were sent. Backends that ignore
+    tags (NCCL) match by posting order per (src, dst) pair instead, so callers post a pair's
+    messages in the same order on both sides.
     """
 
     rank: int

@@ -45,6 +45,7 @@ from distserve.serving.protocol import (
     ModelCard,
     ModelList,
     UsageInfo,
+    finish_reason,
     sse,
 )
 
@@ -349,7 +350,7 @@ def build_fastapi_app(
             return CompletionResponse(
                 id=request_id,
                 model=served_model_name,
-                choices=[CompletionChoice(text=out.text, logprobs=logprobs, finish_reason=out.finish_reason)],
+                choices=[CompletionChoice(text=out.text, logprobs=logprobs, finish_reason=finish_reason(out.finish_reason))],
                 usage=_usage(out),
             )
         created = int(time.time())
@@ -364,7 +365,7 @@ def build_fastapi_app(
                 return []
             logprobs = _completion_logprobs(server.new_logprobs(out), emitted["chars"], top) if want_logprobs else None
             emitted["chars"] += len(out.new_text)
-            return [chunk([CompletionChoice(text=out.new_text, logprobs=logprobs, finish_reason=out.finish_reason)])]
+            return [chunk([CompletionChoice(text=out.new_text, logprobs=logprobs, finish_reason=finish_reason(out.finish_reason))])]
 
         events = _events(stream, first, timer, render, body.include_usage, lambda u: chunk([], u))
         return _SSEResponse(events)
@@ -397,7 +398,7 @@ def build_fastapi_app(
                     ChatChoice(
                         message=ChatMessageOut(content=out.text),
                         logprobs=_chat_logprobs(server.all_logprobs(out)) if body.logprobs else None,
-                        finish_reason=out.finish_reason,
+                        finish_reason=finish_reason(out.finish_reason),
                     )
                 ],
                 usage=_usage(out),
@@ -417,7 +418,7 @@ def build_fastapi_app(
             if out.new_text or out.finished or (body.logprobs and out.new_token_ids):
                 logprobs = _chat_logprobs(server.new_logprobs(out)) if body.logprobs else None
                 delta = ChatDelta(content=out.new_text) if out.new_text else ChatDelta()
-                events.append(chunk([ChatChunkChoice(delta=delta, logprobs=logprobs, finish_reason=out.finish_reason)]))
+                events.append(chunk([ChatChunkChoice(delta=delta, logprobs=logprobs, finish_reason=finish_reason(out.finish_reason))]))
             return events
 
         events = _events(stream, first, timer, render, body.include_usage, lambda u: chunk([], u))

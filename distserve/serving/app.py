@@ -19,6 +19,7 @@ from distserve.serving.threaded_client import DEFAULT_MAX_QUEUED_REQUESTS, Threa
 
 RAY_NUM_CPUS = 8
 APP_NAME = "distserve"
+LOOPBACK_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
 
 
 @dataclass(frozen=True)
@@ -98,6 +99,18 @@ def build_app(args: Mapping[str, Any]) -> Application:
     return DistServeIngress.bind(ServeOptions.from_args(args))  # type: ignore[attr-defined]
 
 
+def _keep_ray_on_loopback() -> None:
+    """Make Ray use 127.0.0.1 for every address; by default it swaps loopback for the host's IP.
+
+    Ray reads ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER`` once at import, so the constant is set as well
+    for a Ray imported earlier; the variable itself reaches the processes Ray starts.
+    """
+    from ray._private import ray_constants
+
+    os.environ.setdefault(LOOPBACK_ENV, "0")
+    ray_constants.ENABLE_RAY_CLUSTER = os.environ[LOOPBACK_ENV].lower() in ("1", "true")
+
+
 def init_ray_local(temp_dir: str | None = None) -> bool:
     """Start a private loopback-only Ray instance unless one is initialised; True if this call started it."""
     import ray
@@ -105,6 +118,7 @@ def init_ray_local(temp_dir: str | None = None) -> bool:
     if ray.is_initialized():
         return False
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    _keep_ray_on_loopback()
     kwargs: dict[str, Any] = {"_temp_dir": temp_dir} if temp_dir else {}
     ray.init(
         address="local",

@@ -65,6 +65,7 @@ class _Instance:
     placement_group: Any
     layout: KVLayout | None = None
     has_work: bool = False
+    kicked: bool = False  # work arrived while a step was in flight: step again
     alive: bool = True
     wake: asyncio.Event = field(default_factory=asyncio.Event)
     num_assigned: int = 0  # requests routed here and not yet finished or moved on
@@ -76,6 +77,7 @@ class _Instance:
 
     def kick(self) -> None:
         self.has_work = True
+        self.kicked = True
         self.wake.set()
 
 
@@ -134,6 +136,7 @@ class Controller(RequestFrontend):
         self._migration_lock = asyncio.Lock()
         self._tags = itertools.count()
         self._tasks: list[asyncio.Task[None]] = []
+        self._background: set[asyncio.Task[None]] = set()
         self._closed = False
         self.migration_counters = {"num_migrations": 0, "kv_migration_blocks_skipped_total": 0}
         self.migration_durations: list[float] = []
@@ -212,8 +215,20 @@ class Controller(RequestFrontend):
         inst = min(entry, key=lambda i: i.num_assigned)
         inst.num_assigned += 1
         self._owner[seq.seq_id] = inst
-        copy = _copy_sequence(seq)
-        inst.actor.add.remote(copy)
+        self._spawn(self._call_then_kick(inst, inst.actor.add.remote(_copy_sequence(seq))))
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _call_then_kick(self, inst: _Instance, ref: Any) -> None:
+        """Instance actors are threaded, so a call is only known to be applied once it returns:
+        kick the step loop after that, or a step racing ahead would report no work and sleep."""
+        try:
+            await ref
+        except Exception:  # noqa: BLE001 - a dead actor is handled by its step loop
+            pass
         inst.kick()
 
     async def generate(
@@ -277,12 +292,13 @@ class Controller(RequestFrontend):
                 inst.wake.clear()
                 await inst.wake.wait()
                 continue
+            inst.kicked = False
             try:
                 result: StepResult = await inst.actor.step.remote()
             except (ray.exceptions.RayActorError, ray.exceptions.ActorDiedError):
                 await self._on_death(inst)
                 return
-            inst.has_work = result.has_work
+            inst.has_work = result.has_work or inst.kicked
             self._apply(inst, result)
             if self._pending:
                 await self._migrate_pending()
@@ -374,8 +390,7 @@ class Controller(RequestFrontend):
         self._migration_started.pop(seq_id, None)
         if src is not None and src.alive:
             self._owner[seq_id] = src
-            src.actor.requeue.remote(seq_id)
-            src.kick()
+            self._spawn(self._call_then_kick(src, src.actor.requeue.remote(seq_id)))
 
     async def _on_death(self, inst: _Instance) -> None:
         """Re-run the dead instance's requests from prompt + tokens so far on survivors."""

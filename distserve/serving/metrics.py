@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator, Mapping
-from typing import Any, NotRequired, TypedDict
+from typing import Any, NotRequired, TypedDict, cast
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -86,8 +86,9 @@ def instance_stats(raw: Mapping[str, Any], instance: str, phase: str) -> Instanc
 
 def normalize_stats(raw: Mapping[str, Any]) -> ClientStats:
     """The ``ClientStats`` shape from itself, ``LocalDisaggEngine.stats()`` or ``LLMEngine.stats()``."""
+    instances: list[InstanceStats]
     if "instances" in raw:
-        instances = [dict(i) for i in raw["instances"]]
+        instances = [cast(InstanceStats, dict(i)) for i in raw["instances"]]
     elif isinstance(raw.get("prefill"), Mapping) or isinstance(raw.get("decode"), Mapping):
         instances = [
             instance_stats(s, name, phase)
@@ -100,7 +101,7 @@ def normalize_stats(raw: Mapping[str, Any]) -> ClientStats:
         instances = []
     seconds = raw.get("kv_migration_seconds", [])
     return {
-        "instances": instances,  # type: ignore[typeddict-item]
+        "instances": instances,
         "kv_migration_bytes_total": float(raw.get("kv_migration_bytes_total", 0)),
         "kv_migration_blocks_skipped_total": float(raw.get("kv_migration_blocks_skipped_total", 0)),
         "kv_migration_seconds": [float(s) for s in seconds] if isinstance(seconds, list) else [],

@@ -12,6 +12,7 @@ from distserve.config import SamplingParams
 from distserve.errors import InvalidSamplingParamsError
 
 FinishReason = Literal["stop", "length", "abort"]
+FINISH_REASONS: tuple[FinishReason, ...] = ("stop", "length", "abort")
 
 SSE_DONE = "data: [DONE]\n\n"
 
@@ -48,6 +49,13 @@ class ErrorInfo(BaseModel):
 
 class ErrorResponse(BaseModel):
     error: ErrorInfo
+
+
+def finish_reason(reason: str | None) -> FinishReason | None:
+    """The engine's finish reason as the API reports it (anything unexpected reads as ``stop``)."""
+    if reason is None:
+        return None
+    return next((r for r in FINISH_REASONS if r == reason), "stop")
 
 
 def bad_request(message: str, param: str | None = None) -> APIError:

@@ -7,7 +7,7 @@ import concurrent.futures
 import logging
 import queue
 import threading
-from collections.abc import AsyncIterator, Callable, Sequence as Seq
+from collections.abc import AsyncGenerator, Callable, Sequence as Seq
 from dataclasses import dataclass
 from typing import Any
 
@@ -128,7 +128,7 @@ class ThreadedEngineClient(EngineClient):
         sampling: SamplingParams,
         request_id: str,
         priority: int = 0,
-    ) -> AsyncIterator[RequestOutput]:
+    ) -> AsyncGenerator[RequestOutput, None]:
         if self._dead is not None:
             raise EngineDeadError(str(self._dead))
         with self._count_lock:
@@ -170,7 +170,8 @@ class ThreadedEngineClient(EngineClient):
         self._commands.put(_Stats(fut))
         if self._dead is not None:
             raise EngineDeadError(str(self._dead))
-        return dict(await asyncio.wait_for(asyncio.wrap_future(fut), STATS_TIMEOUT_S))
+        snapshot: ClientStats = await asyncio.wait_for(asyncio.wrap_future(fut), STATS_TIMEOUT_S)
+        return dict(snapshot)
 
     async def shutdown(self) -> None:
         await asyncio.to_thread(self.close)

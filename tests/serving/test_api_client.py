@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from typing import Any, cast
 
 import httpx
 import pytest
@@ -86,19 +88,22 @@ def test_queue_bound_and_close_aborts(tiny: LoadedModel) -> None:
         client.close()
 
 
-def test_engine_crash_fails_streams_instead_of_hanging(tiny: LoadedModel) -> None:
-    engine = LLMEngine(tiny, cache_config=CACHE)
+def crash_after(engine: LLMEngine, num_steps: int) -> LLMEngine:
     real_step = engine.step
     calls = {"n": 0}
 
     def step() -> list[RequestOutput]:
         calls["n"] += 1
-        if calls["n"] > 3:
+        if calls["n"] > num_steps:
             raise RuntimeError("boom")
         return real_step()
 
     engine.step = step  # type: ignore[method-assign]
-    client = ThreadedEngineClient(engine)
+    return engine
+
+
+def test_engine_crash_fails_streams_instead_of_hanging(tiny: LoadedModel) -> None:
+    client = ThreadedEngineClient(crash_after(LLMEngine(tiny, cache_config=CACHE), 3))
 
     async def run() -> None:
         streams = [client.generate(p, LONG, p) for p in ("a", "b", "c")]
@@ -112,16 +117,28 @@ def test_engine_crash_fails_streams_instead_of_hanging(tiny: LoadedModel) -> Non
     try:
         asyncio.run(run())
         assert client.is_dead
-        app = build_fastapi_app(client, "tiny")
+    finally:
+        client.close()
 
-        async def http() -> None:
-            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as h:
-                assert (await h.get("/health")).status_code == 503
-                resp = await h.post("/v1/completions", json={"prompt": "x"})
-                assert resp.status_code == 503 and resp.json()["error"]["message"]
-                assert (await h.get("/metrics")).status_code == 200
 
-        asyncio.run(http())
+def test_engine_crash_over_http(tiny: LoadedModel) -> None:
+    client = ThreadedEngineClient(crash_after(LLMEngine(tiny, cache_config=CACHE), 3))
+    app = build_fastapi_app(client, "tiny")
+
+    async def run() -> None:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as h:
+            body = {"prompt": "x", "stream": True, "max_tokens": 50, "ignore_eos": True}
+            resp = await asyncio.wait_for(h.post("/v1/completions", json=body), 10)
+            events = [e for e in resp.text.split("\n\n") if e]
+            assert events[-1] == "data: [DONE]"
+            assert "boom" in json.loads(events[-2][len("data: ") :])["error"]["message"]
+            assert (await h.get("/health")).status_code == 503
+            resp = await h.post("/v1/completions", json={"prompt": "x"})
+            assert resp.status_code == 503 and resp.json()["error"]["message"]
+            assert (await h.get("/metrics")).status_code == 200
+
+    try:
+        asyncio.run(run())
     finally:
         client.close()
 
@@ -168,7 +185,8 @@ def test_stats_shapes(tiny: LoadedModel) -> None:
     async def run() -> None:
         await asyncio.gather(*(drain(disagg.generate(p, SHORT, p)) for p in ("a", "b", "c")))
         stats = await disagg.stats()
-        assert [(i["instance"], i["phase"]) for i in stats["instances"]] == [  # type: ignore[index]
+        instances = cast(list[dict[str, object]], stats["instances"])
+        assert [(i["instance"], i["phase"]) for i in instances] == [
             ("prefill-0", "prefill"), ("prefill-1", "prefill"), ("decode-0", "decode")
         ]
         assert stats["kv_migration_bytes_total"] > 0  # type: ignore[operator]
@@ -177,9 +195,8 @@ def test_stats_shapes(tiny: LoadedModel) -> None:
         outs = await asyncio.gather(*(drain(colocated.generate(p, SHORT, p)) for p in ("a", "b")))
         assert all(o.finished for o in outs)
         stats = await colocated.stats()
-        assert [(i["instance"], i["phase"]) for i in stats["instances"]] == [  # type: ignore[index]
-            ("colocated-0", "colocated"), ("colocated-1", "colocated")
-        ]
+        instances = cast(list[dict[str, object]], stats["instances"])
+        assert [(i["instance"], i["phase"]) for i in instances] == [("colocated-0", "colocated"), ("colocated-1", "colocated")]
         assert stats["kv_migration_seconds"] == [] and stats["kv_migration_bytes_total"] == 0
 
     try:
@@ -195,9 +212,9 @@ def test_colocated_engines_share_load(tiny: LoadedModel) -> None:
     for i, e in enumerate(engines):
         real = e.add_request
 
-        def add(*args: object, _real=real, _i=i, **kwargs: object) -> str:
+        def add(*args: Any, _real: Callable[..., str] = real, _i: int = i, **kwargs: Any) -> str:
             seen.append(_i)
-            return _real(*args, **kwargs)  # type: ignore[arg-type]
+            return _real(*args, **kwargs)
 
         e.add_request = add  # type: ignore[method-assign]
     client = ThreadedEngineClient(engines)

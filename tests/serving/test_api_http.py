@@ -13,6 +13,8 @@ import httpx
 import openai
 import pytest
 import uvicorn
+from openai.types import Completion
+from openai.types.chat import ChatCompletionMessageParam
 from prometheus_client.parser import text_string_to_metric_families
 
 from distserve.cli import main as cli_main
@@ -28,7 +30,8 @@ from distserve.serving.threaded_client import ThreadedEngineClient
 pytestmark = pytest.mark.timeout(120)
 
 PROMPT = "Hello, my name is"
-CHAT = [{"role": "user", "content": "What is the capital of France?"}]
+QUESTION = "What is the capital of France?"
+CHAT: list[ChatCompletionMessageParam] = [{"role": "user", "content": QUESTION}]
 MAX_TOKENS = 12
 GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
 CACHE = CacheConfig(num_blocks=2048, block_size=16)
@@ -135,7 +138,7 @@ def test_completion_matches_engine(live: LiveServer, reference_engine: LLMEngine
     assert resp.usage.completion_tokens == len(ref.token_ids)
     assert resp.usage.total_tokens == len(ref.prompt_token_ids) + len(ref.token_ids)
 
-    chunks = list(
+    chunks: list[Completion] = list(
         oai.completions.create(
             model="tiny", prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0, stream=True, stream_options={"include_usage": True}
         )
@@ -150,10 +153,10 @@ def test_completion_matches_engine(live: LiveServer, reference_engine: LLMEngine
 
 
 def test_chat_matches_engine(live: LiveServer, reference_engine: LLMEngine) -> None:
-    prompt = reference_engine.tokenizer.apply_chat_template(CHAT)
+    prompt = reference_engine.tokenizer.apply_chat_template([{"role": "user", "content": QUESTION}])
     ref = reference_engine.generate([prompt], GREEDY)[0]
     oai = live.openai()
-    resp = oai.chat.completions.create(model="tiny", messages=CHAT, max_tokens=MAX_TOKENS, temperature=0)  # type: ignore[arg-type]
+    resp = oai.chat.completions.create(model="tiny", messages=CHAT, max_tokens=MAX_TOKENS, temperature=0)
     assert resp.id.startswith("chatcmpl-")
     assert resp.choices[0].message.role == "assistant"
     assert resp.choices[0].message.content == ref.text
@@ -161,7 +164,7 @@ def test_chat_matches_engine(live: LiveServer, reference_engine: LLMEngine) -> N
     assert resp.usage.completion_tokens == len(ref.token_ids)
 
     stream = oai.chat.completions.create(
-        model="tiny", messages=CHAT, max_completion_tokens=MAX_TOKENS, temperature=0, stream=True  # type: ignore[arg-type]
+        model="tiny", messages=CHAT, max_completion_tokens=MAX_TOKENS, temperature=0, stream=True
     )
     chunks = list(stream)
     assert chunks[0].choices[0].delta.role == "assistant"
@@ -171,10 +174,10 @@ def test_chat_matches_engine(live: LiveServer, reference_engine: LLMEngine) -> N
 
 
 def test_text_matches_distserve_generate(disagg: LiveServer, capsys: pytest.CaptureFixture[str]) -> None:
-    assert cli_main(["generate", "--model", "tiny", "--chat", "--prompt", CHAT[0]["content"], "--max-tokens", "10", "--json"]) == 0
+    assert cli_main(["generate", "--model", "tiny", "--chat", "--prompt", QUESTION, "--max-tokens", "10", "--json"]) == 0
     expected = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     resp = disagg.openai().chat.completions.create(
-        model="HuggingFaceTB/SmolLM2-135M-Instruct", messages=CHAT, max_tokens=10, temperature=0  # type: ignore[arg-type]
+        model="HuggingFaceTB/SmolLM2-135M-Instruct", messages=CHAT, max_tokens=10, temperature=0
     )
     assert resp.choices[0].message.content == expected["text"]
     assert resp.usage is not None and resp.usage.completion_tokens == expected["num_output_tokens"]

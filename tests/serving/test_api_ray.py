@@ -17,9 +17,6 @@ import pytest
 from distserve.config import SamplingParams
 from distserve.engine.llm_engine import LLMEngine
 
-ray = pytest.importorskip("ray")
-serve = pytest.importorskip("ray.serve")
-
 PROMPT = "Hello, my name is"
 
 
@@ -68,18 +65,25 @@ def _free_port() -> int:
 @pytest.fixture(scope="module")
 def ray_session() -> Iterator[Callable[[], dict[int, str]]]:
     """A private loopback Ray; the callable tears it down and returns the Ray processes that were running."""
+    import ray
+    from ray import serve
+
+    from distserve.serving.app import init_ray_local
+
+    if ray.is_initialized():
+        pytest.skip("Ray is already initialised in this process; this test needs an instance of its own")
     previous = os.environ.get("RAY_AUTH_MODE")
-    os.environ["RAY_AUTH_MODE"] = "disabled"
     temp_dir = tempfile.mkdtemp(prefix="rs", dir="/tmp")  # Ray's socket paths must stay short
-    ray.init(address="local", num_cpus=8, include_dashboard=False, _temp_dir=temp_dir, _node_ip_address="127.0.0.1")
+    assert init_ray_local(temp_dir)  # ray.init(num_cpus=8, include_dashboard=False, _node_ip_address="127.0.0.1", ...)
     state: dict[str, dict[int, str] | None] = {"procs": None}
 
     def teardown() -> dict[int, str]:
-        if state["procs"] is None:
-            state["procs"] = ray_descendants()
+        procs = state["procs"]
+        if procs is None:
+            procs = state["procs"] = ray_descendants()
             serve.shutdown()
             ray.shutdown()
-        return state["procs"]
+        return procs
 
     try:
         yield teardown
@@ -94,7 +98,12 @@ def ray_session() -> Iterator[Callable[[], dict[int, str]]]:
 
 @pytest.mark.timeout(300)
 def test_ray_serve_app_completes_and_shuts_down(ray_session: Callable[[], dict[int, str]]) -> None:
+    import ray
+    from ray import serve
+
     from distserve.serving.app import build_app
+
+    assert {n["NodeManagerAddress"] for n in ray.nodes()} == {"127.0.0.1"}
 
     expected = LLMEngine("tiny").generate([PROMPT], SamplingParams(max_tokens=8, temperature=0))[0]
     port = _free_port()

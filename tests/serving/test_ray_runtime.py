@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pytest
@@ -95,3 +96,19 @@ def test_dead_decode_instance_requests_rerun_on_survivor(ray_cluster: Any, refer
             finals.append(last)
         assert [o.token_ids for o in finals] == expected
         assert all(o.finish_reason == "length" for o in finals)
+
+
+def test_dead_prefill_instance_requests_rerun_on_survivor(ray_cluster: Any) -> None:
+    import ray
+
+    long = SamplingParams(max_tokens=32, min_tokens=32, temperature=0.0)
+    prompts = [p * 4 for p in PROMPTS] * 2
+    expected = [o.token_ids for o in LLMEngine(load_model("tiny"), cache_config=CACHE).generate(prompts, long)]
+    with deploy(Placement.disaggregated(num_prefill=2, num_decode=1)) as llm:
+        victim = next(i for i in llm.controller.instances if i.spec.instance_id == "prefill-0")
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            futures = [pool.submit(lambda p: list(llm.stream(p, long))[-1], p) for p in prompts]
+            time.sleep(0.3)
+            ray.kill(victim.actor, no_restart=True)  # while prompts are queued, prefilling or migrating
+            finals = [f.result(timeout=120) for f in futures]
+        assert [o.token_ids for o in finals] == expected
