@@ -138,7 +138,9 @@ class Controller(RequestFrontend):
         self._tasks: list[asyncio.Task[None]] = []
         self._background: set[asyncio.Task[None]] = set()
         self._closed = False
-        self.migration_counters = {"num_migrations": 0, "kv_migration_blocks_skipped_total": 0}
+        self.migration_counters = {
+            "num_migrations": 0, "kv_migration_blocks_skipped_total": 0, "kv_migration_bytes_total": 0
+        }
         self.migration_durations: list[float] = []
         self._migration_started: dict[str, float] = {}
 
@@ -305,6 +307,7 @@ class Controller(RequestFrontend):
 
     def _apply(self, inst: _Instance, result: StepResult) -> None:
         now = time.monotonic()
+        self.migration_counters["kv_migration_bytes_total"] += result.received_bytes
         for seq_id in result.received:
             source = self._source.pop(seq_id, None)
             if source is not None and source.alive:

@@ -70,6 +70,7 @@ class StepResult:
     updates: list[SeqUpdate] = field(default_factory=list)
     received: list[str] = field(default_factory=list)  # decode: KV arrived, request now decoding
     failed_transfers: list[str] = field(default_factory=list)
+    received_bytes: int = 0  # KV payload that arrived on this instance's workers
     has_work: bool = False
     step_seconds: float = 0.0
     num_batched_tokens: int = 0
@@ -260,6 +261,8 @@ class InstanceServer:
             busy = self._pending.get(d.key)
             if busy is None:
                 continue
+            if d.ok and d.stats is not None and d.key.startswith("recv:"):
+                result.received_bytes += d.stats.num_bytes
             busy.discard(rank)
             if not d.ok:
                 self._failed.add(d.key)

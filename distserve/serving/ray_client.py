@@ -1,0 +1,64 @@
+"""``ControllerClient``: the ``EngineClient`` of the Ray runtime, for the HTTP server's event loop."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Sequence as Seq
+
+from distserve.config import CacheConfig, SamplingParams, SchedulerConfig
+from distserve.engine.outputs import RequestOutput
+from distserve.placement.placement import Placement
+from distserve.serving.client import EngineClient
+from distserve.serving.controller import Controller, ray_init_local
+
+
+class ControllerClient(EngineClient):
+    """Deploys a ``Placement`` with a ``Controller`` living in the caller's event loop."""
+
+    def __init__(self, controller: Controller, owns_ray: bool = False) -> None:
+        self.controller = controller
+        self.model_name = controller.model_name
+        self.tokenizer = controller.tokenizer
+        self.max_model_len = controller.max_model_len
+        self._owns_ray = owns_ray
+
+    @classmethod
+    async def create(
+        cls,
+        model: str,
+        placement: Placement,
+        *,
+        dtype: str = "auto",
+        cache_config: CacheConfig | None = None,
+        scheduler_config: SchedulerConfig | None = None,
+        prefill_scheduler_config: SchedulerConfig | None = None,
+        max_queued_requests: int = 1024,
+        ray_temp_dir: str | None = None,
+    ) -> "ControllerClient":
+        import ray
+
+        owns_ray = not ray.is_initialized()
+        ray_init_local(ray_temp_dir)
+        controller = Controller(
+            model, placement, dtype=dtype, cache_config=cache_config, scheduler_config=scheduler_config,
+            prefill_scheduler_config=prefill_scheduler_config, max_queued_requests=max_queued_requests,
+        )
+        await controller.start()
+        return cls(controller, owns_ray)
+
+    def generate(
+        self, prompt: str | Seq[int], sampling: SamplingParams, request_id: str, priority: int = 0
+    ) -> AsyncIterator[RequestOutput]:
+        return self.controller.generate(prompt, sampling, request_id, priority)
+
+    async def abort(self, request_id: str) -> None:
+        await self.controller.abort(request_id)
+
+    async def stats(self) -> dict[str, object]:
+        return await self.controller.stats()
+
+    async def shutdown(self) -> None:
+        await self.controller.shutdown()
+        if self._owns_ray:
+            import ray
+
+            ray.shutdown()
