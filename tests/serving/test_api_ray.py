@@ -101,9 +101,16 @@ def test_ray_serve_app_completes_and_shuts_down(ray_session: Callable[[], dict[i
     import ray
     from ray import serve
 
-    from distserve.serving.app import build_app
+    from distserve.errors import InvalidConfigError
+    from distserve.serving.app import ServeOptions, build_app
 
     assert {n["NodeManagerAddress"] for n in ray.nodes()} == {"127.0.0.1"}
+    options = ServeOptions.from_args({"model": "tiny", "colocated": "2", "kv_cache_gb": "0.25"})
+    assert (options.colocated, options.kv_cache_gb, options.prefill) == (2, 0.25, 1)
+    with pytest.raises(InvalidConfigError, match="modle"):
+        ServeOptions.from_args({"modle": "tiny"})
+    with pytest.raises(InvalidConfigError, match="prefill"):
+        ServeOptions.from_args({"prefill": "two"})
 
     expected = LLMEngine("tiny").generate([PROMPT], SamplingParams(max_tokens=8, temperature=0))[0]
     port = _free_port()
