@@ -19,8 +19,7 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 serve: install
-	$(VENV)/bin/distserve generate --model smollm2-135m --chat --max-tokens 64 \
-		--prompt "What is the capital of France? Answer in one sentence."
+	$(VENV)/bin/distserve serve --model smollm2-135m --host $(HOST) --port $(PORT) --runtime ray
 
 test: install
 	$(PY) -m pytest -q

@@ -6,8 +6,15 @@ import argparse
 import json
 import sys
 from collections.abc import Sequence as Seq
+from typing import TYPE_CHECKING
 
 from distserve.errors import DistServeError
+
+if TYPE_CHECKING:
+    from collections.abc import Awaitable
+
+    from distserve.placement.placement import Placement
+    from distserve.serving.client import EngineClient
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
@@ -59,6 +66,13 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
         for kind, what in (("tp", "tensor"), ("pp", "pipeline")):
             p.add_argument(f"--{phase}-{kind}", type=_positive_int, default=1, help=f"{what}-parallel degree of {phase}")
     p.add_argument("--placement", default=None, metavar="FILE", help="deploy a Placement JSON from `distserve plan`")
+    p.add_argument(
+        "--runtime",
+        default="auto",
+        choices=["auto", "ray", "local"],
+        help="ray: every instance in its own Ray actor(s), KV over torch.distributed; local: all instances in "
+        "this process; auto: ray when a TP/PP degree > 1 or --placement is given, else local",
+    )
     p.add_argument("--ray-serve", action="store_true", help="run as a Ray Serve application (default: plain uvicorn)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
 
@@ -134,19 +148,32 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def _check_serve_args(args: argparse.Namespace) -> None:
     from distserve.errors import InvalidConfigError
 
-    for flag in ("prefill_tp", "prefill_pp", "decode_tp", "decode_pp"):
-        if getattr(args, flag) != 1:
-            raise InvalidConfigError(
-                f"--{flag.replace('_', '-')} {getattr(args, flag)}: tensor/pipeline-parallel serving needs the "
-                "Ray runtime, which is not available yet; use 1"
-            )
-    if args.placement is not None:
+    parallel = any(getattr(args, f) != 1 for f in ("prefill_tp", "prefill_pp", "decode_tp", "decode_pp"))
+    if args.runtime == "local" and (parallel or args.placement is not None):
         raise InvalidConfigError(
-            f"--placement {args.placement}: deploying a placement needs the Ray runtime, which is not available "
-            "yet; use --prefill/--decode or --colocated"
+            "--runtime local runs tp = pp = 1 instances only; TP/PP degrees and --placement need --runtime ray"
         )
+    if args.placement is not None and (args.colocated is not None or args.prefill is not None or args.decode is not None or parallel):
+        raise InvalidConfigError("--placement cannot be combined with --colocated/--prefill/--decode or TP/PP flags")
+    if args.ray_serve and (parallel or args.placement is not None or args.runtime == "ray"):
+        raise InvalidConfigError("--ray-serve serves in-process engines; use plain `distserve serve --runtime ray` for placements")
     if args.colocated is not None and (args.prefill is not None or args.decode is not None):
         raise InvalidConfigError("--colocated cannot be combined with --prefill/--decode")
+
+
+def _placement_from_args(args: argparse.Namespace) -> "Placement":
+    from distserve.placement.placement import Placement
+
+    if args.placement is not None:
+        try:
+            return Placement.load(args.placement)
+        except DistServeError as exc:
+            raise type(exc)(f"--placement {args.placement}: {exc}") from exc
+    if args.colocated is not None:
+        return Placement.colocated_instances(args.colocated)
+    return Placement.disaggregated(
+        args.prefill or 1, args.decode or 1, args.prefill_tp, args.prefill_pp, args.decode_tp, args.decode_pp
+    )
 
 
 def _print_ready(url: str, model: str, layout: str) -> None:
@@ -181,6 +208,28 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from distserve.config import CacheConfig
     from distserve.serving.api import open_listen_socket, run_server
     from distserve.serving.threaded_client import build_local_engine_client
+
+    parallel = any(getattr(args, f) != 1 for f in ("prefill_tp", "prefill_pp", "decode_tp", "decode_pp"))
+    if args.runtime == "ray" or (args.runtime == "auto" and (parallel or args.placement is not None)):
+        from distserve.serving.ray_client import ControllerClient
+
+        placement = _placement_from_args(args)
+        sock = open_listen_socket(args.host, args.port)
+        cache = CacheConfig(block_size=args.block_size, kv_cache_memory_gb=args.kv_cache_gb)
+
+        def factory() -> "Awaitable[EngineClient]":
+            return ControllerClient.create(
+                args.model, placement, dtype=args.dtype, cache_config=cache,
+                max_queued_requests=args.max_queued_requests,
+            )
+
+        ray_layout = " + ".join(
+            f"{len(specs)}x {kind} tp{specs[0].tp}pp{specs[0].pp}"
+            for kind, specs in (("prefill", placement.prefill), ("decode", placement.decode), ("colocated", placement.colocated))
+            if specs
+        )
+        run_server(factory, served, sock, on_ready=lambda url: _print_ready(url, served, f"{ray_layout}, Ray runtime"), log_level=args.log_level)
+        return 0
 
     sock = open_listen_socket(args.host, args.port)
     client = build_local_engine_client(

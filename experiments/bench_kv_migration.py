@@ -222,6 +222,8 @@ def write_outputs(out_dir: Path, stem: str, rows: list[dict[str, Any]], figures:
     styles = {"chunked": "o-", "one_msg_per_slice": "^:", "raw": "s--"}
     for i, case in enumerate(CASES):
         case_rows = [r for r in rows if r["case"] == case]
+        if not case_rows:
+            continue
         x = [r["num_tokens"] for r in case_rows]
         for mode, style in styles.items():
             label = {"chunked": "send_kv/recv_kv", "one_msg_per_slice": "send_kv/recv_kv, 1 msg/slice",
@@ -242,6 +244,7 @@ def write_outputs(out_dir: Path, stem: str, rows: list[dict[str, Any]], figures:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--lengths", default="1024,2048,4096,8192,16384", help="request lengths in tokens")
+    ap.add_argument("--cases", default=",".join(CASES), help=f"comma-separated subset of {', '.join(CASES)}")
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--threads", type=int, default=1, help="torch threads per transfer process")
     ap.add_argument("--chunk-mb", type=float, default=DEFAULT_CHUNK_BYTES / (1 << 20),
@@ -260,7 +263,9 @@ def main() -> None:
 
     rows: list[dict[str, Any]] = []
     other_cores: dict[str, float | None] = {}
-    for case in CASES:
+    for case in args.cases.split(","):
+        if case not in CASES:
+            ap.error(f"unknown case {case!r}; choose from {', '.join(CASES)}")
         case_rows, other_cores[case] = other_load(lambda: run_case(case, lengths, args.repeats, args.threads, chunk_bytes))
         rows += case_rows
     step_ms = decode_step_ms(args.model, args.decode_batch, args.decode_prompt_len, args.decode_steps)

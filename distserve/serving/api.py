@@ -443,7 +443,7 @@ def open_listen_socket(host: str, port: int) -> socket.socket:
 
 
 def run_server(
-    client: EngineClient,
+    client: EngineClient | Callable[[], Awaitable[EngineClient]],
     served_model_name: str,
     sock: socket.socket,
     *,
@@ -452,17 +452,22 @@ def run_server(
 ) -> None:
     """Serve on the bound ``sock`` with plain uvicorn until SIGINT/SIGTERM, then shut ``client`` down.
 
-    ``on_ready`` gets the base URL (``http://host:port``) once uvicorn accepts connections.
+    ``client`` may be an async factory, for clients whose tasks must live in the server's event
+    loop (the Ray runtime's controller). ``on_ready`` gets the base URL (``http://host:port``)
+    once uvicorn accepts connections.
     """
     import uvicorn
 
-    app = build_fastapi_app(client, served_model_name)
     host, port = sock.getsockname()[:2]
-    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False, timeout_graceful_shutdown=5)
-    server = uvicorn.Server(config)
     url_host = f"[{host}]" if ":" in host else host
 
     async def main() -> None:
+        engine_client = client if isinstance(client, EngineClient) else await client()
+        app = build_fastapi_app(engine_client, served_model_name)
+        config = uvicorn.Config(
+            app, host=host, port=port, log_level=log_level, access_log=False, timeout_graceful_shutdown=5
+        )
+        server = uvicorn.Server(config)
         try:
             task = asyncio.create_task(server.serve(sockets=[sock]))
             while not server.started and not task.done():
@@ -471,7 +476,7 @@ def run_server(
                 on_ready(f"http://{url_host}:{port}")
             await task
         finally:
-            await client.shutdown()
+            await engine_client.shutdown()
 
     # uvicorn re-raises the signal it caught once it has stopped; a no-op handler makes that a clean exit.
     in_main = threading.current_thread() is threading.main_thread()

@@ -42,7 +42,13 @@ class ControllerClient(EngineClient):
             model, placement, dtype=dtype, cache_config=cache_config, scheduler_config=scheduler_config,
             prefill_scheduler_config=prefill_scheduler_config, max_queued_requests=max_queued_requests,
         )
-        await controller.start()
+        try:
+            await controller.start()
+        except BaseException:
+            await controller.shutdown()
+            if owns_ray:
+                ray.shutdown()
+            raise
         return cls(controller, owns_ray)
 
     def generate(

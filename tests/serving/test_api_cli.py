@@ -18,10 +18,12 @@ from distserve.cli import main
 @pytest.mark.parametrize(
     "argv,needle",
     [
-        (["--prefill-tp", "2"], "--prefill-tp"),
-        (["--decode-pp", "2"], "--decode-pp"),
-        (["--placement", "plan.json"], "--placement"),
+        (["--runtime", "local", "--prefill-tp", "2"], "--runtime ray"),
+        (["--runtime", "local", "--decode-pp", "2"], "--runtime ray"),
+        (["--placement", "no-such-plan.json"], "--placement no-such-plan.json"),
+        (["--placement", "plan.json", "--prefill", "2"], "--placement"),
         (["--colocated", "2", "--prefill", "1"], "--colocated"),
+        (["--ray-serve", "--prefill-tp", "2"], "--ray-serve"),
     ],
 )
 def test_unsupported_layouts_exit_2(capsys: pytest.CaptureFixture[str], argv: list[str], needle: str) -> None:
