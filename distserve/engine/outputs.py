@@ -196,6 +196,23 @@ class RequestFrontend(ABC):
             )
         return ids
 
+    def encode_batch(
+        self,
+        prompts: str | Seq[str] | Seq[Seq[int]],
+        sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+    ) -> tuple[list[list[int]], list[SamplingParams]]:
+        """Validated token ids and one ``SamplingParams`` per prompt; raises before anything is queued."""
+        if isinstance(prompts, str):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            params = [sampling_params or SamplingParams()] * len(prompts)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(prompts):
+                raise DistServeError(f"got {len(prompts)} prompts but {len(params)} sampling params")
+        return [self.encode_prompt(p) for p in prompts], params
+
     def add_request(
         self,
         prompt: str | Seq[int],
@@ -251,16 +268,7 @@ class EngineBase(RequestFrontend):
         sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
     ) -> list[RequestOutput]:
         """Run prompts to completion (batched with whatever else is in flight); outputs in input order."""
-        if isinstance(prompts, str):
-            prompts = [prompts]
-        prompts = list(prompts)
-        if sampling_params is None or isinstance(sampling_params, SamplingParams):
-            params = [sampling_params or SamplingParams()] * len(prompts)
-        else:
-            params = list(sampling_params)
-            if len(params) != len(prompts):
-                raise DistServeError(f"got {len(prompts)} prompts but {len(params)} sampling params")
-        encoded = [self.encode_prompt(p) for p in prompts]  # validate all before queueing any
+        encoded, params = self.encode_batch(prompts, sampling_params)
         ids = [self.add_request(e, sp) for e, sp in zip(encoded, params)]
         pending = set(ids)
         results: dict[str, RequestOutput] = {}

@@ -40,6 +40,19 @@ class Sequence:
         if not self.token_ids:
             self.token_ids = list(self.prompt_token_ids)
 
+    def detached_copy(self) -> "Sequence":
+        """The request with its tokens so far and no KV: what another instance needs to continue it."""
+        return Sequence(
+            seq_id=self.seq_id,
+            prompt_token_ids=list(self.prompt_token_ids),
+            sampling=self.sampling,
+            arrival_time=self.arrival_time,
+            priority=self.priority,
+            token_ids=list(self.token_ids),
+            first_token_time=self.first_token_time,
+            logprobs=list(self.logprobs),
+        )
+
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)

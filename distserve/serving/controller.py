@@ -217,7 +217,7 @@ class Controller(RequestFrontend):
         inst = min(entry, key=lambda i: i.num_assigned)
         inst.num_assigned += 1
         self._owner[seq.seq_id] = inst
-        self._spawn(self._call_then_kick(inst, inst.actor.add.remote(_copy_sequence(seq))))
+        self._spawn(self._call_then_kick(inst, inst.actor.add.remote(seq.detached_copy())))
 
     def _spawn(self, coro: Any) -> None:
         task = asyncio.get_running_loop().create_task(coro)
@@ -359,7 +359,7 @@ class Controller(RequestFrontend):
         if not decodes:
             return False
         for dst in sorted(decodes, key=lambda i: i.num_assigned):
-            reservation = await dst.actor.reserve.remote(_copy_sequence(seq))
+            reservation = await dst.actor.reserve.remote(seq.detached_copy())
             if reservation is not None:
                 break
         else:
@@ -436,20 +436,6 @@ class Controller(RequestFrontend):
             {"instance": i.spec.instance_id, "tp": i.spec.tp, "pp": i.spec.pp, "node_ids": n}
             for i, n in zip(self.instances, nodes)
         ]
-
-
-def _copy_sequence(seq: Sequence) -> Sequence:
-    """A fresh sequence for another process: tokens so far, no blocks."""
-    return Sequence(
-        seq_id=seq.seq_id,
-        prompt_token_ids=list(seq.prompt_token_ids),
-        sampling=seq.sampling,
-        arrival_time=seq.arrival_time,
-        priority=seq.priority,
-        token_ids=list(seq.token_ids),
-        first_token_time=seq.first_token_time,
-        logprobs=list(seq.logprobs),
-    )
 
 
 def _ready_future(pg: Any) -> Any:

@@ -15,7 +15,6 @@ from typing import Any, TypeVar
 
 from distserve.config import CacheConfig, SamplingParams, SchedulerConfig
 from distserve.engine.outputs import RequestOutput
-from distserve.errors import DistServeError
 from distserve.placement.placement import Placement
 from distserve.serving.controller import Controller, ray_init_local
 
@@ -59,16 +58,7 @@ class DisaggLLM:
         sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
     ) -> list[RequestOutput]:
         """Run prompts to completion concurrently; outputs in input order."""
-        if isinstance(prompts, str):
-            prompts = [prompts]
-        prompts = list(prompts)
-        if sampling_params is None or isinstance(sampling_params, SamplingParams):
-            params = [sampling_params or SamplingParams()] * len(prompts)
-        else:
-            params = list(sampling_params)
-            if len(params) != len(prompts):
-                raise DistServeError(f"got {len(prompts)} prompts but {len(params)} sampling params")
-        encoded = [self.controller.encode_prompt(p) for p in prompts]  # validate all before queueing any
+        encoded, params = self.controller.encode_batch(prompts, sampling_params)
 
         async def one(ids: list[int], sp: SamplingParams) -> RequestOutput:
             last = None

@@ -139,16 +139,7 @@ class LocalDisaggEngine(EngineBase):
         self._pending = still
 
     def _migrate(self, src: PrefillInstance, dst: DecodeInstance, seq: Sequence) -> bool:
-        moved = Sequence(
-            seq_id=seq.seq_id,
-            prompt_token_ids=seq.prompt_token_ids,
-            sampling=seq.sampling,
-            arrival_time=seq.arrival_time,
-            priority=seq.priority,
-            token_ids=list(seq.token_ids),
-            first_token_time=seq.first_token_time,
-            logprobs=list(seq.logprobs),
-        )
+        moved = seq.detached_copy()
         reservation = dst.reserve(moved)
         if reservation is None:
             return False
