@@ -19,6 +19,10 @@ def ray_cluster() -> Iterator[Any]:
     import ray
     from ray.cluster_utils import Cluster
 
+    from distserve.serving.ray_env import keep_ray_on_loopback
+
+    keep_ray_on_loopback()  # also when ray was imported before this fixture ran
+
     temp_dir = tempfile.mkdtemp(prefix="rt", dir="/tmp")  # short: Ray's socket paths have a length limit
     os.environ["RAY_TMPDIR"] = temp_dir
     os.makedirs(os.path.join(temp_dir, "ray"), exist_ok=True)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import signal
 import threading
 from collections.abc import Callable, Mapping
@@ -15,11 +14,10 @@ from ray.serve import Application
 
 from distserve.config import CacheConfig
 from distserve.errors import InvalidConfigError
+from distserve.serving.ray_env import init_ray_local
 from distserve.serving.threaded_client import DEFAULT_MAX_QUEUED_REQUESTS, ThreadedEngineClient, build_local_engine_client
 
-RAY_NUM_CPUS = 8
 APP_NAME = "distserve"
-LOOPBACK_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
 
 
 @dataclass(frozen=True)
@@ -97,37 +95,6 @@ class DistServeIngress:
 def build_app(args: Mapping[str, Any]) -> Application:
     """The Serve application for ``serve run distserve.serving.app:build_app model=tiny prefill=1 decode=1``."""
     return DistServeIngress.bind(ServeOptions.from_args(args))  # type: ignore[attr-defined]
-
-
-def _keep_ray_on_loopback() -> None:
-    """Make Ray use 127.0.0.1 for every address; by default it swaps loopback for the host's IP.
-
-    Ray reads ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER`` once at import, so the constant is set as well
-    for a Ray imported earlier; the variable itself reaches the processes Ray starts.
-    """
-    from ray._private import ray_constants
-
-    os.environ.setdefault(LOOPBACK_ENV, "0")
-    ray_constants.ENABLE_RAY_CLUSTER = os.environ[LOOPBACK_ENV].lower() in ("1", "true")
-
-
-def init_ray_local(temp_dir: str | None = None) -> bool:
-    """Start a private loopback-only Ray instance unless one is initialised; True if this call started it."""
-    import ray
-
-    if ray.is_initialized():
-        return False
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    _keep_ray_on_loopback()
-    kwargs: dict[str, Any] = {"_temp_dir": temp_dir} if temp_dir else {}
-    ray.init(
-        address="local",
-        num_cpus=RAY_NUM_CPUS,
-        include_dashboard=False,
-        _node_ip_address="127.0.0.1",
-        **kwargs,
-    )
-    return True
 
 
 def run_ray_serve(

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import os
 import socket
 import time
 from collections.abc import AsyncIterator, Sequence as Seq
@@ -457,17 +456,3 @@ def _ready_future(pg: Any) -> Any:
 
     threading.Thread(target=wait, daemon=True).start()
     return fut
-
-
-def ray_init_local(temp_dir: str | None = None, num_cpus: int = 8) -> None:
-    """Start (or join) Ray on loopback with small, explicit resources, if not running already."""
-    import ray
-
-    if ray.is_initialized():
-        return
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # keep Ray's addresses on loopback
-    kwargs: dict[str, Any] = {"num_cpus": num_cpus, "include_dashboard": False, "_node_ip_address": "127.0.0.1"}
-    if temp_dir:
-        kwargs["_temp_dir"] = temp_dir
-    ray.init(**kwargs)

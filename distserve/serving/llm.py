@@ -16,7 +16,8 @@ from typing import Any, TypeVar
 from distserve.config import CacheConfig, SamplingParams, SchedulerConfig
 from distserve.engine.outputs import RequestOutput
 from distserve.placement.placement import Placement
-from distserve.serving.controller import Controller, ray_init_local
+from distserve.serving.controller import Controller
+from distserve.serving.ray_env import init_ray_local
 
 T = TypeVar("T")
 
@@ -33,7 +34,7 @@ class DisaggLLM:
         prefill_scheduler_config: SchedulerConfig | None = None,
         ray_temp_dir: str | None = None,
     ) -> None:
-        ray_init_local(ray_temp_dir)
+        init_ray_local(ray_temp_dir)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="distserve-controller", daemon=True)
         self._thread.start()

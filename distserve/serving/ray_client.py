@@ -8,7 +8,8 @@ from distserve.config import CacheConfig, SamplingParams, SchedulerConfig
 from distserve.engine.outputs import RequestOutput
 from distserve.placement.placement import Placement
 from distserve.serving.client import EngineClient
-from distserve.serving.controller import Controller, ray_init_local
+from distserve.serving.controller import Controller
+from distserve.serving.ray_env import init_ray_local
 
 
 class ControllerClient(EngineClient):
@@ -37,7 +38,7 @@ class ControllerClient(EngineClient):
         import ray
 
         owns_ray = not ray.is_initialized()
-        ray_init_local(ray_temp_dir)
+        init_ray_local(ray_temp_dir)
         controller = Controller(
             model, placement, dtype=dtype, cache_config=cache_config, scheduler_config=scheduler_config,
             prefill_scheduler_config=prefill_scheduler_config, max_queued_requests=max_queued_requests,

@@ -1,0 +1,531 @@
+"""HTTP load generator for any OpenAI-compatible server: Poisson arrivals, streamed completions, SLO attainment and goodput.
+
+It works against any base URL that serves ``POST {base_url}/completions`` with ``"stream": true``
+(ours, vLLM, SGLang, ...). Each request is sent at its arrival time, streamed, and timed on the
+client side:
+
+* TTFT: from sending the request to the first chunk with non-empty text;
+* TPOT: (time of the last text chunk - time of the first) / (output tokens - 1), with the output
+  token count taken from the final usage chunk (``stream_options.include_usage``) when the server
+  sends one, else the number of text chunks; undefined (and within any TPOT SLO) for one token;
+* E2E: from sending to the end of the stream.
+
+Prompts are random words from a small list of common English words (one token each in most BPE
+vocabularies), different for every request so prefix caching cannot skip their prefill. To hit a
+target length in the *server's* tokens, two probe requests (``max_tokens=1``) of K and 2K words are
+sent first and their ``usage.prompt_tokens`` give tokens per word and the fixed overhead (BOS...);
+without calibration one word is assumed to be one token. Lengths are therefore approximate (a few
+tokens off); the exact per-request count the server reports is kept in each result.
+
+``ignore_eos`` and ``min_tokens`` (vLLM-style extensions that fix the output length) are only sent
+when asked for, since other servers may reject unknown fields.
+
+Goodput is the number of requests meeting *both* SLOs divided by the run's duration (first arrival
+to last completion); attainment is that number over all requests sent (errors count as misses).
+
+CLI::
+
+    python -m distserve.loadgen --base-url http://127.0.0.1:8000/v1 --model smollm2-135m \\
+        --rate 2 --num-requests 40 --input-len 256 --output-len 64 --ttft-slo 2 --tpot-slo 0.1 \\
+        --ignore-eos --min-tokens --json
+
+prints a summary (``--json``: one JSON object) and exits 1 if no request completed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import sys
+import time
+from collections.abc import Sequence as Seq
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import httpx
+import numpy as np
+
+# Common English words; with a leading space each is a single token in GPT-2/LLaMA-style BPE vocabularies.
+WORDS: tuple[str, ...] = tuple(
+    """the of and to in is was for on are with as at be by this had not but from or have an they which one
+    you were her all she there would their we him been has when who will more no if out so said what up its
+    about into than them can only other new some could time these two may then do first any my now such like
+    our over man me even most made after also did many before must through back years where much your way
+    well down should because each just those people how too little state good very make world still own see
+    men work long get here between both life being under never day same another know while last might us
+    great old year off come since against go came right used take three""".split()
+)
+INPUT_LEN_DISTS = ("fixed", "uniform", "lognormal")
+CALIBRATION_WORDS = 64
+MAX_ERROR_KINDS = 5
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What to send: ``num_requests`` Poisson arrivals at ``rate`` requests/s (``inf``: all at once).
+
+    Input lengths (in the server's tokens) are ``input_len`` for ``"fixed"``, uniform in
+    ``input_len * (1 ± input_len_spread)`` for ``"uniform"``, and lognormal with mean ``input_len``
+    and sigma ``input_len_spread`` for ``"lognormal"``. Every request asks for ``output_len`` tokens.
+    """
+
+    num_requests: int
+    rate: float
+    input_len: int
+    output_len: int
+    input_len_dist: str = "fixed"
+    input_len_spread: float = 0.5
+    seed: int = 0
+    ignore_eos: bool = False  # send "ignore_eos": true (extension)
+    min_tokens: bool = False  # send "min_tokens": output_len (extension)
+    temperature: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.num_requests < 1:
+            raise ValueError(f"num_requests must be >= 1, got {self.num_requests}")
+        if not self.rate > 0:
+            raise ValueError(f"rate must be > 0 (inf: all requests at once), got {self.rate}")
+        if self.input_len < 1 or self.output_len < 1:
+            raise ValueError(f"input_len and output_len must be >= 1, got {self.input_len} and {self.output_len}")
+        if self.input_len_dist not in INPUT_LEN_DISTS:
+            raise ValueError(f"input_len_dist must be one of {INPUT_LEN_DISTS}, got {self.input_len_dist!r}")
+        if self.input_len_spread < 0:
+            raise ValueError(f"input_len_spread must be >= 0, got {self.input_len_spread}")
+
+
+@dataclass(frozen=True)
+class SLO:
+    """Per-request latency targets in seconds; ``None`` means not checked."""
+
+    ttft_s: float | None = None
+    tpot_s: float | None = None
+
+
+@dataclass(frozen=True)
+class RequestSpec:
+    index: int
+    arrival_s: float  # scheduled send time, from the start of the run
+    input_len: int  # target, in the server's tokens
+    prompt: str
+
+
+@dataclass
+class RequestResult:
+    """One request as the client saw it; times are seconds from the start of the run."""
+
+    index: int
+    arrival_s: float
+    input_len: int
+    sent_s: float | None = None
+    first_token_s: float | None = None
+    last_token_s: float | None = None
+    finish_s: float | None = None
+    num_prompt_tokens: int | None = None  # from the server's usage chunk
+    num_output_tokens: int = 0
+    error: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+    @property
+    def ttft_s(self) -> float | None:
+        if self.first_token_s is None or self.sent_s is None:
+            return None
+        return self.first_token_s - self.sent_s
+
+    @property
+    def tpot_s(self) -> float | None:
+        if self.first_token_s is None or self.last_token_s is None or self.num_output_tokens < 2:
+            return None
+        return (self.last_token_s - self.first_token_s) / (self.num_output_tokens - 1)
+
+    @property
+    def e2e_s(self) -> float | None:
+        if self.finish_s is None or self.sent_s is None:
+            return None
+        return self.finish_s - self.sent_s
+
+    def meets(self, slo: SLO) -> bool:
+        """Completed, and within both SLOs (a one-token answer has no TPOT and meets any TPOT SLO)."""
+        if not self.ok or self.ttft_s is None:
+            return False
+        if slo.ttft_s is not None and self.ttft_s > slo.ttft_s:
+            return False
+        tpot = self.tpot_s
+        return slo.tpot_s is None or tpot is None or tpot <= slo.tpot_s
+
+
+@dataclass(frozen=True)
+class Summary:
+    num_requests: int
+    num_completed: int
+    num_errors: int
+    error_kinds: dict[str, int]
+    duration_s: float  # first arrival to last completion
+    throughput_rps: float  # completed requests / duration
+    output_tok_s: float
+    mean_prompt_tokens: float | None
+    mean_output_tokens: float | None
+    ttft_p50_s: float | None
+    ttft_p90_s: float | None
+    ttft_p99_s: float | None
+    tpot_p50_s: float | None
+    tpot_p90_s: float | None
+    tpot_p99_s: float | None
+    e2e_p50_s: float | None
+    e2e_p90_s: float | None
+    e2e_p99_s: float | None
+    ttft_attainment: float  # fraction of all requests within the TTFT SLO
+    tpot_attainment: float
+    slo_attainment: float  # fraction of all requests within both
+    goodput_rps: float  # requests within both SLOs / duration
+    max_send_lag_s: float  # how late the client sent a request relative to its arrival time
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class LoadResult:
+    """A finished run: what was sent, the SLOs, every request's timings, and the summary."""
+
+    base_url: str
+    model: str
+    workload: Workload
+    slo: SLO
+    requests: list[RequestResult]
+    summary: Summary
+    tokens_per_word: float = 1.0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self, include_requests: bool = False) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "base_url": self.base_url,
+            "model": self.model,
+            "workload": asdict(self.workload),
+            "slo": asdict(self.slo),
+            "tokens_per_word": self.tokens_per_word,
+            **self.summary.to_dict(),
+            **self.extra,
+        }
+        if include_requests:
+            out["requests"] = [
+                {**asdict(r), "ttft_s": r.ttft_s, "tpot_s": r.tpot_s, "e2e_s": r.e2e_s} for r in self.requests
+            ]
+        return out
+
+
+# ---- workload ------------------------------------------------------------------------------
+def poisson_arrivals(num_requests: int, rate: float, rng: np.random.Generator) -> list[float]:
+    """Arrival times (s) of a Poisson process at ``rate``/s; the first request arrives at 0."""
+    if math.isinf(rate):
+        return [0.0] * num_requests
+    gaps = rng.exponential(1.0 / rate, size=num_requests - 1)
+    return [0.0, *np.cumsum(gaps).tolist()]
+
+
+def sample_input_lengths(workload: Workload, rng: np.random.Generator) -> list[int]:
+    n, mean, spread = workload.num_requests, workload.input_len, workload.input_len_spread
+    if workload.input_len_dist == "fixed":
+        lengths = np.full(n, float(mean))
+    elif workload.input_len_dist == "uniform":
+        lengths = rng.uniform(mean * (1 - spread), mean * (1 + spread), size=n)
+    else:  # lognormal with the requested mean: E[X] = exp(mu + sigma^2 / 2)
+        lengths = rng.lognormal(math.log(mean) - spread**2 / 2, spread, size=n)
+    return [max(1, int(round(x))) for x in lengths]
+
+
+def random_words(num_words: int, rng: np.random.Generator) -> str:
+    return " ".join(WORDS[i] for i in rng.integers(0, len(WORDS), size=num_words))
+
+
+def words_for(input_len: int, tokens_per_word: float, overhead_tokens: float) -> int:
+    return max(1, int(round((input_len - overhead_tokens) / tokens_per_word)))
+
+
+def build_requests(workload: Workload, tokens_per_word: float = 1.0, overhead_tokens: float = 0.0) -> list[RequestSpec]:
+    """The seeded workload: arrivals, target lengths and prompts (independent RNG streams, so
+    arrivals do not change when the length distribution does)."""
+    arrival_rng, length_rng, word_rng = (np.random.default_rng(s) for s in np.random.SeedSequence(workload.seed).spawn(3))
+    arrivals = poisson_arrivals(workload.num_requests, workload.rate, arrival_rng)
+    lengths = sample_input_lengths(workload, length_rng)
+    return [
+        RequestSpec(i, arrivals[i], lengths[i], random_words(words_for(lengths[i], tokens_per_word, overhead_tokens), word_rng))
+        for i in range(workload.num_requests)
+    ]
+
+
+# ---- summary ---------------------------------------------------------------------------------
+def _percentile(values: Seq[float], q: float) -> float | None:
+    return float(np.percentile(values, q)) if values else None
+
+
+def _mean(values: Seq[float]) -> float | None:
+    return float(np.mean(values)) if values else None
+
+
+def summarize(results: Seq[RequestResult], slo: SLO) -> Summary:
+    """Percentiles over completed requests; attainment over all requests (errors are misses)."""
+    n = len(results)
+    done = [r for r in results if r.ok]
+    ttfts = [r.ttft_s for r in done if r.ttft_s is not None]
+    tpots = [r.tpot_s for r in done if r.tpot_s is not None]
+    e2es = [r.e2e_s for r in done if r.e2e_s is not None]
+    finishes = [r.finish_s for r in results if r.finish_s is not None]
+    duration = (max(finishes) - min(r.arrival_s for r in results)) if finishes else 0.0
+    errors: dict[str, int] = {}
+    for r in results:
+        if r.error is not None:
+            key = r.error[:160]
+            if key in errors or len(errors) < MAX_ERROR_KINDS:
+                errors[key] = errors.get(key, 0) + 1
+            else:
+                errors["(other)"] = errors.get("(other)", 0) + 1
+    within_ttft = sum(r.meets(SLO(ttft_s=slo.ttft_s)) for r in results)
+    within_tpot = sum(r.meets(SLO(tpot_s=slo.tpot_s)) for r in results)
+    good = sum(r.meets(slo) for r in results)
+    lags = [r.sent_s - r.arrival_s for r in results if r.sent_s is not None]
+    prompt_tokens = [float(r.num_prompt_tokens) for r in done if r.num_prompt_tokens is not None]
+    return Summary(
+        num_requests=n,
+        num_completed=len(done),
+        num_errors=n - len(done),
+        error_kinds=errors,
+        duration_s=duration,
+        throughput_rps=len(done) / duration if duration > 0 else 0.0,
+        output_tok_s=sum(r.num_output_tokens for r in done) / duration if duration > 0 else 0.0,
+        mean_prompt_tokens=_mean(prompt_tokens),
+        mean_output_tokens=_mean([float(r.num_output_tokens) for r in done]),
+        ttft_p50_s=_percentile(ttfts, 50),
+        ttft_p90_s=_percentile(ttfts, 90),
+        ttft_p99_s=_percentile(ttfts, 99),
+        tpot_p50_s=_percentile(tpots, 50),
+        tpot_p90_s=_percentile(tpots, 90),
+        tpot_p99_s=_percentile(tpots, 99),
+        e2e_p50_s=_percentile(e2es, 50),
+        e2e_p90_s=_percentile(e2es, 90),
+        e2e_p99_s=_percentile(e2es, 99),
+        ttft_attainment=within_ttft / n if n else 0.0,
+        tpot_attainment=within_tpot / n if n else 0.0,
+        slo_attainment=good / n if n else 0.0,
+        goodput_rps=good / duration if duration > 0 else 0.0,
+        max_send_lag_s=max(lags) if lags else 0.0,
+    )
+
+
+# ---- HTTP ------------------------------------------------------------------------------------
+def _error_message(status: int, body: bytes) -> str:
+    try:
+        err = json.loads(body)
+        message = err["error"]["message"] if isinstance(err.get("error"), dict) else (err.get("error") or err.get("detail") or err.get("message"))
+    except (ValueError, AttributeError, KeyError, TypeError):
+        message = body[:200].decode("utf-8", "replace")
+    return f"HTTP {status}: {message}"
+
+
+def _payload(model: str, prompt: str, workload: Workload, max_tokens: int, stream: bool) -> dict[str, Any]:
+    body: dict[str, Any] = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": workload.temperature}
+    if stream:
+        body["stream"] = True
+        body["stream_options"] = {"include_usage": True}
+    if workload.ignore_eos:
+        body["ignore_eos"] = True
+    if workload.min_tokens:
+        body["min_tokens"] = max_tokens
+    return body
+
+
+async def _probe_prompt_tokens(client: httpx.AsyncClient, url: str, model: str, prompt: str, headers: dict[str, str]) -> int | None:
+    resp = await client.post(url, json={"model": model, "prompt": prompt, "max_tokens": 1, "temperature": 0}, headers=headers)
+    if resp.status_code != 200:
+        raise RuntimeError(f"calibration request failed: {_error_message(resp.status_code, resp.content)}")
+    usage = resp.json().get("usage") or {}
+    tokens = usage.get("prompt_tokens")
+    return int(tokens) if tokens else None
+
+
+async def calibrate_tokens_per_word(
+    client: httpx.AsyncClient, url: str, model: str, headers: dict[str, str], seed: int = 0
+) -> tuple[float, float]:
+    """(tokens per word, fixed overhead tokens) of the server's tokenizer on our prompts, from two probes."""
+    rng = np.random.default_rng([seed, 1])  # not the workload's streams: probe prompts share no prefix with it
+    short = await _probe_prompt_tokens(client, url, model, random_words(CALIBRATION_WORDS, rng), headers)
+    long = await _probe_prompt_tokens(client, url, model, random_words(2 * CALIBRATION_WORDS, rng), headers)
+    if short is None or long is None or long <= short:
+        return 1.0, 0.0  # no usage reported: assume one token per word
+    per_word = (long - short) / CALIBRATION_WORDS
+    return per_word, max(0.0, short - per_word * CALIBRATION_WORDS)
+
+
+async def _send(
+    client: httpx.AsyncClient,
+    url: str,
+    body: dict[str, Any],
+    headers: dict[str, str],
+    result: RequestResult,
+    t0: float,
+    request_timeout_s: float,
+) -> None:
+    num_text_chunks = 0
+    usage_tokens: int | None = None
+    done = False
+    result.sent_s = time.perf_counter() - t0
+    try:
+        async with asyncio.timeout(request_timeout_s):
+            async with client.stream("POST", url, json=body, headers=headers) as resp:
+                if resp.status_code != 200:
+                    result.error = _error_message(resp.status_code, await resp.aread())
+                    return
+                async for line in resp.aiter_lines():
+                    if not line.startswith("data:"):
+                        continue
+                    data = line[5:].strip()
+                    if data == "[DONE]":
+                        done = True
+                        break
+                    now = time.perf_counter() - t0
+                    chunk = json.loads(data)
+                    if chunk.get("error"):
+                        err = chunk["error"]
+                        result.error = f"stream error: {err.get('message', err) if isinstance(err, dict) else err}"
+                        return
+                    for choice in chunk.get("choices") or []:
+                        if choice.get("text"):
+                            if result.first_token_s is None:
+                                result.first_token_s = now
+                            result.last_token_s = now
+                            num_text_chunks += 1
+                    usage = chunk.get("usage")
+                    if usage:
+                        usage_tokens = usage.get("completion_tokens")
+                        result.num_prompt_tokens = usage.get("prompt_tokens")
+        if not done:
+            result.error = "stream ended without [DONE]"
+        elif result.first_token_s is None:
+            result.error = "no text in the response"
+    except TimeoutError:
+        result.error = f"timed out after {request_timeout_s:g} s"
+    except Exception as exc:  # noqa: BLE001 - one bad request is counted, never ends the run
+        result.error = f"{type(exc).__name__}: {exc}"
+    finally:
+        result.finish_s = time.perf_counter() - t0
+        result.num_output_tokens = usage_tokens if usage_tokens is not None else num_text_chunks
+
+
+async def run_load_async(
+    base_url: str,
+    model: str,
+    workload: Workload,
+    slo: SLO = SLO(),
+    *,
+    api_key: str | None = None,
+    calibrate: bool = True,
+    request_timeout_s: float = 300.0,
+) -> LoadResult:
+    """Send ``workload`` to ``{base_url}/completions`` and measure it; failures are counted, never raised.
+
+    If the calibration probes fail, one token per word is assumed and the reason is kept in
+    ``LoadResult.extra["calibration_error"]`` (the requests will most likely fail the same way).
+    """
+    url = base_url.rstrip("/") + "/completions"
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    timeout = httpx.Timeout(request_timeout_s, connect=10.0)
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    async with httpx.AsyncClient(timeout=timeout, limits=limits, trust_env=False) as client:
+        tokens_per_word, overhead = 1.0, 0.0
+        extra: dict[str, Any] = {}
+        if calibrate:
+            try:
+                tokens_per_word, overhead = await calibrate_tokens_per_word(client, url, model, headers, workload.seed)
+            except Exception as exc:  # noqa: BLE001 - reported, and the run goes on to count the errors
+                extra["calibration_error"] = f"{type(exc).__name__}: {exc}"
+        specs = build_requests(workload, tokens_per_word, overhead)
+        results = [RequestResult(s.index, s.arrival_s, s.input_len) for s in specs]
+        t0 = time.perf_counter()
+
+        async def fire(spec: RequestSpec, result: RequestResult) -> None:
+            await asyncio.sleep(max(0.0, spec.arrival_s - (time.perf_counter() - t0)))
+            body = _payload(model, spec.prompt, workload, workload.output_len, stream=True)
+            await _send(client, url, body, headers, result, t0, request_timeout_s)
+
+        await asyncio.gather(*(fire(s, r) for s, r in zip(specs, results)))
+    return LoadResult(base_url, model, workload, slo, results, summarize(results, slo), tokens_per_word, extra)
+
+
+def run_load(base_url: str, model: str, workload: Workload, slo: SLO = SLO(), **kwargs: Any) -> LoadResult:
+    """Synchronous ``run_load_async`` (starts its own event loop)."""
+    return asyncio.run(run_load_async(base_url, model, workload, slo, **kwargs))
+
+
+# ---- CLI -------------------------------------------------------------------------------------
+def _fmt_ms(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds * 1000:.0f} ms"
+
+
+def format_summary(result: LoadResult) -> str:
+    s, w, slo = result.summary, result.workload, result.slo
+    lines = [
+        f"{result.base_url}  model={result.model}  rate={w.rate:g}/s  requests={w.num_requests}  "
+        f"input~{w.input_len} ({w.input_len_dist})  output={w.output_len}",
+        f"completed {s.num_completed}/{s.num_requests}  errors {s.num_errors}  duration {s.duration_s:.1f} s  "
+        f"throughput {s.throughput_rps:.2f} req/s, {s.output_tok_s:.1f} tok/s",
+        f"TTFT p50/p90/p99 {_fmt_ms(s.ttft_p50_s)} / {_fmt_ms(s.ttft_p90_s)} / {_fmt_ms(s.ttft_p99_s)}",
+        f"TPOT p50/p90/p99 {_fmt_ms(s.tpot_p50_s)} / {_fmt_ms(s.tpot_p90_s)} / {_fmt_ms(s.tpot_p99_s)}",
+        f"SLO (TTFT {_fmt_ms(slo.ttft_s)}, TPOT {_fmt_ms(slo.tpot_s)}): attainment {s.slo_attainment:.0%} "
+        f"(TTFT {s.ttft_attainment:.0%}, TPOT {s.tpot_attainment:.0%})  goodput {s.goodput_rps:.2f} req/s",
+    ]
+    lines += [f"error x{count}: {kind}" for kind, count in s.error_kinds.items()]
+    if "calibration_error" in result.extra:
+        lines.append(f"calibration failed (assumed 1 token/word): {result.extra['calibration_error']}")
+    return "\n".join(lines)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m distserve.loadgen", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--base-url", required=True, help="e.g. http://127.0.0.1:8000/v1")
+    ap.add_argument("--model", required=True, help="the model name the server answers to")
+    ap.add_argument("--rate", type=float, required=True, help="requests per second (Poisson); inf = all at once")
+    ap.add_argument("--num-requests", type=int, required=True)
+    ap.add_argument("--input-len", type=int, required=True, help="target prompt length in the server's tokens")
+    ap.add_argument("--input-len-dist", default="fixed", choices=INPUT_LEN_DISTS)
+    ap.add_argument("--input-len-spread", type=float, default=0.5, help="uniform: +-fraction; lognormal: sigma")
+    ap.add_argument("--output-len", type=int, required=True, help="max_tokens of every request")
+    ap.add_argument("--ignore-eos", action="store_true", help='send "ignore_eos": true (vLLM-style extension)')
+    ap.add_argument("--min-tokens", action="store_true", help='send "min_tokens" = output len (vLLM-style extension)')
+    ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--ttft-slo", type=float, default=None, help="seconds")
+    ap.add_argument("--tpot-slo", type=float, default=None, help="seconds")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--api-key", default=None)
+    ap.add_argument("--request-timeout", type=float, default=300.0, help="seconds, per request")
+    ap.add_argument("--no-calibrate", action="store_true", help="assume one token per word instead of probing")
+    ap.add_argument("--json", action="store_true", help="print one JSON object")
+    ap.add_argument("--per-request", action="store_true", help="with --json: include every request's timings")
+    return ap
+
+
+def main(argv: Seq[str] | None = None) -> int:
+    ap = build_parser()
+    args = ap.parse_args(argv)
+    try:
+        workload = Workload(
+            num_requests=args.num_requests, rate=args.rate, input_len=args.input_len, output_len=args.output_len,
+            input_len_dist=args.input_len_dist, input_len_spread=args.input_len_spread, seed=args.seed,
+            ignore_eos=args.ignore_eos, min_tokens=args.min_tokens, temperature=args.temperature,
+        )
+    except ValueError as exc:
+        ap.error(str(exc))
+    slo = SLO(ttft_s=args.ttft_slo, tpot_s=args.tpot_slo)
+    result = run_load(
+        args.base_url, args.model, workload, slo, api_key=args.api_key,
+        calibrate=not args.no_calibrate, request_timeout_s=args.request_timeout,
+    )
+    print(json.dumps(result.to_dict(include_requests=args.per_request)) if args.json else format_summary(result))
+    return 0 if result.summary.num_completed else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

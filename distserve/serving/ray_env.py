@@ -1,0 +1,34 @@
+"""Starting Ray the way this project needs it: loopback only, small explicit resources."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+RAY_NUM_CPUS = 8
+LOOPBACK_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+
+
+def keep_ray_on_loopback() -> None:
+    """Make Ray use 127.0.0.1 for every address; by default it swaps loopback for the host's IP.
+
+    Ray reads ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER`` once at import, so the constant is set as well
+    for a Ray imported earlier; the variable itself reaches the processes Ray starts.
+    """
+    from ray._private import ray_constants
+
+    os.environ.setdefault(LOOPBACK_ENV, "0")
+    ray_constants.ENABLE_RAY_CLUSTER = os.environ[LOOPBACK_ENV].lower() in ("1", "true")
+
+
+def init_ray_local(temp_dir: str | None = None) -> bool:
+    """Start a private loopback-only Ray instance unless one is initialised; True if this call started it."""
+    import ray
+
+    if ray.is_initialized():
+        return False
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    keep_ray_on_loopback()
+    kwargs: dict[str, Any] = {"_temp_dir": temp_dir} if temp_dir else {}
+    ray.init(address="local", num_cpus=RAY_NUM_CPUS, include_dashboard=False, _node_ip_address="127.0.0.1", **kwargs)
+    return True
