@@ -18,11 +18,13 @@ import asyncio
 import itertools
 import socket
 import time
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Sequence as Seq
 from dataclasses import dataclass, field
 from typing import Any
 
 from distserve.config import CacheConfig, SamplingParams, SchedulerConfig
+from distserve.engine.block_manager import prefix_block_hashes
 from distserve.engine.model import resolve_dtype
 from distserve.engine.outputs import RequestFrontend, RequestOutput
 from distserve.engine.sequence import Sequence, SequenceStatus
@@ -37,6 +39,8 @@ from distserve.serving.instance_server import InstanceServer, InstanceSpec, Step
 from distserve.serving.worker import Worker, WorkerSpec
 
 CPUS_PER_WORKER = 0.1  # Ray bookkeeping only: on 2 cores, the OS shares the cores among workers.
+MAX_REMEMBERED_BLOCKS = 65536  # prefix hashes remembered per entry instance for affinity routing
+MAX_AFFINITY_IMBALANCE = 4
 
 
 class RayWorkerFactory:
@@ -68,7 +72,14 @@ class _Instance:
     alive: bool = True
     wake: asyncio.Event = field(default_factory=asyncio.Event)
     num_assigned: int = 0  # requests routed here and not yet finished or moved on
-    last_stats: dict[str, Any] = field(default_factory=dict)
+    recent_prefixes: OrderedDict[int, None] = field(default_factory=OrderedDict)  # block hashes, LRU
+
+    def remember(self, hashes: list[int]) -> None:
+        for h in hashes:
+            self.recent_prefixes[h] = None
+            self.recent_prefixes.move_to_end(h)
+        while len(self.recent_prefixes) > MAX_REMEMBERED_BLOCKS:
+            self.recent_prefixes.popitem(last=False)
 
     @property
     def phase(self) -> str:
@@ -213,7 +224,21 @@ class Controller(RequestFrontend):
         entry = [i for i in self.instances if i.alive and i.phase in ("prefill", "colocated")]
         if not entry:
             raise DistServeError("no prefill or colocated instance is alive")
-        inst = min(entry, key=lambda i: i.num_assigned)
+        hashes = prefix_block_hashes(seq.token_ids, self.cache_config.block_size)
+
+        def cached_blocks(i: _Instance) -> int:
+            n = 0
+            while n < len(hashes) and hashes[n] in i.recent_prefixes:
+                n += 1
+            return n
+
+        # Prefix affinity: the instance that most recently saw the longest prefix of this prompt
+        # (its blocks are likely still cached), then the least loaded; a load gap of more than
+        # MAX_AFFINITY_IMBALANCE requests overrides affinity so one hot prefix cannot pile up.
+        least = min(i.num_assigned for i in entry)
+        candidates = [i for i in entry if i.num_assigned - least <= MAX_AFFINITY_IMBALANCE]
+        inst = min(candidates, key=lambda i: (-cached_blocks(i), i.num_assigned))
+        inst.remember(hashes)
         inst.num_assigned += 1
         self._owner[seq.seq_id] = inst
         self._spawn(self._call_then_kick(inst, inst.actor.add.remote(seq.detached_copy())))

@@ -112,3 +112,12 @@ def test_dead_prefill_instance_requests_rerun_on_survivor(ray_cluster: Any) -> N
             ray.kill(victim.actor, no_restart=True)  # while prompts are queued, prefilling or migrating
             finals = [f.result(timeout=120) for f in futures]
         assert [o.token_ids for o in finals] == expected
+
+
+def test_prefix_affinity_routes_to_the_instance_with_the_cached_prefix(ray_cluster: Any) -> None:
+    shared = "System: you are a helpful assistant. Answer briefly and politely. " * 2
+    with deploy(Placement.disaggregated(num_prefill=2, num_decode=1)) as llm:
+        first = llm.generate([shared + "Q: hi"], SP)[0]
+        second = llm.generate([shared + "Q: bye"], SP)[0]
+        assert first.metrics.num_cached_tokens == 0
+        assert second.metrics.num_cached_tokens >= 64  # served by the prefill instance that cached it
