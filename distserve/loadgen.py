@@ -12,10 +12,11 @@ client side:
 
 Prompts are random words from a small list of common English words (one token each in most BPE
 vocabularies), different for every request so prefix caching cannot skip their prefill. To hit a
-target length in the *server's* tokens, two probe requests (``max_tokens=1``) of K and 2K words are
-sent first and their ``usage.prompt_tokens`` give tokens per word and the fixed overhead (BOS...);
-without calibration one word is assumed to be one token. Lengths are therefore approximate (a few
-tokens off); the exact per-request count the server reports is kept in each result.
+target length in the *server's* tokens, two probe requests (``max_tokens=1``) holding the word list
+once and twice are sent first; their ``usage.prompt_tokens`` give the mean tokens per word and the
+fixed overhead (BOS...). Without calibration one word is assumed to be one token. Lengths are
+therefore approximate (exact for one-token words, a few tokens off otherwise); the count the server
+reports is kept in each result.
 
 ``ignore_eos`` and ``min_tokens`` (vLLM-style extensions that fix the output length) are only sent
 when asked for, since other servers may reject unknown fields.
@@ -52,13 +53,9 @@ WORDS: tuple[str, ...] = tuple(
     """the of and to in is was for on are with as at be by this had not but from or have an they which one
     you were her all she there would their we him been has when who will more no if out so said what up its
     about into than them can only other new some could time these two may then do first any my now such like
-    our over man me even most made after also did many before must through back years where much your way
-    well down should because each just those people how too little state good very make world still own see
-    men work long get here between both life being under never day same another know while last might us
-    great old year off come since against go came right used take three""".split()
+    our over man me even most""".split()
 )
 INPUT_LEN_DISTS = ("fixed", "uniform", "lognormal")
-CALIBRATION_WORDS = 64
 MAX_ERROR_KINDS = 5
 
 
@@ -198,8 +195,12 @@ class LoadResult:
     slo: SLO
     requests: list[RequestResult]
     summary: Summary
-    tokens_per_word: float = 1.0
+    calibration: tuple[float, float] = (1.0, 0.0)  # (tokens per word, overhead tokens) used to build prompts
     extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def tokens_per_word(self) -> float:
+        return self.calibration[0]
 
     def to_dict(self, include_requests: bool = False) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -207,7 +208,8 @@ class LoadResult:
             "model": self.model,
             "workload": asdict(self.workload),
             "slo": asdict(self.slo),
-            "tokens_per_word": self.tokens_per_word,
+            "tokens_per_word": self.calibration[0],
+            "overhead_tokens": self.calibration[1],
             **self.summary.to_dict(),
             **self.extra,
         }
@@ -347,17 +349,19 @@ async def _probe_prompt_tokens(client: httpx.AsyncClient, url: str, model: str, 
     return int(tokens) if tokens else None
 
 
-async def calibrate_tokens_per_word(
-    client: httpx.AsyncClient, url: str, model: str, headers: dict[str, str], seed: int = 0
-) -> tuple[float, float]:
-    """(tokens per word, fixed overhead tokens) of the server's tokenizer on our prompts, from two probes."""
-    rng = np.random.default_rng([seed, 1])  # not the workload's streams: probe prompts share no prefix with it
-    short = await _probe_prompt_tokens(client, url, model, random_words(CALIBRATION_WORDS, rng), headers)
-    long = await _probe_prompt_tokens(client, url, model, random_words(2 * CALIBRATION_WORDS, rng), headers)
-    if short is None or long is None or long <= short:
+async def calibrate_tokens_per_word(client: httpx.AsyncClient, url: str, model: str, headers: dict[str, str]) -> tuple[float, float]:
+    """(mean tokens per word, fixed overhead tokens such as BOS) of the server's tokenizer on ``WORDS``.
+
+    The probes are the whole word list once and twice, so the difference is exactly the mean over
+    the list that prompts sample from, with no sampling noise.
+    """
+    once = " ".join(WORDS)
+    t1 = await _probe_prompt_tokens(client, url, model, once, headers)
+    t2 = await _probe_prompt_tokens(client, url, model, f"{once} {once}", headers)
+    if t1 is None or t2 is None or t2 <= t1:
         return 1.0, 0.0  # no usage reported: assume one token per word
-    per_word = (long - short) / CALIBRATION_WORDS
-    return per_word, max(0.0, short - per_word * CALIBRATION_WORDS)
+    per_word = (t2 - t1) / len(WORDS)
+    return per_word, max(0.0, 2.0 * t1 - t2)
 
 
 async def _send(
@@ -423,26 +427,29 @@ async def run_load_async(
     *,
     api_key: str | None = None,
     calibrate: bool = True,
+    tokens_per_word: tuple[float, float] | None = None,
     request_timeout_s: float = 300.0,
 ) -> LoadResult:
     """Send ``workload`` to ``{base_url}/completions`` and measure it; failures are counted, never raised.
 
-    If the calibration probes fail, one token per word is assumed and the reason is kept in
-    ``LoadResult.extra["calibration_error"]`` (the requests will most likely fail the same way).
+    ``tokens_per_word`` = (tokens per word, overhead tokens), e.g. from an earlier run's
+    ``LoadResult.calibration``, skips the probes. If the probes fail, one token per word is assumed
+    and the reason is kept in ``LoadResult.extra["calibration_error"]`` (the requests will most
+    likely fail the same way).
     """
     url = base_url.rstrip("/") + "/completions"
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     timeout = httpx.Timeout(request_timeout_s, connect=10.0)
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     async with httpx.AsyncClient(timeout=timeout, limits=limits, trust_env=False) as client:
-        tokens_per_word, overhead = 1.0, 0.0
+        calibration = tokens_per_word or (1.0, 0.0)
         extra: dict[str, Any] = {}
-        if calibrate:
+        if calibrate and tokens_per_word is None:
             try:
-                tokens_per_word, overhead = await calibrate_tokens_per_word(client, url, model, headers, workload.seed)
+                calibration = await calibrate_tokens_per_word(client, url, model, headers)
             except Exception as exc:  # noqa: BLE001 - reported, and the run goes on to count the errors
                 extra["calibration_error"] = f"{type(exc).__name__}: {exc}"
-        specs = build_requests(workload, tokens_per_word, overhead)
+        specs = build_requests(workload, *calibration)
         results = [RequestResult(s.index, s.arrival_s, s.input_len) for s in specs]
         t0 = time.perf_counter()
 
@@ -452,7 +459,7 @@ async def run_load_async(
             await _send(client, url, body, headers, result, t0, request_timeout_s)
 
         await asyncio.gather(*(fire(s, r) for s, r in zip(specs, results)))
-    return LoadResult(base_url, model, workload, slo, results, summarize(results, slo), tokens_per_word, extra)
+    return LoadResult(base_url, model, workload, slo, results, summarize(results, slo), calibration, extra)
 
 
 def run_load(base_url: str, model: str, workload: Workload, slo: SLO = SLO(), **kwargs: Any) -> LoadResult:

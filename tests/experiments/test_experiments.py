@@ -15,6 +15,16 @@ SCRIPTS = sorted((ROOT / "experiments").glob("*.py"))
 # Figures a quick run must get right regardless of machine speed.
 CHECKS = {
     "bench_engine": lambda f: f["greedy_same_as_hf_float32"] == 1.0 and f["ours_tok_s_batch_float32"] > 0,
+    # Both servers answered every request with exactly output_len tokens, and left no process (Ray's included).
+    "bench_disagg": lambda f: f["ttft_slo_s"] > 0 and f["tpot_slo_s"] > 0 and all(
+        f[f"{s}_num_completed"] == f[f"{s}_num_requests"] == f["num_requests"] * len(f["rates"])
+        and f[f"{s}_num_errors"] == 0
+        and f[f"{s}_mean_output_tokens"] == f["output_len"]
+        and f[f"{s}_processes_left"] == 0
+        and f[f"{s}_single_ttft_s"] > 0 and f[f"{s}_single_tpot_s"] > 0
+        and 0.0 <= f[f"{s}_max_attainment"] <= 1.0 and f[f"{s}_goodput_rps"] >= 0.0
+        for s in ("colocated", "disagg")
+    ),
 }
 
 

@@ -121,3 +121,9 @@ def test_prefix_affinity_routes_to_the_instance_with_the_cached_prefix(ray_clust
         second = llm.generate([shared + "Q: bye"], SP)[0]
         assert first.metrics.num_cached_tokens == 0
         assert second.metrics.num_cached_tokens >= 64  # served by the prefill instance that cached it
+
+
+def test_colocated_instances_on_ray(ray_cluster: Any, reference: list[list[int]]) -> None:
+    with deploy(Placement.colocated_instances(2)) as llm:
+        assert [o.token_ids for o in llm.generate(PROMPTS, SP)] == reference
+        assert llm.stats()["num_migrations"] == 0

@@ -1,0 +1,392 @@
+"""Goodput over HTTP: disaggregated 1P1D on Ray vs the colocated baseline, on the same cores.
+
+Two servers, one after the other, each a `distserve serve` subprocess on a free loopback port:
+  * colocated: `--colocated 1 --runtime local` — one engine using all torch threads (2 here);
+  * disagg:    `--prefill 1 --decode 1 --runtime ray` — a prefill and a decode instance, each a Ray
+    actor process with one torch thread, KV migrating over gloo.
+Same model and dtype. Each is driven with `distserve.loadgen` (streamed `/v1/completions`, Poisson
+arrivals, fixed input length, `max_tokens` = `min_tokens` = output length with `ignore_eos`, so every
+request has the same shape) at several rates; each rate uses its own prompts (its own seed), the same
+for both systems, so no rate profits from another's prefix cache.
+
+SLOs come from a short calibration on the colocated server: the median TTFT and TPOT of a few
+requests sent one at a time. The TPOT SLO is `--tpot-slo-factor` (2.5) x that TPOT, which is tight:
+a colocated decode step that also runs a 256-token prefill is several decode steps long. The TTFT
+SLO is generous, `--ttft-slo-factor` (10) x the single-request TTFT, so the TPOT SLO is the one that
+binds. `--ttft-slo`/`--tpot-slo` override them.
+
+A system's goodput is the best goodput (requests meeting both SLOs per second, first arrival to last
+completion) among rates where attainment >= 90%, or its best goodput at any rate if no rate gets
+there. Both systems use the same 2 cores, so no per-device normalisation is needed.
+
+`--base-url-a`/`--base-url-b` point at already-running servers instead of starting ours (e.g. vLLM
+or SGLang; `--request-model` names the model they serve). Started servers always get SIGINT, then
+SIGKILL for anything left in their session, and the run checks that no process it started (Ray's
+included) survives. Writes JSON + markdown + PNG under --out-dir; the last stdout line is the JSON
+of figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from distserve.loadgen import SLO, LoadResult, Workload, run_load
+
+SYSTEM_FLAGS = {
+    "colocated": ["--colocated", "1", "--runtime", "local"],
+    "disagg": ["--prefill", "1", "--decode", "1", "--runtime", "ray"],
+}
+ATTAINMENT_TARGET = 0.9
+NUM_SINGLE_REQUESTS = 3
+READY_LINE = re.compile(r"at (http://\S+)/v1")
+
+
+# ---- servers -------------------------------------------------------------------------------
+def _session_pids(sid: int) -> list[int]:
+    """Live (non-zombie) processes in session ``sid``: a server started with start_new_session and
+    everything it spawned, Ray's raylet, GCS and actor workers included (they keep the session)."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[3]) == sid and fields[0] != "Z":
+            pids.append(int(entry))
+    return pids
+
+
+@dataclass
+class ServerProcess:
+    """One `distserve serve` subprocess in its own session; ``stop`` leaves none of its processes."""
+
+    name: str
+    argv: list[str]
+    startup_timeout_s: float
+    work_dir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="dsb", dir="/tmp")))
+    proc: subprocess.Popen[bytes] | None = None
+    base_url: str = ""
+    startup_s: float = 0.0
+
+    @property
+    def log_path(self) -> Path:
+        return self.work_dir / "server.log"
+
+    def log_tail(self, num_chars: int = 3000) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-num_chars:]
+        except OSError:
+            return ""
+
+    def start(self) -> str:
+        """Start, wait until ``/health`` answers, return the base URL (``http://127.0.0.1:PORT/v1``)."""
+        env = dict(os.environ, RAY_TMPDIR=str(self.work_dir), PYTHONUNBUFFERED="1")
+        env.pop("RAY_ADDRESS", None)  # a fresh Ray instance of our own, never someone else's cluster
+        t0 = time.monotonic()
+        with open(self.log_path, "wb") as log:
+            self.proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        deadline = t0 + self.startup_timeout_s
+        with httpx.Client(trust_env=False, timeout=2.0) as client:
+            while True:
+                if self.proc.poll() is not None:
+                    raise RuntimeError(f"{self.name} server exited with {self.proc.returncode}:\n{self.log_tail()}")
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"{self.name} server not healthy after {self.startup_timeout_s:g} s:\n{self.log_tail()}")
+                match = READY_LINE.search(self.log_tail(100_000))
+                if match:
+                    try:
+                        if client.get(f"{match.group(1)}/health").status_code == 200:
+                            break
+                    except httpx.HTTPError:
+                        pass
+                time.sleep(0.2)
+        self.startup_s = time.monotonic() - t0
+        self.base_url = f"{match.group(1)}/v1"
+        return self.base_url
+
+    def stop(self, grace_s: float = 30.0) -> dict[str, Any]:
+        """SIGINT, wait, then SIGKILL whatever is left in the server's session; report what was left."""
+        report: dict[str, Any] = {"graceful": True, "num_left_after_sigint": 0, "num_left": 0}
+        if self.proc is None:
+            return report
+        sid = self.proc.pid
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(grace_s)
+            except subprocess.TimeoutExpired:
+                report["graceful"] = False
+        deadline = time.monotonic() + 10.0  # Ray's daemons exit shortly after the driver shuts Ray down
+        while _session_pids(sid) and time.monotonic() < deadline and report["graceful"]:
+            time.sleep(0.2)
+        left = _session_pids(sid)
+        report["num_left_after_sigint"] = len(left)
+        for pid in left:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        if self.proc.poll() is None:
+            self.proc.wait(10)
+        deadline = time.monotonic() + 10.0
+        while _session_pids(sid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        report["num_left"] = len(_session_pids(sid))
+        report["exit_code"] = self.proc.returncode
+        if report["num_left"] == 0:
+            shutil.rmtree(self.work_dir, ignore_errors=True)
+        return report
+
+
+def serve_argv(system: str, model: str, dtype: str) -> list[str]:
+    return [
+        sys.executable, "-m", "distserve.cli", "serve", "--model", model, "--dtype", dtype,
+        "--host", "127.0.0.1", "--port", "0", "--log-level", "warning", *SYSTEM_FLAGS[system],
+    ]
+
+
+# ---- measurements ----------------------------------------------------------------------------
+def workload(args: argparse.Namespace, num_requests: int, rate: float, seed: int) -> Workload:
+    return Workload(
+        num_requests=num_requests, rate=rate, input_len=args.input_len, output_len=args.output_len,
+        seed=seed, ignore_eos=True, min_tokens=True,
+    )
+
+
+def single_request_latency(args: argparse.Namespace, url: str, calibration: tuple[float, float] | None) -> dict[str, Any]:
+    """Median TTFT/TPOT of requests sent one at a time (after one warm-up request)."""
+    runs: list[LoadResult] = []
+    for i in range(NUM_SINGLE_REQUESTS + 1):
+        runs.append(run_load(url, args.request_model, workload(args, 1, 1.0, 10_000 + i), tokens_per_word=calibration))
+        calibration = runs[-1].calibration
+    done = [r.requests[0] for r in runs[1:] if r.requests[0].ok]
+    if not done:
+        raise RuntimeError(f"single requests to {url} failed: {runs[-1].summary.error_kinds}")
+    return {
+        "ttft_s": statistics.median(r.ttft_s for r in done if r.ttft_s is not None),
+        "tpot_s": statistics.median(r.tpot_s for r in done if r.tpot_s is not None),
+        "prompt_tokens": done[0].num_prompt_tokens,
+        "calibration": runs[-1].calibration,
+    }
+
+
+def sweep(args: argparse.Namespace, url: str, slo: SLO, calibration: tuple[float, float]) -> list[dict[str, Any]]:
+    rows = []
+    for i, rate in enumerate(args.rates):
+        w = workload(args, args.num_requests, rate, args.seed + i)
+        result = run_load(url, args.request_model, w, slo, tokens_per_word=calibration, request_timeout_s=args.request_timeout)
+        rows.append({"rate": rate, **result.summary.to_dict()})
+        s = result.summary
+        print(
+            f"  rate {rate:g}/s: {s.num_completed}/{s.num_requests} done, TTFT p50 {s.ttft_p50_s or 0:.3f} s, "
+            f"TPOT p50 {s.tpot_p50_s or 0:.3f} s, attainment {s.slo_attainment:.0%}, goodput {s.goodput_rps:.2f}/s",
+            flush=True,
+        )
+    return rows
+
+
+def system_goodput(rows: list[dict[str, Any]]) -> tuple[float, float | None, bool]:
+    """(goodput, the rate it came from, whether that rate met the attainment target)."""
+    passing = [r for r in rows if r["slo_attainment"] >= ATTAINMENT_TARGET]
+    pool = passing or rows
+    if not pool:
+        return 0.0, None, False
+    best = max(pool, key=lambda r: r["goodput_rps"])
+    return best["goodput_rps"], best["rate"], bool(passing)
+
+
+# ---- outputs ---------------------------------------------------------------------------------
+def _ms(x: float | None) -> str:
+    return "-" if x is None else f"{x * 1000:.0f}"
+
+
+def write_outputs(out_dir: Path, stem: str, rows: list[dict[str, Any]], figures: dict[str, Any], labels: list[str]) -> None:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / f"{stem}.json").write_text(json.dumps({"figures": figures, "rows": rows}, indent=2))
+    md = [
+        f"SLOs: TTFT {figures['ttft_slo_s'] * 1000:.0f} ms, TPOT {figures['tpot_slo_s'] * 1000:.0f} ms "
+        f"({figures['model']}, input ~{figures['input_len']} tokens, output {figures['output_len']} tokens, "
+        f"{figures['num_requests']} requests per rate)",
+        "",
+        "| system | rate (req/s) | done | errors | TTFT p50 / p90 (ms) | TPOT p50 / p90 (ms) | attainment | goodput (req/s) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    md += [
+        f"| {r['system']} | {r['rate']:g} | {r['num_completed']}/{r['num_requests']} | {r['num_errors']} | "
+        f"{_ms(r['ttft_p50_s'])} / {_ms(r['ttft_p90_s'])} | {_ms(r['tpot_p50_s'])} / {_ms(r['tpot_p90_s'])} | "
+        f"{r['slo_attainment']:.0%} | {r['goodput_rps']:.2f} |"
+        for r in rows
+    ]
+    md += ["", "| system | goodput (req/s) | at rate | attainment >= 90% there |", "|---|---|---|---|"]
+    md += [
+        f"| {s} | {figures[f'{s}_goodput_rps']:.2f} | {figures[f'{s}_goodput_rate']} | {figures[f'{s}_goodput_meets_target']} |"
+        for s in labels
+    ]
+    ratio = figures["goodput_ratio"]
+    md += ["", f"goodput ratio {labels[1]} / {labels[0]}: " + ("-" if ratio is None else f"{ratio:.2f}x")]
+    (out_dir / f"{stem}.md").write_text("\n".join(md) + "\n")
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
+    for label in labels:
+        mine = [r for r in rows if r["system"] == label]
+        ax1.plot([r["rate"] for r in mine], [r["slo_attainment"] * 100 for r in mine], marker="o", label=label)
+        ax2.plot([r["rate"] for r in mine], [r["goodput_rps"] for r in mine], marker="o", label=label)
+    ax1.axhline(ATTAINMENT_TARGET * 100, color="grey", linestyle="--", linewidth=1)
+    ax1.set(xlabel="rate (req/s)", ylabel="SLO attainment (%)", ylim=(0, 105), title="attainment vs rate")
+    ax2.set(xlabel="rate (req/s)", ylabel="goodput (req/s)", title="goodput vs rate")
+    for ax in (ax1, ax2):
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.suptitle(
+        f"{figures['model']}: TTFT SLO {figures['ttft_slo_s'] * 1000:.0f} ms, TPOT SLO {figures['tpot_slo_s'] * 1000:.0f} ms"
+    )
+    fig.tight_layout()
+    fig.savefig(out_dir / f"{stem}.png", dpi=120)
+    plt.close(fig)
+
+
+def print_table(rows: list[dict[str, Any]], title: str) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=title)
+    for col in ("system", "rate", "done", "err", "TTFT p50", "TTFT p90", "TPOT p50", "TPOT p90", "attain", "goodput"):
+        table.add_column(col, justify="right")
+    for r in rows:
+        table.add_row(
+            r["system"], f"{r['rate']:g}", f"{r['num_completed']}/{r['num_requests']}", str(r["num_errors"]),
+            _ms(r["ttft_p50_s"]), _ms(r["ttft_p90_s"]), _ms(r["tpot_p50_s"]), _ms(r["tpot_p90_s"]),
+            f"{r['slo_attainment']:.0%}", f"{r['goodput_rps']:.2f}",
+        )
+    Console(file=sys.stdout, width=140).print(table)
+
+
+# ---- main ------------------------------------------------------------------------------------
+def parse_args() -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--rates", default="0.5,1,1.5,2,3", help="comma-separated Poisson rates (req/s)")
+    ap.add_argument("--num-requests", type=int, default=60, help="per rate")
+    ap.add_argument("--input-len", type=int, default=256)
+    ap.add_argument("--output-len", type=int, default=64)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--tpot-slo-factor", type=float, default=2.5, help="x the colocated single-request TPOT")
+    ap.add_argument("--ttft-slo-factor", type=float, default=10.0, help="x the colocated single-request TTFT")
+    ap.add_argument("--ttft-slo", type=float, default=None, help="seconds (overrides the factor)")
+    ap.add_argument("--tpot-slo", type=float, default=None, help="seconds (overrides the factor)")
+    ap.add_argument("--base-url-a", default=None, help="use this running server as system A instead of our colocated one")
+    ap.add_argument("--base-url-b", default=None, help="use this running server as system B instead of our 1P1D one")
+    ap.add_argument("--label-a", default="colocated")
+    ap.add_argument("--label-b", default="disagg")
+    ap.add_argument("--request-model", default=None, help="model name sent in requests (default: --model)")
+    ap.add_argument("--startup-timeout", type=float, default=300.0, help="seconds for a server to become healthy")
+    ap.add_argument("--request-timeout", type=float, default=120.0, help="seconds, per request")
+    ap.add_argument("--out-dir", default="experiments/results")
+    ap.add_argument("--quick", action="store_true", help="tiny model, 2 rates x 8 requests, input 64, output 16")
+    args = ap.parse_args()
+    if args.quick:
+        args.model, args.rates, args.num_requests, args.input_len, args.output_len = "tiny", "4,16", 8, 64, 16
+        args.startup_timeout = min(args.startup_timeout, 120.0)
+    args.rates = [float(r) for r in str(args.rates).split(",") if r]
+    args.request_model = args.request_model or args.model
+    return args
+
+
+def main() -> None:
+    args = parse_args()
+    # A SIGTERM (e.g. a test timeout) unwinds through the finally blocks that stop the servers.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    t_start = time.monotonic()
+    systems = [("colocated", args.label_a, args.base_url_a), ("disagg", args.label_b, args.base_url_b)]
+    labels = [label for _, label, _ in systems]
+    figures: dict[str, Any] = {
+        "model": args.model, "dtype": args.dtype, "num_requests": args.num_requests, "input_len": args.input_len,
+        "output_len": args.output_len, "rates": args.rates, "cpu_count": os.cpu_count(),
+    }
+    rows: list[dict[str, Any]] = []
+    slo: SLO | None = None
+    for kind, label, url in systems:
+        server = None if url else ServerProcess(label, serve_argv(kind, args.model, args.dtype), args.startup_timeout)
+        try:
+            if server is not None:
+                url = server.start()
+                figures[f"{label}_startup_s"] = round(server.startup_s, 1)
+                print(f"{label}: started `{' '.join(server.argv[2:])}` at {url} in {server.startup_s:.1f} s", flush=True)
+            assert url is not None
+            single = single_request_latency(args, url, None)  # probes this server's tokenizer
+            calibration: tuple[float, float] = single["calibration"]
+            figures[f"{label}_single_ttft_s"] = round(single["ttft_s"], 4)
+            figures[f"{label}_single_tpot_s"] = round(single["tpot_s"], 4)
+            print(f"{label}: one request at a time: TTFT {single['ttft_s'] * 1000:.0f} ms, TPOT {single['tpot_s'] * 1000:.1f} ms "
+                  f"({single['prompt_tokens']} prompt tokens)", flush=True)
+            if slo is None:  # SLOs come from system A (the colocated baseline)
+                slo = SLO(
+                    ttft_s=args.ttft_slo if args.ttft_slo is not None else args.ttft_slo_factor * single["ttft_s"],
+                    tpot_s=args.tpot_slo if args.tpot_slo is not None else args.tpot_slo_factor * single["tpot_s"],
+                )
+                figures["ttft_slo_s"] = round(slo.ttft_s or 0.0, 4)
+                figures["tpot_slo_s"] = round(slo.tpot_s or 0.0, 4)
+                print(f"SLOs: TTFT {slo.ttft_s * 1000:.0f} ms, TPOT {slo.tpot_s * 1000:.1f} ms", flush=True)  # type: ignore[operator]
+            rows += [{"system": label, **r} for r in sweep(args, url, slo, calibration)]
+        finally:
+            if server is not None:
+                stop = server.stop()
+                figures[f"{label}_processes_left"] = stop["num_left"]
+                figures[f"{label}_processes_left_after_sigint"] = stop["num_left_after_sigint"]
+                figures[f"{label}_stopped_gracefully"] = stop["graceful"]
+                print(f"{label}: stopped ({stop})", flush=True)
+                if stop["num_left"]:
+                    print(f"WARNING: {stop['num_left']} processes of the {label} server survive in session {server.proc.pid if server.proc else '?'}", file=sys.stderr)
+
+    for label in labels:
+        mine = [r for r in rows if r["system"] == label]
+        goodput, rate, meets = system_goodput(mine)
+        figures[f"{label}_goodput_rps"] = round(goodput, 3)
+        figures[f"{label}_goodput_rate"] = rate
+        figures[f"{label}_goodput_meets_target"] = meets
+        figures[f"{label}_num_requests"] = sum(r["num_requests"] for r in mine)
+        figures[f"{label}_num_completed"] = sum(r["num_completed"] for r in mine)
+        figures[f"{label}_num_errors"] = sum(r["num_errors"] for r in mine)
+        figures[f"{label}_mean_output_tokens"] = round(statistics.fmean(r["mean_output_tokens"] or 0.0 for r in mine), 2)
+        figures[f"{label}_max_attainment"] = max(r["slo_attainment"] for r in mine)
+        figures[f"{label}_attainment_by_rate"] = [round(r["slo_attainment"], 3) for r in mine]
+    base = figures[f"{labels[0]}_goodput_rps"]
+    figures["goodput_ratio"] = round(figures[f"{labels[1]}_goodput_rps"] / base, 3) if base > 0 else None
+    figures["wall_s"] = round(time.monotonic() - t_start, 1)
+
+    print_table(rows, f"{args.model}: {args.num_requests} requests/rate, input ~{args.input_len}, output {args.output_len}")
+    for label in labels:
+        print(f"{label}: goodput {figures[f'{label}_goodput_rps']:.2f} req/s (rate {figures[f'{label}_goodput_rate']}, "
+              f"attainment >= 90%: {figures[f'{label}_goodput_meets_target']})")
+    ratio = figures["goodput_ratio"]
+    print(f"goodput ratio {labels[1]} / {labels[0]}: " + ("-" if ratio is None else f"{ratio:.2f}x (goal >= 1.5x)"))
+    stem = "bench_disagg_quick" if args.quick else "bench_disagg"
+    write_outputs(Path(args.out_dir), stem, rows, figures, labels)
+    print(json.dumps(figures))
+
+
+if __name__ == "__main__":
+    main()
