@@ -66,6 +66,8 @@ class Workload:
     Input lengths (in the server's tokens) are ``input_len`` for ``"fixed"``, uniform in
     ``input_len * (1 ± input_len_spread)`` for ``"uniform"``, and lognormal with mean ``input_len``
     and sigma ``input_len_spread`` for ``"lognormal"``. Every request asks for ``output_len`` tokens.
+    ``seed`` drives arrivals and lengths; ``prompt_seed`` (default: ``seed``) the prompt words, so a
+    sweep can keep one arrival pattern across rates while giving each rate fresh prompts.
     """
 
     num_requests: int
@@ -75,6 +77,7 @@ class Workload:
     input_len_dist: str = "fixed"
     input_len_spread: float = 0.5
     seed: int = 0
+    prompt_seed: int | None = None
     ignore_eos: bool = False  # send "ignore_eos": true (extension)
     min_tokens: bool = False  # send "min_tokens": output_len (extension)
     temperature: float = 0.0
@@ -250,8 +253,11 @@ def words_for(input_len: int, tokens_per_word: float, overhead_tokens: float) ->
 
 def build_requests(workload: Workload, tokens_per_word: float = 1.0, overhead_tokens: float = 0.0) -> list[RequestSpec]:
     """The seeded workload: arrivals, target lengths and prompts (independent RNG streams, so
-    arrivals do not change when the length distribution does)."""
-    arrival_rng, length_rng, word_rng = (np.random.default_rng(s) for s in np.random.SeedSequence(workload.seed).spawn(3))
+    arrivals do not change when the length distribution or the prompt seed does)."""
+    arrival_ss, length_ss, word_ss = np.random.SeedSequence(workload.seed).spawn(3)
+    if workload.prompt_seed is not None:
+        word_ss = np.random.SeedSequence(workload.prompt_seed).spawn(3)[2]
+    arrival_rng, length_rng, word_rng = (np.random.default_rng(s) for s in (arrival_ss, length_ss, word_ss))
     arrivals = poisson_arrivals(workload.num_requests, workload.rate, arrival_rng)
     lengths = sample_input_lengths(workload, length_rng)
     return [
@@ -505,7 +511,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--ttft-slo", type=float, default=None, help="seconds")
     ap.add_argument("--tpot-slo", type=float, default=None, help="seconds")
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seed", type=int, default=0, help="arrivals and lengths")
+    ap.add_argument("--prompt-seed", type=int, default=None, help="prompt words (default: --seed)")
     ap.add_argument("--api-key", default=None)
     ap.add_argument("--request-timeout", type=float, default=300.0, help="seconds, per request")
     ap.add_argument("--no-calibrate", action="store_true", help="assume one token per word instead of probing")
@@ -521,7 +528,7 @@ def main(argv: Seq[str] | None = None) -> int:
         workload = Workload(
             num_requests=args.num_requests, rate=args.rate, input_len=args.input_len, output_len=args.output_len,
             input_len_dist=args.input_len_dist, input_len_spread=args.input_len_spread, seed=args.seed,
-            ignore_eos=args.ignore_eos, min_tokens=args.min_tokens, temperature=args.temperature,
+            prompt_seed=args.prompt_seed, ignore_eos=args.ignore_eos, min_tokens=args.min_tokens, temperature=args.temperature,
         )
     except ValueError as exc:
         ap.error(str(exc))

@@ -45,13 +45,14 @@ from typing import Any
 
 import httpx
 
-from distserve.loadgen import SLO, LoadResult, Workload, run_load
+from distserve.loadgen import SLO, LoadResult, Workload, run_load, summarize
 
 SYSTEM_FLAGS = {
     "colocated": ["--colocated", "1", "--runtime", "local"],
     "disagg": ["--prefill", "1", "--decode", "1", "--runtime", "ray"],
 }
 ATTAINMENT_TARGET = 0.9
+SENSITIVITY_FACTORS = (2.0, 2.5, 3.0, 4.0)  # TPOT SLO as multiples of the colocated single-request TPOT
 NUM_SINGLE_REQUESTS = 3
 READY_LINE = re.compile(r"at (http://\S+)/v1")
 
@@ -71,6 +72,48 @@ def _session_pids(sid: int) -> list[int]:
         if int(fields[3]) == sid and fields[0] != "Z":
             pids.append(int(entry))
     return pids
+
+
+def _process_cpu() -> dict[int, tuple[int, str, float]]:
+    """pid -> (session id, name, CPU seconds so far, reaped children included) for every process."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+            fields = stat.rsplit(")", 1)[1].split()
+            cmd = Path(f"/proc/{entry}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        name = os.path.basename(cmd[0].decode(errors="replace"))[:40] if cmd and cmd[0] else stat.split("(", 1)[1].split(")")[0]
+        if b"distserve.cli" in cmd:
+            name = "distserve-serve"  # the HTTP server (+ the colocated engine, or the Ray runtime's controller)
+        out[int(entry)] = (int(fields[3]), name, sum(int(x) for x in fields[11:15]) / tick)  # utime stime cutime cstime
+    return out
+
+
+def cpu_usage(before: dict[int, tuple[int, str, float]], after: dict[int, tuple[int, str, float]], elapsed_s: float, server_sid: int | None) -> dict[str, Any]:
+    """Where the CPU went between two snapshots, in cores: the server's busiest processes, this
+    process (the load generator), and everything else on the machine (it is shared)."""
+    me = os.getpid()
+    server: list[tuple[str, float]] = []
+    other = 0.0
+    for pid, (sid, name, cpu) in after.items():
+        used = (cpu - before[pid][2] if pid in before else cpu) / elapsed_s
+        if pid == me:
+            continue
+        if server_sid is not None and sid == server_sid:
+            server.append((f"{name} [{pid}]", round(used, 2)))
+        else:
+            other += used
+    me_used = (after[me][2] - before[me][2]) / elapsed_s if me in before and me in after else 0.0
+    return {
+        "server_cores": sorted((x for x in server if x[1] >= 0.05), key=lambda x: -x[1])[:5],
+        "loadgen_cores": round(me_used, 2),
+        "other_cores": round(max(0.0, other), 2),
+    }
 
 
 @dataclass
@@ -163,10 +206,10 @@ def serve_argv(system: str, model: str, dtype: str) -> list[str]:
 
 
 # ---- measurements ----------------------------------------------------------------------------
-def workload(args: argparse.Namespace, num_requests: int, rate: float, seed: int) -> Workload:
+def workload(args: argparse.Namespace, num_requests: int, rate: float, seed: int, prompt_seed: int | None = None) -> Workload:
     return Workload(
         num_requests=num_requests, rate=rate, input_len=args.input_len, output_len=args.output_len,
-        seed=seed, ignore_eos=True, min_tokens=True,
+        seed=seed, prompt_seed=prompt_seed, ignore_eos=True, min_tokens=True,
     )
 
 
@@ -187,19 +230,27 @@ def single_request_latency(args: argparse.Namespace, url: str, calibration: tupl
     }
 
 
-def sweep(args: argparse.Namespace, url: str, slo: SLO, calibration: tuple[float, float]) -> list[dict[str, Any]]:
-    rows = []
+def sweep(
+    args: argparse.Namespace, url: str, slo: SLO, calibration: tuple[float, float], server_sid: int | None
+) -> list[tuple[dict[str, Any], LoadResult]]:
+    """One load run per rate: the same arrival pattern (scaled) at every rate, fresh prompts each
+    time; each row is the summary plus where the CPU went during the run."""
+    out = []
     for i, rate in enumerate(args.rates):
-        w = workload(args, args.num_requests, rate, args.seed + i)
+        w = workload(args, args.num_requests, rate, args.seed, prompt_seed=args.seed + 1 + i)
+        cpu0, t0 = _process_cpu(), time.monotonic()
         result = run_load(url, args.request_model, w, slo, tokens_per_word=calibration, request_timeout_s=args.request_timeout)
-        rows.append({"rate": rate, **result.summary.to_dict()})
+        cpu = cpu_usage(cpu0, _process_cpu(), time.monotonic() - t0, server_sid)
         s = result.summary
+        out.append(({"rate": rate, **s.to_dict(), **cpu}, result))
         print(
             f"  rate {rate:g}/s: {s.num_completed}/{s.num_requests} done, TTFT p50 {s.ttft_p50_s or 0:.3f} s, "
-            f"TPOT p50 {s.tpot_p50_s or 0:.3f} s, attainment {s.slo_attainment:.0%}, goodput {s.goodput_rps:.2f}/s",
+            f"TPOT p50 {s.tpot_p50_s or 0:.3f} s, attainment {s.slo_attainment:.0%}, goodput {s.goodput_rps:.2f}/s; "
+            f"cores: server {' '.join(f'{n.split()[0]}={c:.2f}' for n, c in cpu['server_cores'])}, "
+            f"loadgen {cpu['loadgen_cores']:.2f}, others {cpu['other_cores']:.2f}",
             flush=True,
         )
-    return rows
+    return out
 
 
 def system_goodput(rows: list[dict[str, Any]]) -> tuple[float, float | None, bool]:
@@ -210,6 +261,25 @@ def system_goodput(rows: list[dict[str, Any]]) -> tuple[float, float | None, boo
         return 0.0, None, False
     best = max(pool, key=lambda r: r["goodput_rps"])
     return best["goodput_rps"], best["rate"], bool(passing)
+
+
+def slo_sensitivity(
+    results: list[tuple[str, float, LoadResult]], slo: SLO, base_tpot_s: float, labels: list[str]
+) -> dict[str, list[float | None]]:
+    """Both systems' goodput and their ratio re-scored from the same requests at other TPOT SLOs."""
+    out: dict[str, list[float | None]] = {"tpot_slo_factor": list(SENSITIVITY_FACTORS)}
+    for label in labels:
+        out[f"{label}_goodput_rps"] = []
+    out["goodput_ratio"] = []
+    for factor in SENSITIVITY_FACTORS:
+        other = SLO(ttft_s=slo.ttft_s, tpot_s=factor * base_tpot_s)
+        goodputs = []
+        for label in labels:
+            rows = [{"rate": rate, **summarize(r.requests, other).to_dict()} for lab, rate, r in results if lab == label]
+            goodputs.append(round(system_goodput(rows)[0], 3))
+            out[f"{label}_goodput_rps"].append(goodputs[-1])
+        out["goodput_ratio"].append(round(goodputs[1] / goodputs[0], 3) if goodputs[0] > 0 else None)
+    return out
 
 
 # ---- outputs ---------------------------------------------------------------------------------
@@ -225,13 +295,15 @@ def write_outputs(out_dir: Path, stem: str, rows: list[dict[str, Any]], figures:
         f"({figures['model']}, input ~{figures['input_len']} tokens, output {figures['output_len']} tokens, "
         f"{figures['num_requests']} requests per rate)",
         "",
-        "| system | rate (req/s) | done | errors | TTFT p50 / p90 (ms) | TPOT p50 / p90 (ms) | attainment | goodput (req/s) |",
-        "|---|---|---|---|---|---|---|---|",
+        "| system | rate (req/s) | done | errors | TTFT p50 / p90 (ms) | TPOT p50 / p90 (ms) | attainment | goodput (req/s) | busiest server processes (cores) | loadgen / other (cores) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     md += [
         f"| {r['system']} | {r['rate']:g} | {r['num_completed']}/{r['num_requests']} | {r['num_errors']} | "
         f"{_ms(r['ttft_p50_s'])} / {_ms(r['ttft_p90_s'])} | {_ms(r['tpot_p50_s'])} / {_ms(r['tpot_p90_s'])} | "
-        f"{r['slo_attainment']:.0%} | {r['goodput_rps']:.2f} |"
+        f"{r['slo_attainment']:.0%} | {r['goodput_rps']:.2f} | "
+        + ", ".join(f"{n.split()[0]} {c:.2f}" for n, c in r["server_cores"][:3])
+        + f" | {r['loadgen_cores']:.2f} / {r['other_cores']:.2f} |"
         for r in rows
     ]
     md += ["", "| system | goodput (req/s) | at rate | attainment >= 90% there |", "|---|---|---|---|"]
@@ -241,6 +313,19 @@ def write_outputs(out_dir: Path, stem: str, rows: list[dict[str, Any]], figures:
     ]
     ratio = figures["goodput_ratio"]
     md += ["", f"goodput ratio {labels[1]} / {labels[0]}: " + ("-" if ratio is None else f"{ratio:.2f}x")]
+    sens = figures["sensitivity"]
+    md += [
+        "", "Same requests re-scored at other TPOT SLOs (x the colocated single-request TPOT):", "",
+        "| TPOT SLO factor | TPOT SLO (ms) | " + " | ".join(f"{s} goodput" for s in labels) + " | ratio |",
+        "|---|---|" + "---|" * len(labels) + "---|",
+    ]
+    for i, factor in enumerate(sens["tpot_slo_factor"]):
+        r = sens["goodput_ratio"][i]
+        md.append(
+            f"| {factor:g} | {factor * figures[f'{labels[0]}_single_tpot_s'] * 1000:.0f} | "
+            + " | ".join(f"{sens[f'{s}_goodput_rps'][i]:.2f}" for s in labels)
+            + f" | {'-' if r is None else f'{r:.2f}x'} |"
+        )
     (out_dir / f"{stem}.md").write_text("\n".join(md) + "\n")
 
     import matplotlib
@@ -288,8 +373,8 @@ def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--dtype", default="auto")
-    ap.add_argument("--rates", default="0.5,1,1.5,2,3", help="comma-separated Poisson rates (req/s)")
-    ap.add_argument("--num-requests", type=int, default=60, help="per rate")
+    ap.add_argument("--rates", default="0.75,1,1.5,2,2.5,3", help="comma-separated Poisson rates (req/s)")
+    ap.add_argument("--num-requests", type=int, default=40, help="per rate")
     ap.add_argument("--input-len", type=int, default=256)
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--seed", type=int, default=0)
@@ -327,6 +412,7 @@ def main() -> None:
         "output_len": args.output_len, "rates": args.rates, "cpu_count": os.cpu_count(),
     }
     rows: list[dict[str, Any]] = []
+    results: list[tuple[str, float, LoadResult]] = []
     slo: SLO | None = None
     for kind, label, url in systems:
         server = None if url else ServerProcess(label, serve_argv(kind, args.model, args.dtype), args.startup_timeout)
@@ -350,7 +436,10 @@ def main() -> None:
                 figures["ttft_slo_s"] = round(slo.ttft_s or 0.0, 4)
                 figures["tpot_slo_s"] = round(slo.tpot_s or 0.0, 4)
                 print(f"SLOs: TTFT {slo.ttft_s * 1000:.0f} ms, TPOT {slo.tpot_s * 1000:.1f} ms", flush=True)  # type: ignore[operator]
-            rows += [{"system": label, **r} for r in sweep(args, url, slo, calibration)]
+            sid = server.proc.pid if server is not None and server.proc is not None else None
+            for row, result in sweep(args, url, slo, calibration, sid):
+                rows.append({"system": label, **row})
+                results.append((label, row["rate"], result))
         finally:
             if server is not None:
                 stop = server.stop()
@@ -375,6 +464,9 @@ def main() -> None:
         figures[f"{label}_attainment_by_rate"] = [round(r["slo_attainment"], 3) for r in mine]
     base = figures[f"{labels[0]}_goodput_rps"]
     figures["goodput_ratio"] = round(figures[f"{labels[1]}_goodput_rps"] / base, 3) if base > 0 else None
+    figures["max_other_cores"] = max((r["other_cores"] for r in rows), default=0.0)
+    assert slo is not None
+    figures["sensitivity"] = slo_sensitivity(results, slo, figures[f"{labels[0]}_single_tpot_s"], labels)
     figures["wall_s"] = round(time.monotonic() - t_start, 1)
 
     print_table(rows, f"{args.model}: {args.num_requests} requests/rate, input ~{args.input_len}, output {args.output_len}")
@@ -383,6 +475,10 @@ def main() -> None:
               f"attainment >= 90%: {figures[f'{label}_goodput_meets_target']})")
     ratio = figures["goodput_ratio"]
     print(f"goodput ratio {labels[1]} / {labels[0]}: " + ("-" if ratio is None else f"{ratio:.2f}x (goal >= 1.5x)"))
+    sens = figures["sensitivity"]
+    print("at other TPOT SLOs (x colocated single TPOT): " + ", ".join(
+        f"{f:g}x -> ratio {'-' if r is None else f'{r:.2f}'}" for f, r in zip(sens["tpot_slo_factor"], sens["goodput_ratio"])
+    ))
     stem = "bench_disagg_quick" if args.quick else "bench_disagg"
     write_outputs(Path(args.out_dir), stem, rows, figures, labels)
     print(json.dumps(figures))

@@ -40,6 +40,12 @@ def test_arrivals_are_seeded_and_poisson() -> None:
     other = Workload(2000, 5.0, 32, 4, input_len_dist="uniform", seed=7)
     assert [r.arrival_s for r in build_requests(other)] == arrivals
     assert all(r.arrival_s == 0.0 for r in build_requests(Workload(5, float("inf"), 8, 4)))
+    # A prompt seed changes the prompts, not the arrivals; the same seed at another rate scales the gaps.
+    reprompted = build_requests(Workload(2000, 5.0, 32, 4, seed=7, prompt_seed=99))
+    assert [r.arrival_s for r in reprompted] == arrivals
+    assert not {r.prompt for r in reprompted} & {r.prompt for r in build_requests(w)}
+    faster = [r.arrival_s for r in build_requests(Workload(2000, 10.0, 32, 4, seed=7))]
+    assert faster == pytest.approx([a / 2 for a in arrivals])
 
 
 def test_input_lengths_and_prompts() -> None:
