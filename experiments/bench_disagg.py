@@ -6,8 +6,11 @@ Two servers, one after the other, each a `distserve serve` subprocess on a free 
     actor process with one torch thread, KV migrating over gloo.
 Same model and dtype. Each is driven with `distserve.loadgen` (streamed `/v1/completions`, Poisson
 arrivals, fixed input length, `max_tokens` = `min_tokens` = output length with `ignore_eos`, so every
-request has the same shape) at several rates; each rate uses its own prompts (its own seed), the same
-for both systems, so no rate profits from another's prefix cache.
+request has the same shape) at several rates. Every rate replays the same seeded arrival pattern,
+scaled to the rate (so the curves are not shaped by one rate's lucky or bursty draw), with its own
+prompts (so no rate profits from another's prefix cache); both systems get identical workloads.
+Each row also records where the CPU went during the run: the server's busiest processes, the load
+generator, and every other process on the machine (it is shared: a busy neighbour shows up there).
 
 SLOs come from a short calibration on the colocated server: the median TTFT and TPOT of a few
 requests sent one at a time. The TPOT SLO is `--tpot-slo-factor` (2.5) x that TPOT, which is tight:
@@ -373,7 +376,7 @@ def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--dtype", default="auto")
-    ap.add_argument("--rates", default="0.75,1,1.5,2,2.5,3", help="comma-separated Poisson rates (req/s)")
+    ap.add_argument("--rates", default="1,1.25,1.5,1.75,2", help="comma-separated Poisson rates (req/s)")
     ap.add_argument("--num-requests", type=int, default=40, help="per rate")
     ap.add_argument("--input-len", type=int, default=256)
     ap.add_argument("--output-len", type=int, default=64)
@@ -400,56 +403,48 @@ def parse_args() -> argparse.Namespace:
     return args
 
 
-def main() -> None:
-    args = parse_args()
-    # A SIGTERM (e.g. a test timeout) unwinds through the finally blocks that stop the servers.
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    t_start = time.monotonic()
-    systems = [("colocated", args.label_a, args.base_url_a), ("disagg", args.label_b, args.base_url_b)]
-    labels = [label for _, label, _ in systems]
-    figures: dict[str, Any] = {
-        "model": args.model, "dtype": args.dtype, "num_requests": args.num_requests, "input_len": args.input_len,
-        "output_len": args.output_len, "rates": args.rates, "cpu_count": os.cpu_count(),
-    }
-    rows: list[dict[str, Any]] = []
-    results: list[tuple[str, float, LoadResult]] = []
-    slo: SLO | None = None
-    for kind, label, url in systems:
-        server = None if url else ServerProcess(label, serve_argv(kind, args.model, args.dtype), args.startup_timeout)
-        try:
-            if server is not None:
-                url = server.start()
-                figures[f"{label}_startup_s"] = round(server.startup_s, 1)
-                print(f"{label}: started `{' '.join(server.argv[2:])}` at {url} in {server.startup_s:.1f} s", flush=True)
-            assert url is not None
-            single = single_request_latency(args, url, None)  # probes this server's tokenizer
-            calibration: tuple[float, float] = single["calibration"]
-            figures[f"{label}_single_ttft_s"] = round(single["ttft_s"], 4)
-            figures[f"{label}_single_tpot_s"] = round(single["tpot_s"], 4)
-            print(f"{label}: one request at a time: TTFT {single['ttft_s'] * 1000:.0f} ms, TPOT {single['tpot_s'] * 1000:.1f} ms "
-                  f"({single['prompt_tokens']} prompt tokens)", flush=True)
-            if slo is None:  # SLOs come from system A (the colocated baseline)
-                slo = SLO(
-                    ttft_s=args.ttft_slo if args.ttft_slo is not None else args.ttft_slo_factor * single["ttft_s"],
-                    tpot_s=args.tpot_slo if args.tpot_slo is not None else args.tpot_slo_factor * single["tpot_s"],
-                )
-                figures["ttft_slo_s"] = round(slo.ttft_s or 0.0, 4)
-                figures["tpot_slo_s"] = round(slo.tpot_s or 0.0, 4)
-                print(f"SLOs: TTFT {slo.ttft_s * 1000:.0f} ms, TPOT {slo.tpot_s * 1000:.1f} ms", flush=True)  # type: ignore[operator]
-            sid = server.proc.pid if server is not None and server.proc is not None else None
-            for row, result in sweep(args, url, slo, calibration, sid):
-                rows.append({"system": label, **row})
-                results.append((label, row["rate"], result))
-        finally:
-            if server is not None:
-                stop = server.stop()
-                figures[f"{label}_processes_left"] = stop["num_left"]
-                figures[f"{label}_processes_left_after_sigint"] = stop["num_left_after_sigint"]
-                figures[f"{label}_stopped_gracefully"] = stop["graceful"]
-                print(f"{label}: stopped ({stop})", flush=True)
-                if stop["num_left"]:
-                    print(f"WARNING: {stop['num_left']} processes of the {label} server survive in session {server.proc.pid if server.proc else '?'}", file=sys.stderr)
+def measure_system(
+    args: argparse.Namespace, kind: str, label: str, url: str | None, slo: SLO | None, figures: dict[str, Any]
+) -> tuple[SLO, list[tuple[dict[str, Any], LoadResult]]]:
+    """Start the server (unless ``url`` is given), time single requests, fix the SLOs if not yet
+    fixed, sweep the rates, and always stop what was started."""
+    server = None if url else ServerProcess(label, serve_argv(kind, args.model, args.dtype), args.startup_timeout)
+    try:
+        if server is not None:
+            url = server.start()
+            figures[f"{label}_startup_s"] = round(server.startup_s, 1)
+            print(f"{label}: started `{' '.join(server.argv[2:])}` at {url} in {server.startup_s:.1f} s", flush=True)
+        assert url is not None
+        single = single_request_latency(args, url, None)  # also probes this server's tokenizer
+        figures[f"{label}_single_ttft_s"] = round(single["ttft_s"], 4)
+        figures[f"{label}_single_tpot_s"] = round(single["tpot_s"], 4)
+        print(
+            f"{label}: one request at a time: TTFT {single['ttft_s'] * 1000:.0f} ms, TPOT {single['tpot_s'] * 1000:.1f} ms "
+            f"({single['prompt_tokens']} prompt tokens)",
+            flush=True,
+        )
+        if slo is None:
+            slo = SLO(
+                ttft_s=args.ttft_slo if args.ttft_slo is not None else args.ttft_slo_factor * single["ttft_s"],
+                tpot_s=args.tpot_slo if args.tpot_slo is not None else args.tpot_slo_factor * single["tpot_s"],
+            )
+            figures["ttft_slo_s"] = round(slo.ttft_s or 0.0, 4)
+            figures["tpot_slo_s"] = round(slo.tpot_s or 0.0, 4)
+            print(f"SLOs: TTFT {figures['ttft_slo_s'] * 1000:.0f} ms, TPOT {figures['tpot_slo_s'] * 1000:.1f} ms", flush=True)
+        sid = server.proc.pid if server is not None and server.proc is not None else None
+        return slo, sweep(args, url, slo, single["calibration"], sid)
+    finally:
+        if server is not None:
+            stop = server.stop()
+            figures[f"{label}_processes_left"] = stop["num_left"]
+            figures[f"{label}_processes_left_after_sigint"] = stop["num_left_after_sigint"]
+            figures[f"{label}_stopped_gracefully"] = stop["graceful"]
+            print(f"{label}: stopped ({stop})", flush=True)
+            if stop["num_left"]:
+                print(f"WARNING: {stop['num_left']} processes of the {label} server survived SIGKILL", file=sys.stderr)
 
+
+def summarize_systems(rows: list[dict[str, Any]], labels: list[str], figures: dict[str, Any]) -> None:
     for label in labels:
         mine = [r for r in rows if r["system"] == label]
         goodput, rate, meets = system_goodput(mine)
@@ -465,7 +460,28 @@ def main() -> None:
     base = figures[f"{labels[0]}_goodput_rps"]
     figures["goodput_ratio"] = round(figures[f"{labels[1]}_goodput_rps"] / base, 3) if base > 0 else None
     figures["max_other_cores"] = max((r["other_cores"] for r in rows), default=0.0)
+
+
+def main() -> None:
+    args = parse_args()
+    # A SIGTERM (e.g. a test timeout) unwinds through the finally blocks that stop the servers.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    t_start = time.monotonic()
+    systems = [("colocated", args.label_a, args.base_url_a), ("disagg", args.label_b, args.base_url_b)]
+    labels = [label for _, label, _ in systems]
+    figures: dict[str, Any] = {
+        "model": args.model, "dtype": args.dtype, "num_requests": args.num_requests, "input_len": args.input_len,
+        "output_len": args.output_len, "rates": args.rates, "cpu_count": os.cpu_count(),
+    }
+    rows: list[dict[str, Any]] = []
+    results: list[tuple[str, float, LoadResult]] = []
+    slo: SLO | None = None
+    for kind, label, url in systems:  # the SLOs come from the first system, the colocated baseline
+        slo, measured = measure_system(args, kind, label, url, slo, figures)
+        rows += [{"system": label, **row} for row, _ in measured]
+        results += [(label, row["rate"], result) for row, result in measured]
     assert slo is not None
+    summarize_systems(rows, labels, figures)
     figures["sensitivity"] = slo_sensitivity(results, slo, figures[f"{labels[0]}_single_tpot_s"], labels)
     figures["wall_s"] = round(time.monotonic() - t_start, 1)
 
