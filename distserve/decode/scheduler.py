@@ -41,7 +41,7 @@ class DecodeScheduler(Scheduler):
         self.migrating: dict[str, Sequence] = {}
 
     def can_reserve(self, seq: Sequence) -> bool:
-        return len(self.running) + len(self.migrating) < self.config.max_num_seqs and self.block_manager.can_allocate(seq)
+        return len(self.running) + len(self.migrating) < self.max_running and self.block_manager.can_allocate(seq)
 
     def reserve(self, seq: Sequence) -> Reservation | None:
         """Allocate blocks for a sequence whose ``token_ids`` are prompt + first token; None if no room."""

@@ -95,8 +95,17 @@ class Scheduler:
         block_manager: BlockManager,
         max_model_len: int,
         eos_token_ids: tuple[int, ...] = (),
+        pipeline_depth: int = 1,
     ) -> None:
+        if pipeline_depth < 1:
+            raise ValueError(f"pipeline_depth must be >= 1, got {pipeline_depth}")
         self.config = config
+        # With pipeline parallelism up to ``pipeline_depth`` plans are in flight at once: a sequence
+        # in an unfinished plan is skipped (and never preempted) until its update arrives.
+        self.pipeline_depth = pipeline_depth
+        self.in_flight: set[str] = set()
+        # max_num_seqs bounds one batch; each micro-batch in flight gets its own share.
+        self.max_running = config.max_num_seqs * pipeline_depth
         self.eos_token_ids = eos_token_ids
         self.block_manager = block_manager
         self.max_model_len = max_model_len
@@ -170,15 +179,18 @@ class Scheduler:
         # Running sequences in policy order, so the lowest-ranked are preempted first.
         self.running.sort(key=self.policy)
         i = 0
+        in_flight = self.in_flight
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             n = min(seq.num_uncomputed_tokens, budget)
-            if n <= 0:
+            if n <= 0 or seq.seq_id in in_flight:
                 i += 1
                 continue
             copies = self.block_manager.append_slots(seq, n)
             while copies is None:
-                victim = self.running[-1]
+                victim = self._preemption_victim()
+                if victim is None:
+                    break
                 self._preempt(victim)
                 plan.preempted_seq_ids.append(victim.seq_id)
                 preempted = True
@@ -194,7 +206,11 @@ class Scheduler:
             i += 1
 
         # Admit waiting sequences unless we just had to preempt (memory is tight).
-        while self.waiting and not preempted and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        max_seqs = self.config.max_num_seqs
+        while (
+            self.waiting and not preempted and budget > 0
+            and len(self.running) < self.max_running and len(decodes) + len(prefills) < max_seqs
+        ):
             seq = self.waiting[0]
             if not self.block_manager.can_allocate(seq):
                 break
@@ -214,7 +230,16 @@ class Scheduler:
             (decodes if chunk.is_decode else prefills).append(chunk)
             budget -= n
         plan.chunks = decodes + prefills
+        if self.pipeline_depth > 1:
+            in_flight.update(c.seq_id for c in plan.chunks)
         return plan
+
+    def _preemption_victim(self) -> Sequence | None:
+        """The lowest-ranked running sequence that no in-flight plan is computing."""
+        for seq in reversed(self.running):
+            if seq.seq_id not in self.in_flight:
+                return seq
+        return None
 
     def _chunk(self, seq: Sequence, n: int) -> ScheduledChunk:
         start = seq.num_computed_tokens
@@ -237,7 +262,10 @@ class Scheduler:
         """
         by_id = {s.seq_id: s for s in sampled}
         updated: list[Sequence] = []
+        in_flight = self.in_flight
         for chunk in plan.chunks:
+            if in_flight:
+                in_flight.discard(chunk.seq_id)
             seq = seqs.get(chunk.seq_id)
             if seq is None or seq.status is not SequenceStatus.RUNNING:
                 continue  # aborted or preempted while the step ran

@@ -141,3 +141,33 @@ def test_one_token_chunks_are_batched_with_decodes() -> None:
     add(sched, seqs, "b", 6)
     plan = sched.schedule()
     assert [(c.seq_id, c.num_tokens) for c in plan.chunks] == [("b", 1), ("a", 4)]
+
+
+def test_pipeline_depth_skips_in_flight_sequences_until_their_update() -> None:
+    bm = BlockManager(64, 4)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=2), bm, 1024, eos_token_ids=(0,), pipeline_depth=2)
+    seqs: dict[str, Sequence] = {}
+    for sid in "abcd":
+        add(sched, seqs, sid, 4)
+    p1 = sched.schedule()
+    p2 = sched.schedule()  # p1 is still in flight: the next micro-batch takes other sequences
+    assert [c.seq_id for c in p1.chunks] == ["a", "b"] and [c.seq_id for c in p2.chunks] == ["c", "d"]
+    assert sched.schedule().is_empty  # everything is in flight
+    sched.update_from_output(p1, fake_run(p1), seqs, 1.0)
+    p3 = sched.schedule()
+    assert [(c.seq_id, c.num_tokens) for c in p3.chunks] == [("a", 1), ("b", 1)]
+    assert not sched.in_flight - {"a", "b", "c", "d"}
+
+
+def test_in_flight_sequences_are_never_preempted() -> None:
+    bm = BlockManager(3, 4)
+    sched = Scheduler(SchedulerConfig(), bm, 1024, eos_token_ids=(0,), pipeline_depth=2)
+    seqs: dict[str, Sequence] = {}
+    add(sched, seqs, "a", 4, max_tokens=8)
+    add(sched, seqs, "b", 4, max_tokens=8)
+    p1 = sched.schedule()  # a and b take 2 of 3 blocks
+    sched.update_from_output(p1, fake_run(p1), seqs, 1.0)
+    p2 = sched.schedule()  # a's decode needs a new block (the last one); b's cannot get one
+    assert [c.seq_id for c in p2.chunks] == ["a"] and p2.preempted_seq_ids == ["b"]
+    p3 = sched.schedule()  # a is in flight and holds blocks: b is readmitted only if blocks allow
+    assert "a" not in p3.preempted_seq_ids and all(c.seq_id != "a" for c in p3.chunks)

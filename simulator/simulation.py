@@ -1,0 +1,355 @@
+"""Event-driven simulation of a deployment: our real schedulers, step times from a ``LatencyModel``.
+
+Each simulated instance owns a real ``BlockManager`` and the real ``Scheduler`` of its phase
+(``Scheduler`` colocated, ``PrefillScheduler``, ``DecodeScheduler``) and executes the ``StepPlan``s
+they emit by advancing a clock by the latency model's step time instead of running a model. The
+glue around the schedulers mirrors ``distserve.serving.controller``: new requests go to the least
+loaded prefill (or colocated) instance; finished prefills wait, KV held, in one FCFS queue until a
+decode instance (least loaded first) can ``reserve`` room for them (pull-based); the KV then moves
+over the link (one transfer at a time per sender and per receiver, as each worker has one transfer
+thread), the decode instance starts decoding and the prefill instance frees its copy.
+
+Pipeline parallelism: an instance with ``pp`` stages keeps up to ``pp`` micro-batches in flight
+(the scheduler skips sequences that are in flight); each micro-batch spends the latency model's
+per-stage time in each stage, in order.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import time
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
+
+from distserve.config import SamplingParams, SchedulerConfig
+from distserve.decode.scheduler import DecodeScheduler
+from distserve.engine.block_manager import BlockManager
+from distserve.engine.scheduler import SampledToken, Scheduler, StepPlan
+from distserve.engine.sequence import Sequence
+from distserve.errors import InvalidConfigError
+from distserve.placement.placement import InstanceSpec, Placement
+from distserve.prefill.scheduler import PrefillScheduler
+from simulator.latency import BatchShape, LatencyModel
+from simulator.metrics import RequestRecord, SimResult
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence as Seq
+
+    from simulator.workload import Request
+
+_TOKEN = 1  # the token every simulated step "samples"; never an EOS (ignore_eos is set anyway)
+
+# event kinds, ordered so that at equal times completions are handled before new arrivals
+_STEP_DONE, _MIGRATED, _LAUNCH, _ARRIVE = 0, 1, 2, 3
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    """Knobs of the simulated runtime; the defaults are those of ``distserve serve``."""
+
+    block_size: int = 16
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)  # colocated instances
+    prefill_scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    decode_scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    num_blocks: int | None = None  # KV blocks per instance; None: what fits in memory (latency model)
+    mem_utilization: float = 0.9
+    step_overhead_s: float = 0.0  # extra fixed cost per step (e.g. the runtime's controller round trip)
+    max_model_len: int | None = None  # default: the model's context length
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1:
+            raise InvalidConfigError(f"block_size must be >= 1, got {self.block_size}")
+        if self.num_blocks is not None and self.num_blocks < 1:
+            raise InvalidConfigError(f"num_blocks must be >= 1, got {self.num_blocks}")
+        if not 0 < self.mem_utilization <= 1:
+            raise InvalidConfigError(f"mem_utilization must be in (0, 1], got {self.mem_utilization}")
+        if self.step_overhead_s < 0:
+            raise InvalidConfigError(f"step_overhead_s must be >= 0, got {self.step_overhead_s}")
+
+
+class SimInstance:
+    """One instance: a real scheduler over a real block manager, and a pipeline of ``pp`` stages."""
+
+    def __init__(
+        self, kind: str, index: int, spec: InstanceSpec, scheduler: Scheduler, step_time_fn: object
+    ) -> None:
+        self.kind = kind  # "colocated" | "prefill" | "decode"
+        self.index = index
+        self.spec = spec
+        self.tp, self.pp = spec.tp, spec.pp
+        self.scheduler = scheduler
+        self.seqs: dict[str, Sequence] = {}
+        self.stage_free = [0.0] * spec.pp  # when each pipeline stage finishes its last micro-batch
+        self.num_in_flight = 0
+        self.launch_pending = False
+        self.num_assigned = 0  # requests routed here and not yet finished or moved on
+        self.tx_free = 0.0  # the transfer thread: busy until
+        self.rx_free = 0.0
+        self.busy_s = 0.0
+        self.num_steps = 0
+        self.step_time = step_time_fn
+
+    @property
+    def name(self) -> str:
+        return f"{self.kind}{self.index}"
+
+    @property
+    def num_gpus(self) -> int:
+        return self.tp * self.pp
+
+
+def _shape(plan: StepPlan) -> BatchShape:
+    num_prefill = prefill_tokens = prefill_sq = num_decode = decode_ctx = 0
+    for c in plan.chunks:
+        n = len(c.token_ids)
+        if n == 1:
+            num_decode += 1
+            decode_ctx += c.start_pos + 1
+        else:
+            s = c.start_pos
+            num_prefill += 1
+            prefill_tokens += n
+            prefill_sq += (s + n) * (s + n) - s * s
+    return BatchShape(num_prefill, prefill_tokens, prefill_sq, num_decode, decode_ctx)
+
+
+class Simulation:
+    """Run a list of requests through a placement; ``run()`` returns a ``SimResult``."""
+
+    def __init__(self, placement: Placement, latency: LatencyModel, config: SimConfig | None = None) -> None:
+        self.placement = placement
+        self.latency = latency
+        self.config = config or SimConfig()
+        cfg = self.config
+        model = latency.model
+        self.max_model_len = cfg.max_model_len or model.max_position_embeddings
+        self.kv_bytes_per_token = model.kv_bytes_per_token
+        self.instances: list[SimInstance] = []
+        groups = (
+            [("colocated", s, Scheduler, cfg.scheduler) for s in placement.colocated]
+            + [("prefill", s, PrefillScheduler, cfg.prefill_scheduler) for s in placement.prefill]
+            + [("decode", s, DecodeScheduler, cfg.decode_scheduler) for s in placement.decode]
+        )
+        counters: dict[str, int] = {}
+        for kind, spec, cls, sched_cfg in groups:
+            num_blocks = self._num_blocks(spec)
+            bm = BlockManager(num_blocks, cfg.block_size, enable_prefix_caching=False)
+            scheduler = cls(sched_cfg, bm, self.max_model_len, (), pipeline_depth=spec.pp)
+            idx = counters.get(kind, 0)
+            counters[kind] = idx + 1
+            fn = _step_time_fn(latency, spec.tp, spec.pp, cfg.step_overhead_s)
+            self.instances.append(SimInstance(kind, idx, spec, scheduler, fn))
+        self.entry = [i for i in self.instances if i.kind in ("colocated", "prefill")]
+        self.decodes = [i for i in self.instances if i.kind == "decode"]
+
+    def _num_blocks(self, spec: InstanceSpec) -> int:
+        if self.config.num_blocks is not None:
+            return self.config.num_blocks
+        if not self.latency.supports(spec.tp, spec.pp):
+            raise InvalidConfigError(
+                f"the latency model cannot time tp={spec.tp} pp={spec.pp} for {self.latency.model.name}"
+            )
+        tokens = self.latency.max_kv_tokens(spec.tp, spec.pp, self.config.mem_utilization)
+        return max(1, tokens // self.config.block_size)
+
+    @property
+    def num_gpus(self) -> int:
+        return sum(i.num_gpus for i in self.instances)
+
+    # ---- the event loop ------------------------------------------------------------------------
+    def run(self, requests: Seq[Request]) -> SimResult:
+        if not requests:
+            raise InvalidConfigError("the workload has no requests")
+        self._check_fits(requests)
+        wall0 = time.perf_counter()
+        events: list[tuple[float, int, int, object]] = []
+        seq_no = itertools.count()
+        push = heapq.heappush
+        self._events, self._seq_no = events, seq_no
+        records: dict[str, RequestRecord] = {}
+        for r in requests:
+            sid = str(r.req_id)
+            records[sid] = RequestRecord(r.req_id, r.arrival_s, r.prompt_len, r.output_len, r.slo_class)
+            push(events, (r.arrival_s, _ARRIVE, next(seq_no), r))
+        self.records = records
+        self.pending: list[tuple[SimInstance, Sequence]] = []
+        self.num_migrations = 0
+        self.migration_bytes = 0
+        self.migration_s = 0.0
+        unfinished = len(requests)
+        now = 0.0
+        prompts: dict[int, list[int]] = {}
+        pop = heapq.heappop
+        while events:
+            now, kind, _, payload = pop(events)
+            if kind == _STEP_DONE:
+                inst, plan = payload  # type: ignore[misc]
+                unfinished -= self._step_done(inst, plan, now)
+                if self.pending:
+                    self._migrate_pending(now)
+            elif kind == _ARRIVE:
+                r: Request = payload  # type: ignore[assignment]
+                prompt = prompts.get(r.prompt_len)
+                if prompt is None:
+                    prompt = prompts[r.prompt_len] = [_TOKEN] * r.prompt_len
+                seq = Sequence(
+                    str(r.req_id), prompt, SamplingParams(max_tokens=r.output_len, ignore_eos=True), arrival_time=r.arrival_s
+                )
+                inst = min(self.entry, key=_load)
+                inst.num_assigned += 1
+                inst.seqs[seq.seq_id] = seq
+                inst.scheduler.add(seq)
+                self._try_launch(inst, now)
+            elif kind == _MIGRATED:
+                src, dst, seq_id = payload  # type: ignore[misc]
+                src.scheduler.release(seq_id)
+                src.seqs.pop(seq_id, None)
+                src.num_assigned -= 1
+                dst.scheduler.complete(seq_id)
+                self._try_launch(src, now)
+                self._try_launch(dst, now)
+                if self.pending:
+                    self._migrate_pending(now)
+            else:  # _LAUNCH
+                inst = payload  # type: ignore[assignment]
+                inst.launch_pending = False
+                self._try_launch(inst, now)
+        if unfinished:
+            stuck = {i.name: (i.scheduler.num_waiting, i.scheduler.num_running) for i in self.instances}
+            raise RuntimeError(f"simulation stalled with {unfinished} unfinished requests; (waiting, running): {stuck}")
+        return SimResult(
+            records=list(records.values()),
+            num_gpus=self.num_gpus,
+            duration_s=now,
+            wall_s=time.perf_counter() - wall0,
+            instances={
+                i.name: {
+                    "tp": i.tp,
+                    "pp": i.pp,
+                    "num_steps": i.num_steps,
+                    "utilization": i.busy_s / now if now > 0 else 0.0,
+                    "num_preemptions": i.scheduler.num_preemptions,
+                    "num_blocks": i.scheduler.block_manager.num_blocks,
+                }
+                for i in self.instances
+            },
+            num_migrations=self.num_migrations,
+            migration_bytes=self.migration_bytes,
+            mean_migration_s=self.migration_s / self.num_migrations if self.num_migrations else 0.0,
+        )
+
+    def _check_fits(self, requests: Seq[Request]) -> None:
+        longest = max(r.prompt_len + r.output_len for r in requests)
+        if longest > self.max_model_len:
+            raise InvalidConfigError(
+                f"a request needs {longest} tokens but the model's context is {self.max_model_len}; "
+                "clip the workload (max_total_len) or raise max_model_len"
+            )
+        for inst in self.instances:
+            capacity = inst.scheduler.block_manager.num_blocks * self.config.block_size
+            need = longest if inst.kind != "prefill" else max(r.prompt_len + 1 for r in requests)
+            if need > capacity:
+                raise InvalidConfigError(
+                    f"{inst.name} (tp={inst.tp}, pp={inst.pp}) holds {capacity} KV tokens, "
+                    f"but a request needs {need}: the placement does not fit in memory"
+                )
+
+    def _try_launch(self, inst: SimInstance, now: float) -> None:
+        if inst.num_in_flight >= inst.pp or inst.launch_pending:
+            return
+        if inst.stage_free[0] > now:  # stage 0 still busy with the previous micro-batch
+            inst.launch_pending = True
+            heapq.heappush(self._events, (inst.stage_free[0], _LAUNCH, next(self._seq_no), inst))
+            return
+        plan = inst.scheduler.schedule()
+        if plan.is_empty:
+            return
+        t = inst.step_time(_shape(plan))
+        end = now
+        stage_free = inst.stage_free
+        for s in range(inst.pp):
+            start = stage_free[s] if stage_free[s] > end else end
+            end = start + t
+            stage_free[s] = end
+        inst.busy_s += t
+        inst.num_steps += 1
+        inst.num_in_flight += 1
+        heapq.heappush(self._events, (end, _STEP_DONE, next(self._seq_no), (inst, plan)))
+        if inst.pp > 1 and inst.num_in_flight < inst.pp:
+            inst.launch_pending = True
+            heapq.heappush(self._events, (stage_free[0], _LAUNCH, next(self._seq_no), inst))
+
+    def _step_done(self, inst: SimInstance, plan: StepPlan, now: float) -> int:
+        """Apply a finished micro-batch; returns how many requests finished."""
+        inst.num_in_flight -= 1
+        sampled = [SampledToken(c.seq_id, _TOKEN) for c in plan.chunks if c.sample]
+        updated = inst.scheduler.update_from_output(plan, sampled, inst.seqs, now)
+        num_finished = 0
+        records = self.records
+        for seq in updated:
+            if seq.is_finished:
+                rec = records[seq.seq_id]
+                rec.first_token_s = seq.first_token_time
+                rec.finish_s = now
+                rec.num_output_tokens = seq.num_output_tokens
+                rec.num_preemptions += seq.num_preemptions
+                inst.seqs.pop(seq.seq_id, None)
+                inst.num_assigned -= 1
+                num_finished += 1
+            elif inst.kind == "prefill" and seq.seq_id in inst.scheduler.awaiting_migration:  # type: ignore[attr-defined]
+                self.pending.append((inst, seq))
+        self._try_launch(inst, now)
+        return num_finished
+
+    def _migrate_pending(self, now: float) -> None:
+        """Oldest first; nobody overtakes a request waiting for room (as the controller does)."""
+        pending = self.pending
+        while pending:
+            src, seq = pending[0]
+            copy = seq.detached_copy()
+            for dst in sorted(self.decodes, key=_load):
+                reservation = dst.scheduler.reserve(copy)  # type: ignore[attr-defined]
+                if reservation is not None:
+                    break
+            else:
+                return
+            pending.pop(0)
+            self.records[seq.seq_id].num_preemptions += seq.num_preemptions
+            dst.num_assigned += 1
+            dst.seqs[copy.seq_id] = copy
+            num_bytes = reservation.num_blocks_to_transfer * self.config.block_size * self.kv_bytes_per_token
+            same_node = src.spec.node is None or dst.spec.node is None or src.spec.node == dst.spec.node
+            duration = self.latency.migration_time(num_bytes, same_node, min(src.tp, dst.tp))
+            start = max(now, src.tx_free, dst.rx_free)
+            end = start + duration
+            src.tx_free = dst.rx_free = end
+            self.num_migrations += 1
+            self.migration_bytes += num_bytes
+            self.migration_s += duration
+            heapq.heappush(self._events, (end, _MIGRATED, next(self._seq_no), (src, dst, seq.seq_id)))
+
+
+def _load(inst: SimInstance) -> tuple[int, int]:
+    return (inst.num_assigned, inst.index)
+
+
+def _step_time_fn(latency: LatencyModel, tp: int, pp: int, overhead_s: float):  # noqa: ANN202
+    step_time = latency.step_time
+
+    def fn(shape: BatchShape) -> float:
+        return step_time(shape, tp, pp) + overhead_s
+
+    return fn
+
+
+def simulate(
+    placement: Placement, latency: LatencyModel, requests: Seq[Request], config: SimConfig | None = None
+) -> SimResult:
+    """One run of ``requests`` through ``placement``: per-request TTFT/TPOT/E2E and summaries."""
+    return Simulation(placement, latency, config).run(requests)
+
+
+def with_rate(requests: Seq[Request], scale: float) -> list[Request]:
+    """The same requests with arrival times divided by ``scale`` (a unit-rate workload at rate ``scale``)."""
+    return [replace(r, arrival_s=r.arrival_s / scale) for r in requests]

@@ -1,0 +1,140 @@
+"""The event-driven simulation over our real schedulers: queueing theory, KV limits, migration, PP, goodput."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from distserve.config import SLO, SchedulerConfig
+from distserve.errors import InvalidConfigError
+from distserve.placement.placement import InstanceSpec, Placement
+from simulator.goodput import find_goodput
+from simulator.latency import FittedLatencyModel, TpCoefficients
+from simulator.metrics import SLOSpec, attainment
+from simulator.simulation import SimConfig, simulate, with_rate
+from simulator.workload import Request, generate_requests
+
+MODEL = "facebook/opt-13b"
+DISTSERVE_PROFILE = {
+    "prefill": (18.10254647486372, 0.1019122572698738, 7.122264314252114e-06),
+    "decode_small": (19.934702624895458, 0.0006269356524350583, 0.03850697740828398),
+    "decode_large": (7.1661889468253595, 0.0005798000403396046, 0.15831096191764046),
+}
+
+
+def constant_model(prefill_ms: float, decode_ms: float, tps: tuple[int, ...] = (1,)) -> FittedLatencyModel:
+    """DistServe's form with only constant terms: every prefill step takes D, every decode step d."""
+    coeffs = TpCoefficients(
+        prefill=(prefill_ms, 0.0, 0.0), decode_small=(decode_ms, 0.0, 0.0), decode_large=(decode_ms, 0.0, 0.0), decode_threshold=95
+    )
+    return FittedLatencyModel(MODEL, {tp: coeffs for tp in tps}, hardware="a100-80g")
+
+
+def opt13b_model() -> FittedLatencyModel:
+    c = TpCoefficients(
+        DISTSERVE_PROFILE["prefill"], DISTSERVE_PROFILE["decode_small"], DISTSERVE_PROFILE["decode_large"], 95
+    )
+    return FittedLatencyModel(MODEL, {1: c}, hardware="a100-80g")
+
+
+def fixed_requests(n: int, rate: float, prompt: int, output: int, seed: int = 0) -> list[Request]:
+    return generate_requests(f"fixed:{prompt}:{output}", rate, n, seed=seed)
+
+
+@pytest.mark.parametrize("rho", [0.5, 0.8])
+def test_single_prefill_instance_matches_md1(rho: float) -> None:
+    """One prompt at a time, Poisson arrivals, constant service D: mean TTFT = D + R·D²/(2(1−R·D))."""
+    d = 0.1
+    rate = rho / d
+    config = SimConfig(prefill_scheduler=SchedulerConfig(max_num_seqs=1))
+    placement = Placement.disaggregated(1, 1)
+    ttfts = []
+    for seed in range(3):
+        res = simulate(placement, constant_model(d * 1e3, 5.0), fixed_requests(8000, rate, 128, 2, seed), config)
+        ttfts += [r.ttft_s for r in res.records]
+    expected = d + rate * d * d / (2 * (1 - rate * d))
+    measured = sum(ttfts) / len(ttfts)
+    assert measured == pytest.approx(expected, rel=0.05), (measured, expected)
+
+
+def test_every_request_completes_with_exact_lengths_and_prefill_kv_freed() -> None:
+    reqs = generate_requests("chatbot", 4.0, 300, seed=1, max_total_len=2048)
+    res = simulate(Placement.disaggregated(2, 1), opt13b_model(), reqs)
+    assert res.num_requests == 300
+    by_id = {r.req_id: r for r in reqs}
+    for rec in res.records:
+        assert rec.num_output_tokens == by_id[rec.req_id].output_len
+        assert 0 < rec.ttft_s < math.inf and rec.tpot_s < math.inf
+        assert rec.finish_s is not None and rec.finish_s >= rec.first_token_s  # type: ignore[operator]
+    migrated = sum(1 for r in reqs if r.output_len > 1)
+    assert res.num_migrations == migrated
+    assert res.migration_bytes > 0
+
+
+def test_ttft_excludes_decode_interference_when_disaggregated() -> None:
+    """Long decodes slow a colocated engine's prefills; on 1P1D prefill steps run alone."""
+    reqs = fixed_requests(200, 3.0, 512, 200)
+    model = opt13b_model()
+    colo = simulate(Placement.colocated_instances(1), model, reqs).summary()
+    disagg = simulate(Placement.disaggregated(1, 1), model, reqs).summary()
+    assert disagg["ttft_p90_s"] < colo["ttft_p90_s"]
+
+
+def test_small_kv_forces_preemption_and_all_finish() -> None:
+    reqs = fixed_requests(60, 50.0, 64, 100)
+    config = SimConfig(num_blocks=40, block_size=16)
+    res = simulate(Placement.colocated_instances(1), opt13b_model(), reqs, config)
+    assert all(r.num_output_tokens == 100 for r in res.records)
+    assert res.instances["colocated0"]["num_preemptions"] > 0
+
+
+def test_request_larger_than_instance_kv_is_a_clear_error() -> None:
+    with pytest.raises(InvalidConfigError, match="does not fit"):
+        simulate(Placement.colocated_instances(1), opt13b_model(), fixed_requests(3, 1.0, 1000, 10), SimConfig(num_blocks=8))
+
+
+def test_pipeline_keeps_micro_batches_in_flight() -> None:
+    """PP=2 halves stage time (DistServe's form divides by pp): saturated throughput nearly doubles."""
+    coeffs = TpCoefficients((20.0, 0.0, 0.0), (10.0, 0.0, 0.0), (10.0, 0.0, 0.0), 95)
+    model = FittedLatencyModel(MODEL, {1: coeffs}, hardware="a100-80g", pp_stage_overhead_s=0.0)
+    reqs = fixed_requests(400, 1000.0, 32, 50)  # everything arrives at once
+    config = SimConfig(scheduler=SchedulerConfig(max_num_seqs=16))
+    t1 = simulate(Placement(colocated=(InstanceSpec(1, 1),)), model, reqs, config).duration_s
+    t2 = simulate(Placement(colocated=(InstanceSpec(1, 2),)), model, reqs, config).duration_s
+    assert t2 < 0.6 * t1, (t1, t2)
+
+
+def test_slo_classes_and_attainment_modes() -> None:
+    reqs = [
+        Request(i, 0.05 * i, 64, 8, slo_class="tight" if i % 2 else None) for i in range(100)
+    ]
+    res = simulate(Placement.disaggregated(1, 1), opt13b_model(), reqs)
+    spec = SLOSpec(SLO(10.0, 1.0), classes={"tight": SLO(1e-4, 1.0)})
+    att = attainment(res.records, spec)
+    assert att["joint"] == pytest.approx(0.5)  # only the default class can meet its TTFT
+    with pytest.raises(InvalidConfigError, match="not defined"):
+        attainment(res.records, SLOSpec(SLO(1.0, 1.0)))
+
+
+def test_goodput_bisection_is_reproducible_and_bracketed() -> None:
+    unit = generate_requests("chatbot", 1.0, 400, seed=3, max_total_len=2048)
+    slo = SLOSpec(SLO(0.25, 0.1, 0.9))
+    g1 = find_goodput(Placement.disaggregated(1, 1), opt13b_model(), unit, slo, rel_tol=0.05)
+    g2 = find_goodput(Placement.disaggregated(1, 1), opt13b_model(), unit, slo, rel_tol=0.05)
+    assert g1.rate == g2.rate > 0
+    passing = [p.rate for p in g1.probes if p.meets]
+    failing = [p.rate for p in g1.probes if not p.meets]
+    assert max(passing) == g1.rate and min(failing) > g1.rate
+    assert g1.binding in ("ttft", "tpot", "both")
+    res = simulate(Placement.disaggregated(1, 1), opt13b_model(), with_rate(unit, g1.rate * 1.5))
+    assert attainment(res.records, slo)["joint"] < 0.9 + 0.05
+
+
+def test_bad_inputs_name_the_problem() -> None:
+    with pytest.raises(InvalidConfigError, match="no requests"):
+        simulate(Placement.colocated_instances(1), opt13b_model(), [])
+    with pytest.raises(InvalidConfigError, match="tp=2"):
+        simulate(Placement.disaggregated(1, 1, prefill_tp=2), opt13b_model(), fixed_requests(2, 1.0, 8, 2))
+    with pytest.raises(InvalidConfigError, match="context"):
+        simulate(Placement.colocated_instances(1), opt13b_model(), fixed_requests(2, 1.0, 2040, 100))
