@@ -91,6 +91,25 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(srv)
     _add_serve_args(srv)
     srv.set_defaults(func=cmd_serve)
+    prof = sub.add_parser(
+        "profile",
+        help="time the real engine's prefill/decode steps on this machine and fit a latency model",
+        description="Times ModelRunner.execute on real scheduler plans over a grid of batch sizes and lengths, "
+        "fits the simulator's latency model per tp degree and writes it as a profile JSON. "
+        "Pipeline parallelism is not profiled: the simulator models pp from the tp profile.",
+    )
+    prof.add_argument("--model", default="smollm2-135m", help="tiny | smollm2-135m | HF folder | .gguf file")
+    prof.add_argument("--tp", type=_positive_int, action="append", default=None, metavar="N",
+                      help="tensor-parallel degree to profile, repeatable (default 1); tp > 1 spawns N gloo processes")
+    prof.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                      help="auto: bfloat16 on CPUs with AMX/AVX512-BF16, else float32 (what serving resolves)")
+    prof.add_argument("--threads", type=_positive_int, default=1,
+                      help="torch threads per rank (default 1: the Ray runtime runs each worker with one thread)")
+    prof.add_argument("--quick", action="store_true", help="a tiny grid (seconds for tiny, minutes for smollm2-135m)")
+    prof.add_argument("--repeats", type=_positive_int, default=3, help="timed steps per point (median), after a warm-up")
+    prof.add_argument("--block-size", type=_positive_int, default=16, help="tokens per KV block")
+    prof.add_argument("--out", default="profile.json", metavar="FILE", help="where to write the profile JSON")
+    prof.set_defaults(func=cmd_profile)
     return parser
 
 
@@ -243,6 +262,53 @@ def cmd_serve(args: argparse.Namespace) -> int:
     )
     run_server(client, served, sock, on_ready=lambda url: _print_ready(url, served, layout), log_level=args.log_level)
     return 0
+
+
+def cmd_profile(args: argparse.Namespace) -> int:
+    import pathlib
+
+    from rich.console import Console
+    from rich.table import Table
+
+    from distserve import profiler
+    from distserve.errors import InvalidConfigError
+
+    out = pathlib.Path(args.out)
+    if not out.parent.is_dir():
+        raise InvalidConfigError(f"--out {args.out}: directory {out.parent} does not exist")
+    if out.is_dir():
+        raise InvalidConfigError(f"--out {args.out}: is a directory")
+    try:
+        config = profiler.model_config(args.model, args.dtype)
+    except DistServeError as exc:
+        raise type(exc)(f"--model {args.model}: {exc}") from exc
+    try:
+        tps = profiler.check_tps(config, args.tp or [1])
+    except DistServeError as exc:
+        raise type(exc)(f"--tp: {exc}") from exc
+    profile = profiler.profile_engine(
+        args.model, tps, dtype=args.dtype, threads=args.threads, quick=args.quick,
+        repeats=args.repeats, block_size=args.block_size,
+    )
+    profiler.write_profile(profile, out)
+    meta = profile["meta"]
+    table = Table(title=f"{args.model}, {meta['dtype']}, {args.threads} thread(s)/rank: step time (ms)",
+                  caption=f"{meta['cpu']}, measured in {meta['profile_seconds']} s")
+    for col in ("tp", "phase", "coefficients", "MAPE"):
+        table.add_column(col, justify="right" if col in ("tp", "MAPE") else "left")
+    for tp, fit in profile["tp"].items():
+        err = fit["fit_error"]
+        table.add_row(tp, "prefill", _fmt_coeffs(fit["prefill"]), f"{err['prefill_mape']:.1%}")
+        threshold = fit["decoding_large_small_bs_threshold"]
+        table.add_row(tp, f"decode bs<{threshold}", _fmt_coeffs(fit["decoding_smallbs"]), f"{err['decode_mape']:.1%}")
+        table.add_row(tp, f"decode bs>={threshold}", _fmt_coeffs(fit["decoding_largebs"]), "")
+    Console().print(table)
+    print(f"wrote {out}")
+    return 0
+
+
+def _fmt_coeffs(coeffs: Seq[float]) -> str:
+    return "[" + ", ".join(f"{c:.4g}" for c in coeffs) + "]"
 
 
 def main(argv: Seq[str] | None = None) -> int:

@@ -365,7 +365,9 @@ class FittedLatencyModel(LatencyModel):
         scale = 1000.0 if units == "s" else 1.0
         profiled_model = _profile_key(data, "model", source)
         if model is None:
-            model = str(profiled_model)
+            # The profiler records the architecture at the profiled dtype (KV bytes depend on it).
+            arch = (data.get("meta") or {}).get("architecture")
+            model = _spec_from_architecture(arch, source) if arch is not None else str(profiled_model)
         else:
             name = model.name if isinstance(model, ModelSpec) else model
             known_a, known_b = known_model(name), known_model(str(profiled_model))
@@ -414,6 +416,15 @@ class FittedLatencyModel(LatencyModel):
             "meta": {"source": self.source} if self.source else {},
             "tp": {str(tp): _tp_entry(c) for tp, c in self.coeffs.items()},
         }
+
+
+def _spec_from_architecture(arch: Any, source: str) -> ModelSpec:
+    if not isinstance(arch, dict):
+        raise InvalidConfigError(f"profile {source!r}: key 'meta.architecture' must be an object")
+    try:
+        return ModelSpec(**arch)
+    except TypeError as exc:
+        raise InvalidConfigError(f"profile {source!r}: bad 'meta.architecture': {exc}") from exc
 
 
 def _resolve_model(model: str | ModelSpec, source: str) -> ModelSpec:

@@ -1,0 +1,104 @@
+"""`distserve profile`: real step timings fit the simulator's latency model; tp=2 over gloo; clear errors."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+from typing import Any
+
+import pytest
+
+from distserve.cli import main
+from distserve.errors import InvalidConfigError
+from distserve.engine.weights import build_tiny_hf_model
+from distserve.profiler import profile_engine
+from simulator.latency import FittedLatencyModel
+from simulator.models import model_spec_from_hf_config
+
+
+@pytest.fixture(scope="module")
+def tiny_profile() -> dict[str, Any]:
+    return profile_engine("tiny", quick=True, repeats=5)
+
+
+def _predict_ms(coeffs: list[float], features: tuple[float, float, float]) -> float:
+    return sum(c * f for c, f in zip(coeffs, features))
+
+
+def test_fit_predicts_measured_samples(tiny_profile: dict[str, Any]) -> None:
+    assert tiny_profile["format"] == "distserve-profile/1" and tiny_profile["hardware"] == "cpu"
+    fit = tiny_profile["tp"]["1"]
+    for key in ("prefill", "decoding_smallbs", "decoding_largebs"):
+        assert len(fit[key]) == 3 and all(c >= 0 for c in fit[key]), (key, fit[key])
+    assert fit["fit_error"]["prefill_mape"] < 0.5 and fit["fit_error"]["decode_mape"] < 0.5, fit["fit_error"]
+
+    samples = tiny_profile["samples"]["1"]
+    assert len(samples["prefill"]) >= 6 and len(samples["decode"]) >= 6
+    assert {len(s["lens"]) for s in samples["prefill"]} == {1, 2}
+    assert {len(s["ctx_lens"]) for s in samples["decode"]} == {1, 4, 16, 32}
+    assert all(s["seconds"] > 0 for s in samples["prefill"] + samples["decode"])
+
+    # Prefill time grows with tokens, both measured and fitted.
+    by_tokens = sorted(samples["prefill"], key=lambda s: sum(s["lens"]))
+    assert by_tokens[-1]["seconds"] > 2 * by_tokens[0]["seconds"]
+    small, large = _predict_ms(fit["prefill"], (1, 16, 16**2)), _predict_ms(fit["prefill"], (1, 1024, 1024**2))
+    assert large > 2 * small
+
+    meta = tiny_profile["meta"]
+    assert meta["threads"] == 1 and meta["quick"] is True and meta["block_size"] == 16 and meta["dtype"] == "float32"
+    assert meta["torch"] and meta["cpu"] and meta["date"]
+
+
+def test_cli_writes_loadable_profile_with_tp1_and_tp2(tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "tmp" / "p.json"
+    out.parent.mkdir()
+    code = main(["profile", "--model", "tiny", "--quick", "--tp", "1", "--tp", "2", "--out", str(out)])
+    stdout = capsys.readouterr().out
+    assert code == 0
+    data = json.loads(out.read_text())
+    assert sorted(data["tp"]) == ["1", "2"] and sorted(data["samples"]) == ["1", "2"]
+    for fit in data["tp"].values():
+        assert all(c >= 0 for c in fit["prefill"] + fit["decoding_smallbs"])
+        assert fit["num_samples"]["prefill"] >= 6 and fit["num_samples"]["decode"] >= 6
+    assert str(out) in stdout and "prefill" in stdout
+
+    # The simulator's registry does not know the in-process tiny model: the profile carries its architecture.
+    model = FittedLatencyModel.from_profile(out)
+    hf_config = build_tiny_hf_model()[0].config.to_dict()
+    expected = model_spec_from_hf_config(hf_config, name="tiny")
+    assert model.model.num_layers == expected.num_layers and model.model.hidden_size == expected.hidden_size
+    itemsize = 4 if data["meta"]["dtype"] == "float32" else 2  # KV bytes follow the profiled dtype
+    assert model.model.kv_bytes_per_token == expected.kv_bytes_per_token // expected.dtype_bytes * itemsize
+    assert model.supports(1, 1) and model.supports(2, 1)
+    assert model.prefill_time([512], tp=1) > model.prefill_time([16], tp=1) > 0
+    assert model.decode_time([64] * 8, tp=2) > 0
+
+
+@pytest.mark.parametrize(
+    "argv,flag",
+    [
+        (["--model", "no-such-model"], "--model"),
+        (["--model", "tiny", "--tp", "3"], "--tp"),  # tiny has 4 heads
+        (["--model", "tiny", "--out", "/no/such/dir/p.json"], "--out"),
+    ],
+)
+def test_bad_input_exits_2_naming_the_flag(capsys: pytest.CaptureFixture[str], argv: list[str], flag: str) -> None:
+    code = main(["profile", "--quick", *argv])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert flag in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("argv", [["--tp", "0"], ["--repeats", "0"], ["--threads", "-1"]])
+def test_bad_counts_exit_2(capsys: pytest.CaptureFixture[str], argv: list[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(["profile", "--model", "tiny", "--quick", *argv])
+    assert exc.value.code == 2
+    assert argv[0] in capsys.readouterr().err
+
+
+def test_api_rejects_bad_tp() -> None:
+    with pytest.raises(InvalidConfigError, match="tp"):
+        profile_engine("tiny", tps=[0], quick=True)
+    with pytest.raises(InvalidConfigError, match="tp=3"):
+        profile_engine("tiny", tps=[1, 3], quick=True)
