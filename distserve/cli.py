@@ -54,18 +54,64 @@ def _port(text: str) -> int:
     return value
 
 
-def _add_serve_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--host", default="127.0.0.1", help="address to listen on")
-    p.add_argument("--port", type=_port, default=8000, help="0 picks a free port")
-    p.add_argument("--served-model-name", default=None, help="model name clients send (default: --model)")
-    p.add_argument("--max-queued-requests", type=_positive_int, default=256, help="requests in flight before 429")
+def _add_placement_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--colocated", type=_positive_int, default=None, metavar="N", help="N colocated engines instead of xPyD")
     p.add_argument("--prefill", type=_positive_int, default=None, metavar="N", help="prefill instances (default 1)")
     p.add_argument("--decode", type=_positive_int, default=None, metavar="M", help="decode instances (default 1)")
     for phase in ("prefill", "decode"):
         for kind, what in (("tp", "tensor"), ("pp", "pipeline")):
             p.add_argument(f"--{phase}-{kind}", type=_positive_int, default=1, help=f"{what}-parallel degree of {phase}")
-    p.add_argument("--placement", default=None, metavar="FILE", help="deploy a Placement JSON from `distserve plan`")
+    p.add_argument("--placement", default=None, metavar="FILE", help="a Placement JSON (from `distserve plan`)")
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
+    return value
+
+
+def _fraction(text: str) -> float:
+    value = _positive_float(text)
+    if value > 1:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text}")
+    return value
+
+
+def _add_simulate_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True, help="a known HF id (facebook/opt-13b, ...), alias, or config.json path")
+    p.add_argument("--profile", default=None, metavar="FILE",
+                   help="latency profile JSON (`distserve profile`, or DistServe's coefficients); default: roofline model")
+    p.add_argument("--hardware", default=None, help="a100-80g | h100-sxm | h200 | l40s | cpu (default: the profile's, else a100-80g)")
+    _add_placement_args(p)
+    p.add_argument("--workload", default="chatbot", help="chatbot | code | summarization | fixed:P:O | trace.jsonl")
+    p.add_argument("--rate", type=_positive_float, default=None, help="arrival rate, requests/s (a trace is rescaled to it)")
+    p.add_argument("--num-requests", type=_positive_int, default=1000, help="requests of a synthetic workload")
+    p.add_argument("--arrival", default="poisson", choices=["poisson", "gamma", "fixed"], help="arrival process")
+    p.add_argument("--cv", type=_positive_float, default=1.0, help="coefficient of variation of gamma inter-arrivals")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--ttft", type=_positive_float, required=True, help="TTFT SLO, seconds")
+    p.add_argument("--tpot", type=_positive_float, required=True, help="TPOT SLO, seconds")
+    p.add_argument("--attainment", type=_fraction, default=0.9, help="fraction of requests that must meet the SLO")
+    p.add_argument("--attainment-mode", default="joint", choices=["joint", "separate"],
+                   help="joint: a request must meet both SLOs; separate: each SLO on its own fraction (DistServe's 90%%/90%%)")
+    p.add_argument("--goodput", action="store_true", help="also search the highest rate meeting the SLO (bisection)")
+    p.add_argument("--max-num-seqs", type=_positive_int, default=None, help="sequences per batch (default: as serve)")
+    p.add_argument("--max-batched-tokens", type=_positive_int, default=None, help="tokens per step (default: as serve)")
+    p.add_argument("--num-blocks", type=_positive_int, default=None, help="KV blocks per instance (default: what fits)")
+    p.add_argument("--step-overhead-ms", type=float, default=0.0, help="extra fixed cost per step of the runtime")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+
+
+def _add_serve_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    p.add_argument("--port", type=_port, default=8000, help="0 picks a free port")
+    p.add_argument("--served-model-name", default=None, help="model name clients send (default: --model)")
+    p.add_argument("--max-queued-requests", type=_positive_int, default=256, help="requests in flight before 429")
+    _add_placement_args(p)
     p.add_argument(
         "--runtime",
         default="auto",
@@ -91,6 +137,14 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(srv)
     _add_serve_args(srv)
     srv.set_defaults(func=cmd_serve)
+    sim = sub.add_parser(
+        "simulate",
+        help="predict TTFT/TPOT/attainment (and goodput) of a placement with the simulator",
+        description="Runs our real prefill/decode/colocated schedulers on a simulated clock, with step times from a "
+        "latency model (a profile JSON, or the roofline model of --hardware).",
+    )
+    _add_simulate_args(sim)
+    sim.set_defaults(func=cmd_simulate)
     prof = sub.add_parser(
         "profile",
         help="time the real engine's prefill/decode steps on this machine and fit a latency model",
@@ -172,12 +226,9 @@ def _check_serve_args(args: argparse.Namespace) -> None:
         raise InvalidConfigError(
             "--runtime local runs tp = pp = 1 instances only; TP/PP degrees and --placement need --runtime ray"
         )
-    if args.placement is not None and (args.colocated is not None or args.prefill is not None or args.decode is not None or parallel):
-        raise InvalidConfigError("--placement cannot be combined with --colocated/--prefill/--decode or TP/PP flags")
+    _check_placement_args(args)
     if args.ray_serve and (parallel or args.placement is not None or args.runtime == "ray"):
         raise InvalidConfigError("--ray-serve serves in-process engines; use plain `distserve serve --runtime ray` for placements")
-    if args.colocated is not None and (args.prefill is not None or args.decode is not None):
-        raise InvalidConfigError("--colocated cannot be combined with --prefill/--decode")
 
 
 def _placement_from_args(args: argparse.Namespace) -> "Placement":
@@ -261,6 +312,48 @@ def cmd_serve(args: argparse.Namespace) -> int:
         max_queued_requests=args.max_queued_requests,
     )
     run_server(client, served, sock, on_ready=lambda url: _print_ready(url, served, layout), log_level=args.log_level)
+    return 0
+
+
+def _check_placement_args(args: argparse.Namespace) -> None:
+    from distserve.errors import InvalidConfigError
+
+    parallel = any(getattr(args, f) != 1 for f in ("prefill_tp", "prefill_pp", "decode_tp", "decode_pp"))
+    if args.placement is not None and (args.colocated is not None or args.prefill is not None or args.decode is not None or parallel):
+        raise InvalidConfigError("--placement cannot be combined with --colocated/--prefill/--decode or TP/PP flags")
+    if args.colocated is not None and (args.prefill is not None or args.decode is not None):
+        raise InvalidConfigError("--colocated cannot be combined with --prefill/--decode")
+
+
+def cmd_simulate(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from simulator import report
+    from simulator.simulation import SimConfig
+
+    _check_placement_args(args)
+    from distserve.errors import InvalidConfigError
+
+    if args.step_overhead_ms < 0:
+        raise InvalidConfigError(f"--step-overhead-ms must be >= 0, got {args.step_overhead_ms}")
+    placement = _placement_from_args(args)
+    config = SimConfig(
+        num_blocks=args.num_blocks, step_overhead_s=args.step_overhead_ms / 1e3,
+        **report.scheduler_configs(args.max_num_seqs, args.max_batched_tokens),
+    )
+    request = report.SimulateRequest(
+        model=args.model, placement=placement, workload=args.workload,
+        slo=report.slo_spec(args.ttft, args.tpot, args.attainment, args.attainment_mode),
+        rate=args.rate, num_requests=args.num_requests, arrival=args.arrival, cv=args.cv, seed=args.seed,
+        profile=args.profile, hardware=args.hardware, goodput=args.goodput, config=config,
+    )
+    out = report.run(request)
+    if args.json:
+        print(json.dumps(out, default=float))
+        return 0
+    console = Console()
+    for table in report.render(out):
+        console.print(table)
     return 0
 
 

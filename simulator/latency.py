@@ -364,15 +364,17 @@ class FittedLatencyModel(LatencyModel):
             raise InvalidConfigError(f"profile {source!r}: key 'units' must be 'ms' or 's', got {units!r}")
         scale = 1000.0 if units == "s" else 1.0
         profiled_model = _profile_key(data, "model", source)
+        # The profiler records the architecture at the profiled dtype (KV bytes depend on it).
+        arch = (data.get("meta") or {}).get("architecture")
         if model is None:
-            # The profiler records the architecture at the profiled dtype (KV bytes depend on it).
-            arch = (data.get("meta") or {}).get("architecture")
             model = _spec_from_architecture(arch, source) if arch is not None else str(profiled_model)
         else:
             name = model.name if isinstance(model, ModelSpec) else model
             known_a, known_b = known_model(name), known_model(str(profiled_model))
             if known_a is not None and known_b is not None and known_a is not known_b:
                 raise InvalidConfigError(f"profile {source!r} is for model {profiled_model!r}, not {name!r}")
+            if arch is not None and isinstance(model, str):
+                model = _spec_from_architecture(arch, source)
         if hardware is None:
             hardware = str(_profile_key(data, "hardware", source))
         table = _profile_key(data, "tp", source)
