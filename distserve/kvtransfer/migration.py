@@ -7,12 +7,18 @@ when large (``chunk_bytes``), a few layer pieces pipelined so gather, transfer a
 
 Prefix dedup: the caller trims both block lists before calling (``blocks_to_send`` tells how many
 leading blocks the receiver already holds, ``trim_block_lists`` applies it).
+
+Faults: with ``timeout_s`` a side gives up (``TransferTimeout``) when its share has not completed
+in time, and with ``cancel`` as soon as the event is set. Ops already posted cannot be withdrawn,
+so a failed side hands them to ``KVTransport.abandon`` and drops its staging buffers: nothing a
+late peer may still write or read is ever reused.
 """
 
 from __future__ import annotations
 
 import hashlib
 import math
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -21,7 +27,7 @@ import torch
 
 from distserve.kvtransfer.layout import KVLayout, layer_range
 from distserve.kvtransfer.plan import TransferSlice, reshard_plan
-from distserve.kvtransfer.transport import MAX_TAG, Handle, KVTransport
+from distserve.kvtransfer.transport import MAX_TAG, Handle, KVTransport, TransferCancelled
 
 RankMap = Sequence[int] | Mapping[int, int]  # instance-local rank -> global transport rank
 BlockIds = Sequence[int] | torch.Tensor
@@ -66,6 +72,7 @@ class StagingBuffers:
         return sum(b.numel() for b in self._buffers)
 
     def clear(self) -> None:
+        """Drop every buffer; the next ``get`` allocates afresh (ops still posted keep theirs alive)."""
         self._buffers = []
 
 
@@ -218,6 +225,36 @@ def _check_tags(tag_base: int, layout_src: KVLayout, layout_dst: KVLayout) -> in
     return tag_base + span - 1
 
 
+class _Waits:
+    """The posted ops of one side of a transfer, waited on against one deadline."""
+
+    def __init__(self, transport: KVTransport, timeout_s: float | None, cancel: threading.Event | None) -> None:
+        if timeout_s is not None and not timeout_s > 0:
+            raise ValueError(f"timeout_s must be > 0 or None, got {timeout_s}")
+        if cancel is not None and cancel.is_set():
+            raise TransferCancelled("transfer cancelled before it started")
+        self.transport = transport
+        self.deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        self.cancel = cancel
+        self.unfinished: list[Handle] = []
+
+    def post(self, handle: Handle) -> Handle:
+        self.unfinished.append(handle)
+        return handle
+
+    def wait(self, handle: Handle) -> None:
+        remaining = None if self.deadline is None else max(0.0, self.deadline - time.monotonic())
+        handle.wait(remaining, self.cancel)
+        self.unfinished.remove(handle)
+
+    def abandon(self, staging: StagingBuffers | None) -> None:
+        """The transfer failed: keep what is still posted alive, never reuse the staging buffers."""
+        self.transport.abandon(self.unfinished)
+        self.unfinished = []
+        if staging is not None:
+            staging.clear()
+
+
 def _fingerprint(layout_src: KVLayout, layout_dst: KVLayout, chunk_bytes: int | None) -> int:
     """Stable id of everything both sides must agree on besides the block count."""
     digest = hashlib.blake2b(repr((layout_src, layout_dst, chunk_bytes)).encode(), digest_size=8).digest()
@@ -237,6 +274,8 @@ def send_kv(
     staging: StagingBuffers | None = None,
     chunk_bytes: int | None = DEFAULT_CHUNK_BYTES,
     num_blocks_skipped: int = 0,
+    timeout_s: float | None = None,
+    cancel: threading.Event | None = None,
 ) -> MigrationStats:
     """Send this prefill worker's share of a request's KV; returns once every send has completed.
 
@@ -244,7 +283,8 @@ def send_kv(
     receiver holds. Each destination first gets a 2-int header (block count, fingerprint of the
     layouts and chunking) so a disagreement is a ValueError on the receiver rather than a size
     mismatch inside the backend (gloo aborts the process). Messages (see ``messages``) are then
-    packed and posted in plan order.
+    packed and posted in plan order. Raises ``TransferTimeout`` if the sends have not completed
+    within ``timeout_s`` seconds, ``TransferCancelled`` once ``cancel`` is set.
     """
     start = time.perf_counter()
     first_layer, first_head = _check_worker(kv_cache, layout_src, my_src_rank, "source")
@@ -256,15 +296,20 @@ def send_kv(
     mine = [(tag, s) for tag, s in messages(plan, n, layout_src, chunk_bytes) if s.src_rank == my_src_rank]
     header = torch.tensor([n, _fingerprint(layout_src, layout_dst, chunk_bytes)], dtype=torch.int64, device=transport.device)
     peers = dict.fromkeys(_to_global(dst_rank_to_global, s.dst_rank) for _, s in mine)
-    handles: list[Handle] = [transport.isend(header, peer, header_tag) for peer in peers]
-    for position, (tag, s) in enumerate(mine if n else []):
-        layers, heads = _local(s, first_layer, first_head)
-        out = staging.get(position, s.shape(n, layout_src), kv_cache.dtype) if staging else None
-        data = pack_blocks(kv_cache, idx, layers, heads, out)
-        handles.append(transport.isend(data, _to_global(dst_rank_to_global, s.dst_rank), tag_base + tag))
-        stats.num_bytes += data.nbytes
-    for h in handles:
-        h.wait()
+    waits = _Waits(transport, timeout_s, cancel)
+    try:
+        handles: list[Handle] = [waits.post(transport.isend(header, peer, header_tag)) for peer in peers]
+        for position, (tag, s) in enumerate(mine if n else []):
+            layers, heads = _local(s, first_layer, first_head)
+            out = staging.get(position, s.shape(n, layout_src), kv_cache.dtype) if staging else None
+            data = pack_blocks(kv_cache, idx, layers, heads, out)
+            handles.append(waits.post(transport.isend(data, _to_global(dst_rank_to_global, s.dst_rank), tag_base + tag)))
+            stats.num_bytes += data.nbytes
+        for h in handles:
+            waits.wait(h)
+    except BaseException:
+        waits.abandon(staging)
+        raise
     stats.seconds = time.perf_counter() - start
     return stats
 
@@ -282,12 +327,16 @@ def recv_kv(
     staging: StagingBuffers | None = None,
     chunk_bytes: int | None = DEFAULT_CHUNK_BYTES,
     num_blocks_skipped: int = 0,
+    timeout_s: float | None = None,
+    cancel: threading.Event | None = None,
 ) -> MigrationStats:
     """Receive this decode worker's share of a request's KV into ``block_ids`` of its cache.
 
     Checks every source's header (ValueError if block counts, layouts or chunking disagree), then
     posts all receives and completes and scatters them in plan order, so unpacking one message
-    overlaps the arrival of the next.
+    overlaps the arrival of the next. Raises ``TransferTimeout`` if the KV has not all arrived
+    within ``timeout_s`` seconds, ``TransferCancelled`` once ``cancel`` is set; then some blocks
+    may hold partial data, so the caller must not use them as this request's KV.
     """
     start = time.perf_counter()
     first_layer, first_head = _check_worker(kv_cache, layout_dst, my_dst_rank, "destination")
@@ -298,27 +347,34 @@ def recv_kv(
     plan = reshard_plan(layout_src, layout_dst)
     mine = [(tag, s) for tag, s in messages(plan, n, layout_dst, chunk_bytes) if s.dst_rank == my_dst_rank]
     peers = list(dict.fromkeys(_to_global(src_rank_to_global, s.src_rank) for _, s in mine))
-    headers = [transport.irecv((2,), torch.int64, peer, header_tag) for peer in peers]
-    fingerprint = _fingerprint(layout_src, layout_dst, chunk_bytes)
-    for peer, (handle, header) in zip(peers, headers):
-        handle.wait()
-        their_n, their_fingerprint = (int(x) for x in header.tolist())
-        if their_fingerprint != fingerprint:
-            raise ValueError(f"rank {peer} sends with different layouts or chunk_bytes than this receiver expects")
-        if their_n != n:
-            raise ValueError(f"block list length mismatch: rank {peer} sends {their_n} blocks, this receiver expects {n}")
-    posted: list[tuple[TransferSlice, Handle, torch.Tensor]] = []
-    for tag, s in mine if n else []:
-        shape = s.shape(n, layout_dst)
-        out = staging.get(len(posted), shape, kv_cache.dtype) if staging else None
-        src = _to_global(src_rank_to_global, s.src_rank)
-        handle, buf = transport.irecv(shape, kv_cache.dtype, src, tag_base + tag, out)
-        posted.append((s, handle, buf))
-    for s, handle, buf in posted:
-        handle.wait()
-        layers, heads = _local(s, first_layer, first_head)
-        unpack_blocks(kv_cache, idx, layers, heads, buf)
-        stats.num_bytes += buf.nbytes
+    waits = _Waits(transport, timeout_s, cancel)
+    try:
+        headers = [transport.irecv((2,), torch.int64, peer, header_tag) for peer in peers]
+        for handle, _ in headers:
+            waits.post(handle)
+        fingerprint = _fingerprint(layout_src, layout_dst, chunk_bytes)
+        for peer, (handle, header) in zip(peers, headers):
+            waits.wait(handle)
+            their_n, their_fingerprint = (int(x) for x in header.tolist())
+            if their_fingerprint != fingerprint:
+                raise ValueError(f"rank {peer} sends with different layouts or chunk_bytes than this receiver expects")
+            if their_n != n:
+                raise ValueError(f"block list length mismatch: rank {peer} sends {their_n} blocks, this receiver expects {n}")
+        posted: list[tuple[TransferSlice, Handle, torch.Tensor]] = []
+        for tag, s in mine if n else []:
+            shape = s.shape(n, layout_dst)
+            out = staging.get(len(posted), shape, kv_cache.dtype) if staging else None
+            src = _to_global(src_rank_to_global, s.src_rank)
+            handle, buf = transport.irecv(shape, kv_cache.dtype, src, tag_base + tag, out)
+            posted.append((s, waits.post(handle), buf))
+        for s, handle, buf in posted:
+            waits.wait(handle)
+            layers, heads = _local(s, first_layer, first_head)
+            unpack_blocks(kv_cache, idx, layers, heads, buf)
+            stats.num_bytes += buf.nbytes
+    except BaseException:
+        waits.abandon(staging)
+        raise
     stats.seconds = time.perf_counter() - start
     return stats
 

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -13,14 +14,33 @@ import torch
 import torch.distributed as dist
 
 MAX_TAG = 2**31 - 1  # gloo wants a non-negative 32-bit tag
+CANCEL_POLL_S = 0.02  # how often a wait that can be cancelled looks at its cancel event
+# The backend timeout of the KV group (``new_kv_group``): effectively never. Transfers enforce their
+# own deadline in ``Handle.wait``; this one would only fire in a thread left waiting on an op whose
+# peer never came, and firing would close every connection of the group.
+KV_GROUP_TIMEOUT_S = 10 * 365 * 24 * 3600.0
+
+
+class TransferTimeout(TimeoutError):
+    """A posted send or receive did not complete before its deadline."""
+
+
+class TransferCancelled(RuntimeError):
+    """A wait was given up because its cancel event was set (e.g. the peer already failed)."""
 
 
 class Handle(ABC):
     """A posted non-blocking send or receive."""
 
     @abstractmethod
-    def wait(self) -> None:
-        """Block until the operation completes (a received tensor is valid only after this)."""
+    def wait(self, timeout_s: float | None = None, cancel: threading.Event | None = None) -> None:
+        """Block until the operation completes (a received tensor is valid only after this).
+
+        Raises ``TransferTimeout`` if it has not completed within ``timeout_s`` seconds (None: the
+        transport's own limit) and ``TransferCancelled`` once ``cancel`` is set. Either way the
+        operation stays posted — no backend can withdraw it — so its buffer must be kept alive and
+        never reused (``KVTransport.abandon``); a late peer may still complete it.
+        """
 
 
 class KVTransport(ABC):
@@ -35,6 +55,7 @@ class KVTransport(ABC):
     rank: int
     world_size: int
     device: torch.device  # where received tensors are allocated
+    abandoned: list[Handle]  # ops given up on (see ``abandon``)
 
     @abstractmethod
     def isend(self, tensor: torch.Tensor, dst: int, tag: int) -> Handle:
@@ -55,6 +76,14 @@ class KVTransport(ABC):
         handle, tensor = self.irecv(shape, dtype, src, tag, out)
         handle.wait()
         return tensor
+
+    def abandon(self, handles: Iterable[Handle]) -> None:
+        """Keep ops that were given up on (timeout, cancel, error) and their buffers alive for good.
+
+        A posted op cannot be withdrawn and a late peer may still complete it: its memory must never
+        be freed or reused. Tags are unique per transfer, so a late message only ever lands here.
+        """
+        self.abandoned.extend(handles)
 
     def _check_peer(self, peer: int, tag: int) -> None:
         if not 0 <= peer < self.world_size:
@@ -88,7 +117,7 @@ class InProcessHub:
 
 
 class _Done(Handle):
-    def wait(self) -> None:
+    def wait(self, timeout_s: float | None = None, cancel: threading.Event | None = None) -> None:
         pass
 
 
@@ -97,13 +126,21 @@ class _InProcessRecv(Handle):
         self._queue, self._out, self._timeout_s, self._what = q, out, timeout_s, what
         self._done = False
 
-    def wait(self) -> None:
+    def wait(self, timeout_s: float | None = None, cancel: threading.Event | None = None) -> None:
         if self._done:
             return
-        try:
-            data = self._queue.get(timeout=self._timeout_s)
-        except queue.Empty:
-            raise TimeoutError(f"no message {self._what} within {self._timeout_s} s") from None
+        limit = self._timeout_s if timeout_s is None else min(timeout_s, self._timeout_s)
+        deadline = time.monotonic() + limit
+        while True:
+            remaining = max(0.0, deadline - time.monotonic())
+            try:
+                data = self._queue.get(timeout=remaining if cancel is None else min(remaining, CANCEL_POLL_S))
+                break
+            except queue.Empty:
+                if cancel is not None and cancel.is_set():
+                    raise TransferCancelled(f"receive {self._what} cancelled") from None
+                if time.monotonic() >= deadline:
+                    raise TransferTimeout(f"no message {self._what} within {limit} s") from None
         if data.shape != self._out.shape or data.dtype != self._out.dtype:
             raise ValueError(
                 f"message {self._what} is {tuple(data.shape)} {data.dtype} but the receiver expected "
@@ -124,6 +161,7 @@ class InProcessTransport(KVTransport):
         self.world_size = hub.world_size
         self.device = torch.device("cpu")
         self.timeout_s = timeout_s
+        self.abandoned = []
 
     @classmethod
     def create_world(cls, world_size: int, timeout_s: float = 60.0) -> list["InProcessTransport"]:
@@ -147,15 +185,61 @@ class InProcessTransport(KVTransport):
 
 
 # ---- torch.distributed -----------------------------------------------------------------------
+class _Waiter:
+    """Waits for one torch.distributed op on a daemon thread, so the caller can give up on a deadline.
+
+    Gloo's own ``Work.wait(timeout)`` cannot be used: when it times out, gloo closes every
+    connection of the process group ("Application timeout caused pair closure"), and posted ops
+    cannot be cancelled from Python. So the op is waited on without a timeout here (in the KV group
+    the backend timeout never fires, ``new_kv_group``) and the caller stops waiting instead. The
+    thread of an op that never completes stays parked, holding the op and its buffer; if its peer
+    exits while this process is shutting down, the waking thread aborts the exit (Python < 3.12
+    ends daemon threads with a forced unwind that torch's wait cannot pass) — a killed actor does not care.
+    """
+
+    def __init__(self, work: dist.Work, tensor: torch.Tensor) -> None:
+        self.done = threading.Event()
+        self.error: BaseException | None = None
+        threading.Thread(target=self._run, args=(work, tensor), name="kv-wait", daemon=True).start()
+
+    def _run(self, work: dist.Work, tensor: torch.Tensor) -> None:
+        try:
+            work.wait()
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread
+            self.error = exc
+        finally:
+            self.done.set()
+
+    def join(self, timeout_s: float | None, cancel: threading.Event | None, what: str) -> None:
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while not self.done.is_set():
+            if cancel is not None and cancel.is_set():
+                raise TransferCancelled(f"{what} cancelled")
+            remaining = None if deadline is None else deadline - time.monotonic()
+            if remaining is not None and remaining <= 0:
+                raise TransferTimeout(f"{what} did not complete within {timeout_s} s")
+            step = remaining if cancel is None else min(CANCEL_POLL_S, remaining or CANCEL_POLL_S)
+            self.done.wait(step)
+        if self.error is not None:
+            raise self.error
+
+
 class _WorkHandle(Handle):
-    def __init__(self, work: dist.Work | None, tensor: torch.Tensor) -> None:
+    def __init__(self, work: dist.Work | None, tensor: torch.Tensor, what: str) -> None:
         if work is None:
             raise ValueError("this rank is not a member of the transport's process group")
         self._work = work
         self._tensor = tensor  # keep the buffer alive until the operation completes
+        self._what = what
+        self._waiter: _Waiter | None = None
 
-    def wait(self) -> None:
-        self._work.wait()
+    def wait(self, timeout_s: float | None = None, cancel: threading.Event | None = None) -> None:
+        if timeout_s is None and cancel is None and self._waiter is None:
+            self._work.wait()
+            return
+        if self._waiter is None:
+            self._waiter = _Waiter(self._work, self._tensor)
+        self._waiter.join(timeout_s, cancel, self._what)
 
 
 def default_backend() -> str:
@@ -176,12 +260,25 @@ def init_process_group(
     return backend
 
 
+def new_kv_group() -> dist.ProcessGroup:
+    """A group of every rank for KV transfers only. Collective: every rank calls it, before any other ``new_group``.
+
+    Transfers give up on their own deadline (``Handle.wait``) and leave ops posted that may never
+    complete; in a separate group whose backend timeout never fires, those can neither close the
+    default group's connections (pipeline sends, collectives) nor this group's.
+    """
+    group = dist.new_group(timeout=timedelta(seconds=KV_GROUP_TIMEOUT_S))
+    assert group is not None
+    return group
+
+
 class TorchDistTransport(KVTransport):
     """``torch.distributed`` point-to-point in an initialised process group (gloo on CPU, NCCL on GPU).
 
     Peers are global ranks. Gloo matches messages by tag; NCCL ignores tags and matches by order
     per (src, dst) pair, so both sides must post a pair's messages in the same order — the
-    migration code does (slices in plan order). Tensors must live on ``self.device``.
+    migration code does (slices in plan order). Tensors must live on ``self.device``. Pass a
+    ``new_kv_group()`` group when waits use a timeout (see ``_Waiter``).
     """
 
     def __init__(self, group: dist.ProcessGroup | None = None, device: str | torch.device | None = None) -> None:
@@ -197,12 +294,13 @@ class TorchDistTransport(KVTransport):
             self.device = torch.device("cuda", torch.cuda.current_device())
         else:
             self.device = torch.device("cpu")
+        self.abandoned = []
 
     def isend(self, tensor: torch.Tensor, dst: int, tag: int) -> Handle:
         self._check_peer(dst, tag)
         tensor = tensor.contiguous()
         work = dist.isend(tensor, dst=dst, group=self.group, tag=tag)
-        return _WorkHandle(work, tensor)
+        return _WorkHandle(work, tensor, f"send from rank {self.rank} to rank {dst} with tag {tag}")
 
     def irecv(
         self, shape: Sequence[int], dtype: torch.dtype, src: int, tag: int, out: torch.Tensor | None = None
@@ -210,7 +308,7 @@ class TorchDistTransport(KVTransport):
         self._check_peer(src, tag)
         buf = _recv_buffer(shape, dtype, self.device, out)
         work = dist.irecv(buf, src=src, group=self.group, tag=tag)
-        return _WorkHandle(work, buf), buf
+        return _WorkHandle(work, buf, f"receive from rank {src} to rank {self.rank} with tag {tag}"), buf
 
     def send(self, tensor: torch.Tensor, dst: int, tag: int) -> None:
         self._check_peer(dst, tag)

@@ -8,7 +8,9 @@ Per instance an asyncio task keeps calling ``step`` while it has work, so prefil
 instances run concurrently in their own processes. When a prefill step yields a first token,
 the request waits (KV held) until a decode instance ``reserve``s room — pull-based — then both
 sides post the transfer; the decode side reports it received, and only then is the prefill side
-told to ``release`` its blocks. A failed transfer re-prefills the request; a dead instance's
+told to ``release`` its blocks. A transfer that fails or does not complete within
+``kv_transfer_timeout_s`` is decided by the decode side (it cancels its reservation): the prefill
+side stops sending and prefills the request again, which then migrates anew. A dead instance's
 requests are re-run (prompt + tokens so far) on a surviving instance of the same phase.
 """
 
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import math
 import socket
 import time
 from collections import OrderedDict
@@ -41,6 +44,9 @@ from distserve.serving.worker import Worker, WorkerSpec
 CPUS_PER_WORKER = 0.1  # Ray bookkeeping only: on 2 cores, the OS shares the cores among workers.
 MAX_REMEMBERED_BLOCKS = 65536  # prefix hashes remembered per entry instance for affinity routing
 MAX_AFFINITY_IMBALANCE = 4
+DEFAULT_KV_TRANSFER_TIMEOUT_S = 30.0
+# A step that did nothing but wait for KV transfers sleeps this long (or until kicked) before polling again.
+IDLE_POLL_S = 0.002
 
 
 class RayWorkerFactory:
@@ -130,7 +136,10 @@ class Controller(RequestFrontend):
         prefill_scheduler_config: SchedulerConfig | None = None,
         max_queued_requests: int = 1024,
         num_threads_per_worker: int = 1,
+        kv_transfer_timeout_s: float = DEFAULT_KV_TRANSFER_TIMEOUT_S,
     ) -> None:
+        if not (kv_transfer_timeout_s > 0 and math.isfinite(kv_transfer_timeout_s)):
+            raise InvalidConfigError(f"kv_transfer_timeout_s must be a positive number of seconds, got {kv_transfer_timeout_s}")
         self.model_name = model
         self.dtype = resolve_dtype(dtype)
         super().__init__(load_model(model, self.dtype, weights=False), cache_config, scheduler_config)
@@ -138,6 +147,7 @@ class Controller(RequestFrontend):
         self.prefill_scheduler_config = prefill_scheduler_config or self.scheduler_config
         self.max_queued_requests = max_queued_requests
         self.num_threads_per_worker = num_threads_per_worker
+        self.kv_transfer_timeout_s = kv_transfer_timeout_s
         self.instances: list[_Instance] = []
         self._queues: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
         self._owner: dict[str, _Instance] = {}
@@ -149,7 +159,11 @@ class Controller(RequestFrontend):
         self._background: set[asyncio.Task[None]] = set()
         self._closed = False
         self.migration_counters = {
-            "num_migrations": 0, "kv_migration_blocks_skipped_total": 0, "kv_migration_bytes_total": 0
+            "num_migrations": 0,  # attempts started, failed ones included
+            "kv_migration_blocks_skipped_total": 0,
+            "kv_migration_bytes_total": 0,
+            "kv_migration_failures_total": 0,  # attempts that failed or timed out (the request was re-prefilled)
+            "kv_migration_timeouts_total": 0,  # of those, the ones that timed out
         }
         self.migration_durations: list[float] = []
         self._migration_started: dict[str, float] = {}
@@ -176,6 +190,7 @@ class Controller(RequestFrontend):
                     cache=self.cache_config, scheduler=sched, num_blocks=self.num_blocks,
                     max_model_len=self.max_model_len, eos_token_ids=self.eos_token_ids, tp=placed.tp, pp=placed.pp,
                     global_ranks=list(range(next_rank, next_rank + world)), num_threads=self.num_threads_per_worker,
+                    kv_transfer_timeout_s=self.kv_transfer_timeout_s,
                 )
                 next_rank += world
                 self.instances.append(_Instance(spec, None, pg))
@@ -328,11 +343,20 @@ class Controller(RequestFrontend):
             self._apply(inst, result)
             if self._pending:
                 await self._migrate_pending()
+            if inst.has_work and not inst.kicked and _only_waited(result):
+                # Nothing to compute, transfers in flight: poll gently rather than spin the actor.
+                inst.wake.clear()
+                try:
+                    await asyncio.wait_for(inst.wake.wait(), IDLE_POLL_S)
+                except asyncio.TimeoutError:
+                    pass
 
     def _apply(self, inst: _Instance, result: StepResult) -> None:
         now = time.monotonic()
         self.migration_counters["kv_migration_bytes_total"] += result.received_bytes
         for seq_id in result.received:
+            if self._owner.get(seq_id) is not inst:
+                continue  # an attempt the runtime gave up on (its source died); that instance was told to abort
             source = self._source.pop(seq_id, None)
             if source is not None and source.alive:
                 source.actor.release.remote(seq_id)  # acknowledged: the prefill KV may go
@@ -342,10 +366,11 @@ class Controller(RequestFrontend):
             if started is not None:
                 self.migration_durations.append(now - started)
         for seq_id in result.failed_transfers:
-            self._on_failed_transfer(seq_id)
+            if self._owner.get(seq_id) is inst and seq_id in self._source:
+                self._on_failed_transfer(seq_id, timed_out=seq_id in result.timed_out_transfers)
         for up in result.updates:
             seq = self._seqs.get(up.seq_id)
-            if seq is None or seq.is_finished:
+            if seq is None or seq.is_finished or self._owner.get(up.seq_id) is not inst:
                 continue
             seq.token_ids.extend(up.new_token_ids)
             seq.logprobs.extend(up.new_logprobs)
@@ -406,14 +431,18 @@ class Controller(RequestFrontend):
         src.kick()
         return True
 
-    def _on_failed_transfer(self, seq_id: str) -> None:
-        """Re-prefill on the instance that still holds the request (cheap: its prefix is cached)."""
+    def _on_failed_transfer(self, seq_id: str, timed_out: bool) -> None:
+        """The decode side gave up (and freed its reservation): re-prefill where the KV still is.
+
+        The prefill instance keeps the request's first token, so the client sees no duplicate, and
+        its prefix is cached, so the re-prefill is cheap; the request then migrates anew.
+        """
+        self.migration_counters["kv_migration_failures_total"] += 1
+        self.migration_counters["kv_migration_timeouts_total"] += int(timed_out)
         src = self._source.pop(seq_id, None)
-        dst = self._owner.get(seq_id)
-        if dst is not None and dst.phase == "decode":
-            dst.actor.cancel_reservation.remote(seq_id)
+        dst = self._owner.pop(seq_id, None)
+        if dst is not None:
             dst.num_assigned = max(0, dst.num_assigned - 1)
-            dst.kick()
         self._migration_started.pop(seq_id, None)
         if src is not None and src.alive:
             self._owner[seq_id] = src
@@ -427,10 +456,13 @@ class Controller(RequestFrontend):
         self._pending = [(i, s) for i, s in self._pending if i is not inst]
         for seq_id in lost:
             seq = self._seqs.get(seq_id)
-            self._owner.pop(seq_id, None)
+            owner = self._owner.pop(seq_id, None)
             holder = self._source.pop(seq_id, None)
-            if holder is not None and holder is not inst and holder.alive:
-                holder.actor.abort.remote(seq_id, "abort")
+            for survivor in (owner, holder):
+                if survivor is not None and survivor is not inst and survivor.alive:
+                    survivor.actor.abort.remote(seq_id, "abort")  # e.g. a decode instance mid-receive
+                    survivor.num_assigned = max(0, survivor.num_assigned - 1)
+                    survivor.kick()
             if seq is None or seq.is_finished:
                 continue
             try:
@@ -460,6 +492,11 @@ class Controller(RequestFrontend):
             {"instance": i.spec.instance_id, "tp": i.spec.tp, "pp": i.spec.pp, "node_ids": n}
             for i, n in zip(self.instances, nodes)
         ]
+
+
+def _only_waited(result: StepResult) -> bool:
+    """The step computed nothing and no transfer finished: the instance is only waiting on KV."""
+    return not (result.num_batched_tokens or result.updates or result.received or result.failed_transfers or result.received_bytes)
 
 
 def _ready_future(pg: Any) -> Any:

@@ -5,7 +5,12 @@ ranks are worker actors created by ``create_remote_worker``. ``step`` runs while
 ``start_send`` and ``start_recv`` may arrive on other threads: scheduler state is guarded by a
 lock held only around scheduling and bookkeeping, never around model execution, and operations
 that free blocks (abort, release) are deferred to the next step boundary so an in-flight step
-never writes into a block that was handed to someone else.
+never writes into a block that was handed to someone else — and, on the decode side, until the
+request's receive has finished, so a transfer thread never writes into it either.
+
+Transfer outcomes: the receiving (decode) side decides. A receive that fails or times out cancels
+the reservation here and is reported in ``StepResult.failed_transfers``; a failed send is only
+dropped, since its receiver fails too (by its own deadline) or got everything anyway.
 """
 
 from __future__ import annotations
@@ -50,6 +55,7 @@ class InstanceSpec:
     pp: int
     global_ranks: list[int]  # instance-local rank -> global torch.distributed rank
     num_threads: int = 1
+    kv_transfer_timeout_s: float = 30.0
 
 
 @dataclass
@@ -69,7 +75,8 @@ class SeqUpdate:
 class StepResult:
     updates: list[SeqUpdate] = field(default_factory=list)
     received: list[str] = field(default_factory=list)  # decode: KV arrived, request now decoding
-    failed_transfers: list[str] = field(default_factory=list)
+    failed_transfers: list[str] = field(default_factory=list)  # decode: KV did not arrive, reservation cancelled
+    timed_out_transfers: list[str] = field(default_factory=list)  # those of failed_transfers that timed out
     received_bytes: int = 0  # KV payload that arrived on this instance's workers
     has_work: bool = False
     step_seconds: float = 0.0
@@ -88,8 +95,11 @@ class InstanceServer:
         self._lock = threading.Lock()
         self._deferred: list[Callable[[], None]] = []
         self._executing = False  # a plan is on the workers: block-freeing operations must wait
-        self._pending: dict[str, set[int]] = {}  # transfer key -> ranks still busy
+        self._pending: dict[str, set[int]] = {}  # transfer key (``_transfer_key``) -> ranks still busy
         self._failed: set[str] = set()
+        self._timed_out: set[str] = set()
+        self._receiving: dict[str, str] = {}  # seq_id -> key of its receive in flight
+        self._after_recv: dict[str, list[Callable[[], None]]] = {}  # block-freeing ops waiting for that receive
         self.last_step_s = 0.0
         self.num_steps = 0
 
@@ -97,7 +107,7 @@ class InstanceServer:
             shard = ShardSpec(tp=spec.tp, pp=spec.pp, tp_rank=rank % spec.tp, pp_rank=rank // spec.tp)
             return WorkerSpec(
                 spec.model, spec.dtype, spec.num_blocks, spec.cache.block_size, spec.eos_token_ids, shard,
-                list(spec.global_ranks), spec.num_threads,
+                list(spec.global_ranks), spec.num_threads, spec.kv_transfer_timeout_s,
             )
 
         world = spec.tp * spec.pp
@@ -137,7 +147,7 @@ class InstanceServer:
             if seq is not None and not seq.is_finished:
                 self.scheduler.finish(seq, reason)
 
-        self._defer(run)
+        self._free_later(seq_id, run)
 
     def release(self, seq_id: str) -> None:
         """Prefill side: the decode side acknowledged the KV; free it at the next step boundary."""
@@ -151,7 +161,11 @@ class InstanceServer:
         self._defer(run)
 
     def requeue(self, seq_id: str) -> None:
-        """Prefill side: the transfer failed; prefill the request again."""
+        """Prefill side: the transfer failed; stop sending and prefill the request again."""
+        with self._lock:
+            sends = [k for k in self._pending if k.startswith("send:") and k.split(":", 2)[2] == seq_id]
+        for key in sends:
+            self._fan_out("cancel_transfer", key)
 
         def run() -> None:
             assert isinstance(self.scheduler, PrefillScheduler)
@@ -160,9 +174,15 @@ class InstanceServer:
         self._defer(run)
 
     def reserve(self, seq: Sequence) -> Reservation | None:
-        """Decode side: blocks for a migrating request (prompt + first token), or None if full."""
+        """Decode side: blocks for a migrating request (prompt + first token), or None if full.
+
+        Also None while this instance still holds the request (an earlier attempt's receive or
+        abort has not finished): its two reservations would collide.
+        """
         with self._lock:
             assert isinstance(self.scheduler, DecodeScheduler)
+            if seq.seq_id in self.seqs or seq.seq_id in self._receiving:
+                return None
             reservation = self.scheduler.reserve(seq)
             if reservation is not None:
                 self.seqs[seq.seq_id] = seq
@@ -173,28 +193,48 @@ class InstanceServer:
         self, seq_id: str, first: int, end: int, dst_layout: KVLayout, dst_ranks: list[int], tag_base: int
     ) -> None:
         """Prefill side: post the sends of blocks [first, end) of a request awaiting migration."""
+        key = _transfer_key("send", tag_base, seq_id)
         with self._lock:
             assert isinstance(self.scheduler, PrefillScheduler)
             blocks = self.scheduler.awaiting_migration[seq_id].block_table[first:end]
-            self._pending["send:" + seq_id] = set(range(len(self.remote) + 1))
-        self._fan_out("start_send", "send:" + seq_id, blocks, dst_layout, dst_ranks, tag_base, first)
+            self._pending[key] = set(range(len(self.remote) + 1))
+        self._fan_out("start_send", key, blocks, dst_layout, dst_ranks, tag_base, first)
 
     def start_recv(
         self, seq_id: str, reservation: Reservation, src_layout: KVLayout, src_ranks: list[int], tag_base: int
     ) -> None:
         """Decode side: post the receives into the reserved blocks."""
         first, end = reservation.num_reused_blocks, reservation.num_blocks_to_fill
+        key = _transfer_key("recv", tag_base, seq_id)
         with self._lock:
-            self._pending["recv:" + seq_id] = set(range(len(self.remote) + 1))
-        self._fan_out("start_recv", "recv:" + seq_id, reservation.block_table[first:end], src_layout, src_ranks, tag_base, first)
+            self._pending[key] = set(range(len(self.remote) + 1))
+            self._receiving[seq_id] = key
+        self._fan_out("start_recv", key, reservation.block_table[first:end], src_layout, src_ranks, tag_base, first)
 
     def cancel_reservation(self, seq_id: str) -> None:
+        """Decode side: give a reservation's blocks back (after its receive, if one is in flight)."""
+
         def run() -> None:
             assert isinstance(self.scheduler, DecodeScheduler)
             self.scheduler.cancel(seq_id)
             self.seqs.pop(seq_id, None)
             self._reported.pop(seq_id, None)
 
+        self._free_later(seq_id, run)
+
+    def inject_transfer_fault(self, kind: str, rank: int = 0) -> None:
+        """Test hook: ``Worker.inject_transfer_fault`` on one of this instance's ranks."""
+        if rank == 0:
+            self.local.inject_transfer_fault(kind)
+        else:
+            _ray_get([self.remote[rank - 1].inject_transfer_fault.remote(kind)])
+
+    def _free_later(self, seq_id: str, run: Callable[[], None]) -> None:
+        """Run a block-freeing op after the request's receive in flight (if any), else like ``_defer``."""
+        with self._lock:
+            if seq_id in self._receiving:
+                self._after_recv.setdefault(seq_id, []).append(run)
+                return
         self._defer(run)
 
     def _defer(self, run: Callable[[], None]) -> None:
@@ -266,22 +306,31 @@ class InstanceServer:
             busy.discard(rank)
             if not d.ok:
                 self._failed.add(d.key)
+            if d.timed_out:
+                self._timed_out.add(d.key)
             if busy:
                 continue
             del self._pending[d.key]
-            kind, seq_id = d.key.split(":", 1)
-            failed = d.key in self._failed
+            kind, _, seq_id = d.key.split(":", 2)
+            failed, timed_out = d.key in self._failed, d.key in self._timed_out
             self._failed.discard(d.key)
+            self._timed_out.discard(d.key)
+            if kind != "recv":
+                continue
+            assert isinstance(self.scheduler, DecodeScheduler)
+            if self._receiving.get(seq_id) == d.key:
+                del self._receiving[seq_id]
+            for run in self._after_recv.pop(seq_id, []):
+                run()  # an abort that arrived mid-transfer
             if failed:
+                self.scheduler.cancel(seq_id)
+                self.seqs.pop(seq_id, None)
+                self._reported.pop(seq_id, None)
                 result.failed_transfers.append(seq_id)
-                if kind == "recv":
-                    assert isinstance(self.scheduler, DecodeScheduler)
-                    self.scheduler.cancel(seq_id)
-                    self.seqs.pop(seq_id, None)
-            elif kind == "recv":
-                assert isinstance(self.scheduler, DecodeScheduler)
-                if self.scheduler.complete(seq_id) is not None:
-                    result.received.append(seq_id)
+                if timed_out:
+                    result.timed_out_transfers.append(seq_id)
+            elif self.scheduler.complete(seq_id) is not None:
+                result.received.append(seq_id)
 
     def _update(self, seq: Sequence) -> SeqUpdate:
         seen = self._reported.get(seq.seq_id, 0)
@@ -321,6 +370,7 @@ class InstanceServer:
                 out["num_requests_awaiting_migration"] = s.num_awaiting_migration
             if isinstance(s, DecodeScheduler):
                 out["num_requests_migrating"] = len(s.migrating)
+            out["num_kv_transfers_in_flight"] = len(self._pending)
             return out
 
     def node_id(self) -> str:
@@ -334,6 +384,11 @@ class InstanceServer:
     def shutdown(self) -> None:
         _ray_get([w.shutdown.remote() for w in self.remote])
         self.local.shutdown()
+
+
+def _transfer_key(kind: str, tag_base: int, seq_id: str) -> str:
+    """``send``/``recv`` + the attempt's tag base + request id: unique per migration attempt."""
+    return f"{kind}:{tag_base}:{seq_id}"
 
 
 def _ray_get(refs: list[Any]) -> list[Any]:

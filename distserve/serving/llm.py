@@ -16,7 +16,7 @@ from typing import Any, TypeVar
 from distserve.config import CacheConfig, SamplingParams, SchedulerConfig
 from distserve.engine.outputs import RequestOutput
 from distserve.placement.placement import Placement
-from distserve.serving.controller import Controller
+from distserve.serving.controller import DEFAULT_KV_TRANSFER_TIMEOUT_S, Controller
 from distserve.serving.ray_env import init_ray_local
 
 T = TypeVar("T")
@@ -33,6 +33,7 @@ class DisaggLLM:
         scheduler_config: SchedulerConfig | None = None,
         prefill_scheduler_config: SchedulerConfig | None = None,
         ray_temp_dir: str | None = None,
+        kv_transfer_timeout_s: float = DEFAULT_KV_TRANSFER_TIMEOUT_S,
     ) -> None:
         init_ray_local(ray_temp_dir)
         self._loop = asyncio.new_event_loop()
@@ -45,6 +46,7 @@ class DisaggLLM:
             cache_config=cache_config,
             scheduler_config=scheduler_config,
             prefill_scheduler_config=prefill_scheduler_config,
+            kv_transfer_timeout_s=kv_transfer_timeout_s,
         )
         self.tokenizer = self.controller.tokenizer
         self._ids = itertools.count()

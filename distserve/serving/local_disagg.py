@@ -4,10 +4,13 @@ The Ray runtime runs the same instances as actors; this executor keeps them in-p
 makes it the reference for correctness tests and the fastest way to try a placement on one core.
 One ``step`` runs a prefill step on every prefill instance with work, migrates every request
 whose KV a decode instance has room for, then runs a decode step on every busy decode instance.
+A failed migration (only ever injected here: the copy is synchronous and cannot time out) takes
+the Ray runtime's path: the decode side cancels its reservation and the request is prefilled again.
 """
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -46,6 +49,8 @@ class MigrationCounters:
     num_bytes: int = 0
     seconds: float = 0.0
     durations_s: list[float] = field(default_factory=list)
+    num_failures: int = 0
+    num_timeouts: int = 0
 
 
 class LocalDisaggEngine(EngineBase):
@@ -62,7 +67,10 @@ class LocalDisaggEngine(EngineBase):
         prefill_scheduler_config: SchedulerConfig | None = None,
         decode_scheduler_config: SchedulerConfig | None = None,
         router: str = "prefix_affinity",
+        kv_transfer_timeout_s: float = 30.0,
     ) -> None:
+        if not (kv_transfer_timeout_s > 0 and math.isfinite(kv_transfer_timeout_s)):
+            raise InvalidConfigError(f"kv_transfer_timeout_s must be a positive number of seconds, got {kv_transfer_timeout_s}")
         if num_prefill < 1 or num_decode < 1:
             raise InvalidConfigError(f"need at least one prefill and one decode instance, got {num_prefill}P{num_decode}D")
         if router not in PREFILL_ROUTERS:
@@ -76,6 +84,8 @@ class LocalDisaggEngine(EngineBase):
         self.decode = [DecodeInstance(*common, self.scheduler_config, *tail, f"decode-{i}") for i in range(num_decode)]
         self.router = PREFILL_ROUTERS[router]
         self.migration = MigrationCounters()
+        self.kv_transfer_timeout_s = kv_transfer_timeout_s  # for parity with the Controller: copies here are synchronous
+        self._fault: str | None = None
         self._pending: list[tuple[PrefillInstance, Sequence]] = []  # prompts done, KV not yet pulled
         self._owner: dict[str, PrefillInstance | DecodeInstance] = {}
 
@@ -138,11 +148,24 @@ class LocalDisaggEngine(EngineBase):
                 still.append((src, seq))  # FCFS: nobody overtakes a request that is waiting for room
         self._pending = still
 
+    def inject_transfer_fault(self, kind: str) -> None:
+        """Test hook: the next migration fails (one-shot). ``drop_send`` counts as a timeout, ``fail_recv`` as an error."""
+        if kind not in ("drop_send", "fail_recv"):
+            raise ValueError(f"unknown transfer fault {kind!r}; choose drop_send or fail_recv")
+        self._fault = kind
+
     def _migrate(self, src: PrefillInstance, dst: DecodeInstance, seq: Sequence) -> bool:
         moved = seq.detached_copy()
         reservation = dst.reserve(moved)
         if reservation is None:
             return False
+        if self._fault is not None:
+            fault, self._fault = self._fault, None
+            dst.cancel(seq.seq_id)
+            src.requeue(seq.seq_id)  # prefilled again; it keeps its first token
+            self.migration.num_failures += 1
+            self.migration.num_timeouts += fault == "drop_send"
+            return True  # no longer waiting: the prefill step reports it again
         t0 = time.perf_counter()
         first, end = reservation.num_reused_blocks, reservation.num_blocks_to_fill
         src_blocks = src.kv_source(seq.seq_id)[first:end]
@@ -174,5 +197,7 @@ class LocalDisaggEngine(EngineBase):
             "kv_migration_blocks_skipped_total": self.migration.num_blocks_skipped,
             "kv_migration_bytes_total": self.migration.num_bytes,
             "kv_migration_seconds_total": self.migration.seconds,
+            "kv_migration_failures_total": self.migration.num_failures,
+            "kv_migration_timeouts_total": self.migration.num_timeouts,
             "num_requests_awaiting_migration": len(self._pending),
         }

@@ -13,12 +13,14 @@ Names follow vLLM's with the prefix ``distserve:``. Each ``ServingMetrics`` owns
         ],
         "kv_migration_bytes_total": 123456,                    # cumulative since start
         "kv_migration_blocks_skipped_total": 16,               # cumulative: prefix blocks the receiver held
+        "kv_migration_failures_total": 1,                      # cumulative: failed or timed-out migrations (optional)
+        "kv_migration_timeouts_total": 1,                      # cumulative: those that timed out (optional)
         "kv_migration_seconds": [0.0012, 0.0009],              # durations of migrations since the previous call
     }
 
 ``kv_cache_usage_perc`` is a fraction in [0, 1] (1 = full), as in vLLM. The top-level migration
 figures are exported with ``instance="all", phase="decode"`` (the pulling side); a runtime that
-knows which decode instance pulled may instead put the same three keys in that instance's dict.
+knows which decode instance pulled may instead put the same keys in that instance's dict.
 ``normalize_stats`` also accepts what ``LLMEngine.stats()`` and ``LocalDisaggEngine.stats()`` return.
 """
 
@@ -53,6 +55,8 @@ class InstanceStats(TypedDict):
     kv_cache_usage_perc: float
     kv_migration_bytes_total: NotRequired[float]
     kv_migration_blocks_skipped_total: NotRequired[float]
+    kv_migration_failures_total: NotRequired[float]
+    kv_migration_timeouts_total: NotRequired[float]
     kv_migration_seconds: NotRequired[list[float]]
 
 
@@ -60,6 +64,8 @@ class ClientStats(TypedDict):
     instances: list[InstanceStats]
     kv_migration_bytes_total: float
     kv_migration_blocks_skipped_total: float
+    kv_migration_failures_total: NotRequired[float]
+    kv_migration_timeouts_total: NotRequired[float]
     kv_migration_seconds: list[float]
 
 
@@ -71,6 +77,8 @@ _GAUGES = (
 _MIGRATION_COUNTERS = (
     ("kv_migration_bytes", "Bytes of KV cache moved from prefill to decode instances."),
     ("kv_migration_blocks_skipped", "KV blocks not moved because the receiver already held the prefix."),
+    ("kv_migration_failures", "KV migrations that failed or timed out; the request was prefilled again."),
+    ("kv_migration_timeouts", "KV migrations that failed because they did not complete within kv_transfer_timeout_s."),
 )
 
 
@@ -104,6 +112,8 @@ def normalize_stats(raw: Mapping[str, Any]) -> ClientStats:
         "instances": instances,
         "kv_migration_bytes_total": float(raw.get("kv_migration_bytes_total", 0)),
         "kv_migration_blocks_skipped_total": float(raw.get("kv_migration_blocks_skipped_total", 0)),
+        "kv_migration_failures_total": float(raw.get("kv_migration_failures_total", 0)),
+        "kv_migration_timeouts_total": float(raw.get("kv_migration_timeouts_total", 0)),
         "kv_migration_seconds": [float(s) for s in seconds] if isinstance(seconds, list) else [],
     }
 
@@ -125,7 +135,7 @@ class _EngineCollector(Collector):
         for key, doc in _MIGRATION_COUNTERS:
             family_c = CounterMetricFamily(PREFIX + key, doc, labels=labels)
             if snap is not None:
-                family_c.add_metric([AGGREGATE_INSTANCE, "decode"], float(snap[f"{key}_total"]))  # type: ignore[literal-required]
+                family_c.add_metric([AGGREGATE_INSTANCE, "decode"], float(snap.get(f"{key}_total", 0.0)))  # type: ignore[misc]
                 for inst in snap["instances"]:
                     if f"{key}_total" in inst:
                         family_c.add_metric([inst["instance"], inst["phase"]], float(inst[f"{key}_total"]))  # type: ignore[literal-required]

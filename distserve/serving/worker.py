@@ -2,12 +2,14 @@
 
 Ray-free; the runtime hosts rank 0 inside the instance actor and the other ranks as worker
 actors. Transfers run on a background thread so a step and a migration overlap; the step loop
-collects finished transfers with ``poll``.
+collects finished transfers with ``poll``. A transfer gives up after ``kv_transfer_timeout_s``
+(or when ``cancel_transfer`` is called), so the thread is never stuck on a lost peer.
 """
 
 from __future__ import annotations
 
 import os
+import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -20,7 +22,11 @@ from distserve.engine.scheduler import SampledToken, StepPlan
 from distserve.engine.weights import load_model
 from distserve.kvtransfer.layout import KVLayout
 from distserve.kvtransfer.migration import MigrationStats, StagingBuffers, recv_kv, send_kv
-from distserve.kvtransfer.transport import TorchDistTransport, init_process_group
+from distserve.kvtransfer.transport import TorchDistTransport, TransferTimeout, init_process_group, new_kv_group
+
+# Test hooks (``Worker.inject_transfer_fault``): the next send is silently dropped (its receiver
+# times out), or the next receive raises before posting anything (its sender is left waiting).
+TRANSFER_FAULTS = ("drop_send", "fail_recv")
 
 
 @dataclass
@@ -35,6 +41,7 @@ class WorkerSpec:
     shard: ShardSpec
     instance_ranks: list[int]  # global rank of each instance-local rank
     num_threads: int = 1
+    kv_transfer_timeout_s: float = 30.0  # one side of one transfer, from when this worker starts it
 
 
 @dataclass
@@ -43,6 +50,7 @@ class TransferResult:
     ok: bool
     error: str = ""
     stats: MigrationStats | None = None
+    timed_out: bool = False
 
 
 class Worker:
@@ -53,7 +61,9 @@ class Worker:
         self.layout: KVLayout | None = None
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-transfer")
         self._transfers: dict[str, Future[MigrationStats]] = {}
-        self._staging = StagingBuffers()
+        self._cancels: dict[str, threading.Event] = {}
+        self._staging = StagingBuffers()  # cleared by a failed transfer: its buffers may still be in use
+        self._fault: str | None = None
 
     @property
     def global_rank(self) -> int:
@@ -65,6 +75,7 @@ class Worker:
         torch.set_num_threads(spec.num_threads)
         os.environ.setdefault("OMP_NUM_THREADS", str(spec.num_threads))
         backend = init_process_group(self.global_rank, world_size, init_method)
+        kv_group = new_kv_group()  # first: a collective of every rank, before the TP groups
         parallel = build_parallel_state(spec.shard, spec.instance_ranks)
         loaded = load_model(spec.model, spec.dtype)
         self.runner = ModelRunner(
@@ -74,7 +85,7 @@ class Worker:
         self.layout = KVLayout(
             cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, spec.block_size, spec.shard.tp, spec.shard.pp, cfg.dtype
         )
-        self.transport = TorchDistTransport()
+        self.transport = TorchDistTransport(kv_group)
         return backend
 
     def execute(self, plan: StepPlan) -> list[SampledToken]:
@@ -86,19 +97,66 @@ class Worker:
         self, key: str, block_ids: list[int], dst_layout: KVLayout, dst_ranks: list[int], tag_base: int, skipped: int
     ) -> None:
         assert self.runner is not None and self.transport is not None and self.layout is not None
-        self._transfers[key] = self._pool.submit(
-            send_kv, self.transport, self.runner.kv_cache, self.layout, dst_layout, self.spec.shard.rank,
-            block_ids, dst_ranks, tag_base, staging=self._staging, num_blocks_skipped=skipped,
-        )
+        cancel = self._cancels[key] = threading.Event()
+        if self._take_fault("drop_send"):
+            self._transfers[key] = self._pool.submit(MigrationStats)  # "sent", but nothing was posted
+            return
+        self._transfers[key] = self._pool.submit(self._send, block_ids, dst_layout, dst_ranks, tag_base, skipped, cancel)
 
     def start_recv(
         self, key: str, block_ids: list[int], src_layout: KVLayout, src_ranks: list[int], tag_base: int, skipped: int
     ) -> None:
         assert self.runner is not None and self.transport is not None and self.layout is not None
-        self._transfers[key] = self._pool.submit(
-            recv_kv, self.transport, self.runner.kv_cache, src_layout, self.layout, self.spec.shard.rank,
-            block_ids, src_ranks, tag_base, staging=self._staging, num_blocks_skipped=skipped,
+        cancel = self._cancels[key] = threading.Event()
+        if self._take_fault("fail_recv"):
+            self._transfers[key] = self._pool.submit(_raise, RuntimeError("injected fault: fail_recv"))
+            return
+        self._transfers[key] = self._pool.submit(self._recv, block_ids, src_layout, src_ranks, tag_base, skipped, cancel)
+
+    def _send(
+        self, block_ids: list[int], dst_layout: KVLayout, dst_ranks: list[int], tag_base: int, skipped: int,
+        cancel: threading.Event,
+    ) -> MigrationStats:
+        assert self.runner is not None and self.transport is not None and self.layout is not None
+        return send_kv(
+            self.transport, self.runner.kv_cache, self.layout, dst_layout, self.spec.shard.rank, block_ids, dst_ranks,
+            tag_base, staging=self._staging, num_blocks_skipped=skipped, timeout_s=self.spec.kv_transfer_timeout_s,
+            cancel=cancel,
         )
+
+    def _recv(
+        self, block_ids: list[int], src_layout: KVLayout, src_ranks: list[int], tag_base: int, skipped: int,
+        cancel: threading.Event,
+    ) -> MigrationStats:
+        assert self.runner is not None and self.transport is not None and self.layout is not None
+        return recv_kv(
+            self.transport, self.runner.kv_cache, src_layout, self.layout, self.spec.shard.rank, block_ids, src_ranks,
+            tag_base, staging=self._staging, num_blocks_skipped=skipped, timeout_s=self.spec.kv_transfer_timeout_s,
+            cancel=cancel,
+        )
+
+    def cancel_transfer(self, key: str) -> None:
+        """Give up on a transfer that is queued or waiting for its peer (it then fails)."""
+        cancel = self._cancels.get(key)
+        if cancel is not None:
+            cancel.set()
+
+    def inject_transfer_fault(self, kind: str) -> None:
+        """Test hook: make this worker's next transfer of the kind fail (one-shot; off by default).
+
+        ``drop_send``: the next ``start_send`` posts nothing yet reports success, as if its messages
+        were lost, so the receiver times out. ``fail_recv``: the next ``start_recv`` raises before
+        posting anything, so the sender is left waiting.
+        """
+        if kind not in TRANSFER_FAULTS:
+            raise ValueError(f"unknown transfer fault {kind!r}; choose one of {TRANSFER_FAULTS}")
+        self._fault = kind
+
+    def _take_fault(self, kind: str) -> bool:
+        if self._fault != kind:
+            return False
+        self._fault = None
+        return True
 
     def poll(self) -> list[TransferResult]:
         """Transfers that finished since the last poll."""
@@ -107,8 +165,12 @@ class Worker:
             if not fut.done():
                 continue
             del self._transfers[key]
+            self._cancels.pop(key, None)
             exc = fut.exception()
-            done.append(TransferResult(key, exc is None, repr(exc) if exc else "", None if exc else fut.result()))
+            if exc is None:
+                done.append(TransferResult(key, True, stats=fut.result()))
+            else:
+                done.append(TransferResult(key, False, repr(exc), timed_out=isinstance(exc, TransferTimeout)))
         return done
 
     def num_pending_transfers(self) -> int:
@@ -120,6 +182,12 @@ class Worker:
         return str(ray.get_runtime_context().get_node_id())
 
     def shutdown(self) -> None:
+        for cancel in self._cancels.values():
+            cancel.set()
         self._pool.shutdown(wait=False, cancel_futures=True)
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _raise(exc: BaseException) -> MigrationStats:
+    raise exc

@@ -1,8 +1,10 @@
-"""A real migration over torch.distributed (gloo) between processes: prefill tp1·pp2 → decode tp2·pp1."""
+"""Real migrations over torch.distributed (gloo) between processes: prefill tp1·pp2 → decode tp2·pp1, and timeouts."""
 
 from __future__ import annotations
 
 import socket
+import threading
+import time
 
 import pytest
 import torch
@@ -10,6 +12,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from distserve.kvtransfer import KVLayout, TorchDistTransport, init_process_group, recv_kv, send_kv, trim_block_lists
+from distserve.kvtransfer.migration import num_tags
+from distserve.kvtransfer.transport import TransferCancelled, TransferTimeout, new_kv_group
 
 SRC = KVLayout(num_layers=5, num_kv_heads=4, head_dim=8, block_size=4, tp=1, pp=2)
 DST = KVLayout(num_layers=5, num_kv_heads=4, head_dim=8, block_size=4, tp=2, pp=1)
@@ -69,3 +73,50 @@ def test_gloo_migration_prefill_pp2_to_decode_tp2() -> None:
     world_size = SRC.world_size + DST.world_size
     # Raises ProcessRaisedException if any worker fails an assertion.
     mp.start_processes(worker, args=(world_size, free_port()), nprocs=world_size, join=True, start_method="spawn")
+
+
+def timeout_worker(rank: int, port: int) -> None:
+    torch.set_num_threads(1)
+    init_process_group(rank, 2, f"tcp://127.0.0.1:{port}", backend="gloo")
+    transport = TorchDistTransport(new_kv_group())
+    lay = KVLayout(num_layers=2, num_kv_heads=2, head_dim=4, block_size=2, tp=1, pp=1)
+    cache, ids, peer = torch.zeros(lay.local_shape(8, 0, 0)), [1, 2, 5], [1 - rank]
+    # Each side waits for a peer that never comes (the tags differ): both give up in time.
+    start = time.monotonic()
+    with pytest.raises(TransferTimeout):
+        if rank == 0:
+            send_kv(transport, cache, lay, lay, 0, ids, peer, 0, timeout_s=1.0)
+        else:
+            recv_kv(transport, cache, lay, lay, 0, ids, peer, 1000, timeout_s=1.0)
+    assert 1.0 <= time.monotonic() - start < 10 and transport.abandoned
+    if rank == 0:  # cancelled while waiting
+        cancel = threading.Event()
+        threading.Timer(0.2, cancel.set).start()
+        start = time.monotonic()
+        with pytest.raises(TransferCancelled):
+            send_kv(transport, cache, lay, lay, 0, ids, peer, 2000, timeout_s=60, cancel=cancel)
+        assert time.monotonic() - start < 10
+    dist.barrier()  # gloo's own timeout would have closed the group's connections; ours leaves them up
+    full = torch.randn((lay.num_layers, 2, len(ids), lay.block_size, lay.num_kv_heads, lay.head_dim), generator=torch.Generator().manual_seed(0))
+    if rank == 0:
+        cache[:, :, ids] = full
+        send_kv(transport, cache, lay, lay, 0, ids, peer, 3000, timeout_s=30)
+    else:
+        recv_kv(transport, cache, lay, lay, 0, ids, peer, 3000, timeout_s=30)
+        torch.testing.assert_close(cache[:, :, ids], full, rtol=0, atol=0)
+    # The given-up ops are still posted: late peers complete them into their kept buffers (and, in
+    # this test, must — a waiter thread woken while the interpreter exits aborts the process).
+    if rank == 0:
+        transport.send(torch.zeros(2, dtype=torch.int64), 1, 1000 + num_tags(lay, lay) - 1)  # the stale header receive
+    else:
+        for tag_base in (0, 2000):
+            recv_kv(transport, torch.zeros_like(cache), lay, lay, 0, ids, peer, tag_base, timeout_s=30)
+    for handle in transport.abandoned:
+        handle.wait(timeout_s=30)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+@pytest.mark.timeout(60)
+def test_gloo_transfer_timeout_and_cancel_leave_the_pair_usable() -> None:
+    mp.start_processes(timeout_worker, args=(free_port(),), nprocs=2, join=True, start_method="spawn")

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import itertools
+import threading
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
@@ -26,7 +28,7 @@ from distserve.kvtransfer import (
 )
 from distserve.kvtransfer.migration import messages, num_tags
 from distserve.kvtransfer.plan import reshard_plan
-from distserve.kvtransfer.transport import InProcessHub
+from distserve.kvtransfer.transport import InProcessHub, TransferCancelled, TransferTimeout
 
 SENTINEL = -7.0  # decode cache content that must survive outside the request's blocks
 
@@ -189,6 +191,27 @@ def test_chunking_mismatch_between_sides_is_a_value_error() -> None:
     send_kv(t0, torch.zeros(lay.local_shape(4, 0, 0)), lay, lay, 0, [0, 1], [1], 0, chunk_bytes=64)
     with pytest.raises(ValueError, match="chunk_bytes"):
         recv_kv(t1, torch.zeros(lay.local_shape(4, 0, 0)), lay, lay, 0, [2, 3], [0], 0, chunk_bytes=None)
+
+
+@pytest.mark.timeout(30)
+def test_a_side_whose_peer_never_comes_times_out_or_is_cancelled() -> None:
+    lay = make_layout(1, 1)
+    t0, t1 = InProcessTransport.create_world(2, timeout_s=60)
+    staging = StagingBuffers()
+    staging.get(0, (4,), torch.float32)
+    start = time.monotonic()
+    with pytest.raises(TransferTimeout):  # nobody sends
+        recv_kv(t1, torch.zeros(lay.local_shape(4, 0, 0)), lay, lay, 0, [0, 1], [0], 0, staging=staging, timeout_s=0.2)
+    assert 0.2 <= time.monotonic() - start < 5
+    assert len(t1.abandoned) == 1 and staging.nbytes == 0  # the posted header receive is kept, staging dropped
+    cancel = threading.Event()
+    threading.Timer(0.1, cancel.set).start()
+    with pytest.raises(TransferCancelled):
+        recv_kv(t1, torch.zeros(lay.local_shape(4, 0, 0)), lay, lay, 0, [0, 1], [0], 100, timeout_s=30, cancel=cancel)
+    with pytest.raises(TransferCancelled):  # already cancelled: nothing is posted
+        send_kv(t0, torch.zeros(lay.local_shape(4, 0, 0)), lay, lay, 0, [0, 1], [1], 200, cancel=cancel)
+    with pytest.raises(ValueError, match="timeout_s"):
+        send_kv(t0, torch.zeros(lay.local_shape(4, 0, 0)), lay, lay, 0, [0, 1], [1], 200, timeout_s=0)
 
 
 def test_trim_block_lists() -> None:
