@@ -25,6 +25,16 @@ CHECKS = {
         and 0.0 <= f[f"{s}_max_attainment"] <= 1.0 and f[f"{s}_goodput_rps"] >= 0.0
         for s in ("colocated", "disagg")
     ),
+    # Both systems at three rates, every latency measured and predicted, errors computed.
+    "validate_simulator": lambda f: len(f["rows"]) == 6
+    and all(r[f"{w}_{k}"] > 0 for r in f["rows"] for w in ("measured", "predicted") for k in ("ttft_p90_s", "tpot_p90_s"))
+    and 0 <= f["max_abs_p90_error"] < 100 and set(f["runtime_overhead_s_per_step"]) == {"colocated", "1p1d"},
+    # Both kinds found a goodput, DistServe's layout was simulated at 3 and 4 GPUs, and the JSON
+    # says which latency model was used (the roofline when /work/shared is absent).
+    "reproduce_distserve": lambda f: f["num_candidates"] >= 3 and f["distserve_reported_per_gpu"] == 1.56
+    and f["best_disagg"]["per_gpu"] > 0 and f["best_colocated"]["per_gpu"] > 0 and f["ratio"] > 0
+    and [f["ours_for_distserve_placement"][k]["num_gpus"] for k in ("distserve_3gpu", "distserve_4gpu")] == [3, 4]
+    and f["latency_model"].startswith("FittedLatencyModel" if f["profile_used"] else "RooflineLatencyModel"),
 }
 
 
