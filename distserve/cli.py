@@ -106,6 +106,34 @@ def _add_simulate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
 
 
+def _add_plan_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True, help="a known HF id (facebook/opt-13b, meta-llama/Llama-3.1-8B, ...) or a config.json path")
+    p.add_argument("--gpu", default="a100-80g", help="a100-80g | h100-sxm | h200 | l40s | cpu (this machine, measured)")
+    p.add_argument("--nodes", type=_positive_int, default=1)
+    p.add_argument("--gpus-per-node", type=_positive_int, default=8)
+    p.add_argument("--intra-node-bandwidth", type=_positive_float, default=None, metavar="GB/s", help="override the GPU's NVLink/PCIe bandwidth")
+    p.add_argument("--inter-node-bandwidth", type=_positive_float, default=None, metavar="GB/s", help="override the network bandwidth per GPU")
+    p.add_argument("--workload", default="chatbot", help="chatbot | code | summarization | fixed:P:O | trace.jsonl")
+    p.add_argument("--num-requests", type=_positive_int, default=300, help="requests simulated per probe")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--ttft", type=_positive_float, required=True, help="TTFT SLO, seconds")
+    p.add_argument("--tpot", type=_positive_float, required=True, help="TPOT SLO, seconds")
+    p.add_argument("--attainment", type=_fraction, default=0.9)
+    p.add_argument("--attainment-mode", default="joint", choices=["joint", "separate"])
+    p.add_argument("--rate", type=_positive_float, default=None, help="target traffic (req/s): size the plan for it")
+    p.add_argument("--gpus", type=_positive_int, default=None, help="GPU budget (default: the whole cluster)")
+    p.add_argument("--profile", default=None, metavar="FILE", help="latency profile JSON (default: roofline model of --gpu)")
+    p.add_argument("--affinity", default="auto", choices=["high", "low", "auto"],
+                   help="high: KV may cross nodes; low: prefill and decode of a stage share a node; auto: both")
+    p.add_argument("--max-num-seqs", type=_positive_int, default=None, help="sequences per batch (default: as serve)")
+    p.add_argument("--max-batched-tokens", type=_positive_int, default=None, help="tokens per step (default: as serve)")
+    p.add_argument("--step-overhead-ms", type=float, default=0.0, help="extra fixed cost per step of the runtime (see validate_simulator)")
+    p.add_argument("--workers", type=_positive_int, default=1, help="processes simulating candidates in parallel")
+    p.add_argument("--out", default=None, metavar="FILE", help="write the best Placement JSON here")
+    p.add_argument("--plot", default=None, metavar="PNG", help="attainment vs rate of the best disaggregated and colocated plans")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+
+
 def _add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to listen on")
     p.add_argument("--port", type=_port, default=8000, help="0 picks a free port")
@@ -145,6 +173,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_simulate_args(sim)
     sim.set_defaults(func=cmd_simulate)
+    pl = sub.add_parser(
+        "plan",
+        help="search the placement with the highest goodput per GPU and write it as a Placement JSON",
+        description="Enumerates per-phase tensor/pipeline parallelism that fits, finds each configuration's goodput "
+        "by simulation + bisection (DistServe's high/low node-affinity algorithms and the colocated baseline), and "
+        "writes the best placement for `distserve serve --placement`.",
+    )
+    _add_plan_args(pl)
+    pl.set_defaults(func=cmd_plan)
     prof = sub.add_parser(
         "profile",
         help="time the real engine's prefill/decode steps on this machine and fit a latency model",
@@ -354,6 +391,57 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     console = Console()
     for table in report.render(out):
         console.print(table)
+    return 0
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    import pathlib
+
+    from distserve.errors import InvalidConfigError
+    from distserve.placement import plan_report
+    from simulator import report
+    from simulator.simulation import SimConfig
+
+    if args.step_overhead_ms < 0:
+        raise InvalidConfigError(f"--step-overhead-ms must be >= 0, got {args.step_overhead_ms}")
+    for flag, value in (("--out", args.out), ("--plot", args.plot)):
+        if value is not None and not pathlib.Path(value).resolve().parent.is_dir():
+            raise InvalidConfigError(f"{flag} {value}: directory {pathlib.Path(value).parent} does not exist")
+    plan_args = plan_report.PlanArgs(
+        model=args.model, gpu=args.gpu, nodes=args.nodes, gpus_per_node=args.gpus_per_node, workload=args.workload,
+        ttft_s=args.ttft, tpot_s=args.tpot, attainment=args.attainment, attainment_mode=args.attainment_mode,
+        rate=args.rate, gpus=args.gpus, profile=args.profile, affinity=args.affinity, num_requests=args.num_requests,
+        seed=args.seed, intra_node_gbps=args.intra_node_bandwidth, inter_node_gbps=args.inter_node_bandwidth,
+        workers=args.workers,
+        sim_config=SimConfig(step_overhead_s=args.step_overhead_ms / 1e3, **report.scheduler_configs(args.max_num_seqs, args.max_batched_tokens)),
+    )
+    req, result = plan_report.run_plan(plan_args, show_progress=not args.json)
+    if args.json:
+        print(json.dumps(plan_report.summary(req, result), default=float))
+    else:
+        plan_report.print_tables(plan_report.render(req, result))
+        for note in result.notes:
+            print(f"note: {note}")
+    if not result.feasible:
+        print(f"distserve plan: no placement meets the SLO on this cluster. {result.closest}", file=sys.stderr)
+        return 1
+    best = result.best
+    assert best is not None
+    colo = result.colocated
+    if not args.json:
+        verdict = ""
+        if colo is not None and colo.per_gpu > 0:
+            ratio = best.per_gpu / colo.per_gpu
+            verdict = f" ({ratio:.2f}x colocated)" if best is not colo else " (colocated wins for this workload)"
+        print(f"best: {best.name}, {best.num_gpus} GPUs, {best.rate:.3g} req/s, {best.per_gpu:.3g} req/s per GPU{verdict}")
+    if args.out is not None:
+        plan_report.write_plan(result, args.out)
+        if not args.json:
+            print(f"wrote {args.out} (deploy with: distserve serve --model ... --placement {args.out})")
+    if args.plot is not None:
+        plan_report.plot(req, result, args.plot)
+        if not args.json:
+            print(f"wrote {args.plot}")
     return 0
 
 

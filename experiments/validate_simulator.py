@@ -155,6 +155,9 @@ def main() -> None:
     t = time.perf_counter()
     profile = make_profile(args)
     profile_s = time.perf_counter() - t
+    if not args.profile:
+        stem = "validate_simulator_profile" + ("_quick" if args.quick else "")
+        (out_dir / f"{stem}.json").write_text(json.dumps(profile, indent=1) + "\n")  # reusable: --profile
     latency = FittedLatencyModel.from_profile(profile)
     fit = profile["tp"]["1"]["fit_error"]
     print(f"profile: {latency!r} fit MAPE prefill {fit['prefill_mape']:.1%} decode {fit['decode_mape']:.1%} ({profile_s:.0f} s)", flush=True)

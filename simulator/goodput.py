@@ -62,8 +62,13 @@ def find_goodput(
     rel_tol: float = 0.02,
     start_rate: float | None = None,
     max_probes: int = 40,
+    max_rate: float | None = None,
 ) -> GoodputResult:
-    """Bisection on the arrival rate; ``unit_rate_requests`` arrive at 1 request/s on average."""
+    """Bisection on the arrival rate; ``unit_rate_requests`` arrive at 1 request/s on average.
+
+    ``max_rate`` caps the search (e.g. a throughput bound the deployment cannot sustain beyond,
+    however long a finite workload hides it): a probe passing there ends the search.
+    """
     if not unit_rate_requests:
         raise InvalidConfigError("the workload has no requests")
     if not 0 < rel_tol < 1:
@@ -82,14 +87,18 @@ def find_goodput(
         return ok
 
     rate = start_rate or float(num_gpus)
+    if max_rate is not None:
+        if not max_rate > 0:
+            raise InvalidConfigError(f"max_rate must be > 0, got {max_rate}")
+        rate = min(rate, max_rate)
     lo, hi = 0.0, math.inf
     # Bracket: grow or shrink by 2x until one rate passes and one fails.
     while len(probes) < max_probes:
         if probe(rate):
             lo = rate
-            if hi < math.inf:
+            if hi < math.inf or (max_rate is not None and rate >= max_rate):
                 break
-            rate *= 2.0
+            rate = rate * 2.0 if max_rate is None else min(rate * 2.0, max_rate)
         else:
             hi = rate
             if lo > 0:

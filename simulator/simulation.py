@@ -19,6 +19,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import time
+from collections import deque
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
@@ -26,7 +27,7 @@ from distserve.config import SamplingParams, SchedulerConfig
 from distserve.decode.scheduler import DecodeScheduler
 from distserve.engine.block_manager import BlockManager
 from distserve.engine.scheduler import SampledToken, Scheduler, StepPlan
-from distserve.engine.sequence import Sequence
+from distserve.engine.sequence import Sequence, SequenceStatus
 from distserve.errors import InvalidConfigError
 from distserve.placement.placement import InstanceSpec, Placement
 from distserve.prefill.scheduler import PrefillScheduler
@@ -56,6 +57,9 @@ class SimConfig:
     mem_utilization: float = 0.9
     step_overhead_s: float = 0.0  # extra fixed cost per step (e.g. the runtime's controller round trip)
     max_model_len: int | None = None  # default: the model's context length
+    # Phase-isolated search (DistServe's per-phase goodput): prefill instances take no time, so
+    # the decode phase is measured alone.
+    instant_prefill: bool = False
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
@@ -138,7 +142,7 @@ class Simulation:
             scheduler = cls(sched_cfg, bm, self.max_model_len, (), pipeline_depth=spec.pp)
             idx = counters.get(kind, 0)
             counters[kind] = idx + 1
-            fn = _step_time_fn(latency, spec.tp, spec.pp, cfg.step_overhead_s)
+            fn = _step_time_fn(latency, spec.tp, spec.pp, cfg.step_overhead_s, instant=cfg.instant_prefill and kind == "prefill")
             self.instances.append(SimInstance(kind, idx, spec, scheduler, fn))
         self.entry = [i for i in self.instances if i.kind in ("colocated", "prefill")]
         self.decodes = [i for i in self.instances if i.kind == "decode"]
@@ -161,6 +165,14 @@ class Simulation:
     def run(self, requests: Seq[Request]) -> SimResult:
         if not requests:
             raise InvalidConfigError("the workload has no requests")
+        if self.config.instant_prefill:
+            # Every request gets its first token on arrival and waits, TPOT clock running, for a
+            # decode instance: the prefill pool must hold them all.
+            need = sum(-(-(r.prompt_len + 1) // self.config.block_size) for r in requests)
+            for inst in self.instances:
+                if inst.kind == "prefill":
+                    inst.scheduler.block_manager = BlockManager(need, self.config.block_size, enable_prefix_caching=False)
+                    inst.scheduler.max_running = len(requests)
         self._check_fits(requests)
         wall0 = time.perf_counter()
         events: list[tuple[float, int, int, object]] = []
@@ -173,7 +185,11 @@ class Simulation:
             records[sid] = RequestRecord(r.req_id, r.arrival_s, r.prompt_len, r.output_len, r.slo_class)
             push(events, (r.arrival_s, _ARRIVE, next(seq_no), r))
         self.records = records
-        self.pending: list[tuple[SimInstance, Sequence]] = []
+        # Finished prefills waiting for room, FCFS: (source, its sequence, the copy the decode side gets).
+        # The copy is made once; a failed ``reserve`` leaves it untouched, so retries reuse it.
+        self.pending: deque[tuple[SimInstance, Sequence, Sequence]] = deque()
+        # One SampledToken per live request, reused every step: update_from_output only reads it.
+        self._sampled: dict[str, SampledToken] = {}
         self.num_migrations = 0
         self.migration_bytes = 0
         self.migration_s = 0.0
@@ -196,6 +212,7 @@ class Simulation:
                 seq = Sequence(
                     str(r.req_id), prompt, SamplingParams(max_tokens=r.output_len, ignore_eos=True), arrival_time=r.arrival_s
                 )
+                self._sampled[seq.seq_id] = SampledToken(seq.seq_id, _TOKEN)
                 inst = min(self.entry, key=_load)
                 inst.num_assigned += 1
                 inst.seqs[seq.seq_id] = seq
@@ -263,7 +280,7 @@ class Simulation:
             heapq.heappush(self._events, (inst.stage_free[0], _LAUNCH, next(self._seq_no), inst))
             return
         plan = inst.scheduler.schedule()
-        if plan.is_empty:
+        if not plan.chunks:
             return
         t = inst.step_time(_shape(plan))
         end = now
@@ -283,12 +300,15 @@ class Simulation:
     def _step_done(self, inst: SimInstance, plan: StepPlan, now: float) -> int:
         """Apply a finished micro-batch; returns how many requests finished."""
         inst.num_in_flight -= 1
-        sampled = [SampledToken(c.seq_id, _TOKEN) for c in plan.chunks if c.sample]
+        tokens = self._sampled
+        sampled = [tokens[c.seq_id] for c in plan.chunks if c.sample]
         updated = inst.scheduler.update_from_output(plan, sampled, inst.seqs, now)
         num_finished = 0
         records = self.records
+        finished = SequenceStatus.FINISHED
+        awaiting = inst.scheduler.awaiting_migration if inst.kind == "prefill" else None  # type: ignore[attr-defined]
         for seq in updated:
-            if seq.is_finished:
+            if seq.status is finished:
                 rec = records[seq.seq_id]
                 rec.first_token_s = seq.first_token_time
                 rec.finish_s = now
@@ -296,9 +316,10 @@ class Simulation:
                 rec.num_preemptions += seq.num_preemptions
                 inst.seqs.pop(seq.seq_id, None)
                 inst.num_assigned -= 1
+                tokens.pop(seq.seq_id, None)
                 num_finished += 1
-            elif inst.kind == "prefill" and seq.seq_id in inst.scheduler.awaiting_migration:  # type: ignore[attr-defined]
-                self.pending.append((inst, seq))
+            elif awaiting is not None and seq.seq_id in awaiting:
+                self.pending.append((inst, seq, seq.detached_copy()))
         self._try_launch(inst, now)
         return num_finished
 
@@ -306,15 +327,14 @@ class Simulation:
         """Oldest first; nobody overtakes a request waiting for room (as the controller does)."""
         pending = self.pending
         while pending:
-            src, seq = pending[0]
-            copy = seq.detached_copy()
+            src, seq, copy = pending[0]
             for dst in sorted(self.decodes, key=_load):
                 reservation = dst.scheduler.reserve(copy)  # type: ignore[attr-defined]
                 if reservation is not None:
                     break
             else:
                 return
-            pending.pop(0)
+            pending.popleft()
             self.records[seq.seq_id].num_preemptions += seq.num_preemptions
             dst.num_assigned += 1
             dst.seqs[copy.seq_id] = copy
@@ -334,8 +354,10 @@ def _load(inst: SimInstance) -> tuple[int, int]:
     return (inst.num_assigned, inst.index)
 
 
-def _step_time_fn(latency: LatencyModel, tp: int, pp: int, overhead_s: float):  # noqa: ANN202
+def _step_time_fn(latency: LatencyModel, tp: int, pp: int, overhead_s: float, instant: bool = False):  # noqa: ANN202
     step_time = latency.step_time
+    if instant:
+        return lambda shape: 0.0
 
     def fn(shape: BatchShape) -> float:
         return step_time(shape, tp, pp) + overhead_s

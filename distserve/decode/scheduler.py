@@ -65,7 +65,7 @@ class DecodeScheduler(Scheduler):
         seq.num_computed_tokens = seq.num_tokens - 1
         self.block_manager.commit(seq)
         seq.status = SequenceStatus.RUNNING
-        self.running.append(seq)
+        self._append_running(seq)
         return seq
 
     def cancel(self, seq_id: str) -> Sequence | None:

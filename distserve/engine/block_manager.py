@@ -17,11 +17,14 @@ from dataclasses import dataclass, field
 from distserve.engine.sequence import Sequence
 
 
+_EMPTY_BLAKE2B = hashlib.blake2b(digest_size=8)  # copying it is cheaper than a new hasher
+
+
 def hash_block(prefix_hash: int | None, token_ids: Seq[int]) -> int:
     """Stable 63-bit content hash of a full block, chained to the hash of the blocks before it."""
-    h = hashlib.blake2b(digest_size=8)
+    h = _EMPTY_BLAKE2B.copy()
     h.update((prefix_hash if prefix_hash is not None else -1).to_bytes(8, "little", signed=True))
-    h.update(array("q", token_ids).tobytes())
+    h.update(array("q", token_ids))
     return int.from_bytes(h.digest(), "little") >> 1
 
 
@@ -35,7 +38,7 @@ def prefix_block_hashes(token_ids: Seq[int], block_size: int) -> list[int]:
     return hashes
 
 
-@dataclass
+@dataclass(slots=True)
 class Block:
     block_id: int
     ref_count: int = 0
@@ -127,11 +130,13 @@ class BlockManager:
 
     def _slots_needed(self, seq: Sequence, num_new_tokens: int) -> tuple[int, bool]:
         """(new blocks to add, whether the block receiving the first new token must be copied)."""
-        end = seq.num_computed_tokens + num_new_tokens
-        grow = max(0, self.num_blocks_for(end) - len(seq.block_table))
-        first = seq.num_computed_tokens // self.block_size
-        cow = first < len(seq.block_table) and self.blocks[seq.block_table[first]].ref_count > 1
-        return grow, cow
+        bs = self.block_size
+        computed = seq.num_computed_tokens
+        table = seq.block_table
+        grow = (computed + num_new_tokens + bs - 1) // bs - len(table)
+        first = computed // bs
+        cow = first < len(table) and self.blocks[table[first]].ref_count > 1
+        return (grow if grow > 0 else 0), cow
 
     def can_append(self, seq: Sequence, num_new_tokens: int = 1) -> bool:
         grow, cow = self._slots_needed(seq, num_new_tokens)
@@ -143,30 +148,48 @@ class BlockManager:
         Returns the (src, dst) block copies the runner must do first (copy-on-write of a shared
         partially-filled block), or None if there are not enough free blocks.
         """
-        grow, cow = self._slots_needed(seq, num_new_tokens)
-        if grow + int(cow) > len(self._free):
+        # _slots_needed inlined: this runs for every scheduled sequence of every step.
+        bs = self.block_size
+        computed = seq.num_computed_tokens
+        table = seq.block_table
+        num_held = len(table)
+        grow = (computed + num_new_tokens + bs - 1) // bs - num_held
+        first = computed // bs
+        cow = first < num_held and self.blocks[table[first]].ref_count > 1
+        if grow <= 0:
+            if not cow:
+                return []  # the common decode step: room in the last block, nothing shared
+            grow = 0
+        if grow + cow > len(self._free):
             return None
         copies: list[tuple[int, int]] = []
         if cow:
-            idx = seq.num_computed_tokens // self.block_size
-            src = seq.block_table[idx]
+            src = table[first]
             dst = self._take_free_block()
             self.blocks[src].ref_count -= 1
-            seq.block_table[idx] = dst
+            table[first] = dst
             copies.append((src, dst))
-        seq.block_table.extend(self._take_free_block() for _ in range(grow))
+        if grow == 1:
+            table.append(self._take_free_block())
+        elif grow:
+            table.extend([self._take_free_block() for _ in range(grow)])
         return copies
 
     def commit(self, seq: Sequence) -> None:
         """Hash the full blocks whose KV is now computed so later requests can reuse them."""
         bs = self.block_size
-        num_full = min(seq.num_computed_tokens, seq.num_tokens) // bs
-        while len(seq.block_hashes) < num_full:
-            i = len(seq.block_hashes)
-            prev = seq.block_hashes[-1] if seq.block_hashes else None
-            tokens = seq.token_ids[i * bs : (i + 1) * bs]
+        token_ids = seq.token_ids
+        computed = seq.num_computed_tokens
+        num_full = (computed if computed < len(token_ids) else len(token_ids)) // bs
+        hashes = seq.block_hashes
+        if len(hashes) >= num_full:
+            return  # no block filled up since the last commit (every decode step but one per block)
+        while len(hashes) < num_full:
+            i = len(hashes)
+            prev = hashes[-1] if hashes else None
+            tokens = token_ids[i * bs : (i + 1) * bs]
             h = hash_block(prev, tokens)
-            seq.block_hashes.append(h)
+            hashes.append(h)
             if not self.enable_prefix_caching:
                 continue
             block = self.blocks[seq.block_table[i]]
@@ -186,8 +209,13 @@ class BlockManager:
 
     def free(self, seq: Sequence) -> None:
         """Release ``seq``'s blocks; hashed ones stay reusable until evicted."""
-        for b in reversed(seq.block_table):
-            self.free_block(b)
+        blocks, free = self.blocks, self._free
+        for b in reversed(seq.block_table):  # free_block inlined: one call per block adds up
+            block = blocks[b]
+            assert block.ref_count > 0, f"double free of block {b}"
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                free[b] = None
         seq.block_table = []
         seq.block_hashes = []
 

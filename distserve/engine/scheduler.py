@@ -12,13 +12,14 @@ from __future__ import annotations
 import bisect
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from operator import attrgetter
 
 from distserve.config import SamplingParams, SchedulerConfig
 from distserve.engine.block_manager import BlockManager
 from distserve.engine.sequence import Sequence, SequenceStatus
 
 
-@dataclass
+@dataclass(slots=True)  # slots: one per scheduled sequence per step
 class ScheduledChunk:
     """``token_ids`` are computed at positions ``start_pos ..``; if ``sample`` a token is sampled after."""
 
@@ -40,7 +41,7 @@ class ScheduledChunk:
         return len(self.token_ids) == 1
 
 
-@dataclass
+@dataclass(slots=True)
 class StepPlan:
     """One engine step: decodes first, then prefill chunks (the attention kernel relies on the order)."""
 
@@ -58,7 +59,7 @@ class StepPlan:
         return not self.chunks
 
 
-@dataclass
+@dataclass(slots=True)
 class SampledToken:
     seq_id: str
     token_id: int
@@ -69,12 +70,9 @@ class SampledToken:
 PolicyKey = Callable[[Sequence], tuple]
 
 
-def _fcfs_key(seq: Sequence) -> tuple:
-    return (seq.arrival_time, seq.order)
-
-
-def _priority_key(seq: Sequence) -> tuple:
-    return (seq.priority, seq.arrival_time, seq.order)
+# attrgetter builds the same tuples as a Python function would, without a Python call per sequence.
+_fcfs_key: PolicyKey = attrgetter("arrival_time", "order")
+_priority_key: PolicyKey = attrgetter("priority", "arrival_time", "order")
 
 
 SCHEDULING_POLICIES: dict[str, PolicyKey] = {"fcfs": _fcfs_key, "priority": _priority_key}
@@ -112,7 +110,8 @@ class Scheduler:
         self.policy = get_policy(config.policy)
         self.waiting: list[Sequence] = []  # sorted by policy key
         self._waiting_keys: list[tuple] = []
-        self.running: list[Sequence] = []
+        self.running: list[Sequence] = []  # in policy order at each step; add with _append_running
+        self._running_sorted = True  # False once an append broke the order; schedule() re-sorts then
         self._finished_since_plan: list[str] = []
         self._order = 0
         self.num_preemptions = 0
@@ -129,6 +128,12 @@ class Scheduler:
         i = bisect.bisect_right(self._waiting_keys, key)
         self._waiting_keys.insert(i, key)
         self.waiting.insert(i, seq)
+
+    def _append_running(self, seq: Sequence) -> None:
+        running = self.running
+        if running and self._running_sorted and self.policy(seq) < self.policy(running[-1]):
+            self._running_sorted = False
+        running.append(seq)
 
     def _pop_waiting(self, i: int = 0) -> Sequence:
         self._waiting_keys.pop(i)
@@ -169,24 +174,34 @@ class Scheduler:
 
     # ---- the step ------------------------------------------------------------------------------
     def schedule(self) -> StepPlan:
-        plan = StepPlan(finished_seq_ids=self._finished_since_plan)
+        plan = StepPlan([], [], [], self._finished_since_plan)
         self._finished_since_plan = []
         budget = self.config.max_num_batched_tokens
         decodes: list[ScheduledChunk] = []
         prefills: list[ScheduledChunk] = []
         preempted = False
+        block_manager = self.block_manager
+        append_slots = block_manager.append_slots
+        block_copies = plan.block_copies
 
         # Running sequences in policy order, so the lowest-ranked are preempted first.
-        self.running.sort(key=self.policy)
+        running = self.running
+        if not self._running_sorted:  # removals keep the order; only _append_running can break it
+            running.sort(key=self.policy)
+            self._running_sorted = True
         i = 0
         in_flight = self.in_flight
-        while i < len(self.running) and budget > 0:
-            seq = self.running[i]
-            n = min(seq.num_uncomputed_tokens, budget)
-            if n <= 0 or seq.seq_id in in_flight:
+        while i < len(running) and budget > 0:
+            seq = running[i]
+            token_ids = seq.token_ids
+            start = seq.num_computed_tokens
+            n = len(token_ids) - start
+            if n > budget:
+                n = budget
+            if n <= 0 or (in_flight and seq.seq_id in in_flight):
                 i += 1
                 continue
-            copies = self.block_manager.append_slots(seq, n)
+            copies = append_slots(seq, n)
             while copies is None:
                 victim = self._preemption_victim()
                 if victim is None:
@@ -196,12 +211,19 @@ class Scheduler:
                 preempted = True
                 if victim is seq:
                     break
-                copies = self.block_manager.append_slots(seq, n)
+                copies = append_slots(seq, n)
             if copies is None:
                 break
-            plan.block_copies.extend(copies)
-            chunk = self._chunk(seq, n)
-            (decodes if chunk.is_decode else prefills).append(chunk)
+            if copies:
+                block_copies.extend(copies)
+            # _chunk inlined (this loop runs per sequence per step); a decode's one token without a slice.
+            end = start + n
+            num_tokens = len(token_ids)
+            chunk = ScheduledChunk(
+                seq.seq_id, [token_ids[start]] if n == 1 else token_ids[start:end], start, seq.block_table[:],
+                end == num_tokens, seq.sampling, num_tokens - len(seq.prompt_token_ids),
+            )
+            (decodes if n == 1 else prefills).append(chunk)
             budget -= n
             i += 1
 
@@ -209,12 +231,12 @@ class Scheduler:
         max_seqs = self.config.max_num_seqs
         while (
             self.waiting and not preempted and budget > 0
-            and len(self.running) < self.max_running and len(decodes) + len(prefills) < max_seqs
+            and len(running) < self.max_running and len(decodes) + len(prefills) < max_seqs
         ):
             seq = self.waiting[0]
-            if not self.block_manager.can_allocate(seq):
+            if not block_manager.can_allocate(seq):
                 break
-            n = seq.num_tokens - self.block_manager.num_cached_prefix_tokens(seq)
+            n = seq.num_tokens - block_manager.num_cached_prefix_tokens(seq)
             if n > budget:
                 if self.config.enable_chunked_prefill:
                     n = budget
@@ -222,16 +244,18 @@ class Scheduler:
                     break
                 # A prompt larger than the whole budget runs alone rather than never.
             self._pop_waiting()
-            self.block_manager.allocate(seq)
+            block_manager.allocate(seq)
             n = min(n, seq.num_uncomputed_tokens)
             seq.status = SequenceStatus.RUNNING
-            self.running.append(seq)
+            self._append_running(seq)
             chunk = self._chunk(seq, n)
             (decodes if chunk.is_decode else prefills).append(chunk)
             budget -= n
-        plan.chunks = decodes + prefills
+        if prefills:
+            decodes.extend(prefills)
+        plan.chunks = decodes
         if self.pipeline_depth > 1:
-            in_flight.update(c.seq_id for c in plan.chunks)
+            in_flight.update(c.seq_id for c in decodes)
         return plan
 
     def _preemption_victim(self) -> Sequence | None:
@@ -263,15 +287,21 @@ class Scheduler:
         by_id = {s.seq_id: s for s in sampled}
         updated: list[Sequence] = []
         in_flight = self.in_flight
+        commit = self.block_manager.commit
+        check_token_stop = self.check_token_stop
+        running_status = SequenceStatus.RUNNING
+        get_seq = seqs.get
+        get_token = by_id.get
         for chunk in plan.chunks:
+            seq_id = chunk.seq_id
             if in_flight:
-                in_flight.discard(chunk.seq_id)
-            seq = seqs.get(chunk.seq_id)
-            if seq is None or seq.status is not SequenceStatus.RUNNING:
+                in_flight.discard(seq_id)
+            seq = get_seq(seq_id)
+            if seq is None or seq.status is not running_status:
                 continue  # aborted or preempted while the step ran
-            seq.num_computed_tokens = chunk.start_pos + chunk.num_tokens
-            self.block_manager.commit(seq)
-            token = by_id.get(chunk.seq_id)
+            seq.num_computed_tokens = chunk.start_pos + len(chunk.token_ids)
+            commit(seq)
+            token = get_token(seq_id)
             if token is None:
                 continue
             seq.token_ids.append(token.token_id)
@@ -279,7 +309,7 @@ class Scheduler:
                 seq.logprobs.append(token.logprob)
             if seq.first_token_time is None:
                 seq.first_token_time = now
-            reason = self.check_token_stop(seq)
+            reason = check_token_stop(seq)
             if reason is not None:
                 seq.finish_time = now
                 self.finish(seq, reason)
@@ -289,12 +319,15 @@ class Scheduler:
     def check_token_stop(self, seq: Sequence) -> str | None:
         """Stop reason from the last token alone (stop strings are the engine's job), or None."""
         sp = seq.sampling
-        token = seq.token_ids[-1]
-        if seq.num_output_tokens >= sp.min_tokens:
+        token_ids = seq.token_ids
+        num_tokens = len(token_ids)
+        num_output_tokens = num_tokens - len(seq.prompt_token_ids)
+        if num_output_tokens >= sp.min_tokens:
+            token = token_ids[-1]
             if not sp.ignore_eos and token in self.eos_token_ids:
                 return "stop"
             if token in sp.stop_token_ids:
                 return "stop"
-        if seq.num_output_tokens >= sp.max_tokens or seq.num_tokens >= self.max_model_len:
+        if num_output_tokens >= sp.max_tokens or num_tokens >= self.max_model_len:
             return "length"
         return None

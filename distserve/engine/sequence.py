@@ -14,7 +14,7 @@ class SequenceStatus(enum.Enum):
     FINISHED = "finished"
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)  # slots: the scheduler reads these fields per sequence per step
 class Sequence:
     """One request. ``token_ids`` is prompt + output; KV exists for the first ``num_computed_tokens``."""
 

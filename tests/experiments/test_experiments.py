@@ -35,6 +35,16 @@ CHECKS = {
     and f["best_disagg"]["per_gpu"] > 0 and f["best_colocated"]["per_gpu"] > 0 and f["ratio"] > 0
     and [f["ours_for_distserve_placement"][k]["num_gpus"] for k in ("distserve_3gpu", "distserve_4gpu")] == [3, 4]
     and f["latency_model"].startswith("FittedLatencyModel" if f["profile_used"] else "RooflineLatencyModel"),
+    # Every run chose a plan, and every enumerated candidate was either simulated or pruned.
+    "bench_planner": lambda f: f["wall_s"] > 0 and f["num_simulated"] > 0 and f["best"] is not None and all(
+        r["num_enumerated"] == r["num_candidates_simulated"] + r["num_pruned_by_bound"] + r["num_pruned_by_floor"]
+        and r["best"] is not None for r in f["runs"]
+    ),
+    # A plan was deployed and measured at >= 3 rates, every request answered; both overheads calibrated.
+    "validate_planner": lambda f: f["feasible"] and f["predicted_goodput_rps"] > 0 and f["measured_goodput_rps"] > 0
+    and len(f["rows"]) >= 3 and all(r["num_requests"] == f["num_requests_per_rate"] and 0 <= r["measured_attainment"] <= 1
+                                    for r in f["rows"])
+    and set(f["runtime_overhead_s_per_step"]) == {"colocated", "disaggregated"},
 }
 
 

@@ -1,0 +1,179 @@
+"""What ``distserve plan`` does once its flags are parsed: build the request, search, render, write."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from distserve.config import SLO
+from distserve.errors import InvalidConfigError
+from distserve.placement.search import Cluster, PlanOption, PlanRequest, PlanResult, Planner
+from simulator.hardware import get_hardware
+from simulator.latency import get_latency_model
+from simulator.metrics import SLOSpec, attainment
+from simulator.simulation import SimConfig, simulate, with_rate
+from simulator.workload import generate_requests, load_trace, rescale
+
+
+@dataclass(frozen=True)
+class PlanArgs:
+    model: str
+    gpu: str
+    nodes: int
+    gpus_per_node: int
+    workload: str
+    ttft_s: float
+    tpot_s: float
+    attainment: float = 0.9
+    attainment_mode: str = "joint"
+    rate: float | None = None
+    gpus: int | None = None
+    profile: str | None = None
+    affinity: str = "auto"
+    num_requests: int = 300
+    seed: int = 0
+    intra_node_gbps: float | None = None  # GB/s, one direction
+    inter_node_gbps: float | None = None
+    workers: int = 1
+    sim_config: SimConfig = SimConfig()
+
+
+def build_request(a: PlanArgs) -> PlanRequest:
+    gpu = get_hardware(a.gpu)
+    cluster = Cluster.of(
+        a.nodes, a.gpus_per_node, gpu,
+        None if a.intra_node_gbps is None else a.intra_node_gbps * 1e9,
+        None if a.inter_node_gbps is None else a.inter_node_gbps * 1e9,
+    )
+    latency = get_latency_model(a.model, hardware=cluster.gpu, profile=a.profile)
+    max_len = a.sim_config.max_model_len or latency.model.max_position_embeddings
+    if a.workload.endswith(".jsonl"):
+        unit = rescale(load_trace(a.workload), 1.0)
+    else:
+        unit = generate_requests(a.workload, 1.0, a.num_requests, seed=a.seed, max_total_len=max_len)
+    slo = SLOSpec(SLO(a.ttft_s, a.tpot_s, a.attainment), mode=a.attainment_mode)
+    return PlanRequest(latency, cluster, tuple(unit), slo, rate=a.rate, gpu_budget=a.gpus, affinity=a.affinity,
+                       sim_config=a.sim_config, max_workers=a.workers)
+
+
+def run_plan(a: PlanArgs, show_progress: bool = True) -> tuple[PlanRequest, PlanResult]:
+    req = build_request(a)
+    if not show_progress:
+        return req, Planner(req).plan()
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), transient=True) as bar:
+        tasks: dict[str, Any] = {}
+
+        def progress(label: str, done: int, total: int) -> None:
+            if label not in tasks:
+                tasks[label] = bar.add_task(label, total=total)
+            bar.update(tasks[label], completed=done)
+
+        return req, Planner(req, progress).plan()
+
+
+def _layout(option: PlanOption) -> tuple[str, str, str]:
+    p = option.placement
+    if p.colocated:
+        s = p.colocated[0]
+        return f"tp{s.tp} pp{s.pp}", "-", f"{len(p.colocated)}x colocated"
+    sp, sd = p.prefill[0], p.decode[0]
+    return f"tp{sp.tp} pp{sp.pp}", f"tp{sd.tp} pp{sd.pp}", f"{len(p.prefill)}P{len(p.decode)}D"
+
+
+def render(req: PlanRequest, result: PlanResult) -> list[Table]:
+    colo = result.colocated
+    slo = req.slo.default
+    target = f"TTFT <= {slo.ttft_s} s, TPOT <= {slo.tpot_s} s at {slo.attainment:.0%} ({req.slo.mode})"
+    t = Table(title=f"placements for {req.latency.model.name} on {req.cluster.num_nodes} x {req.cluster.gpus_per_node} {req.cluster.gpu.name}",
+              caption=f"SLO: {target}; {result.num_simulated} configurations simulated")
+    for col in ("plan", "prefill", "decode", "layout", "GPUs", "rate (req/s)", "goodput/GPU", "vs colocated", "predicted attainment"):
+        t.add_column(col, justify="left" if col in ("plan", "layout") else "right")
+    for o in result.options:
+        pre, dec, layout = _layout(o)
+        vs = f"{o.per_gpu / colo.per_gpu:.2f}x" if colo is not None and colo.per_gpu > 0 else "-"
+        att = o.predicted.get("attainment", {})
+        t.add_row(("* " if o is result.best else "") + o.name, pre, dec, layout, str(o.num_gpus), f"{o.rate:.3g}",
+                  f"{o.per_gpu:.3g}", vs, f"joint {att.get('joint', math.nan):.1%}")
+    tables = [t]
+    c = Table(title="per-configuration goodput (simulated; prefill/decode phases searched alone)")
+    for col in ("kind", "configuration", "GPUs", "goodput (req/s)", "per GPU", "binding SLO", "note"):
+        c.add_column(col, justify="left" if col in ("kind", "configuration", "note") else "right")
+    top = sorted(result.candidates, key=lambda x: (x.kind, -x.per_gpu))
+    shown: dict[str, int] = {}
+    for cand in top:
+        if shown.get(cand.kind, 0) >= 5:
+            continue
+        shown[cand.kind] = shown.get(cand.kind, 0) + 1
+        c.add_row(cand.kind, cand.label(), str(cand.num_gpus), f"{cand.goodput:.3g}", f"{cand.per_gpu:.3g}",
+                  cand.binding or "-", cand.skipped or "")
+    tables.append(c)
+    return tables
+
+
+def summary(req: PlanRequest, result: PlanResult) -> dict[str, Any]:
+    best = result.best
+    colo = result.colocated
+    return {
+        "model": req.latency.model.name,
+        "latency_model": repr(req.latency),
+        "cluster": {"nodes": req.cluster.num_nodes, "gpus_per_node": req.cluster.gpus_per_node, "gpu": req.cluster.gpu.name},
+        "feasible": result.feasible,
+        "closest": result.closest,
+        "notes": result.notes,
+        "num_simulated": result.num_simulated,
+        "best": None if best is None else {"name": best.name, "placement": best.placement.to_dict(), "rate": best.rate,
+                                            "per_gpu": best.per_gpu, "num_gpus": best.num_gpus},
+        "vs_colocated": (best.per_gpu / colo.per_gpu) if best is not None and colo is not None and colo.per_gpu > 0 else None,
+        "options": [{"name": o.name, "placement": o.placement.to_dict(), "rate": o.rate, "per_gpu": o.per_gpu} for o in result.options],
+        "candidates": [{"kind": c.kind, "configuration": c.label(), "num_gpus": c.num_gpus, "goodput": c.goodput,
+                        "per_gpu": c.per_gpu, "bound": c.bound_rate, "binding": c.binding, "skipped": c.skipped}
+                       for c in result.candidates],
+    }
+
+
+def plot(req: PlanRequest, result: PlanResult, path: str | Path) -> None:
+    """Attainment vs rate per GPU for the best disaggregated and the colocated plan."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    disagg = next((o for o in result.options if o.name.startswith("disaggregated")), None)
+    for option in (disagg, result.colocated):
+        if option is None:
+            continue
+        xs, ys = [], []
+        for f in (0.25, 0.5, 0.75, 1.0, 1.25, 1.5, 2.0):
+            rate = option.rate * f
+            res = simulate(option.placement, req.latency, with_rate(req.unit_requests, rate), req.sim_config)
+            att = attainment(res.records, req.slo)
+            xs.append(rate / option.num_gpus)
+            ys.append(att["joint"] if req.slo.mode == "joint" else min(att["ttft"], att["tpot"]))
+        ax.plot(xs, ys, marker="o", label=f"{option.name}: {_layout(option)[2]}")
+    ax.axhline(req.slo.default.attainment, color="grey", linestyle="--", linewidth=1)
+    ax.set_xlabel("rate per GPU (req/s)")
+    ax.set_ylabel("SLO attainment")
+    ax.set_title(req.latency.model.name)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def write_plan(result: PlanResult, path: str | Path) -> None:
+    if result.best is None:
+        raise InvalidConfigError("no placement meets the SLO; nothing to write")
+    result.best.placement.to_json(path)
+
+
+def print_tables(tables: list[Table]) -> None:
+    console = Console()
+    for t in tables:
+        console.print(t)

@@ -1,0 +1,541 @@
+"""Goodput-driven placement search (DistServe's algorithms) over our simulator.
+
+Given a model, a cluster, a workload, SLOs and a latency model, find the placement with the highest
+SLO-meeting rate per GPU:
+
+* **high node-affinity** (fast network between nodes): the best prefill (tp, pp) and the best decode
+  (tp, pp) are searched *independently* — prefill with single-token requests (only TTFT counts),
+  decode with instant prefills (only TPOT counts) — each by simulation + bisection of its goodput;
+  then ``n = ⌈R / goodput_p⌉`` prefill and ``m = ⌈R / goodput_d⌉`` decode replicas (nPmD);
+* **low node-affinity** (KV must not cross nodes): a *unit* puts every pipeline stage's prefill and
+  decode segments on one node (stage i of all its instances on node i); units of
+  ``n_p × (tp_p, pp) + n_d × (tp_d, pp)`` are simulated whole (migrations on NVLink) and replicated;
+* the **colocated** baseline searched the same way (best (tp, pp), replicas), so every plan says how
+  disaggregation compares and recommends colocated when it wins.
+
+Cheap upper bounds prune before simulating: a candidate's throughput bound (full batches back to
+back, no SLO) per GPU must beat the best goodput per GPU found so far, and a candidate whose
+unloaded latency already misses the SLO (its M/D/1 floor) is dropped.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Callable, Sequence
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from distserve.config import SLO
+from distserve.errors import InvalidConfigError
+from distserve.placement.placement import InstanceSpec, Placement
+from simulator.goodput import GoodputResult, find_goodput
+from simulator.hardware import HardwareSpec
+from simulator.latency import BatchShape, LatencyModel
+from simulator.metrics import SLOSpec
+from simulator.simulation import SimConfig, simulate, with_rate
+from simulator.workload import Request
+
+AFFINITIES = ("high", "low", "auto")
+# A finite workload lets an overloaded deployment meet its SLO for a while (the TPOT of long outputs
+# absorbs seconds of queueing), so a simulated goodput can exceed what the deployment sustains. A
+# candidate's goodput is therefore capped at its steady-state throughput bound.
+PRUNE_SLACK = 1.0
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """``num_nodes`` × ``gpus_per_node`` devices of one type; bandwidth overrides in bytes/s."""
+
+    num_nodes: int
+    gpus_per_node: int
+    gpu: HardwareSpec
+
+    def __post_init__(self) -> None:
+        if self.num_nodes < 1 or self.gpus_per_node < 1:
+            raise InvalidConfigError(f"--nodes and --gpus-per-node must be >= 1, got {self.num_nodes} and {self.gpus_per_node}")
+
+    @property
+    def num_gpus(self) -> int:
+        return self.num_nodes * self.gpus_per_node
+
+    @classmethod
+    def of(cls, num_nodes: int, gpus_per_node: int, gpu: HardwareSpec,
+           intra_node_bandwidth: float | None = None, inter_node_bandwidth: float | None = None) -> "Cluster":
+        changes = {k: v for k, v in (("intra_node_bandwidth", intra_node_bandwidth), ("inter_node_bandwidth", inter_node_bandwidth)) if v is not None}
+        for key, value in changes.items():
+            if not value > 0:
+                raise InvalidConfigError(f"{key} must be > 0, got {value}")
+        return cls(num_nodes, gpus_per_node, replace(gpu, **changes) if changes else gpu)
+
+
+@dataclass(frozen=True)
+class PlanRequest:
+    """Everything the search needs. ``unit_requests`` arrive at 1 request/s (they are rescaled)."""
+
+    latency: LatencyModel
+    cluster: Cluster
+    unit_requests: tuple[Request, ...]
+    slo: SLOSpec
+    rate: float | None = None  # target traffic; None: the most goodput within the GPU budget
+    gpu_budget: int | None = None  # GPUs the plan may use (default: the whole cluster)
+    affinity: str = "auto"
+    sim_config: SimConfig = field(default_factory=SimConfig)
+    rel_tol: float = 0.05
+    max_workers: int = 1
+
+    def __post_init__(self) -> None:
+        if self.affinity not in AFFINITIES:
+            raise InvalidConfigError(f"--affinity must be one of {AFFINITIES}, got {self.affinity!r}")
+        if self.rate is not None and not (self.rate > 0 and math.isfinite(self.rate)):
+            raise InvalidConfigError(f"--rate must be a positive number, got {self.rate}")
+        if not self.unit_requests:
+            raise InvalidConfigError("the workload has no requests")
+        if self.gpu_budget is not None and not 1 <= self.gpu_budget <= self.cluster.num_gpus:
+            raise InvalidConfigError(f"--gpus must be in [1, {self.cluster.num_gpus}] (the cluster's GPUs), got {self.gpu_budget}")
+        if self.rate is not None and self.gpu_budget is not None:
+            raise InvalidConfigError("give either --rate (size the plan for it) or --gpus (best goodput within a budget), not both")
+
+
+@dataclass
+class Candidate:
+    """One simulated configuration and its goodput."""
+
+    kind: str  # "prefill" | "decode" | "unit" | "colocated"
+    placement: Placement
+    num_gpus: int
+    bound_rate: float  # steady-state throughput upper bound, requests/s
+    goodput: float = 0.0  # requests/s meeting the SLO (of this phase alone for prefill/decode), <= bound_rate
+    binding: str | None = None
+    probes: list[tuple[float, dict[str, float], bool]] = field(default_factory=list)
+    skipped: str | None = None  # why it was not simulated
+
+    @property
+    def per_gpu(self) -> float:
+        return self.goodput / self.num_gpus
+
+    def label(self) -> str:
+        p = self.placement
+        parts = []
+        for name, specs in (("P", p.prefill), ("D", p.decode), ("C", p.colocated)):
+            if specs:
+                parts.append(f"{len(specs)}{name} tp{specs[0].tp}pp{specs[0].pp}")
+        return " + ".join(parts)
+
+
+@dataclass
+class PlanOption:
+    """A deployable plan: the placement, its size and predicted figures."""
+
+    name: str  # "disaggregated (high affinity)" | "disaggregated (low affinity)" | "colocated"
+    placement: Placement
+    num_gpus: int
+    rate: float  # requests/s the plan is predicted to serve within SLO
+    predicted: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def per_gpu(self) -> float:
+        return self.rate / self.num_gpus if self.num_gpus else 0.0
+
+
+@dataclass
+class PlanResult:
+    best: PlanOption | None
+    options: list[PlanOption]
+    candidates: list[Candidate]
+    num_simulated: int
+    feasible: bool
+    closest: str | None = None  # for impossible SLOs: the closest candidate and the binding SLO
+    notes: list[str] = field(default_factory=list)  # e.g. a target rate the cluster cannot serve
+
+    @property
+    def colocated(self) -> PlanOption | None:
+        return next((o for o in self.options if o.name == "colocated"), None)
+
+
+# ---- enumeration ------------------------------------------------------------------------------
+def parallel_configs(latency: LatencyModel, cluster: Cluster, mem_utilization: float, max_pp: int | None = None) -> list[tuple[int, int]]:
+    """(tp, pp) layouts that the latency model can time and that fit in memory.
+
+    TP stays inside a node (it all-reduces every layer) and divides the heads; PP divides the layers.
+    """
+    model = latency.model
+    out = []
+    tp = 1
+    while tp <= cluster.gpus_per_node:
+        if model.num_heads % tp == 0:
+            for pp in range(1, model.num_layers + 1):
+                if model.num_layers % pp or tp * pp > cluster.num_gpus or (max_pp is not None and pp > max_pp):
+                    continue
+                if not latency.supports(tp, pp):
+                    continue
+                try:
+                    latency.max_kv_tokens(tp, pp, mem_utilization)
+                except InvalidConfigError:
+                    continue
+                out.append((tp, pp))
+        tp *= 2
+    return out
+
+
+def _mean(values: Sequence[int]) -> float:
+    return sum(values) / len(values)
+
+
+def _quantile(values: Sequence[int], q: float) -> int:
+    s = sorted(values)
+    return s[min(len(s) - 1, int(q * len(s)))]
+
+
+def prefill_bound(latency: LatencyModel, tp: int, pp: int, prompt_mean: float, max_tokens: int) -> float:
+    """Requests/s of back-to-back full prefill batches (pipelined: one stage time per batch)."""
+    per_batch = max(1, int(max_tokens // max(prompt_mean, 1)))
+    n = int(round(prompt_mean))
+    t = latency.step_time(BatchShape(per_batch, per_batch * n, per_batch * n * n, 0, 0), tp, pp)
+    return per_batch / t if t > 0 else math.inf
+
+
+def decode_bound(latency: LatencyModel, tp: int, pp: int, prompt_mean: float, output_mean: float, max_seqs: int, kv_tokens: int) -> float:
+    """Requests/s of full decode micro-batches back to back (pp in flight, one stage time apart).
+
+    A micro-batch holds at most ``max_seqs`` sequences, and all ``pp`` of them share the KV capacity.
+    """
+    ctx = prompt_mean + output_mean / 2
+    batch = max(1, min(max_seqs, int(kv_tokens // max(ctx * pp, 1))))
+    t = latency.step_time(BatchShape(0, 0, 0, batch, int(batch * ctx)), tp, pp)
+    return batch / t / max(output_mean, 1.0) if t > 0 else math.inf
+
+
+# ---- evaluation (runs in worker processes) ------------------------------------------------------
+@dataclass(frozen=True)
+class _Job:
+    kind: str
+    placement: Placement
+    latency: LatencyModel
+    unit_requests: tuple[Request, ...]
+    slo: SLOSpec
+    config: SimConfig
+    rel_tol: float
+    start_rate: float
+    max_rate: float | None
+
+
+def _evaluate(job: _Job) -> tuple[float, str | None, list[tuple[float, dict[str, float], bool]]]:
+    g: GoodputResult = find_goodput(job.placement, job.latency, job.unit_requests, job.slo, job.config,
+                                    rel_tol=job.rel_tol, start_rate=job.start_rate, max_rate=job.max_rate)
+    return g.rate, g.binding, [(p.rate, p.attainment, p.meets) for p in g.probes]
+
+
+class Planner:
+    """Runs the search; ``plan()`` returns a ``PlanResult``."""
+
+    def __init__(self, request: PlanRequest, progress: Callable[[str, int, int], None] | None = None) -> None:
+        self.req = request
+        self.progress = progress or (lambda label, done, total: None)
+        reqs = request.unit_requests
+        self.prompt_mean = _mean([r.prompt_len for r in reqs])
+        self.output_mean = _mean([r.output_len for r in reqs])
+        self.prompt_p90 = _quantile([r.prompt_len for r in reqs], 0.9)
+        self.num_simulated = 0
+        self.notes: list[str] = []
+        cfg = request.sim_config
+        self.configs = parallel_configs(request.latency, request.cluster, cfg.mem_utilization)
+        if not self.configs:
+            raise InvalidConfigError(
+                f"{request.latency.model.name} fits no (tp, pp) layout on {request.cluster.num_nodes} x "
+                f"{request.cluster.gpus_per_node} {request.cluster.gpu.name} (weights "
+                f"{request.latency.model.weight_bytes / 2**30:.0f} GiB): the model does not fit the cluster"
+            )
+
+    # -- phase SLOs and workloads --
+    def _prefill_only(self) -> tuple[tuple[Request, ...], SLOSpec]:
+        reqs = tuple(replace(r, output_len=1) for r in self.req.unit_requests)
+        d = self.req.slo.default
+        return reqs, replace(self.req.slo, default=SLO(d.ttft_s, math.inf, d.attainment), classes={})
+
+    def _decode_only(self) -> SLOSpec:
+        d = self.req.slo.default
+        return replace(self.req.slo, default=SLO(math.inf, d.tpot_s, d.attainment), classes={})
+
+    def _start_rate(self, bound: float) -> float:
+        return max(1e-3, 0.5 * bound) if math.isfinite(bound) else 1.0
+
+    def _run(self, jobs: list[tuple[Candidate, _Job]], label: str) -> None:
+        """Evaluate candidates best-bound first; skip those whose bound can't beat the best so far."""
+        jobs.sort(key=lambda cj: -cj[0].bound_rate / cj[0].num_gpus)
+        best = 0.0
+        done = 0
+        total = len(jobs)
+
+        def record(cand: Candidate, result: tuple[float, str | None, list[Any]]) -> None:
+            nonlocal best, done
+            cand.goodput, cand.binding, cand.probes = result
+            if cand.goodput >= cand.bound_rate:
+                cand.goodput = cand.bound_rate
+                cand.binding = "throughput"
+            best = max(best, cand.per_gpu)
+            done += 1
+            self.num_simulated += 1
+            self.progress(label, done, total)
+
+        workers = max(1, self.req.max_workers)
+        if workers == 1:
+            for cand, job in jobs:
+                if cand.bound_rate / cand.num_gpus <= best:
+                    cand.skipped = f"bound {cand.bound_rate / cand.num_gpus:.3g} req/s/GPU <= best {best:.3g}"
+                    done += 1
+                    self.progress(label, done, total)
+                    continue
+                record(cand, _evaluate(job))
+            return
+        with ProcessPoolExecutor(max_workers=workers) as pool:
+            pending = list(jobs)
+            while pending:
+                batch, pending = pending[:workers], pending[workers:]
+                live = []
+                for cand, job in batch:
+                    if cand.bound_rate / cand.num_gpus <= best:
+                        cand.skipped = f"bound {cand.bound_rate / cand.num_gpus:.3g} req/s/GPU <= best {best:.3g}"
+                        done += 1
+                        self.progress(label, done, total)
+                    else:
+                        live.append((cand, pool.submit(_evaluate, job)))
+                for cand, fut in live:
+                    record(cand, fut.result())
+
+    def _job(self, cand: Candidate, reqs: tuple[Request, ...], slo: SLOSpec, config: SimConfig) -> _Job:
+        bound = cand.bound_rate if math.isfinite(cand.bound_rate) else None
+        return _Job(cand.kind, cand.placement, self.req.latency, reqs, slo, config, self.req.rel_tol,
+                    self._start_rate(cand.bound_rate), bound)
+
+    def _floor_misses(self, kind: str, tp: int, pp: int) -> str | None:
+        """The unloaded latency (M/D/1 with no queue) already misses the SLO."""
+        lat, slo = self.req.latency, self.req.slo.default
+        if kind in ("prefill", "colocated") and lat.prefill_time([self.prompt_p90], tp, pp) > slo.ttft_s:
+            return f"an unloaded P90 prompt takes {lat.prefill_time([self.prompt_p90], tp, pp):.3g} s > TTFT {slo.ttft_s} s"
+        ctx = int(self.prompt_mean + self.output_mean)
+        if kind in ("decode", "colocated") and lat.decode_time([ctx], tp, pp) > slo.tpot_s:
+            return f"an unloaded decode step takes {lat.decode_time([ctx], tp, pp):.3g} s > TPOT {slo.tpot_s} s"
+        return None
+
+    # -- searches --
+    def search_phases(self) -> tuple[list[Candidate], list[Candidate]]:
+        lat, cfg = self.req.latency, self.req.sim_config
+        pre_reqs, pre_slo = self._prefill_only()
+        dec_slo = self._decode_only()
+        dec_cfg = replace(cfg, instant_prefill=True)
+        pre: list[tuple[Candidate, _Job]] = []
+        dec: list[tuple[Candidate, _Job]] = []
+        out_p, out_d = [], []
+        for tp, pp in self.configs:
+            spec = InstanceSpec(tp, pp)
+            c = Candidate("prefill", Placement(prefill=(spec,), decode=(spec,)), tp * pp,
+                          prefill_bound(lat, tp, pp, self.prompt_mean, cfg.prefill_scheduler.max_num_batched_tokens))
+            c.skipped = self._floor_misses("prefill", tp, pp)
+            out_p.append(c)
+            if c.skipped is None:
+                pre.append((c, self._job(c, pre_reqs, pre_slo, cfg)))
+            kv = lat.max_kv_tokens(tp, pp, cfg.mem_utilization)
+            d = Candidate("decode", Placement(prefill=(spec,), decode=(spec,)), tp * pp,
+                          decode_bound(lat, tp, pp, self.prompt_mean, self.output_mean, cfg.decode_scheduler.max_num_seqs, kv))
+            d.skipped = self._floor_misses("decode", tp, pp)
+            out_d.append(d)
+            if d.skipped is None:
+                dec.append((d, self._job(d, self.req.unit_requests, dec_slo, dec_cfg)))
+        self._run(pre, "prefill configs")
+        self._run(dec, "decode configs")
+        return out_p, out_d
+
+    def search_colocated(self) -> list[Candidate]:
+        lat, cfg = self.req.latency, self.req.sim_config
+        jobs, out = [], []
+        for tp, pp in self.configs:
+            spec = InstanceSpec(tp, pp)
+            kv = lat.max_kv_tokens(tp, pp, cfg.mem_utilization)
+            # One instance does both phases: per request it spends a prefill share and a decode share.
+            bound = 1.0 / (
+                1.0 / prefill_bound(lat, tp, pp, self.prompt_mean, cfg.scheduler.max_num_batched_tokens)
+                + 1.0 / decode_bound(lat, tp, pp, self.prompt_mean, self.output_mean, cfg.scheduler.max_num_seqs, kv)
+            )
+            c = Candidate("colocated", Placement(colocated=(spec,)), tp * pp, bound)
+            c.skipped = self._floor_misses("colocated", tp, pp)
+            out.append(c)
+            if c.skipped is None:
+                jobs.append((c, self._job(c, self.req.unit_requests, self.req.slo, cfg)))
+        self._run(jobs, "colocated configs")
+        return out
+
+    def search_low_affinity(self) -> list[Candidate]:
+        """Units whose every stage's prefill + decode segments share one node."""
+        lat, cfg, cluster = self.req.latency, self.req.sim_config, self.req.cluster
+        g = cluster.gpus_per_node
+        configs = [(tp, pp) for tp, pp in self.configs if pp <= cluster.num_nodes]
+        jobs, out = [], []
+        for tp_p, pp in configs:
+            for tp_d, pp_d in configs:
+                if pp_d != pp:
+                    continue
+                for n_p in range(1, g // tp_p + 1):
+                    for n_d in range(1, (g - n_p * tp_p) // tp_d + 1):
+                        placement = Placement(
+                            prefill=tuple(InstanceSpec(tp_p, pp) for _ in range(n_p)),
+                            decode=tuple(InstanceSpec(tp_d, pp) for _ in range(n_d)),
+                        )
+                        kv = lat.max_kv_tokens(tp_d, pp, cfg.mem_utilization)
+                        bound = min(
+                            n_p * prefill_bound(lat, tp_p, pp, self.prompt_mean, cfg.prefill_scheduler.max_num_batched_tokens),
+                            n_d * decode_bound(lat, tp_d, pp, self.prompt_mean, self.output_mean, cfg.decode_scheduler.max_num_seqs, kv),
+                        )
+                        c = Candidate("unit", placement, (n_p * tp_p + n_d * tp_d) * pp, bound)
+                        c.skipped = self._floor_misses("prefill", tp_p, pp) or self._floor_misses("decode", tp_d, pp)
+                        out.append(c)
+                        if c.skipped is None:
+                            jobs.append((c, self._job(c, self.req.unit_requests, self.req.slo, cfg)))
+        self._run(jobs, "low-affinity units")
+        return out
+
+    # -- assembling plans --
+    def _replicate(self, kind: str, parts: list[tuple[InstanceSpec, float, str]], unit_gpus: int | None = None) -> tuple[list[int], float] | None:
+        """Replica counts for each part (spec, goodput, phase): ⌈R/g⌉ each, or fill the GPU budget."""
+        total = self.req.gpu_budget or self.req.cluster.num_gpus
+        gpus = [s.tp * s.pp for s, _, _ in parts]
+        if self.req.rate is not None:
+            counts = [math.ceil(self.req.rate / g) for _, g, _ in parts]
+            need = sum(c * n for c, n in zip(counts, gpus))
+            if need > total:
+                self.notes.append(f"{kind}: serving {self.req.rate:g} req/s needs {need} GPUs, the cluster has {total}")
+                return None
+            return counts, self.req.rate
+        # GPU budget: the counts maximising the system rate min_i(count_i * g_i) within the cluster.
+        best: tuple[list[int], float] | None = None
+        if len(parts) == 1:
+            n = total // gpus[0]
+            return ([n], n * parts[0][1]) if n else None
+        (sp, gp, _), (sd, gd, _) = parts
+        for n in range(1, total // gpus[0] + 1):
+            m = (total - n * gpus[0]) // gpus[1]
+            if m < 1:
+                break
+            rate = min(n * gp, m * gd)
+            # Don't keep GPUs that add nothing: trim the surplus side.
+            n_used = math.ceil(rate / gp - 1e-9)
+            m_used = math.ceil(rate / gd - 1e-9)
+            used = n_used * gpus[0] + m_used * gpus[1]
+            if best is None or rate / used > best[1] / max(1, sum(c * g for c, g in zip(best[0], gpus))):
+                best = ([n_used, m_used], rate)
+        return best
+
+    def _verify(self, placement: Placement, rate: float) -> dict[str, Any]:
+        """Simulate the whole plan at its rate: the predicted figures written into the Placement."""
+        res = simulate(placement, self.req.latency, with_rate(self.req.unit_requests, rate), self.req.sim_config)
+        self.num_simulated += 1
+        s = res.summary(self.req.slo)
+        return {k: s[k] for k in ("attainment", "meets_slo", "ttft_p50_s", "ttft_p90_s", "tpot_p50_s", "tpot_p90_s")}
+
+    def plan(self) -> PlanResult:
+        cluster, affinity = self.req.cluster, self.req.affinity
+        options: list[PlanOption] = []
+        candidates: list[Candidate] = []
+        colo = self.search_colocated()
+        candidates += colo
+        best_colo = max((c for c in colo if c.goodput > 0), key=lambda c: c.per_gpu, default=None)
+        if best_colo is not None:
+            spec = best_colo.placement.colocated[0]
+            rep = self._replicate("colocated", [(spec, best_colo.goodput, "colocated")])
+            if rep is not None:
+                (n,), rate = rep
+                options.append(self._option("colocated", Placement(colocated=tuple(spec for _ in range(n))), rate))
+        if affinity in ("high", "auto"):
+            pre, dec = self.search_phases()
+            candidates += pre + dec
+            bp = max((c for c in pre if c.goodput > 0), key=lambda c: c.per_gpu, default=None)
+            bd = max((c for c in dec if c.goodput > 0), key=lambda c: c.per_gpu, default=None)
+            if bp is not None and bd is not None:
+                sp, sd = bp.placement.prefill[0], bd.placement.decode[0]
+                rep = self._replicate("disagg", [(sp, bp.goodput, "prefill"), (sd, bd.goodput, "decode")])
+                if rep is not None:
+                    (n, m), rate = rep
+                    placement = Placement(prefill=tuple(sp for _ in range(n)), decode=tuple(sd for _ in range(m)))
+                    options.append(self._option("disaggregated (high affinity)", placement, rate))
+        if affinity in ("low", "auto"):
+            units = self.search_low_affinity()
+            candidates += units
+            bu = max((c for c in units if c.goodput > 0), key=lambda c: c.per_gpu, default=None)
+            if bu is not None:
+                pp = bu.placement.prefill[0].pp
+                nodes_per_unit = pp
+                max_units = min(cluster.num_nodes // nodes_per_unit, (self.req.gpu_budget or cluster.num_gpus) // bu.num_gpus)
+                k = max_units if self.req.rate is None else math.ceil(self.req.rate / bu.goodput)
+                if 1 <= k <= max_units:
+                    placement = _replicate_units(bu.placement, k, pp)
+                    rate = k * bu.goodput if self.req.rate is None else self.req.rate
+                    options.append(self._option("disaggregated (low affinity)", placement, rate))
+                else:
+                    self.notes.append(f"low affinity: {k} units of {bu.label()} needed, {max_units} fit the cluster")
+        options.sort(key=lambda o: -o.per_gpu)
+        feasible = bool(options)
+        closest = None if feasible else self._closest(candidates)
+        return PlanResult(options[0] if options else None, options, candidates, self.num_simulated, feasible, closest, self.notes)
+
+    def _option(self, name: str, placement: Placement, rate: float) -> PlanOption:
+        placement = assign_nodes(placement, self.req.cluster) if "low" not in name else placement
+        predicted = self._verify(placement, rate)
+        option = PlanOption(name, placement, placement.num_workers, rate, predicted)
+        option.predicted.update({"rate": rate, "goodput_per_gpu": option.per_gpu, "num_gpus": option.num_gpus, "kind": name})
+        option.placement = replace(placement, predicted=dict(option.predicted))
+        return option
+
+    def _closest(self, candidates: list[Candidate]) -> str:
+        """For impossible SLOs: the candidate with the best attainment at its lowest probe, and what binds."""
+        best: tuple[float, Candidate, dict[str, float]] | None = None
+        for c in candidates:
+            if c.probes:
+                rate, att, _ = min(c.probes, key=lambda p: p[0])
+                if best is None or att["joint"] > best[0]:
+                    best = (att["joint"], c, att)
+        if best is None:
+            reasons = sorted({c.skipped for c in candidates if c.skipped})
+            return "no candidate can meet the SLO even unloaded: " + "; ".join(reasons[:3])
+        joint, c, att = best
+        binding = "TTFT" if att["ttft"] < att["tpot"] else "TPOT"
+        return (f"closest: {c.kind} {c.label()} reaches {joint:.0%} joint attainment (TTFT {att['ttft']:.0%}, "
+                f"TPOT {att['tpot']:.0%}) at its lowest probed rate; the {binding} SLO binds")
+
+
+def _replicate_units(unit: Placement, k: int, pp: int) -> Placement:
+    """k copies of a low-affinity unit; copy j uses nodes [j*pp, (j+1)*pp) (stage i on node j*pp+i)."""
+    prefill, decode = [], []
+    for j in range(k):
+        node = j * pp if pp == 1 else None  # a multi-node pipeline is spread by Ray over its nodes
+        prefill += [replace(s, node=node) for s in unit.prefill]
+        decode += [replace(s, node=node) for s in unit.decode]
+    return Placement(prefill=tuple(prefill), decode=tuple(decode))
+
+
+def assign_nodes(placement: Placement, cluster: Cluster) -> Placement:
+    """Pin single-node instances to nodes, first-fit by size (largest first), decode after prefill.
+
+    Instances larger than a node (pp across nodes) stay unpinned (``node`` None): Ray spreads them.
+    """
+    free = [cluster.gpus_per_node] * cluster.num_nodes
+    out: dict[str, list[InstanceSpec]] = {"prefill": [], "decode": [], "colocated": []}
+    order = sorted(
+        ((kind, i, s) for kind in out for i, s in enumerate(getattr(placement, kind))),
+        key=lambda t: -t[2].num_workers,
+    )
+    assigned: dict[tuple[str, int], InstanceSpec] = {}
+    for kind, i, s in order:
+        node = None
+        if s.num_workers <= cluster.gpus_per_node:
+            node = next((n for n, f in enumerate(free) if f >= s.num_workers), None)
+            if node is not None:
+                free[node] -= s.num_workers
+        assigned[(kind, i)] = replace(s, node=node)
+    for kind in out:
+        out[kind] = [assigned[(kind, i)] for i in range(len(getattr(placement, kind)))]
+    return Placement(prefill=tuple(out["prefill"]), decode=tuple(out["decode"]), colocated=tuple(out["colocated"]))
+
+
+def default_workers() -> int:
+    return max(1, min(2, os.cpu_count() or 1))

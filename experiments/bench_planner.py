@@ -1,0 +1,215 @@
+"""How long does ``distserve plan`` take? The full search for OPT-66B on 4 x 8 A100-80G, timed.
+
+The setting: OPT-66B, the chatbot workload (ShareGPT's shape), TTFT 2.5 s and TPOT 0.15 s at 90%
+(joint), affinity ``auto`` (colocated, high- and low-affinity disaggregated all searched), with
+DistServe's fitted A100 profile (``../shared/data/distserve-a100-80g-profile.json``; the roofline
+model of the A100 when that file is absent, and the JSON says so). The search is run for every
+combination of ``--workers`` (processes simulating candidates) and ``--num-requests`` (requests per
+simulated probe), so the trade-off between search time and workload size is visible: more requests
+make each goodput estimate steadier and each probe slower.
+
+For each run: wall and CPU time (this process and its workers), the candidates enumerated, how many
+were simulated and how many were pruned (by the throughput bound, or because the unloaded latency
+already misses the SLO), the simulations run (bisection probes + each option's verification), and
+the chosen plan. Target: <= 10 s on 2 cores (goal <= 1 s) for the CLI's defaults (1 worker, 300
+requests). The machine may be shared: the load average at the start is recorded.
+
+Writes JSON + markdown under --out-dir; the last stdout line is the JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from distserve.placement.plan_report import PlanArgs, build_request  # noqa: E402
+from distserve.placement.search import Planner, PlanResult  # noqa: E402
+
+DEFAULT_PROFILE = REPO.parent / "shared" / "data" / "distserve-a100-80g-profile.json"
+TARGET_S, GOAL_S = 10.0, 1.0
+CLI_DEFAULTS = {"workers": 1, "num_requests": 300}
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="facebook/opt-66b")
+    p.add_argument("--gpu", default="a100-80g")
+    p.add_argument("--nodes", type=int, default=4)
+    p.add_argument("--gpus-per-node", type=int, default=8)
+    p.add_argument("--workload", default="chatbot")
+    p.add_argument("--ttft", type=float, default=2.5, help="TTFT SLO, seconds")
+    p.add_argument("--tpot", type=float, default=0.15, help="TPOT SLO, seconds")
+    p.add_argument("--attainment", type=float, default=0.9)
+    p.add_argument("--affinity", default="auto", choices=["high", "low", "auto"])
+    p.add_argument("--profile", default=str(DEFAULT_PROFILE), help="latency profile JSON (roofline if the file is absent)")
+    p.add_argument("--workers", default="1,2", help="comma-separated --workers values to time")
+    p.add_argument("--num-requests", default="100,300", help="comma-separated --num-requests values to time")
+    p.add_argument("--quick", action="store_true", help="OPT-13B on 1 x 4, 50 requests (the test suite's run)")
+    p.add_argument("--out-dir", default=str(REPO / "experiments" / "results"))
+    args = p.parse_args()
+    if args.quick:
+        args.model, args.nodes, args.gpus_per_node, args.num_requests = "facebook/opt-13b", 1, 4, "50"
+        args.ttft, args.tpot = 0.25, 0.1
+    args.workers_list = [int(w) for w in args.workers.split(",")]
+    args.num_requests_list = [int(n) for n in args.num_requests.split(",")]
+    if min(args.workers_list) < 1 or min(args.num_requests_list) < 2:
+        p.error("--workers must be >= 1 and --num-requests >= 2")
+    return args
+
+
+def cpu_seconds() -> float:
+    """User + system CPU of this process and its reaped children (the worker pool's processes)."""
+    own, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
+
+
+def describe_plan(result: PlanResult) -> dict[str, Any] | None:
+    best = result.best
+    if best is None:
+        return None
+    p = best.placement
+    if p.colocated:
+        s = p.colocated[0]
+        layout = f"{len(p.colocated)} x colocated tp{s.tp}pp{s.pp}"
+    else:
+        sp, sd = p.prefill[0], p.decode[0]
+        layout = f"{len(p.prefill)}P tp{sp.tp}pp{sp.pp} + {len(p.decode)}D tp{sd.tp}pp{sd.pp}"
+    return {"name": best.name, "layout": layout, "num_gpus": best.num_gpus, "rate": best.rate, "per_gpu": best.per_gpu,
+            "predicted_attainment": best.predicted.get("attainment", {}).get("joint")}
+
+
+def time_one(args: argparse.Namespace, profile: str | None, workers: int, num_requests: int) -> dict[str, Any]:
+    plan_args = PlanArgs(model=args.model, gpu=args.gpu, nodes=args.nodes, gpus_per_node=args.gpus_per_node,
+                         workload=args.workload, ttft_s=args.ttft, tpot_s=args.tpot, attainment=args.attainment,
+                         profile=profile, affinity=args.affinity, num_requests=num_requests, workers=workers)
+    t0, c0 = time.perf_counter(), cpu_seconds()
+    req = build_request(plan_args)
+    t1 = time.perf_counter()
+    result = Planner(req).plan()
+    t2, c2 = time.perf_counter(), cpu_seconds()
+    cands = result.candidates
+    by_bound = sum(1 for c in cands if c.skipped and c.skipped.startswith("bound"))
+    by_floor = sum(1 for c in cands if c.skipped and not c.skipped.startswith("bound"))
+    probes = [len(c.probes) for c in cands if c.probes]
+    capped = sum(1 for c in cands if c.probes and c.binding == "throughput")
+    return {
+        "workers": workers,
+        "num_requests": num_requests,
+        "wall_s": t2 - t0,
+        "build_s": t1 - t0,
+        "search_s": t2 - t1,
+        "cpu_s": c2 - c0,
+        "num_enumerated": len(cands),
+        "num_candidates_simulated": len(probes),
+        "num_pruned_by_bound": by_bound,
+        "num_pruned_by_floor": by_floor,
+        "num_simulated": result.num_simulated,
+        "num_simulations": sum(probes) + len(result.options),
+        "max_probes_per_candidate": max(probes, default=0),
+        "num_capped_at_bound": capped,
+        "feasible": result.feasible,
+        "best": describe_plan(result),
+        "options": [{"name": o.name, "num_gpus": o.num_gpus, "rate": o.rate, "per_gpu": o.per_gpu} for o in result.options],
+        "simulated": [{"kind": c.kind, "configuration": c.label(), "num_gpus": c.num_gpus, "bound": c.bound_rate,
+                       "goodput": c.goodput, "binding": c.binding, "num_probes": len(c.probes)} for c in cands if c.probes],
+    }
+
+
+def main() -> None:
+    args = parse_args()
+    out_dir = Path(args.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    profile_used = Path(args.profile).is_file()
+    profile = args.profile if profile_used else None
+    if not profile_used:
+        print(f"profile {args.profile} not found: using the roofline model of {args.gpu}", flush=True)
+    load = os.getloadavg()
+    runs = []
+    for num_requests in args.num_requests_list:
+        for workers in args.workers_list:
+            run = time_one(args, profile, workers, num_requests)
+            runs.append(run)
+            best = run["best"]
+            print(f"workers {workers}, {num_requests} requests: {run['wall_s']:.1f} s wall ({run['cpu_s']:.1f} s CPU), "
+                  f"{run['num_enumerated']} candidates: {run['num_candidates_simulated']} simulated, "
+                  f"{run['num_pruned_by_bound']} pruned by bound, {run['num_pruned_by_floor']} by SLO floor; "
+                  f"{run['num_simulations']} simulations -> "
+                  + (f"{best['name']}: {best['layout']}, {best['num_gpus']} GPUs, {best['rate']:.3g} req/s "
+                     f"({best['per_gpu']:.3g}/GPU)" if best else "no feasible plan"), flush=True)
+    default = next((r for r in runs if all(r[k] == v for k, v in CLI_DEFAULTS.items())), None)
+    fastest = min(runs, key=lambda r: r["wall_s"])
+    headline = default or fastest
+    figures = {
+        "model": args.model,
+        "cluster": f"{args.nodes} x {args.gpus_per_node} {args.gpu}",
+        "workload": args.workload,
+        "slo": {"ttft_s": args.ttft, "tpot_s": args.tpot, "attainment": args.attainment},
+        "affinity": args.affinity,
+        "profile_used": profile_used,
+        "latency_model": "FittedLatencyModel (DistServe profile)" if profile_used else "RooflineLatencyModel",
+        "cpu_count": os.cpu_count(),
+        "load_avg_at_start": load[0],
+        "headline": "cli_defaults" if default else "fastest",
+        "wall_s": headline["wall_s"],
+        "num_simulated": headline["num_simulated"],
+        "fastest_wall_s": fastest["wall_s"],
+        "fastest": {"workers": fastest["workers"], "num_requests": fastest["num_requests"]},
+        "target_s": TARGET_S,
+        "goal_s": GOAL_S,
+        "target_met": headline["wall_s"] <= TARGET_S,
+        "goal_met": headline["wall_s"] <= GOAL_S,
+        "best": headline["best"],
+        "runs": runs,
+    }
+    write_outputs(out_dir, figures, args.quick)
+    print(json.dumps(figures, default=float))
+
+
+def write_outputs(out_dir: Path, f: dict[str, Any], quick: bool) -> None:
+    stem = "bench_planner" + ("_quick" if quick else "")
+    (out_dir / f"{stem}.json").write_text(json.dumps(f, indent=2, default=float) + "\n")
+    slo = f["slo"]
+    lines = [
+        f"# Planner search time: {f['model']} on {f['cluster']}",
+        "",
+        f"Workload {f['workload']}, TTFT {slo['ttft_s']} s / TPOT {slo['tpot_s']} s at {slo['attainment']:.0%} (joint), "
+        f"affinity {f['affinity']}, latency model: {f['latency_model']}. {f['cpu_count']} cores, load average "
+        f"{f['load_avg_at_start']:.1f} at the start (the machine is shared; CPU time is the steadier figure).",
+        "",
+        f"**{f['wall_s']:.1f} s** for the {f['headline'].replace('_', ' ')} run (target {f['target_s']:g} s: "
+        f"{'met' if f['target_met'] else 'not met'}; goal {f['goal_s']:g} s: {'met' if f['goal_met'] else 'not met'}); "
+        f"fastest run {f['fastest_wall_s']:.1f} s.",
+        "",
+        "| workers | requests/probe | wall s | CPU s | enumerated | simulated | pruned (bound) | pruned (SLO floor) "
+        "| simulations | max probes/candidate | best plan | GPUs | rate (req/s) | per GPU |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|",
+    ]
+    for r in f["runs"]:
+        b = r["best"] or {"name": "none", "layout": "-", "num_gpus": 0, "rate": 0.0, "per_gpu": 0.0}
+        lines.append(
+            f"| {r['workers']} | {r['num_requests']} | {r['wall_s']:.1f} | {r['cpu_s']:.1f} | {r['num_enumerated']} "
+            f"| {r['num_candidates_simulated']} | {r['num_pruned_by_bound']} | {r['num_pruned_by_floor']} "
+            f"| {r['num_simulations']} | {r['max_probes_per_candidate']} | {b['name']}: {b['layout']} | {b['num_gpus']} "
+            f"| {b['rate']:.3g} | {b['per_gpu']:.3g} |"
+        )
+    lines += ["", "Candidates simulated (run with the most requests, 1st listed worker count):", "",
+              "| kind | configuration | GPUs | throughput bound (req/s) | goodput (req/s) | binding | probes |",
+              "|---|---|---:|---:|---:|---|---:|"]
+    last = max(f["runs"], key=lambda r: (r["num_requests"], -r["workers"]))
+    for c in last["simulated"]:
+        lines.append(f"| {c['kind']} | {c['configuration']} | {c['num_gpus']} | {c['bound']:.3g} | {c['goodput']:.3g} "
+                     f"| {c['binding'] or '-'} | {c['num_probes']} |")
+    (out_dir / f"{stem}.md").write_text("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,266 @@
+"""Simulator speed: simulated requests per wall-clock second, through our real schedulers.
+
+``simulator.simulation`` runs the real ``Scheduler``/``PrefillScheduler``/``DecodeScheduler`` over
+real ``BlockManager``s, one ``schedule()``/``update_from_output()`` per simulated step, so every
+generated token of every request is one trip through the scheduler. This times it on 10k
+ShareGPT-like requests (``chatbot`` lengths, Poisson arrivals, prompt + output <= 2048 tokens) on a
+1P1D and a 4P2D deployment of OPT-13B, plus one colocated instance for reference, at 3 req/s per
+prefill (or colocated) instance, near what such a deployment sustains. Step times come from
+DistServe's fitted OPT-13B profile (A100-80G) if the file is there, else from our roofline model
+(the JSON says which).
+
+Figures per deployment: simulated requests, steps (``schedule()`` calls) and token-steps (one
+scheduled sequence, one sampled token) per wall-clock second, the same per CPU second of the
+simulating process (steadier on a shared machine), and the ratio to the issue's target of 100k
+requests/s. With ``--baseline-ref REF`` it also times the scheduler, block manager, sequence and
+simulation-loop files as they were at git ``REF`` (copied into a temporary tree, the rest of the
+package as it is now), interleaved with the current code, and reports the speed-up. Every
+measurement runs in its own subprocess. Writes JSON + markdown + PNG under --out-dir; the last
+stdout line is the JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_PROFILE = ROOT.parent / "shared" / "data" / "distserve-a100-80g-profile.json"
+MODEL, HARDWARE = "facebook/opt-13b", "a100-80g"
+TARGET_REQUESTS_PER_S = 100_000
+# name -> (num_prefill, num_decode); (n, 0) is n colocated instances
+DEPLOYMENTS = {"1p1d": (1, 1), "4p2d": (4, 2), "colocated1": (1, 0)}
+# What the speed-up of the scheduler hot path changed; --baseline-ref takes these from git.
+HOT_PATH_FILES = (
+    "distserve/engine/scheduler.py", "distserve/engine/block_manager.py", "distserve/engine/sequence.py",
+    "distserve/prefill/scheduler.py", "distserve/decode/scheduler.py", "simulator/simulation.py",
+)
+PACKAGES = ("distserve", "simulator", "kernels")
+
+
+# ---- one measurement (runs in a subprocess whose PYTHONPATH picks the code under test) ----------
+def measure(deployment: str, num_requests: int, rate_per_entry: float, profile: str | None, seed: int) -> dict[str, Any]:
+    from distserve.engine import scheduler as scheduler_module
+    from distserve.placement.placement import Placement
+    from simulator.latency import FittedLatencyModel, LatencyModel, RooflineLatencyModel
+    from simulator.simulation import simulate
+    from simulator.workload import generate_requests
+
+    num_prefill, num_decode = DEPLOYMENTS[deployment]
+    placement = (
+        Placement.disaggregated(num_prefill, num_decode) if num_decode else Placement.colocated_instances(num_prefill)
+    )
+    latency: LatencyModel = (
+        FittedLatencyModel.from_profile(profile, model=MODEL) if profile else RooflineLatencyModel(MODEL, HARDWARE)
+    )
+    rate = rate_per_entry * num_prefill
+    requests = generate_requests("chatbot", rate, num_requests, seed=seed, max_total_len=2048)
+    wall0, cpu0 = time.perf_counter(), time.process_time()
+    result = simulate(placement, latency, requests)
+    wall_s, cpu_s = time.perf_counter() - wall0, time.process_time() - cpu0
+    records = result.records
+    return {
+        "deployment": deployment, "rate_rps": rate, "num_requests": num_requests,
+        "num_completed": sum(r.finish_s is not None for r in records),
+        "num_steps": sum(i["num_steps"] for i in result.instances.values()),
+        # Each scheduled sequence samples one token (no chunked prefill here), preemption recomputes included.
+        "num_token_steps": sum(r.num_output_tokens for r in records),
+        "num_preemptions": sum(i["num_preemptions"] for i in result.instances.values()),
+        "simulated_s": result.duration_s, "wall_s": wall_s, "cpu_s": cpu_s,
+        "latency_model": repr(latency), "scheduler_source": scheduler_module.__file__,
+    }
+
+
+def run_worker(src_root: Path, args: argparse.Namespace, deployment: str, profile: str | None) -> dict[str, Any]:
+    """``measure`` in a fresh interpreter importing ``distserve``/``simulator`` from ``src_root``."""
+    cmd = [
+        sys.executable, str(Path(__file__).resolve()), "--worker", deployment, "--num-requests", str(args.num_requests),
+        "--rate-per-prefill", str(args.rate_per_prefill), "--seed", str(args.seed), "--profile", profile or "",
+    ]
+    env = {**os.environ, "PYTHONPATH": str(src_root)}
+    proc = subprocess.run(cmd, cwd=src_root, env=env, capture_output=True, text=True, check=False)
+    if proc.returncode != 0:
+        raise RuntimeError(f"worker {deployment} ({src_root}) failed:\n{proc.stderr[-3000:]}")
+    row: dict[str, Any] = json.loads(proc.stdout.strip().splitlines()[-1])
+    if not row["scheduler_source"].startswith(str(src_root)):  # the editable install must not win
+        raise RuntimeError(f"worker imported {row['scheduler_source']}, expected code under {src_root}")
+    return row
+
+
+def baseline_tree(ref: str, dest: Path) -> Path:
+    """The packages as they are now, with ``HOT_PATH_FILES`` as they were at git ``ref``."""
+    for pkg in PACKAGES:
+        shutil.copytree(ROOT / pkg, dest / pkg, ignore=shutil.ignore_patterns("__pycache__"))
+    for rel in HOT_PATH_FILES:
+        old = subprocess.run(["git", "show", f"{ref}:{rel}"], cwd=ROOT, capture_output=True, text=True, check=False)
+        if old.returncode != 0:
+            raise RuntimeError(f"git show {ref}:{rel} failed: {old.stderr.strip()}")
+        (dest / rel).write_text(old.stdout)
+    return dest
+
+
+# ---- report ---------------------------------------------------------------------------------
+def summarize(rows: list[dict[str, Any]], variant: str, deployment: str) -> dict[str, Any]:
+    """Median rates over the repeats of one (variant, deployment)."""
+    mine = [r for r in rows if r["variant"] == variant and r["deployment"] == deployment]
+    first = mine[0]
+    wall = statistics.median(r["wall_s"] for r in mine)
+    cpu = statistics.median(r["cpu_s"] for r in mine)
+    return {
+        "rate_rps": first["rate_rps"], "num_requests": first["num_requests"], "num_completed": first["num_completed"],
+        "num_steps": first["num_steps"], "num_token_steps": first["num_token_steps"],
+        "num_preemptions": first["num_preemptions"], "simulated_s": first["simulated_s"], "wall_s": wall, "cpu_s": cpu,
+        "requests_per_s": first["num_requests"] / wall, "cpu_requests_per_s": first["num_requests"] / cpu,
+        "steps_per_s": first["num_steps"] / wall, "token_steps_per_s": first["num_token_steps"] / wall,
+        "us_per_token_step": wall / first["num_token_steps"] * 1e6,
+    }
+
+
+def write_outputs(out_dir: Path, stem: str, rows: list[dict[str, Any]], figures: dict[str, Any]) -> None:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / f"{stem}.json").write_text(json.dumps({"figures": figures, "rows": rows}, indent=2))
+    deployments = figures["deployments"]
+    has_baseline = figures["baseline_ref"] is not None
+    md = [
+        f"Simulator speed: {figures['num_requests']} ShareGPT-like requests (`chatbot`, prompt + output <= 2048), "
+        f"{figures['rate_per_prefill']:g} req/s per prefill (or colocated) instance, latency model "
+        f"`{figures['latency_model']}`; median of {figures['repeats']} run(s), each in its own process. "
+        f"Target: {TARGET_REQUESTS_PER_S:,} simulated requests per wall-clock second. Token-steps = scheduled "
+        "sequences summed over steps (one sampled token each). The machine is shared: load average "
+        f"{figures['load_average_start']} at the start, {figures['load_average_end']} at the end "
+        f"({figures['num_cpus']} CPUs); CPU-time rates are steadier than wall-clock ones.",
+        "",
+        "| deployment | rate (req/s) | simulated s | steps | token-steps | wall s | req/s | steps/s | token-steps/s "
+        "| µs / token-step | req / CPU s | of target |" + (f" req/s at {figures['baseline_ref']} | speed-up (wall) "
+                                                          "| speed-up (CPU) |" if has_baseline else ""),
+        "|---" * (12 + 3 * has_baseline) + "|",
+    ]
+    for d in deployments:
+        f = {k.removeprefix(f"{d}_"): v for k, v in figures.items() if k.startswith(f"{d}_")}
+        line = (
+            f"| {d} | {f['rate_rps']:g} | {f['simulated_s']:.0f} | {f['num_steps']} | {f['num_token_steps']} | "
+            f"{f['wall_s']:.1f} | {f['requests_per_s']:.0f} | {f['steps_per_s']:.0f} | {f['token_steps_per_s']:.0f} | "
+            f"{f['us_per_token_step']:.1f} | {f['cpu_requests_per_s']:.0f} | {f['fraction_of_target']:.2%} |"
+        )
+        if has_baseline:
+            line += f" {f['baseline_requests_per_s']:.0f} | {f['speedup']:.2f}x | {f['cpu_speedup']:.2f}x |"
+        md.append(line)
+    if has_baseline:
+        md.append(f"\nBaseline: {', '.join(f'`{p}`' for p in HOT_PATH_FILES)} as of `{figures['baseline_ref']}`, "
+                  "the rest of the tree as now; same workloads and results, interleaved with the current code.")
+    (out_dir / f"{stem}.md").write_text("\n".join(md) + "\n")
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 3.6))
+    ys = range(len(deployments))
+    height = 0.38 if has_baseline else 0.6
+    ax.barh([y + (height / 2 if has_baseline else 0) for y in ys],
+            [figures[f"{d}_requests_per_s"] for d in deployments], height, label="current", color="C0")
+    if has_baseline:
+        ax.barh([y - height / 2 for y in ys], [figures[f"{d}_baseline_requests_per_s"] for d in deployments], height,
+                label=f"at {figures['baseline_ref']}", color="C7")
+    ax.axvline(TARGET_REQUESTS_PER_S, color="C3", linestyle="--", label=f"target {TARGET_REQUESTS_PER_S:,}/s")
+    ax.set_yticks(list(ys), deployments)
+    ax.set_xscale("log")
+    ax.set_xlabel("simulated requests per wall-clock second")
+    ax.set_title(f"Simulator speed, {figures['num_requests']} chatbot requests, OPT-13B")
+    ax.grid(alpha=0.3, axis="x")
+    ax.legend(fontsize=8, loc="lower right")
+    fig.tight_layout()
+    fig.savefig(out_dir / f"{stem}.png", dpi=120)
+    plt.close(fig)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--num-requests", type=int, default=10_000)
+    ap.add_argument("--rate-per-prefill", type=float, default=3.0, help="req/s per prefill (or colocated) instance")
+    ap.add_argument("--deployments", default=",".join(DEPLOYMENTS), help=f"subset of {', '.join(DEPLOYMENTS)}")
+    ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--profile", default=str(DEFAULT_PROFILE),
+                    help="DistServe's fitted coefficients; if the file is absent (or ''), the roofline model")
+    ap.add_argument("--baseline-ref", default=None,
+                    help="also time the hot-path files as of this git ref (e.g. the commit before the speed-up)")
+    ap.add_argument("--out-dir", default="experiments/results")
+    ap.add_argument("--quick", action="store_true", help="200 requests per deployment")
+    ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # internal: one measurement, JSON out
+    args = ap.parse_args()
+    profile = args.profile if args.profile and Path(args.profile).is_file() else None
+    if args.worker:
+        print(json.dumps(measure(args.worker, args.num_requests, args.rate_per_prefill, profile, args.seed)))
+        return
+    if args.quick:
+        args.num_requests = 200
+    deployments = [d for d in args.deployments.split(",") if d]
+    for d in deployments:
+        if d not in DEPLOYMENTS:
+            ap.error(f"unknown deployment {d!r}; choose from {', '.join(DEPLOYMENTS)}")
+    if profile is None:
+        print(f"profile {args.profile} not found: using the roofline model", flush=True)
+
+    load_start = [round(x, 2) for x in os.getloadavg()]
+    rows: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory(prefix="bench_simulator_") as tmp:
+        variants = [("current", ROOT)]
+        if args.baseline_ref:
+            variants.append(("baseline", baseline_tree(args.baseline_ref, Path(tmp))))
+        for _ in range(args.repeats):  # interleaved, so every variant sees the same machine state
+            for d in deployments:
+                for variant, src_root in variants:
+                    row = {"variant": variant, **run_worker(src_root, args, d, profile)}
+                    rows.append(row)
+                    print(f"{variant:<8} {d:<10} {row['num_requests'] / row['wall_s']:8.0f} req/s "
+                          f"({row['wall_s']:.1f} s wall, {row['cpu_s']:.1f} s CPU)", flush=True)
+    for d in deployments:  # the plans are identical, so both variants must agree on every count
+        counts = {(r["num_completed"], r["num_steps"], r["num_token_steps"], r["simulated_s"]) for r in rows
+                  if r["deployment"] == d}
+        if len(counts) != 1:
+            raise RuntimeError(f"{d}: runs disagree on what was simulated: {counts}")
+
+    figures: dict[str, Any] = {
+        "num_requests": args.num_requests, "rate_per_prefill": args.rate_per_prefill, "repeats": args.repeats,
+        "latency_model": rows[0]["latency_model"], "profile_used": profile is not None,
+        "baseline_ref": args.baseline_ref, "deployments": deployments,
+        "target_requests_per_s": TARGET_REQUESTS_PER_S, "num_cpus": os.cpu_count(),
+        "load_average_start": load_start, "load_average_end": [round(x, 2) for x in os.getloadavg()],
+    }
+    for d in deployments:
+        cur = summarize(rows, "current", d)
+        figures.update({f"{d}_{k}": (round(v, 3) if isinstance(v, float) else v) for k, v in cur.items()})
+        figures[f"{d}_fraction_of_target"] = round(cur["requests_per_s"] / TARGET_REQUESTS_PER_S, 5)
+        if args.baseline_ref:
+            base = summarize(rows, "baseline", d)
+            figures[f"{d}_baseline_requests_per_s"] = round(base["requests_per_s"], 3)
+            figures[f"{d}_baseline_cpu_requests_per_s"] = round(base["cpu_requests_per_s"], 3)
+            figures[f"{d}_speedup"] = round(base["wall_s"] / cur["wall_s"], 3)
+            figures[f"{d}_cpu_speedup"] = round(base["cpu_s"] / cur["cpu_s"], 3)
+
+    print(f"latency model: {figures['latency_model']}; target {TARGET_REQUESTS_PER_S:,} req/s")
+    for d in deployments:
+        line = (f"{d:<10} {figures[f'{d}_requests_per_s']:8.0f} req/s  {figures[f'{d}_steps_per_s']:8.0f} steps/s  "
+                f"{figures[f'{d}_token_steps_per_s']:9.0f} token-steps/s  "
+                f"({figures[f'{d}_fraction_of_target']:.2%} of target)")
+        if args.baseline_ref:
+            line += f"  speed-up {figures[f'{d}_speedup']:.2f}x (CPU {figures[f'{d}_cpu_speedup']:.2f}x)"
+        print(line)
+    stem = "bench_simulator_quick" if args.quick else "bench_simulator"
+    write_outputs(Path(args.out_dir), stem, rows, figures)
+    print(json.dumps(figures))
+
+
+if __name__ == "__main__":
+    main()
