@@ -34,7 +34,7 @@ sys.path.insert(0, str(REPO))
 from distserve.placement.plan_report import PlanArgs, build_request  # noqa: E402
 from distserve.placement.search import Planner, PlanResult  # noqa: E402
 
-DEFAULT_PROFILE = REPO.parent / "shared" / "data" / "distserve-a100-80g-profile.json"
+DEFAULT_PROFILE = REPO / "simulator" / "data" / "distserve-a100-80g-profile.json"  # shipped with the package
 TARGET_S, GOAL_S = 10.0, 1.0
 CLI_DEFAULTS = {"workers": 1, "num_requests": 300}
 

@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-DEFAULT_PROFILE = ROOT.parent / "shared" / "data" / "distserve-a100-80g-profile.json"
+DEFAULT_PROFILE = ROOT / "simulator" / "data" / "distserve-a100-80g-profile.json"  # shipped with the package
 MODEL, HARDWARE = "facebook/opt-13b", "a100-80g"
 TARGET_REQUESTS_PER_S = 100_000
 # name -> (num_prefill, num_decode); (n, 0) is n colocated instances

@@ -53,7 +53,7 @@ from simulator.simulation import SimConfig
 from simulator.workload import Request, describe, generate_requests, rescale
 
 ROOT = Path(__file__).resolve().parents[1]
-DEFAULT_PROFILE = ROOT.parent / "shared" / "data" / "distserve-a100-80g-profile.json"
+DEFAULT_PROFILE = ROOT / "simulator" / "data" / "distserve-a100-80g-profile.json"  # shipped with the package
 MODEL = "facebook/opt-13b"
 HARDWARE = "a100-80g"
 NUM_GPUS = 4

@@ -1,4 +1,6 @@
-"""Latency models, workload generators and event-driven simulation of our real schedulers.
+"""Latency models, workload generators and event-driven simulation of our real schedulers."""
 
-Populated by the simulator work (issue 5); the package exists so the project installs as designed.
-"""
+from pathlib import Path
+
+# DistServe's published A100-80G coefficients (OPT-13B, OPT-66B), shipped with the package.
+DISTSERVE_A100_PROFILE = Path(__file__).resolve().parent / "data" / "distserve-a100-80g-profile.json"

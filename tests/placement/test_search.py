@@ -7,13 +7,14 @@ from pathlib import Path
 
 import pytest
 
+from simulator import DISTSERVE_A100_PROFILE
 from distserve.cli import main
 from distserve.placement import plan_report
 from distserve.placement.placement import InstanceSpec, Placement
 from distserve.placement.search import Candidate, Cluster, assign_nodes
 from simulator.hardware import get_hardware
 
-PROFILE = Path(__file__).resolve().parents[3] / "shared" / "data" / "distserve-a100-80g-profile.json"
+PROFILE = DISTSERVE_A100_PROFILE
 needs_profile = pytest.mark.skipif(not PROFILE.exists(), reason=f"DistServe's profile {PROFILE} is not in this checkout")
 
 

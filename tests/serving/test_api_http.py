@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterator
 import httpx
 import openai
 import pytest
+from serving_util import wait_until
 import uvicorn
 from openai.types import Completion
 from openai.types.chat import ChatCompletionMessageParam
@@ -64,15 +65,6 @@ class LiveServer:
         self.thread.join(10)
         self.client.close()
         self.sock.close()
-
-
-def wait_until(predicate: Callable[[], bool], timeout_s: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.02)
-    return predicate()
 
 
 def metric_samples(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:

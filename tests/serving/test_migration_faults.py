@@ -10,6 +10,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from serving_util import wait_until
 
 from distserve.config import CacheConfig, SamplingParams
 from distserve.engine.llm_engine import LLMEngine
@@ -92,15 +93,6 @@ def runtime(ray_cluster: Any) -> Iterator[Runtime]:
         yield rt
     finally:
         rt.close()
-
-
-def wait_until(cond: Any, timeout_s: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if cond():
-            return True
-        time.sleep(0.05)
-    return bool(cond())
 
 
 def counters(stats: dict[str, Any]) -> tuple[int, int, int]:

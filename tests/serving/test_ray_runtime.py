@@ -7,6 +7,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pytest
+from serving_util import wait_until
 
 from distserve.config import CacheConfig, SamplingParams
 from distserve.engine.llm_engine import LLMEngine
@@ -24,15 +25,6 @@ pytestmark = pytest.mark.timeout(300)
 @pytest.fixture(scope="module")
 def reference() -> list[list[int]]:
     return [o.token_ids for o in LLMEngine(load_model("tiny"), cache_config=CACHE).generate(PROMPTS, SP)]
-
-
-def wait_until(cond: Any, timeout_s: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if cond():
-            return True
-        time.sleep(0.05)
-    return bool(cond())
 
 
 def deploy(placement: Placement, **kw: Any) -> DisaggLLM:

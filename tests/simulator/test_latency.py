@@ -26,7 +26,7 @@ from simulator.latency import (
 )
 from simulator.models import KNOWN_MODELS
 
-DATA_DIR = Path(__file__).resolve().parents[3] / "shared" / "data"  # /work/shared/data beside the checkout
+DATA_DIR = Path(__file__).resolve().parents[2] / "simulator" / "data"  # shipped with the package
 DISTSERVE_PROFILE = DATA_DIR / "distserve-a100-80g-profile.json"
 needs_distserve_profile = pytest.mark.skipif(
     not DISTSERVE_PROFILE.is_file(), reason=f"DistServe's published profile not found at {DISTSERVE_PROFILE}"
