@@ -147,6 +147,8 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
         help="ray: every instance in its own Ray actor(s), KV over torch.distributed; local: all instances in "
         "this process; auto: ray when a TP/PP degree > 1 or --placement is given, else local",
     )
+    p.add_argument("--kv-transfer-timeout", type=_positive_float, default=None, metavar="S",
+                   help="seconds before a KV migration is failed and the request re-prefilled (Ray runtime; default 30)")
     p.add_argument("--ray-serve", action="store_true", help="run as a Ray Serve application (default: plain uvicorn)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
 
@@ -264,6 +266,8 @@ def _check_serve_args(args: argparse.Namespace) -> None:
             "--runtime local runs tp = pp = 1 instances only; TP/PP degrees and --placement need --runtime ray"
         )
     _check_placement_args(args)
+    if args.kv_transfer_timeout is not None and args.runtime == "local":
+        raise InvalidConfigError("--kv-transfer-timeout applies to the Ray runtime; --runtime local copies KV in-process")
     if args.ray_serve and (parallel or args.placement is not None or args.runtime == "ray"):
         raise InvalidConfigError("--ray-serve serves in-process engines; use plain `distserve serve --runtime ray` for placements")
 
@@ -327,7 +331,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         def factory() -> "Awaitable[EngineClient]":
             return ControllerClient.create(
                 args.model, placement, dtype=args.dtype, cache_config=cache,
-                max_queued_requests=args.max_queued_requests,
+                max_queued_requests=args.max_queued_requests, kv_transfer_timeout_s=args.kv_transfer_timeout,
             )
 
         ray_layout = " + ".join(

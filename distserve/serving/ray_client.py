@@ -34,6 +34,7 @@ class ControllerClient(EngineClient):
         prefill_scheduler_config: SchedulerConfig | None = None,
         max_queued_requests: int = 1024,
         ray_temp_dir: str | None = None,
+        kv_transfer_timeout_s: float | None = None,
     ) -> "ControllerClient":
         import ray
 
@@ -42,6 +43,7 @@ class ControllerClient(EngineClient):
         controller = Controller(
             model, placement, dtype=dtype, cache_config=cache_config, scheduler_config=scheduler_config,
             prefill_scheduler_config=prefill_scheduler_config, max_queued_requests=max_queued_requests,
+            **({} if kv_transfer_timeout_s is None else {"kv_transfer_timeout_s": kv_transfer_timeout_s}),
         )
         try:
             await controller.start()

@@ -24,6 +24,7 @@ from distserve.cli import main
         (["--placement", "plan.json", "--prefill", "2"], "--placement"),
         (["--colocated", "2", "--prefill", "1"], "--colocated"),
         (["--ray-serve", "--prefill-tp", "2"], "--ray-serve"),
+        (["--runtime", "local", "--kv-transfer-timeout", "5"], "--kv-transfer-timeout"),
     ],
 )
 def test_unsupported_layouts_exit_2(capsys: pytest.CaptureFixture[str], argv: list[str], needle: str) -> None:
@@ -41,6 +42,7 @@ def test_unsupported_layouts_exit_2(capsys: pytest.CaptureFixture[str], argv: li
         (["--colocated", "0"], "--colocated"),
         (["--max-queued-requests", "0"], "--max-queued-requests"),
         (["--decode", "many"], "--decode"),
+        (["--kv-transfer-timeout", "0"], "--kv-transfer-timeout"),
     ],
 )
 def test_bad_flags_exit_2(capsys: pytest.CaptureFixture[str], argv: list[str], needle: str) -> None:

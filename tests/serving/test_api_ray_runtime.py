@@ -45,7 +45,10 @@ class RayServer:
 
     async def _main(self) -> None:
         self.loop = asyncio.get_running_loop()
-        self.client = await ControllerClient.create("tiny", Placement.disaggregated(), dtype="float32", cache_config=CACHE)
+        self.client = await ControllerClient.create(
+            "tiny", Placement.disaggregated(), dtype="float32", cache_config=CACHE, kv_transfer_timeout_s=20.0
+        )
+        assert self.client.controller.kv_transfer_timeout_s == 20.0
         app = build_fastapi_app(self.client, "tiny")
         self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=1))
         try:
