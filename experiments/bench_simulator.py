@@ -178,7 +178,7 @@ def write_outputs(out_dir: Path, stem: str, rows: list[dict[str, Any]], figures:
     ax.set_xlabel("simulated requests per wall-clock second")
     ax.set_title(f"Simulator speed, {figures['num_requests']} chatbot requests, OPT-13B")
     ax.grid(alpha=0.3, axis="x")
-    ax.legend(fontsize=8, loc="lower right")
+    ax.legend(fontsize=8, loc="center")
     fig.tight_layout()
     fig.savefig(out_dir / f"{stem}.png", dpi=120)
     plt.close(fig)

@@ -16,8 +16,9 @@ Issue acceptance: "a plan for this machine (CPU, the real engine's fitted profil
    and KV blocks of the deployment.
 4. Deploy the chosen ``Placement`` on the Ray runtime (``DisaggLLM``: what ``distserve serve
    --placement`` runs; node indices the single-node Ray cluster lacks are dropped) and replay the
-   same workload open loop at rates around the prediction ({0.6 ... 1.4} x predicted, extended
-   while every rate passes or every rate fails). Measured goodput: the highest rate meeting the SLO,
+   same workload open loop (after one uncounted warm-up replay) at rates around the prediction
+   ({0.6 ... 1.4} x predicted, extended upwards while the highest passes, downwards while none
+   does). Measured goodput: the highest rate meeting the SLO,
    interpolated linearly between the last passing and the first failing rate, after ``--refine``
    bisection steps between those two (each a measured rate) narrow the bracket. The same
    interpolation over the simulated attainments at those rates gives the sweep's own prediction.
@@ -404,6 +405,10 @@ def main() -> None:
         return row
 
     try:
+        # The first loaded run on a fresh deployment is slow (new batch shapes, allocator growth) and
+        # the 2-request warm-up does not cover it: one uncounted replay at the lowest rate does.
+        warm = llm._run(replay(llm.controller, with_rate(unit, rates[0]), prompts, "warm-up"))
+        print(f"  warm-up replay at {rates[0]:.3g} req/s (not counted): attainment {attainment(warm, slo)['joint']:.0%}", flush=True)
         rows = [run_rate(r) for r in rates]
         for _ in range(args.max_extra_rates):
             top = max(rows, key=lambda r: r["rate"])

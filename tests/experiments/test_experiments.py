@@ -15,6 +15,12 @@ SCRIPTS = sorted((ROOT / "experiments").glob("*.py"))
 # Figures a quick run must get right regardless of machine speed.
 CHECKS = {
     "bench_engine": lambda f: f["greedy_same_as_hf_float32"] == 1.0 and f["ours_tok_s_batch_float32"] > 0,
+    # Every deployment simulated every request to the end and measured a speed; the JSON says which latency model.
+    "bench_simulator": lambda f: f["target_requests_per_s"] == 100_000 and all(
+        f[f"{d}_num_completed"] == f[f"{d}_num_requests"] == f["num_requests"]
+        and f[f"{d}_num_token_steps"] >= f["num_requests"] and f[f"{d}_requests_per_s"] > 0
+        for d in ("1p1d", "4p2d", "colocated1")
+    ) and f["latency_model"].startswith("FittedLatencyModel" if f["profile_used"] else "RooflineLatencyModel"),
     # Both servers answered every request with exactly output_len tokens, and left no process (Ray's included).
     "bench_disagg": lambda f: f["ttft_slo_s"] > 0 and f["tpot_slo_s"] > 0 and all(
         f[f"{s}_num_completed"] == f[f"{s}_num_requests"] == f["num_requests"] * len(f["rates"])
