@@ -191,7 +191,8 @@ class Scheduler:
             self._running_sorted = True
         i = 0
         in_flight = self.in_flight
-        while i < len(running) and budget > 0:
+        max_seqs = self.config.max_num_seqs  # per plan: with pp > 1, each micro-batch gets its share
+        while i < len(running) and budget > 0 and len(decodes) + len(prefills) < max_seqs:
             seq = running[i]
             token_ids = seq.token_ids
             start = seq.num_computed_tokens
@@ -228,7 +229,6 @@ class Scheduler:
             i += 1
 
         # Admit waiting sequences unless we just had to preempt (memory is tight).
-        max_seqs = self.config.max_num_seqs
         while (
             self.waiting and not preempted and budget > 0
             and len(running) < self.max_running and len(decodes) + len(prefills) < max_seqs

@@ -10,14 +10,22 @@ the request waits (KV held) until a decode instance ``reserve``s room — pull-b
 sides post the transfer; the decode side reports it received, and only then is the prefill side
 told to ``release`` its blocks. A transfer that fails or does not complete within
 ``kv_transfer_timeout_s`` is decided by the decode side (it cancels its reservation): the prefill
-side stops sending and prefills the request again, which then migrates anew. A dead instance's
-requests are re-run (prompt + tokens so far) on a surviving instance of the same phase.
+side stops sending and prefills the request again, which then migrates anew.
+
+An instance whose actor or any of its workers dies (or whose step fails) is replaced: its
+requests are re-run (prompt + tokens so far) on a surviving instance of the same phase — or,
+when it was the last of its phase, parked until the replacement is up — and the controller
+restarts it in its placement group (up to ``max_instance_restarts`` times). The replacement must
+join the torch.distributed world, which cannot grow a member back, so the world is formed anew:
+every instance pauses between steps, cancels its KV transfers in flight (those requests are
+prefilled again) and rebuilds its process groups, keeping its model and KV cache; then all resume.
 """
 
 from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import math
 import socket
 import time
@@ -41,12 +49,16 @@ from distserve.placement.placement import Placement
 from distserve.serving.instance_server import InstanceServer, InstanceSpec, StepResult
 from distserve.serving.worker import Worker, WorkerSpec
 
+log = logging.getLogger(__name__)
+
 CPUS_PER_WORKER = 0.1  # Ray bookkeeping only: on 2 cores, the OS shares the cores among workers.
 MAX_REMEMBERED_BLOCKS = 65536  # prefix hashes remembered per entry instance for affinity routing
 MAX_AFFINITY_IMBALANCE = 4
 DEFAULT_KV_TRANSFER_TIMEOUT_S = 30.0
 # A step that did nothing but wait for KV transfers sleeps this long (or until kicked) before polling again.
 IDLE_POLL_S = 0.002
+DEFAULT_MAX_INSTANCE_RESTARTS = 3  # per instance; then it stays dead and its phase runs on the survivors
+RESTART_TIMEOUT_S = 300.0  # a replacement that is not up (loaded and in the new world) by then stays dead
 
 
 class RayWorkerFactory:
@@ -62,7 +74,8 @@ class RayWorkerFactory:
         strategy = PlacementGroupSchedulingStrategy(self.placement_group, placement_group_bundle_index=spec.shard.rank)
         return (
             ray.remote(Worker)
-            .options(num_cpus=CPUS_PER_WORKER, max_concurrency=4, scheduling_strategy=strategy)
+            # Threads: one per plan waiting its turn (up to pp), plus transfers, polls and control calls.
+            .options(num_cpus=CPUS_PER_WORKER, max_concurrency=spec.shard.pp + 4, scheduling_strategy=strategy)
             .remote(spec)
         )
 
@@ -76,6 +89,8 @@ class _Instance:
     has_work: bool = False
     kicked: bool = False  # work arrived while a step was in flight: step again
     alive: bool = True
+    restarting: bool = False  # dead, and a replacement is being started
+    restarts: int = 0
     wake: asyncio.Event = field(default_factory=asyncio.Event)
     num_assigned: int = 0  # requests routed here and not yet finished or moved on
     recent_prefixes: OrderedDict[int, None] = field(default_factory=OrderedDict)  # block hashes, LRU
@@ -137,9 +152,12 @@ class Controller(RequestFrontend):
         max_queued_requests: int = 1024,
         num_threads_per_worker: int = 1,
         kv_transfer_timeout_s: float = DEFAULT_KV_TRANSFER_TIMEOUT_S,
+        max_instance_restarts: int = DEFAULT_MAX_INSTANCE_RESTARTS,
     ) -> None:
         if not (kv_transfer_timeout_s > 0 and math.isfinite(kv_transfer_timeout_s)):
             raise InvalidConfigError(f"kv_transfer_timeout_s must be a positive number of seconds, got {kv_transfer_timeout_s}")
+        if not (isinstance(max_instance_restarts, int) and max_instance_restarts >= 0):
+            raise InvalidConfigError(f"max_instance_restarts must be an integer >= 0, got {max_instance_restarts!r}")
         self.model_name = model
         self.dtype = resolve_dtype(dtype)
         super().__init__(load_model(model, self.dtype, weights=False), cache_config, scheduler_config)
@@ -148,7 +166,15 @@ class Controller(RequestFrontend):
         self.max_queued_requests = max_queued_requests
         self.num_threads_per_worker = num_threads_per_worker
         self.kv_transfer_timeout_s = kv_transfer_timeout_s
+        self.max_instance_restarts = max_instance_restarts
         self.instances: list[_Instance] = []
+        self._world_size = 0
+        self._running = asyncio.Event()  # cleared while the world is formed anew: loops wait between steps
+        self._running.set()
+        self._steps_in_flight = 0
+        self._world_lock = asyncio.Lock()  # one restart at a time
+        self._parked: list[Sequence] = []  # requests waiting for an entry instance being restarted
+        self._pins: dict[str, tuple[str | None, str | None]] = {}  # request id -> (prefill, decode) instance ids
         self._queues: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
         self._owner: dict[str, _Instance] = {}
         self._source: dict[str, _Instance] = {}  # decode-bound request -> prefill instance holding its KV
@@ -164,6 +190,8 @@ class Controller(RequestFrontend):
             "kv_migration_bytes_total": 0,
             "kv_migration_failures_total": 0,  # attempts that failed or timed out (the request was re-prefilled)
             "kv_migration_timeouts_total": 0,  # of those, the ones that timed out
+            "instance_restarts_total": 0,  # instances replaced after a death
+            "requests_rerun_total": 0,  # requests re-run from prompt + tokens so far after their instance died
         }
         self.migration_durations: list[float] = []
         self._migration_started: dict[str, float] = {}
@@ -171,9 +199,7 @@ class Controller(RequestFrontend):
     # ---- deployment --------------------------------------------------------------------------
     async def start(self) -> None:
         """Create placement groups and instance actors, form the torch.distributed world, start loops."""
-        import ray
         from ray.util.placement_group import placement_group
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         groups: list[tuple[str, tuple[PlacedInstance, ...]]] = [
             ("prefill", self.placement.prefill), ("decode", self.placement.decode), ("colocated", self.placement.colocated)
@@ -194,33 +220,40 @@ class Controller(RequestFrontend):
                 )
                 next_rank += world
                 self.instances.append(_Instance(spec, None, pg))
+        self._world_size = next_rank
         await asyncio.gather(*(asyncio.wrap_future(_ready_future(inst.placement_group)) for inst in self.instances))
         for inst in self.instances:
-            strategy = PlacementGroupSchedulingStrategy(inst.placement_group, placement_group_bundle_index=0)
-            inst.actor = (
-                ray.remote(InstanceServer)
-                .options(num_cpus=CPUS_PER_WORKER, max_concurrency=8, max_restarts=0, scheduling_strategy=strategy)
-                .remote(inst.spec, RayWorkerFactory(inst.placement_group))
-            )
-        host = "127.0.0.1" if all(p.node in (None, 0) for p in self.placement.prefill + self.placement.decode + self.placement.colocated) else ray.util.get_node_ip_address()
-        init_method = f"tcp://{host}:{_free_port()}"
+            inst.actor = _create_instance_actor(inst)
+        init_method = self._init_method()
         await asyncio.gather(*(inst.actor.init.remote(init_method, next_rank) for inst in self.instances))
         layouts = await asyncio.gather(*(inst.actor.layout.remote() for inst in self.instances))
         for inst, layout in zip(self.instances, layouts):
             inst.layout = layout
             self._tasks.append(asyncio.create_task(self._loop(inst)))
 
+    def _init_method(self) -> str:
+        """A fresh rendezvous address for the world (global rank 0 hosts the store there)."""
+        import ray
+
+        placed = self.placement.prefill + self.placement.decode + self.placement.colocated
+        host = "127.0.0.1" if all(p.node in (None, 0) for p in placed) else ray.util.get_node_ip_address()
+        return f"tcp://{host}:{_free_port()}"
+
     async def shutdown(self) -> None:
         import ray
         from ray.util.placement_group import remove_placement_group
 
         self._closed = True
+        self._running.set()
         for inst in self.instances:
             inst.wake.set()
-        for task in self._tasks:
+        restarts = [t for t in self._background if t.get_name().startswith("restart-")]
+        for task in self._tasks + restarts:
             task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await asyncio.gather(*self._tasks, *restarts, return_exceptions=True)
         for inst in self.instances:
+            if inst.actor is None:
+                continue
             if inst.alive:
                 try:
                     await asyncio.wait_for(inst.actor.shutdown.remote(), timeout=10)
@@ -231,6 +264,19 @@ class Controller(RequestFrontend):
         for q in self._queues.values():
             q.put_nowait(DistServeError("the server is shutting down"))
 
+    def pin(self, request_id: str, prefill: str | None = None, decode: str | None = None) -> None:
+        """Route the request ``request_id`` (call before submitting it) to the named instances.
+
+        A debugging and testing aid, e.g. to exercise one prefill/decode pair of a placement:
+        ``prefill`` names the entry instance (``prefill-0``, or ``colocated-1``), ``decode`` the
+        decode instance. A pinned instance that is dead is ignored (normal routing applies).
+        """
+        known = {i.spec.instance_id: i.phase for i in self.instances}
+        for name, phases in ((prefill, ("prefill", "colocated")), (decode, ("decode",))):
+            if name is not None and known.get(name) not in phases:
+                raise InvalidConfigError(f"no {'/'.join(phases)} instance named {name!r}; have {sorted(known)}")
+        self._pins[request_id] = (prefill, decode)
+
     # ---- requests ----------------------------------------------------------------------------
     def _submit(self, seq: Sequence) -> None:
         self._route_new(seq)
@@ -238,7 +284,12 @@ class Controller(RequestFrontend):
     def _route_new(self, seq: Sequence) -> None:
         entry = [i for i in self.instances if i.alive and i.phase in ("prefill", "colocated")]
         if not entry:
+            if any(i.restarting and i.phase in ("prefill", "colocated") for i in self.instances):
+                self._parked.append(seq)  # routed when the replacement is up
+                return
             raise DistServeError("no prefill or colocated instance is alive")
+        pinned = self._pins.get(seq.seq_id, (None, None))[0]
+        entry = [i for i in entry if i.spec.instance_id == pinned] or entry
         hashes = prefix_block_hashes(seq.token_ids, self.cache_config.block_size)
 
         def cached_blocks(i: _Instance) -> int:
@@ -258,8 +309,8 @@ class Controller(RequestFrontend):
         self._owner[seq.seq_id] = inst
         self._spawn(self._call_then_kick(inst, inst.actor.add.remote(seq.detached_copy())))
 
-    def _spawn(self, coro: Any) -> None:
-        task = asyncio.get_running_loop().create_task(coro)
+    def _spawn(self, coro: Any, name: str | None = None) -> None:
+        task = asyncio.get_running_loop().create_task(coro, name=name)
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
@@ -297,6 +348,7 @@ class Controller(RequestFrontend):
                     return
         finally:
             self._queues.pop(request_id, None)
+            self._pins.pop(request_id, None)
             if not finished:
                 await self.abort(request_id)
 
@@ -311,6 +363,7 @@ class Controller(RequestFrontend):
     def _drop(self, request_id: str, reason: str) -> None:
         """Tell every instance holding this request's KV to free it."""
         self._pending = [(i, s) for i, s in self._pending if s != request_id]
+        self._parked = [s for s in self._parked if s.seq_id != request_id]
         for holder in (self._owner.pop(request_id, None), self._source.pop(request_id, None)):
             if holder is not None and holder.alive:
                 holder.num_assigned = max(0, holder.num_assigned - 1)
@@ -333,12 +386,18 @@ class Controller(RequestFrontend):
                 inst.wake.clear()
                 await inst.wake.wait()
                 continue
+            if not self._running.is_set():
+                await self._running.wait()  # the world is being formed anew
+                continue
             inst.kicked = False
+            self._steps_in_flight += 1
             try:
                 result: StepResult = await inst.actor.step.remote()
-            except (ray.exceptions.RayActorError, ray.exceptions.ActorDiedError):
-                await self._on_death(inst)
+            except ray.exceptions.RayError as exc:  # the actor or one of its workers died, or the step failed
+                self._steps_in_flight -= 1
+                self._on_death(inst, exc)
                 return
+            self._steps_in_flight -= 1
             inst.has_work = result.has_work or inst.kicked
             self._apply(inst, result)
             if self._pending:
@@ -394,25 +453,41 @@ class Controller(RequestFrontend):
     async def _migrate_pending(self) -> None:
         """Move waiting requests to decode instances with room, oldest first (pull-based)."""
         async with self._migration_lock:
+            snapshot = list(self._pending)
             still: list[tuple[_Instance, str]] = []
-            for src, seq_id in self._pending:
+            for entry in snapshot:
+                src, seq_id = entry
                 seq = self._seqs.get(seq_id)
-                if seq is None or seq.is_finished or not src.alive:
-                    continue
+                if seq is None or seq.is_finished or not src.alive or entry not in self._pending:
+                    continue  # finished, or dropped meanwhile (abort, death, requeue)
                 if still or not await self._migrate(src, seq):
-                    still.append((src, seq_id))  # FCFS: nobody overtakes a request waiting for room
-            self._pending = still
+                    still.append(entry)  # FCFS: nobody overtakes a request waiting for room
+            # Entries may have been dropped or added while we awaited the actors.
+            self._pending = [e for e in still if e in self._pending] + [e for e in self._pending if e not in snapshot]
 
     async def _migrate(self, src: _Instance, seq: Sequence) -> bool:
         decodes = [i for i in self.instances if i.alive and i.phase == "decode"]
+        pinned = self._pins.get(seq.seq_id, (None, None))[1]
+        decodes = [i for i in decodes if i.spec.instance_id == pinned] or decodes
         if not decodes:
             return False
+        import ray
+
         for dst in sorted(decodes, key=lambda i: i.num_assigned):
-            reservation = await dst.actor.reserve.remote(seq.detached_copy())
+            try:
+                reservation = await dst.actor.reserve.remote(seq.detached_copy())
+            except ray.exceptions.RayError:
+                continue  # died: its step loop handles that
             if reservation is not None:
                 break
         else:
             return False
+        if not (dst.alive and src.alive and self._owner.get(seq.seq_id) is src and not seq.is_finished):
+            # An instance died (and its requests were re-run) or the request ended while we waited.
+            if dst.alive:
+                dst.actor.cancel_reservation.remote(seq.seq_id)
+                dst.kick()
+            return not (src.alive and self._owner.get(seq.seq_id) is src and not seq.is_finished)
         assert src.layout is not None and dst.layout is not None
         span = num_tags(src.layout, dst.layout)
         tag = 1 + (next(self._tags) * span) % (MAX_TAG - span - 1)
@@ -423,10 +498,16 @@ class Controller(RequestFrontend):
         first, end = reservation.num_reused_blocks, reservation.num_blocks_to_fill
         self.migration_counters["num_migrations"] += 1
         self.migration_counters["kv_migration_blocks_skipped_total"] += first
-        await asyncio.gather(
-            src.actor.start_send.remote(seq.seq_id, first, end, dst.layout, dst.spec.global_ranks, tag),
-            dst.actor.start_recv.remote(seq.seq_id, reservation, src.layout, src.spec.global_ranks, tag),
-        )
+        try:
+            await asyncio.gather(
+                src.actor.start_send.remote(seq.seq_id, first, end, dst.layout, dst.spec.global_ranks, tag),
+                dst.actor.start_recv.remote(seq.seq_id, reservation, src.layout, src.spec.global_ranks, tag),
+            )
+        except ray.exceptions.RayError as exc:
+            # One side died: the attempt is handed over (``_on_death`` re-runs the request); or a
+            # side refused, e.g. the request was requeued meanwhile: the other side gives up on its
+            # deadline and the attempt fails like any other.
+            log.warning("starting the migration of %s failed: %s", seq.seq_id, type(exc).__name__)
         dst.kick()
         src.kick()
         return True
@@ -448,9 +529,13 @@ class Controller(RequestFrontend):
             self._owner[seq_id] = src
             self._spawn(self._call_then_kick(src, src.actor.requeue.remote(seq_id)))
 
-    async def _on_death(self, inst: _Instance) -> None:
-        """Re-run the dead instance's requests from prompt + tokens so far on survivors."""
+    def _on_death(self, inst: _Instance, exc: BaseException | None = None) -> None:
+        """Re-run the dead instance's requests from prompt + tokens so far on survivors; restart it."""
         inst.alive = False
+        inst.restarting = not self._closed and inst.restarts < self.max_instance_restarts
+        if exc is not None:
+            log.warning("instance %s failed (%s); %s", inst.spec.instance_id, type(exc).__name__,
+                        "restarting it" if inst.restarting else "not restarting it")
         lost = [sid for sid, owner in self._owner.items() if owner is inst]
         lost += [sid for sid, src in self._source.items() if src is inst and sid not in lost]
         self._pending = [(i, s) for i, s in self._pending if i is not inst]
@@ -458,6 +543,16 @@ class Controller(RequestFrontend):
             seq = self._seqs.get(seq_id)
             owner = self._owner.pop(seq_id, None)
             holder = self._source.pop(seq_id, None)
+            if owner is inst and holder is not None and holder.alive and seq is not None and not seq.is_finished:
+                # Its decode instance died mid-migration; the prefill side still holds the KV, so
+                # the request is prefilled again there (prefix cached) and migrates anew — as after
+                # a failed transfer. (An abort and a re-add of the same id could cross on the way.)
+                self._migration_started.pop(seq_id, None)
+                self._owner[seq_id] = holder
+                self._pending = [(i, s) for i, s in self._pending if s != seq_id]
+                self.migration_counters["requests_rerun_total"] += 1
+                self._spawn(self._call_then_kick(holder, holder.actor.requeue.remote(seq_id)))
+                continue
             for survivor in (owner, holder):
                 if survivor is not None and survivor is not inst and survivor.alive:
                     survivor.actor.abort.remote(seq_id, "abort")  # e.g. a decode instance mid-receive
@@ -465,12 +560,75 @@ class Controller(RequestFrontend):
                     survivor.kick()
             if seq is None or seq.is_finished:
                 continue
+            self.migration_counters["requests_rerun_total"] += 1
+            self._reroute(seq)
+        if inst.restarting:
+            self._spawn(self._restart(inst), name=f"restart-{inst.spec.instance_id}")
+
+    def _reroute(self, seq: Sequence) -> None:
+        try:
+            self._route_new(seq)
+        except DistServeError as exc:
+            queue = self._queues.get(seq.seq_id)
+            if queue is not None:
+                queue.put_nowait(exc)
+
+    async def _restart(self, inst: _Instance) -> None:
+        """Replace a dead instance in its placement group and form the world anew with it."""
+        import ray
+
+        async with self._world_lock, self._migration_lock:
+            self._running.clear()
             try:
-                self._route_new(seq)
-            except DistServeError as exc:
-                queue = self._queues.get(seq_id)
-                if queue is not None:
-                    queue.put_nowait(exc)
+                while self._steps_in_flight and not self._closed:
+                    await asyncio.sleep(0.005)  # let every step in flight return
+                if self._closed:
+                    return
+                log.info("restart %s: steps paused", inst.spec.instance_id)
+                try:
+                    ray.kill(inst.actor, no_restart=True)  # what is left of it (its workers die with it)
+                except Exception:  # noqa: BLE001 - already gone
+                    pass
+                inst.actor = _create_instance_actor(inst)
+                survivors = [i for i in self.instances if i.alive]
+                init_method = self._init_method()
+                await asyncio.wait_for(
+                    asyncio.gather(
+                        inst.actor.init.remote(init_method, self._world_size),
+                        *(i.actor.reinit.remote(init_method, self._world_size) for i in survivors),
+                    ),
+                    RESTART_TIMEOUT_S,
+                )
+                inst.layout = await inst.actor.layout.remote()
+                log.info("restart %s: the new world of %d ranks is formed", inst.spec.instance_id, self._world_size)
+            except Exception as exc:  # noqa: BLE001 - the instance stays dead; survivors that broke fail their next step
+                log.error("restarting instance %s failed: %r", inst.spec.instance_id, exc)
+                inst.restarting = False
+                self._fail_parked()
+                return
+            finally:
+                self._running.set()
+            inst.restarts += 1
+            self.migration_counters["instance_restarts_total"] += 1
+            inst.num_assigned = 0
+            inst.recent_prefixes.clear()
+            inst.has_work = inst.kicked = False
+            inst.restarting = False
+            inst.alive = True
+            self._tasks.append(asyncio.create_task(self._loop(inst)))
+            for i in self.instances:
+                if i.alive:
+                    i.kick()  # cancelled transfers are reported at their next step
+        parked, self._parked = self._parked, []
+        for seq in parked:
+            self._reroute(seq)
+        if self._pending:
+            await self._migrate_pending()
+
+    def _fail_parked(self) -> None:
+        parked, self._parked = self._parked, []
+        for seq in parked:
+            self._reroute(seq)  # to a survivor, or the error goes to its stream
 
     # ---- observability -----------------------------------------------------------------------
     async def stats(self) -> dict[str, object]:
@@ -485,6 +643,12 @@ class Controller(RequestFrontend):
             **self.migration_counters,
         }
 
+    async def worker_pids(self) -> dict[str, list[int]]:
+        """Process ids of each live instance's ranks (rank 0 first), e.g. to crash one in a test."""
+        alive = [i for i in self.instances if i.alive]
+        pids = await asyncio.gather(*(i.actor.worker_pids.remote() for i in alive))
+        return {i.spec.instance_id: p for i, p in zip(alive, pids)}
+
     async def placement_report(self) -> list[dict[str, Any]]:
         """Where each instance's workers run (Ray node ids), for checks and /debug."""
         nodes = await asyncio.gather(*(i.actor.worker_node_ids.remote() for i in self.instances))
@@ -492,6 +656,19 @@ class Controller(RequestFrontend):
             {"instance": i.spec.instance_id, "tp": i.spec.tp, "pp": i.spec.pp, "node_ids": n}
             for i, n in zip(self.instances, nodes)
         ]
+
+
+def _create_instance_actor(inst: _Instance) -> Any:
+    """The instance's actor, in bundle 0 of its placement group; it creates its other ranks."""
+    import ray
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    strategy = PlacementGroupSchedulingStrategy(inst.placement_group, placement_group_bundle_index=0)
+    return (
+        ray.remote(InstanceServer)
+        .options(num_cpus=CPUS_PER_WORKER, max_concurrency=8, max_restarts=0, scheduling_strategy=strategy)
+        .remote(inst.spec, RayWorkerFactory(inst.placement_group))
+    )
 
 
 def _only_waited(result: StepResult) -> bool:

@@ -3,10 +3,27 @@
 Ray-free (the runtime wraps it in a threaded Ray actor). Rank 0 runs in this process; other
 ranks are worker actors created by ``create_remote_worker``. ``step`` runs while ``reserve``,
 ``start_send`` and ``start_recv`` may arrive on other threads: scheduler state is guarded by a
-lock held only around scheduling and bookkeeping, never around model execution, and operations
-that free blocks (abort, release) are deferred to the next step boundary so an in-flight step
-never writes into a block that was handed to someone else — and, on the decode side, until the
-request's receive has finished, so a transfer thread never writes into it either.
+lock held only around scheduling and bookkeeping, never around model execution.
+
+Pipelining: up to ``pp`` plans (micro-batches) are in flight, so stage 0 computes the next plan
+while later stages finish earlier ones. A ``step`` launches a plan if the pipeline has room and
+the scheduler (``pipeline_depth=pp``: requests in flight are skipped) has work — the remote
+ranks' calls first, then rank 0 (stage 0) computes its part here — and then, if the pipeline is
+full or nothing was launched, waits for the oldest plan; it applies the plans of earlier steps
+that are done, strictly in launch order. Every plan carries a sequence number and each worker
+executes plans in that order (``Worker.execute``), so stages and TP ranks pair up; a worker
+actor therefore needs more threads than ``pp``. With ``pp == 1`` a step launches, waits for and
+applies one plan, as without pipelining.
+
+Operations that free blocks (abort, release, requeue, cancel_reservation) wait until no plan in
+flight computes their request (checked at each step boundary), so a plan never writes into a
+block that was handed to someone else; on the decode side they also wait for the request's
+receive to finish, so a transfer thread never writes into it either. Freeing the blocks of a
+request outside every plan in flight is safe: those plans neither write nor read its blocks (a
+shared prefix block is kept by its other holder's reference; a copy-on-write source is read by
+the plan at its start, on every stage, before any later plan runs there), and the blocks can be
+handed out only to a later plan, which every stage — each owning its own layers' KV — runs after
+the earlier ones.
 
 Transfer outcomes: the receiving (decode) side decides. A receive that fails or times out cancels
 the reservation here and is reported in ``StepResult.failed_transfers``; a failed send is only
@@ -17,6 +34,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -83,18 +101,34 @@ class StepResult:
     num_batched_tokens: int = 0
 
 
+@dataclass
+class _PlanInFlight:
+    """A launched plan whose tokens are not applied yet."""
+
+    plan: StepPlan
+    plan_seq: int  # launch order; every worker executes plans in this order
+    seq_ids: frozenset[str]  # requests it computes: their blocks must not be freed
+    refs: list[Any] = field(default_factory=list)  # ranks 1.. executing it (Ray object refs)
+    sampled: list[SampledToken] = field(default_factory=list)  # rank 0's result
+
+
 class InstanceServer:
     def __init__(self, spec: InstanceSpec, create_remote_worker: Callable[[WorkerSpec], Any] | None = None) -> None:
         if spec.phase not in SCHEDULERS:
             raise ValueError(f"unknown phase {spec.phase!r}")
         self.spec = spec
         self.block_manager = BlockManager(spec.num_blocks, spec.cache.block_size, spec.cache.enable_prefix_caching)
-        self.scheduler = SCHEDULERS[spec.phase](spec.scheduler, self.block_manager, spec.max_model_len, spec.eos_token_ids)
+        self.scheduler = SCHEDULERS[spec.phase](
+            spec.scheduler, self.block_manager, spec.max_model_len, spec.eos_token_ids, pipeline_depth=spec.pp
+        )
         self.seqs: dict[str, Sequence] = {}
         self._reported: dict[str, int] = {}  # output tokens already reported per request
         self._lock = threading.Lock()
-        self._deferred: list[Callable[[], None]] = []
-        self._executing = False  # a plan is on the workers: block-freeing operations must wait
+        self._deferred: list[tuple[str, Callable[[], None]]] = []  # (seq_id, op) waiting for its plans
+        self._in_flight: deque[_PlanInFlight] = deque()  # oldest first; changed by ``step`` under the lock
+        self._next_plan_seq = 0
+        self.max_plans_in_flight = 0  # high-water mark, counting plans that compute tokens
+        self.num_overlapped_launches = 0  # plans launched while another that computes tokens was in flight
         self._pending: dict[str, set[int]] = {}  # transfer key (``_transfer_key``) -> ranks still busy
         self._failed: set[str] = set()
         self._timed_out: set[str] = set()
@@ -124,6 +158,35 @@ class InstanceServer:
         _ray_get(refs)
         return backend
 
+    def reinit(self, init_method: str, world_size: int, drain_timeout_s: float = 60.0) -> str:
+        """Join a new world after another instance was restarted (``Worker.reinit`` on every rank).
+
+        The controller has paused this instance's steps; plans still running on later pipeline
+        stages are waited for (the next step applies them). Transfers in flight are cancelled (the
+        decode side reports them failed at the next step and the controller prefills those
+        requests again); once every rank has let go of them, the process groups are rebuilt.
+        """
+        with self._lock:
+            computing = [ref for p in self._in_flight for ref in p.refs]
+        if computing:  # plans still on the pipeline's later stages use the groups: let them finish
+            import ray
+
+            ray.wait(computing, num_returns=len(computing), timeout=drain_timeout_s)
+        self._fan_out("cancel_all_transfers")
+        deadline = time.monotonic() + drain_timeout_s
+        while not (self.local.transfers_done() and all(_ray_get([w.transfers_done.remote() for w in self.remote]))):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{self.spec.instance_id}: KV transfers still running after {drain_timeout_s:.0f} s")
+            time.sleep(0.01)
+        refs = [w.reinit.remote(init_method, world_size) for w in self.remote]
+        backend = self.local.reinit(init_method, world_size)
+        _ray_get(refs)
+        return backend
+
+    def worker_pids(self) -> list[int]:
+        """Process id of each rank (rank 0 runs in this actor's process)."""
+        return [self.local.pid()] + _ray_get([w.pid.remote() for w in self.remote])
+
     def layout(self) -> KVLayout:
         assert self.local.layout is not None
         return self.local.layout
@@ -133,10 +196,14 @@ class InstanceServer:
 
     # ---- requests ----------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
-        with self._lock:
+        """A new request, or one re-run here; after any op still queued for an earlier attempt of its id."""
+
+        def run() -> None:
             self.seqs[seq.seq_id] = seq
             self._reported[seq.seq_id] = seq.num_output_tokens
             self.scheduler.add(seq)
+
+        self._defer(seq.seq_id, run)
 
     def abort(self, seq_id: str, reason: str = "abort") -> None:
         """Finish a request here (abort, or a stop string the controller matched); frees its KV."""
@@ -158,7 +225,7 @@ class InstanceServer:
             self.seqs.pop(seq_id, None)
             self._reported.pop(seq_id, None)
 
-        self._defer(run)
+        self._defer(seq_id, run)
 
     def requeue(self, seq_id: str) -> None:
         """Prefill side: the transfer failed; stop sending and prefill the request again."""
@@ -171,7 +238,7 @@ class InstanceServer:
             assert isinstance(self.scheduler, PrefillScheduler)
             self.scheduler.requeue(seq_id)
 
-        self._defer(run)
+        self._defer(seq_id, run)
 
     def reserve(self, seq: Sequence) -> Reservation | None:
         """Decode side: blocks for a migrating request (prompt + first token), or None if full.
@@ -235,15 +302,34 @@ class InstanceServer:
             if seq_id in self._receiving:
                 self._after_recv.setdefault(seq_id, []).append(run)
                 return
-        self._defer(run)
+        self._defer(seq_id, run)
 
-    def _defer(self, run: Callable[[], None]) -> None:
-        """Run now if no step is executing, else at the next step boundary."""
+    def _defer(self, seq_id: str, run: Callable[[], None]) -> None:
+        """Run now if no plan in flight computes ``seq_id``, else once none does (a step boundary).
+
+        Ops of one request run in call order: one arriving behind a queued op of its id queues too
+        (e.g. the re-run of a request whose earlier attempt's abort is still waiting).
+        """
         with self._lock:
-            if self._executing:
-                self._deferred.append(run)
+            if self._computes(seq_id) or any(queued == seq_id for queued, _ in self._deferred):
+                self._deferred.append((seq_id, run))
             else:
                 run()
+
+    def _computes(self, seq_id: str) -> bool:
+        return any(seq_id in p.seq_ids for p in self._in_flight)
+
+    def _run_deferred(self) -> None:
+        """Under the lock: the deferred ops whose request no plan in flight computes any more, in order."""
+        if not self._deferred:
+            return
+        waiting: list[tuple[str, Callable[[], None]]] = []
+        for seq_id, run in self._deferred:
+            if self._computes(seq_id):
+                waiting.append((seq_id, run))
+            else:
+                run()
+        self._deferred = waiting
 
     def _fan_out(self, method: str, *args: Any) -> None:
         refs = [getattr(w, method).remote(*args) for w in self.remote]
@@ -252,42 +338,75 @@ class InstanceServer:
 
     # ---- the step ----------------------------------------------------------------------------
     def step(self) -> StepResult:
+        """Launch a plan if the pipeline has room; then, oldest first, apply the earlier plans that
+        are done, waiting for the oldest if the pipeline is full or nothing was launched."""
         t0 = time.perf_counter()
         result = StepResult()
+        launched: _PlanInFlight | None = None
         with self._lock:
-            for run in self._deferred:
-                run()
-            self._deferred.clear()
+            self._run_deferred()
             self._collect_transfers(result)
-            plan = self.scheduler.schedule()
-            self._executing = True
-        try:
-            sampled = self._execute(plan)
-        finally:
-            with self._lock:
-                self._executing = False
+            if len(self._in_flight) < self.spec.pp:
+                plan = self.scheduler.schedule()
+                if not plan.is_empty or plan.finished_seq_ids:  # finished ids: workers drop their state
+                    launched = self._launch(plan)
+        if launched is not None:
+            # Outside the lock, so that reserve/abort/... are not held up by the model. Rank 0 is
+            # stage 0 (and the sampler when tp == pp == 1); its send to stage 1 returns once stage 1
+            # has finished the plans before this one.
+            launched.refs = [w.execute.remote(launched.plan, launched.plan_seq) for w in self.remote]
+            launched.sampled = self.local.execute(launched.plan, launched.plan_seq)
+            result.num_batched_tokens = launched.plan.num_batched_tokens
+        must_wait = launched is None or len(self._in_flight) >= self.spec.pp
+        while self._in_flight:
+            oldest = self._in_flight[0]
+            # The plan launched just now waits for the next step unless it is the one to wait for
+            # (pp == 1): applied together with the previous one, the two micro-batches would merge
+            # into one plan at the next ``schedule`` and the pipeline would stop overlapping.
+            if not must_wait and (oldest is launched or not self._is_done(oldest)):
+                break
+            self._apply_oldest(result)
+            must_wait = False
         with self._lock:
-            for run in self._deferred:
-                run()
-            self._deferred.clear()
-            updated = self.scheduler.update_from_output(plan, sampled, self.seqs, time.monotonic())
-            for seq in updated:
-                result.updates.append(self._update(seq))
             s = self.scheduler
-            result.has_work = bool(s.waiting or s.running or self._pending or self._deferred)
+            result.has_work = bool(s.waiting or s.running or self._pending or self._deferred or self._in_flight)
         self.last_step_s = result.step_seconds = time.perf_counter() - t0
-        result.num_batched_tokens = plan.num_batched_tokens
         self.num_steps += 1
         return result
 
-    def _execute(self, plan: StepPlan) -> list[SampledToken]:
-        if plan.is_empty and not plan.finished_seq_ids:
-            return []
-        refs = [w.execute.remote(plan) for w in self.remote]
-        sampled = self.local.execute(plan)
-        for other in _ray_get(refs):
+    def _launch(self, plan: StepPlan) -> _PlanInFlight:
+        """Under the lock: number ``plan`` and queue it in the pipeline (``step`` then hands it to the ranks)."""
+        computing = sum(1 for p in self._in_flight if not p.plan.is_empty)
+        if not plan.is_empty:
+            if computing:
+                self.num_overlapped_launches += 1
+            self.max_plans_in_flight = max(self.max_plans_in_flight, computing + 1)
+        plan_seq = self._next_plan_seq
+        self._next_plan_seq += 1
+        launched = _PlanInFlight(plan, plan_seq, frozenset(c.seq_id for c in plan.chunks))
+        self._in_flight.append(launched)
+        return launched
+
+    def _is_done(self, p: _PlanInFlight) -> bool:
+        if not p.refs:
+            return True
+        import ray
+
+        _, not_ready = ray.wait(p.refs, num_returns=len(p.refs), timeout=0)
+        return not not_ready
+
+    def _apply_oldest(self, result: StepResult) -> None:
+        """Wait for the oldest plan in flight on every rank, then apply its sampled tokens."""
+        p = self._in_flight[0]
+        sampled = p.sampled
+        for other in _ray_get(p.refs):
             sampled = sampled or other
-        return sampled
+        with self._lock:
+            self._in_flight.popleft()
+            self._run_deferred()  # first: an aborted request gets no token from its last plan
+            updated = self.scheduler.update_from_output(p.plan, sampled, self.seqs, time.monotonic())
+            for seq in updated:
+                result.updates.append(self._update(seq))
 
     def _collect_transfers(self, result: StepResult) -> None:
         if not self._pending:
@@ -371,6 +490,9 @@ class InstanceServer:
             if isinstance(s, DecodeScheduler):
                 out["num_requests_migrating"] = len(s.migrating)
             out["num_kv_transfers_in_flight"] = len(self._pending)
+            out["num_plans_in_flight"] = len(self._in_flight)
+            out["max_plans_in_flight"] = self.max_plans_in_flight
+            out["num_overlapped_launches"] = self.num_overlapped_launches
             return out
 
     def node_id(self) -> str:

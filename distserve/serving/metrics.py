@@ -16,6 +16,8 @@ Names follow vLLM's with the prefix ``distserve:``. Each ``ServingMetrics`` owns
         "kv_migration_failures_total": 1,                      # cumulative: failed or timed-out migrations (optional)
         "kv_migration_timeouts_total": 1,                      # cumulative: those that timed out (optional)
         "kv_migration_seconds": [0.0012, 0.0009],              # durations of migrations since the previous call
+        "instance_restarts_total": 0,                          # cumulative: instances replaced after a death (optional)
+        "requests_rerun_total": 0,                             # cumulative: requests re-run after their instance died (optional)
     }
 
 ``kv_cache_usage_perc`` is a fraction in [0, 1] (1 = full), as in vLLM. The top-level migration
@@ -67,6 +69,8 @@ class ClientStats(TypedDict):
     kv_migration_failures_total: NotRequired[float]
     kv_migration_timeouts_total: NotRequired[float]
     kv_migration_seconds: list[float]
+    instance_restarts_total: NotRequired[float]
+    requests_rerun_total: NotRequired[float]
 
 
 _GAUGES = (
@@ -79,6 +83,10 @@ _MIGRATION_COUNTERS = (
     ("kv_migration_blocks_skipped", "KV blocks not moved because the receiver already held the prefix."),
     ("kv_migration_failures", "KV migrations that failed or timed out; the request was prefilled again."),
     ("kv_migration_timeouts", "KV migrations that failed because they did not complete within kv_transfer_timeout_s."),
+)
+_RUNTIME_COUNTERS = (
+    ("instance_restarts", "Instances the controller restarted after their actor or a worker died."),
+    ("requests_rerun", "Requests re-run from prompt + tokens so far because their instance died."),
 )
 
 
@@ -115,6 +123,8 @@ def normalize_stats(raw: Mapping[str, Any]) -> ClientStats:
         "kv_migration_failures_total": float(raw.get("kv_migration_failures_total", 0)),
         "kv_migration_timeouts_total": float(raw.get("kv_migration_timeouts_total", 0)),
         "kv_migration_seconds": [float(s) for s in seconds] if isinstance(seconds, list) else [],
+        "instance_restarts_total": float(raw.get("instance_restarts_total", 0)),
+        "requests_rerun_total": float(raw.get("requests_rerun_total", 0)),
     }
 
 
@@ -140,6 +150,11 @@ class _EngineCollector(Collector):
                     if f"{key}_total" in inst:
                         family_c.add_metric([inst["instance"], inst["phase"]], float(inst[f"{key}_total"]))  # type: ignore[literal-required]
             yield family_c
+        for key, doc in _RUNTIME_COUNTERS:
+            family_r = CounterMetricFamily(PREFIX + key, doc)
+            if snap is not None:
+                family_r.add_metric([], float(snap.get(f"{key}_total", 0.0)))  # type: ignore[misc]
+            yield family_r
 
 
 class RequestTimer:

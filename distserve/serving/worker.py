@@ -64,6 +64,10 @@ class Worker:
         self._cancels: dict[str, threading.Event] = {}
         self._staging = StagingBuffers()  # cleared by a failed transfer: its buffers may still be in use
         self._fault: str | None = None
+        self._old_transports: list[TorchDistTransport] = []  # of earlier worlds (``reinit``)
+        # Plans carry a per-instance sequence number; ``execute`` runs them in that order.
+        self._next_plan_seq = 0
+        self._plan_turn = threading.Condition()
 
     @property
     def global_rank(self) -> int:
@@ -88,9 +92,57 @@ class Worker:
         self.transport = TorchDistTransport(kv_group)
         return backend
 
-    def execute(self, plan: StepPlan) -> list[SampledToken]:
+    def reinit(self, init_method: str, world_size: int) -> str:
+        """Join a new torch.distributed world (after an instance of the old one was restarted).
+
+        The caller guarantees that no step executes and that every transfer of this worker has
+        finished (``transfers_done``). The model shard and its KV cache stay: only the process
+        groups are rebuilt, in place, so requests running here carry on. Transports of the old
+        world are kept alive, with the ops they abandoned (see ``KVTransport.abandon``).
+        """
+        assert self.runner is not None and self.transport is not None, "init() first"
+        spec = self.spec
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        backend = init_process_group(self.global_rank, world_size, init_method)
+        kv_group = new_kv_group()
+        fresh = build_parallel_state(spec.shard, spec.instance_ranks)
+        parallel = self.runner.parallel  # the model holds its bound ``all_reduce``: update in place
+        parallel.tp_group, parallel.prev_stage_rank, parallel.next_stage_rank = (
+            fresh.tp_group, fresh.prev_stage_rank, fresh.next_stage_rank
+        )
+        self._old_transports.append(self.transport)
+        self.transport = TorchDistTransport(kv_group)
+        self._staging = StagingBuffers()  # the old buffers may be held by abandoned ops
+        return backend
+
+    def transfers_done(self) -> bool:
+        """Every transfer started here has finished (its result may still wait for ``poll``)."""
+        return all(fut.done() for fut in self._transfers.values())
+
+    def cancel_all_transfers(self) -> None:
+        for cancel in self._cancels.values():
+            cancel.set()
+
+    def execute(self, plan: StepPlan, plan_seq: int | None = None) -> list[SampledToken]:
+        """Run this rank's part of ``plan``; the sampled tokens if this rank samples, else [].
+
+        With ``plan_seq`` (0, 1, 2, ... per instance) plans run strictly in that order, one at a
+        time, even when their calls arrive concurrently or out of order (a threaded actor): every
+        stage, and every TP rank of a stage, must take the micro-batches in the same order or the
+        activations and all-reduces of different plans would pair up.
+        """
         assert self.runner is not None, "init() first"
-        return self.runner.execute(plan)
+        if plan_seq is None:
+            return self.runner.execute(plan)
+        with self._plan_turn:
+            self._plan_turn.wait_for(lambda: self._next_plan_seq == plan_seq)
+        try:
+            return self.runner.execute(plan)
+        finally:
+            with self._plan_turn:
+                self._next_plan_seq += 1  # also after a failure, so later plans are not stuck behind it
+                self._plan_turn.notify_all()
 
     # ---- KV transfers ------------------------------------------------------------------------
     def start_send(
@@ -180,6 +232,9 @@ class Worker:
         import ray
 
         return str(ray.get_runtime_context().get_node_id())
+
+    def pid(self) -> int:
+        return os.getpid()
 
     def shutdown(self) -> None:
         for cancel in self._cancels.values():

@@ -159,6 +159,20 @@ def test_pipeline_depth_skips_in_flight_sequences_until_their_update() -> None:
     assert not sched.in_flight - {"a", "b", "c", "d"}
 
 
+def test_running_sequences_split_into_micro_batches_of_max_num_seqs() -> None:
+    """Four running decodes with pp=2 and max_num_seqs=2: two micro-batches of two, not one of four."""
+    bm = BlockManager(64, 4)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=2), bm, 1024, eos_token_ids=(0,), pipeline_depth=2)
+    seqs: dict[str, Sequence] = {}
+    for sid in "abcd":
+        add(sched, seqs, sid, 4, max_tokens=8)
+    for plan in (sched.schedule(), sched.schedule()):  # the prompts, two per plan
+        sched.update_from_output(plan, fake_run(plan), seqs, 1.0)
+    p1, p2 = sched.schedule(), sched.schedule()
+    assert [c.seq_id for c in p1.chunks] == ["a", "b"] and [c.seq_id for c in p2.chunks] == ["c", "d"]
+    assert all(c.num_tokens == 1 for c in p1.chunks + p2.chunks)
+
+
 def test_in_flight_sequences_are_never_preempted() -> None:
     bm = BlockManager(3, 4)
     sched = Scheduler(SchedulerConfig(), bm, 1024, eos_token_ids=(0,), pipeline_depth=2)

@@ -2,8 +2,16 @@
 
 from __future__ import annotations
 
+import asyncio
+import itertools
+import threading
 import time
 from collections.abc import Callable
+from typing import Any
+
+from distserve.config import CacheConfig, SamplingParams
+from distserve.placement.placement import Placement
+from distserve.serving.controller import Controller
 
 
 def wait_until(predicate: Callable[[], bool], timeout_s: float = 10.0) -> bool:
@@ -14,3 +22,70 @@ def wait_until(predicate: Callable[[], bool], timeout_s: float = 10.0) -> bool:
             return True
         time.sleep(0.02)
     return bool(predicate())
+
+
+class ControllerRuntime:
+    """A ``Controller`` of the tiny model on a background event loop in this process, so a test can
+    reach its instances (inject faults, pin routes, find worker pids)."""
+
+    def __init__(self, placement: Placement, cache: CacheConfig, sampling: SamplingParams, **controller_kw: Any) -> None:
+        self.sampling = sampling
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        self.controller = Controller("tiny", placement, dtype="float32", cache_config=cache, **controller_kw)
+        self.ids = itertools.count()
+        try:
+            self.run(self.controller.start(), timeout_s=180.0)
+        except BaseException:
+            self.close()
+            raise
+
+    def run(self, coro: Any, timeout_s: float = 60.0) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout_s)
+
+    async def _one(self, prompt: str, pin: tuple[str | None, str | None] | None) -> list[int]:
+        request_id = f"rt-{next(self.ids)}"
+        if pin is not None:
+            self.controller.pin(request_id, *pin)
+        last = None
+        async for out in self.controller.generate(prompt, self.sampling, request_id):
+            last = out
+        assert last is not None and last.finished
+        return list(last.token_ids)
+
+    def generate(self, prompt: str, pin: tuple[str | None, str | None] | None = None, timeout_s: float = 60.0) -> list[int]:
+        return self.run(self._one(prompt, pin), timeout_s)  # type: ignore[no-any-return]
+
+    def generate_many(self, prompts: list[str], timeout_s: float = 120.0) -> list[list[int]]:
+        async def all_of() -> list[list[int]]:
+            return list(await asyncio.gather(*(self._one(p, None) for p in prompts)))
+
+        return self.run(all_of(), timeout_s)  # type: ignore[no-any-return]
+
+    def stats(self) -> dict[str, Any]:
+        return self.run(self.controller.stats())  # type: ignore[no-any-return]
+
+    def inject(self, instance_id: str, kind: str, rank: int = 0) -> None:
+        import ray
+
+        inst = next(i for i in self.controller.instances if i.spec.instance_id == instance_id)
+        ray.get(inst.actor.inject_transfer_fault.remote(kind, rank))
+
+    def all_freed(self) -> bool:
+        """No KV held, reserved, awaiting migration or in flight anywhere."""
+        s = self.stats()
+        return s["num_requests_awaiting_migration"] == 0 and all(
+            i["kv_cache_usage_perc"] == 0.0
+            and i["num_kv_transfers_in_flight"] == 0
+            and i.get("num_requests_migrating", 0) == 0
+            and i.get("num_requests_awaiting_migration", 0) == 0
+            for i in s["instances"]
+        )
+
+    def close(self) -> None:
+        try:
+            self.run(self.controller.shutdown())
+        finally:
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self.thread.join(10)

@@ -356,6 +356,7 @@ def test_metrics_histograms_and_gauges(disagg: LiveServer) -> None:
     assert after[("distserve:kv_migration_bytes_total", mig)] > before.get(("distserve:kv_migration_bytes_total", mig), 0.0)
     assert ("distserve:kv_migration_blocks_skipped_total", mig) in after
     assert after[("distserve:kv_migration_seconds_count", mig)] >= 1
+    assert after[("distserve:instance_restarts_total", ())] == 0.0 and ("distserve:requests_rerun_total", ()) in after
 
 
 def test_colocated_metrics_labels(live: LiveServer) -> None:

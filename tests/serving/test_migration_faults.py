@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
-import asyncio
-import itertools
-import threading
 import time
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from serving_util import wait_until
+from serving_util import ControllerRuntime, wait_until
 
 from distserve.config import CacheConfig, SamplingParams
 from distserve.engine.llm_engine import LLMEngine
@@ -31,64 +28,11 @@ def reference() -> list[list[int]]:
     return [o.token_ids for o in LLMEngine(load_model("tiny"), cache_config=CACHE).generate(PROMPTS, SP)]
 
 
-class Runtime:
-    """A Controller on a background event loop (``DisaggLLM`` has no ``kv_transfer_timeout_s`` to pass)."""
-
-    def __init__(self, placement: Placement, kv_transfer_timeout_s: float) -> None:
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
-        self.controller = Controller(
-            "tiny", placement, dtype="float32", cache_config=CACHE, kv_transfer_timeout_s=kv_transfer_timeout_s
-        )
-        self.ids = itertools.count()
-        self.run(self.controller.start())
-
-    def run(self, coro: Any, timeout_s: float = 60.0) -> Any:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout_s)
-
-    def generate(self, prompt: str) -> list[int]:
-        async def one() -> list[int]:
-            last = None
-            async for out in self.controller.generate(prompt, SP, f"fault-{next(self.ids)}"):
-                last = out
-            assert last is not None and last.finished
-            return list(last.token_ids)
-
-        return self.run(one())  # type: ignore[no-any-return]
-
-    def stats(self) -> dict[str, Any]:
-        return self.run(self.controller.stats())  # type: ignore[no-any-return]
-
-    def inject(self, instance_id: str, kind: str, rank: int = 0) -> None:
-        import ray
-
-        inst = next(i for i in self.controller.instances if i.spec.instance_id == instance_id)
-        ray.get(inst.actor.inject_transfer_fault.remote(kind, rank))
-
-    def all_freed(self) -> bool:
-        """No KV held, reserved, awaiting migration or in flight anywhere."""
-        s = self.stats()
-        return s["num_requests_awaiting_migration"] == 0 and all(
-            i["kv_cache_usage_perc"] == 0.0
-            and i["num_kv_transfers_in_flight"] == 0
-            and i.get("num_requests_migrating", 0) == 0
-            and i.get("num_requests_awaiting_migration", 0) == 0
-            for i in s["instances"]
-        )
-
-    def close(self) -> None:
-        try:
-            self.run(self.controller.shutdown())
-        finally:
-            self.loop.call_soon_threadsafe(self.loop.stop)
-            self.thread.join(10)
-
-
 @pytest.fixture(scope="module")
-def runtime(ray_cluster: Any) -> Iterator[Runtime]:
+def runtime(ray_cluster: Any) -> Iterator[ControllerRuntime]:
     # Decode TP=2: one of its ranks is a separate worker actor, and the KV is resharded on the way.
-    rt = Runtime(Placement(prefill=(InstanceSpec(1, 1),), decode=(InstanceSpec(2, 1),)), TIMEOUT_S)
+    placement = Placement(prefill=(InstanceSpec(1, 1),), decode=(InstanceSpec(2, 1),))
+    rt = ControllerRuntime(placement, CACHE, SP, kv_transfer_timeout_s=TIMEOUT_S)
     try:
         yield rt
     finally:
@@ -99,7 +43,7 @@ def counters(stats: dict[str, Any]) -> tuple[int, int, int]:
     return stats["num_migrations"], stats["kv_migration_failures_total"], stats["kv_migration_timeouts_total"]
 
 
-def check_fault(rt: Runtime, reference: list[list[int]], instance_id: str, kind: str, rank: int) -> float:
+def check_fault(rt: ControllerRuntime, reference: list[list[int]], instance_id: str, kind: str, rank: int) -> float:
     """Inject ``kind`` on ``rank`` of ``instance_id``; the faulted request and the next one both finish
     with the colocated engine's greedy tokens and everything is freed. Returns the faulted request's seconds."""
     migrations, failures, timeouts = counters(rt.stats())
@@ -117,14 +61,14 @@ def check_fault(rt: Runtime, reference: list[list[int]], instance_id: str, kind:
 
 
 @pytest.mark.timeout(120)
-def test_dropped_send_times_out_and_the_request_is_prefilled_again(runtime: Runtime, reference: list[list[int]]) -> None:
+def test_dropped_send_times_out_and_the_request_is_prefilled_again(runtime: ControllerRuntime, reference: list[list[int]]) -> None:
     assert runtime.generate(PROMPTS[0]) == reference[0]  # warm: one normal migration first
     elapsed = check_fault(runtime, reference, "prefill-0", "drop_send", rank=0)
     assert elapsed >= TIMEOUT_S  # the decode side waited for the lost KV until its deadline
 
 
 @pytest.mark.timeout(90)
-def test_failed_receive_is_prefilled_again_and_frees_the_stuck_sender(runtime: Runtime, reference: list[list[int]]) -> None:
+def test_failed_receive_is_prefilled_again_and_frees_the_stuck_sender(runtime: ControllerRuntime, reference: list[list[int]]) -> None:
     elapsed = check_fault(runtime, reference, "decode-0", "fail_recv", rank=1)  # rank 0 receives its half fine
     # The sender was left waiting for a receiver that never posts. Requeueing cancels it; otherwise
     # it would hold the prefill worker's transfer thread, and so the retry, until its deadline.
@@ -132,7 +76,7 @@ def test_failed_receive_is_prefilled_again_and_frees_the_stuck_sender(runtime: R
 
 
 @pytest.mark.timeout(30)
-def test_inject_rejects_unknown_faults(runtime: Runtime) -> None:
+def test_inject_rejects_unknown_faults(runtime: ControllerRuntime) -> None:
     import ray
 
     with pytest.raises(ray.exceptions.RayTaskError, match="unknown transfer fault"):
