@@ -1,5 +1,8 @@
 """The Controller: deploys a ``Placement`` on Ray, routes requests, migrates KV, streams outputs.
 
+It is hosted in a Ray actor of its own by ``ControllerActor`` (``controller_actor.py``), and runs
+in-process on any event loop too (tests, instrumentation).
+
 Instances are threaded Ray actors (``InstanceServer``) in one placement group each (STRICT_PACK,
 on the node the placement names). All their workers form one torch.distributed world (gloo on
 CPU, NCCL on GPU): TP/PP groups inside an instance, point-to-point KV migration between them.
@@ -138,7 +141,8 @@ def _node_resources(node_index: int | None) -> dict[str, float]:
 
 
 class Controller(RequestFrontend):
-    """Owns the instances of one placement; an asyncio object living in the serving process."""
+    """Owns the instances of one placement: an asyncio object, hosted by ``ControllerActor`` (its own
+    Ray actor) in serving, or run on an event loop of the caller's process (tests, experiments)."""
 
     def __init__(
         self,
@@ -252,15 +256,14 @@ class Controller(RequestFrontend):
             task.cancel()
         await asyncio.gather(*self._tasks, *restarts, return_exceptions=True)
         for inst in self.instances:
-            if inst.actor is None:
-                continue
-            if inst.alive:
-                try:
-                    await asyncio.wait_for(inst.actor.shutdown.remote(), timeout=10)
-                except Exception:  # noqa: BLE001 - best effort: the actor is killed below anyway
-                    pass
-            ray.kill(inst.actor, no_restart=True)
-            remove_placement_group(inst.placement_group)
+            if inst.actor is not None:
+                if inst.alive:
+                    try:
+                        await asyncio.wait_for(inst.actor.shutdown.remote(), timeout=10)
+                    except Exception:  # noqa: BLE001 - best effort: the actor is killed below anyway
+                        pass
+                ray.kill(inst.actor, no_restart=True)
+            remove_placement_group(inst.placement_group)  # also one whose actor never started
         for q in self._queues.values():
             q.put_nowait(DistServeError("the server is shutting down"))
 
@@ -329,6 +332,8 @@ class Controller(RequestFrontend):
         """Stream one request's outputs; closing the iterator early aborts the request."""
         if len(self._queues) >= self.max_queued_requests:
             raise QueueFullError(f"{len(self._queues)} requests in flight (max {self.max_queued_requests})")
+        if request_id in self._queues or request_id in self._seqs:
+            raise DistServeError(f"request id {request_id!r} is already in flight")
         queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self._queues[request_id] = queue
         try:
@@ -353,11 +358,17 @@ class Controller(RequestFrontend):
                 await self.abort(request_id)
 
     async def abort(self, request_id: str) -> None:
-        seq = self._forget(request_id)
+        """Stop a request and free its KV everywhere; its stream, if open, ends with finish_reason "abort"."""
+        seq = self._seqs.get(request_id)
         if seq is None:
             return
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = "abort"
+        seq.finish_time = time.monotonic()
+        queue = self._queues.get(request_id)
+        if queue is not None:
+            queue.put_nowait(self._output(seq, seq.finish_time, self._finish))
+        self._forget(request_id)
         self._drop(request_id, "abort")
 
     def _drop(self, request_id: str, reason: str) -> None:

@@ -1,7 +1,8 @@
 """``DisaggLLM``: the synchronous Python API over a Ray deployment of a ``Placement``.
 
-Same ``generate`` / ``stream`` calls as the colocated ``LLMEngine``; the controller's event loop
-runs on a background thread of the calling process, the instances in Ray actors.
+Same ``generate`` / ``stream`` calls as the colocated ``LLMEngine``. The controller runs in its own
+Ray actor (``ControllerActor``), the instances in theirs; calls to it run on an event loop on a
+background thread of the calling process.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from distserve.config import CacheConfig, SamplingParams, SchedulerConfig
 from distserve.engine.outputs import RequestOutput
 from distserve.placement.placement import Placement
 from distserve.serving.controller import DEFAULT_KV_TRANSFER_TIMEOUT_S, Controller
+from distserve.serving.controller_actor import RemoteController
 from distserve.serving.ray_env import init_ray_local
 
 T = TypeVar("T")
@@ -34,12 +36,16 @@ class DisaggLLM:
         prefill_scheduler_config: SchedulerConfig | None = None,
         ray_temp_dir: str | None = None,
         kv_transfer_timeout_s: float = DEFAULT_KV_TRANSFER_TIMEOUT_S,
+        controller_in_process: bool = False,
     ) -> None:
+        """``controller_in_process`` runs the ``Controller`` on this process's event loop instead of in
+        its own actor, for tools that instrument its internals (e.g. a trace of its step results)."""
         init_ray_local(ray_temp_dir)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="distserve-controller", daemon=True)
         self._thread.start()
-        self.controller = Controller(
+        make = Controller if controller_in_process else RemoteController
+        self.controller: Controller | RemoteController = make(
             model,
             placement or Placement.disaggregated(),
             dtype=dtype,
@@ -50,7 +56,11 @@ class DisaggLLM:
         )
         self.tokenizer = self.controller.tokenizer
         self._ids = itertools.count()
-        self._run(self.controller.start())
+        try:
+            self._run(self.controller.start())
+        except BaseException:
+            self._stop_loop()
+            raise
 
     def _run(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
@@ -108,8 +118,11 @@ class DisaggLLM:
         try:
             self._run(self.controller.shutdown(), timeout=60)
         finally:
-            self._loop.call_soon_threadsafe(self._loop.stop)
-            self._thread.join(timeout=10)
+            self._stop_loop()
+
+    def _stop_loop(self) -> None:
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=10)
 
     def __enter__(self) -> "DisaggLLM":
         return self

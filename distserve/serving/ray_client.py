@@ -8,14 +8,14 @@ from distserve.config import CacheConfig, SamplingParams, SchedulerConfig
 from distserve.engine.outputs import RequestOutput
 from distserve.placement.placement import Placement
 from distserve.serving.client import EngineClient
-from distserve.serving.controller import Controller
+from distserve.serving.controller_actor import RemoteController
 from distserve.serving.ray_env import init_ray_local
 
 
 class ControllerClient(EngineClient):
-    """Deploys a ``Placement`` with a ``Controller`` living in the caller's event loop."""
+    """Deploys a ``Placement`` with a ``Controller`` in its own Ray actor, called through ``RemoteController``."""
 
-    def __init__(self, controller: Controller, owns_ray: bool = False) -> None:
+    def __init__(self, controller: RemoteController, owns_ray: bool = False) -> None:
         self.controller = controller
         self.model_name = controller.model_name
         self.tokenizer = controller.tokenizer
@@ -40,15 +40,14 @@ class ControllerClient(EngineClient):
 
         owns_ray = not ray.is_initialized()
         init_ray_local(ray_temp_dir)
-        controller = Controller(
-            model, placement, dtype=dtype, cache_config=cache_config, scheduler_config=scheduler_config,
-            prefill_scheduler_config=prefill_scheduler_config, max_queued_requests=max_queued_requests,
-            **({} if kv_transfer_timeout_s is None else {"kv_transfer_timeout_s": kv_transfer_timeout_s}),
-        )
         try:
-            await controller.start()
+            controller = RemoteController(
+                model, placement, dtype=dtype, cache_config=cache_config, scheduler_config=scheduler_config,
+                prefill_scheduler_config=prefill_scheduler_config, max_queued_requests=max_queued_requests,
+                **({} if kv_transfer_timeout_s is None else {"kv_transfer_timeout_s": kv_transfer_timeout_s}),
+            )
+            await controller.start()  # tears the deployment down itself if it fails
         except BaseException:
-            await controller.shutdown()
             if owns_ray:
                 ray.shutdown()
             raise

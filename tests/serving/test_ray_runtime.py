@@ -31,11 +31,9 @@ def deploy(placement: Placement, **kw: Any) -> DisaggLLM:
     return DisaggLLM("tiny", placement, dtype="float32", cache_config=CACHE, **kw)
 
 
-@pytest.mark.parametrize(
-    "prefill,decode",
-    [((1, 1), (1, 1)), ((2, 1), (1, 2)), ((1, 2), (2, 1)), ((2, 2), (2, 2))],
-    ids=["p1x1-d1x1", "p2x1-d1x2", "p1x2-d2x1", "p2x2-d2x2"],
-)
+# All 16 prefill x decode tp/pp pairs run in one deployment in test_controller_routing.py; this
+# one checks the DisaggLLM path end to end with a resharding pair.
+@pytest.mark.parametrize("prefill,decode", [((2, 1), (1, 2))], ids=["p2x1-d1x2"])
 def test_1p1d_resharded_matches_colocated(ray_cluster: Any, reference: list[list[int]], prefill: tuple[int, int], decode: tuple[int, int]) -> None:
     placement = Placement(prefill=(InstanceSpec(*prefill, node=0),), decode=(InstanceSpec(*decode, node=0),))
     with deploy(placement) as llm:
@@ -75,11 +73,10 @@ def test_dead_decode_instance_requests_rerun_on_survivor(ray_cluster: Any, refer
     long = SamplingParams(max_tokens=48, min_tokens=48, temperature=0.0)
     expected = [o.token_ids for o in LLMEngine(load_model("tiny"), cache_config=CACHE).generate(PROMPTS, long)]
     with deploy(Placement.disaggregated(num_prefill=1, num_decode=2)) as llm:
-        victim = next(i for i in llm.controller.instances if i.spec.instance_id == "decode-0")
         streams = [llm.stream(p, long) for p in PROMPTS]
         firsts = [next(s) for s in streams]  # every request has its first token
         time.sleep(0.2)
-        ray.kill(victim.actor, no_restart=True)
+        ray.get(llm.controller.actor.kill_instance.remote("decode-0"))
         finals = []
         for first, stream in zip(firsts, streams):
             last = first
@@ -97,11 +94,11 @@ def test_dead_prefill_instance_requests_rerun_on_survivor(ray_cluster: Any) -> N
     prompts = [p * 4 for p in PROMPTS] * 2
     expected = [o.token_ids for o in LLMEngine(load_model("tiny"), cache_config=CACHE).generate(prompts, long)]
     with deploy(Placement.disaggregated(num_prefill=2, num_decode=1)) as llm:
-        victim = next(i for i in llm.controller.instances if i.spec.instance_id == "prefill-0")
         with ThreadPoolExecutor(len(prompts)) as pool:
             futures = [pool.submit(lambda p: list(llm.stream(p, long))[-1], p) for p in prompts]
             time.sleep(0.3)
-            ray.kill(victim.actor, no_restart=True)  # while prompts are queued, prefilling or migrating
+            # while prompts are queued, prefilling or migrating
+            ray.get(llm.controller.actor.kill_instance.remote("prefill-0"))
             finals = [f.result(timeout=120) for f in futures]
         assert [o.token_ids for o in finals] == expected
 

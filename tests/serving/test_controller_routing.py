@@ -1,6 +1,8 @@
-"""Every prefill tp×pp ∈ {1,2}² with every decode tp×pp ∈ {1,2}² on Ray: greedy tokens equal the
-colocated engine's (issue #3). One deployment holds all four layouts on each side; each request is
-pinned to one prefill/decode pair, so the 16 resharded migrations run side by side."""
+"""The in-process Controller on Ray: pinned routes, request ids, external aborts (issue #3).
+
+Every prefill tp×pp ∈ {1,2}² with every decode tp×pp ∈ {1,2}²: greedy tokens equal the colocated
+engine's. One deployment holds all four layouts on each side; each request is pinned to one
+prefill/decode pair, so the 16 resharded migrations run side by side."""
 
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ from serving_util import ControllerRuntime, wait_until
 from distserve.config import CacheConfig, SamplingParams
 from distserve.engine.llm_engine import LLMEngine
 from distserve.engine.weights import load_model
-from distserve.errors import InvalidConfigError
+from distserve.errors import DistServeError, InvalidConfigError
 from distserve.placement.placement import InstanceSpec, Placement
 
 PROMPTS = ["Hello, my name is", "The capital of France is", "a b c d e f g h i j k l m n o p", "1 2 3"]
@@ -60,3 +62,33 @@ def test_pin_names_must_exist(runtime: ControllerRuntime) -> None:
         runtime.controller.pin("x", decode="prefill-0")
     with pytest.raises(InvalidConfigError, match="no prefill/colocated instance named 'decode-9'"):
         runtime.controller.pin("x", prefill="decode-9")
+
+
+def test_duplicate_request_id_is_refused_and_the_first_request_finishes(runtime: ControllerRuntime) -> None:
+    async def both() -> tuple[list[int], str]:
+        first = runtime.controller.generate(PROMPTS[0], SP, "dup")
+        out = await first.__anext__()
+        with pytest.raises(DistServeError, match="already in flight"):
+            await runtime.controller.generate(PROMPTS[1], SP, "dup").__anext__()
+        last = out
+        async for last in first:
+            pass
+        return list(last.token_ids), str(last.finish_reason)
+
+    tokens, reason = runtime.run(both())
+    assert reason == "length" and len(tokens) == SP.max_tokens
+
+
+def test_external_abort_ends_the_stream_and_frees_kv(runtime: ControllerRuntime) -> None:
+    long = SamplingParams(max_tokens=200, min_tokens=200, temperature=0.0)
+
+    async def aborted() -> tuple[str | None, int]:
+        stream = runtime.controller.generate(PROMPTS[2], long, "to-abort")
+        await stream.__anext__()
+        await runtime.controller.abort("to-abort")
+        outs = [o async for o in stream]
+        return outs[-1].finish_reason, len(outs[-1].token_ids)
+
+    reason, num_tokens = runtime.run(aborted(), timeout_s=30)
+    assert reason == "abort" and 1 <= num_tokens < 200
+    assert wait_until(runtime.all_freed), runtime.stats()
