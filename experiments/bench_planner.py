@@ -10,9 +10,14 @@ make each goodput estimate steadier and each probe slower.
 
 For each run: wall and CPU time (this process and its workers), the candidates enumerated, how many
 were simulated and how many were pruned (by the throughput bound, or because the unloaded latency
-already misses the SLO), the simulations run (bisection probes + each option's verification), and
-the chosen plan. Target: <= 10 s on 2 cores (goal <= 1 s) for the CLI's defaults (1 worker, 300
-requests). The machine may be shared: the load average at the start is recorded.
+already misses the SLO), how many searches stopped early (the candidate could no longer beat the
+best so far), the simulations run (bisection probes + each option's verification), and the chosen
+plan. Target: <= 10 s on 2 cores (goal <= 1 s) for the CLI's defaults (1 worker, 300 requests).
+The machine may be shared: the load average at the start is recorded.
+
+Unless ``--no-reference``, the CLI-default run is repeated with every candidate searched in full
+(``PlanRequest.stop_losers=False``, the search before early stopping): the JSON says whether the
+plan and its figures are identical, and how much CPU the early stop saves on the same machine.
 
 Writes JSON + markdown under --out-dir; the last stdout line is the JSON.
 """
@@ -25,6 +30,7 @@ import os
 import resource
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -53,6 +59,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--profile", default=str(DEFAULT_PROFILE), help="latency profile JSON (roofline if the file is absent)")
     p.add_argument("--workers", default="1,2", help="comma-separated --workers values to time")
     p.add_argument("--num-requests", default="100,300", help="comma-separated --num-requests values to time")
+    p.add_argument("--no-reference", action="store_true", help="skip the full-search reference run")
     p.add_argument("--quick", action="store_true", help="OPT-13B on 1 x 4, 50 requests (the test suite's run)")
     p.add_argument("--out-dir", default=str(REPO / "experiments" / "results"))
     args = p.parse_args()
@@ -87,12 +94,13 @@ def describe_plan(result: PlanResult) -> dict[str, Any] | None:
             "predicted_attainment": best.predicted.get("attainment", {}).get("joint")}
 
 
-def time_one(args: argparse.Namespace, profile: str | None, workers: int, num_requests: int) -> dict[str, Any]:
+def time_one(args: argparse.Namespace, profile: str | None, workers: int, num_requests: int,
+             stop_losers: bool = True) -> dict[str, Any]:
     plan_args = PlanArgs(model=args.model, gpu=args.gpu, nodes=args.nodes, gpus_per_node=args.gpus_per_node,
                          workload=args.workload, ttft_s=args.ttft, tpot_s=args.tpot, attainment=args.attainment,
                          profile=profile, affinity=args.affinity, num_requests=num_requests, workers=workers)
     t0, c0 = time.perf_counter(), cpu_seconds()
-    req = build_request(plan_args)
+    req = replace(build_request(plan_args), stop_losers=stop_losers)
     t1 = time.perf_counter()
     result = Planner(req).plan()
     t2, c2 = time.perf_counter(), cpu_seconds()
@@ -102,6 +110,7 @@ def time_one(args: argparse.Namespace, profile: str | None, workers: int, num_re
     probes = [len(c.probes) for c in cands if c.probes]
     capped = sum(1 for c in cands if c.probes and c.binding == "throughput")
     return {
+        "search": "early stop" if stop_losers else "full",
         "workers": workers,
         "num_requests": num_requests,
         "wall_s": t2 - t0,
@@ -113,14 +122,17 @@ def time_one(args: argparse.Namespace, profile: str | None, workers: int, num_re
         "num_pruned_by_bound": by_bound,
         "num_pruned_by_floor": by_floor,
         "num_simulated": result.num_simulated,
+        "num_stopped_early": sum(1 for c in cands if c.goodput_below is not None),
         "num_simulations": sum(probes) + len(result.options),
         "max_probes_per_candidate": max(probes, default=0),
         "num_capped_at_bound": capped,
         "feasible": result.feasible,
         "best": describe_plan(result),
-        "options": [{"name": o.name, "num_gpus": o.num_gpus, "rate": o.rate, "per_gpu": o.per_gpu} for o in result.options],
+        "options": [{"name": o.name, "num_gpus": o.num_gpus, "rate": o.rate, "per_gpu": o.per_gpu,
+                     "predicted": {k: v for k, v in o.predicted.items() if k != "kind"}} for o in result.options],
         "simulated": [{"kind": c.kind, "configuration": c.label(), "num_gpus": c.num_gpus, "bound": c.bound_rate,
-                       "goodput": c.goodput, "binding": c.binding, "num_probes": len(c.probes)} for c in cands if c.probes],
+                       "goodput": c.goodput, "goodput_below": c.goodput_below, "binding": c.binding,
+                       "num_probes": len(c.probes)} for c in cands if c.probes],
     }
 
 
@@ -133,21 +145,40 @@ def main() -> None:
     if not profile_used:
         print(f"profile {args.profile} not found: using the roofline model of {args.gpu}", flush=True)
     load = os.getloadavg()
+    settings = [(n, w, True) for n in args.num_requests_list for w in args.workers_list]
+    if not args.no_reference:
+        n = CLI_DEFAULTS["num_requests"] if CLI_DEFAULTS["num_requests"] in args.num_requests_list else max(args.num_requests_list)
+        settings.append((n, CLI_DEFAULTS["workers"], False))
     runs = []
-    for num_requests in args.num_requests_list:
-        for workers in args.workers_list:
-            run = time_one(args, profile, workers, num_requests)
-            runs.append(run)
-            best = run["best"]
-            print(f"workers {workers}, {num_requests} requests: {run['wall_s']:.1f} s wall ({run['cpu_s']:.1f} s CPU), "
-                  f"{run['num_enumerated']} candidates: {run['num_candidates_simulated']} simulated, "
-                  f"{run['num_pruned_by_bound']} pruned by bound, {run['num_pruned_by_floor']} by SLO floor; "
-                  f"{run['num_simulations']} simulations -> "
-                  + (f"{best['name']}: {best['layout']}, {best['num_gpus']} GPUs, {best['rate']:.3g} req/s "
-                     f"({best['per_gpu']:.3g}/GPU)" if best else "no feasible plan"), flush=True)
-    default = next((r for r in runs if all(r[k] == v for k, v in CLI_DEFAULTS.items())), None)
-    fastest = min(runs, key=lambda r: r["wall_s"])
+    for num_requests, workers, stop_losers in settings:
+        run = time_one(args, profile, workers, num_requests, stop_losers)
+        runs.append(run)
+        best = run["best"]
+        print(f"{run['search']}, workers {workers}, {num_requests} requests: {run['wall_s']:.1f} s wall "
+              f"({run['cpu_s']:.1f} s CPU), {run['num_enumerated']} candidates: {run['num_candidates_simulated']} "
+              f"simulated ({run['num_stopped_early']} stopped early), {run['num_pruned_by_bound']} pruned by bound, "
+              f"{run['num_pruned_by_floor']} by SLO floor; {run['num_simulations']} simulations -> "
+              + (f"{best['name']}: {best['layout']}, {best['num_gpus']} GPUs, {best['rate']:.3g} req/s "
+                 f"({best['per_gpu']:.3g}/GPU)" if best else "no feasible plan"), flush=True)
+    searched = [r for r in runs if r["search"] == "early stop"]
+    default = next((r for r in searched if all(r[k] == v for k, v in CLI_DEFAULTS.items())), None)
+    fastest = min(searched, key=lambda r: r["wall_s"])
     headline = default or fastest
+    full = next((r for r in runs if r["search"] == "full"), None)
+    same = next((r for r in searched if full is not None and (r["workers"], r["num_requests"]) == (full["workers"], full["num_requests"])), None)
+    reference = None if full is None or same is None else {
+        "workers": full["workers"],
+        "num_requests": full["num_requests"],
+        "full_wall_s": full["wall_s"],
+        "full_cpu_s": full["cpu_s"],
+        "full_num_simulations": full["num_simulations"],
+        "early_stop_wall_s": same["wall_s"],
+        "early_stop_cpu_s": same["cpu_s"],
+        "early_stop_num_simulations": same["num_simulations"],
+        "cpu_saving": 1.0 - same["cpu_s"] / full["cpu_s"],
+        # The early stop is exact: the same best plan and every option's rate and predicted figures.
+        "identical_plan": same["best"] == full["best"] and same["options"] == full["options"],
+    }
     figures = {
         "model": args.model,
         "cluster": f"{args.nodes} x {args.gpus_per_node} {args.gpu}",
@@ -160,6 +191,7 @@ def main() -> None:
         "load_avg_at_start": load[0],
         "headline": "cli_defaults" if default else "fastest",
         "wall_s": headline["wall_s"],
+        "cpu_s": headline["cpu_s"],
         "num_simulated": headline["num_simulated"],
         "fastest_wall_s": fastest["wall_s"],
         "fastest": {"workers": fastest["workers"], "num_requests": fastest["num_requests"]},
@@ -168,6 +200,7 @@ def main() -> None:
         "target_met": headline["wall_s"] <= TARGET_S,
         "goal_met": headline["wall_s"] <= GOAL_S,
         "best": headline["best"],
+        "reference": reference,
         "runs": runs,
     }
     write_outputs(out_dir, figures, args.quick)
@@ -185,28 +218,37 @@ def write_outputs(out_dir: Path, f: dict[str, Any], quick: bool) -> None:
         f"affinity {f['affinity']}, latency model: {f['latency_model']}. {f['cpu_count']} cores, load average "
         f"{f['load_avg_at_start']:.1f} at the start (the machine is shared; CPU time is the steadier figure).",
         "",
-        f"**{f['wall_s']:.1f} s** for the {f['headline'].replace('_', ' ')} run (target {f['target_s']:g} s: "
+        f"**{f['wall_s']:.1f} s** ({f['cpu_s']:.1f} s CPU) for the {f['headline'].replace('_', ' ')} run (target {f['target_s']:g} s: "
         f"{'met' if f['target_met'] else 'not met'}; goal {f['goal_s']:g} s: {'met' if f['goal_met'] else 'not met'}); "
         f"fastest run {f['fastest_wall_s']:.1f} s.",
         "",
-        "| workers | requests/probe | wall s | CPU s | enumerated | simulated | pruned (bound) | pruned (SLO floor) "
-        "| simulations | max probes/candidate | best plan | GPUs | rate (req/s) | per GPU |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|",
+        "| search | workers | requests/probe | wall s | CPU s | enumerated | simulated | stopped early | pruned (bound) "
+        "| pruned (SLO floor) | simulations | max probes/candidate | best plan | GPUs | rate (req/s) | per GPU |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|",
     ]
     for r in f["runs"]:
         b = r["best"] or {"name": "none", "layout": "-", "num_gpus": 0, "rate": 0.0, "per_gpu": 0.0}
         lines.append(
-            f"| {r['workers']} | {r['num_requests']} | {r['wall_s']:.1f} | {r['cpu_s']:.1f} | {r['num_enumerated']} "
-            f"| {r['num_candidates_simulated']} | {r['num_pruned_by_bound']} | {r['num_pruned_by_floor']} "
-            f"| {r['num_simulations']} | {r['max_probes_per_candidate']} | {b['name']}: {b['layout']} | {b['num_gpus']} "
-            f"| {b['rate']:.3g} | {b['per_gpu']:.3g} |"
+            f"| {r['search']} | {r['workers']} | {r['num_requests']} | {r['wall_s']:.1f} | {r['cpu_s']:.1f} "
+            f"| {r['num_enumerated']} | {r['num_candidates_simulated']} | {r['num_stopped_early']} "
+            f"| {r['num_pruned_by_bound']} | {r['num_pruned_by_floor']} | {r['num_simulations']} "
+            f"| {r['max_probes_per_candidate']} | {b['name']}: {b['layout']} | {b['num_gpus']} | {b['rate']:.3g} "
+            f"| {b['per_gpu']:.3g} |"
         )
-    lines += ["", "Candidates simulated (run with the most requests, 1st listed worker count):", "",
+    ref = f.get("reference")
+    if ref is not None:
+        lines += ["", f"Early stop vs full search ({ref['workers']} worker, {ref['num_requests']} requests, same process): "
+                  f"{ref['early_stop_cpu_s']:.1f} vs {ref['full_cpu_s']:.1f} s CPU ({ref['cpu_saving']:.0%} less), "
+                  f"{ref['early_stop_num_simulations']} vs {ref['full_num_simulations']} simulations; plan and predicted "
+                  f"figures {'identical' if ref['identical_plan'] else 'DIFFERENT'}."]
+    lines += ["", "Candidates simulated (early-stop run with the most requests, 1st listed worker count; "
+              "\"< x\": the search stopped once the candidate could not beat the best so far):", "",
               "| kind | configuration | GPUs | throughput bound (req/s) | goodput (req/s) | binding | probes |",
               "|---|---|---:|---:|---:|---|---:|"]
-    last = max(f["runs"], key=lambda r: (r["num_requests"], -r["workers"]))
+    last = max((r for r in f["runs"] if r["search"] == "early stop"), key=lambda r: (r["num_requests"], -r["workers"]))
     for c in last["simulated"]:
-        lines.append(f"| {c['kind']} | {c['configuration']} | {c['num_gpus']} | {c['bound']:.3g} | {c['goodput']:.3g} "
+        goodput = f"< {c['goodput_below']:.3g}" if c["goodput_below"] is not None else f"{c['goodput']:.3g}"
+        lines.append(f"| {c['kind']} | {c['configuration']} | {c['num_gpus']} | {c['bound']:.3g} | {goodput} "
                      f"| {c['binding'] or '-'} | {c['num_probes']} |")
     (out_dir / f"{stem}.md").write_text("\n".join(lines) + "\n")
 

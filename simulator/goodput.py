@@ -3,12 +3,17 @@
 The workload is generated once at unit rate (seeded) and replayed at each probed rate by scaling
 its arrival times, so every probe sees the same requests in the same order: the search is
 reproducible and attainment is (close to) monotone in the rate.
+
+A caller that only needs the goodput if it reaches some rate (a planner comparing a candidate with
+the best so far) passes that rate as ``min_rate``. The search is unchanged; but first, the probes
+that decide whether it would end at or above ``min_rate`` are simulated, most decisive first, and
+if it would not, the search stops there (``below``). The outcome is exactly the full search's.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from distserve.errors import InvalidConfigError
@@ -35,6 +40,7 @@ class GoodputResult:
     probes: list[Probe] = field(default_factory=list)
     result: SimResult | None = None  # the simulation at ``rate`` (at the lowest probe if rate == 0)
     binding: str | None = None  # the SLO that fails first just above ``rate``: "ttft", "tpot" or "both"
+    below: float | None = None  # set when the search would end below ``min_rate``: the goodput is below it (``rate`` is 0)
 
     @property
     def per_gpu(self) -> float:
@@ -63,55 +69,45 @@ def find_goodput(
     start_rate: float | None = None,
     max_probes: int = 40,
     max_rate: float | None = None,
+    min_rate: float | None = None,
 ) -> GoodputResult:
     """Bisection on the arrival rate; ``unit_rate_requests`` arrive at 1 request/s on average.
 
     ``max_rate`` caps the search (e.g. a throughput bound the deployment cannot sustain beyond,
     however long a finite workload hides it): a probe passing there ends the search.
+    ``min_rate``: if the search would find less, stop as soon as that is certain, with ``rate`` 0
+    and ``below`` = ``min_rate``; otherwise the result is the same as without it.
     """
     if not unit_rate_requests:
         raise InvalidConfigError("the workload has no requests")
     if not 0 < rel_tol < 1:
         raise InvalidConfigError(f"rel_tol must be in (0, 1), got {rel_tol}")
-    sim = Simulation(placement, latency, config)  # validates the placement once
-    num_gpus = sim.num_gpus
+    for name, value in (("max_rate", max_rate), ("min_rate", min_rate)):
+        if value is not None and not value > 0:
+            raise InvalidConfigError(f"{name} must be > 0, got {value}")
+    num_gpus = placement.num_workers
     probes: list[Probe] = []
     results: dict[float, SimResult] = {}
+    outcomes: dict[float, bool] = {}  # every simulated rate: the search may ask for one twice
 
     def probe(rate: float) -> bool:
-        res = Simulation(placement, latency, config).run(with_rate(unit_rate_requests, rate))
-        att = attainment(res.records, slo)
-        ok = meets(att, slo)
-        probes.append(Probe(rate, att, ok))
-        results[rate] = res
-        return ok
+        if rate not in outcomes:
+            # A fresh Simulation per probe: it validates the placement and owns the run's state.
+            res = Simulation(placement, latency, config).run(with_rate(unit_rate_requests, rate))
+            att = attainment(res.records, slo)
+            outcomes[rate] = meets(att, slo)
+            probes.append(Probe(rate, att, outcomes[rate]))
+            results[rate] = res
+        return outcomes[rate]
 
-    rate = start_rate or float(num_gpus)
-    if max_rate is not None:
-        if not max_rate > 0:
-            raise InvalidConfigError(f"max_rate must be > 0, got {max_rate}")
-        rate = min(rate, max_rate)
-    lo, hi = 0.0, math.inf
-    # Bracket: grow or shrink by 2x until one rate passes and one fails.
-    while len(probes) < max_probes:
-        if probe(rate):
-            lo = rate
-            if hi < math.inf or (max_rate is not None and rate >= max_rate):
-                break
-            rate = rate * 2.0 if max_rate is None else min(rate * 2.0, max_rate)
-        else:
-            hi = rate
-            if lo > 0:
-                break
-            rate /= 2.0
-            if rate < 1e-4 * (start_rate or num_gpus):
-                break
-    while lo > 0 and hi < math.inf and (hi - lo) / hi > rel_tol and len(probes) < max_probes:
-        mid = 0.5 * (lo + hi)
-        if probe(mid):
-            lo = mid
-        else:
-            hi = mid
+    def search(passes: Callable[[float], bool]) -> tuple[float, float]:
+        return _search(passes, start_rate or float(num_gpus), max_rate, rel_tol, max_probes)
+
+    if min_rate is not None and not _reaches(search, probe, outcomes, min_rate, max_rate):
+        failed = min((p for p in probes if not p.meets), key=lambda p: p.rate, default=None)
+        return GoodputResult(0.0, num_gpus, probes, results[min(results)] if results else None,
+                             _binding(failed.attainment, slo) if failed is not None else None, below=min_rate)
+    lo, hi = search(probe)
     above = next((p for p in probes if p.rate == hi), None)
     best = results.get(lo) if lo > 0 else results[min(results)]
     return GoodputResult(
@@ -121,3 +117,119 @@ def find_goodput(
         result=best,
         binding=_binding(above.attainment, slo) if above is not None else None,
     )
+
+
+def _search(passes: Callable[[float], bool], start_rate: float, max_rate: float | None, rel_tol: float,
+            max_probes: int) -> tuple[float, float]:
+    """The search over an oracle ``passes(rate)``: (lo, hi), the best passing rate and the failing one above it.
+
+    ``lo`` is 0 if no rate passed, ``hi`` inf if none failed.
+    """
+    rate = start_rate if max_rate is None else min(start_rate, max_rate)
+    lo, hi = 0.0, math.inf
+    num_probes = 0
+    # Bracket: grow or shrink by 2x until one rate passes and one fails.
+    while num_probes < max_probes:
+        num_probes += 1
+        if passes(rate):
+            lo = rate
+            if hi < math.inf or (max_rate is not None and rate >= max_rate):
+                break
+            rate = rate * 2.0 if max_rate is None else min(rate * 2.0, max_rate)
+        else:
+            hi = rate
+            if lo > 0:
+                break
+            rate /= 2.0
+            if rate < 1e-4 * start_rate:
+                break
+    while lo > 0 and hi < math.inf and (hi - lo) / hi > rel_tol and num_probes < max_probes:
+        num_probes += 1
+        mid = 0.5 * (lo + hi)
+        if passes(mid):
+            lo = mid
+        else:
+            hi = mid
+    return lo, hi
+
+
+_MAX_PATHS = 4096  # beyond this many ways to go, _reaches stops weighing them and lets the search run
+_Search = Callable[[Callable[[float], bool]], tuple[float, float]]
+
+
+class _Unknown(Exception):
+    def __init__(self, rate: float) -> None:
+        self.rate = rate
+
+
+def _run_until_unknown(search: _Search, outcomes: dict[float, bool]) -> tuple[float, float] | float:
+    """The search's (lo, hi) if ``outcomes`` answer everything it asks, else the first rate they don't."""
+
+    def oracle(rate: float) -> bool:
+        if rate in outcomes:
+            return outcomes[rate]
+        raise _Unknown(rate)
+
+    try:
+        return search(oracle)
+    except _Unknown as unknown:
+        return unknown.rate
+
+
+def _paths(search: _Search, known: dict[float, bool]) -> list[tuple[float, dict[float, bool]]] | None:
+    """Every way the search can still go given the ``known`` outcomes: (its result, the outcomes it assumes)."""
+    out: list[tuple[float, dict[float, bool]]] = []
+    stack: list[dict[float, bool]] = [{}]
+    while stack:
+        assumed = stack.pop()
+        step = _run_until_unknown(search, {**known, **assumed})
+        if isinstance(step, tuple):
+            out.append((step[0], assumed))
+            continue
+        stack += [{**assumed, step: True}, {**assumed, step: False}]
+        if len(stack) + len(out) > _MAX_PATHS:
+            return None
+    return out
+
+
+def _reaches(search: _Search, probe: Callable[[float], bool],
+             known: dict[float, bool], min_rate: float, max_rate: float | None) -> bool:
+    """Whether ``search(probe)`` ends at or above ``min_rate``, probing only what it takes to know.
+
+    Exact: the outcomes that decide it are the search's own; only the order of the probes differs.
+    With a ``max_rate``, each step probes the rate most likely to rule out the probable ways of
+    reaching ``min_rate``, under a prior where the goodput lies uniformly between the best known
+    pass and the lowest known fail (or 1.5 x ``max_rate``: the search often passes there). So a rate
+    just below ``min_rate`` that the search would have to pass is tried early, and rates it would
+    surely pass are left for last. Without one, the probes follow the search's own order.
+    """
+    while True:
+        paths = _paths(search, known)
+        if paths is None:
+            return True  # too many to weigh: run the search itself
+        wins = [assumed for lo, assumed in paths if lo >= min_rate]
+        if not wins:
+            return False
+        if len(wins) == len(paths):
+            return True
+        if max_rate is None:
+            step = _run_until_unknown(search, known)
+            assert not isinstance(step, tuple)  # some ways are still open: the search has not ended
+            probe(step)
+            continue
+        rates = {r for _, assumed in paths for r in assumed}
+        top = min((r for r, ok in known.items() if not ok), default=1.5 * max_rate)
+        bottom = max((r for r, ok in known.items() if ok and r < top), default=0.0)
+
+        def p_pass(rate: float) -> float:
+            return min(0.98, max(0.02, (top - rate) / (top - bottom)))
+
+        def weight(assumed: dict[float, bool]) -> float:
+            return math.prod(p_pass(r) if ok else 1.0 - p_pass(r) for r, ok in assumed.items())
+
+        score = dict.fromkeys(rates, 0.0)
+        for assumed in wins:
+            w = weight(assumed)
+            for r, ok in assumed.items():
+                score[r] += w * (1.0 - p_pass(r) if ok else p_pass(r))  # the chance that r rules this way out
+        probe(max(rates, key=lambda r: (score[r], r)))

@@ -104,14 +104,18 @@ def render(req: PlanRequest, result: PlanResult) -> list[Table]:
     c = Table(title="per-configuration goodput (simulated; prefill/decode phases searched alone)")
     for col in ("kind", "configuration", "GPUs", "goodput (req/s)", "per GPU", "binding SLO", "note"):
         c.add_column(col, justify="left" if col in ("kind", "configuration", "note") else "right")
-    top = sorted(result.candidates, key=lambda x: (x.kind, -x.per_gpu))
+    top = sorted(result.candidates, key=lambda x: (x.kind, -x.per_gpu, -(x.goodput_below or 0.0) / x.num_gpus))
     shown: dict[str, int] = {}
     for cand in top:
         if shown.get(cand.kind, 0) >= 5:
             continue
         shown[cand.kind] = shown.get(cand.kind, 0) + 1
-        c.add_row(cand.kind, cand.label(), str(cand.num_gpus), f"{cand.goodput:.3g}", f"{cand.per_gpu:.3g}",
-                  cand.binding or "-", cand.skipped or "")
+        if cand.goodput_below is not None:
+            goodput, per_gpu = f"< {cand.goodput_below:.3g}", f"< {cand.goodput_below / cand.num_gpus:.3g}"
+            note = "search stopped: cannot beat the best"
+        else:
+            goodput, per_gpu, note = f"{cand.goodput:.3g}", f"{cand.per_gpu:.3g}", cand.skipped or ""
+        c.add_row(cand.kind, cand.label(), str(cand.num_gpus), goodput, per_gpu, cand.binding or "-", note)
     tables.append(c)
     return tables
 
@@ -132,7 +136,8 @@ def summary(req: PlanRequest, result: PlanResult) -> dict[str, Any]:
         "vs_colocated": (best.per_gpu / colo.per_gpu) if best is not None and colo is not None and colo.per_gpu > 0 else None,
         "options": [{"name": o.name, "placement": o.placement.to_dict(), "rate": o.rate, "per_gpu": o.per_gpu} for o in result.options],
         "candidates": [{"kind": c.kind, "configuration": c.label(), "num_gpus": c.num_gpus, "goodput": c.goodput,
-                        "per_gpu": c.per_gpu, "bound": c.bound_rate, "binding": c.binding, "skipped": c.skipped}
+                        "per_gpu": c.per_gpu, "bound": c.bound_rate, "binding": c.binding, "skipped": c.skipped,
+                        "goodput_below": c.goodput_below}
                        for c in result.candidates],
     }
 

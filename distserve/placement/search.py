@@ -15,7 +15,10 @@ SLO-meeting rate per GPU:
 
 Cheap upper bounds prune before simulating: a candidate's throughput bound (full batches back to
 back, no SLO) per GPU must beat the best goodput per GPU found so far, and a candidate whose
-unloaded latency already misses the SLO (its M/D/1 floor) is dropped.
+unloaded latency already misses the SLO (its M/D/1 floor) is dropped. Candidates are simulated
+best bound first, and a candidate's search stops as soon as its outcome certainly falls short of the
+best so far (``find_goodput``'s ``min_rate``): which candidates win, and their goodputs, are exactly
+those of the full search.
 """
 
 from __future__ import annotations
@@ -84,6 +87,9 @@ class PlanRequest:
     sim_config: SimConfig = field(default_factory=SimConfig)
     rel_tol: float = 0.05
     max_workers: int = 1
+    # Stop a candidate's search once it certainly falls short of the best so far (exact: the same
+    # plan); False searches every candidate in full (bench_planner's reference).
+    stop_losers: bool = True
 
     def __post_init__(self) -> None:
         if self.affinity not in AFFINITIES:
@@ -110,6 +116,9 @@ class Candidate:
     binding: str | None = None
     probes: list[tuple[float, dict[str, float], bool]] = field(default_factory=list)
     skipped: str | None = None  # why it was not simulated
+    # Set when the search stopped because it would end below the best candidate so far (as many GPUs
+    # at the best goodput per GPU): the goodput is below this, and ``goodput`` stays 0.
+    goodput_below: float | None = None
 
     @property
     def per_gpu(self) -> float:
@@ -207,6 +216,11 @@ def decode_bound(latency: LatencyModel, tp: int, pp: int, prompt_mean: float, ou
     return batch / t / max(output_mean, 1.0) if t > 0 else math.inf
 
 
+def _rounded(rate: float) -> float:
+    """``rate`` to 9 significant digits: equal bounds computed along different paths compare equal."""
+    return float(f"{rate:.9g}")
+
+
 # ---- evaluation (runs in worker processes) ------------------------------------------------------
 @dataclass(frozen=True)
 class _Job:
@@ -219,12 +233,17 @@ class _Job:
     rel_tol: float
     start_rate: float
     max_rate: float | None
+    min_rate: float | None = None  # the rate that beats the best candidate so far
 
 
-def _evaluate(job: _Job) -> tuple[float, str | None, list[tuple[float, dict[str, float], bool]]]:
+_Evaluation = tuple[float, str | None, list[tuple[float, dict[str, float], bool]], float | None]
+
+
+def _evaluate(job: _Job) -> _Evaluation:
     g: GoodputResult = find_goodput(job.placement, job.latency, job.unit_requests, job.slo, job.config,
-                                    rel_tol=job.rel_tol, start_rate=job.start_rate, max_rate=job.max_rate)
-    return g.rate, g.binding, [(p.rate, p.attainment, p.meets) for p in g.probes]
+                                    rel_tol=job.rel_tol, start_rate=job.start_rate, max_rate=job.max_rate,
+                                    min_rate=job.min_rate)
+    return g.rate, g.binding, [(p.rate, p.attainment, p.meets) for p in g.probes], g.below
 
 
 class Planner:
@@ -262,15 +281,23 @@ class Planner:
         return max(1e-3, 0.5 * bound) if math.isfinite(bound) else 1.0
 
     def _run(self, jobs: list[tuple[Candidate, _Job]], label: str) -> None:
-        """Evaluate candidates best-bound first; skip those whose bound can't beat the best so far."""
-        jobs.sort(key=lambda cj: -cj[0].bound_rate / cj[0].num_gpus)
+        """Evaluate candidates best-bound first; skip those whose bound can't beat the best so far.
+
+        A simulated candidate's search only goes on while it may still reach the best so far
+        (``min_rate``); one that cannot gets ``goodput_below`` instead of its goodput.
+        """
+        # Bounds per GPU that differ by rounding only (pp scales them linearly) tie: fewer GPUs first.
+        jobs.sort(key=lambda cj: (-_rounded(cj[0].bound_rate / cj[0].num_gpus), cj[0].num_gpus))
         best = 0.0
         done = 0
         total = len(jobs)
 
-        def record(cand: Candidate, result: tuple[float, str | None, list[Any]]) -> None:
+        def to_beat(cand: Candidate, job: _Job) -> _Job:
+            return replace(job, min_rate=best * cand.num_gpus) if best > 0 and self.req.stop_losers else job
+
+        def record(cand: Candidate, result: _Evaluation) -> None:
             nonlocal best, done
-            cand.goodput, cand.binding, cand.probes = result
+            cand.goodput, cand.binding, cand.probes, cand.goodput_below = result
             if cand.goodput >= cand.bound_rate:
                 cand.goodput = cand.bound_rate
                 cand.binding = "throughput"
@@ -282,12 +309,12 @@ class Planner:
         workers = max(1, self.req.max_workers)
         if workers == 1:
             for cand, job in jobs:
-                if cand.bound_rate / cand.num_gpus <= best:
+                if _rounded(cand.bound_rate / cand.num_gpus) <= _rounded(best):
                     cand.skipped = f"bound {cand.bound_rate / cand.num_gpus:.3g} req/s/GPU <= best {best:.3g}"
                     done += 1
                     self.progress(label, done, total)
                     continue
-                record(cand, _evaluate(job))
+                record(cand, _evaluate(to_beat(cand, job)))
             return
         with ProcessPoolExecutor(max_workers=workers) as pool:
             pending = list(jobs)
@@ -295,12 +322,12 @@ class Planner:
                 batch, pending = pending[:workers], pending[workers:]
                 live = []
                 for cand, job in batch:
-                    if cand.bound_rate / cand.num_gpus <= best:
+                    if _rounded(cand.bound_rate / cand.num_gpus) <= _rounded(best):
                         cand.skipped = f"bound {cand.bound_rate / cand.num_gpus:.3g} req/s/GPU <= best {best:.3g}"
                         done += 1
                         self.progress(label, done, total)
                     else:
-                        live.append((cand, pool.submit(_evaluate, job)))
+                        live.append((cand, pool.submit(_evaluate, to_beat(cand, job))))
                 for cand, fut in live:
                     record(cand, fut.result())
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -11,7 +12,7 @@ from simulator import DISTSERVE_A100_PROFILE
 from distserve.cli import main
 from distserve.placement import plan_report
 from distserve.placement.placement import InstanceSpec, Placement
-from distserve.placement.search import Candidate, Cluster, assign_nodes
+from distserve.placement.search import Candidate, Cluster, Planner, assign_nodes
 from simulator.hardware import get_hardware
 
 PROFILE = DISTSERVE_A100_PROFILE
@@ -28,9 +29,12 @@ def phase_config(c: Candidate, kind: str) -> tuple[int, int]:
 
 
 def their_goodput_per_gpu(candidates: list[Candidate], kind: str, tp: int, pp: int) -> float:
-    """Simulated goodput per GPU of DistServe's choice; if pruned, its bound (which caps it)."""
+    """Simulated goodput per GPU of DistServe's choice; if pruned, its bound (which caps it); if its
+    search stopped because it could not beat the best so far, the rate it was shown to fall below."""
     c = next(c for c in candidates if c.kind == kind and phase_config(c, kind) == (tp, pp))
-    return c.per_gpu if c.skipped is None else c.bound_rate / c.num_gpus
+    if c.skipped is not None:
+        return c.bound_rate / c.num_gpus
+    return c.per_gpu if c.goodput_below is None else c.goodput_below / c.num_gpus
 
 
 @needs_profile
@@ -118,3 +122,22 @@ def test_assign_nodes_first_fit_and_unpinned_multinode_instances() -> None:
         if s.node is not None:
             used[s.node] += s.num_workers
     assert all(v <= 4 for v in used.values()) and sum(used.values()) == 8
+
+
+@needs_profile
+def test_stopping_losing_searches_early_changes_no_figure() -> None:
+    """stop_losers (the default) ends a candidate's search once it cannot beat the best so far; the
+    plan, every option's rate and predicted figures, and every winner's goodput stay the same."""
+    args = plan_report.PlanArgs(model="facebook/opt-13b", gpu="a100-80g", nodes=1, gpus_per_node=8, workload="chatbot",
+                                ttft_s=0.25, tpot_s=0.1, profile=str(PROFILE), num_requests=60)
+    req = plan_report.build_request(args)
+    early, full = Planner(req).plan(), Planner(replace(req, stop_losers=False)).plan()
+    stopped = [c for c in early.candidates if c.goodput_below is not None]
+    assert stopped
+    assert sum(len(c.probes) for c in early.candidates) < sum(len(c.probes) for c in full.candidates)
+    assert [(o.name, o.rate, o.placement) for o in early.options] == [(o.name, o.rate, o.placement) for o in full.options]
+    for e, f in zip(early.candidates, full.candidates):
+        if e.goodput_below is not None:
+            assert f.goodput < e.goodput_below  # it was indeed going to fall short
+        else:
+            assert (e.goodput, e.skipped) == (f.goodput, f.skipped)

@@ -1,0 +1,77 @@
+"""find_goodput's ``min_rate``: it stops a search that cannot reach a rate, and changes nothing else."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from distserve.config import SLO
+from distserve.placement.placement import Placement
+from simulator.goodput import _reaches, _search, find_goodput
+from simulator.latency import FittedLatencyModel, TpCoefficients
+from simulator.metrics import SLOSpec
+from simulator.workload import generate_requests
+
+OPT13B_A100 = TpCoefficients(
+    (18.10254647486372, 0.1019122572698738, 7.122264314252114e-06),
+    (19.934702624895458, 0.0006269356524350583, 0.03850697740828398),
+    (7.1661889468253595, 0.0005798000403396046, 0.15831096191764046),
+    95,
+)
+
+
+def test_min_rate_decides_exactly_what_the_full_search_would() -> None:
+    """Over monotone and non-monotone pass/fail curves: same verdict, same result, fewer probes to say no."""
+    rng = random.Random(0)
+    bound = 10.0
+    full_probes = early_probes = 0
+    for trial in range(300):
+        knee = rng.uniform(0.1, 1.3) * bound
+        noise = {} if trial % 3 else {"p": 0.3}  # every third curve also passes at random above its knee
+        table: dict[float, bool] = {}
+
+        def passes(rate: float) -> bool:
+            if rate not in table:
+                table[rate] = rate <= knee or rng.random() < noise.get("p", 0.0)
+            return table[rate]
+
+        def search(oracle):  # the planner's call: start at half the bound, capped at it
+            return _search(oracle, 0.5 * bound, bound, 0.05, 40)
+
+        asked: list[float] = []
+        full = search(lambda r: (asked.append(r), passes(r))[1])
+        min_rate = rng.uniform(0.2, 0.99) * bound
+        known: dict[float, bool] = {}
+
+        def probe(rate: float) -> bool:
+            if rate not in known:
+                known[rate] = passes(rate)
+            return known[rate]
+
+        reached = _reaches(search, probe, known, min_rate, bound)
+        assert reached == (full[0] >= min_rate)
+        if reached:
+            assert search(probe) == full
+        else:
+            full_probes += len(asked)
+            early_probes += len(known)
+    assert early_probes < 0.5 * full_probes
+
+
+def test_find_goodput_with_min_rate_stops_below_and_matches_above() -> None:
+    latency = FittedLatencyModel("facebook/opt-13b", {1: OPT13B_A100}, hardware="a100-80g")
+    unit = generate_requests("chatbot", 1.0, 100, seed=3, max_total_len=2048)
+    slo = SLOSpec(SLO(0.25, 0.1, 0.9))
+    placement = Placement.disaggregated(1, 1)
+    full = find_goodput(placement, latency, unit, slo, rel_tol=0.05)
+    assert full.rate > 0 and full.below is None
+
+    stopped = find_goodput(placement, latency, unit, slo, rel_tol=0.05, min_rate=1.2 * full.rate)
+    assert stopped.rate == 0 and stopped.below == pytest.approx(1.2 * full.rate)
+    assert len(stopped.probes) < len(full.probes) and not all(p.meets for p in stopped.probes)
+    assert stopped.binding in ("ttft", "tpot", "both")
+
+    reached = find_goodput(placement, latency, unit, slo, rel_tol=0.05, min_rate=0.8 * full.rate)
+    assert reached.rate == full.rate and reached.below is None and reached.binding == full.binding
+    assert {p.rate for p in full.probes} <= {p.rate for p in reached.probes}
