@@ -6,7 +6,7 @@ Issue acceptance: "a plan for this machine (CPU, the real engine's fitted profil
 1. Profile the real engine here (``distserve.profiler.profile_engine``, one thread per worker, as
    the Ray workers run) or reuse ``--profile``.
 2. Calibrate the runtime's per-step overhead as ``validate_simulator.py`` does: one request alone on
-   a deployment; its TPOT minus the profile's batch-1 decode step. It differs by kind (a
+   a deployment; the time between its decode steps minus the steps' own time. It differs by kind (a
    disaggregated step has one more actor hop), and ``SimConfig.step_overhead_s`` is one number, so
    it is measured on both kinds (``--gpus`` colocated instances; 1P1D) and the planner is run once
    per kind with that kind's overhead: its colocated options from the one run, its disaggregated
@@ -16,7 +16,8 @@ Issue acceptance: "a plan for this machine (CPU, the real engine's fitted profil
    and KV blocks of the deployment.
 4. Deploy the chosen ``Placement`` on the Ray runtime (``DisaggLLM``: what ``distserve serve
    --placement`` runs; node indices the single-node Ray cluster lacks are dropped) and replay the
-   same workload open loop (after one uncounted warm-up replay) at rates around the prediction
+   same workload open loop (after one uncounted warm-up replay; every replay with freshly drawn
+   prompt token ids, as the same ids again would be prefix-cache hits) at rates around the prediction
    ({0.6 ... 1.4} x predicted, extended upwards while the highest passes, downwards while none
    does). Measured goodput: the highest rate meeting the SLO,
    interpolated linearly between the last passing and the first failing rate, after ``--refine``
@@ -37,15 +38,12 @@ import argparse
 import json
 import math
 import os
-import subprocess
 import sys
 import tempfile
-import threading
 import time
-from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import numpy as np
 
@@ -58,14 +56,15 @@ from distserve.placement.placement import InstanceSpec, Placement  # noqa: E402
 from distserve.placement.plan_report import PlanArgs, run_plan  # noqa: E402
 from distserve.placement.search import PlanOption, PlanResult  # noqa: E402
 from simulator.latency import FittedLatencyModel  # noqa: E402
-from simulator.metrics import SLOSpec, attainment  # noqa: E402
+from simulator.metrics import SLOSpec, attainment, latency_summary  # noqa: E402
 from simulator.simulation import SimConfig, simulate, with_rate  # noqa: E402
 from simulator.workload import Request, generate_requests, rescale, write_trace  # noqa: E402
-from validate_simulator import CALIBRATION_OUTPUT, CALIBRATION_PROMPT, lengths, make_profile, rel_err, replay  # noqa: E402
+from validate_simulator import (  # noqa: E402
+    CALIBRATION_OUTPUT, CALIBRATION_PROMPT, StepTrace, calibrate_overhead, concurrent_slowdown, fresh_prompts, lengths,
+    make_profile, quietly, rel_err, replay,
+)
 
-BUSY_PATTERN = r"experiments/(validate_simulator|reproduce_distserve|bench_simulator)\.py"
 TARGET_ERROR = 0.15
-T = TypeVar("T")
 
 
 def parse_args() -> argparse.Namespace:
@@ -85,6 +84,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--refine", type=int, default=2, help="rates added by bisecting between the last passing and first failing rate")
     p.add_argument("--step-overhead-ms", type=float, default=None,
                    help="runtime cost per step for the planner, both kinds (default: calibrated with one solo request)")
+    p.add_argument("--concurrent-slowdown", type=float, default=None,
+                   help="step-time factor while both workers compute (default: the profile's measurement; 1 if absent)")
     p.add_argument("--max-wait-s", type=float, default=3600.0, help="longest wait for other benchmarks before a measurement")
     p.add_argument("--max-other-cores", type=float, default=0.25,
                    help="CPU the rest of the machine may use during a measurement (cores, mean) before it is redone")
@@ -142,138 +143,39 @@ def layout(p: Placement) -> str:
 
 
 def deploy(args: argparse.Namespace, placement: Placement, cache: CacheConfig, sched: SchedulerConfig,
-           unit: list[Request], prompts: dict[int, list[int]]) -> Any:
+           unit: list[Request], rng: np.random.Generator, vocab_size: int) -> Any:
     """A warmed-up deployment: the first steps pay one-off costs (allocator, oneDNN) the profile excluded."""
     from distserve.serving.llm import DisaggLLM
 
-    llm = DisaggLLM(args.model, placement, dtype=args.dtype, cache_config=cache, scheduler_config=sched)
-    llm.generate([prompts[r.req_id] for r in unit[:2]], SamplingParams(max_tokens=4, ignore_eos=True, temperature=0.0))
+    # The controller in this process: the calibration's StepTrace instruments it.
+    llm = DisaggLLM(args.model, placement, dtype=args.dtype, cache_config=cache, scheduler_config=sched,
+                    controller_in_process=True)
+    warm = fresh_prompts(unit[:2], rng, vocab_size)
+    llm.generate([warm[r.req_id] for r in unit[:2]], SamplingParams(max_tokens=4, ignore_eos=True, temperature=0.0))
     return llm
 
 
-def calibrate(args: argparse.Namespace, llm: Any, name: str, unit: list[Request], prompts: dict[int, list[int]],
+def calibrate(args: argparse.Namespace, llm: Any, name: str, rng: np.random.Generator,
               latency: FittedLatencyModel) -> float:
-    """validate_simulator's calibration: one request alone; its TPOT minus the profile's decode step."""
+    """validate_simulator's calibration: one request alone; the time between its decode steps minus
+    the steps' own time (``calibrate_overhead``)."""
     solo = [Request(-1, 0.0, CALIBRATION_PROMPT, CALIBRATION_OUTPUT)]
-    solo_prompt = {-1: prompts[unit[0].req_id][:1] * CALIBRATION_PROMPT}
+    vocab = latency.model.vocab_size
 
-    def solo_tpots() -> list[float]:
-        return [llm._run(replay(llm.controller, solo, solo_prompt, f"{name}-cal{i}"))[0].tpot_s for i in range(3)]
+    def solo_run() -> tuple[list[float], float]:
+        trace = StepTrace(llm.controller)
+        trace.enabled = True
+        tpots = [llm._run(replay(llm.controller, solo, fresh_prompts(solo, rng, vocab), f"{name}-cal{i}"))[0].tpot_s
+                 for i in range(3)]
+        trace.enabled = False
+        return tpots, calibrate_overhead(trace.steps)
 
-    tpots, _, _ = quietly(args, f"{name} calibration", solo_tpots)
+    (tpots, overhead), _, _ = quietly(args, f"{name} calibration", solo_run)
     ctx = CALIBRATION_PROMPT + CALIBRATION_OUTPUT // 2
     step = latency.decode_time([ctx])
-    overhead = max(0.0, float(np.median(tpots)) - step)
-    print(f"  {name}: solo TPOT {1e3 * float(np.median(tpots)):.1f} ms, profile decode step {1e3 * step:.1f} ms "
-          f"-> runtime overhead {1e3 * overhead:.1f} ms/step", flush=True)
+    print(f"  {name}: solo TPOT {1e3 * float(np.median(tpots)):.1f} ms, profile decode step {1e3 * step:.1f} ms, "
+          f"runtime overhead {1e3 * overhead:.1f} ms/step", flush=True)
     return overhead
-
-
-def busy_pids() -> list[str]:
-    """Other benchmarks that load the cores (this machine is shared)."""
-    pids = subprocess.run(["pgrep", "-f", BUSY_PATTERN], capture_output=True, text=True).stdout.split()
-    return [pid for pid in pids if int(pid) != os.getpid()]
-
-
-def cpu_snapshot() -> tuple[int, int]:
-    """(busy jiffies of the machine, jiffies of this process and its descendants: Ray and its actors)."""
-    with open("/proc/stat") as f:
-        fields = [int(x) for x in f.readline().split()[1:9]]  # user nice system idle iowait irq softirq steal
-    busy = sum(fields) - fields[3] - fields[4]
-    parent: dict[int, int] = {}
-    used: dict[int, int] = {}
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry.name}/stat") as f:
-                rest = f.read().rsplit(")", 1)[1].split()  # after "pid (comm)": state ppid ... utime stime cutime cstime
-        except OSError:
-            continue
-        pid = int(entry.name)
-        # Reaped children's time moves into their parent's cutime/cstime, so it stays in the tree.
-        parent[pid], used[pid] = int(rest[1]), sum(int(x) for x in rest[11:15])
-    mine = {os.getpid()}
-    grew = True
-    while grew:
-        new = {pid for pid, ppid in parent.items() if ppid in mine} - mine
-        mine |= new
-        grew = bool(new)
-    return busy, sum(used.get(pid, 0) for pid in mine)
-
-
-class LoadWatch:
-    """CPU used by everything but this run (cores, averaged) and other benchmarks seen, polled every
-    ``period`` s in a thread while a measurement runs."""
-
-    def __init__(self, period: float = 2.0) -> None:
-        self.period = period
-        self.seen: set[str] = set()
-        self._other_jiffies = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._poll, daemon=True)
-
-    def _poll(self) -> None:
-        busy, mine = cpu_snapshot()
-        while True:
-            self.seen.update(busy_pids())
-            stopped = self._stop.wait(self.period)
-            busy2, mine2 = cpu_snapshot()
-            self._other_jiffies += max(0, (busy2 - busy) - max(0, mine2 - mine))
-            busy, mine = busy2, mine2
-            if stopped:
-                return
-
-    def __enter__(self) -> "LoadWatch":
-        self._t0 = time.monotonic()
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
-        self.seconds = time.monotonic() - self._t0
-
-    @property
-    def other_cores(self) -> float:
-        return self._other_jiffies / os.sysconf("SC_CLK_TCK") / max(self.seconds, 1e-9)
-
-
-def wait_for_quiet(max_wait_s: float, max_other_cores: float) -> float:
-    """Seconds spent waiting until no other benchmark runs and the rest of the machine uses less
-    than ``max_other_cores`` (over 5 s)."""
-    t0 = time.monotonic()
-    announced = False
-    while time.monotonic() - t0 < max_wait_s:
-        with LoadWatch(period=5.0) as watch:
-            time.sleep(5.0)
-        if not watch.seen and watch.other_cores < max_other_cores:
-            break
-        if not announced:
-            print(f"  waiting for a quiet machine (others use {watch.other_cores:.1f} cores"
-                  + (f"; benchmarks running: pids {', '.join(sorted(watch.seen))})" if watch.seen else ")"), flush=True)
-            announced = True
-        time.sleep(10)
-    return time.monotonic() - t0
-
-
-def quietly(args: argparse.Namespace, what: str, measure: Callable[[], T]) -> tuple[T, float, float]:
-    """``measure()`` on a quiet machine: wait for one, and redo the measurement (up to --retries
-    times) when another benchmark ran or the rest of the machine used more than --max-other-cores
-    meanwhile. Returns the result, the seconds waited and the cores others used during the result
-    kept. The quick run just measures (others' load is still reported)."""
-    waited = 0.0
-    for attempt in range(args.retries + 1):
-        if args.wait_for_quiet:
-            waited += wait_for_quiet(args.max_wait_s, args.max_other_cores)
-        with LoadWatch() as watch:
-            result = measure()
-        if not args.wait_for_quiet or (not watch.seen and watch.other_cores < args.max_other_cores):
-            return result, waited, watch.other_cores
-        again = "measuring again" if attempt < args.retries else "keeping it, marked disturbed"
-        print(f"  {what}: others used {watch.other_cores:.2f} cores meanwhile"
-              + (f" (benchmarks: pids {', '.join(sorted(watch.seen))})" if watch.seen else "") + f"; {again}", flush=True)
-    return result, waited, watch.other_cores
 
 
 # ---- planning ------------------------------------------------------------------------------------
@@ -317,10 +219,12 @@ def main() -> None:
     wall0 = time.perf_counter()
     t = time.perf_counter()
     if args.profile is None:
-        profile, _, profile_other_cores = quietly(args, "profile", lambda: make_profile(args))
+        profile, _, watch = quietly(args, "profile", lambda: make_profile(args))
+        profile_other_cores = watch.other_cores
     else:
         profile, profile_other_cores = make_profile(args), math.nan
     latency = FittedLatencyModel.from_profile(profile)
+    slowdown = concurrent_slowdown(args, profile)  # the workers share this machine's cores
     fit = profile["tp"]["1"]["fit_error"]
     print(f"profile: {latency!r} fit MAPE prefill {fit['prefill_mape']:.1%} decode {fit['decode_mape']:.1%} "
           f"({time.perf_counter() - t:.0f} s)", flush=True)
@@ -328,7 +232,6 @@ def main() -> None:
     unit = rescale(generate_requests(lengths(args.quick), 1.0, args.num_requests, seed=args.seed), 1.0)
     rng = np.random.default_rng(args.seed + 1)
     vocab = latency.model.vocab_size
-    prompts = {r.req_id: rng.integers(3, vocab - 3, r.prompt_len).tolist() for r in unit}  # no shared prefixes
     cache = CacheConfig(block_size=16, kv_cache_memory_gb=args.kv_cache_gb)
     sched = SchedulerConfig()
     slo = SLOSpec(SLO(args.ttft, args.tpot, args.attainment))
@@ -341,8 +244,8 @@ def main() -> None:
     for kind, placement in calibration.items():
         if llm is not None:
             llm.shutdown()
-        llm, deployed = deploy(args, placement, cache, sched, unit, prompts), placement
-        overheads[kind] = calibrate(args, llm, layout(placement), unit, prompts, latency)
+        llm, deployed = deploy(args, placement, cache, sched, unit, rng, vocab), placement
+        overheads[kind] = calibrate(args, llm, layout(placement), rng, latency)
     assert llm is not None and deployed is not None
     num_blocks = llm.controller.num_blocks
     if args.step_overhead_ms is not None:
@@ -357,7 +260,7 @@ def main() -> None:
         t = time.perf_counter()
         for kind, overhead in overheads.items():
             config = SimConfig(block_size=cache.block_size, scheduler=sched, prefill_scheduler=sched, decode_scheduler=sched,
-                               num_blocks=num_blocks, step_overhead_s=overhead)
+                               num_blocks=num_blocks, step_overhead_s=overhead, concurrent_slowdown=slowdown)
             result = plan_for_kind(args, profile_path, trace_path, config)
             notes += [f"{kind} run: {n}" for n in result.notes]
             options += [(o, overhead, config) for o in result.options if (o.name == "colocated") == (kind == "colocated")]
@@ -383,8 +286,8 @@ def main() -> None:
         deployed_overhead = overheads["colocated" if placement.colocated else "disaggregated"]
     else:
         llm.shutdown()
-        llm = deploy(args, placement, cache, sched, unit, prompts)
-        deployed_overhead = calibrate(args, llm, layout(placement), unit, prompts, latency)
+        llm = deploy(args, placement, cache, sched, unit, rng, vocab)
+        deployed_overhead = calibrate(args, llm, layout(placement), rng, latency)
 
     rates = [f * predicted for f in args.factor_list]
     rows: list[dict[str, Any]] = []
@@ -392,22 +295,32 @@ def main() -> None:
     def run_rate(rate: float) -> dict[str, Any]:
         reqs = with_rate(unit, rate)
         t0 = time.perf_counter()
-        measured, waited, other_cores = quietly(
-            args, f"{rate:.3g} req/s", lambda: llm._run(replay(llm.controller, reqs, prompts, f"rate-{rate:.4g}-{time.monotonic()}")))
+        measured, waited, watch = quietly(
+            args, f"{rate:.3g} req/s",
+            # Fresh prompts: the same token ids again would be prefix-cache hits (see validate_simulator).
+            lambda: llm._run(replay(llm.controller, reqs, fresh_prompts(reqs, rng, vocab), f"rate-{rate:.4g}-{time.monotonic()}")))
         seconds = time.perf_counter() - t0 - waited
         sim = simulate(placement, latency, reqs, config)
-        row = {"rate": rate, "factor": rate / predicted, "measured_attainment": attainment(measured, slo)["joint"],
-               "predicted_attainment": attainment(sim.records, slo)["joint"], "num_requests": len(measured),
-               "seconds": seconds, "waited_s": waited, "other_cores": other_cores,
-               "disturbed": other_cores >= args.max_other_cores}
-        print(f"  {rate:.3g} req/s ({row['factor']:.2f}x): attainment measured {row['measured_attainment']:.0%}, "
-              f"predicted {row['predicted_attainment']:.0%} ({row['seconds']:.0f} s; others used {other_cores:.2f} cores)", flush=True)
+        row: dict[str, Any] = {"rate": rate, "factor": rate / predicted, "num_requests": len(measured), "seconds": seconds,
+                               "waited_s": waited, "own_cores": watch.own_cores, "other_cores": watch.other_cores,
+                               "disturbed": watch.other_cores >= args.max_other_cores}
+        for side, records in (("measured", measured), ("predicted", sim.records)):
+            att, lat = attainment(records, slo), latency_summary(records)
+            row[f"{side}_attainment"] = att["joint"]
+            row[f"{side}_ttft_attainment"], row[f"{side}_tpot_attainment"] = att["ttft"], att["tpot"]
+            row[f"{side}_ttft_p90_s"], row[f"{side}_tpot_p90_s"] = lat["ttft_p90_s"], lat["tpot_p90_s"]
+        print(f"  {rate:.3g} req/s ({row['factor']:.2f}x): attainment measured {row['measured_attainment']:.0%} "
+              f"(TTFT {row['measured_ttft_attainment']:.0%}, TPOT {row['measured_tpot_attainment']:.0%}), predicted "
+              f"{row['predicted_attainment']:.0%} (TTFT {row['predicted_ttft_attainment']:.0%}, TPOT "
+              f"{row['predicted_tpot_attainment']:.0%}) ({row['seconds']:.0f} s; CPU: this run {watch.own_cores:.2f} cores, "
+              f"others {watch.other_cores:.2f})", flush=True)
         return row
 
     try:
         # The first loaded run on a fresh deployment is slow (new batch shapes, allocator growth) and
         # the 2-request warm-up does not cover it: one uncounted replay at the lowest rate does.
-        warm = llm._run(replay(llm.controller, with_rate(unit, rates[0]), prompts, "warm-up"))
+        warm_reqs = with_rate(unit, rates[0])
+        warm = llm._run(replay(llm.controller, warm_reqs, fresh_prompts(warm_reqs, rng, vocab), "warm-up"))
         print(f"  warm-up replay at {rates[0]:.3g} req/s (not counted): attainment {attainment(warm, slo)['joint']:.0%}", flush=True)
         rows = [run_rate(r) for r in rates]
         for _ in range(args.max_extra_rates):
@@ -439,6 +352,7 @@ def main() -> None:
         "num_requests_per_rate": args.num_requests,
         "num_workers": args.gpus,
         "runtime_overhead_s_per_step": overheads,
+        "concurrent_slowdown": slowdown,
         "deployed_overhead_s_per_step": deployed_overhead,
         "num_blocks": num_blocks,
         "options": [option_row(o, ov) for o, ov, _ in options],
@@ -484,7 +398,8 @@ def write_outputs(out_dir: Path, f: dict[str, Any], quick: bool) -> None:
         f"{f['num_workers']} one-thread workers. Profile fit MAPE: prefill {f['fit_mape']['prefill_mape']:.1%}, "
         f"decode {f['fit_mape']['decode_mape']:.1%}. Runtime overhead per step (solo-request calibration): "
         + ", ".join(f"{k} {1e3 * v:.1f} ms" for k, v in f["runtime_overhead_s_per_step"].items())
-        + f"; on the deployed plan {1e3 * f['deployed_overhead_s_per_step']:.1f} ms.",
+        + f"; on the deployed plan {1e3 * f['deployed_overhead_s_per_step']:.1f} ms. Concurrent slowdown (both workers "
+        f"computing, the simulator's shared compute): {f['concurrent_slowdown']:.2f}.",
         "",
         "| option (planner) | layout | workers | predicted rate (req/s) | per worker | step overhead used (ms) |",
         "|---|---|---:|---:|---:|---:|",
@@ -501,12 +416,15 @@ def write_outputs(out_dir: Path, f: dict[str, Any], quick: bool) -> None:
         f"the measured rates, interpolated the same way, give {f['sweep_predicted_goodput_rps']:.3g} req/s "
         f"({f['sweep_predicted_bracket']}).",
         "",
-        "| rate (req/s) | x predicted | attainment measured | attainment predicted | CPU used by others (cores) |",
-        "|---:|---:|---:|---:|---:|",
+        "| rate (req/s) | x predicted | attainment meas / pred | TTFT att. meas / pred | TPOT att. meas / pred "
+        "| P90 TTFT ms meas / pred | P90 TPOT ms meas / pred | CPU cores: this run / others |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in f["rows"]:
-        lines.append(f"| {r['rate']:.3g} | {r['factor']:.2f} | {r['measured_attainment']:.0%}{' (disturbed)' if r['disturbed'] else ''} "
-                     f"| {r['predicted_attainment']:.0%} | {r['other_cores']:.2f} |")
+        cells = [f"{r[f'measured_{k}']:.0%} / {r[f'predicted_{k}']:.0%}" for k in ("attainment", "ttft_attainment", "tpot_attainment")]
+        cells += [f"{1e3 * r[f'measured_{k}']:.0f} / {1e3 * r[f'predicted_{k}']:.0f}" for k in ("ttft_p90_s", "tpot_p90_s")]
+        lines.append(f"| {r['rate']:.3g} | {r['factor']:.2f} | " + " | ".join(cells)
+                     + f" | {r['own_cores']:.2f} / {r['other_cores']:.2f}{' (disturbed)' if r['disturbed'] else ''} |")
     if f["notes"]:
         lines += ["", "Notes: " + "; ".join(f["notes"])]
     (out_dir / f"{stem}.md").write_text("\n".join(lines) + "\n")

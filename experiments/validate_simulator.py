@@ -1,10 +1,14 @@
 """Does the simulator predict the real engine? Measured vs simulated TTFT/TPOT/attainment on this machine.
 
 1. Profile the real engine here (``distserve.profiler.profile_engine``: ``ModelRunner.execute`` on
-   real scheduler plans, one thread, as the Ray workers run) and fit DistServe's latency form.
+   real scheduler plans, one thread, as the Ray workers run; steps re-timed while other processes
+   used the CPU) and fit DistServe's latency form. The profile also measures how much a step slows
+   down while the other worker computes (``concurrent_slowdown``: the two workers share this
+   machine's cores), which the simulator applies to instances computing at the same time.
 2. Deploy each system on the Ray runtime (colocated: 1 instance; 1P1D: one prefill and one decode
-   instance, KV over gloo), and replay the same seeded open-loop workload at three arrival rates:
-   token-id prompts of the generated lengths, exactly ``output_len`` tokens each (ignore_eos).
+   instance, KV over gloo; the controller in this process), warm it up with one uncounted replay,
+   and replay the same seeded open-loop workload at three arrival rates: token-id prompts of the
+   generated lengths, exactly ``output_len`` tokens each (ignore_eos).
 3. Simulate the same requests (their actual submission times) on the same placement, with the
    same scheduler limits and KV blocks, and the fitted profile.
 4. Print predicted vs measured P50/P90 TTFT and TPOT and SLO attainment, and the relative errors.
@@ -12,9 +16,21 @@
 
 No calibration against the validation runs: the simulator sees only the profile, the placement,
 the scheduler settings, the requests, and one runtime constant measured beforehand on each
-deployment with a single request running alone: its TPOT minus the profile's batch-1 decode step,
-i.e. what the Ray runtime adds to every step (controller → instance actor → worker round trips).
-``--step-overhead-ms`` sets that constant instead.
+deployment with a single request running alone: the time between its decode steps minus the
+steps' own time, i.e. what the Ray runtime adds to every step (controller → instance actor →
+worker round trips). ``--step-overhead-ms`` sets that constant instead.
+
+Every replay (warm-up, calibration, each rate) sends freshly drawn prompts: the deployment keeps
+prefix caching on (the server default), so replaying the same token ids would turn the prefills of
+every later run into prefix-cache hits that the simulated workload (no shared prefixes) does not
+have. The number of prompt tokens served from the cache is reported (``num_cached_tokens``: 0).
+
+This machine is shared: each calibration and each rate waits for a quiet machine and is measured
+again (``--retries``) when other processes used more than ``--max-other-cores`` meanwhile; the
+table reports what they used. A step trace (``StepTrace``) records every step the controller
+applies, with the batch it computed, and compares the real step times with the profile's: how far
+the latency model itself is off, apart from the simulation around it. ``--from-raw`` simulates the
+measurements of an earlier run again (its ``validate_simulator_raw.json``).
 
 Writes JSON + markdown + PNG under --out-dir; the last stdout line is the JSON.
 """
@@ -26,10 +42,14 @@ import asyncio
 import json
 import math
 import os
+import subprocess
 import sys
+import threading
 import time
+from collections.abc import Callable
+from dataclasses import asdict
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -44,6 +64,8 @@ from simulator.simulation import SimConfig, simulate, with_rate  # noqa: E402
 from simulator.workload import Request, chatbot_lengths, generate_requests  # noqa: E402
 
 SYSTEMS = {"colocated": Placement.colocated_instances(1), "1p1d": Placement.disaggregated(1, 1)}
+BUSY_PATTERN = r"experiments/(validate_simulator|validate_planner|reproduce_distserve|bench_simulator)\.py"
+T = TypeVar("T")
 METRICS = ("ttft_p50_s", "ttft_p90_s", "tpot_p50_s", "tpot_p90_s")
 CALIBRATION_PROMPT, CALIBRATION_OUTPUT = 32, 24
 
@@ -60,10 +82,21 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--tpot", type=float, default=0.15, help="TPOT SLO (s) for attainment")
     p.add_argument("--step-overhead-ms", type=float, default=None,
                    help="runtime cost per step for the simulator (default: calibrated with one solo request)")
+    p.add_argument("--concurrent-slowdown", type=float, default=None,
+                   help="step-time factor while both workers compute (default: the profile's measurement; 1 if absent)")
+    p.add_argument("--max-wait-s", type=float, default=1800.0, help="longest wait for a quiet machine before a measurement")
+    p.add_argument("--max-other-cores", type=float, default=0.25,
+                   help="CPU the rest of the machine (hypervisor steal included) may use during a measurement (cores, mean) "
+                        "before it is redone")
+    p.add_argument("--retries", type=int, default=2, help="times a measurement is redone when others used the CPU meanwhile")
+    p.add_argument("--from-raw", default=None,
+                   help="simulate the measurements of an earlier run (its validate_simulator_raw.json; pass its profile "
+                        "with --profile) instead of measuring")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quick", action="store_true", help="tiny model, few requests (the test suite's run)")
     p.add_argument("--out-dir", default=str(REPO / "experiments" / "results"))
     args = p.parse_args()
+    args.wait_for_quiet = not args.quick
     if args.quick:
         args.model, args.dtype, args.profile_grid = "tiny", "float32", "quick"
         args.rates, args.num_requests = "2,4,8", 12
@@ -71,6 +104,8 @@ def parse_args() -> argparse.Namespace:
     args.rate_list = [float(r) for r in args.rates.split(",")]
     if any(r <= 0 for r in args.rate_list) or args.num_requests < 1:
         p.error("--rates must be positive and --num-requests >= 1")
+    if args.from_raw and not args.profile:
+        p.error("--from-raw needs the run's profile (--profile)")
     return args
 
 
@@ -84,15 +119,135 @@ def lengths(quick: bool) -> Any:
 
 
 def make_profile(args: argparse.Namespace) -> dict[str, Any]:
+    """The profile: steps re-timed when others used the CPU (not in the quick run), and how much a
+    step slows down while the other worker computes (the simulator's ``concurrent_slowdown``)."""
     if args.profile:
         return json.loads(Path(args.profile).read_text())
     from distserve.profiler import profile_engine
 
-    return profile_engine(args.model, (1,), dtype=args.dtype, threads=1, quick=args.profile_grid == "quick")
+    return profile_engine(args.model, (1,), dtype=args.dtype, threads=1, quick=args.profile_grid == "quick",
+                          quiet=args.wait_for_quiet, concurrency=True, max_quiet_wait_s=args.max_wait_s)
 
 
-async def replay(controller: Any, requests: list[Request], prompts: dict[int, list[int]], tag: str) -> list[RequestRecord]:
-    """Open loop: submit each request at its arrival time; record what the client observes."""
+def concurrent_slowdown(args: argparse.Namespace, profile: dict[str, Any]) -> float:
+    if args.concurrent_slowdown is not None:
+        return args.concurrent_slowdown
+    measured = (profile.get("meta") or {}).get("concurrent_slowdown")
+    return max(1.0, float(measured["factor"])) if measured else 1.0
+
+
+def fresh_prompts(requests: list[Request], rng: np.random.Generator, vocab_size: int) -> dict[int, list[int]]:
+    """Random token ids of each request's prompt length, new on every call: no prefix is shared with
+    any earlier replay (the deployment's prefix cache would otherwise serve it)."""
+    return {r.req_id: rng.integers(3, vocab_size - 3, r.prompt_len).tolist() for r in requests}
+
+
+class StepTrace:
+    """Every step the controller applies: which instance, the batch it computed, how long it took.
+
+    Wraps ``Controller._apply`` (every ``StepResult`` passes through it, in this process) and reads
+    the batch off the updates before they are applied: a request's first token ends a prefill of its
+    uncached prompt tokens, a later token one decode over its context. ``step_s`` is the instance's
+    own step time (schedule + execute + update, ``StepResult.step_seconds``); ``cycle_s`` the time
+    since the instance's previous step returned, kept only when that step reported more work (the
+    loop went straight on): one step plus the runtime's round trip.
+    """
+
+    def __init__(self, controller: Any) -> None:
+        self.steps: list[dict[str, Any]] = []
+        self._last: dict[int, tuple[float, bool]] = {}
+        self._shapes: dict[int, set[int]] = {}  # token counts each instance has run (since the trace began)
+        self.enabled = False
+        original = controller._apply
+
+        def apply(inst: Any, result: Any) -> None:
+            shapes = self._shapes.setdefault(id(inst), set())
+            new_shape = result.num_batched_tokens not in shapes
+            shapes.add(result.num_batched_tokens)
+            if self.enabled:
+                self._record(controller, inst, result, new_shape)
+            original(inst, result)
+
+        controller._apply = apply
+
+    def _record(self, controller: Any, inst: Any, result: Any, new_shape: bool) -> None:
+        now = time.monotonic()
+        last = self._last.get(id(inst))
+        self._last[id(inst)] = (now, bool(result.has_work))
+        if not result.num_batched_tokens:
+            return
+        prefill_lens: list[int] = []
+        decode_ctx: list[int] = []
+        for up in result.updates:
+            seq = controller._seqs.get(up.seq_id)
+            if seq is None or not up.new_token_ids:
+                continue
+            if seq.first_token_time is None:
+                prefill_lens.append(seq.num_prompt_tokens - up.num_cached_tokens)
+            else:
+                decode_ctx.append(len(seq.token_ids))
+        if sum(prefill_lens) + len(decode_ctx) != result.num_batched_tokens:
+            return  # a preempted recompute or a chunk without a token: not one we can attribute
+        self.steps.append({
+            "phase": inst.phase, "prefill_lens": prefill_lens, "decode_ctx": decode_ctx, "step_s": result.step_seconds,
+            "cycle_s": now - last[0] if last is not None and last[1] else None, "new_shape": new_shape, "t": now,
+        })
+
+
+def calibrate_overhead(steps: list[dict[str, Any]]) -> float:
+    """The runtime's cost per step: the median, over a solo request's back-to-back decode steps, of
+    the time between two steps minus the instance's own step time (``StepResult.step_seconds``):
+    the round trip controller → instance actor → controller.
+
+    Not the solo TPOT minus the profile's step, as before: in 1P1D the TPOT also spreads the KV
+    migration (which the simulator models on its own) over the output tokens, and any difference
+    between the profile and the step (e.g. another process slowing the worker during calibration:
+    +20 ms/step at 0.2 cores of others) would be charged to every simulated step.
+    """
+    gaps = [s["cycle_s"] - s["step_s"] for s in steps if s["cycle_s"] is not None and s["decode_ctx"] and not s["prefill_lens"]]
+    if not gaps:
+        raise RuntimeError("calibration saw no back-to-back decode steps")
+    return max(0.0, float(np.median(gaps)))
+
+
+def step_time_summary(steps: list[dict[str, Any]], latency: FittedLatencyModel, overhead_s: float) -> dict[str, Any]:
+    """Median real/profile ratios per kind of step: ``step_s`` vs the profile's step time, and
+    ``cycle_s`` vs what the simulator charges a step (profile + runtime overhead)."""
+    from simulator.latency import BatchShape
+
+    def median(xs: list[float]) -> float:
+        return float(np.median(xs)) if xs else math.nan
+
+    out: dict[str, Any] = {}
+    for kind in ("prefill", "decode", "mixed"):
+        ratios, cycles, preds, first, again = [], [], [], [], []
+        for s in steps:
+            p, d = s["prefill_lens"], s["decode_ctx"]
+            if ("mixed" if p and d else "prefill" if p else "decode") != kind:
+                continue
+            pred = latency.step_time(BatchShape.of(prefill_lens=p, decode_ctx_lens=d))
+            ratios.append(s["step_s"] / pred)
+            (first if s.get("new_shape") else again).append(s["step_s"] / pred)
+            preds.append(pred)
+            if s["cycle_s"] is not None:
+                cycles.append(s["cycle_s"] / (pred + overhead_s))
+        out[kind] = {
+            "num_steps": len(ratios),
+            "median_profile_s": median(preds),
+            "median_step_over_profile": median(ratios),
+            "median_cycle_over_simulated": median(cycles),
+            # A token count this instance had not run before (oneDNN builds kernels per shape) vs one it had.
+            "num_new_shape_steps": len(first),
+            "median_step_over_profile_new_shape": median(first),
+            "median_step_over_profile_seen_shape": median(again),
+        }
+    return out
+
+
+async def replay(controller: Any, requests: list[Request], prompts: dict[int, list[int]], tag: str,
+                 cached_tokens: list[int] | None = None) -> list[RequestRecord]:
+    """Open loop: submit each request at its arrival time; record what the client observes (and,
+    into ``cached_tokens``, how many prompt tokens of each the prefix cache served)."""
     t0 = time.monotonic() + 0.2
 
     async def one(r: Request) -> RequestRecord:
@@ -103,6 +258,8 @@ async def replay(controller: Any, requests: list[Request], prompts: dict[int, li
             last = out
         assert last is not None
         m = last.metrics
+        if cached_tokens is not None:
+            cached_tokens.append(m.num_cached_tokens)
         return RequestRecord(
             r.req_id, m.arrival_time - t0, r.prompt_len, r.output_len,
             first_token_s=None if m.first_token_time is None else m.first_token_time - t0,
@@ -113,34 +270,210 @@ async def replay(controller: Any, requests: list[Request], prompts: dict[int, li
     return list(await asyncio.gather(*(one(r) for r in requests)))
 
 
-def measure(args: argparse.Namespace, name: str, placement: Placement, unit: list[Request], prompts: dict[int, list[int]],
+def measure(args: argparse.Namespace, name: str, placement: Placement, unit: list[Request], rng: np.random.Generator,
             cache: CacheConfig, sched: SchedulerConfig, latency: FittedLatencyModel,
-            ) -> tuple[dict[float, list[RequestRecord]], int, float]:
+            ) -> tuple[dict[float, list[RequestRecord]], int, float, dict[str, Any]]:
+    """Deploy, warm up, calibrate the runtime overhead, replay at every rate (fresh prompts each time,
+    on a quiet machine: ``quietly``).
+
+    Returns the records per rate, the KV blocks per instance, the overhead and the diagnostics
+    (prefix-cache hits, others' CPU per rate, the step trace and its summary, KV migration times)."""
     from distserve.serving.llm import DisaggLLM
 
+    vocab = latency.model.vocab_size
     runs: dict[float, list[RequestRecord]] = {}
-    with DisaggLLM(args.model, placement, dtype=args.dtype, cache_config=cache, scheduler_config=sched) as llm:
+    cached: list[int] = []
+    other_cores: dict[float, float] = {}
+    migrations: dict[float, list[float]] = {}
+    # The controller in this process: StepTrace instruments it.
+    with DisaggLLM(args.model, placement, dtype=args.dtype, cache_config=cache, scheduler_config=sched,
+                   controller_in_process=True) as llm:
         num_blocks = llm.controller.num_blocks
+        trace = StepTrace(llm.controller)
         # Warm-up: first steps pay one-off costs (allocator, oneDNN primitives) the profile excluded.
-        llm.generate([prompts[r.req_id] for r in unit[:2]], SamplingParams(max_tokens=4, ignore_eos=True, temperature=0.0))
-        # Calibration, separate from the validation runs: one request alone; its TPOT minus the
-        # profile's batch-1 decode step is what the runtime adds per step (Ray round trips).
+        warm = fresh_prompts(unit[:2], rng, vocab)
+        llm.generate([warm[r.req_id] for r in unit[:2]], SamplingParams(max_tokens=4, ignore_eos=True, temperature=0.0))
+        # Calibration, separate from the validation runs: one request alone; the time between its
+        # decode steps minus the steps themselves is what the runtime adds per step (Ray round trips).
         solo = [Request(-1, 0.0, CALIBRATION_PROMPT, CALIBRATION_OUTPUT)]
-        solo_prompt = {-1: prompts[unit[0].req_id][:1] * CALIBRATION_PROMPT}
-        tpots = []
-        for i in range(3):
-            rec = llm._run(replay(llm.controller, solo, solo_prompt, f"{name}-cal{i}"))[0]
-            tpots.append(rec.tpot_s)
+
+        def solo_run() -> tuple[list[float], float]:
+            trace.steps.clear()
+            trace.enabled = True
+            tpots = [llm._run(replay(llm.controller, solo, fresh_prompts(solo, rng, vocab), f"{name}-cal{i}"))[0].tpot_s
+                     for i in range(3)]
+            trace.enabled = False
+            return tpots, calibrate_overhead(trace.steps)
+
+        (tpots, overhead), _, _ = quietly(args, f"{name} calibration", solo_run)
         ctx = CALIBRATION_PROMPT + CALIBRATION_OUTPUT // 2
-        overhead = max(0.0, float(np.median(tpots)) - latency.decode_time([ctx]))
         print(f"  {name}: solo TPOT {1e3 * float(np.median(tpots)):.1f} ms, profile decode step "
-              f"{1e3 * latency.decode_time([ctx]):.1f} ms -> runtime overhead {1e3 * overhead:.1f} ms/step", flush=True)
+              f"{1e3 * latency.decode_time([ctx]):.1f} ms, runtime overhead {1e3 * overhead:.1f} ms/step "
+              f"(TPOT - step: {1e3 * (float(np.median(tpots)) - latency.decode_time([ctx])):.1f} ms)", flush=True)
+        trace.steps.clear()
+        # One uncounted replay first, at the highest rate: the first step of every new token count
+        # costs ~25 ms more (oneDNN builds its kernels per shape; the profile times warm shapes), and
+        # the measured runs replay the same prompt lengths, so they then run warm as a server does.
+        warm_reqs = with_rate(unit, max(args.rate_list))
+        t = time.perf_counter()
+        llm._run(replay(llm.controller, warm_reqs, fresh_prompts(warm_reqs, rng, vocab), f"{name}-warm-up"))
+        print(f"  {name}: warm-up replay at {max(args.rate_list)} req/s (not counted) in {time.perf_counter() - t:.1f} s", flush=True)
         for rate in args.rate_list:
             reqs = with_rate(unit, rate)
             t = time.perf_counter()
-            runs[rate] = llm._run(replay(llm.controller, reqs, prompts, f"{name}-{rate}"))
-            print(f"  {name} at {rate} req/s: {len(reqs)} requests in {time.perf_counter() - t:.1f} s", flush=True)
-    return runs, num_blocks, overhead
+
+            def run_rate() -> tuple[list[RequestRecord], list[int], list[dict[str, Any]], list[float]]:
+                del trace.steps[num_kept:]  # a redone run's steps are not kept
+                llm.controller.migration_durations.clear()
+                trace.enabled = True
+                hits: list[int] = []
+                records = llm._run(replay(llm.controller, reqs, fresh_prompts(reqs, rng, vocab), f"{name}-{rate}", hits))
+                trace.enabled = False
+                return records, hits, trace.steps[num_kept:], list(llm.controller.migration_durations)
+
+            num_kept = len(trace.steps)
+            (runs[rate], hits, _, migrations[rate]), waited, watch = quietly(args, f"{name} at {rate} req/s", run_rate)
+            cached += hits
+            other_cores[rate] = watch.other_cores
+            print(f"  {name} at {rate} req/s: {len(reqs)} requests in {time.perf_counter() - t - waited:.1f} s "
+                  f"(CPU: this run {watch.own_cores:.2f} cores, others {watch.other_cores:.2f})", flush=True)
+    step_overhead = args.step_overhead_ms / 1e3 if args.step_overhead_ms is not None else overhead
+    steps = step_time_summary(trace.steps, latency, step_overhead)
+    for kind, v in steps.items():
+        print(f"  {name} {kind} steps: {v['num_steps']}, real/profile step time {v['median_step_over_profile']:.2f} "
+              f"(new shape {v['median_step_over_profile_new_shape']:.2f}, seen {v['median_step_over_profile_seen_shape']:.2f}), "
+              f"real/simulated step cycle {v['median_cycle_over_simulated']:.2f} (medians)", flush=True)
+    diagnostics = {"num_cached_prompt_tokens": int(sum(cached)), "steps": steps, "step_trace": trace.steps,
+                   "other_cores": other_cores, "migration_s": migrations}
+    return runs, num_blocks, overhead, diagnostics
+
+
+# ---- a quiet machine ----------------------------------------------------------------------------
+def busy_pids() -> list[str]:
+    """Other benchmarks that load the cores (this machine is shared)."""
+    pids = subprocess.run(["pgrep", "-f", BUSY_PATTERN], capture_output=True, text=True).stdout.split()
+    return [pid for pid in pids if int(pid) != os.getpid()]
+
+
+def cpu_snapshot() -> tuple[int, int]:
+    """(busy jiffies of the machine, jiffies of this process and its descendants: Ray and its actors)."""
+    with open("/proc/stat") as f:
+        fields = [int(x) for x in f.readline().split()[1:9]]  # user nice system idle iowait irq softirq steal
+    busy = sum(fields) - fields[3] - fields[4]
+    parent: dict[int, int] = {}
+    used: dict[int, int] = {}
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/stat") as f:
+                rest = f.read().rsplit(")", 1)[1].split()  # after "pid (comm)": state ppid ... utime stime cutime cstime
+        except OSError:
+            continue
+        pid = int(entry.name)
+        # Reaped children's time moves into their parent's cutime/cstime, so it stays in the tree.
+        parent[pid], used[pid] = int(rest[1]), sum(int(x) for x in rest[11:15])
+    mine = {os.getpid()}
+    grew = True
+    while grew:
+        new = {pid for pid, ppid in parent.items() if ppid in mine} - mine
+        mine |= new
+        grew = bool(new)
+    return busy, sum(used.get(pid, 0) for pid in mine)
+
+
+class LoadWatch:
+    """CPU used by everything but this run (cores, averaged) and other benchmarks seen, polled every
+    ``period`` s in a thread while a measurement runs."""
+
+    def __init__(self, period: float = 2.0) -> None:
+        self.period = period
+        self.seen: set[str] = set()
+        self._other_jiffies = 0
+        self._own_jiffies = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._poll, daemon=True)
+
+    def _poll(self) -> None:
+        busy, mine = cpu_snapshot()
+        while True:
+            self.seen.update(busy_pids())
+            stopped = self._stop.wait(self.period)
+            busy2, mine2 = cpu_snapshot()
+            self._other_jiffies += max(0, (busy2 - busy) - max(0, mine2 - mine))
+            self._own_jiffies += max(0, mine2 - mine)
+            busy, mine = busy2, mine2
+            if stopped:
+                return
+
+    def __enter__(self) -> "LoadWatch":
+        self._t0 = time.monotonic()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.seconds = time.monotonic() - self._t0
+
+    @property
+    def other_cores(self) -> float:
+        return self._other_jiffies / os.sysconf("SC_CLK_TCK") / max(self.seconds, 1e-9)
+
+    @property
+    def own_cores(self) -> float:
+        """CPU of this run: the controller (this process), Ray and the instances' actors."""
+        return self._own_jiffies / os.sysconf("SC_CLK_TCK") / max(self.seconds, 1e-9)
+
+
+def wait_for_quiet(max_wait_s: float, max_other_cores: float) -> float:
+    """Seconds spent waiting until no other benchmark runs and the rest of the machine uses less
+    than ``max_other_cores`` (over 5 s)."""
+    t0 = time.monotonic()
+    announced = False
+    while time.monotonic() - t0 < max_wait_s:
+        with LoadWatch(period=5.0) as watch:
+            time.sleep(5.0)
+        if not watch.seen and watch.other_cores < max_other_cores:
+            break
+        if not announced:
+            print(f"  waiting for a quiet machine (others use {watch.other_cores:.1f} cores"
+                  + (f"; benchmarks running: pids {', '.join(sorted(watch.seen))})" if watch.seen else ")"), flush=True)
+            announced = True
+        time.sleep(10)
+    return time.monotonic() - t0
+
+
+def quietly(args: argparse.Namespace, what: str, measure: Callable[[], T]) -> tuple[T, float, LoadWatch]:
+    """``measure()`` on a quiet machine: wait for one, and redo the measurement (up to --retries
+    times) when another benchmark ran or the rest of the machine used more than --max-other-cores
+    meanwhile. Returns the result, the seconds waited and the CPU watch of the result kept. The
+    quick run just measures (others' load is still reported)."""
+    waited = 0.0
+    for attempt in range(args.retries + 1):
+        if args.wait_for_quiet:
+            waited += wait_for_quiet(args.max_wait_s, args.max_other_cores)
+        with LoadWatch() as watch:
+            result = measure()
+        if not args.wait_for_quiet or (not watch.seen and watch.other_cores < args.max_other_cores):
+            return result, waited, watch
+        again = "measuring again" if attempt < args.retries else "keeping it, marked disturbed"
+        print(f"  {what}: others used {watch.other_cores:.2f} cores meanwhile"
+              + (f" (benchmarks: pids {', '.join(sorted(watch.seen))})" if watch.seen else "") + f"; {again}", flush=True)
+    return result, waited, watch
+
+
+def from_raw(entry: dict[str, Any], latency: FittedLatencyModel,
+             ) -> tuple[dict[float, list[RequestRecord]], int, float, dict[str, Any]]:
+    """``measure``'s results, read back from a ``validate_simulator_raw.json`` entry."""
+    runs = {float(rate): [RequestRecord(**r) for r in recs] for rate, recs in entry["records"].items()}
+    diagnostics = {
+        "num_cached_prompt_tokens": entry.get("num_cached_prompt_tokens", 0),
+        "other_cores": {float(k): v for k, v in (entry.get("other_cores") or {}).items()},
+        "migration_s": {float(k): v for k, v in (entry.get("migration_s") or {}).items()},
+        "step_trace": entry.get("step_trace", []),
+    }
+    return runs, int(entry["num_blocks"]), float(entry["step_overhead_s"]), diagnostics
 
 
 def rel_err(pred: float, meas: float) -> float:
@@ -164,21 +497,32 @@ def main() -> None:
 
     unit = generate_requests(lengths(args.quick), 1.0, args.num_requests, seed=args.seed)
     rng = np.random.default_rng(args.seed + 1)
-    vocab = latency.model.vocab_size
-    prompts = {r.req_id: rng.integers(3, vocab - 3, r.prompt_len).tolist() for r in unit}  # no shared prefixes
     cache = CacheConfig(block_size=16, kv_cache_memory_gb=0.5)
     sched = SchedulerConfig()
     slo = SLOSpec(SLO(args.ttft, args.tpot, 0.9))
 
+    slowdown = concurrent_slowdown(args, profile)
+    print(f"concurrent slowdown (step-time factor while both workers compute): {slowdown:.2f}", flush=True)
     rows: list[dict[str, Any]] = []
     overheads: dict[str, float] = {}
+    diagnostics: dict[str, dict[str, Any]] = {}
+    raw: dict[str, Any] = {}
+    earlier = json.loads(Path(args.from_raw).read_text()) if args.from_raw else None
     for name, placement in SYSTEMS.items():
-        runs, num_blocks, overhead = measure(args, name, placement, unit, prompts, cache, sched, latency)
+        if earlier is None:
+            runs, num_blocks, overhead, diagnostics[name] = measure(args, name, placement, unit, rng, cache, sched, latency)
+        else:
+            runs, num_blocks, overhead, diagnostics[name] = from_raw(earlier[name], latency)
+            args.rate_list = list(runs)
+        raw[name] = {"num_blocks": num_blocks, "step_overhead_s": overhead,
+                     "records": {str(rate): [asdict(r) for r in recs] for rate, recs in runs.items()},
+                     **{k: diagnostics[name][k] for k in ("num_cached_prompt_tokens", "other_cores", "migration_s", "step_trace")}}
         if args.step_overhead_ms is not None:
             overhead = args.step_overhead_ms / 1e3
         overheads[name] = overhead
+        diagnostics[name]["steps"] = step_time_summary(diagnostics[name]["step_trace"], latency, overhead)
         config = SimConfig(block_size=cache.block_size, scheduler=sched, prefill_scheduler=sched, decode_scheduler=sched,
-                           num_blocks=num_blocks, step_overhead_s=overhead)
+                           num_blocks=num_blocks, step_overhead_s=overhead, concurrent_slowdown=slowdown)
         for rate, measured in runs.items():
             # The simulator gets the requests as they were actually submitted.
             actual = [Request(r.req_id, r.arrival_s, r.prompt_len, r.output_len) for r in sorted(measured, key=lambda r: r.arrival_s)]
@@ -192,6 +536,10 @@ def main() -> None:
                 row[f"measured_{key}"], row[f"predicted_{key}"] = m[key], s[key]
                 row[f"error_{key}"] = rel_err(s[key], m[key])
             row["measured_attainment"], row["predicted_attainment"] = am["joint"], ap["joint"]
+            row["other_cores"] = diagnostics[name]["other_cores"].get(rate, math.nan)
+            migrations = diagnostics[name]["migration_s"].get(rate)
+            if migrations:
+                row["measured_mean_migration_s"], row["predicted_mean_migration_s"] = float(np.mean(migrations)), predicted.mean_migration_s
             rows.append(row)
 
     p90_errors = [abs(r[f"error_{k}"]) for r in rows for k in ("ttft_p90_s", "tpot_p90_s") if not math.isnan(r[f"error_{k}"])]
@@ -203,6 +551,11 @@ def main() -> None:
         "num_requests_per_rate": args.num_requests,
         "slo": {"ttft_s": args.ttft, "tpot_s": args.tpot},
         "runtime_overhead_s_per_step": overheads,
+        "concurrent_slowdown": slowdown,
+        "profile_meta": {k: profile["meta"].get(k) for k in ("concurrent_slowdown", "prefill_first_use_extra_s", "quiet_guard",
+                                                             "cpu_steal_fraction", "profile_seconds")},
+        "num_cached_prompt_tokens": {k: d["num_cached_prompt_tokens"] for k, d in diagnostics.items()},
+        "step_times": {k: d["steps"] for k, d in diagnostics.items()},
         "max_abs_p90_error": max(p90_errors) if p90_errors else math.nan,
         "mean_abs_p90_error": float(np.mean(p90_errors)) if p90_errors else math.nan,
         "target_p90_error": 0.10,
@@ -210,6 +563,9 @@ def main() -> None:
         "wall_s": time.perf_counter() - wall0,
     }
     write_outputs(out_dir, rows, figures, quick=args.quick)
+    if earlier is None:  # the raw measurements: --from-raw simulates them again without a rerun
+        stem = "validate_simulator_raw" + ("_quick" if args.quick else "")
+        (out_dir / f"{stem}.json").write_text(json.dumps(raw) + "\n")
     print_table(rows)
     print(json.dumps(figures, default=float))
 
@@ -245,16 +601,28 @@ def write_outputs(out_dir: Path, rows: list[dict[str, Any]], figures: dict[str, 
         f"Profile fit MAPE: prefill {figures['fit_mape']['prefill_mape']:.1%}, decode {figures['fit_mape']['decode_mape']:.1%}. "
         f"Runtime overhead per step (solo-request calibration): "
         + ", ".join(f"{k} {1e3 * v:.1f} ms" for k, v in figures["runtime_overhead_s_per_step"].items()) + ". "
+        f"Concurrent slowdown (both workers computing): {figures['concurrent_slowdown']:.2f}. "
+        f"Prompt tokens served by the prefix cache: {figures['num_cached_prompt_tokens']}. "
         f"{figures['num_requests_per_rate']} requests per rate. Max |error| of P90 TTFT/TPOT: "
         f"{figures['max_abs_p90_error']:.1%} (mean {figures['mean_abs_p90_error']:.1%}; target 10%).",
         "",
-        "| system | rate (req/s) | P50 TTFT ms pred/meas | P90 TTFT ms pred/meas | P50 TPOT ms pred/meas | P90 TPOT ms pred/meas | attainment pred/meas |",
-        "|---|---:|---:|---:|---:|---:|---:|",
+        "| system | rate (req/s) | P50 TTFT ms pred/meas | P90 TTFT ms pred/meas | P50 TPOT ms pred/meas | P90 TPOT ms pred/meas "
+        "| attainment pred/meas | others' CPU (cores) |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         cells = [f"{_ms(r[f'predicted_{k}'])} / {_ms(r[f'measured_{k}'])} ({r[f'error_{k}']:+.0%})" for k in METRICS]
         lines.append(f"| {r['system']} | {r['rate']:g} | " + " | ".join(cells)
-                     + f" | {r['predicted_attainment']:.0%} / {r['measured_attainment']:.0%} |")
+                     + f" | {r['predicted_attainment']:.0%} / {r['measured_attainment']:.0%} | {r.get('other_cores', math.nan):.2f} |")
+    lines += ["", "Real step time / the profile's, medians (step trace; new shape = a token count the instance had not run):", "",
+              "| system | kind | steps | real/profile | new shape | seen shape | real cycle / simulated step |",
+              "|---|---|---:|---:|---:|---:|---:|"]
+    for system, kinds in figures["step_times"].items():
+        for kind, v in kinds.items():
+            if v["num_steps"]:
+                lines.append(f"| {system} | {kind} | {v['num_steps']} | {v['median_step_over_profile']:.2f} "
+                             f"| {v['median_step_over_profile_new_shape']:.2f} | {v['median_step_over_profile_seen_shape']:.2f} "
+                             f"| {v['median_cycle_over_simulated']:.2f} |")
     (out_dir / f"{stem}.md").write_text("\n".join(lines) + "\n")
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
     for ax, metric in zip(axes, ("ttft_p90_s", "tpot_p90_s")):

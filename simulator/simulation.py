@@ -12,6 +12,13 @@ thread), the decode instance starts decoding and the prefill instance frees its 
 Pipeline parallelism: an instance with ``pp`` stages keeps up to ``pp`` micro-batches in flight
 (the scheduler skips sequences that are in flight); each micro-batch spends the latency model's
 per-stage time in each stage, in order.
+
+Shared compute (``SimConfig.concurrent_slowdown``): instances are independent devices by default,
+as GPUs are. Where they are not — one-thread workers on a CPU machine whose cores share vector
+units — instances on the same node share it: while ``k`` of them compute, each step progresses
+``1 + (k - 1)(f - 1)`` times slower than alone (processor sharing), and the completion times of the
+steps in flight move whenever an instance starts or ends a step. Pipelined (pp > 1) instances are
+not modelled: they neither slow down nor slow others.
 """
 
 from __future__ import annotations
@@ -60,6 +67,10 @@ class SimConfig:
     # Phase-isolated search (DistServe's per-phase goodput): prefill instances take no time, so
     # the decode phase is measured alone.
     instant_prefill: bool = False
+    # How many times longer a step takes while another instance on the same node computes (1:
+    # independent devices). distserve.profiler.measure_concurrent_slowdown measures it (~2 for two
+    # one-thread workers on a VM whose two vCPUs share a core). pp > 1 instances are left out.
+    concurrent_slowdown: float = 1.0
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
@@ -70,6 +81,8 @@ class SimConfig:
             raise InvalidConfigError(f"mem_utilization must be in (0, 1], got {self.mem_utilization}")
         if self.step_overhead_s < 0:
             raise InvalidConfigError(f"step_overhead_s must be >= 0, got {self.step_overhead_s}")
+        if self.concurrent_slowdown < 1:
+            raise InvalidConfigError(f"concurrent_slowdown must be >= 1, got {self.concurrent_slowdown}")
 
 
 class SimInstance:
@@ -93,6 +106,15 @@ class SimInstance:
         self.busy_s = 0.0
         self.num_steps = 0
         self.step_time = step_time_fn
+        # Shared compute: the step in flight's solo seconds still to run, its current speed, when
+        # those were last brought up to date, and a version that invalidates superseded completions.
+        self.work_left = 0.0
+        self.speed = 1.0
+        self.updated_at = 0.0
+        self.step_version = 0
+        self.plan_in_flight: StepPlan | None = None
+        self.launched_at = 0.0
+        self.solo_s = 0.0
 
     @property
     def name(self) -> str:
@@ -146,6 +168,9 @@ class Simulation:
             self.instances.append(SimInstance(kind, idx, spec, scheduler, fn))
         self.entry = [i for i in self.instances if i.kind in ("colocated", "prefill")]
         self.decodes = [i for i in self.instances if i.kind == "decode"]
+        # Shared compute: the instances computing right now, per node (unpinned ones share one).
+        self.shared = cfg.concurrent_slowdown != 1.0
+        self.computing: dict[int | None, list[SimInstance]] = {}
 
     def _num_blocks(self, spec: InstanceSpec) -> int:
         if self.config.num_blocks is not None:
@@ -200,7 +225,11 @@ class Simulation:
         while events:
             now, kind, _, payload = pop(events)
             if kind == _STEP_DONE:
-                inst, plan = payload  # type: ignore[misc]
+                inst, plan, version = payload  # type: ignore[misc]
+                if version != inst.step_version:
+                    continue  # superseded: shared compute moved this step's completion
+                if inst.plan_in_flight is not None:
+                    self._stop_computing(inst, now)
                 unfinished -= self._step_done(inst, plan, now)
                 if self.pending:
                     self._migrate_pending(now)
@@ -283,19 +312,58 @@ class Simulation:
         if not plan.chunks:
             return
         t = inst.step_time(_shape(plan))
+        inst.busy_s += t
+        inst.num_steps += 1
+        inst.num_in_flight += 1
+        if self.shared and t > 0 and inst.pp == 1:
+            self._start_computing(inst, plan, t, now)
+            return
         end = now
         stage_free = inst.stage_free
         for s in range(inst.pp):
             start = stage_free[s] if stage_free[s] > end else end
             end = start + t
             stage_free[s] = end
-        inst.busy_s += t
-        inst.num_steps += 1
-        inst.num_in_flight += 1
-        heapq.heappush(self._events, (end, _STEP_DONE, next(self._seq_no), (inst, plan)))
+        heapq.heappush(self._events, (end, _STEP_DONE, next(self._seq_no), (inst, plan, inst.step_version)))
         if inst.pp > 1 and inst.num_in_flight < inst.pp:
             inst.launch_pending = True
             heapq.heappush(self._events, (stage_free[0], _LAUNCH, next(self._seq_no), inst))
+
+    # ---- shared compute (processor sharing among the instances of a node) ---------------------
+    def _start_computing(self, inst: SimInstance, plan: StepPlan, t: float, now: float) -> None:
+        group = self.computing.setdefault(inst.spec.node, [])
+        self._advance(group, now)
+        inst.work_left, inst.updated_at = t, now
+        inst.plan_in_flight, inst.launched_at, inst.solo_s = plan, now, t
+        group.append(inst)
+        self._reschedule(group, now)
+
+    def _stop_computing(self, inst: SimInstance, now: float) -> None:
+        group = self.computing[inst.spec.node]
+        self._advance(group, now)
+        group.remove(inst)
+        inst.busy_s += (now - inst.launched_at) - inst.solo_s  # busy for as long as it took
+        inst.plan_in_flight = None
+        self._reschedule(group, now)
+
+    @staticmethod
+    def _advance(group: list[SimInstance], now: float) -> None:
+        for inst in group:
+            inst.work_left = max(0.0, inst.work_left - (now - inst.updated_at) * inst.speed)
+            inst.updated_at = now
+
+    def _reschedule(self, group: list[SimInstance], now: float) -> None:
+        """The group's steps in flight at their new speed: each gets a new completion event (the
+        old one is superseded by the version)."""
+        if not group:
+            return
+        speed = 1.0 / (1.0 + (len(group) - 1) * (self.config.concurrent_slowdown - 1.0))
+        for inst in group:
+            inst.speed = speed
+            inst.step_version += 1
+            end = now + inst.work_left / speed
+            inst.stage_free[0] = end
+            heapq.heappush(self._events, (end, _STEP_DONE, next(self._seq_no), (inst, inst.plan_in_flight, inst.step_version)))
 
     def _step_done(self, inst: SimInstance, plan: StepPlan, now: float) -> int:
         """Apply a finished micro-batch; returns how many requests finished."""

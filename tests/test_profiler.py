@@ -47,6 +47,19 @@ def test_fit_predicts_measured_samples(tiny_profile: dict[str, Any]) -> None:
     meta = tiny_profile["meta"]
     assert meta["threads"] == 1 and meta["quick"] is True and meta["block_size"] == 16 and meta["dtype"] == "float32"
     assert meta["torch"] and meta["cpu"] and meta["date"]
+    assert isinstance(meta["prefill_first_use_extra_s"]["1"], float) and 0 <= meta["cpu_steal_fraction"] <= 1
+    assert "quiet_guard" not in meta and "concurrent_slowdown" not in meta  # both opt-in
+
+
+def test_quiet_guard_and_concurrent_slowdown_are_recorded() -> None:
+    """The opt-in measurements: the guard's counts (no waiting here) and the slowdown next to a busy worker."""
+    profile = profile_engine("tiny", quick=True, repeats=1, quiet=True, concurrency=True, max_quiet_wait_s=0.0)
+    guard = profile["meta"]["quiet_guard"]["1"]
+    assert guard["waited_s"] == 0.0 and guard["num_steps_retimed"] >= 0 and guard["num_steps_kept_disturbed"] >= 0
+    slowdown = profile["meta"]["concurrent_slowdown"]
+    assert set(slowdown["probes"]) == {"prefill 1x128", "decode 8x128"}
+    assert slowdown["factor"] > 0.5 and all(v > 0 for v in slowdown["probes"].values())
+    assert profile["tp"]["1"]["num_samples"]["prefill"] >= 6
 
 
 def test_cli_writes_loadable_profile_with_tp1_and_tp2(tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -105,6 +105,35 @@ def test_pipeline_keeps_micro_batches_in_flight() -> None:
     assert t2 < 0.6 * t1, (t1, t2)
 
 
+def test_shared_compute_is_processor_sharing() -> None:
+    """Two colocated instances on one node, each step 2x slower while both compute: a prefill of D
+    started at 0 and one started at D/2 both take 1.5 D (alone D/2, shared D, alone D/2)."""
+    d = 0.2
+    placement = Placement.colocated_instances(2)
+    reqs = [Request(0, 0.0, 64, 1), Request(1, d / 2, 64, 1)]
+    config = SimConfig(concurrent_slowdown=2.0)
+    alone = simulate(placement, constant_model(d * 1e3, 5.0), reqs)
+    shared = simulate(placement, constant_model(d * 1e3, 5.0), reqs, config)
+    assert [r.ttft_s for r in alone.records] == pytest.approx([d, d])
+    assert [r.ttft_s for r in shared.records] == pytest.approx([1.5 * d, 1.5 * d])
+    assert all(i["utilization"] > 0 for i in shared.instances.values())
+    # Instances on different nodes do not share.
+    apart = Placement(colocated=(InstanceSpec(1, 1, node=0), InstanceSpec(1, 1, node=1)))
+    assert [r.ttft_s for r in simulate(apart, constant_model(d * 1e3, 5.0), reqs, config).records] == pytest.approx([d, d])
+    # 1P1D: a prefill running next to a busy decode instance is slowed, and every request finishes.
+    many = fixed_requests(40, 20.0, 64, 16)
+    base = simulate(Placement.disaggregated(1, 1), constant_model(d * 1e3, 50.0), many)
+    slow = simulate(Placement.disaggregated(1, 1), constant_model(d * 1e3, 50.0), many, config)
+    assert all(r.num_output_tokens == 16 for r in slow.records)
+    assert slow.duration_s > base.duration_s
+    # Pipelined instances are left out of the sharing.
+    pp2 = Placement(colocated=(InstanceSpec(1, 2), InstanceSpec(1, 2)))
+    assert [r.ttft_s for r in simulate(pp2, constant_model(d * 1e3, 5.0), reqs, config).records] == pytest.approx(
+        [r.ttft_s for r in simulate(pp2, constant_model(d * 1e3, 5.0), reqs).records])
+    with pytest.raises(InvalidConfigError, match="concurrent_slowdown"):
+        SimConfig(concurrent_slowdown=0.5)
+
+
 def test_slo_classes_and_attainment_modes() -> None:
     reqs = [
         Request(i, 0.05 * i, 64, 8, slo_class="tight" if i % 2 else None) for i in range(100)
