@@ -11,12 +11,13 @@ make each goodput estimate steadier and each probe slower.
 For each run: wall and CPU time (this process and its workers), the candidates enumerated, how many
 were simulated and how many were pruned (by the throughput bound, or because the unloaded latency
 already misses the SLO), how many searches stopped early (the candidate could no longer beat the
-best so far), the simulations run (bisection probes + each option's verification), and the chosen
-plan. Target: <= 10 s on 2 cores (goal <= 1 s) for the CLI's defaults (1 worker, 300 requests).
+best so far), the simulations run (bisection probes + each option's verification), how many probes
+ended as soon as their SLO verdict was certain, and the chosen plan. Target: <= 10 s on 2 cores (goal <= 1 s) for the CLI's defaults (1 worker, 300 requests).
 The machine may be shared: the load average at the start is recorded.
 
 Unless ``--no-reference``, the CLI-default run is repeated with every candidate searched in full
-(``PlanRequest.stop_losers=False``, the search before early stopping): the JSON says whether the
+(``PlanRequest.stop_losers=False, stop_probes=False``: every candidate bisected to the end, every
+probe simulated to its last request, the search before early stopping): the JSON says whether the
 plan and its figures are identical, and how much CPU the early stop saves on the same machine.
 
 Writes JSON + markdown under --out-dir; the last stdout line is the JSON.
@@ -100,7 +101,7 @@ def time_one(args: argparse.Namespace, profile: str | None, workers: int, num_re
                          workload=args.workload, ttft_s=args.ttft, tpot_s=args.tpot, attainment=args.attainment,
                          profile=profile, affinity=args.affinity, num_requests=num_requests, workers=workers)
     t0, c0 = time.perf_counter(), cpu_seconds()
-    req = replace(build_request(plan_args), stop_losers=stop_losers)
+    req = replace(build_request(plan_args), stop_losers=stop_losers, stop_probes=stop_losers)
     t1 = time.perf_counter()
     result = Planner(req).plan()
     t2, c2 = time.perf_counter(), cpu_seconds()
@@ -124,6 +125,7 @@ def time_one(args: argparse.Namespace, profile: str | None, workers: int, num_re
         "num_simulated": result.num_simulated,
         "num_stopped_early": sum(1 for c in cands if c.goodput_below is not None),
         "num_simulations": sum(probes) + len(result.options),
+        "num_probes_stopped": sum(c.num_probes_stopped for c in cands),
         "max_probes_per_candidate": max(probes, default=0),
         "num_capped_at_bound": capped,
         "feasible": result.feasible,
@@ -132,7 +134,7 @@ def time_one(args: argparse.Namespace, profile: str | None, workers: int, num_re
                      "predicted": {k: v for k, v in o.predicted.items() if k != "kind"}} for o in result.options],
         "simulated": [{"kind": c.kind, "configuration": c.label(), "num_gpus": c.num_gpus, "bound": c.bound_rate,
                        "goodput": c.goodput, "goodput_below": c.goodput_below, "binding": c.binding,
-                       "num_probes": len(c.probes)} for c in cands if c.probes],
+                       "num_probes": len(c.probes), "num_probes_stopped": c.num_probes_stopped} for c in cands if c.probes],
     }
 
 
@@ -223,15 +225,15 @@ def write_outputs(out_dir: Path, f: dict[str, Any], quick: bool) -> None:
         f"fastest run {f['fastest_wall_s']:.1f} s.",
         "",
         "| search | workers | requests/probe | wall s | CPU s | enumerated | simulated | stopped early | pruned (bound) "
-        "| pruned (SLO floor) | simulations | max probes/candidate | best plan | GPUs | rate (req/s) | per GPU |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|",
+        "| pruned (SLO floor) | simulations | probes ended early | max probes/candidate | best plan | GPUs | rate (req/s) | per GPU |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|",
     ]
     for r in f["runs"]:
         b = r["best"] or {"name": "none", "layout": "-", "num_gpus": 0, "rate": 0.0, "per_gpu": 0.0}
         lines.append(
             f"| {r['search']} | {r['workers']} | {r['num_requests']} | {r['wall_s']:.1f} | {r['cpu_s']:.1f} "
             f"| {r['num_enumerated']} | {r['num_candidates_simulated']} | {r['num_stopped_early']} "
-            f"| {r['num_pruned_by_bound']} | {r['num_pruned_by_floor']} | {r['num_simulations']} "
+            f"| {r['num_pruned_by_bound']} | {r['num_pruned_by_floor']} | {r['num_simulations']} | {r['num_probes_stopped']} "
             f"| {r['max_probes_per_candidate']} | {b['name']}: {b['layout']} | {b['num_gpus']} | {b['rate']:.3g} "
             f"| {b['per_gpu']:.3g} |"
         )
@@ -243,13 +245,13 @@ def write_outputs(out_dir: Path, f: dict[str, Any], quick: bool) -> None:
                   f"figures {'identical' if ref['identical_plan'] else 'DIFFERENT'}."]
     lines += ["", "Candidates simulated (early-stop run with the most requests, 1st listed worker count; "
               "\"< x\": the search stopped once the candidate could not beat the best so far):", "",
-              "| kind | configuration | GPUs | throughput bound (req/s) | goodput (req/s) | binding | probes |",
+              "| kind | configuration | GPUs | throughput bound (req/s) | goodput (req/s) | binding | probes (ended early) |",
               "|---|---|---:|---:|---:|---|---:|"]
     last = max((r for r in f["runs"] if r["search"] == "early stop"), key=lambda r: (r["num_requests"], -r["workers"]))
     for c in last["simulated"]:
         goodput = f"< {c['goodput_below']:.3g}" if c["goodput_below"] is not None else f"{c['goodput']:.3g}"
         lines.append(f"| {c['kind']} | {c['configuration']} | {c['num_gpus']} | {c['bound']:.3g} | {goodput} "
-                     f"| {c['binding'] or '-'} | {c['num_probes']} |")
+                     f"| {c['binding'] or '-'} | {c['num_probes']} ({c['num_probes_stopped']}) |")
     (out_dir / f"{stem}.md").write_text("\n".join(lines) + "\n")
 
 

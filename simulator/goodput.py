@@ -8,6 +8,13 @@ A caller that only needs the goodput if it reaches some rate (a planner comparin
 the best so far) passes that rate as ``min_rate``. The search is unchanged; but first, the probes
 that decide whether it would end at or above ``min_rate`` are simulated, most decisive first, and
 if it would not, the search stops there (``below``). The outcome is exactly the full search's.
+
+A probe stops as soon as its verdict is certain (``early_stop``): once more requests have missed
+their SLO than the attainment target allows, no later request can make it pass. Its attainment is
+then a lower bound (the open requests count as misses) and ``Probe.stopped_early`` says so; the
+pass/fail outcome, hence the goodput, is exactly the full simulation's (``binding`` is read off the
+requests finished by then). The ``SimResult`` a
+``GoodputResult`` hands back is always a complete run (an early-stopped one is simulated again).
 """
 
 from __future__ import annotations
@@ -19,7 +26,7 @@ from dataclasses import dataclass, field
 from distserve.errors import InvalidConfigError
 from distserve.placement.placement import Placement
 from simulator.latency import LatencyModel
-from simulator.metrics import SimResult, SLOSpec, attainment, meets
+from simulator.metrics import RequestRecord, SimResult, SLOSpec, attainment, meets
 from simulator.simulation import SimConfig, Simulation, with_rate
 from simulator.workload import Request
 
@@ -27,8 +34,30 @@ from simulator.workload import Request
 @dataclass(frozen=True)
 class Probe:
     rate: float
-    attainment: dict[str, float]
+    attainment: dict[str, float]  # a lower bound when stopped_early
     meets: bool
+    stopped_early: bool = False
+
+
+class _MissCounter:
+    """``Simulation.run``'s ``stop_when``: True once the probe is certain to miss the target."""
+
+    def __init__(self, num_requests: int, slo: SLOSpec) -> None:
+        target = slo.default.attainment - 1e-12  # as ``meets``
+        # meets() needs hits / n >= target, so at most this many misses (of one kind, or joint) pass.
+        self.allowed = num_requests - math.ceil(target * num_requests - 1e-9)
+        self.slo = slo
+        self.joint = slo.mode == "joint"
+        self.misses = [0, 0, 0]  # ttft, tpot, either
+
+    def __call__(self, rec: RequestRecord) -> bool:
+        target = self.slo.for_class(rec.slo_class)
+        ttft_miss, tpot_miss = rec.ttft_s > target.ttft_s, rec.tpot_s > target.tpot_s
+        m = self.misses
+        m[0] += ttft_miss
+        m[1] += tpot_miss
+        m[2] += ttft_miss or tpot_miss
+        return m[2] > self.allowed if self.joint else max(m[0], m[1]) > self.allowed
 
 
 @dataclass
@@ -38,7 +67,8 @@ class GoodputResult:
     rate: float  # requests/s meeting the SLO target (0 if even a trickle misses it)
     num_gpus: int
     probes: list[Probe] = field(default_factory=list)
-    result: SimResult | None = None  # the simulation at ``rate`` (at the lowest probe if rate == 0)
+    # The simulation at ``rate`` (at the lowest probe if rate == 0), complete — except with ``below``.
+    result: SimResult | None = None
     binding: str | None = None  # the SLO that fails first just above ``rate``: "ttft", "tpot" or "both"
     below: float | None = None  # set when the search would end below ``min_rate``: the goodput is below it (``rate`` is 0)
 
@@ -70,6 +100,7 @@ def find_goodput(
     max_probes: int = 40,
     max_rate: float | None = None,
     min_rate: float | None = None,
+    early_stop: bool = True,
 ) -> GoodputResult:
     """Bisection on the arrival rate; ``unit_rate_requests`` arrive at 1 request/s on average.
 
@@ -77,6 +108,7 @@ def find_goodput(
     however long a finite workload hides it): a probe passing there ends the search.
     ``min_rate``: if the search would find less, stop as soon as that is certain, with ``rate`` 0
     and ``below`` = ``min_rate``; otherwise the result is the same as without it.
+    ``early_stop``: end each probe once its verdict is certain (same outcome, less simulating).
     """
     if not unit_rate_requests:
         raise InvalidConfigError("the workload has no requests")
@@ -89,33 +121,50 @@ def find_goodput(
     probes: list[Probe] = []
     results: dict[float, SimResult] = {}
     outcomes: dict[float, bool] = {}  # every simulated rate: the search may ask for one twice
+    binding_at: dict[float, str] = {}
+
+    def simulate_at(rate: float, stop: bool) -> SimResult:
+        # A fresh Simulation per probe: it validates the placement and owns the run's state.
+        stop_when = _MissCounter(len(unit_rate_requests), slo) if stop else None
+        return Simulation(placement, latency, config).run(with_rate(unit_rate_requests, rate), stop_when)
 
     def probe(rate: float) -> bool:
         if rate not in outcomes:
-            # A fresh Simulation per probe: it validates the placement and owns the run's state.
-            res = Simulation(placement, latency, config).run(with_rate(unit_rate_requests, rate))
+            res = simulate_at(rate, early_stop)
             att = attainment(res.records, slo)
             outcomes[rate] = meets(att, slo)
-            probes.append(Probe(rate, att, outcomes[rate]))
+            # Which SLO binds, from the requests that finished (all of them unless stopped early).
+            binding_at[rate] = _binding(attainment(done, slo), slo) if res.stopped_early and (
+                done := [r for r in res.records if r.finish_s is not None]) else _binding(att, slo)
+            probes.append(Probe(rate, att, outcomes[rate], res.stopped_early))
             results[rate] = res
         return outcomes[rate]
+
+    def complete(rate: float) -> SimResult:
+        """The full simulation at a probed rate (its probe's attainment made exact)."""
+        if results[rate].stopped_early:
+            results[rate] = simulate_at(rate, False)
+            i = next(i for i, p in enumerate(probes) if p.rate == rate)
+            probes[i] = Probe(rate, attainment(results[rate].records, slo), outcomes[rate])
+        return results[rate]
 
     def search(passes: Callable[[float], bool]) -> tuple[float, float]:
         return _search(passes, start_rate or float(num_gpus), max_rate, rel_tol, max_probes)
 
     if min_rate is not None and not _reaches(search, probe, outcomes, min_rate, max_rate):
         failed = min((p for p in probes if not p.meets), key=lambda p: p.rate, default=None)
+        # (A loser's ``result`` is left as simulated: possibly stopped early.)
         return GoodputResult(0.0, num_gpus, probes, results[min(results)] if results else None,
-                             _binding(failed.attainment, slo) if failed is not None else None, below=min_rate)
+                             binding_at[failed.rate] if failed is not None else None, below=min_rate)
     lo, hi = search(probe)
     above = next((p for p in probes if p.rate == hi), None)
-    best = results.get(lo) if lo > 0 else results[min(results)]
+    best = results[lo] if lo > 0 else complete(min(results))
     return GoodputResult(
         rate=lo,
         num_gpus=num_gpus,
         probes=probes,
         result=best,
-        binding=_binding(above.attainment, slo) if above is not None else None,
+        binding=binding_at[above.rate] if above is not None else None,
     )
 
 

@@ -124,6 +124,7 @@ class SimResult:
     num_migrations: int = 0
     migration_bytes: int = 0
     mean_migration_s: float = 0.0
+    stopped_early: bool = False  # ``Simulation.run``'s ``stop_when`` ended it: some records are open
 
     @property
     def num_requests(self) -> int:

@@ -92,7 +92,8 @@ def goodput_summary(g: GoodputResult, slo: SLOSpec) -> dict[str, Any]:
         "per_gpu": g.per_gpu,
         "num_gpus": g.num_gpus,
         "binding_slo": g.binding,
-        "probes": [{"rate": p.rate, "attainment": p.attainment, "meets": p.meets} for p in g.probes],
+        "probes": [{"rate": p.rate, "attainment": p.attainment, "meets": p.meets, "stopped_early": p.stopped_early}
+                   for p in g.probes],
         "at_rate": g.result.summary(slo) if g.result is not None else None,
     }
 

@@ -28,6 +28,7 @@ import itertools
 import time
 from collections import deque
 from dataclasses import dataclass, field, replace
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from distserve.config import SamplingParams, SchedulerConfig
@@ -187,7 +188,10 @@ class Simulation:
         return sum(i.num_gpus for i in self.instances)
 
     # ---- the event loop ------------------------------------------------------------------------
-    def run(self, requests: Seq[Request]) -> SimResult:
+    def run(self, requests: Seq[Request], stop_when: Callable[[RequestRecord], bool] | None = None) -> SimResult:
+        """Simulate ``requests`` until all finish, or until ``stop_when(record)``, called with each
+        request as it finishes, returns True (then ``SimResult.stopped_early`` is set and the
+        unfinished requests' records stay open)."""
         if not requests:
             raise InvalidConfigError("the workload has no requests")
         if self.config.instant_prefill:
@@ -210,6 +214,8 @@ class Simulation:
             records[sid] = RequestRecord(r.req_id, r.arrival_s, r.prompt_len, r.output_len, r.slo_class)
             push(events, (r.arrival_s, _ARRIVE, next(seq_no), r))
         self.records = records
+        self._stop_when = stop_when
+        self._stop = False
         # Finished prefills waiting for room, FCFS: (source, its sequence, the copy the decode side gets).
         # The copy is made once; a failed ``reserve`` leaves it untouched, so retries reuse it.
         self.pending: deque[tuple[SimInstance, Sequence, Sequence]] = deque()
@@ -231,6 +237,8 @@ class Simulation:
                 if inst.plan_in_flight is not None:
                     self._stop_computing(inst, now)
                 unfinished -= self._step_done(inst, plan, now)
+                if self._stop:
+                    break
                 if self.pending:
                     self._migrate_pending(now)
             elif kind == _ARRIVE:
@@ -261,7 +269,7 @@ class Simulation:
                 inst = payload  # type: ignore[assignment]
                 inst.launch_pending = False
                 self._try_launch(inst, now)
-        if unfinished:
+        if unfinished and not self._stop:
             stuck = {i.name: (i.scheduler.num_waiting, i.scheduler.num_running) for i in self.instances}
             raise RuntimeError(f"simulation stalled with {unfinished} unfinished requests; (waiting, running): {stuck}")
         return SimResult(
@@ -283,6 +291,7 @@ class Simulation:
             num_migrations=self.num_migrations,
             migration_bytes=self.migration_bytes,
             mean_migration_s=self.migration_s / self.num_migrations if self.num_migrations else 0.0,
+            stopped_early=self._stop,
         )
 
     def _check_fits(self, requests: Seq[Request]) -> None:
@@ -386,6 +395,8 @@ class Simulation:
                 inst.num_assigned -= 1
                 tokens.pop(seq.seq_id, None)
                 num_finished += 1
+                if self._stop_when is not None and not self._stop and self._stop_when(rec):
+                    self._stop = True
             elif awaiting is not None and seq.seq_id in awaiting:
                 self.pending.append((inst, seq, seq.detached_copy()))
         self._try_launch(inst, now)

@@ -90,6 +90,9 @@ class PlanRequest:
     # Stop a candidate's search once it certainly falls short of the best so far (exact: the same
     # plan); False searches every candidate in full (bench_planner's reference).
     stop_losers: bool = True
+    # End each simulated probe once its SLO verdict is certain (exact: the same outcome; False runs
+    # every probe to its last request, bench_planner's reference).
+    stop_probes: bool = True
 
     def __post_init__(self) -> None:
         if self.affinity not in AFFINITIES:
@@ -119,6 +122,7 @@ class Candidate:
     # Set when the search stopped because it would end below the best candidate so far (as many GPUs
     # at the best goodput per GPU): the goodput is below this, and ``goodput`` stays 0.
     goodput_below: float | None = None
+    num_probes_stopped: int = 0  # probes ended as soon as they could no longer pass
 
     @property
     def per_gpu(self) -> float:
@@ -234,16 +238,18 @@ class _Job:
     start_rate: float
     max_rate: float | None
     min_rate: float | None = None  # the rate that beats the best candidate so far
+    early_stop: bool = True  # probes end once their verdict is certain
 
 
-_Evaluation = tuple[float, str | None, list[tuple[float, dict[str, float], bool]], float | None]
+_Evaluation = tuple[float, str | None, list[tuple[float, dict[str, float], bool]], float | None, int]
 
 
 def _evaluate(job: _Job) -> _Evaluation:
     g: GoodputResult = find_goodput(job.placement, job.latency, job.unit_requests, job.slo, job.config,
                                     rel_tol=job.rel_tol, start_rate=job.start_rate, max_rate=job.max_rate,
-                                    min_rate=job.min_rate)
-    return g.rate, g.binding, [(p.rate, p.attainment, p.meets) for p in g.probes], g.below
+                                    min_rate=job.min_rate, early_stop=job.early_stop)
+    return (g.rate, g.binding, [(p.rate, p.attainment, p.meets) for p in g.probes], g.below,
+            sum(p.stopped_early for p in g.probes))
 
 
 class Planner:
@@ -297,7 +303,7 @@ class Planner:
 
         def record(cand: Candidate, result: _Evaluation) -> None:
             nonlocal best, done
-            cand.goodput, cand.binding, cand.probes, cand.goodput_below = result
+            cand.goodput, cand.binding, cand.probes, cand.goodput_below, cand.num_probes_stopped = result
             if cand.goodput >= cand.bound_rate:
                 cand.goodput = cand.bound_rate
                 cand.binding = "throughput"
@@ -334,7 +340,7 @@ class Planner:
     def _job(self, cand: Candidate, reqs: tuple[Request, ...], slo: SLOSpec, config: SimConfig) -> _Job:
         bound = cand.bound_rate if math.isfinite(cand.bound_rate) else None
         return _Job(cand.kind, cand.placement, self.req.latency, reqs, slo, config, self.req.rel_tol,
-                    self._start_rate(cand.bound_rate), bound)
+                    self._start_rate(cand.bound_rate), bound, early_stop=self.req.stop_probes)
 
     def _floor_misses(self, kind: str, tp: int, pp: int) -> str | None:
         """The unloaded latency (M/D/1 with no queue) already misses the SLO."""

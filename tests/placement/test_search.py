@@ -126,14 +126,16 @@ def test_assign_nodes_first_fit_and_unpinned_multinode_instances() -> None:
 
 @needs_profile
 def test_stopping_losing_searches_early_changes_no_figure() -> None:
-    """stop_losers (the default) ends a candidate's search once it cannot beat the best so far; the
-    plan, every option's rate and predicted figures, and every winner's goodput stay the same."""
+    """stop_losers (the default) ends a candidate's search once it cannot beat the best so far, and
+    stop_probes each probe once its verdict is certain; the plan, every option's rate and predicted
+    figures, and every winner's goodput stay the same as with neither."""
     args = plan_report.PlanArgs(model="facebook/opt-13b", gpu="a100-80g", nodes=1, gpus_per_node=8, workload="chatbot",
                                 ttft_s=0.25, tpot_s=0.1, profile=str(PROFILE), num_requests=60)
     req = plan_report.build_request(args)
-    early, full = Planner(req).plan(), Planner(replace(req, stop_losers=False)).plan()
+    early, full = Planner(req).plan(), Planner(replace(req, stop_losers=False, stop_probes=False)).plan()
     stopped = [c for c in early.candidates if c.goodput_below is not None]
     assert stopped
+    assert sum(c.num_probes_stopped for c in early.candidates) > 0 == sum(c.num_probes_stopped for c in full.candidates)
     assert sum(len(c.probes) for c in early.candidates) < sum(len(c.probes) for c in full.candidates)
     assert [(o.name, o.rate, o.placement) for o in early.options] == [(o.name, o.rate, o.placement) for o in full.options]
     for e, f in zip(early.candidates, full.candidates):

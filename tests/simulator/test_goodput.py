@@ -75,3 +75,45 @@ def test_find_goodput_with_min_rate_stops_below_and_matches_above() -> None:
     reached = find_goodput(placement, latency, unit, slo, rel_tol=0.05, min_rate=0.8 * full.rate)
     assert reached.rate == full.rate and reached.below is None and reached.binding == full.binding
     assert {p.rate for p in full.probes} <= {p.rate for p in reached.probes}
+
+
+@pytest.mark.parametrize("mode", ["joint", "separate"])
+def test_probes_stop_once_they_cannot_pass_with_the_full_search_outcome(mode: str) -> None:
+    """Early-stopped probes: every pass/fail verdict, the goodput and the returned simulation are
+    those of complete probes; a stopped probe's attainment is a lower bound; it simulates less."""
+    latency = FittedLatencyModel("facebook/opt-13b", {1: OPT13B_A100}, hardware="a100-80g")
+    unit = generate_requests("chatbot", 1.0, 200, seed=5, max_total_len=2048)
+    slo = SLOSpec(SLO(0.25, 0.1, 0.9), mode=mode)
+    for placement in (Placement.disaggregated(1, 1), Placement.colocated_instances(1)):
+        full = find_goodput(placement, latency, unit, slo, rel_tol=0.05, early_stop=False)
+        fast = find_goodput(placement, latency, unit, slo, rel_tol=0.05)
+        assert fast.rate == full.rate > 0
+        assert [(p.rate, p.meets) for p in fast.probes] == [(p.rate, p.meets) for p in full.probes]
+        stopped = [p for p in fast.probes if p.stopped_early]
+        assert stopped and not any(p.meets for p in stopped)
+        exact = {p.rate: p.attainment for p in full.probes}
+        for p in fast.probes:
+            for key in ("ttft", "tpot", "joint"):
+                assert p.attainment[key] <= exact[p.rate][key] + 1e-12 if p.stopped_early else p.attainment == exact[p.rate]
+        assert fast.result is not None and not fast.result.stopped_early
+        assert [r.finish_s for r in fast.result.records] == [r.finish_s for r in full.result.records]
+    # Nothing passes: the lowest probe's simulation is completed for the report.
+    hopeless = SLOSpec(SLO(1e-4, 1e-4, 0.9), mode=mode)
+    res = find_goodput(Placement.colocated_instances(1), latency, unit, hopeless, rel_tol=0.05, max_probes=3)
+    ref = find_goodput(Placement.colocated_instances(1), latency, unit, hopeless, rel_tol=0.05, max_probes=3, early_stop=False)
+    assert res.rate == 0 and res.result is not None and not res.result.stopped_early
+    low = min(res.probes, key=lambda p: p.rate)
+    assert not low.stopped_early and low.attainment == min(ref.probes, key=lambda p: p.rate).attainment
+
+
+def test_stop_when_ends_a_simulation_early() -> None:
+    latency = FittedLatencyModel("facebook/opt-13b", {1: OPT13B_A100}, hardware="a100-80g")
+    reqs = generate_requests("chatbot", 5.0, 100, seed=1, max_total_len=2048)
+    from simulator.simulation import Simulation
+
+    seen: list[int] = []
+    res = Simulation(Placement.disaggregated(1, 1), latency).run(reqs, stop_when=lambda rec: seen.append(rec.req_id) or len(seen) == 10)
+    assert res.stopped_early and len(seen) == 10
+    assert 10 <= sum(r.finish_s is not None for r in res.records) < 100  # the last step ends whole
+    whole = Simulation(Placement.disaggregated(1, 1), latency).run(reqs)
+    assert not whole.stopped_early and all(r.finish_s is not None for r in whole.records)
