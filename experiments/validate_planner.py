@@ -5,10 +5,10 @@ Issue acceptance: "a plan for this machine (CPU, the real engine's fitted profil
 
 1. Profile the real engine here (``distserve.profiler.profile_engine``, one thread per worker, as
    the Ray workers run) or reuse ``--profile``.
-2. Calibrate the runtime's per-step overhead as ``validate_simulator.py`` does: one request alone on
-   a deployment; the time between its decode steps minus the steps' own time. It differs by kind (a
-   disaggregated step has one more actor hop), and ``SimConfig.step_overhead_s`` is one number, so
-   it is measured on both kinds (``--gpus`` colocated instances; 1P1D) and the planner is run once
+2. Calibrate the runtime's constants as ``validate_simulator.py`` does (``calibrate``: one request
+   alone on a deployment; the serving process's step-time scale, the per-step overhead and, for
+   1P1D, the per-migration overhead). They differ by kind, and ``SimConfig`` holds one set, so
+   they are measured on both kinds (``--gpus`` colocated instances; 1P1D) and the planner is run once
    per kind with that kind's overhead: its colocated options from the one run, its disaggregated
    ones from the other. The plan is the best of those by goodput per "GPU", the planner's own rule.
 3. Plan ``--gpu cpu --nodes 1 --gpus-per-node N`` for validate_simulator's scaled chatbot workload
@@ -41,7 +41,7 @@ import os
 import sys
 import tempfile
 import time
-from dataclasses import replace
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -60,8 +60,8 @@ from simulator.metrics import SLOSpec, attainment, latency_summary  # noqa: E402
 from simulator.simulation import SimConfig, simulate, with_rate  # noqa: E402
 from simulator.workload import Request, generate_requests, rescale, write_trace  # noqa: E402
 from validate_simulator import (  # noqa: E402
-    CALIBRATION_OUTPUT, CALIBRATION_PROMPT, StepTrace, calibrate_overhead, concurrent_slowdown, fresh_prompts, lengths,
-    make_profile, quietly, rel_err, replay,
+    Calibration, StepTrace, concurrent_slowdown, fresh_prompts, lengths, make_profile, overrides, quietly, rel_err, replay,
+    solo_calibration,
 )
 
 TARGET_ERROR = 0.15
@@ -156,26 +156,9 @@ def deploy(args: argparse.Namespace, placement: Placement, cache: CacheConfig, s
 
 
 def calibrate(args: argparse.Namespace, llm: Any, name: str, rng: np.random.Generator,
-              latency: FittedLatencyModel) -> float:
-    """validate_simulator's calibration: one request alone; the time between its decode steps minus
-    the steps' own time (``calibrate_overhead``)."""
-    solo = [Request(-1, 0.0, CALIBRATION_PROMPT, CALIBRATION_OUTPUT)]
-    vocab = latency.model.vocab_size
-
-    def solo_run() -> tuple[list[float], float]:
-        trace = StepTrace(llm.controller)
-        trace.enabled = True
-        tpots = [llm._run(replay(llm.controller, solo, fresh_prompts(solo, rng, vocab), f"{name}-cal{i}"))[0].tpot_s
-                 for i in range(3)]
-        trace.enabled = False
-        return tpots, calibrate_overhead(trace.steps)
-
-    (tpots, overhead), _, _ = quietly(args, f"{name} calibration", solo_run)
-    ctx = CALIBRATION_PROMPT + CALIBRATION_OUTPUT // 2
-    step = latency.decode_time([ctx])
-    print(f"  {name}: solo TPOT {1e3 * float(np.median(tpots)):.1f} ms, profile decode step {1e3 * step:.1f} ms, "
-          f"runtime overhead {1e3 * overhead:.1f} ms/step", flush=True)
-    return overhead
+              latency: FittedLatencyModel, block_size: int) -> Calibration:
+    """validate_simulator's calibration (one request alone), with the command line's overrides."""
+    return overrides(args, solo_calibration(args, llm, StepTrace(llm.controller), name, rng, latency, block_size)[0])
 
 
 # ---- planning ------------------------------------------------------------------------------------
@@ -239,17 +222,16 @@ def main() -> None:
 
     # The last deployment stays up and serves the measurement if the plan is that placement.
     calibration = {"disaggregated": Placement.disaggregated(1, 1), "colocated": Placement.colocated_instances(args.gpus)}
-    overheads: dict[str, float] = {}
+    calibrations: dict[str, Calibration] = {}
     llm, deployed = None, None
     for kind, placement in calibration.items():
         if llm is not None:
             llm.shutdown()
         llm, deployed = deploy(args, placement, cache, sched, unit, rng, vocab), placement
-        overheads[kind] = calibrate(args, llm, layout(placement), rng, latency)
+        calibrations[kind] = calibrate(args, llm, layout(placement), rng, latency, cache.block_size)
     assert llm is not None and deployed is not None
     num_blocks = llm.controller.num_blocks
-    if args.step_overhead_ms is not None:
-        overheads = {k: args.step_overhead_ms / 1e3 for k in overheads}
+    overheads = {k: c.step_overhead_s for k, c in calibrations.items()}
 
     with tempfile.TemporaryDirectory() as tmp:
         profile_path, trace_path = os.path.join(tmp, "profile.json"), os.path.join(tmp, "workload.jsonl")
@@ -258,9 +240,10 @@ def main() -> None:
         options: list[tuple[PlanOption, float, SimConfig]] = []
         notes: list[str] = []
         t = time.perf_counter()
-        for kind, overhead in overheads.items():
+        for kind, cal in calibrations.items():
+            overhead = cal.step_overhead_s
             config = SimConfig(block_size=cache.block_size, scheduler=sched, prefill_scheduler=sched, decode_scheduler=sched,
-                               num_blocks=num_blocks, step_overhead_s=overhead, concurrent_slowdown=slowdown)
+                               num_blocks=num_blocks, concurrent_slowdown=slowdown, **asdict(cal))
             result = plan_for_kind(args, profile_path, trace_path, config)
             notes += [f"{kind} run: {n}" for n in result.notes]
             options += [(o, overhead, config) for o in result.options if (o.name == "colocated") == (kind == "colocated")]
@@ -287,7 +270,7 @@ def main() -> None:
     else:
         llm.shutdown()
         llm = deploy(args, placement, cache, sched, unit, rng, vocab)
-        deployed_overhead = calibrate(args, llm, layout(placement), rng, latency)
+        deployed_overhead = calibrate(args, llm, layout(placement), rng, latency, cache.block_size).step_overhead_s
 
     rates = [f * predicted for f in args.factor_list]
     rows: list[dict[str, Any]] = []
@@ -352,6 +335,7 @@ def main() -> None:
         "num_requests_per_rate": args.num_requests,
         "num_workers": args.gpus,
         "runtime_overhead_s_per_step": overheads,
+        "calibration": {k: asdict(c) for k, c in calibrations.items()},
         "concurrent_slowdown": slowdown,
         "deployed_overhead_s_per_step": deployed_overhead,
         "num_blocks": num_blocks,

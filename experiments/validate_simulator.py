@@ -15,10 +15,12 @@
    Target: <= 10% error on P90 TTFT and TPOT (goal <= 5%).
 
 No calibration against the validation runs: the simulator sees only the profile, the placement,
-the scheduler settings, the requests, and one runtime constant measured beforehand on each
-deployment with a single request running alone: the time between its decode steps minus the
-steps' own time, i.e. what the Ray runtime adds to every step (controller → instance actor →
-worker round trips). ``--step-overhead-ms`` sets that constant instead.
+the scheduler settings, the requests, and three runtime constants measured beforehand on each
+deployment with a single request running alone (``calibrate``): how much slower the model runs in
+the serving process than in the profiler (``step_time_scale``), what the Ray runtime adds to every
+step (controller → instance actor → controller, ``step_overhead_s``), and what it adds to a KV
+migration beyond the link time (``migration_overhead_s``, 1P1D). ``--step-overhead-ms`` sets the
+second instead.
 
 Every replay (warm-up, calibration, each rate) sends freshly drawn prompts: the deployment keeps
 prefix caching on (the server default), so replaying the same token ids would turn the prefills of
@@ -47,7 +49,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import asdict
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -89,6 +91,8 @@ def parse_args() -> argparse.Namespace:
                    help="CPU the rest of the machine (hypervisor steal included) may use during a measurement (cores, mean) "
                         "before it is redone")
     p.add_argument("--retries", type=int, default=2, help="times a measurement is redone when others used the CPU meanwhile")
+    p.add_argument("--recalibrate", action="store_true",
+                   help="with --from-raw: compute the calibration again from the stored calibration steps")
     p.add_argument("--from-raw", default=None,
                    help="simulate the measurements of an earlier run (its validate_simulator_raw.json; pass its profile "
                         "with --profile) instead of measuring")
@@ -190,29 +194,70 @@ class StepTrace:
             return  # a preempted recompute or a chunk without a token: not one we can attribute
         self.steps.append({
             "phase": inst.phase, "prefill_lens": prefill_lens, "decode_ctx": decode_ctx, "step_s": result.step_seconds,
+            "execute_s": result.execute_seconds,
             "cycle_s": now - last[0] if last is not None and last[1] else None, "new_shape": new_shape, "t": now,
         })
 
 
-def calibrate_overhead(steps: list[dict[str, Any]]) -> float:
-    """The runtime's cost per step: the median, over a solo request's back-to-back decode steps, of
-    the time between two steps minus the instance's own step time (``StepResult.step_seconds``):
-    the round trip controller → instance actor → controller.
+@dataclass
+class Calibration:
+    """A deployment's runtime constants for the simulator (``SimConfig`` fields of the same names),
+    measured with one request alone (``calibrate``)."""
 
-    Not the solo TPOT minus the profile's step, as before: in 1P1D the TPOT also spreads the KV
-    migration (which the simulator models on its own) over the output tokens, and any difference
-    between the profile and the step (e.g. another process slowing the worker during calibration:
-    +20 ms/step at 0.2 cores of others) would be charged to every simulated step.
+    step_overhead_s: float  # per step: controller -> instance actor -> controller, and the scheduling around the model
+    step_time_scale: float  # the model's time in the serving process / the profile's step time
+    migration_overhead_s: float = 0.0  # per KV migration, beyond the link time (1P1D)
+
+
+def _profile_step(latency: FittedLatencyModel, step: dict[str, Any]) -> float:
+    from simulator.latency import BatchShape
+
+    return latency.step_time(BatchShape.of(prefill_lens=step["prefill_lens"], decode_ctx_lens=step["decode_ctx"]))
+
+
+def calibrate(steps: list[dict[str, Any]], latency: FittedLatencyModel, block_size: int) -> Calibration:
+    """The runtime constants from a solo request's step trace (``StepTrace``, with ``execute_s``).
+
+    * ``step_time_scale``: the median of the model's execute time (``StepResult.execute_seconds``)
+      over the profile's time for the same batch. Above 1 where the serving process computes more
+      slowly than the profiler did (measured here: 1.07-1.1 for decode steps; the profiler times
+      steps back to back in a bare process).
+    * ``step_overhead_s``: over back-to-back decode steps, the median time between two steps minus
+      the model's time: the round trip controller -> instance actor -> controller plus scheduling.
+    * ``migration_overhead_s`` (1P1D): from the prefill step that produced the first token to the
+      decode step that produced the second, minus what the simulator already charges for it (the
+      decode step and the link time of the KV): the controller's reserve round trip and the decode
+      instance's wake-up.
+
+    Not the solo TPOT minus the profile's step: in 1P1D the TPOT also spreads the KV migration over
+    the output tokens, and the two constants would be folded into one.
     """
-    gaps = [s["cycle_s"] - s["step_s"] for s in steps if s["cycle_s"] is not None and s["decode_ctx"] and not s["prefill_lens"]]
+    timed = [s for s in steps if s.get("execute_s")]
+    if not timed:
+        raise RuntimeError("calibration saw no steps")
+    scale = float(np.median([s["execute_s"] / _profile_step(latency, s) for s in timed]))
+    gaps = [s["cycle_s"] - s["execute_s"] for s in timed if s["cycle_s"] is not None and s["decode_ctx"] and not s["prefill_lens"]]
     if not gaps:
         raise RuntimeError("calibration saw no back-to-back decode steps")
-    return max(0.0, float(np.median(gaps)))
+    overhead = max(0.0, float(np.median(gaps)))
+    kv_bytes = latency.kv_bytes_per_token_per_device(1, 1)
+    extra: list[float] = []
+    for i, s in enumerate(steps):
+        if s["phase"] != "prefill" or not s["prefill_lens"]:
+            continue
+        second = next((d for d in steps[i + 1:] if d["phase"] == "decode" and d["decode_ctx"]), None)
+        if second is None:
+            continue
+        num_bytes = -(-(s["prefill_lens"][0] + 1) // block_size) * block_size * kv_bytes
+        charged = scale * _profile_step(latency, second) + overhead + latency.migration_time(num_bytes)
+        extra.append(second["t"] - s["t"] - charged)
+    migration = max(0.0, float(np.median(extra))) if extra else 0.0
+    return Calibration(overhead, scale, migration)
 
 
-def step_time_summary(steps: list[dict[str, Any]], latency: FittedLatencyModel, overhead_s: float) -> dict[str, Any]:
+def step_time_summary(steps: list[dict[str, Any]], latency: FittedLatencyModel, cal: Calibration) -> dict[str, Any]:
     """Median real/profile ratios per kind of step: ``step_s`` vs the profile's step time, and
-    ``cycle_s`` vs what the simulator charges a step (profile + runtime overhead)."""
+    ``cycle_s`` vs what the simulator charges a step (scale x profile + runtime overhead)."""
     from simulator.latency import BatchShape
 
     def median(xs: list[float]) -> float:
@@ -230,7 +275,7 @@ def step_time_summary(steps: list[dict[str, Any]], latency: FittedLatencyModel, 
             (first if s.get("new_shape") else again).append(s["step_s"] / pred)
             preds.append(pred)
             if s["cycle_s"] is not None:
-                cycles.append(s["cycle_s"] / (pred + overhead_s))
+                cycles.append(s["cycle_s"] / (cal.step_time_scale * pred + cal.step_overhead_s))
         out[kind] = {
             "num_steps": len(ratios),
             "median_profile_s": median(preds),
@@ -272,11 +317,11 @@ async def replay(controller: Any, requests: list[Request], prompts: dict[int, li
 
 def measure(args: argparse.Namespace, name: str, placement: Placement, unit: list[Request], rng: np.random.Generator,
             cache: CacheConfig, sched: SchedulerConfig, latency: FittedLatencyModel,
-            ) -> tuple[dict[float, list[RequestRecord]], int, float, dict[str, Any]]:
-    """Deploy, warm up, calibrate the runtime overhead, replay at every rate (fresh prompts each time,
+            ) -> tuple[dict[float, list[RequestRecord]], int, Calibration, dict[str, Any]]:
+    """Deploy, warm up, calibrate the runtime constants, replay at every rate (fresh prompts each time,
     on a quiet machine: ``quietly``).
 
-    Returns the records per rate, the KV blocks per instance, the overhead and the diagnostics
+    Returns the records per rate, the KV blocks per instance, the calibration and the diagnostics
     (prefix-cache hits, others' CPU per rate, the step trace and its summary, KV migration times)."""
     from distserve.serving.llm import DisaggLLM
 
@@ -293,24 +338,7 @@ def measure(args: argparse.Namespace, name: str, placement: Placement, unit: lis
         # Warm-up: first steps pay one-off costs (allocator, oneDNN primitives) the profile excluded.
         warm = fresh_prompts(unit[:2], rng, vocab)
         llm.generate([warm[r.req_id] for r in unit[:2]], SamplingParams(max_tokens=4, ignore_eos=True, temperature=0.0))
-        # Calibration, separate from the validation runs: one request alone; the time between its
-        # decode steps minus the steps themselves is what the runtime adds per step (Ray round trips).
-        solo = [Request(-1, 0.0, CALIBRATION_PROMPT, CALIBRATION_OUTPUT)]
-
-        def solo_run() -> tuple[list[float], float]:
-            trace.steps.clear()
-            trace.enabled = True
-            tpots = [llm._run(replay(llm.controller, solo, fresh_prompts(solo, rng, vocab), f"{name}-cal{i}"))[0].tpot_s
-                     for i in range(3)]
-            trace.enabled = False
-            return tpots, calibrate_overhead(trace.steps)
-
-        (tpots, overhead), _, _ = quietly(args, f"{name} calibration", solo_run)
-        ctx = CALIBRATION_PROMPT + CALIBRATION_OUTPUT // 2
-        print(f"  {name}: solo TPOT {1e3 * float(np.median(tpots)):.1f} ms, profile decode step "
-              f"{1e3 * latency.decode_time([ctx]):.1f} ms, runtime overhead {1e3 * overhead:.1f} ms/step "
-              f"(TPOT - step: {1e3 * (float(np.median(tpots)) - latency.decode_time([ctx])):.1f} ms)", flush=True)
-        trace.steps.clear()
+        calibration, calibration_trace = solo_calibration(args, llm, trace, name, rng, latency, cache.block_size)
         # One uncounted replay first, at the highest rate: the first step of every new token count
         # costs ~25 ms more (oneDNN builds its kernels per shape; the profile times warm shapes), and
         # the measured runs replay the same prompt lengths, so they then run warm as a server does.
@@ -337,22 +365,70 @@ def measure(args: argparse.Namespace, name: str, placement: Placement, unit: lis
             other_cores[rate] = watch.other_cores
             print(f"  {name} at {rate} req/s: {len(reqs)} requests in {time.perf_counter() - t - waited:.1f} s "
                   f"(CPU: this run {watch.own_cores:.2f} cores, others {watch.other_cores:.2f})", flush=True)
-    step_overhead = args.step_overhead_ms / 1e3 if args.step_overhead_ms is not None else overhead
-    steps = step_time_summary(trace.steps, latency, step_overhead)
+    steps = step_time_summary(trace.steps, latency, overrides(args, calibration))
     for kind, v in steps.items():
         print(f"  {name} {kind} steps: {v['num_steps']}, real/profile step time {v['median_step_over_profile']:.2f} "
               f"(new shape {v['median_step_over_profile_new_shape']:.2f}, seen {v['median_step_over_profile_seen_shape']:.2f}), "
               f"real/simulated step cycle {v['median_cycle_over_simulated']:.2f} (medians)", flush=True)
     diagnostics = {"num_cached_prompt_tokens": int(sum(cached)), "steps": steps, "step_trace": trace.steps,
-                   "other_cores": other_cores, "migration_s": migrations}
-    return runs, num_blocks, overhead, diagnostics
+                   "other_cores": other_cores, "migration_s": migrations, "calibration_trace": calibration_trace}
+    return runs, num_blocks, calibration, diagnostics
+
+
+def solo_calibration(args: argparse.Namespace, llm: Any, trace: StepTrace, name: str, rng: np.random.Generator,
+                     latency: FittedLatencyModel, block_size: int) -> tuple[Calibration, list[dict[str, Any]]]:
+    """The deployment's runtime constants, separate from the validation runs: one request alone,
+    three times (``calibrate``); and the steps they were read from. Leaves ``trace`` empty and disabled."""
+    solo = [Request(-1, 0.0, CALIBRATION_PROMPT, CALIBRATION_OUTPUT)]
+    vocab = latency.model.vocab_size
+
+    def solo_run() -> tuple[list[float], list[dict[str, Any]]]:
+        trace.steps.clear()
+        trace.enabled = True
+        tpots = []
+        for i in range(3):
+            tpots.append(llm._run(replay(llm.controller, solo, fresh_prompts(solo, rng, vocab), f"{name}-cal{i}"))[0].tpot_s)
+            trace._last.clear()  # the next run starts after an idle gap: no cycle across runs
+        trace.enabled = False
+        return tpots, list(trace.steps)
+
+    (tpots, steps), _, _ = quietly(args, f"{name} calibration", solo_run)
+    trace.steps.clear()
+    cal = calibrate(steps, latency, block_size)
+    ctx = CALIBRATION_PROMPT + CALIBRATION_OUTPUT // 2
+    step = latency.decode_time([ctx])
+    print(f"  {name}: solo TPOT {1e3 * float(np.median(tpots)):.1f} ms, profile decode step {1e3 * step:.1f} ms; "
+          f"calibrated: step time x{cal.step_time_scale:.3f}, runtime overhead {1e3 * cal.step_overhead_s:.1f} ms/step, "
+          f"migration overhead {1e3 * cal.migration_overhead_s:.1f} ms", flush=True)
+    return cal, steps
+
+
+def overrides(args: argparse.Namespace, cal: Calibration) -> Calibration:
+    """The calibration with the command line's fixed values in its place."""
+    if args.step_overhead_ms is not None:
+        cal = replace(cal, step_overhead_s=args.step_overhead_ms / 1e3)
+    return cal
 
 
 # ---- a quiet machine ----------------------------------------------------------------------------
 def busy_pids() -> list[str]:
-    """Other benchmarks that load the cores (this machine is shared)."""
+    """Other benchmarks that load the cores (this machine is shared): not this process, nor the
+    processes that started it (a ``timeout`` or shell whose command line names this script)."""
     pids = subprocess.run(["pgrep", "-f", BUSY_PATTERN], capture_output=True, text=True).stdout.split()
-    return [pid for pid in pids if int(pid) != os.getpid()]
+    return [pid for pid in pids if int(pid) not in _ancestors()]
+
+
+def _ancestors() -> set[int]:
+    """This process and its parents, up to init."""
+    out, pid = set(), os.getpid()
+    while pid > 1 and pid not in out:
+        out.add(pid)
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                pid = int(f.read().rsplit(")", 1)[1].split()[1])  # after "pid (comm)": state ppid
+        except (OSError, ValueError, IndexError):
+            break
+    return out
 
 
 def cpu_snapshot() -> tuple[int, int]:
@@ -464,7 +540,7 @@ def quietly(args: argparse.Namespace, what: str, measure: Callable[[], T]) -> tu
 
 
 def from_raw(entry: dict[str, Any], latency: FittedLatencyModel,
-             ) -> tuple[dict[float, list[RequestRecord]], int, float, dict[str, Any]]:
+             ) -> tuple[dict[float, list[RequestRecord]], int, Calibration, dict[str, Any]]:
     """``measure``'s results, read back from a ``validate_simulator_raw.json`` entry."""
     runs = {float(rate): [RequestRecord(**r) for r in recs] for rate, recs in entry["records"].items()}
     diagnostics = {
@@ -473,7 +549,9 @@ def from_raw(entry: dict[str, Any], latency: FittedLatencyModel,
         "migration_s": {float(k): v for k, v in (entry.get("migration_s") or {}).items()},
         "step_trace": entry.get("step_trace", []),
     }
-    return runs, int(entry["num_blocks"]), float(entry["step_overhead_s"]), diagnostics
+    cal = Calibration(**entry["calibration"]) if "calibration" in entry else Calibration(float(entry["step_overhead_s"]), 1.0)
+    diagnostics["calibration_trace"] = entry.get("calibration_trace", [])
+    return runs, int(entry["num_blocks"]), cal, diagnostics
 
 
 def rel_err(pred: float, meas: float) -> float:
@@ -504,25 +582,27 @@ def main() -> None:
     slowdown = concurrent_slowdown(args, profile)
     print(f"concurrent slowdown (step-time factor while both workers compute): {slowdown:.2f}", flush=True)
     rows: list[dict[str, Any]] = []
-    overheads: dict[str, float] = {}
+    calibrations: dict[str, Calibration] = {}
     diagnostics: dict[str, dict[str, Any]] = {}
     raw: dict[str, Any] = {}
     earlier = json.loads(Path(args.from_raw).read_text()) if args.from_raw else None
     for name, placement in SYSTEMS.items():
         if earlier is None:
-            runs, num_blocks, overhead, diagnostics[name] = measure(args, name, placement, unit, rng, cache, sched, latency)
+            runs, num_blocks, cal, diagnostics[name] = measure(args, name, placement, unit, rng, cache, sched, latency)
         else:
-            runs, num_blocks, overhead, diagnostics[name] = from_raw(earlier[name], latency)
+            runs, num_blocks, cal, diagnostics[name] = from_raw(earlier[name], latency)
+            if args.recalibrate and diagnostics[name]["calibration_trace"]:
+                cal = calibrate(diagnostics[name]["calibration_trace"], latency, cache.block_size)
             args.rate_list = list(runs)
-        raw[name] = {"num_blocks": num_blocks, "step_overhead_s": overhead,
+        raw[name] = {"num_blocks": num_blocks, "calibration": asdict(cal),
                      "records": {str(rate): [asdict(r) for r in recs] for rate, recs in runs.items()},
-                     **{k: diagnostics[name][k] for k in ("num_cached_prompt_tokens", "other_cores", "migration_s", "step_trace")}}
-        if args.step_overhead_ms is not None:
-            overhead = args.step_overhead_ms / 1e3
-        overheads[name] = overhead
-        diagnostics[name]["steps"] = step_time_summary(diagnostics[name]["step_trace"], latency, overhead)
+                     **{k: diagnostics[name][k] for k in ("num_cached_prompt_tokens", "other_cores", "migration_s", "step_trace",
+                                                          "calibration_trace")}}
+        cal = overrides(args, cal)
+        calibrations[name] = cal
+        diagnostics[name]["steps"] = step_time_summary(diagnostics[name]["step_trace"], latency, cal)
         config = SimConfig(block_size=cache.block_size, scheduler=sched, prefill_scheduler=sched, decode_scheduler=sched,
-                           num_blocks=num_blocks, step_overhead_s=overhead, concurrent_slowdown=slowdown)
+                           num_blocks=num_blocks, concurrent_slowdown=slowdown, **asdict(cal))
         for rate, measured in runs.items():
             # The simulator gets the requests as they were actually submitted.
             actual = [Request(r.req_id, r.arrival_s, r.prompt_len, r.output_len) for r in sorted(measured, key=lambda r: r.arrival_s)]
@@ -550,7 +630,8 @@ def main() -> None:
         "rates": args.rate_list,
         "num_requests_per_rate": args.num_requests,
         "slo": {"ttft_s": args.ttft, "tpot_s": args.tpot},
-        "runtime_overhead_s_per_step": overheads,
+        "runtime_overhead_s_per_step": {k: c.step_overhead_s for k, c in calibrations.items()},
+        "calibration": {k: asdict(c) for k, c in calibrations.items()},
         "concurrent_slowdown": slowdown,
         "profile_meta": {k: profile["meta"].get(k) for k in ("concurrent_slowdown", "prefill_first_use_extra_s", "quiet_guard",
                                                              "cpu_steal_fraction", "profile_seconds")},
@@ -599,8 +680,9 @@ def write_outputs(out_dir: Path, rows: list[dict[str, Any]], figures: dict[str, 
         f"# Simulator vs real engine ({figures['model']}, {figures['dtype']}, this machine)",
         "",
         f"Profile fit MAPE: prefill {figures['fit_mape']['prefill_mape']:.1%}, decode {figures['fit_mape']['decode_mape']:.1%}. "
-        f"Runtime overhead per step (solo-request calibration): "
-        + ", ".join(f"{k} {1e3 * v:.1f} ms" for k, v in figures["runtime_overhead_s_per_step"].items()) + ". "
+        "Solo-request calibration: "
+        + "; ".join(f"{k}: step time x{c['step_time_scale']:.3f}, runtime overhead {1e3 * c['step_overhead_s']:.1f} ms/step, "
+                    f"migration overhead {1e3 * c['migration_overhead_s']:.1f} ms" for k, c in figures["calibration"].items()) + ". "
         f"Concurrent slowdown (both workers computing): {figures['concurrent_slowdown']:.2f}. "
         f"Prompt tokens served by the prefix cache: {figures['num_cached_prompt_tokens']}. "
         f"{figures['num_requests_per_rate']} requests per rate. Max |error| of P90 TTFT/TPOT: "

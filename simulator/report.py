@@ -129,12 +129,14 @@ def render(out: dict[str, Any]) -> list[Table]:
     g = out.get("goodput")
     if g is not None:
         t = Table(title=f"goodput of {layout}: {g['rate']:.3g} req/s = {g['per_gpu']:.3g} req/s per GPU "
-                        f"(binding SLO above it: {g['binding_slo']})", caption=f"SLO: {target}")
+                        f"(binding SLO above it: {g['binding_slo']})",
+                  caption=f"SLO: {target}" + ("; ≤: the probe stopped once it could not pass (a lower bound)"
+                                              if any(p["stopped_early"] for p in g["probes"]) else ""))
         for col in ("rate (req/s)", "joint", "TTFT", "TPOT", "meets"):
             t.add_column(col, justify="right")
         for p in sorted(g["probes"], key=lambda p: p["rate"]):
-            a = p["attainment"]
-            t.add_row(f"{p['rate']:.4g}", f"{a['joint']:.1%}", f"{a['ttft']:.1%}", f"{a['tpot']:.1%}", "yes" if p["meets"] else "no")
+            a, le = p["attainment"], "≤ " if p["stopped_early"] else ""
+            t.add_row(f"{p['rate']:.4g}", *(f"{le}{a[k]:.1%}" for k in ("joint", "ttft", "tpot")), "yes" if p["meets"] else "no")
         tables.append(t)
     return tables
 

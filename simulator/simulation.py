@@ -72,6 +72,12 @@ class SimConfig:
     # independent devices). distserve.profiler.measure_concurrent_slowdown measures it (~2 for two
     # one-thread workers on a VM whose two vCPUs share a core). pp > 1 instances are left out.
     concurrent_slowdown: float = 1.0
+    # A deployment's runtime constants, measured on it (validate_simulator's solo-request calibration):
+    # how many times the latency model's step time a step takes in the serving process, and the
+    # fixed cost of a KV migration on top of the link time (the controller's reserve round trip,
+    # the decode instance noticing the arrival).
+    step_time_scale: float = 1.0
+    migration_overhead_s: float = 0.0
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
@@ -82,6 +88,10 @@ class SimConfig:
             raise InvalidConfigError(f"mem_utilization must be in (0, 1], got {self.mem_utilization}")
         if self.step_overhead_s < 0:
             raise InvalidConfigError(f"step_overhead_s must be >= 0, got {self.step_overhead_s}")
+        if not self.step_time_scale > 0:
+            raise InvalidConfigError(f"step_time_scale must be > 0, got {self.step_time_scale}")
+        if self.migration_overhead_s < 0:
+            raise InvalidConfigError(f"migration_overhead_s must be >= 0, got {self.migration_overhead_s}")
         if self.concurrent_slowdown < 1:
             raise InvalidConfigError(f"concurrent_slowdown must be >= 1, got {self.concurrent_slowdown}")
 
@@ -165,7 +175,8 @@ class Simulation:
             scheduler = cls(sched_cfg, bm, self.max_model_len, (), pipeline_depth=spec.pp)
             idx = counters.get(kind, 0)
             counters[kind] = idx + 1
-            fn = _step_time_fn(latency, spec.tp, spec.pp, cfg.step_overhead_s, instant=cfg.instant_prefill and kind == "prefill")
+            fn = _step_time_fn(latency, spec.tp, spec.pp, cfg.step_overhead_s, cfg.step_time_scale,
+                               instant=cfg.instant_prefill and kind == "prefill")
             self.instances.append(SimInstance(kind, idx, spec, scheduler, fn))
         self.entry = [i for i in self.instances if i.kind in ("colocated", "prefill")]
         self.decodes = [i for i in self.instances if i.kind == "decode"]
@@ -419,7 +430,7 @@ class Simulation:
             dst.seqs[copy.seq_id] = copy
             num_bytes = reservation.num_blocks_to_transfer * self.config.block_size * self.kv_bytes_per_token
             same_node = src.spec.node is None or dst.spec.node is None or src.spec.node == dst.spec.node
-            duration = self.latency.migration_time(num_bytes, same_node, min(src.tp, dst.tp))
+            duration = self.latency.migration_time(num_bytes, same_node, min(src.tp, dst.tp)) + self.config.migration_overhead_s
             start = max(now, src.tx_free, dst.rx_free)
             end = start + duration
             src.tx_free = dst.rx_free = end
@@ -433,15 +444,14 @@ def _load(inst: SimInstance) -> tuple[int, int]:
     return (inst.num_assigned, inst.index)
 
 
-def _step_time_fn(latency: LatencyModel, tp: int, pp: int, overhead_s: float, instant: bool = False):  # noqa: ANN202
+def _step_time_fn(latency: LatencyModel, tp: int, pp: int, overhead_s: float, scale: float = 1.0,  # noqa: ANN202
+                  instant: bool = False):
     step_time = latency.step_time
     if instant:
         return lambda shape: 0.0
-
-    def fn(shape: BatchShape) -> float:
-        return step_time(shape, tp, pp) + overhead_s
-
-    return fn
+    if scale == 1.0:
+        return lambda shape: step_time(shape, tp, pp) + overhead_s
+    return lambda shape: scale * step_time(shape, tp, pp) + overhead_s
 
 
 def simulate(

@@ -344,12 +344,12 @@ class Planner:
 
     def _floor_misses(self, kind: str, tp: int, pp: int) -> str | None:
         """The unloaded latency (M/D/1 with no queue) already misses the SLO."""
-        lat, slo = self.req.latency, self.req.slo.default
-        if kind in ("prefill", "colocated") and lat.prefill_time([self.prompt_p90], tp, pp) > slo.ttft_s:
-            return f"an unloaded P90 prompt takes {lat.prefill_time([self.prompt_p90], tp, pp):.3g} s > TTFT {slo.ttft_s} s"
+        lat, slo, k = self.req.latency, self.req.slo.default, self.req.sim_config.step_time_scale
+        if kind in ("prefill", "colocated") and (t := k * lat.prefill_time([self.prompt_p90], tp, pp)) > slo.ttft_s:
+            return f"an unloaded P90 prompt takes {t:.3g} s > TTFT {slo.ttft_s} s"
         ctx = int(self.prompt_mean + self.output_mean)
-        if kind in ("decode", "colocated") and lat.decode_time([ctx], tp, pp) > slo.tpot_s:
-            return f"an unloaded decode step takes {lat.decode_time([ctx], tp, pp):.3g} s > TPOT {slo.tpot_s} s"
+        if kind in ("decode", "colocated") and (t := k * lat.decode_time([ctx], tp, pp)) > slo.tpot_s:
+            return f"an unloaded decode step takes {t:.3g} s > TPOT {slo.tpot_s} s"
         return None
 
     # -- searches --
@@ -364,14 +364,15 @@ class Planner:
         for tp, pp in self.configs:
             spec = InstanceSpec(tp, pp)
             c = Candidate("prefill", Placement(prefill=(spec,), decode=(spec,)), tp * pp,
-                          prefill_bound(lat, tp, pp, self.prompt_mean, cfg.prefill_scheduler.max_num_batched_tokens))
+                          prefill_bound(lat, tp, pp, self.prompt_mean, cfg.prefill_scheduler.max_num_batched_tokens) / cfg.step_time_scale)
             c.skipped = self._floor_misses("prefill", tp, pp)
             out_p.append(c)
             if c.skipped is None:
                 pre.append((c, self._job(c, pre_reqs, pre_slo, cfg)))
             kv = lat.max_kv_tokens(tp, pp, cfg.mem_utilization)
             d = Candidate("decode", Placement(prefill=(spec,), decode=(spec,)), tp * pp,
-                          decode_bound(lat, tp, pp, self.prompt_mean, self.output_mean, cfg.decode_scheduler.max_num_seqs, kv))
+                          decode_bound(lat, tp, pp, self.prompt_mean, self.output_mean, cfg.decode_scheduler.max_num_seqs, kv)
+                          / cfg.step_time_scale)
             d.skipped = self._floor_misses("decode", tp, pp)
             out_d.append(d)
             if d.skipped is None:
@@ -390,7 +391,7 @@ class Planner:
             bound = 1.0 / (
                 1.0 / prefill_bound(lat, tp, pp, self.prompt_mean, cfg.scheduler.max_num_batched_tokens)
                 + 1.0 / decode_bound(lat, tp, pp, self.prompt_mean, self.output_mean, cfg.scheduler.max_num_seqs, kv)
-            )
+            ) / cfg.step_time_scale
             c = Candidate("colocated", Placement(colocated=(spec,)), tp * pp, bound)
             c.skipped = self._floor_misses("colocated", tp, pp)
             out.append(c)
@@ -419,7 +420,7 @@ class Planner:
                         bound = min(
                             n_p * prefill_bound(lat, tp_p, pp, self.prompt_mean, cfg.prefill_scheduler.max_num_batched_tokens),
                             n_d * decode_bound(lat, tp_d, pp, self.prompt_mean, self.output_mean, cfg.decode_scheduler.max_num_seqs, kv),
-                        )
+                        ) / cfg.step_time_scale
                         c = Candidate("unit", placement, (n_p * tp_p + n_d * tp_d) * pp, bound)
                         c.skipped = self._floor_misses("prefill", tp_p, pp) or self._floor_misses("decode", tp_d, pp)
                         out.append(c)

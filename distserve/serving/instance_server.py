@@ -98,6 +98,7 @@ class StepResult:
     received_bytes: int = 0  # KV payload that arrived on this instance's workers
     has_work: bool = False
     step_seconds: float = 0.0
+    execute_seconds: float = 0.0  # of step_seconds: rank 0 executing the plan launched in this step
     num_batched_tokens: int = 0
 
 
@@ -355,7 +356,9 @@ class InstanceServer:
             # stage 0 (and the sampler when tp == pp == 1); its send to stage 1 returns once stage 1
             # has finished the plans before this one.
             launched.refs = [w.execute.remote(launched.plan, launched.plan_seq) for w in self.remote]
+            t_exec = time.perf_counter()
             launched.sampled = self.local.execute(launched.plan, launched.plan_seq)
+            result.execute_seconds = time.perf_counter() - t_exec
             result.num_batched_tokens = launched.plan.num_batched_tokens
         must_wait = launched is None or len(self._in_flight) >= self.spec.pp
         while self._in_flight:

@@ -35,6 +35,8 @@ def test_table_output_and_goodput_search(capsys: pytest.CaptureFixture[str]) -> 
     code = main([*BASE, "--colocated", "1", "--rate", "1", "--num-requests", "60", "--goodput"])
     text = capsys.readouterr().out
     assert code == 0 and "TTFT (ms)" in text and "goodput of 1x colocated" in text and "req/s per GPU" in text
+    # Failing probes end once they cannot pass: their attainments are marked as lower bounds.
+    assert text.count("≤") >= 2 and "lower" in text
 
 
 def test_trace_replayed_at_its_own_rate(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:

@@ -134,6 +134,22 @@ def test_shared_compute_is_processor_sharing() -> None:
         SimConfig(concurrent_slowdown=0.5)
 
 
+def test_deployment_constants_scale_steps_and_delay_migrations() -> None:
+    """step_time_scale multiplies the latency model's step time (not the fixed overhead);
+    migration_overhead_s delays each KV migration, i.e. the second token, by that much."""
+    reqs = [Request(0, 0.0, 64, 4)]
+    model = constant_model(100.0, 10.0)
+    base = simulate(Placement.disaggregated(1, 1), model, reqs, SimConfig(step_overhead_s=0.005)).records[0]
+    cfg = SimConfig(step_overhead_s=0.005, step_time_scale=1.5, migration_overhead_s=0.07)
+    slow = simulate(Placement.disaggregated(1, 1), model, reqs, cfg).records[0]
+    assert base.ttft_s == pytest.approx(0.105) and slow.ttft_s == pytest.approx(0.155)
+    # 3 decode steps after the first token: the first waits for the migration.
+    assert (slow.finish_s - slow.first_token_s) - (base.finish_s - base.first_token_s) == pytest.approx(0.07 + 3 * 0.005)
+    for bad in ({"step_time_scale": 0.0}, {"migration_overhead_s": -1.0}):
+        with pytest.raises(InvalidConfigError, match=next(iter(bad))):
+            SimConfig(**bad)
+
+
 def test_slo_classes_and_attainment_modes() -> None:
     reqs = [
         Request(i, 0.05 * i, 64, 8, slo_class="tight" if i % 2 else None) for i in range(100)
