@@ -75,7 +75,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--profile-grid", default="full", choices=["quick", "full"])
     p.add_argument("--gpus", type=int, default=2, help="'GPUs' (one-thread workers) the plan may use: --gpus-per-node")
     p.add_argument("--kv-cache-gb", type=float, default=0.5, help="KV cache per instance (as validate_simulator)")
-    p.add_argument("--num-requests", type=int, default=50, help="requests in the workload (planned and replayed at each rate)")
+    p.add_argument("--num-requests", type=int, default=300,
+                   help="requests in the workload (planned and replayed at each rate); enough that a rate above what the "
+                        "deployment sustains builds a queue instead of a burst it drains within the SLO slack")
     p.add_argument("--ttft", type=float, default=1.5, help="TTFT SLO (s)")
     p.add_argument("--tpot", type=float, default=0.25, help="TPOT SLO (s)")
     p.add_argument("--attainment", type=float, default=0.9)

@@ -205,8 +205,9 @@ class Calibration:
     measured with one request alone (``calibrate``)."""
 
     step_overhead_s: float  # per step: controller -> instance actor -> controller, and the scheduling around the model
-    step_time_scale: float  # the model's time in the serving process / the profile's step time
+    step_time_scale: float  # the model's time in the serving process / the profile's step time (decode steps)
     migration_overhead_s: float = 0.0  # per KV migration, beyond the link time (1P1D)
+    prefill_time_scale: float | None = None  # the same for steps with prompt tokens (None: step_time_scale)
 
 
 def _profile_step(latency: FittedLatencyModel, step: dict[str, Any]) -> float:
@@ -218,10 +219,11 @@ def _profile_step(latency: FittedLatencyModel, step: dict[str, Any]) -> float:
 def calibrate(steps: list[dict[str, Any]], latency: FittedLatencyModel, block_size: int) -> Calibration:
     """The runtime constants from a solo request's step trace (``StepTrace``, with ``execute_s``).
 
-    * ``step_time_scale``: the median of the model's execute time (``StepResult.execute_seconds``)
-      over the profile's time for the same batch. Above 1 where the serving process computes more
-      slowly than the profiler did (measured here: 1.07-1.1 for decode steps; the profiler times
-      steps back to back in a bare process).
+    * ``step_time_scale`` (decode steps) and ``prefill_time_scale`` (steps with prompt tokens): the
+      median of the model's execute time (``StepResult.execute_seconds``) over the profile's time
+      for the same batch. Above 1 where the serving process computes more slowly than the profiler
+      did (measured here: ~1.05 for decode steps, 1.1-1.25 for a prefill, which in serving follows
+      an idle or a decode step; the profiler times steps back to back in a bare process).
     * ``step_overhead_s``: over back-to-back decode steps, the median time between two steps minus
       the model's time: the round trip controller -> instance actor -> controller plus scheduling.
     * ``migration_overhead_s`` (1P1D): from the prefill step that produced the first token to the
@@ -235,7 +237,12 @@ def calibrate(steps: list[dict[str, Any]], latency: FittedLatencyModel, block_si
     timed = [s for s in steps if s.get("execute_s")]
     if not timed:
         raise RuntimeError("calibration saw no steps")
-    scale = float(np.median([s["execute_s"] / _profile_step(latency, s) for s in timed]))
+    ratios = {kind: [s["execute_s"] / _profile_step(latency, s) for s in timed if bool(s["prefill_lens"]) == (kind == "prefill")]
+              for kind in ("prefill", "decode")}
+    if not ratios["decode"]:
+        raise RuntimeError("calibration saw no decode steps")
+    scale = float(np.median(ratios["decode"]))
+    prefill_scale = float(np.median(ratios["prefill"])) if ratios["prefill"] else None
     gaps = [s["cycle_s"] - s["execute_s"] for s in timed if s["cycle_s"] is not None and s["decode_ctx"] and not s["prefill_lens"]]
     if not gaps:
         raise RuntimeError("calibration saw no back-to-back decode steps")
@@ -252,7 +259,7 @@ def calibrate(steps: list[dict[str, Any]], latency: FittedLatencyModel, block_si
         charged = scale * _profile_step(latency, second) + overhead + latency.migration_time(num_bytes)
         extra.append(second["t"] - s["t"] - charged)
     migration = max(0.0, float(np.median(extra))) if extra else 0.0
-    return Calibration(overhead, scale, migration)
+    return Calibration(overhead, scale, migration, prefill_scale)
 
 
 def step_time_summary(steps: list[dict[str, Any]], latency: FittedLatencyModel, cal: Calibration) -> dict[str, Any]:
@@ -275,7 +282,8 @@ def step_time_summary(steps: list[dict[str, Any]], latency: FittedLatencyModel, 
             (first if s.get("new_shape") else again).append(s["step_s"] / pred)
             preds.append(pred)
             if s["cycle_s"] is not None:
-                cycles.append(s["cycle_s"] / (cal.step_time_scale * pred + cal.step_overhead_s))
+                k = (cal.prefill_time_scale or cal.step_time_scale) if p else cal.step_time_scale
+                cycles.append(s["cycle_s"] / (k * pred + cal.step_overhead_s))
         out[kind] = {
             "num_steps": len(ratios),
             "median_profile_s": median(preds),
@@ -398,7 +406,7 @@ def solo_calibration(args: argparse.Namespace, llm: Any, trace: StepTrace, name:
     ctx = CALIBRATION_PROMPT + CALIBRATION_OUTPUT // 2
     step = latency.decode_time([ctx])
     print(f"  {name}: solo TPOT {1e3 * float(np.median(tpots)):.1f} ms, profile decode step {1e3 * step:.1f} ms; "
-          f"calibrated: step time x{cal.step_time_scale:.3f}, runtime overhead {1e3 * cal.step_overhead_s:.1f} ms/step, "
+          f"calibrated: step time x{cal.step_time_scale:.3f} (prefill x{cal.prefill_time_scale or cal.step_time_scale:.3f}), runtime overhead {1e3 * cal.step_overhead_s:.1f} ms/step, "
           f"migration overhead {1e3 * cal.migration_overhead_s:.1f} ms", flush=True)
     return cal, steps
 
@@ -681,7 +689,7 @@ def write_outputs(out_dir: Path, rows: list[dict[str, Any]], figures: dict[str, 
         "",
         f"Profile fit MAPE: prefill {figures['fit_mape']['prefill_mape']:.1%}, decode {figures['fit_mape']['decode_mape']:.1%}. "
         "Solo-request calibration: "
-        + "; ".join(f"{k}: step time x{c['step_time_scale']:.3f}, runtime overhead {1e3 * c['step_overhead_s']:.1f} ms/step, "
+        + "; ".join(f"{k}: step time x{c['step_time_scale']:.3f} (prefill x{c['prefill_time_scale'] or c['step_time_scale']:.3f}), runtime overhead {1e3 * c['step_overhead_s']:.1f} ms/step, "
                     f"migration overhead {1e3 * c['migration_overhead_s']:.1f} ms" for k, c in figures["calibration"].items()) + ". "
         f"Concurrent slowdown (both workers computing): {figures['concurrent_slowdown']:.2f}. "
         f"Prompt tokens served by the prefix cache: {figures['num_cached_prompt_tokens']}. "

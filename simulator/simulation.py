@@ -73,10 +73,12 @@ class SimConfig:
     # one-thread workers on a VM whose two vCPUs share a core). pp > 1 instances are left out.
     concurrent_slowdown: float = 1.0
     # A deployment's runtime constants, measured on it (validate_simulator's solo-request calibration):
-    # how many times the latency model's step time a step takes in the serving process, and the
-    # fixed cost of a KV migration on top of the link time (the controller's reserve round trip,
-    # the decode instance noticing the arrival).
+    # how many times the latency model's step time a step takes in the serving process (steps with
+    # prompt tokens: ``prefill_time_scale``, default the same), and the fixed cost of a KV
+    # migration on top of the link time (the controller's reserve round trip, the decode instance
+    # noticing the arrival).
     step_time_scale: float = 1.0
+    prefill_time_scale: float | None = None
     migration_overhead_s: float = 0.0
 
     def __post_init__(self) -> None:
@@ -90,6 +92,8 @@ class SimConfig:
             raise InvalidConfigError(f"step_overhead_s must be >= 0, got {self.step_overhead_s}")
         if not self.step_time_scale > 0:
             raise InvalidConfigError(f"step_time_scale must be > 0, got {self.step_time_scale}")
+        if self.prefill_time_scale is not None and not self.prefill_time_scale > 0:
+            raise InvalidConfigError(f"prefill_time_scale must be > 0, got {self.prefill_time_scale}")
         if self.migration_overhead_s < 0:
             raise InvalidConfigError(f"migration_overhead_s must be >= 0, got {self.migration_overhead_s}")
         if self.concurrent_slowdown < 1:
@@ -176,7 +180,7 @@ class Simulation:
             idx = counters.get(kind, 0)
             counters[kind] = idx + 1
             fn = _step_time_fn(latency, spec.tp, spec.pp, cfg.step_overhead_s, cfg.step_time_scale,
-                               instant=cfg.instant_prefill and kind == "prefill")
+                               cfg.prefill_time_scale, instant=cfg.instant_prefill and kind == "prefill")
             self.instances.append(SimInstance(kind, idx, spec, scheduler, fn))
         self.entry = [i for i in self.instances if i.kind in ("colocated", "prefill")]
         self.decodes = [i for i in self.instances if i.kind == "decode"]
@@ -445,13 +449,15 @@ def _load(inst: SimInstance) -> tuple[int, int]:
 
 
 def _step_time_fn(latency: LatencyModel, tp: int, pp: int, overhead_s: float, scale: float = 1.0,  # noqa: ANN202
-                  instant: bool = False):
+                  prefill_scale: float | None = None, instant: bool = False):
     step_time = latency.step_time
     if instant:
         return lambda shape: 0.0
-    if scale == 1.0:
-        return lambda shape: step_time(shape, tp, pp) + overhead_s
-    return lambda shape: scale * step_time(shape, tp, pp) + overhead_s
+    if prefill_scale is None or prefill_scale == scale:
+        if scale == 1.0:
+            return lambda shape: step_time(shape, tp, pp) + overhead_s
+        return lambda shape: scale * step_time(shape, tp, pp) + overhead_s
+    return lambda shape: (prefill_scale if shape.prefill_tokens else scale) * step_time(shape, tp, pp) + overhead_s
 
 
 def simulate(

@@ -145,7 +145,12 @@ def test_deployment_constants_scale_steps_and_delay_migrations() -> None:
     assert base.ttft_s == pytest.approx(0.105) and slow.ttft_s == pytest.approx(0.155)
     # 3 decode steps after the first token: the first waits for the migration.
     assert (slow.finish_s - slow.first_token_s) - (base.finish_s - base.first_token_s) == pytest.approx(0.07 + 3 * 0.005)
-    for bad in ({"step_time_scale": 0.0}, {"migration_overhead_s": -1.0}):
+    # A separate scale for steps with prompt tokens: the prefill only.
+    split = simulate(Placement.disaggregated(1, 1), model, reqs,
+                     SimConfig(step_overhead_s=0.005, step_time_scale=1.5, prefill_time_scale=2.0)).records[0]
+    assert split.ttft_s == pytest.approx(0.205)
+    assert split.finish_s - split.first_token_s == pytest.approx(slow.finish_s - slow.first_token_s - 0.07)
+    for bad in ({"step_time_scale": 0.0}, {"migration_overhead_s": -1.0}, {"prefill_time_scale": -1.0}):
         with pytest.raises(InvalidConfigError, match=next(iter(bad))):
             SimConfig(**bad)
 
