@@ -201,6 +201,13 @@ def build_parser() -> argparse.ArgumentParser:
     prof.add_argument("--quick", action="store_true", help="a tiny grid (seconds for tiny, minutes for smollm2-135m)")
     prof.add_argument("--repeats", type=_positive_int, default=3, help="timed steps per point (median), after a warm-up")
     prof.add_argument("--block-size", type=_positive_int, default=16, help="tokens per KV block")
+    prof.add_argument("--quiet", action="store_true",
+                      help="tp 1: time a step again (after waiting, at most --max-quiet-wait-s in all) when other "
+                           "processes used the CPU meanwhile; the profile's meta counts them")
+    prof.add_argument("--max-quiet-wait-s", type=float, default=600.0, metavar="S", help="with --quiet: longest total wait")
+    prof.add_argument("--concurrency", action="store_true",
+                      help="also measure how much a step slows down while another worker of this machine computes "
+                           "(meta.concurrent_slowdown; the simulator's SimConfig.concurrent_slowdown)")
     prof.add_argument("--out", default="profile.json", metavar="FILE", help="where to write the profile JSON")
     prof.set_defaults(func=cmd_profile)
     return parser
@@ -463,6 +470,8 @@ def cmd_profile(args: argparse.Namespace) -> int:
         raise InvalidConfigError(f"--out {args.out}: directory {out.parent} does not exist")
     if out.is_dir():
         raise InvalidConfigError(f"--out {args.out}: is a directory")
+    if not args.max_quiet_wait_s >= 0:
+        raise InvalidConfigError(f"--max-quiet-wait-s must be >= 0, got {args.max_quiet_wait_s}")
     try:
         config = profiler.model_config(args.model, args.dtype)
     except DistServeError as exc:
@@ -473,7 +482,8 @@ def cmd_profile(args: argparse.Namespace) -> int:
         raise type(exc)(f"--tp: {exc}") from exc
     profile = profiler.profile_engine(
         args.model, tps, dtype=args.dtype, threads=args.threads, quick=args.quick,
-        repeats=args.repeats, block_size=args.block_size,
+        repeats=args.repeats, block_size=args.block_size, quiet=args.quiet, concurrency=args.concurrency,
+        max_quiet_wait_s=args.max_quiet_wait_s,
     )
     profiler.write_profile(profile, out)
     meta = profile["meta"]

@@ -60,7 +60,7 @@ from simulator.metrics import SLOSpec, attainment, latency_summary  # noqa: E402
 from simulator.simulation import SimConfig, simulate, with_rate  # noqa: E402
 from simulator.workload import Request, generate_requests, rescale, write_trace  # noqa: E402
 from validate_simulator import (  # noqa: E402
-    Calibration, StepTrace, concurrent_slowdown, fresh_prompts, lengths, make_profile, overrides, quietly, rel_err, replay,
+    Calibration, StepTrace, _profile_step, concurrent_slowdown, fresh_prompts, lengths, make_profile, overrides, quietly, rel_err, replay,
     solo_calibration,
 )
 
@@ -161,6 +161,23 @@ def calibrate(args: argparse.Namespace, llm: Any, name: str, rng: np.random.Gene
               latency: FittedLatencyModel, block_size: int) -> Calibration:
     """validate_simulator's calibration (one request alone), with the command line's overrides."""
     return overrides(args, solo_calibration(args, llm, StepTrace(llm.controller), name, rng, latency, block_size)[0])
+
+
+def step_diagnostics(steps: list[dict[str, Any]], latency: FittedLatencyModel) -> dict[str, float]:
+    """Medians over a run's steps: the model's execute time over the profile's (prefill-carrying and
+    decode-only steps), and the decode instance's round trip between back-to-back steps beyond the
+    model's time (what the simulator charges as the step overhead)."""
+    def median(xs: list[float]) -> float:
+        return float(np.median(xs)) if xs else math.nan
+
+    timed = [s for s in steps if s.get("execute_s")]
+    return {
+        "prefill_execute_over_profile": median([s["execute_s"] / _profile_step(latency, s) for s in timed if s["prefill_lens"]]),
+        "decode_execute_over_profile": median([s["execute_s"] / _profile_step(latency, s) for s in timed if not s["prefill_lens"]]),
+        "decode_round_trip_s": median([s["cycle_s"] - s["execute_s"] for s in timed
+                                       if s["cycle_s"] is not None and s["decode_ctx"] and not s["prefill_lens"]]),
+        "num_steps": len(steps),
+    }
 
 
 # ---- planning ------------------------------------------------------------------------------------
@@ -277,13 +294,22 @@ def main() -> None:
     rates = [f * predicted for f in args.factor_list]
     rows: list[dict[str, Any]] = []
 
+    trace = StepTrace(llm.controller)  # every step of a measured run: where the real system spends its time
+
+    def traced(reqs: list[Request], tag: str) -> list[Any]:
+        trace.steps.clear()
+        trace._last.clear()
+        trace.enabled = True
+        try:
+            # Fresh prompts: the same token ids again would be prefix-cache hits (see validate_simulator).
+            return llm._run(replay(llm.controller, reqs, fresh_prompts(reqs, rng, vocab), tag))
+        finally:
+            trace.enabled = False
+
     def run_rate(rate: float) -> dict[str, Any]:
         reqs = with_rate(unit, rate)
         t0 = time.perf_counter()
-        measured, waited, watch = quietly(
-            args, f"{rate:.3g} req/s",
-            # Fresh prompts: the same token ids again would be prefix-cache hits (see validate_simulator).
-            lambda: llm._run(replay(llm.controller, reqs, fresh_prompts(reqs, rng, vocab), f"rate-{rate:.4g}-{time.monotonic()}")))
+        measured, waited, watch = quietly(args, f"{rate:.3g} req/s", lambda: traced(reqs, f"rate-{rate:.4g}-{time.monotonic()}"))
         seconds = time.perf_counter() - t0 - waited
         sim = simulate(placement, latency, reqs, config)
         row: dict[str, Any] = {"rate": rate, "factor": rate / predicted, "num_requests": len(measured), "seconds": seconds,
@@ -294,11 +320,14 @@ def main() -> None:
             row[f"{side}_attainment"] = att["joint"]
             row[f"{side}_ttft_attainment"], row[f"{side}_tpot_attainment"] = att["ttft"], att["tpot"]
             row[f"{side}_ttft_p90_s"], row[f"{side}_tpot_p90_s"] = lat["ttft_p90_s"], lat["tpot_p90_s"]
+        row.update(step_diagnostics(trace.steps, latency))
         print(f"  {rate:.3g} req/s ({row['factor']:.2f}x): attainment measured {row['measured_attainment']:.0%} "
               f"(TTFT {row['measured_ttft_attainment']:.0%}, TPOT {row['measured_tpot_attainment']:.0%}), predicted "
               f"{row['predicted_attainment']:.0%} (TTFT {row['predicted_ttft_attainment']:.0%}, TPOT "
               f"{row['predicted_tpot_attainment']:.0%}) ({row['seconds']:.0f} s; CPU: this run {watch.own_cores:.2f} cores, "
-              f"others {watch.other_cores:.2f})", flush=True)
+              f"others {watch.other_cores:.2f}); model time / profile: prefill {row['prefill_execute_over_profile']:.2f}, "
+              f"decode {row['decode_execute_over_profile']:.2f}; decode round trip {1e3 * row['decode_round_trip_s']:.1f} ms",
+              flush=True)
         return row
 
     try:
@@ -403,14 +432,17 @@ def write_outputs(out_dir: Path, f: dict[str, Any], quick: bool) -> None:
         f"({f['sweep_predicted_bracket']}).",
         "",
         "| rate (req/s) | x predicted | attainment meas / pred | TTFT att. meas / pred | TPOT att. meas / pred "
-        "| P90 TTFT ms meas / pred | P90 TPOT ms meas / pred | CPU cores: this run / others |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| P90 TTFT ms meas / pred | P90 TPOT ms meas / pred | CPU cores: this run / others "
+        "| model time / profile: prefill, decode | decode round trip (ms) |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in f["rows"]:
         cells = [f"{r[f'measured_{k}']:.0%} / {r[f'predicted_{k}']:.0%}" for k in ("attainment", "ttft_attainment", "tpot_attainment")]
         cells += [f"{1e3 * r[f'measured_{k}']:.0f} / {1e3 * r[f'predicted_{k}']:.0f}" for k in ("ttft_p90_s", "tpot_p90_s")]
         lines.append(f"| {r['rate']:.3g} | {r['factor']:.2f} | " + " | ".join(cells)
-                     + f" | {r['own_cores']:.2f} / {r['other_cores']:.2f}{' (disturbed)' if r['disturbed'] else ''} |")
+                     + f" | {r['own_cores']:.2f} / {r['other_cores']:.2f}{' (disturbed)' if r['disturbed'] else ''} "
+                     f"| {r['prefill_execute_over_profile']:.2f}, {r['decode_execute_over_profile']:.2f} "
+                     f"| {1e3 * r['decode_round_trip_s']:.1f} |")
     if f["notes"]:
         lines += ["", "Notes: " + "; ".join(f["notes"])]
     (out_dir / f"{stem}.md").write_text("\n".join(lines) + "\n")

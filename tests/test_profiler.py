@@ -51,9 +51,12 @@ def test_fit_predicts_measured_samples(tiny_profile: dict[str, Any]) -> None:
     assert "quiet_guard" not in meta and "concurrent_slowdown" not in meta  # both opt-in
 
 
-def test_quiet_guard_and_concurrent_slowdown_are_recorded() -> None:
-    """The opt-in measurements: the guard's counts (no waiting here) and the slowdown next to a busy worker."""
-    profile = profile_engine("tiny", quick=True, repeats=1, quiet=True, concurrency=True, max_quiet_wait_s=0.0)
+def test_quiet_guard_and_concurrent_slowdown_are_recorded(tmp_path: pathlib.Path) -> None:
+    """The opt-in measurements (CLI flags): the guard's counts (no waiting here) and the slowdown next to a busy worker."""
+    out = tmp_path / "p.json"
+    assert main(["profile", "--model", "tiny", "--quick", "--repeats", "1", "--quiet", "--concurrency",
+                 "--max-quiet-wait-s", "0", "--out", str(out)]) == 0
+    profile = json.loads(out.read_text())
     guard = profile["meta"]["quiet_guard"]["1"]
     assert guard["waited_s"] == 0.0 and guard["num_steps_retimed"] >= 0 and guard["num_steps_kept_disturbed"] >= 0
     slowdown = profile["meta"]["concurrent_slowdown"]
@@ -93,6 +96,7 @@ def test_cli_writes_loadable_profile_with_tp1_and_tp2(tmp_path: pathlib.Path, ca
         (["--model", "no-such-model"], "--model"),
         (["--model", "tiny", "--tp", "3"], "--tp"),  # tiny has 4 heads
         (["--model", "tiny", "--out", "/no/such/dir/p.json"], "--out"),
+        (["--model", "tiny", "--quiet", "--max-quiet-wait-s", "-1"], "--max-quiet-wait-s"),
     ],
 )
 def test_bad_input_exits_2_naming_the_flag(capsys: pytest.CaptureFixture[str], argv: list[str], flag: str) -> None:
