@@ -599,6 +599,9 @@ def profile_engine(
         # Share of the CPU time the hypervisor gave to others while profiling (a VM's noise).
         "cpu_steal_fraction": _steal_fraction(jiffies0, _cpu_jiffies()),
         "note": "pp is not profiled; the simulator models pp from the tp profile",
+        # kernels.paged_attention (the torch path profiled here) pads every decode of a batch to the
+        # longest context: the simulator charges batch x max ctx (FittedLatencyModel decode_attention).
+        "decode_attention": "padded",
         "prefill_first_use_extra_s": {str(tp): e.get("prefill_first_use_extra_s") for tp, e in extras.items()},
         "architecture": _architecture(config),
     }

@@ -35,6 +35,7 @@ class BatchShape:
     prefill_sq: int = 0  # Σ ((s + l)^2 - s^2): causal work of l new tokens after s cached ones (l^2 for a prompt)
     num_decode: int = 0
     decode_ctx: int = 0  # Σ context length of decodes (including the new token)
+    decode_max_ctx: int = 0  # the longest of them (a kernel that pads every decode to it reads num_decode × this)
 
     @classmethod
     def of(
@@ -53,7 +54,8 @@ class BatchShape:
                     f"prefill_offsets has {len(prefill_offsets)} entries but prefill_lens has {len(prefill_lens)}"
                 )
             prefill_sq = sum((s + n) * (s + n) - s * s for n, s in zip(prefill_lens, prefill_offsets))
-        return cls(len(prefill_lens), sum(prefill_lens), prefill_sq, len(decode_ctx_lens), sum(decode_ctx_lens))
+        return cls(len(prefill_lens), sum(prefill_lens), prefill_sq, len(decode_ctx_lens), sum(decode_ctx_lens),
+                   max(decode_ctx_lens, default=0))
 
 
 class LatencyModel(ABC):
@@ -259,6 +261,13 @@ class FittedLatencyModel(LatencyModel):
     With pp > 1 a stage takes the single-device time / pp plus ``pp_stage_overhead_s``, as
     DistServe's simulator does (its published overhead is 0). Chunked prefills use Σ((s+l)² - s²)
     in place of Σl².
+
+    ``decode_attention="padded"``: the decode term reads ``batch × max ctx`` in place of Σctx, for
+    an engine whose decode attention pads every sequence of the batch to the longest context (our
+    torch paged-attention path does: it gathers the same number of blocks for every decode). A
+    profile of uniform contexts fits the same coefficients either way; batches of mixed contexts
+    cost up to several times Σctx (median 2.8× in a loaded SmolLM2 run here). Our profiler
+    records it in the profile's ``meta.decode_attention``.
     """
 
     def __init__(
@@ -268,8 +277,12 @@ class FittedLatencyModel(LatencyModel):
         hardware: HardwareSpec | str | None = None,
         pp_stage_overhead_s: float = 0.0,
         source: str = "",
+        decode_attention: str = "sum",
     ) -> None:
         """``hardware`` (default a100-80g) is used for memory capacity and migration times only."""
+        if decode_attention not in ("sum", "padded"):
+            raise InvalidConfigError(f"decode_attention must be 'sum' or 'padded', got {decode_attention!r}")
+        self.padded_decode = decode_attention == "padded"
         if not coeffs:
             raise InvalidConfigError(f"fitted latency model for {model!r} needs coefficients for at least one tp")
         if pp_stage_overhead_s < 0:
@@ -310,7 +323,8 @@ class FittedLatencyModel(LatencyModel):
                 decode_a, b, k = c[3], c[4], c[5]
             else:
                 decode_a, b, k = c[6], c[7], c[8]
-            time_s += decode_a + b * shape.decode_ctx + k * batch
+            ctx = batch * shape.decode_max_ctx if self.padded_decode and shape.decode_max_ctx else shape.decode_ctx
+            time_s += decode_a + b * ctx + k * batch
             if shape.num_prefill:  # one launch overhead for a mixed batch, not two
                 time_s -= prefill_a if prefill_a < decode_a else decode_a
         elif not shape.num_prefill:
@@ -379,7 +393,10 @@ class FittedLatencyModel(LatencyModel):
             hardware = str(_profile_key(data, "hardware", source))
         table = _profile_key(data, "tp", source)
         coeffs = _parse_tp_table(table, f"profile {source!r}", scale)
-        return cls(_resolve_model(model, source), coeffs, hardware=hardware, source=source)
+        attention = (data.get("meta") or {}).get("decode_attention", "sum")
+        if attention not in ("sum", "padded"):
+            raise InvalidConfigError(f"profile {source!r}: meta.decode_attention must be 'sum' or 'padded', got {attention!r}")
+        return cls(_resolve_model(model, source), coeffs, hardware=hardware, source=source, decode_attention=attention)
 
     @classmethod
     def _from_distserve_profile(

@@ -141,18 +141,20 @@ class SimInstance:
 
 
 def _shape(plan: StepPlan) -> BatchShape:
-    num_prefill = prefill_tokens = prefill_sq = num_decode = decode_ctx = 0
+    num_prefill = prefill_tokens = prefill_sq = num_decode = decode_ctx = max_ctx = 0
     for c in plan.chunks:
         n = len(c.token_ids)
         if n == 1:
             num_decode += 1
             decode_ctx += c.start_pos + 1
+            if c.start_pos >= max_ctx:
+                max_ctx = c.start_pos + 1
         else:
             s = c.start_pos
             num_prefill += 1
             prefill_tokens += n
             prefill_sq += (s + n) * (s + n) - s * s
-    return BatchShape(num_prefill, prefill_tokens, prefill_sq, num_decode, decode_ctx)
+    return BatchShape(num_prefill, prefill_tokens, prefill_sq, num_decode, decode_ctx, max_ctx)
 
 
 class Simulation:

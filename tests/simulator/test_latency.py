@@ -47,7 +47,7 @@ def _distserve_entry(model: str, tp: int) -> dict:
 
 def test_batch_shape_aggregates() -> None:
     shape = BatchShape.of(prefill_lens=[3, 4], decode_ctx_lens=[10, 20, 30])
-    assert shape == BatchShape(num_prefill=2, prefill_tokens=7, prefill_sq=25, num_decode=3, decode_ctx=60)
+    assert shape == BatchShape(num_prefill=2, prefill_tokens=7, prefill_sq=25, num_decode=3, decode_ctx=60, decode_max_ctx=30)
     chunked = BatchShape.of(prefill_lens=[4], prefill_offsets=[6])
     assert chunked.prefill_sq == 10 * 10 - 6 * 6
     assert BatchShape.of() == BatchShape()
@@ -326,3 +326,35 @@ def test_simulator_does_not_import_torch_or_ray() -> None:
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_padded_decode_attention_reads_batch_times_longest_context(tmp_path) -> None:  # noqa: ANN001
+    """An engine that pads decodes to the longest context: the decode term uses batch x max ctx;
+    uniform contexts cost the same either way; the profile's meta selects it; bad values are refused."""
+    import json
+
+    from distserve.errors import InvalidConfigError
+    from simulator.latency import FittedLatencyModel, TpCoefficients
+    from simulator.simulation import _shape
+    from distserve.engine.scheduler import ScheduledChunk, StepPlan
+    from distserve.config import SamplingParams
+
+    coeffs = {1: TpCoefficients((10.0, 0.1, 0.0), (5.0, 0.01, 1.0), (5.0, 0.01, 1.0), 95)}
+    plain = FittedLatencyModel("facebook/opt-13b", coeffs)
+    padded = FittedLatencyModel("facebook/opt-13b", coeffs, decode_attention="padded")
+    mixed, uniform = BatchShape.of(decode_ctx_lens=[100, 1000]), BatchShape.of(decode_ctx_lens=[500, 500])
+    assert plain.step_time(mixed) == pytest.approx((5.0 + 0.01 * 1100 + 2.0) / 1e3)
+    assert padded.step_time(mixed) == pytest.approx((5.0 + 0.01 * 2000 + 2.0) / 1e3)
+    assert padded.step_time(uniform) == pytest.approx(plain.step_time(uniform))
+    # The simulator's shapes carry the longest context.
+    sp = SamplingParams(max_tokens=8)
+    plan = StepPlan([ScheduledChunk("a", [1], 99, [0], True, sp, 0), ScheduledChunk("b", [1], 999, [1], True, sp, 0)])
+    assert _shape(plan) == mixed
+    profile = {"format": "distserve-profile/1", "model": "facebook/opt-13b", "hardware": "a100-80g", "units": "ms",
+               "meta": {"decode_attention": "padded"},
+               "tp": {"1": {"prefill": [10.0, 0.1, 0.0], "decoding_smallbs": [5.0, 0.01, 1.0], "decoding_largebs": [5.0, 0.01, 1.0],
+                            "decoding_large_small_bs_threshold": 95}}}
+    assert FittedLatencyModel.from_profile(profile).step_time(mixed) == pytest.approx(padded.step_time(mixed))
+    profile["meta"]["decode_attention"] = "sideways"
+    with pytest.raises(InvalidConfigError, match="decode_attention"):
+        FittedLatencyModel.from_profile(profile)
