@@ -166,7 +166,7 @@ class _QuietGuard:
 
     def snapshot(self) -> tuple[float, float]:
         """(CPU seconds the whole machine has been busy, CPU seconds of this process and the excluded ones)."""
-        total, _ = _cpu_jiffies(busy=True)
+        total, _ = cpu_jiffies(busy=True)
         return total * self.tick_s, time.process_time() + sum(_process_cpu_s(pid, self.tick_s) for pid in self.exclude_pids)
 
     def timed(self, run: Callable[[], object]) -> float:
@@ -532,7 +532,7 @@ def _cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
-def _cpu_jiffies(busy: bool = False) -> tuple[int, int]:
+def cpu_jiffies(busy: bool = False) -> tuple[int, int]:
     """(all, steal) jiffies of the machine since boot — with ``busy``, all but idle and iowait;
     (0, 0) where /proc/stat is missing."""
     try:
@@ -578,7 +578,7 @@ def profile_engine(
     grid = QUICK_GRID if quick else FULL_GRID
     samples_by_tp: dict[int, dict[str, Any]] = {}
     t0 = time.perf_counter()
-    jiffies0 = _cpu_jiffies()
+    jiffies0 = cpu_jiffies()
     for tp in tps:
         job = _Job(model, resolved, tp, threads, repeats, block_size, grid, quiet=quiet, max_quiet_wait_s=max_quiet_wait_s)
         samples_by_tp[tp] = _measure_in_process(job) if tp == 1 else _measure_tp(job)
@@ -597,7 +597,7 @@ def profile_engine(
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "profile_seconds": round(time.perf_counter() - t0, 1),
         # Share of the CPU time the hypervisor gave to others while profiling (a VM's noise).
-        "cpu_steal_fraction": _steal_fraction(jiffies0, _cpu_jiffies()),
+        "cpu_steal_fraction": _steal_fraction(jiffies0, cpu_jiffies()),
         "note": "pp is not profiled; the simulator models pp from the tp profile",
         # kernels.paged_attention (the torch path profiled here) pads every decode of a batch to the
         # longest context: the simulator charges batch x max ctx (FittedLatencyModel decode_attention).

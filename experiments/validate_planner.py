@@ -298,7 +298,7 @@ def main() -> None:
 
     def traced(reqs: list[Request], tag: str) -> list[Any]:
         trace.steps.clear()
-        trace._last.clear()
+        trace.new_run()
         trace.enabled = True
         try:
             # Fresh prompts: the same token ids again would be prefix-cache hits (see validate_simulator).

@@ -60,6 +60,7 @@ sys.path.insert(0, str(REPO))
 
 from distserve.config import SLO, CacheConfig, SamplingParams, SchedulerConfig  # noqa: E402
 from distserve.placement.placement import Placement  # noqa: E402
+from distserve.profiler import cpu_jiffies  # noqa: E402
 from simulator.latency import FittedLatencyModel  # noqa: E402
 from simulator.metrics import RequestRecord, SLOSpec, attainment, latency_summary  # noqa: E402
 from simulator.simulation import SimConfig, simulate, with_rate  # noqa: E402
@@ -173,6 +174,10 @@ class StepTrace:
             original(inst, result)
 
         controller._apply = apply
+
+    def new_run(self) -> None:
+        """A run starts after an idle gap: no cycle is measured across it."""
+        self._last.clear()
 
     def _record(self, controller: Any, inst: Any, result: Any, new_shape: bool) -> None:
         now = time.monotonic()
@@ -396,7 +401,7 @@ def solo_calibration(args: argparse.Namespace, llm: Any, trace: StepTrace, name:
         tpots = []
         for i in range(3):
             tpots.append(llm._run(replay(llm.controller, solo, fresh_prompts(solo, rng, vocab), f"{name}-cal{i}"))[0].tpot_s)
-            trace._last.clear()  # the next run starts after an idle gap: no cycle across runs
+            trace.new_run()
         trace.enabled = False
         return tpots, list(trace.steps)
 
@@ -441,9 +446,7 @@ def _ancestors() -> set[int]:
 
 def cpu_snapshot() -> tuple[int, int]:
     """(busy jiffies of the machine, jiffies of this process and its descendants: Ray and its actors)."""
-    with open("/proc/stat") as f:
-        fields = [int(x) for x in f.readline().split()[1:9]]  # user nice system idle iowait irq softirq steal
-    busy = sum(fields) - fields[3] - fields[4]
+    busy, _ = cpu_jiffies(busy=True)
     parent: dict[int, int] = {}
     used: dict[int, int] = {}
     for entry in os.scandir("/proc"):

@@ -13,8 +13,8 @@ A probe stops as soon as its verdict is certain (``early_stop``): once more requ
 their SLO than the attainment target allows, no later request can make it pass. Its attainment is
 then a lower bound (the open requests count as misses) and ``Probe.stopped_early`` says so; the
 pass/fail outcome, hence the goodput, is exactly the full simulation's (``binding`` is read off the
-requests finished by then). The ``SimResult`` a
-``GoodputResult`` hands back is always a complete run (an early-stopped one is simulated again).
+requests finished by then). The ``SimResult`` a ``GoodputResult`` hands back is a complete run
+(an early-stopped one is simulated again), except for a search stopped by ``min_rate``.
 """
 
 from __future__ import annotations
@@ -134,8 +134,8 @@ def find_goodput(
             att = attainment(res.records, slo)
             outcomes[rate] = meets(att, slo)
             # Which SLO binds, from the requests that finished (all of them unless stopped early).
-            binding_at[rate] = _binding(attainment(done, slo), slo) if res.stopped_early and (
-                done := [r for r in res.records if r.finish_s is not None]) else _binding(att, slo)
+            done = [r for r in res.records if r.finish_s is not None] if res.stopped_early else None
+            binding_at[rate] = _binding(attainment(done, slo) if done else att, slo)
             probes.append(Probe(rate, att, outcomes[rate], res.stopped_early))
             results[rate] = res
         return outcomes[rate]

@@ -99,6 +99,11 @@ class SimConfig:
         if self.concurrent_slowdown < 1:
             raise InvalidConfigError(f"concurrent_slowdown must be >= 1, got {self.concurrent_slowdown}")
 
+    @property
+    def prefill_scale(self) -> float:
+        """The step-time scale of steps with prompt tokens."""
+        return self.step_time_scale if self.prefill_time_scale is None else self.prefill_time_scale
+
 
 class SimInstance:
     """One instance: a real scheduler over a real block manager, and a pipeline of ``pp`` stages."""
@@ -182,7 +187,7 @@ class Simulation:
             idx = counters.get(kind, 0)
             counters[kind] = idx + 1
             fn = _step_time_fn(latency, spec.tp, spec.pp, cfg.step_overhead_s, cfg.step_time_scale,
-                               cfg.prefill_time_scale, instant=cfg.instant_prefill and kind == "prefill")
+                               cfg.prefill_scale, instant=cfg.instant_prefill and kind == "prefill")
             self.instances.append(SimInstance(kind, idx, spec, scheduler, fn))
         self.entry = [i for i in self.instances if i.kind in ("colocated", "prefill")]
         self.decodes = [i for i in self.instances if i.kind == "decode"]
@@ -451,11 +456,11 @@ def _load(inst: SimInstance) -> tuple[int, int]:
 
 
 def _step_time_fn(latency: LatencyModel, tp: int, pp: int, overhead_s: float, scale: float = 1.0,  # noqa: ANN202
-                  prefill_scale: float | None = None, instant: bool = False):
+                  prefill_scale: float = 1.0, instant: bool = False):
     step_time = latency.step_time
     if instant:
         return lambda shape: 0.0
-    if prefill_scale is None or prefill_scale == scale:
+    if prefill_scale == scale:
         if scale == 1.0:
             return lambda shape: step_time(shape, tp, pp) + overhead_s
         return lambda shape: scale * step_time(shape, tp, pp) + overhead_s

@@ -344,11 +344,11 @@ class Planner:
 
     def _floor_misses(self, kind: str, tp: int, pp: int) -> str | None:
         """The unloaded latency (M/D/1 with no queue) already misses the SLO."""
-        lat, slo, k = self.req.latency, self.req.slo.default, self.req.sim_config.step_time_scale
-        if kind in ("prefill", "colocated") and (t := k * lat.prefill_time([self.prompt_p90], tp, pp)) > slo.ttft_s:
+        lat, slo, cfg = self.req.latency, self.req.slo.default, self.req.sim_config
+        if kind in ("prefill", "colocated") and (t := cfg.prefill_scale * lat.prefill_time([self.prompt_p90], tp, pp)) > slo.ttft_s:
             return f"an unloaded P90 prompt takes {t:.3g} s > TTFT {slo.ttft_s} s"
         ctx = int(self.prompt_mean + self.output_mean)
-        if kind in ("decode", "colocated") and (t := k * lat.decode_time([ctx], tp, pp)) > slo.tpot_s:
+        if kind in ("decode", "colocated") and (t := cfg.step_time_scale * lat.decode_time([ctx], tp, pp)) > slo.tpot_s:
             return f"an unloaded decode step takes {t:.3g} s > TPOT {slo.tpot_s} s"
         return None
 
@@ -364,7 +364,7 @@ class Planner:
         for tp, pp in self.configs:
             spec = InstanceSpec(tp, pp)
             c = Candidate("prefill", Placement(prefill=(spec,), decode=(spec,)), tp * pp,
-                          prefill_bound(lat, tp, pp, self.prompt_mean, cfg.prefill_scheduler.max_num_batched_tokens) / cfg.step_time_scale)
+                          prefill_bound(lat, tp, pp, self.prompt_mean, cfg.prefill_scheduler.max_num_batched_tokens) / cfg.prefill_scale)
             c.skipped = self._floor_misses("prefill", tp, pp)
             out_p.append(c)
             if c.skipped is None:
@@ -389,9 +389,9 @@ class Planner:
             kv = lat.max_kv_tokens(tp, pp, cfg.mem_utilization)
             # One instance does both phases: per request it spends a prefill share and a decode share.
             bound = 1.0 / (
-                1.0 / prefill_bound(lat, tp, pp, self.prompt_mean, cfg.scheduler.max_num_batched_tokens)
-                + 1.0 / decode_bound(lat, tp, pp, self.prompt_mean, self.output_mean, cfg.scheduler.max_num_seqs, kv)
-            ) / cfg.step_time_scale
+                cfg.prefill_scale / prefill_bound(lat, tp, pp, self.prompt_mean, cfg.scheduler.max_num_batched_tokens)
+                + cfg.step_time_scale / decode_bound(lat, tp, pp, self.prompt_mean, self.output_mean, cfg.scheduler.max_num_seqs, kv)
+            )
             c = Candidate("colocated", Placement(colocated=(spec,)), tp * pp, bound)
             c.skipped = self._floor_misses("colocated", tp, pp)
             out.append(c)
@@ -418,9 +418,11 @@ class Planner:
                         )
                         kv = lat.max_kv_tokens(tp_d, pp, cfg.mem_utilization)
                         bound = min(
-                            n_p * prefill_bound(lat, tp_p, pp, self.prompt_mean, cfg.prefill_scheduler.max_num_batched_tokens),
-                            n_d * decode_bound(lat, tp_d, pp, self.prompt_mean, self.output_mean, cfg.decode_scheduler.max_num_seqs, kv),
-                        ) / cfg.step_time_scale
+                            n_p * prefill_bound(lat, tp_p, pp, self.prompt_mean, cfg.prefill_scheduler.max_num_batched_tokens)
+                            / cfg.prefill_scale,
+                            n_d * decode_bound(lat, tp_d, pp, self.prompt_mean, self.output_mean, cfg.decode_scheduler.max_num_seqs, kv)
+                            / cfg.step_time_scale,
+                        )
                         c = Candidate("unit", placement, (n_p * tp_p + n_d * tp_d) * pp, bound)
                         c.skipped = self._floor_misses("prefill", tp_p, pp) or self._floor_misses("decode", tp_d, pp)
                         out.append(c)
