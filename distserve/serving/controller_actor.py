@@ -413,7 +413,9 @@ class RemoteController:
             log.warning("controller shutdown failed (%r); killing its actor", exc)
         finally:
             ray.kill(self.actor, no_restart=True)
-            reader, deadline = self._reader, time.monotonic() + SHUTDOWN_TIMEOUT_S
+            deadline = time.monotonic() + SHUTDOWN_TIMEOUT_S
+            await _wait_dead(self.actor, deadline)  # ray.kill returns before the actor is gone
+            reader = self._reader
             while reader is not None and reader.is_alive() and time.monotonic() < deadline:
                 await asyncio.sleep(0.01)  # its stream fails with the actor
             # Placement groups outlive the actor that created them until the job ends: remove them
@@ -423,6 +425,20 @@ class RemoteController:
                     remove_placement_group(group)
                 except Exception:  # noqa: BLE001 - already removed
                     pass
+
+
+async def _wait_dead(actor: Any, deadline: float) -> None:
+    """Until calls to ``actor`` fail because it died (or ``deadline``, a ``time.monotonic()``)."""
+    import ray
+
+    while time.monotonic() < deadline:
+        try:
+            await asyncio.wait_for(actor.pid.remote(), max(0.01, min(1.0, deadline - time.monotonic())))
+        except ray.exceptions.RayActorError:
+            return
+        except (asyncio.TimeoutError, ray.exceptions.RayError):
+            pass
+        await asyncio.sleep(0.02)
 
 
 async def _call(ref: Any) -> Any:
