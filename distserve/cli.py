@@ -346,8 +346,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             for kind, specs in (("prefill", placement.prefill), ("decode", placement.decode), ("colocated", placement.colocated))
             if specs
         )
-        run_server(factory, served, sock, on_ready=lambda url: _print_ready(url, served, f"{ray_layout}, Ray runtime"), log_level=args.log_level)
-        return 0
+        return run_server(factory, served, sock, on_ready=lambda url: _print_ready(url, served, f"{ray_layout}, Ray runtime"), log_level=args.log_level)
 
     sock = open_listen_socket(args.host, args.port)
     client = build_local_engine_client(
@@ -359,8 +358,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         cache_config=CacheConfig(block_size=args.block_size, kv_cache_memory_gb=args.kv_cache_gb),
         max_queued_requests=args.max_queued_requests,
     )
-    run_server(client, served, sock, on_ready=lambda url: _print_ready(url, served, layout), log_level=args.log_level)
-    return 0
+    return run_server(client, served, sock, on_ready=lambda url: _print_ready(url, served, layout), log_level=args.log_level)
 
 
 def _check_placement_args(args: argparse.Namespace) -> None:

@@ -172,12 +172,31 @@ class SLO:
             raise InvalidConfigError("attainment must be in (0, 1]")
 
 
+# Limits of what one request may ask for: each is what the engine can represent (64-bit seeds
+# and priorities) or a bound that keeps one request's per-step cost small (stop strings are
+# searched every step, and sampling parameters travel with every plan).
+SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # torch.Generator.manual_seed's range
+PRIORITY_MIN, PRIORITY_MAX = -(2**63), 2**63 - 1
+MAX_TOP_K = 2**31 - 1  # larger values mean "no top-k" as much as the vocabulary size does
+MAX_TEMPERATURE = 100.0  # past ~10 every token is equally likely; larger values overflow float32
+MAX_STOP_STRINGS = 64
+MAX_STOP_STRING_CHARS = 512
+MAX_STOP_TOKEN_IDS = 1024
+MAX_TOKEN_ID = 2**31 - 1  # checked against the vocabulary where the model is known
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How to sample one request's output; validated on construction.
 
-    ``top_k <= 0`` disables top-k; ``temperature == 0`` is greedy. ``logprobs`` returns the
-    log-probability (under the unmodified model distribution) of each chosen token.
+    ``top_k`` of 0 or -1 disables top-k; ``temperature == 0`` is greedy. ``logprobs`` returns the
+    log-probability (under the unmodified model distribution) of each chosen token. Limits that
+    depend on the model (token ids within the vocabulary, ``max_tokens`` within the context) are
+    checked when a request is submitted (``RequestFrontend.check_request``).
     """
 
     max_tokens: int = 16
@@ -198,20 +217,35 @@ class SamplingParams:
             object.__setattr__(self, "stop", (self.stop,))
         else:
             object.__setattr__(self, "stop", tuple(self.stop or ()))
-        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids or ()))
-        err = InvalidSamplingParamsError
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise err(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        if not math.isfinite(self.temperature) or self.temperature < 0:
-            raise err(f"temperature must be >= 0, got {self.temperature!r}")
-        if not (0 < self.top_p <= 1):
-            raise err(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not isinstance(self.top_k, int):
-            raise err(f"top_k must be an integer, got {self.top_k!r}")
-        if self.min_tokens < 0 or self.min_tokens > self.max_tokens:
-            raise err(f"min_tokens must be in [0, max_tokens], got {self.min_tokens!r}")
-        if any(not s for s in self.stop):
-            raise err("stop strings must be non-empty")
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
+
+        def err(param: str, message: str) -> InvalidSamplingParamsError:
+            return InvalidSamplingParamsError(f"{param} {message}", param)
+
+        if not _is_int(self.max_tokens) or self.max_tokens < 1:
+            raise err("max_tokens", f"must be an integer >= 1, got {self.max_tokens!r}")
+        if not isinstance(self.temperature, (int, float)) or not 0 <= self.temperature <= MAX_TEMPERATURE:
+            raise err("temperature", f"must be in [0, {MAX_TEMPERATURE:g}], got {self.temperature!r}")
+        if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
+            raise err("top_p", f"must be in (0, 1], got {self.top_p!r}")
+        if not _is_int(self.top_k) or not -1 <= self.top_k <= MAX_TOP_K:
+            raise err("top_k", f"must be -1 or 0 (disabled) or an integer in [1, {MAX_TOP_K}], got {self.top_k!r}")
+        if self.seed is not None and (not _is_int(self.seed) or not SEED_MIN <= self.seed <= SEED_MAX):
+            raise err("seed", f"must be an integer in [-2**63, 2**64 - 1], got {self.seed!r}")
+        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
+            raise err("min_tokens", f"must be in [0, max_tokens], got {self.min_tokens!r}")
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise err("stop", f"may hold at most {MAX_STOP_STRINGS} strings, got {len(self.stop)}")
+        for s in self.stop:
+            if not isinstance(s, str) or not s:
+                raise err("stop", "strings must be non-empty")
+            if len(s) > MAX_STOP_STRING_CHARS:
+                raise err("stop", f"strings may be at most {MAX_STOP_STRING_CHARS} characters, got one of {len(s)}")
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise err("stop_token_ids", f"may hold at most {MAX_STOP_TOKEN_IDS} ids, got {len(self.stop_token_ids)}")
+        bad = [t for t in self.stop_token_ids if not _is_int(t) or not 0 <= t <= MAX_TOKEN_ID]
+        if bad:
+            raise err("stop_token_ids", f"must be token ids >= 0, got {bad[:3]!r}")
 
     @property
     def greedy(self) -> bool:

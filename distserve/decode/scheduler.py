@@ -65,7 +65,10 @@ class DecodeScheduler(Scheduler):
         seq.num_computed_tokens = seq.num_tokens - 1
         self.block_manager.commit(seq)
         seq.status = SequenceStatus.RUNNING
-        self._append_running(seq)
+        if seq.isolate:
+            self.isolated.append(seq)  # a crash suspect: its first decode step runs alone
+        else:
+            self._append_running(seq)
         return seq
 
     def cancel(self, seq_id: str) -> Sequence | None:

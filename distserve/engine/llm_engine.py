@@ -12,7 +12,7 @@ from distserve.engine.block_manager import BlockManager
 from distserve.engine.model import resolve_dtype
 from distserve.engine.model_runner import ModelRunner
 from distserve.engine.outputs import EngineBase, RequestMetrics, RequestOutput
-from distserve.engine.scheduler import Scheduler
+from distserve.engine.scheduler import Scheduler, attributed_to
 from distserve.engine.sequence import Sequence
 from distserve.engine.weights import LoadedModel, load_model
 
@@ -36,10 +36,13 @@ class LLMEngine(EngineBase):
         loaded = load_model(model, resolve_dtype(dtype, device)) if isinstance(model, str) else model
         super().__init__(loaded, cache_config, scheduler_config)
         bs = self.cache_config.block_size
-        self.block_manager = BlockManager(self.num_blocks, bs, self.cache_config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.scheduler_config, self.block_manager, self.max_model_len, self.eos_token_ids)
+        self._reset()
         self.runner = ModelRunner(loaded.config, loaded.state_dict, self.num_blocks, bs, self.eos_token_ids, device)
         self.num_steps = 0
+
+    def _reset(self) -> None:
+        self.block_manager = BlockManager(self.num_blocks, self.cache_config.block_size, self.cache_config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.scheduler_config, self.block_manager, self.max_model_len, self.eos_token_ids)
 
     def _submit(self, seq: Sequence) -> None:
         self.scheduler.add(seq)
@@ -62,10 +65,11 @@ class LLMEngine(EngineBase):
     def step(self) -> list[RequestOutput]:
         """Run one batch; return an output for every request that got a token (or finished)."""
         plan = self.scheduler.schedule()
-        sampled = self.runner.execute(plan)
-        now = time.monotonic()
-        self.num_steps += 1
-        updated = self.scheduler.update_from_output(plan, sampled, self._seqs, now)
+        with attributed_to(plan):
+            sampled = self.runner.execute(plan)
+            now = time.monotonic()
+            self.num_steps += 1
+            updated = self.scheduler.update_from_output(plan, sampled, self._seqs, now)
         return [self._output(seq, now, self.scheduler.finish) for seq in updated]
 
     def stats(self) -> dict[str, float]:

@@ -7,13 +7,15 @@ driver (TP rank 0 of the last stage) samples and returns tokens.
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from distserve.config import ModelConfig
 from distserve.engine.model import TORCH_DTYPES, LlamaForCausalLM, prepack_linears
 from distserve.engine.parallel import ParallelState, ShardSpec
 from distserve.engine.sampler import Sampler
-from distserve.engine.scheduler import SampledToken, StepPlan
+from distserve.engine.scheduler import SampledToken, ScheduledChunk, StepPlan
 from kernels.paged_attention import AttentionMetadata
 
 
@@ -56,6 +58,22 @@ class ModelRunner:
         self.kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(num_layers)]
         self.sampler = Sampler()
         self._generators: dict[str, torch.Generator] = {}
+        self.step_faults: dict[str, str] = {}  # test hook: request id -> "raise" | "exit" (see inject_step_fault)
+
+    def inject_step_fault(self, seq_id: str, kind: str = "raise") -> None:
+        """Test hook: every plan computing ``seq_id`` fails — ``raise`` an exception, or ``exit`` the
+        process at once (a hard crash) — as a request that trips a bug in the model would."""
+        if kind not in ("raise", "exit"):
+            raise ValueError(f"unknown step fault {kind!r}; choose raise or exit")
+        self.step_faults[seq_id] = kind
+
+    def _trip_step_faults(self, plan: StepPlan) -> None:
+        for chunk in plan.chunks:
+            kind = self.step_faults.get(chunk.seq_id)
+            if kind == "exit":
+                os._exit(70)
+            if kind == "raise":
+                raise RuntimeError(f"injected step fault computing {chunk.seq_id}")
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         if copies:
@@ -98,6 +116,8 @@ class ModelRunner:
         self.copy_blocks(plan.block_copies)
         if not plan.chunks:
             return []
+        if self.step_faults:
+            self._trip_step_faults(plan)
         ids, positions, meta, sample_rows = self.prepare(plan)
         shard = self.parallel.shard
         prev = None
@@ -111,6 +131,19 @@ class ModelRunner:
             return []
         logits = self.model.compute_logits(hidden[sample_rows])  # [N, V]
         chunks = [c for c in plan.chunks if c.sample]
+        try:
+            return self._sample(logits, chunks)
+        except Exception:  # noqa: BLE001 - one request's failure is its own: sample each row alone to find it
+            sampled: list[SampledToken] = []
+            for i, chunk in enumerate(chunks):
+                try:
+                    sampled.extend(self._sample(logits[i : i + 1], [chunk]))
+                except Exception as exc:  # noqa: BLE001 - reported to this request only
+                    sampled.append(SampledToken(chunk.seq_id, -1, None, f"sampling failed: {type(exc).__name__}: {exc}"))
+            return sampled
+
+    def _sample(self, logits: torch.Tensor, chunks: list[ScheduledChunk]) -> list[SampledToken]:
+        """One token per row of ``logits`` (``[N, V]``), row i for ``chunks[i]``."""
         out = self.sampler(
             logits,
             [c.sampling for c in chunks],

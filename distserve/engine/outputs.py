@@ -6,16 +6,31 @@
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Sequence as Seq
 from dataclasses import dataclass
 
-from distserve.config import CacheConfig, SamplingParams, SchedulerConfig
-from distserve.engine.sequence import Sequence
+from distserve.cluster.recovery import blame, poison_message
+from distserve.config import PRIORITY_MAX, PRIORITY_MIN, CacheConfig, SamplingParams, SchedulerConfig
+from distserve.engine.sequence import Sequence, SequenceStatus
 from distserve.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from distserve.engine.weights import LoadedModel
-from distserve.errors import DistServeError, InvalidConfigError, PromptTooLongError
+from distserve.errors import (
+    DistServeError,
+    EngineDeadError,
+    InvalidConfigError,
+    InvalidSamplingParamsError,
+    PromptTooLongError,
+    StepFailedError,
+)
+
+logger = logging.getLogger(__name__)
+
+# A step failing this many times in a row (no step succeeding between) means the engine itself is
+# broken, not a request: it is declared dead (``EngineDeadError``) rather than retried forever.
+MAX_CONSECUTIVE_FAILED_STEPS = 8
 
 
 @dataclass
@@ -55,6 +70,7 @@ class RequestOutput:
     finish_reason: str | None
     metrics: RequestMetrics
     logprobs: list[float] | None = None
+    error: str | None = None  # set with finish_reason "error": why this request failed
 
 
 @dataclass
@@ -130,10 +146,31 @@ class OutputProcessor:
                 num_output_tokens=seq.num_output_tokens,
             ),
             logprobs=list(seq.logprobs) if sp.logprobs else None,
+            error=seq.error,
         )
         if finished:
             self._text.pop(seq.seq_id, None)
         return out
+
+    def failed(self, seq: Sequence, now: float) -> RequestOutput:
+        """The last output of a request that failed (``seq.error``): the text already sent, nothing new."""
+        state = self._text.pop(seq.seq_id, None)
+        text = state.text[: state.text_reported] if state is not None else ""
+        return RequestOutput(
+            request_id=seq.seq_id,
+            prompt_token_ids=seq.prompt_token_ids,
+            token_ids=seq.output_token_ids,
+            text=text,
+            new_token_ids=[],
+            new_text="",
+            finished=True,
+            finish_reason="error",
+            metrics=RequestMetrics(
+                seq.arrival_time, seq.first_token_time, seq.finish_time or now,
+                seq.num_prompt_tokens, seq.num_cached_tokens, seq.num_output_tokens,
+            ),
+            error=seq.error,
+        )
 
 
 
@@ -196,6 +233,25 @@ class RequestFrontend(ABC):
             )
         return ids
 
+    def check_request(self, prompt_ids: Seq[int], sampling: SamplingParams, priority: int = 0) -> None:
+        """What ``SamplingParams`` cannot check alone: limits set by the model and the context.
+
+        Raises a ``DistServeError`` naming the field at fault (``param``).
+        """
+        if not isinstance(priority, int) or not PRIORITY_MIN <= priority <= PRIORITY_MAX:
+            raise DistServeError(f"priority must be a 64-bit signed integer, got {priority!r}", "priority")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in sampling.stop_token_ids if t >= vocab]
+        if bad:
+            raise InvalidSamplingParamsError(f"stop_token_ids must be below the vocabulary size {vocab}, got {bad[:3]}", "stop_token_ids")
+        room = self.max_model_len - len(prompt_ids)
+        if sampling.max_tokens > room:
+            raise PromptTooLongError(
+                f"max_tokens is {sampling.max_tokens} but the context holds {self.max_model_len} tokens and the "
+                f"prompt has {len(prompt_ids)}: at most {room} output tokens fit",
+                "max_tokens",
+            )
+
     def encode_batch(
         self,
         prompts: str | Seq[str] | Seq[Seq[int]],
@@ -211,7 +267,10 @@ class RequestFrontend(ABC):
             params = list(sampling_params)
             if len(params) != len(prompts):
                 raise DistServeError(f"got {len(prompts)} prompts but {len(params)} sampling params")
-        return [self.encode_prompt(p) for p in prompts], params
+        encoded = [self.encode_prompt(p) for p in prompts]
+        for ids, sp in zip(encoded, params):
+            self.check_request(ids, sp)
+        return encoded, params
 
     def add_request(
         self,
@@ -224,6 +283,7 @@ class RequestFrontend(ABC):
         """Queue a request; raises a ``DistServeError`` (a ValueError) for bad input."""
         sampling = sampling or SamplingParams()
         ids = self.encode_prompt(prompt)
+        self.check_request(ids, sampling, priority)
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if request_id in self._seqs:
             raise DistServeError(f"request id {request_id!r} is already in flight")
@@ -244,17 +304,92 @@ class RequestFrontend(ABC):
         return self._seqs.pop(request_id, None)
 
     def _output(self, seq: Sequence, now: float, finish: Callable[[Sequence, str], None]) -> RequestOutput:
-        out = self.outputs.process(seq, now, finish)
+        """The request's output since its last one; a failure here (detokenizing, stop strings) is
+        that request's alone: it ends with ``finish_reason`` "error" and its KV is freed."""
+        try:
+            out = self.outputs.process(seq, now, finish)
+        except Exception as exc:  # noqa: BLE001 - fails this request only
+            logger.exception("output processing failed for request %s", seq.seq_id)
+            return self._fail(seq, f"output processing failed: {type(exc).__name__}: {exc}", now, finish)
         if out.finished:
             self._seqs.pop(out.request_id, None)
         return out
 
+    def _fail(
+        self, seq: Sequence, error: str, now: float, finish: Callable[[Sequence, str], None] | None = None
+    ) -> RequestOutput:
+        """End ``seq`` with ``error`` (``finish`` frees its KV where it runs) and return its last output."""
+        seq.error = error
+        if not seq.is_finished:
+            seq.finish_time = now
+            if finish is not None:
+                finish(seq, "error")
+            seq.status = SequenceStatus.FINISHED
+            seq.finish_reason = "error"
+        self._seqs.pop(seq.seq_id, None)
+        return self.outputs.failed(seq, now)
+
 
 class EngineBase(RequestFrontend):
-    """A synchronous engine: ``step`` runs one batch. ``generate`` and ``stream`` come for free."""
+    """A synchronous engine: ``step`` runs one batch. ``generate`` and ``stream`` come for free.
+
+    ``step_or_recover`` is the step its drivers call: a step that raises is recovered from (see
+    ``recover``) rather than ending the engine, unless steps keep failing.
+    """
+
+    num_failed_steps = 0
+    num_consecutive_failed_steps = 0
 
     @abstractmethod
     def step(self) -> list[RequestOutput]: ...
+
+    @abstractmethod
+    def _reset(self) -> None:
+        """Forget every request's KV and scheduling state (fresh block managers and schedulers);
+        the model, its weights and the requests' tokens so far are kept."""
+
+    def step_or_recover(self) -> list[RequestOutput]:
+        """``step``; if it raises, ``recover`` and return the outputs of the requests that failed.
+
+        Raises ``EngineDeadError`` after ``MAX_CONSECUTIVE_FAILED_STEPS`` failures in a row.
+        """
+        try:
+            outputs = self.step()
+        except Exception as exc:  # noqa: BLE001 - any failure of the step: recover, or declare the engine dead
+            self.num_failed_steps += 1
+            self.num_consecutive_failed_steps += 1
+            if self.num_consecutive_failed_steps >= MAX_CONSECUTIVE_FAILED_STEPS:
+                raise EngineDeadError(
+                    f"the engine failed {self.num_consecutive_failed_steps} steps in a row; last: {type(exc).__name__}: {exc}"
+                ) from exc
+            return self.recover(exc)
+        self.num_consecutive_failed_steps = 0
+        return outputs
+
+    def recover(self, exc: BaseException) -> list[RequestOutput]:
+        """After a failed step: reset the engine's state and re-run every request in flight from its
+        prompt and tokens so far, except the requests blamed for a second failed step, which fail.
+
+        The step's suspects are the requests its plan computed (``StepFailedError.seq_ids``); each
+        runs its next step alone (``Sequence.isolate``), so a second failure finds the culprit.
+        """
+        suspects = exc.seq_ids if isinstance(exc, StepFailedError) else ()
+        logger.error("engine step failed (%s: %s); re-running %d requests", type(exc).__name__, exc, len(self._seqs))
+        live = [seq for seq in self._seqs.values() if not seq.is_finished]
+        self._reset()
+        convicted = {seq.seq_id for seq in blame(self._seqs[s] for s in suspects if s in self._seqs)}
+        now = time.monotonic()
+        outputs: list[RequestOutput] = []
+        for seq in live:
+            if seq.seq_id in convicted:
+                outputs.append(self._fail(seq, poison_message(seq), now))
+                continue
+            seq.status = SequenceStatus.WAITING
+            seq.block_table = []
+            seq.block_hashes = []
+            seq.num_computed_tokens = 0
+            self._submit(seq)
+        return outputs
 
     @abstractmethod
     def abort_request(self, request_id: str) -> None: ...
@@ -273,7 +408,7 @@ class EngineBase(RequestFrontend):
         pending = set(ids)
         results: dict[str, RequestOutput] = {}
         while pending:
-            for out in self.step():
+            for out in self.step_or_recover():
                 if out.finished and out.request_id in pending:
                     results[out.request_id] = out
                     pending.discard(out.request_id)
@@ -286,7 +421,7 @@ class EngineBase(RequestFrontend):
         request_id = self.add_request(prompt, sampling, priority=priority)
         try:
             while True:
-                for out in self.step():
+                for out in self.step_or_recover():
                     if out.request_id == request_id:
                         yield out
                         if out.finished:

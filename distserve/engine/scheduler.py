@@ -10,13 +10,15 @@ The result is a plain ``StepPlan``; whoever executes it reports sampled tokens b
 from __future__ import annotations
 
 import bisect
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from operator import attrgetter
 
 from distserve.config import SamplingParams, SchedulerConfig
 from distserve.engine.block_manager import BlockManager
 from distserve.engine.sequence import Sequence, SequenceStatus
+from distserve.errors import StepFailedError
 
 
 @dataclass(slots=True)  # slots: one per scheduled sequence per step
@@ -59,11 +61,23 @@ class StepPlan:
         return not self.chunks
 
 
+@contextmanager
+def attributed_to(plan: StepPlan) -> Iterator[None]:
+    """Re-raise a failure inside as a ``StepFailedError`` naming the requests ``plan`` computes."""
+    try:
+        yield
+    except StepFailedError:
+        raise
+    except Exception as exc:
+        raise StepFailedError(f"{type(exc).__name__}: {exc}", [c.seq_id for c in plan.chunks]) from exc
+
+
 @dataclass(slots=True)
 class SampledToken:
     seq_id: str
     token_id: int
     logprob: float | None = None
+    error: str | None = None  # sampling this request failed: it fails alone, with this message
 
 
 # ---- policies: a sort key over sequences; the largest key is preempted first --------------------
@@ -85,7 +99,16 @@ def get_policy(name: str) -> PolicyKey:
 
 
 class Scheduler:
-    """Colocated continuous batching: running sequences first, then admissions by policy."""
+    """Colocated continuous batching: running sequences first, then admissions by policy.
+
+    Crash suspects (``Sequence.isolate``, set by ``distserve.cluster.recovery``) wait in
+    ``isolated`` and each gets a step of its own before it is batched again, so a request that
+    makes steps fail is caught alone rather than with the requests it happened to share a batch
+    with. ``clears_isolation`` is False where a phase cannot prove a suspect innocent (prefill: the
+    fault may lie in decoding), so the suspect is isolated again where it runs next.
+    """
+
+    clears_isolation = True
 
     def __init__(
         self,
@@ -111,6 +134,7 @@ class Scheduler:
         self.waiting: list[Sequence] = []  # sorted by policy key
         self._waiting_keys: list[tuple] = []
         self.running: list[Sequence] = []  # in policy order at each step; add with _append_running
+        self.isolated: list[Sequence] = []  # crash suspects, each waiting for a step of its own
         self._running_sorted = True  # False once an append broke the order; schedule() re-sorts then
         self._finished_since_plan: list[str] = []
         self._order = 0
@@ -120,7 +144,11 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         seq.order = self._order
         self._order += 1
-        self._enqueue(seq)
+        if seq.isolate:
+            seq.status = SequenceStatus.WAITING
+            self.isolated.append(seq)
+        else:
+            self._enqueue(seq)
 
     def _enqueue(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
@@ -141,14 +169,18 @@ class Scheduler:
 
     @property
     def num_waiting(self) -> int:
-        return len(self.waiting)
+        return len(self.waiting) + len(self.isolated)
 
     @property
     def num_running(self) -> int:
         return len(self.running)
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.isolated)
+
+    def has_work(self) -> bool:
+        """Something to compute: queued, running or isolated sequences (not ones parked elsewhere)."""
+        return bool(self.waiting or self.running or self.isolated)
 
     def finish(self, seq: Sequence, reason: str) -> None:
         """Stop ``seq`` (done, stopped or aborted) and release its blocks."""
@@ -158,6 +190,8 @@ class Scheduler:
             self.running.remove(seq)
         elif seq in self.waiting:
             self._pop_waiting(self.waiting.index(seq))
+        elif seq in self.isolated:
+            self.isolated.remove(seq)
         self.block_manager.free(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
@@ -176,6 +210,8 @@ class Scheduler:
     def schedule(self) -> StepPlan:
         plan = StepPlan([], [], [], self._finished_since_plan)
         self._finished_since_plan = []
+        if self.isolated and not self.in_flight and self._schedule_isolated(plan):
+            return plan
         budget = self.config.max_num_batched_tokens
         decodes: list[ScheduledChunk] = []
         prefills: list[ScheduledChunk] = []
@@ -258,6 +294,30 @@ class Scheduler:
             in_flight.update(c.seq_id for c in decodes)
         return plan
 
+    def _schedule_isolated(self, plan: StepPlan) -> bool:
+        """Fill ``plan`` with the oldest crash suspect alone, if its blocks can be had now."""
+        seq = self.isolated[0]
+        bm = self.block_manager
+        if seq.block_table:  # arrived with its KV (a decode instance's completed migration)
+            copies = bm.append_slots(seq, seq.num_uncomputed_tokens)
+            if copies is None:
+                return False
+            plan.block_copies.extend(copies)
+        else:
+            if not bm.can_allocate(seq):
+                return False
+            bm.allocate(seq)
+        n = seq.num_uncomputed_tokens
+        if self.config.enable_chunked_prefill:
+            n = min(n, self.config.max_num_batched_tokens)
+        self.isolated.pop(0)
+        seq.status = SequenceStatus.RUNNING
+        self._append_running(seq)
+        plan.chunks = [self._chunk(seq, n)]
+        if self.pipeline_depth > 1:
+            self.in_flight.add(seq.seq_id)
+        return True
+
     def _preemption_victim(self) -> Sequence | None:
         """The lowest-ranked running sequence that no in-flight plan is computing."""
         for seq in reversed(self.running):
@@ -301,8 +361,16 @@ class Scheduler:
                 continue  # aborted or preempted while the step ran
             seq.num_computed_tokens = chunk.start_pos + len(chunk.token_ids)
             commit(seq)
+            if seq.isolate and self.clears_isolation:
+                seq.isolate = False  # it ran a step alone: a later crash is not blamed on it alone
             token = get_token(seq_id)
             if token is None:
+                continue
+            if token.error is not None:
+                seq.error = token.error
+                seq.finish_time = now
+                self.finish(seq, "error")
+                updated.append(seq)
                 continue
             seq.token_ids.append(token.token_id)
             if token.logprob is not None:

@@ -35,6 +35,9 @@ class Sequence:
     finish_reason: str | None = None
     logprobs: list[float] = field(default_factory=list)
     order: int = 0  # admission counter; breaks arrival-time ties deterministically
+    error: str | None = None  # why it failed (finish_reason "error"): this request's fault or misfortune alone
+    num_crashes: int = 0  # failed steps (instance deaths) it was computed in; see distserve.cluster.recovery
+    isolate: bool = False  # a crash suspect: its next step computes nothing else
 
     def __post_init__(self) -> None:
         if not self.token_ids:
@@ -51,6 +54,8 @@ class Sequence:
             token_ids=list(self.token_ids),
             first_token_time=self.first_token_time,
             logprobs=list(self.logprobs),
+            num_crashes=self.num_crashes,
+            isolate=self.isolate,
         )
 
     @property

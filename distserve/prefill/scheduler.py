@@ -15,6 +15,8 @@ class PrefillScheduler(Scheduler):
     pool is full, new prompts wait — backpressure instead of preemption of finished work.
     """
 
+    clears_isolation = False  # a suspect's prefill proves nothing about its decoding
+
     def __init__(self, *args: object, **kwargs: object) -> None:
         super().__init__(*args, **kwargs)  # type: ignore[arg-type]
         self.awaiting_migration: dict[str, Sequence] = {}

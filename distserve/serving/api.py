@@ -22,7 +22,13 @@ from starlette.types import Receive, Scope, Send
 
 from distserve.config import SamplingParams
 from distserve.engine.outputs import RequestOutput
-from distserve.errors import DistServeError, InvalidConfigError, PromptTooLongError, QueueFullError
+from distserve.errors import (
+    DistServeError,
+    InvalidConfigError,
+    PromptTooLongError,
+    QueueFullError,
+    ServiceUnavailableError,
+)
 from distserve.serving.client import EngineClient
 from distserve.serving.metrics import CONTENT_TYPE, RequestTimer, ServingMetrics
 from distserve.serving.protocol import (
@@ -55,7 +61,10 @@ T = TypeVar("T")
 
 MODEL_ALIASES: dict[str, tuple[str, ...]] = {"smollm2-135m": ("HuggingFaceTB/SmolLM2-135M-Instruct",)}
 STATS_TIMEOUT_S = 5.0
+HEALTH_TIMEOUT_S = 5.0
 CLIENT_CLOSED_REQUEST = 499
+RETRY_AFTER_S = "1"
+ENGINE_WATCH_INTERVAL_S = 0.5
 
 
 class ClientDisconnected(Exception):
@@ -121,21 +130,45 @@ class _SSEResponse(StreamingResponse):
 
 
 def _error_response(exc: APIError) -> JSONResponse:
-    headers = {"Retry-After": "1"} if exc.status_code == 429 else None
+    headers = {"Retry-After": RETRY_AFTER_S} if exc.status_code in (429, 503) else None
     return JSONResponse(exc.body(), status_code=exc.status_code, headers=headers)
 
 
-def _engine_error(exc: BaseException, prompt_param: str) -> APIError:
-    """The HTTP error for an exception raised by ``EngineClient.generate``."""
+def _unavailable(message: str) -> APIError:
+    return APIError(503, message, type="service_unavailable_error", code="service_unavailable")
+
+
+def _engine_error(exc: BaseException, prompt_param: str, param_names: dict[str, str] | None = None) -> APIError:
+    """The HTTP error for an exception raised by ``EngineClient.generate``.
+
+    Bad input is a 4xx naming the field (``param_names`` maps the engine's name of a field to the
+    one this request used, e.g. ``max_tokens`` -> ``max_completion_tokens``); an outage is a 503;
+    anything else is the server's fault (500), never blamed on the request.
+    """
     if isinstance(exc, APIError):
         return exc
     if isinstance(exc, QueueFullError):
         return APIError(429, str(exc), type="rate_limit_error", code="queue_full")
-    if isinstance(exc, PromptTooLongError):
-        return APIError(400, str(exc), param=prompt_param, code="context_length_exceeded")
     if isinstance(exc, DistServeError):
-        return APIError(400, str(exc), param=prompt_param)
-    return APIError(503, f"the engine is not available: {exc}", type="service_unavailable_error", code="engine_error")
+        param = exc.param or prompt_param
+        param = (param_names or {}).get(param, param)
+        code = "context_length_exceeded" if isinstance(exc, PromptTooLongError) else None
+        return APIError(400, str(exc), param=param, code=code)
+    if isinstance(exc, ServiceUnavailableError):
+        return _unavailable(str(exc))
+    logger.error("request failed: %s: %s", type(exc).__name__, exc)
+    return _request_failed(f"{type(exc).__name__}: {exc}")
+
+
+def _request_failed(message: str) -> APIError:
+    return APIError(500, message, type="internal_server_error", code="request_failed")
+
+
+def _check_output(out: RequestOutput) -> RequestOutput:
+    """``out``, unless it reports that its request failed (``finish_reason`` "error"): then a 500."""
+    if out.error is not None:
+        raise _request_failed(out.error)
+    return out
 
 
 def _validation_param(loc: tuple[Any, ...]) -> str | None:
@@ -176,18 +209,19 @@ class _Server:
         request_id: str,
         priority: int,
         prompt_param: str,
+        param_names: dict[str, str] | None = None,
     ) -> tuple[AsyncIterator[RequestOutput], RequestOutput, RequestTimer]:
         """Submit and wait for the first output, so bad input and a full queue become HTTP errors."""
         timer = self.metrics.request_timer()
         stream = self.client.generate(prompt, sampling, request_id, priority)
         try:
-            first = await _unless_disconnected(request, anext(stream))
+            first = _check_output(await _unless_disconnected(request, anext(stream)))
         except ClientDisconnected:
             timer.finish("abort")
             raise
         except Exception as exc:
             await _aclose(stream)
-            raise _engine_error(exc, prompt_param) from exc
+            raise _engine_error(exc, prompt_param, param_names) from exc
         timer.observe(first)
         return stream, first, timer
 
@@ -198,7 +232,7 @@ class _Server:
             last = first
             try:
                 while not last.finished:
-                    last = await anext(stream)
+                    last = _check_output(await anext(stream))
                     timer.observe(last)
             finally:
                 await _aclose(stream)
@@ -209,6 +243,8 @@ class _Server:
         except ClientDisconnected:
             timer.finish("abort")
             raise
+        except Exception as exc:
+            raise _engine_error(exc, "prompt") from exc
 
     def token_text(self, token_id: int) -> str:
         return self.client.tokenizer.decode([token_id], skip_special_tokens=False)
@@ -223,6 +259,10 @@ class _Server:
         if out.logprobs is None:
             return []
         return [(self.token_text(t), lp) for t, lp in zip(out.token_ids, out.logprobs)]
+
+
+def _prompt_ids(client: EngineClient, prompt: str | list[int]) -> list[int]:
+    return client.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
 
 
 async def _aclose(stream: AsyncIterator[Any]) -> None:
@@ -264,23 +304,24 @@ async def _events(
 ) -> AsyncIterator[str]:
     """SSE events for one request; closing this generator early aborts the request."""
     out = first
+    failed = False
     try:
         while True:
             for event in render(out):
                 yield event
             if out.finished:
                 break
-            out = await anext(stream)
+            out = _check_output(await anext(stream))
             timer.observe(out)
         if include_usage:
             yield usage_chunk(_usage(out))
         yield SSE_DONE
-    except (DistServeError, RuntimeError, StopAsyncIteration) as exc:
-        err = _engine_error(exc, "prompt")
-        yield sse(err.body())
+    except Exception as exc:  # noqa: BLE001 - the status line is sent: the error becomes the last event
+        failed = True  # not counted as a finished request
+        yield sse(_engine_error(exc, "prompt").body())
         yield SSE_DONE
     finally:
-        if not out.finished:
+        if not out.finished and not failed:
             timer.finish("abort")
         await _aclose(stream)
 
@@ -319,8 +360,13 @@ def build_fastapi_app(
 
     @app.get("/health")
     async def health() -> Response:
-        if getattr(client, "is_dead", False):
-            return _error_response(APIError(503, "the engine is not running", type="service_unavailable_error"))
+        """200 while every phase has a live (or restarting) instance; 503 naming the outage otherwise."""
+        try:
+            await asyncio.wait_for(client.check_health(), HEALTH_TIMEOUT_S)
+        except ServiceUnavailableError as exc:
+            return _error_response(_unavailable(str(exc)))
+        except asyncio.TimeoutError:
+            return _error_response(_unavailable(f"the engine did not answer a health check within {HEALTH_TIMEOUT_S:g} s"))
         return JSONResponse({"status": "ok"})
 
     @app.get("/v1/models")
@@ -338,8 +384,10 @@ def build_fastapi_app(
     @app.post("/v1/completions", response_model=None)
     async def create_completion(body: CompletionRequest, request: Request) -> Response | CompletionResponse:
         server.check_model(body.model)
-        sampling = body.to_sampling_params(client.max_model_len)
         prompt = body.prompt_input()
+        # ``"max_tokens": null`` asks for the rest of the context, which depends on the prompt's length.
+        num_prompt_tokens = None if body.max_tokens is not None else len(_prompt_ids(client, prompt))
+        sampling = body.to_sampling_params(client.max_model_len, num_prompt_tokens)
         request_id = f"cmpl-{uuid.uuid4().hex}"
         stream, first, timer = await server.start(request, prompt, sampling, request_id, body.priority, "prompt")
         want_logprobs = body.logprobs is not None
@@ -388,7 +436,8 @@ def build_fastapi_app(
             )
         sampling = body.to_sampling_params(len(prompt), client.max_model_len)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        stream, first, timer = await server.start(request, prompt, sampling, request_id, body.priority, "messages")
+        names = {"max_tokens": "max_completion_tokens"} if body.max_completion_tokens is not None else None
+        stream, first, timer = await server.start(request, prompt, sampling, request_id, body.priority, "messages", names)
         if not body.stream:
             out = await server.collect(request, stream, first, timer)
             return ChatCompletionResponse(
@@ -449,19 +498,21 @@ def run_server(
     *,
     on_ready: Callable[[str], None] | None = None,
     log_level: str = "info",
-) -> None:
+) -> int:
     """Serve on the bound ``sock`` with plain uvicorn until SIGINT/SIGTERM, then shut ``client`` down.
 
     ``client`` may be an async factory, for clients whose tasks must live in the server's event
     loop (the Ray runtime's controller). ``on_ready`` gets the base URL (``http://host:port``)
-    once uvicorn accepts connections.
+    once uvicorn accepts connections. Returns the process exit status: 0 after a signal, 1 if the
+    engine died for good (``EngineClient.is_dead``) — the server stops then, so that a supervisor
+    (systemd, Kubernetes) starts a fresh process instead of leaving one that answers 503 forever.
     """
     import uvicorn
 
     host, port = sock.getsockname()[:2]
     url_host = f"[{host}]" if ":" in host else host
 
-    async def main() -> None:
+    async def main() -> int:
         engine_client = client if isinstance(client, EngineClient) else await client()
         app = build_fastapi_app(engine_client, served_model_name)
         config = uvicorn.Config(
@@ -474,7 +525,15 @@ def run_server(
                 await asyncio.sleep(0.05)
             if server.started and on_ready is not None:
                 on_ready(f"http://{url_host}:{port}")
+            while not task.done():
+                if engine_client.is_dead:
+                    logger.critical("the engine is dead; stopping the server (exit status 1) so it can be restarted")
+                    server.should_exit = True
+                    await task
+                    return 1
+                await asyncio.wait({task}, timeout=ENGINE_WATCH_INTERVAL_S)
             await task
+            return 0
         finally:
             await engine_client.shutdown()
 
@@ -482,7 +541,7 @@ def run_server(
     in_main = threading.current_thread() is threading.main_thread()
     previous = {s: signal.signal(s, lambda *_: None) for s in (signal.SIGINT, signal.SIGTERM)} if in_main else {}
     try:
-        asyncio.run(main())
+        return asyncio.run(main())
     finally:
         sock.close()
         for sig, handler in previous.items():

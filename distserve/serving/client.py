@@ -46,3 +46,11 @@ class EngineClient(ABC):
 
     @abstractmethod
     async def shutdown(self) -> None: ...
+
+    @property
+    def is_dead(self) -> bool:
+        """True once the client can never serve again (the server process should exit)."""
+        return False
+
+    async def check_health(self) -> None:
+        """Raise ``ServiceUnavailableError`` naming the outage if requests cannot be served now."""

@@ -37,13 +37,14 @@ from collections.abc import AsyncIterator, Sequence as Seq
 from dataclasses import dataclass, field
 from typing import Any
 
+from distserve.cluster.recovery import CrashLedger, blame, poison_message, suspects_of
 from distserve.config import CacheConfig, SamplingParams, SchedulerConfig
 from distserve.engine.block_manager import prefix_block_hashes
 from distserve.engine.model import resolve_dtype
 from distserve.engine.outputs import RequestFrontend, RequestOutput
 from distserve.engine.sequence import Sequence, SequenceStatus
 from distserve.engine.weights import load_model
-from distserve.errors import DistServeError, InvalidConfigError, QueueFullError
+from distserve.errors import DistServeError, InvalidConfigError, QueueFullError, ServiceUnavailableError, StepFailedError
 from distserve.kvtransfer.layout import KVLayout
 from distserve.kvtransfer.migration import num_tags
 from distserve.kvtransfer.transport import MAX_TAG
@@ -94,6 +95,7 @@ class _Instance:
     alive: bool = True
     restarting: bool = False  # dead, and a replacement is being started
     restarts: int = 0
+    charged_restarts: int = 0  # of its deaths, those counted against max_instance_restarts (poison's are not)
     wake: asyncio.Event = field(default_factory=asyncio.Event)
     num_assigned: int = 0  # requests routed here and not yet finished or moved on
     recent_prefixes: OrderedDict[int, None] = field(default_factory=OrderedDict)  # block hashes, LRU
@@ -188,6 +190,8 @@ class Controller(RequestFrontend):
         self._tasks: list[asyncio.Task[None]] = []
         self._background: set[asyncio.Task[None]] = set()
         self._closed = False
+        self._crashes = CrashLedger()
+        self._step_faults: dict[str, str] = {}  # test hook: request id -> fault kind, armed on every instance
         self.migration_counters = {
             "num_migrations": 0,  # attempts started, failed ones included
             "kv_migration_blocks_skipped_total": 0,
@@ -196,6 +200,7 @@ class Controller(RequestFrontend):
             "kv_migration_timeouts_total": 0,  # of those, the ones that timed out
             "instance_restarts_total": 0,  # instances replaced after a death
             "requests_rerun_total": 0,  # requests re-run from prompt + tokens so far after their instance died
+            "requests_failed_poison_total": 0,  # requests failed for a second death of the instance computing them
         }
         self.migration_durations: list[float] = []
         self._migration_started: dict[str, float] = {}
@@ -265,7 +270,7 @@ class Controller(RequestFrontend):
                 ray.kill(inst.actor, no_restart=True)
             remove_placement_group(inst.placement_group)  # also one whose actor never started
         for q in self._queues.values():
-            q.put_nowait(DistServeError("the server is shutting down"))
+            q.put_nowait(ServiceUnavailableError("the server is shutting down"))
 
     def pin(self, request_id: str, prefill: str | None = None, decode: str | None = None) -> None:
         """Route the request ``request_id`` (call before submitting it) to the named instances.
@@ -284,13 +289,37 @@ class Controller(RequestFrontend):
     def _submit(self, seq: Sequence) -> None:
         self._route_new(seq)
 
+    def _outage(self) -> str | None:
+        """Why requests cannot be served now (no live or restarting instance of a phase they need), or None."""
+        if self._closed:
+            return "the server is shutting down"
+
+        def up(phase: str) -> bool:
+            return any((i.alive or i.restarting) and i.phase == phase for i in self.instances)
+
+        if up("colocated"):
+            return None
+        if not up("prefill"):
+            return "no prefill or colocated instance is alive"
+        if not up("decode"):
+            return "no decode instance is alive"
+        return None
+
+    async def check_health(self) -> None:
+        reason = self._outage()
+        if reason is not None:
+            raise ServiceUnavailableError(reason)
+
     def _route_new(self, seq: Sequence) -> None:
-        entry = [i for i in self.instances if i.alive and i.phase in ("prefill", "colocated")]
+        reason = self._outage()
+        if reason is not None:
+            raise ServiceUnavailableError(reason)
+        decode_up = any((i.alive or i.restarting) and i.phase == "decode" for i in self.instances)
+        entry_phases = ("prefill", "colocated") if decode_up else ("colocated",)
+        entry = [i for i in self.instances if i.alive and i.phase in entry_phases]
         if not entry:
-            if any(i.restarting and i.phase in ("prefill", "colocated") for i in self.instances):
-                self._parked.append(seq)  # routed when the replacement is up
-                return
-            raise DistServeError("no prefill or colocated instance is alive")
+            self._parked.append(seq)  # an entry instance is restarting: routed when it is up
+            return
         pinned = self._pins.get(seq.seq_id, (None, None))[0]
         entry = [i for i in entry if i.spec.instance_id == pinned] or entry
         hashes = prefix_block_hashes(seq.token_ids, self.cache_config.block_size)
@@ -404,7 +433,7 @@ class Controller(RequestFrontend):
             self._steps_in_flight += 1
             try:
                 result: StepResult = await inst.actor.step.remote()
-            except ray.exceptions.RayError as exc:  # the actor or one of its workers died, or the step failed
+            except (ray.exceptions.RayError, StepFailedError) as exc:  # the actor or a worker died, or the step failed
                 self._steps_in_flight -= 1
                 self._on_death(inst, exc)
                 return
@@ -444,6 +473,7 @@ class Controller(RequestFrontend):
                 continue
             seq.token_ids.extend(up.new_token_ids)
             seq.logprobs.extend(up.new_logprobs)
+            seq.error = up.error
             if up.new_token_ids and seq.first_token_time is None:
                 seq.first_token_time = now
                 seq.num_cached_tokens = up.num_cached_tokens
@@ -541,17 +571,36 @@ class Controller(RequestFrontend):
             self._spawn(self._call_then_kick(src, src.actor.requeue.remote(seq_id)))
 
     def _on_death(self, inst: _Instance, exc: BaseException | None = None) -> None:
-        """Re-run the dead instance's requests from prompt + tokens so far on survivors; restart it."""
+        """Re-run the dead instance's requests from prompt + tokens so far on survivors; restart it.
+
+        The death is blamed on the requests it was computing (``distserve.cluster.recovery``): one
+        blamed a second time is poison and fails instead of being re-run, and the restarts its
+        deaths caused are not charged to ``max_instance_restarts``.
+        """
         inst.alive = False
-        inst.restarting = not self._closed and inst.restarts < self.max_instance_restarts
-        if exc is not None:
-            log.warning("instance %s failed (%s); %s", inst.spec.instance_id, type(exc).__name__,
-                        "restarting it" if inst.restarting else "not restarting it")
         lost = [sid for sid, owner in self._owner.items() if owner is inst]
         lost += [sid for sid, src in self._source.items() if src is inst and sid not in lost]
+        failure = getattr(exc, "cause", None) or exc  # a RayTaskError carries what the step raised
+        suspects = [seq for sid in suspects_of(failure, lost) if (seq := self._seqs.get(sid)) is not None and not seq.is_finished]
+        convicted = blame(suspects)
+        for instance_id in self._crashes.record(inst.spec.instance_id, suspects, convicted, set(self._seqs)):
+            refunded = next(i for i in self.instances if i.spec.instance_id == instance_id)
+            refunded.charged_restarts = max(0, refunded.charged_restarts - 1)
+        charged = not convicted
+        inst.restarting = not self._closed and (not charged or inst.charged_restarts < self.max_instance_restarts)
+        if inst.restarting and charged:
+            inst.charged_restarts += 1
+        if exc is not None:
+            log.warning("instance %s failed (%s: %s); %s", inst.spec.instance_id, type(exc).__name__, failure,
+                        "restarting it" if inst.restarting else "not restarting it")
+        poison = {seq.seq_id for seq in convicted}
         self._pending = [(i, s) for i, s in self._pending if i is not inst]
         for seq_id in lost:
             seq = self._seqs.get(seq_id)
+            if seq_id in poison and seq is not None:
+                self.migration_counters["requests_failed_poison_total"] += 1
+                self._fail_request(seq, poison_message(seq))  # also frees its KV on survivors
+                continue
             owner = self._owner.pop(seq_id, None)
             holder = self._source.pop(seq_id, None)
             if owner is inst and holder is not None and holder.alive and seq is not None and not seq.is_finished:
@@ -575,11 +624,38 @@ class Controller(RequestFrontend):
             self._reroute(seq)
         if inst.restarting:
             self._spawn(self._restart(inst), name=f"restart-{inst.spec.instance_id}")
+        else:
+            self._fail_stranded()
+
+    def _fail_request(self, seq: Sequence, error: str) -> None:
+        """End one request with ``error`` (finish_reason "error") and free its KV wherever it is."""
+        out = self._fail(seq, error, time.monotonic())
+        self._forget(seq.seq_id)
+        self._drop(seq.seq_id, "abort")
+        queue = self._queues.get(seq.seq_id)
+        if queue is not None:
+            queue.put_nowait(out)
+
+    def _fail_stranded(self) -> None:
+        """In an outage (a phase has no live or restarting instance), fail the requests that can no
+        longer finish — all but those on live colocated instances — with ``ServiceUnavailableError``."""
+        reason = self._outage()
+        if reason is None:
+            return
+        for seq_id in list(self._seqs):
+            owner = self._owner.get(seq_id)
+            if owner is not None and owner.alive and owner.phase == "colocated":
+                continue
+            self._forget(seq_id)
+            self._drop(seq_id, "abort")
+            queue = self._queues.get(seq_id)
+            if queue is not None:
+                queue.put_nowait(ServiceUnavailableError(reason))
 
     def _reroute(self, seq: Sequence) -> None:
         try:
             self._route_new(seq)
-        except DistServeError as exc:
+        except (DistServeError, ServiceUnavailableError) as exc:
             queue = self._queues.get(seq.seq_id)
             if queue is not None:
                 queue.put_nowait(exc)
@@ -611,11 +687,14 @@ class Controller(RequestFrontend):
                     RESTART_TIMEOUT_S,
                 )
                 inst.layout = await inst.actor.layout.remote()
+                for request_id, kind in self._step_faults.items():
+                    await inst.actor.inject_step_fault.remote(request_id, kind)
                 log.info("restart %s: the new world of %d ranks is formed", inst.spec.instance_id, self._world_size)
             except Exception as exc:  # noqa: BLE001 - the instance stays dead; survivors that broke fail their next step
                 log.error("restarting instance %s failed: %r", inst.spec.instance_id, exc)
                 inst.restarting = False
                 self._fail_parked()
+                self._fail_stranded()
                 return
             finally:
                 self._running.set()
@@ -640,6 +719,12 @@ class Controller(RequestFrontend):
         parked, self._parked = self._parked, []
         for seq in parked:
             self._reroute(seq)  # to a survivor, or the error goes to its stream
+
+    async def inject_step_fault(self, request_id: str, kind: str = "raise") -> None:
+        """Test hook: every step computing ``request_id`` fails on every instance, replacements
+        included (``ModelRunner.inject_step_fault``): a poison request."""
+        self._step_faults[request_id] = kind
+        await asyncio.gather(*(i.actor.inject_step_fault.remote(request_id, kind) for i in self.instances if i.alive))
 
     # ---- observability -----------------------------------------------------------------------
     async def stats(self) -> dict[str, object]:

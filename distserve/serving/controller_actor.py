@@ -6,7 +6,7 @@ calls and reads the outputs of all its requests from one long-lived Ray streamin
 item a batch of ``(request_id, output)`` pairs: one streamed item per engine step for every request
 in flight rather than one per request. The proxy hands each request its own outputs, tokenizes
 locally (no actor hop), unwraps errors to their own types and turns a dead controller into a
-``DistServeError``.
+``ServiceUnavailableError``.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from distserve.engine.model import resolve_dtype
 from distserve.engine.outputs import RequestFrontend, RequestOutput
 from distserve.engine.sequence import Sequence
 from distserve.engine.weights import load_model
-from distserve.errors import DistServeError
+from distserve.errors import DistServeError, ServiceUnavailableError
 from distserve.placement.placement import Placement
 from distserve.serving.controller import (
     DEFAULT_KV_TRANSFER_TIMEOUT_S,
@@ -89,7 +89,7 @@ class ControllerActor:
 
     def _started(self) -> Controller:
         if self.controller is None:
-            raise DistServeError("the controller is not started")
+            raise ServiceUnavailableError("the controller is not started")
         return self.controller
 
     def _outbox(self, proxy_id: str) -> _Outbox:
@@ -161,6 +161,15 @@ class ControllerActor:
     async def stats(self) -> dict[str, object]:
         return await self._started().stats()
 
+    async def check_health(self) -> None:
+        if self.controller is None:
+            raise ServiceUnavailableError("the controller is not started")
+        await self.controller.check_health()
+
+    async def inject_step_fault(self, request_id: str, kind: str = "raise") -> None:
+        """Test hook: ``Controller.inject_step_fault``."""
+        await self._started().inject_step_fault(request_id, kind)
+
     async def placement_report(self) -> list[dict[str, Any]]:
         return await self._started().placement_report()
 
@@ -168,7 +177,7 @@ class ControllerActor:
         return await self._started().worker_pids()
 
     async def shutdown(self) -> None:
-        """Stop the instances and remove their placement groups; open streams fail with a DistServeError."""
+        """Stop the instances and remove their placement groups; open streams fail with a ServiceUnavailableError."""
         if self.controller is not None:
             await self.controller.shutdown()
 
@@ -207,7 +216,7 @@ async def _relay(
 
 
 def _sendable(exc: BaseException | None) -> BaseException | None:
-    """``exc`` if it survives the trip to the proxy, else a ``DistServeError`` describing it."""
+    """``exc`` if it survives the trip to the proxy, else a ``RuntimeError`` describing it (a 500, not the caller's fault)."""
     import ray.cloudpickle
 
     if exc is None:
@@ -215,7 +224,7 @@ def _sendable(exc: BaseException | None) -> BaseException | None:
     try:
         ray.cloudpickle.dumps(exc)
     except Exception:  # noqa: BLE001 - any pickling failure
-        return DistServeError(f"the request failed: {exc!r}")
+        return RuntimeError(f"the request failed: {exc!r}")
     return exc
 
 
@@ -262,6 +271,7 @@ class RemoteController:
         self._reader: threading.Thread | None = None  # reads the current output stream
         self._reader_loop: asyncio.AbstractEventLoop | None = None  # where it hands the outputs
         self._shutting_down = False
+        self._actor_died = False
         here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
         self.actor = (
             ray.remote(ControllerActor)
@@ -301,6 +311,7 @@ class RemoteController:
     ) -> AsyncIterator[RequestOutput]:
         """Stream one request's outputs; closing the iterator early aborts the request."""
         ids = self.encode_prompt(prompt)
+        self._frontend.check_request(ids, sampling, priority)  # refused here, without a trip to the actor
         if request_id in self._requests:
             raise DistServeError(f"request id {request_id!r} is already in flight")
         proxy_id = self._open_stream()
@@ -379,17 +390,38 @@ class RemoteController:
 
         if isinstance(exc, ray.exceptions.RayTaskError) and isinstance(exc.cause, Exception):
             return exc.cause  # type: ignore[no-any-return]
+        err: Exception
         if self._shutting_down:
-            err = DistServeError("the controller was shut down")
+            err = ServiceUnavailableError("the controller was shut down")
         elif isinstance(exc, ray.exceptions.RayActorError):
-            err = DistServeError(f"the controller actor died: {exc}")
+            self._actor_died = True
+            err = ServiceUnavailableError(f"the controller actor died: {exc}")
         else:
-            err = DistServeError(f"the controller's output stream failed: {exc!r}")
+            err = ServiceUnavailableError(f"the controller's output stream failed: {exc!r}")
         err.__cause__ = exc
         return err
 
     async def abort(self, request_id: str) -> None:
         await _call(self.actor.abort.remote(request_id))
+
+    @property
+    def is_dead(self) -> bool:
+        """The controller actor died: this deployment can never serve again."""
+        return self._actor_died and not self._shutting_down
+
+    async def check_health(self) -> None:
+        import ray
+
+        try:
+            await self.actor.check_health.remote()
+        except ray.exceptions.RayActorError as exc:
+            self._actor_died = True
+            raise ServiceUnavailableError(f"the controller actor died: {exc}") from exc
+        except ray.exceptions.RayError as exc:
+            _reraise(exc)
+
+    async def inject_step_fault(self, request_id: str, kind: str = "raise") -> None:
+        await _call(self.actor.inject_step_fault.remote(request_id, kind))
 
     async def stats(self) -> dict[str, object]:
         return await _call(self.actor.stats.remote())  # type: ignore[no-any-return]
@@ -452,11 +484,11 @@ async def _call(ref: Any) -> Any:
 
 
 def _reraise(exc: BaseException) -> NoReturn:
-    """Raise what the controller raised (a ``DistServeError`` if its actor died), chained to ``exc``."""
+    """Raise what the controller raised (a ``ServiceUnavailableError`` if its actor died), chained to ``exc``."""
     import ray
 
     if isinstance(exc, ray.exceptions.RayTaskError) and isinstance(exc.cause, Exception):
         raise exc.cause from exc
     if isinstance(exc, ray.exceptions.RayActorError):
-        raise DistServeError(f"the controller actor died: {exc}") from exc
+        raise ServiceUnavailableError(f"the controller actor died: {exc}") from exc
     raise exc

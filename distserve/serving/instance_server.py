@@ -43,7 +43,7 @@ from distserve.config import CacheConfig, SchedulerConfig
 from distserve.decode.scheduler import DecodeScheduler, Reservation
 from distserve.engine.block_manager import BlockManager
 from distserve.engine.parallel import ShardSpec
-from distserve.engine.scheduler import SampledToken, Scheduler, StepPlan
+from distserve.engine.scheduler import SampledToken, Scheduler, StepPlan, attributed_to
 from distserve.engine.sequence import Sequence
 from distserve.kvtransfer.layout import KVLayout
 from distserve.prefill.scheduler import PrefillScheduler
@@ -87,6 +87,7 @@ class SeqUpdate:
     finish_reason: str | None
     num_cached_tokens: int
     awaiting_migration: bool = False
+    error: str | None = None  # with finish_reason "error"
 
 
 @dataclass
@@ -290,6 +291,11 @@ class InstanceServer:
 
         self._free_later(seq_id, run)
 
+    def inject_step_fault(self, seq_id: str, kind: str = "raise") -> None:
+        """Test hook: ``ModelRunner.inject_step_fault`` on rank 0 (``exit`` kills this actor's process)."""
+        assert self.local.runner is not None, "init() first"
+        self.local.runner.inject_step_fault(seq_id, kind)
+
     def inject_transfer_fault(self, kind: str, rank: int = 0) -> None:
         """Test hook: ``Worker.inject_transfer_fault`` on one of this instance's ranks."""
         if rank == 0:
@@ -357,7 +363,8 @@ class InstanceServer:
             # has finished the plans before this one.
             launched.refs = [w.execute.remote(launched.plan, launched.plan_seq) for w in self.remote]
             t_exec = time.perf_counter()
-            launched.sampled = self.local.execute(launched.plan, launched.plan_seq)
+            with attributed_to(launched.plan):
+                launched.sampled = self.local.execute(launched.plan, launched.plan_seq)
             result.execute_seconds = time.perf_counter() - t_exec
             result.num_batched_tokens = launched.plan.num_batched_tokens
         must_wait = launched is None or len(self._in_flight) >= self.spec.pp
@@ -372,7 +379,7 @@ class InstanceServer:
             must_wait = False
         with self._lock:
             s = self.scheduler
-            result.has_work = bool(s.waiting or s.running or self._pending or self._deferred or self._in_flight)
+            result.has_work = bool(s.has_work() or self._pending or self._deferred or self._in_flight)
         self.last_step_s = result.step_seconds = time.perf_counter() - t0
         self.num_steps += 1
         return result
@@ -402,9 +409,10 @@ class InstanceServer:
         """Wait for the oldest plan in flight on every rank, then apply its sampled tokens."""
         p = self._in_flight[0]
         sampled = p.sampled
-        for other in _ray_get(p.refs):
-            sampled = sampled or other
-        with self._lock:
+        with attributed_to(p.plan):  # a rank that raised or died fails the plan it was computing
+            for other in _ray_get(p.refs):
+                sampled = sampled or other
+        with self._lock, attributed_to(p.plan):
             self._in_flight.popleft()
             self._run_deferred()  # first: an aborted request gets no token from its last plan
             updated = self.scheduler.update_from_output(p.plan, sampled, self.seqs, time.monotonic())
@@ -465,7 +473,7 @@ class InstanceServer:
             self._reported.pop(seq.seq_id, None)
         return SeqUpdate(
             seq.seq_id, new, seq.logprobs[seen:] if seq.logprobs else [], seq.is_finished,
-            seq.finish_reason, seq.num_cached_tokens, awaiting,
+            seq.finish_reason, seq.num_cached_tokens, awaiting, seq.error,
         )
 
     def load(self) -> int:

@@ -107,6 +107,12 @@ class LocalDisaggEngine(EngineBase):
     def has_unfinished_requests(self) -> bool:
         return bool(self._seqs)
 
+    def _reset(self) -> None:
+        for inst in (*self.prefill, *self.decode):
+            inst.reset()
+        self._pending = []
+        self._owner = {}
+
     def _finish(self, seq: Sequence, reason: str) -> None:
         """Finish on the side that holds the request (a stop string matched)."""
         owner = self._owner.pop(seq.seq_id, None)

@@ -71,9 +71,6 @@ class StreamOptions(_Request):
     include_usage: bool = False
 
 
-_SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "min_tokens", "stop")
-
-
 class _SamplingRequest(_Request):
     model: str | None = None
     temperature: float | None = None  # None: 1.0, as in OpenAI
@@ -128,11 +125,8 @@ class _SamplingRequest(_Request):
                 include_stop_str_in_output=self.include_stop_str_in_output,
             )
         except InvalidSamplingParamsError as exc:
-            message = str(exc)
-            param = next((f for f in _SAMPLING_FIELDS if message.startswith(f)), None)
-            if param == "max_tokens":
-                param = max_tokens_param
-            raise bad_request(message, param) from exc
+            param = max_tokens_param if exc.param == "max_tokens" else exc.param
+            raise bad_request(str(exc), param) from exc
 
 
 class CompletionRequest(_SamplingRequest):
@@ -157,7 +151,8 @@ class CompletionRequest(_SamplingRequest):
         first = p[0]
         return first if isinstance(first, str) else [int(t) for t in first]  # type: ignore[union-attr]
 
-    def to_sampling_params(self, max_model_len: int) -> SamplingParams:
+    def to_sampling_params(self, max_model_len: int, num_prompt_tokens: int | None = None) -> SamplingParams:
+        """``num_prompt_tokens`` is needed only when ``max_tokens`` is null (the rest of the context)."""
         if self.echo:
             raise bad_request("echo is not supported", "echo")
         if self.suffix:
@@ -168,7 +163,10 @@ class CompletionRequest(_SamplingRequest):
             raise bad_request(
                 f"logprobs must be 0 or 1 (only the chosen token's logprob is returned), got {self.logprobs}", "logprobs"
             )
-        max_tokens = self.max_tokens if self.max_tokens is not None else max_model_len
+        if self.max_tokens is not None:
+            max_tokens = self.max_tokens
+        else:
+            max_tokens = max(1, max_model_len - (num_prompt_tokens or 0))
         return self._sampling(max_tokens, "max_tokens", self.logprobs is not None)
 
 

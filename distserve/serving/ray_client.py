@@ -64,6 +64,13 @@ class ControllerClient(EngineClient):
     async def stats(self) -> dict[str, object]:
         return await self.controller.stats()
 
+    @property
+    def is_dead(self) -> bool:
+        return self.controller.is_dead
+
+    async def check_health(self) -> None:
+        await self.controller.check_health()
+
     async def shutdown(self) -> None:
         await self.controller.shutdown()
         if self._owns_ray:

@@ -14,7 +14,7 @@ from typing import Any
 from distserve.config import CacheConfig, SamplingParams
 from distserve.engine.llm_engine import LLMEngine
 from distserve.engine.outputs import EngineBase, RequestOutput
-from distserve.errors import DistServeError, InvalidConfigError, QueueFullError
+from distserve.errors import DistServeError, EngineDeadError, InvalidConfigError, QueueFullError
 from distserve.serving.client import EngineClient
 from distserve.serving.local_disagg import LocalDisaggEngine
 from distserve.serving.metrics import ClientStats, InstanceStats, instance_stats
@@ -23,10 +23,6 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_QUEUED_REQUESTS = 256
 STATS_TIMEOUT_S = 30.0
-
-
-class EngineDeadError(RuntimeError):
-    """The engine thread crashed or was shut down; in-flight and new requests fail with this."""
 
 
 @dataclass
@@ -162,6 +158,10 @@ class ThreadedEngineClient(EngineClient):
     async def abort(self, request_id: str) -> None:
         self._commands.put(_Abort(request_id))
 
+    async def check_health(self) -> None:
+        if self._dead is not None:
+            raise EngineDeadError(f"the engine is not running: {self._dead}")
+
     async def stats(self) -> dict[str, object]:
         """Per-instance gauges and migration figures in the shape documented in ``serving.metrics``."""
         if self._dead is not None:
@@ -237,7 +237,7 @@ class ThreadedEngineClient(EngineClient):
             if not slot.engine.has_unfinished_requests():
                 continue
             batch: list[tuple[_Stream, RequestOutput | BaseException]] = []
-            for out in slot.engine.step():
+            for out in slot.engine.step_or_recover():  # a failed step is recovered from (EngineBase)
                 entry = self._streams.get(out.request_id)
                 if entry is None:
                     continue

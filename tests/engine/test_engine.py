@@ -208,5 +208,11 @@ def test_abort_frees_blocks(tiny: LoadedModel) -> None:
 def test_context_length_finishes_with_length(tiny: LoadedModel) -> None:
     engine = make_engine(tiny, scheduler_config=SchedulerConfig(max_model_len=40))
     ids = tiny.tokenizer.encode("abcdefghij" * 3)
-    out = engine.generate([ids], SamplingParams(max_tokens=100, temperature=0, ignore_eos=True))[0]
+    room = 40 - len(ids)
+    out = engine.generate([ids], SamplingParams(max_tokens=room, temperature=0, ignore_eos=True))[0]
     assert out.finish_reason == "length" and len(ids) + len(out.token_ids) == 40
+    # Asking for more than fits is refused up front, naming the field (as vLLM's server does).
+    with pytest.raises(PromptTooLongError, match="max_tokens") as info:
+        engine.generate([ids], SamplingParams(max_tokens=room + 1, temperature=0))
+    assert info.value.param == "max_tokens"
+    assert not engine.has_unfinished_requests()
