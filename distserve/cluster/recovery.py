@@ -2,10 +2,11 @@
 what an instance's restart budget is charged.
 
 A failed step (an exception, or its instance's process dying) is blamed on the requests it was
-computing: exactly its plan's requests when the step raised (``StepFailedError.seq_ids``), every
-request the instance held when its process died outright (nothing else is known then). Each
-suspect's crash count goes up and its next step runs alone (``Sequence.isolate``), so that a
-second failure is its own rather than its batch mates'. A request blamed for
+computing: exactly its plan's requests when the step raised (``StepFailedError.seq_ids``). When
+the process died outright nothing says what it computed; if it held suspects waiting for their
+step alone, the oldest of them was computing (schedulers run them first, oldest first), else
+every request it held is blamed. Each suspect's crash count goes up and its next step runs alone
+(``Sequence.isolate``), so that a second failure is its own rather than its batch mates'. A request blamed for
 ``MAX_CRASHES_PER_REQUEST`` failures is poison: it fails with a clear error instead of being
 re-run on the next replacement, and the restarts its failures caused are not charged to the
 instance's restart budget (a poison request must not use up the restarts that real faults need).
@@ -13,7 +14,7 @@ instance's restart budget (a poison request must not use up the restarts that re
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 from distserve.engine.sequence import Sequence
@@ -22,13 +23,28 @@ from distserve.errors import StepFailedError
 MAX_CRASHES_PER_REQUEST = 2
 
 
-def suspects_of(failure: BaseException | None, held: Iterable[str]) -> list[str]:
-    """The requests among ``held`` (an instance's) that ``failure`` is blamed on."""
+def suspects_of(
+    failure: BaseException | None, held: Iterable[str], isolated: Mapping[str, float] | None = None
+) -> list[str]:
+    """The requests among ``held`` (an instance's) that ``failure`` is blamed on.
+
+    ``isolated`` maps the instance's suspects that have not had their step alone yet to their
+    arrival times (``solo_order``).
+    """
     held_ids = list(held)
     if isinstance(failure, StepFailedError):
         named = set(failure.seq_ids)
         return [s for s in held_ids if s in named]
+    waiting_alone = [s for s in held_ids if isolated and s in isolated]
+    if waiting_alone:
+        assert isolated is not None
+        return [min(waiting_alone, key=lambda s: (isolated[s], s))]
     return held_ids
+
+
+def solo_order(seq: Sequence) -> tuple[float, str]:
+    """The order in which schedulers give suspects their steps alone: oldest arrival first."""
+    return (seq.arrival_time, seq.seq_id)
 
 
 def blame(suspects: Iterable[Sequence]) -> list[Sequence]:

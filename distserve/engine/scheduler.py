@@ -15,6 +15,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from operator import attrgetter
 
+from distserve.cluster.recovery import solo_order
 from distserve.config import SamplingParams, SchedulerConfig
 from distserve.engine.block_manager import BlockManager
 from distserve.engine.sequence import Sequence, SequenceStatus
@@ -296,7 +297,7 @@ class Scheduler:
 
     def _schedule_isolated(self, plan: StepPlan) -> bool:
         """Fill ``plan`` with the oldest crash suspect alone, if its blocks can be had now."""
-        seq = self.isolated[0]
+        seq = min(self.isolated, key=solo_order)  # the order crash attribution assumes
         bm = self.block_manager
         if seq.block_table:  # arrived with its KV (a decode instance's completed migration)
             copies = bm.append_slots(seq, seq.num_uncomputed_tokens)
@@ -310,7 +311,7 @@ class Scheduler:
         n = seq.num_uncomputed_tokens
         if self.config.enable_chunked_prefill:
             n = min(n, self.config.max_num_batched_tokens)
-        self.isolated.pop(0)
+        self.isolated.remove(seq)
         seq.status = SequenceStatus.RUNNING
         self._append_running(seq)
         plan.chunks = [self._chunk(seq, n)]

@@ -96,6 +96,7 @@ class _Instance:
     restarting: bool = False  # dead, and a replacement is being started
     restarts: int = 0
     charged_restarts: int = 0  # of its deaths, those counted against max_instance_restarts (poison's are not)
+    solo_pending: dict[str, float] = field(default_factory=dict)  # suspects here before their step alone -> arrival
     wake: asyncio.Event = field(default_factory=asyncio.Event)
     num_assigned: int = 0  # requests routed here and not yet finished or moved on
     recent_prefixes: OrderedDict[int, None] = field(default_factory=OrderedDict)  # block hashes, LRU
@@ -338,6 +339,8 @@ class Controller(RequestFrontend):
         inst = min(candidates, key=lambda i: (-cached_blocks(i), i.num_assigned))
         inst.remember(hashes)
         inst.num_assigned += 1
+        if seq.isolate:
+            inst.solo_pending[seq.seq_id] = seq.arrival_time
         self._owner[seq.seq_id] = inst
         self._spawn(self._call_then_kick(inst, inst.actor.add.remote(seq.detached_copy())))
 
@@ -464,6 +467,9 @@ class Controller(RequestFrontend):
             started = self._migration_started.pop(seq_id, None)
             if started is not None:
                 self.migration_durations.append(now - started)
+            seq = self._seqs.get(seq_id)
+            if seq is not None and seq.isolate:
+                inst.solo_pending[seq_id] = seq.arrival_time  # its first decode step runs alone
         for seq_id in result.failed_transfers:
             if self._owner.get(seq_id) is inst and seq_id in self._source:
                 self._on_failed_transfer(seq_id, timed_out=seq_id in result.timed_out_transfers)
@@ -474,6 +480,8 @@ class Controller(RequestFrontend):
             seq.token_ids.extend(up.new_token_ids)
             seq.logprobs.extend(up.new_logprobs)
             seq.error = up.error
+            if inst.solo_pending.pop(seq.seq_id, None) is not None and inst.phase != "prefill":
+                seq.isolate = False  # as the instance's scheduler did (clears_isolation)
             if up.new_token_ids and seq.first_token_time is None:
                 seq.first_token_time = now
                 seq.num_cached_tokens = up.num_cached_tokens
@@ -518,7 +526,8 @@ class Controller(RequestFrontend):
             try:
                 reservation = await dst.actor.reserve.remote(seq.detached_copy())
             except ray.exceptions.RayError:
-                continue  # died: its step loop handles that
+                dst.kick()  # died: its step loop finds out at its next step and handles that
+                continue
             if reservation is not None:
                 break
         else:
@@ -581,7 +590,9 @@ class Controller(RequestFrontend):
         lost = [sid for sid, owner in self._owner.items() if owner is inst]
         lost += [sid for sid, src in self._source.items() if src is inst and sid not in lost]
         failure = getattr(exc, "cause", None) or exc  # a RayTaskError carries what the step raised
-        suspects = [seq for sid in suspects_of(failure, lost) if (seq := self._seqs.get(sid)) is not None and not seq.is_finished]
+        blamed = suspects_of(failure, lost, inst.solo_pending)
+        inst.solo_pending.clear()
+        suspects = [seq for sid in blamed if (seq := self._seqs.get(sid)) is not None and not seq.is_finished]
         convicted = blame(suspects)
         for instance_id in self._crashes.record(inst.spec.instance_id, suspects, convicted, set(self._seqs)):
             refunded = next(i for i in self.instances if i.spec.instance_id == instance_id)

@@ -185,3 +185,31 @@ def test_in_flight_sequences_are_never_preempted() -> None:
     assert [c.seq_id for c in p2.chunks] == ["a"] and p2.preempted_seq_ids == ["b"]
     p3 = sched.schedule()  # a is in flight and holds blocks: b is readmitted only if blocks allow
     assert "a" not in p3.preempted_seq_ids and all(c.seq_id != "a" for c in p3.chunks)
+
+
+def test_a_crash_suspect_runs_a_step_alone_then_joins_the_batch() -> None:
+    sched, seqs = make()
+    add(sched, seqs, "a", 4)
+    add(sched, seqs, "suspect", 4, isolate=True)
+    add(sched, seqs, "b", 4)
+    assert sched.num_waiting == 3 and sched.has_work()
+    solo = sched.schedule()
+    assert [c.seq_id for c in solo.chunks] == ["suspect"]
+    sched.update_from_output(solo, fake_run(solo), seqs, 1.0)
+    assert not seqs["suspect"].isolate  # cleared by its step alone
+    both = sched.schedule()
+    assert {c.seq_id for c in both.chunks} == {"a", "b", "suspect"}
+    run_to_completion(sched, seqs)
+
+
+def test_a_sampling_error_finishes_only_that_sequence() -> None:
+    sched, seqs = make()
+    add(sched, seqs, "a", 4)
+    add(sched, seqs, "bad", 4)
+    plan = sched.schedule()
+    sampled = [SampledToken("a", 7), SampledToken("bad", -1, error="sampling failed: boom")]
+    updated = sched.update_from_output(plan, sampled, seqs, 1.0)
+    assert {s.seq_id for s in updated} == {"a", "bad"}
+    assert seqs["bad"].finish_reason == "error" and seqs["bad"].error == "sampling failed: boom"
+    assert seqs["bad"].token_ids == seqs["bad"].prompt_token_ids  # the failed token is not appended
+    assert seqs["a"].status is SequenceStatus.RUNNING and seqs["a"].num_output_tokens == 1

@@ -4,13 +4,17 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from distserve.config import CacheConfig, SamplingParams
+from distserve.engine.outputs import RequestOutput
 from distserve.placement.placement import Placement
+from distserve.serving.api import build_fastapi_app
+from distserve.serving.client import EngineClient
 from distserve.serving.controller import Controller
 
 
@@ -48,11 +52,16 @@ class ControllerRuntime:
         request_id = f"rt-{next(self.ids)}"
         if pin is not None:
             self.controller.pin(request_id, *pin)
+        last = await self.final_output(prompt, request_id)
+        assert last.error is None, last.error
+        return list(last.token_ids)
+
+    async def final_output(self, prompt: str, request_id: str) -> RequestOutput:
         last = None
         async for out in self.controller.generate(prompt, self.sampling, request_id):
             last = out
         assert last is not None and last.finished
-        return list(last.token_ids)
+        return last
 
     def generate(self, prompt: str, pin: tuple[str | None, str | None] | None = None, timeout_s: float = 60.0) -> list[int]:
         return self.run(self._one(prompt, pin), timeout_s)  # type: ignore[no-any-return]
@@ -89,3 +98,53 @@ class ControllerRuntime:
         finally:
             self.loop.call_soon_threadsafe(self.loop.stop)
             self.thread.join(10)
+
+
+class HttpServer:
+    """The HTTP app over the client ``make_client`` builds, on uvicorn on a free loopback port, in a
+    thread with its own event loop (where the client lives, as in ``distserve serve``)."""
+
+    def __init__(self, make_client: Callable[[], Awaitable[EngineClient]], start_timeout_s: float = 180.0) -> None:
+        import uvicorn
+
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        self.client: EngineClient | None = None
+        self.server: uvicorn.Server | None = None
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.failure: BaseException | None = None
+
+        async def main() -> None:
+            self.loop = asyncio.get_running_loop()
+            try:
+                self.client = await make_client()
+            except BaseException as exc:  # noqa: BLE001 - reported by the constructor
+                self.failure = exc
+                return
+            app = build_fastapi_app(self.client, "tiny")
+            self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=1))
+            try:
+                await self.server.serve(sockets=[self.sock])
+            finally:
+                await self.client.shutdown()
+
+        self.thread = threading.Thread(target=lambda: asyncio.run(main()), daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + start_timeout_s
+        while self.server is None or not self.server.started:
+            if self.failure is not None:
+                raise self.failure
+            assert time.monotonic() < deadline and self.thread.is_alive(), "server did not start"
+            time.sleep(0.05)
+
+    def call(self, coro: Awaitable[Any], timeout_s: float = 30.0) -> Any:
+        """Run ``coro`` (e.g. a client method) on the server's event loop."""
+        assert self.loop is not None
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout_s)  # type: ignore[arg-type]
+
+    def stop(self) -> None:
+        if self.server is not None:
+            self.server.should_exit = True
+        self.thread.join(60)
+        self.sock.close()

@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
-import socket
-import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -12,71 +9,45 @@ from typing import Any
 import httpx
 import openai
 import pytest
-import uvicorn
 
 from distserve.config import CacheConfig, SamplingParams
 from distserve.engine.llm_engine import LLMEngine
 from distserve.engine.weights import load_model
 from distserve.placement.placement import Placement
-from distserve.serving.api import build_fastapi_app
 from distserve.serving.ray_client import ControllerClient
+from serving_util import HttpServer
 
 pytestmark = pytest.mark.timeout(300)
 CACHE = CacheConfig(num_blocks=1024, block_size=16)
 PROMPT = "Hello, my name is"
 
 
-class RayServer:
-    """``ControllerClient`` + the app on uvicorn, in a thread with its own event loop."""
-
-    def __init__(self) -> None:
-        self.sock = socket.socket()
-        self.sock.bind(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
-        self.client: ControllerClient | None = None
-        self.server: uvicorn.Server | None = None
-        self.loop: asyncio.AbstractEventLoop | None = None
-        self.thread = threading.Thread(target=lambda: asyncio.run(self._main()), daemon=True)
-        self.thread.start()
-        deadline = time.monotonic() + 120
-        while self.server is None or not self.server.started:
-            assert time.monotonic() < deadline and self.thread.is_alive(), "server did not start"
-            time.sleep(0.05)
-
-    async def _main(self) -> None:
-        self.loop = asyncio.get_running_loop()
-        self.client = await ControllerClient.create(
+def start_server() -> HttpServer:
+    async def make_client() -> ControllerClient:
+        client = await ControllerClient.create(
             "tiny", Placement.disaggregated(), dtype="float32", cache_config=CACHE, kv_transfer_timeout_s=20.0
         )
-        assert self.client.controller.kv_transfer_timeout_s == 20.0
-        app = build_fastapi_app(self.client, "tiny")
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=1))
-        try:
-            await self.server.serve(sockets=[self.sock])
-        finally:
-            await self.client.shutdown()
+        assert client.controller.kv_transfer_timeout_s == 20.0
+        return client
 
-    def stats(self) -> dict[str, Any]:
-        assert self.client is not None and self.loop is not None
-        return asyncio.run_coroutine_threadsafe(self.client.stats(), self.loop).result(30)  # type: ignore[return-value]
+    return HttpServer(make_client)
 
-    def stop(self) -> None:
-        assert self.server is not None
-        self.server.should_exit = True
-        self.thread.join(60)
-        self.sock.close()
+
+def stats(server: HttpServer) -> dict[str, Any]:
+    assert server.client is not None
+    return server.call(server.client.stats())  # type: ignore[no-any-return]
 
 
 @pytest.fixture(scope="module")
-def server(ray_cluster: Any) -> Iterator[RayServer]:
-    srv = RayServer()
+def server(ray_cluster: Any) -> Iterator[HttpServer]:
+    srv = start_server()
     try:
         yield srv
     finally:
         srv.stop()
 
 
-def test_openai_client_greedy_matches_engine(server: RayServer) -> None:
+def test_openai_client_greedy_matches_engine(server: HttpServer) -> None:
     expected = LLMEngine(load_model("tiny"), cache_config=CACHE).generate(
         [PROMPT], SamplingParams(max_tokens=12, temperature=0.0)
     )[0].text
@@ -91,7 +62,7 @@ def test_openai_client_greedy_matches_engine(server: RayServer) -> None:
     assert 'distserve:kv_migration_bytes_total{instance="all",phase="decode"}' in metrics
 
 
-def test_disconnect_frees_kv_on_both_instances(server: RayServer) -> None:
+def test_disconnect_frees_kv_on_both_instances(server: HttpServer) -> None:
     body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 900, "ignore_eos": True, "temperature": 0, "stream": True}
     with httpx.Client(timeout=30) as http:
         with http.stream("POST", f"{server.url}/v1/completions", json=body) as resp:
@@ -100,8 +71,8 @@ def test_disconnect_frees_kv_on_both_instances(server: RayServer) -> None:
                     break  # leave mid-stream
     deadline = time.monotonic() + 20
     while time.monotonic() < deadline:
-        instances = server.stats()["instances"]
+        instances = stats(server)["instances"]
         if all(i["kv_cache_usage_perc"] == 0.0 and i["num_requests_running"] == 0 for i in instances):
             break
         time.sleep(0.1)
-    assert all(i["kv_cache_usage_perc"] == 0.0 for i in server.stats()["instances"])
+    assert all(i["kv_cache_usage_perc"] == 0.0 for i in stats(server)["instances"])
