@@ -330,6 +330,10 @@ class RequestFrontend(ABC):
         return self.outputs.failed(seq, now)
 
 
+def _already_finished(seq: Sequence, reason: str) -> None:
+    """The ``finish`` callback for a sequence that no scheduler holds any more."""
+
+
 class EngineBase(RequestFrontend):
     """A synchronous engine: ``step`` runs one batch. ``generate`` and ``stream`` come for free.
 
@@ -339,6 +343,7 @@ class EngineBase(RequestFrontend):
 
     num_failed_steps = 0
     num_consecutive_failed_steps = 0
+    num_poison_requests = 0  # failed by ``recover`` for a second failed step
 
     @abstractmethod
     def step(self) -> list[RequestOutput]: ...
@@ -380,8 +385,11 @@ class EngineBase(RequestFrontend):
         convicted = {seq.seq_id for seq in blame(self._seqs[s] for s in suspects if s in self._seqs)}
         now = time.monotonic()
         outputs: list[RequestOutput] = []
+        for seq in [s for s in self._seqs.values() if s.is_finished]:
+            outputs.append(self._output(seq, now, _already_finished))  # finished before the failure: report it
         for seq in live:
             if seq.seq_id in convicted:
+                self.num_poison_requests += 1
                 outputs.append(self._fail(seq, poison_message(seq), now))
                 continue
             seq.status = SequenceStatus.WAITING

@@ -138,6 +138,7 @@ class Scheduler:
         self.isolated: list[Sequence] = []  # crash suspects, each waiting for a step of its own
         self._running_sorted = True  # False once an append broke the order; schedule() re-sorts then
         self._finished_since_plan: list[str] = []
+        self._scheduling: Sequence | None = None  # the sequence being decided on (crash attribution)
         self._order = 0
         self.num_preemptions = 0
 
@@ -209,6 +210,19 @@ class Scheduler:
 
     # ---- the step ------------------------------------------------------------------------------
     def schedule(self) -> StepPlan:
+        """The next step's plan. A failure while deciding one sequence's share is blamed on that
+        sequence (``StepFailedError``): a request that breaks scheduling fails alone, as one that
+        breaks the model does."""
+        self._scheduling = None
+        try:
+            return self._schedule()
+        except Exception as exc:
+            seq = self._scheduling
+            if seq is None:
+                raise
+            raise StepFailedError(f"scheduling {seq.seq_id} failed: {type(exc).__name__}: {exc}", [seq.seq_id]) from exc
+
+    def _schedule(self) -> StepPlan:
         plan = StepPlan([], [], [], self._finished_since_plan)
         self._finished_since_plan = []
         if self.isolated and not self.in_flight and self._schedule_isolated(plan):
@@ -230,7 +244,7 @@ class Scheduler:
         in_flight = self.in_flight
         max_seqs = self.config.max_num_seqs  # per plan: with pp > 1, each micro-batch gets its share
         while i < len(running) and budget > 0 and len(decodes) + len(prefills) < max_seqs:
-            seq = running[i]
+            seq = self._scheduling = running[i]
             token_ids = seq.token_ids
             start = seq.num_computed_tokens
             n = len(token_ids) - start
@@ -270,7 +284,7 @@ class Scheduler:
             self.waiting and not preempted and budget > 0
             and len(running) < self.max_running and len(decodes) + len(prefills) < max_seqs
         ):
-            seq = self.waiting[0]
+            seq = self._scheduling = self.waiting[0]
             if not block_manager.can_allocate(seq):
                 break
             n = seq.num_tokens - block_manager.num_cached_prefix_tokens(seq)
@@ -288,6 +302,7 @@ class Scheduler:
             chunk = self._chunk(seq, n)
             (decodes if chunk.is_decode else prefills).append(chunk)
             budget -= n
+        self._scheduling = None
         if prefills:
             decodes.extend(prefills)
         plan.chunks = decodes
@@ -297,7 +312,7 @@ class Scheduler:
 
     def _schedule_isolated(self, plan: StepPlan) -> bool:
         """Fill ``plan`` with the oldest crash suspect alone, if its blocks can be had now."""
-        seq = min(self.isolated, key=solo_order)  # the order crash attribution assumes
+        seq = self._scheduling = min(self.isolated, key=solo_order)  # the order crash attribution assumes
         bm = self.block_manager
         if seq.block_table:  # arrived with its KV (a decode instance's completed migration)
             copies = bm.append_slots(seq, seq.num_uncomputed_tokens)

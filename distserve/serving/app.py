@@ -86,6 +86,11 @@ class DistServeIngress:
 
         return build_fastapi_app(self.client, self.options.served_model_name or self.options.model)
 
+    def check_health(self) -> None:
+        """Serve's replica health check: a dead engine makes Serve replace this replica."""
+        if self.client.is_dead:
+            raise RuntimeError("the engine of this replica is dead")
+
     def __del__(self) -> None:
         client = getattr(self, "client", None)
         if client is not None:

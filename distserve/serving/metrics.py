@@ -18,6 +18,8 @@ Names follow vLLM's with the prefix ``distserve:``. Each ``ServingMetrics`` owns
         "kv_migration_seconds": [0.0012, 0.0009],              # durations of migrations since the previous call
         "instance_restarts_total": 0,                          # cumulative: instances replaced after a death (optional)
         "requests_rerun_total": 0,                             # cumulative: requests re-run after their instance died (optional)
+        "requests_failed_poison_total": 0,                     # cumulative: requests failed after a second crash (optional)
+        "failed_steps_total": 0,                               # cumulative: engine steps that failed and were recovered from (optional)
     }
 
 ``kv_cache_usage_perc`` is a fraction in [0, 1] (1 = full), as in vLLM. The top-level migration
@@ -71,6 +73,8 @@ class ClientStats(TypedDict):
     kv_migration_seconds: list[float]
     instance_restarts_total: NotRequired[float]
     requests_rerun_total: NotRequired[float]
+    requests_failed_poison_total: NotRequired[float]
+    failed_steps_total: NotRequired[float]
 
 
 _GAUGES = (
@@ -87,6 +91,8 @@ _MIGRATION_COUNTERS = (
 _RUNTIME_COUNTERS = (
     ("instance_restarts", "Instances the controller restarted after their actor or a worker died."),
     ("requests_rerun", "Requests re-run from prompt + tokens so far because their instance died."),
+    ("requests_failed_poison", "Requests failed because the engine failed a second time while computing them."),
+    ("failed_steps", "Engine steps that failed and were recovered from (in-process engines)."),
 )
 
 
@@ -125,6 +131,8 @@ def normalize_stats(raw: Mapping[str, Any]) -> ClientStats:
         "kv_migration_seconds": [float(s) for s in seconds] if isinstance(seconds, list) else [],
         "instance_restarts_total": float(raw.get("instance_restarts_total", 0)),
         "requests_rerun_total": float(raw.get("requests_rerun_total", 0)),
+        "requests_failed_poison_total": float(raw.get("requests_failed_poison_total", 0)),
+        "failed_steps_total": float(raw.get("failed_steps_total", 0)),
     }
 
 

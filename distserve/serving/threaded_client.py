@@ -305,6 +305,8 @@ class ThreadedEngineClient(EngineClient):
             "kv_migration_bytes_total": total_bytes,
             "kv_migration_blocks_skipped_total": total_skipped,
             "kv_migration_seconds": durations,
+            "requests_failed_poison_total": sum(slot.engine.num_poison_requests for slot in self._slots),
+            "failed_steps_total": sum(slot.engine.num_failed_steps for slot in self._slots),
         }
 
 

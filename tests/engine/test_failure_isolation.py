@@ -5,6 +5,7 @@ while the requests it shared steps with finish with exactly the tokens they woul
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 
@@ -119,3 +120,23 @@ def test_an_engine_whose_every_step_fails_is_declared_dead(tiny: LoadedModel) ->
         assert engine.step_or_recover() == []  # recovered: nobody blamed, the request re-runs
     with pytest.raises(EngineDeadError, match="the model is broken"):
         engine.step_or_recover()
+
+
+def test_a_request_that_breaks_scheduling_fails_alone(
+    tiny: LoadedModel, reference: dict[str, list[int]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from distserve.engine.block_manager import BlockManager
+
+    can_allocate = BlockManager.can_allocate
+
+    def broken_for_poison(self: BlockManager, seq: Any) -> bool:
+        if seq.seq_id == "poison":
+            raise IndexError("injected block-table bug")
+        return can_allocate(self, seq)
+
+    monkeypatch.setattr(BlockManager, "can_allocate", broken_for_poison)  # survives the engine's reset
+    engine = LLMEngine(tiny, cache_config=CACHE)
+    final = run(engine)
+    assert final["poison"].finish_reason == "error"
+    assert final["a"].token_ids == reference["a"] and final["b"].token_ids == reference["b"]
+    assert engine.num_failed_steps == MAX_CRASHES_PER_REQUEST and kv_freed(engine)
