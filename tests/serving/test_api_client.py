@@ -143,6 +143,41 @@ def test_engine_crash_over_http(tiny: LoadedModel) -> None:
         client.close()
 
 
+def test_server_exits_1_when_the_engine_dies(tiny: LoadedModel) -> None:
+    """A dead engine stops ``run_server`` with status 1 (so a supervisor restarts the process),
+    instead of a server that answers 503 forever; a poison request alone does not kill it."""
+    from distserve.serving.api import open_listen_socket, run_server
+
+    engine = LLMEngine(tiny, cache_config=CACHE)
+    engine.runner.inject_step_fault("poison")
+    client = ThreadedEngineClient(engine)
+    sock = open_listen_socket("127.0.0.1", 0)
+    url = "http://127.0.0.1:%d" % sock.getsockname()[1]
+    status: list[int] = []
+    ready = threading.Event()
+    server = threading.Thread(target=lambda: status.append(run_server(client, "tiny", sock, on_ready=lambda _: ready.set(), log_level="warning")))
+    server.start()
+    try:
+        assert ready.wait(30)
+        body = {"prompt": "x", "max_tokens": 4}
+
+        async def poison() -> RequestOutput:
+            return await drain(client.generate("x", SHORT, "poison"))
+
+        out = asyncio.run(poison())
+        assert out.finish_reason == "error" and out.error  # failed alone: the engine serves on
+        assert httpx.post(f"{url}/v1/completions", json=body, timeout=30).status_code == 200
+        assert status == [] and server.is_alive()
+        crash_after(engine, 0)  # now every step fails: the engine is broken, not a request
+        resp = httpx.post(f"{url}/v1/completions", json=body, timeout=30)
+        assert resp.status_code == 503 and resp.headers["retry-after"]
+        server.join(30)
+        assert status == [1]
+    finally:
+        client.close()
+        server.join(30)
+
+
 def test_shutdown_fails_in_flight_and_stops_thread(tiny: LoadedModel) -> None:
     client = ThreadedEngineClient(LLMEngine(tiny, cache_config=CACHE))
 
