@@ -13,6 +13,7 @@ from distserve.errors import DistServeError
 if TYPE_CHECKING:
     from collections.abc import Awaitable
 
+    from distserve.config import SLO
     from distserve.placement.placement import Placement
     from distserve.serving.client import EngineClient
 
@@ -149,6 +150,11 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--kv-transfer-timeout", type=_positive_float, default=None, metavar="S",
                    help="seconds before a KV migration is failed and the request re-prefilled (Ray runtime; default 30)")
+    p.add_argument("--ttft-slo", type=_positive_float, default=None, metavar="S",
+                   help="TTFT SLO in seconds: /metrics counts requests meeting the SLO (default: the placement's)")
+    p.add_argument("--tpot-slo", type=_positive_float, default=None, metavar="S",
+                   help="TPOT SLO in seconds: colocated and decode steps chunk prompts to stay within it "
+                   "(the 'slo' step budget; default: the placement's, else whole prompts per step)")
     p.add_argument("--ray-serve", action="store_true", help="run as a Ray Serve application (default: plain uvicorn)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
 
@@ -294,6 +300,18 @@ def _placement_from_args(args: argparse.Namespace) -> "Placement":
     )
 
 
+def _serve_slo(args: argparse.Namespace, placement: "Placement | None") -> "SLO | None":
+    """The deployment's SLO: --ttft-slo/--tpot-slo over the placement's ``slo``; None if neither says."""
+    from distserve.config import SLO
+
+    base = placement.slo if placement is not None else None
+    ttft = args.ttft_slo if args.ttft_slo is not None else (base.ttft_s if base else None)
+    tpot = args.tpot_slo if args.tpot_slo is not None else (base.tpot_s if base else None)
+    if ttft is None and tpot is None:
+        return None
+    return SLO(ttft if ttft is not None else float("inf"), tpot if tpot is not None else float("inf"))
+
+
 def _print_ready(url: str, model: str, layout: str) -> None:
     body = json.dumps({"model": model, "messages": [{"role": "user", "content": "What is the capital of France?"}], "max_tokens": 32})
     print(f"distserve: serving {model!r} ({layout}) at {url}/v1  (metrics: {url}/metrics)")
@@ -320,10 +338,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
             kv_cache_gb=args.kv_cache_gb,
             block_size=args.block_size,
             max_queued_requests=args.max_queued_requests,
+            tpot_slo=args.tpot_slo,
         )
         run_ray_serve(options, args.host, args.port, on_ready=lambda url: _print_ready(url, served, f"{layout}, Ray Serve"))
         return 0
-    from distserve.config import CacheConfig
+    from distserve.config import CacheConfig, SchedulerConfig, slo_scheduler_config
     from distserve.serving.api import open_listen_socket, run_server
     from distserve.serving.threaded_client import build_local_engine_client
 
@@ -332,6 +351,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         from distserve.serving.ray_client import ControllerClient
 
         placement = _placement_from_args(args)
+        slo = _serve_slo(args, placement)
         sock = open_listen_socket(args.host, args.port)
         cache = CacheConfig(block_size=args.block_size, kv_cache_memory_gb=args.kv_cache_gb)
 
@@ -339,6 +359,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
             return ControllerClient.create(
                 args.model, placement, dtype=args.dtype, cache_config=cache,
                 max_queued_requests=args.max_queued_requests, kv_transfer_timeout_s=args.kv_transfer_timeout,
+                scheduler_config=slo_scheduler_config(slo.tpot_s if slo else None),
+                prefill_scheduler_config=SchedulerConfig(),
             )
 
         ray_layout = " + ".join(
@@ -346,8 +368,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
             for kind, specs in (("prefill", placement.prefill), ("decode", placement.decode), ("colocated", placement.colocated))
             if specs
         )
-        return run_server(factory, served, sock, on_ready=lambda url: _print_ready(url, served, f"{ray_layout}, Ray runtime"), log_level=args.log_level)
+        return run_server(
+            factory, served, sock, on_ready=lambda url: _print_ready(url, served, f"{ray_layout}, Ray runtime"),
+            log_level=args.log_level, slo=slo,
+        )
 
+    slo = _serve_slo(args, None)
     sock = open_listen_socket(args.host, args.port)
     client = build_local_engine_client(
         args.model,
@@ -357,8 +383,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         dtype=args.dtype,
         cache_config=CacheConfig(block_size=args.block_size, kv_cache_memory_gb=args.kv_cache_gb),
         max_queued_requests=args.max_queued_requests,
+        scheduler_config=slo_scheduler_config(slo.tpot_s if slo else None),
     )
-    return run_server(client, served, sock, on_ready=lambda url: _print_ready(url, served, layout), log_level=args.log_level)
+    return run_server(client, served, sock, on_ready=lambda url: _print_ready(url, served, layout), log_level=args.log_level, slo=slo)
 
 
 def _check_placement_args(args: argparse.Namespace) -> None:

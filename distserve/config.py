@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from distserve.errors import InvalidConfigError, InvalidSamplingParamsError
@@ -133,12 +133,32 @@ class SchedulerConfig:
     policy: str = "fcfs"
     enable_chunked_prefill: bool = False
     max_model_len: int | None = None  # defaults to the model's max_position_embeddings
+    # Step budget policy (``distserve.engine.step_budget``): "static" (max_num_batched_tokens), or
+    # "slo": chunk prompts so each step stays within tpot_slo_s next to its decodes.
+    step_budget: str = "static"
+    tpot_slo_s: float | None = None
+    min_prefill_chunk: int = 32  # "slo": prefill tokens a step may always take, so prompts advance
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
             raise InvalidConfigError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:
             raise InvalidConfigError("max_num_batched_tokens must be >= 1")
+        if self.tpot_slo_s is not None and not (self.tpot_slo_s > 0 and math.isfinite(self.tpot_slo_s)):
+            raise InvalidConfigError(f"tpot_slo_s must be a positive number of seconds, got {self.tpot_slo_s}")
+        if self.step_budget == "slo" and self.tpot_slo_s is None:
+            raise InvalidConfigError("step_budget 'slo' needs tpot_slo_s (the TPOT SLO the steps must keep)")
+        if self.min_prefill_chunk < 1:
+            raise InvalidConfigError(f"min_prefill_chunk must be >= 1, got {self.min_prefill_chunk}")
+
+
+def slo_scheduler_config(tpot_slo_s: float | None, base: SchedulerConfig | None = None) -> SchedulerConfig:
+    """``base`` (default: the defaults) with the "slo" step budget for ``tpot_slo_s``, or as is if
+    there is no (finite) TPOT SLO."""
+    base = base or SchedulerConfig()
+    if tpot_slo_s is None or not math.isfinite(tpot_slo_s):
+        return base
+    return replace(base, step_budget="slo", tpot_slo_s=tpot_slo_s)
 
 
 @dataclass(frozen=True)

@@ -343,6 +343,7 @@ class Simulation:
         if not plan.chunks:
             return
         t = inst.step_time(_shape(plan))
+        inst.scheduler.observe_step(plan, t)  # what the runtime measures: the SLO budget learns from it
         inst.busy_s += t
         inst.num_steps += 1
         inst.num_in_flight += 1

@@ -55,6 +55,7 @@ class Instance:
             sampled = self.runner.execute(plan)
             now = time.monotonic()
             self.last_step_s = time.perf_counter() - t0
+            self.scheduler.observe_step(plan, self.last_step_s)
             self.num_steps += 1
             updated = self.scheduler.update_from_output(plan, sampled, self.seqs, now)
         for seq in updated:

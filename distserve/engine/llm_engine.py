@@ -66,7 +66,9 @@ class LLMEngine(EngineBase):
         """Run one batch; return an output for every request that got a token (or finished)."""
         plan = self.scheduler.schedule()
         with attributed_to(plan):
+            start = time.perf_counter()
             sampled = self.runner.execute(plan)
+            self.scheduler.observe_step(plan, time.perf_counter() - start)
             now = time.monotonic()
             self.num_steps += 1
             updated = self.scheduler.update_from_output(plan, sampled, self._seqs, now)

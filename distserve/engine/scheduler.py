@@ -19,6 +19,7 @@ from distserve.cluster.recovery import solo_order
 from distserve.config import SamplingParams, SchedulerConfig
 from distserve.engine.block_manager import BlockManager
 from distserve.engine.sequence import Sequence, SequenceStatus
+from distserve.engine.step_budget import StaticBudget, make_step_budget
 from distserve.errors import StepFailedError
 
 
@@ -132,6 +133,9 @@ class Scheduler:
         self.block_manager = block_manager
         self.max_model_len = max_model_len
         self.policy = get_policy(config.policy)
+        self.step_budget = make_step_budget(config)
+        self._static_budget = isinstance(self.step_budget, StaticBudget)
+        self._chunk_prefills = config.enable_chunked_prefill or self.step_budget.chunks_prefills
         self.waiting: list[Sequence] = []  # sorted by policy key
         self._waiting_keys: list[tuple] = []
         self.running: list[Sequence] = []  # in policy order at each step; add with _append_running
@@ -227,7 +231,10 @@ class Scheduler:
         self._finished_since_plan = []
         if self.isolated and not self.in_flight and self._schedule_isolated(plan):
             return plan
-        budget = self.config.max_num_batched_tokens
+        if self._static_budget:
+            budget = self.config.max_num_batched_tokens
+        else:
+            budget = self.step_budget.tokens(len(self.running), sum(len(s.token_ids) for s in self.running))
         decodes: list[ScheduledChunk] = []
         prefills: list[ScheduledChunk] = []
         preempted = False
@@ -289,7 +296,7 @@ class Scheduler:
                 break
             n = seq.num_tokens - block_manager.num_cached_prefix_tokens(seq)
             if n > budget:
-                if self.config.enable_chunked_prefill:
+                if self._chunk_prefills:
                     n = budget
                 elif decodes or prefills:
                     break
@@ -324,7 +331,7 @@ class Scheduler:
                 return False
             bm.allocate(seq)
         n = seq.num_uncomputed_tokens
-        if self.config.enable_chunked_prefill:
+        if self._chunk_prefills:
             n = min(n, self.config.max_num_batched_tokens)
         self.isolated.remove(seq)
         seq.status = SequenceStatus.RUNNING
@@ -333,6 +340,20 @@ class Scheduler:
         if self.pipeline_depth > 1:
             self.in_flight.add(seq.seq_id)
         return True
+
+    def observe_step(self, plan: StepPlan, seconds: float) -> None:
+        """The executor's report of how long ``plan`` took (measured, or modelled in the simulator)."""
+        if self._static_budget or not plan.chunks:
+            return
+        num_decodes = decode_ctx = prefill_tokens = 0
+        for chunk in plan.chunks:
+            n = len(chunk.token_ids)
+            if n == 1:
+                num_decodes += 1
+                decode_ctx += chunk.start_pos + 1
+            else:
+                prefill_tokens += n
+        self.step_budget.observe(num_decodes, decode_ctx, prefill_tokens, seconds)
 
     def _preemption_victim(self) -> Sequence | None:
         """The lowest-ranked running sequence that no in-flight plan is computing."""

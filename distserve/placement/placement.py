@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from distserve.config import ParallelConfig
+from distserve.config import SLO, ParallelConfig
 from distserve.errors import InvalidConfigError
 
 
@@ -51,6 +51,9 @@ class Placement:
     decode: tuple[InstanceSpec, ...] = ()
     colocated: tuple[InstanceSpec, ...] = ()
     predicted: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
+    # The SLO the deployment is planned for: ``serve`` keeps colocated steps within its TPOT (the
+    # "slo" step budget) unless --tpot-slo says otherwise.
+    slo: SLO | None = field(default=None, compare=False, hash=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "prefill", tuple(self.prefill))
@@ -99,13 +102,15 @@ class Placement:
         }
         if self.predicted:
             out["predicted"] = self.predicted
+        if self.slo is not None:
+            out["slo"] = asdict(self.slo)
         return out
 
     @classmethod
     def from_dict(cls, data: Any) -> "Placement":
         if not isinstance(data, dict):
             raise InvalidConfigError("placement JSON must be an object with 'prefill'/'decode' or 'colocated' lists")
-        unknown = set(data) - {"prefill", "decode", "colocated", "predicted"}
+        unknown = set(data) - {"prefill", "decode", "colocated", "predicted", "slo"}
         if unknown:
             raise InvalidConfigError(f"unknown placement keys: {sorted(unknown)}")
 
@@ -120,7 +125,13 @@ class Placement:
                 out.append(InstanceSpec(**item))
             return tuple(out)
 
-        return cls(specs("prefill"), specs("decode"), specs("colocated"), dict(data.get("predicted") or {}))
+        slo = data.get("slo")
+        if slo is not None and (not isinstance(slo, dict) or not {"ttft_s", "tpot_s"} <= set(slo) <= {"ttft_s", "tpot_s", "attainment"}):
+            raise InvalidConfigError("placement 'slo' must be an object with ttft_s, tpot_s and optional attainment")
+        return cls(
+            specs("prefill"), specs("decode"), specs("colocated"), dict(data.get("predicted") or {}),
+            SLO(**slo) if slo is not None else None,
+        )
 
     def to_json(self, path: str | Path | None = None) -> str:
         text = json.dumps(self.to_dict(), indent=2)

@@ -123,6 +123,7 @@ class Candidate:
     # at the best goodput per GPU): the goodput is below this, and ``goodput`` stays 0.
     goodput_below: float | None = None
     num_probes_stopped: int = 0  # probes ended as soon as they could no longer pass
+    step_budget: str = "static"  # colocated: the scheduler's step budget policy it was simulated with
 
     @property
     def per_gpu(self) -> float:
@@ -134,7 +135,7 @@ class Candidate:
         for name, specs in (("P", p.prefill), ("D", p.decode), ("C", p.colocated)):
             if specs:
                 parts.append(f"{len(specs)}{name} tp{specs[0].tp}pp{specs[0].pp}")
-        return " + ".join(parts)
+        return " + ".join(parts) + (" (slo budget)" if self.step_budget == "slo" else "")
 
 
 @dataclass
@@ -381,22 +382,34 @@ class Planner:
         self._run(dec, "decode configs")
         return out_p, out_d
 
+    def colocated_configs(self) -> dict[str, SimConfig]:
+        """The colocated scheduler policies to compare, by step budget: the configured one and, for a
+        finite TPOT SLO, the "slo" budget (chunked prefill that keeps steps within the TPOT SLO, as
+        a modern aggregated server runs) — the planner weighs disaggregation against the best one."""
+        cfg = self.req.sim_config
+        out = {cfg.scheduler.step_budget: cfg}
+        tpot = self.req.slo.default.tpot_s
+        if "slo" not in out and math.isfinite(tpot):
+            out["slo"] = replace(cfg, scheduler=replace(cfg.scheduler, step_budget="slo", tpot_slo_s=tpot))
+        return out
+
     def search_colocated(self) -> list[Candidate]:
-        lat, cfg = self.req.latency, self.req.sim_config
+        lat = self.req.latency
         jobs, out = [], []
-        for tp, pp in self.configs:
-            spec = InstanceSpec(tp, pp)
-            kv = lat.max_kv_tokens(tp, pp, cfg.mem_utilization)
-            # One instance does both phases: per request it spends a prefill share and a decode share.
-            bound = 1.0 / (
-                cfg.prefill_scale / prefill_bound(lat, tp, pp, self.prompt_mean, cfg.scheduler.max_num_batched_tokens)
-                + cfg.step_time_scale / decode_bound(lat, tp, pp, self.prompt_mean, self.output_mean, cfg.scheduler.max_num_seqs, kv)
-            )
-            c = Candidate("colocated", Placement(colocated=(spec,)), tp * pp, bound)
-            c.skipped = self._floor_misses("colocated", tp, pp)
-            out.append(c)
-            if c.skipped is None:
-                jobs.append((c, self._job(c, self.req.unit_requests, self.req.slo, cfg)))
+        for budget, cfg in self.colocated_configs().items():
+            for tp, pp in self.configs:
+                spec = InstanceSpec(tp, pp)
+                kv = lat.max_kv_tokens(tp, pp, cfg.mem_utilization)
+                # One instance does both phases: per request it spends a prefill share and a decode share.
+                bound = 1.0 / (
+                    cfg.prefill_scale / prefill_bound(lat, tp, pp, self.prompt_mean, cfg.scheduler.max_num_batched_tokens)
+                    + cfg.step_time_scale / decode_bound(lat, tp, pp, self.prompt_mean, self.output_mean, cfg.scheduler.max_num_seqs, kv)
+                )
+                c = Candidate("colocated", Placement(colocated=(spec,)), tp * pp, bound, step_budget=budget)
+                c.skipped = self._floor_misses("colocated", tp, pp)
+                out.append(c)
+                if c.skipped is None:
+                    jobs.append((c, self._job(c, self.req.unit_requests, self.req.slo, cfg)))
         self._run(jobs, "colocated configs")
         return out
 
@@ -462,9 +475,9 @@ class Planner:
                 best = ([n_used, m_used], rate)
         return best
 
-    def _verify(self, placement: Placement, rate: float) -> dict[str, Any]:
+    def _verify(self, placement: Placement, rate: float, config: SimConfig | None = None) -> dict[str, Any]:
         """Simulate the whole plan at its rate: the predicted figures written into the Placement."""
-        res = simulate(placement, self.req.latency, with_rate(self.req.unit_requests, rate), self.req.sim_config)
+        res = simulate(placement, self.req.latency, with_rate(self.req.unit_requests, rate), config or self.req.sim_config)
         self.num_simulated += 1
         s = res.summary(self.req.slo)
         return {k: s[k] for k in ("attainment", "meets_slo", "ttft_p50_s", "ttft_p90_s", "tpot_p50_s", "tpot_p90_s")}
@@ -481,7 +494,8 @@ class Planner:
             rep = self._replicate("colocated", [(spec, best_colo.goodput, "colocated")])
             if rep is not None:
                 (n,), rate = rep
-                options.append(self._option("colocated", Placement(colocated=tuple(spec for _ in range(n))), rate))
+                placement = Placement(colocated=tuple(spec for _ in range(n)))
+                options.append(self._option("colocated", placement, rate, best_colo.step_budget))
         if affinity in ("high", "auto"):
             pre, dec = self.search_phases()
             candidates += pre + dec
@@ -514,12 +528,15 @@ class Planner:
         closest = None if feasible else self._closest(candidates)
         return PlanResult(options[0] if options else None, options, candidates, self.num_simulated, feasible, closest, self.notes)
 
-    def _option(self, name: str, placement: Placement, rate: float) -> PlanOption:
+    def _option(self, name: str, placement: Placement, rate: float, step_budget: str | None = None) -> PlanOption:
         placement = assign_nodes(placement, self.req.cluster) if "low" not in name else placement
-        predicted = self._verify(placement, rate)
+        config = self.colocated_configs()[step_budget] if step_budget is not None else None
+        predicted = self._verify(placement, rate, config)
         option = PlanOption(name, placement, placement.num_workers, rate, predicted)
         option.predicted.update({"rate": rate, "goodput_per_gpu": option.per_gpu, "num_gpus": option.num_gpus, "kind": name})
-        option.placement = replace(placement, predicted=dict(option.predicted))
+        if step_budget is not None:
+            option.predicted["step_budget"] = step_budget
+        option.placement = replace(placement, predicted=dict(option.predicted), slo=self.req.slo.default)
         return option
 
     def _closest(self, candidates: list[Candidate]) -> str:

@@ -20,7 +20,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Receive, Scope, Send
 
-from distserve.config import SamplingParams
+from distserve.config import SLO, SamplingParams
 from distserve.engine.outputs import RequestOutput
 from distserve.errors import (
     DistServeError,
@@ -498,6 +498,7 @@ def run_server(
     *,
     on_ready: Callable[[str], None] | None = None,
     log_level: str = "info",
+    slo: SLO | None = None,
 ) -> int:
     """Serve on the bound ``sock`` with plain uvicorn until SIGINT/SIGTERM, then shut ``client`` down.
 
@@ -514,7 +515,7 @@ def run_server(
 
     async def main() -> int:
         engine_client = client if isinstance(client, EngineClient) else await client()
-        app = build_fastapi_app(engine_client, served_model_name)
+        app = build_fastapi_app(engine_client, served_model_name, metrics=ServingMetrics(slo=slo))
         config = uvicorn.Config(
             app, host=host, port=port, log_level=log_level, access_log=False, timeout_graceful_shutdown=5
         )

@@ -33,6 +33,7 @@ class ServeOptions:
     kv_cache_gb: float = 0.5
     block_size: int = 16
     max_queued_requests: int = DEFAULT_MAX_QUEUED_REQUESTS
+    tpot_slo: float | None = None  # seconds: steps of decoding instances stay within it ("slo" step budget)
 
     @classmethod
     def from_args(cls, args: Mapping[str, Any]) -> ServeOptions:
@@ -46,6 +47,7 @@ class ServeOptions:
             "kv_cache_gb": float,
             "block_size": int,
             "max_queued_requests": int,
+            "tpot_slo": float,
         }
         unknown = sorted(set(args) - set(fields))
         if unknown:
@@ -69,6 +71,7 @@ class ServeOptions:
             dtype=self.dtype,
             cache_config=CacheConfig(block_size=self.block_size, kv_cache_memory_gb=self.kv_cache_gb),
             max_queued_requests=self.max_queued_requests,
+            scheduler_config=slo_scheduler_config(self.tpot_slo),
         )
 
 

@@ -367,6 +367,8 @@ class InstanceServer:
                 launched.sampled = self.local.execute(launched.plan, launched.plan_seq)
             result.execute_seconds = time.perf_counter() - t_exec
             result.num_batched_tokens = launched.plan.num_batched_tokens
+            with self._lock:
+                self.scheduler.observe_step(launched.plan, result.execute_seconds)
         must_wait = launched is None or len(self._in_flight) >= self.spec.pp
         while self._in_flight:
             oldest = self._in_flight[0]

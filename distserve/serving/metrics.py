@@ -38,6 +38,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, H
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from distserve.config import SLO
 from distserve.engine.outputs import RequestOutput
 
 PREFIX = "distserve:"
@@ -171,6 +172,7 @@ class RequestTimer:
     def __init__(self, metrics: ServingMetrics, start: float | None = None) -> None:
         self.metrics = metrics
         self.start = time.perf_counter() if start is None else start
+        self.first_token_time: float | None = None
         self.last_token_time: float | None = None
         self.num_prompt_tokens = 0
         self.num_output_tokens = 0
@@ -182,6 +184,7 @@ class RequestTimer:
         num_new = len(out.new_token_ids)
         if num_new:
             if self.last_token_time is None:
+                self.first_token_time = now
                 m.ttft.observe(now - self.start)
                 self.num_prompt_tokens = len(out.prompt_token_ids)
                 m.prompt_tokens_total.inc(self.num_prompt_tokens)
@@ -205,13 +208,21 @@ class RequestTimer:
         m.request_success.labels(finish_reason=reason).inc()
         m.request_prompt_tokens.observe(num_prompt_tokens if num_prompt_tokens is not None else self.num_prompt_tokens)
         m.request_generation_tokens.observe(self.num_output_tokens)
+        slo = m.slo
+        if slo is not None and reason != "abort" and self.first_token_time is not None and self.last_token_time is not None:
+            ttft = self.first_token_time - self.start
+            n = self.num_output_tokens
+            tpot = (self.last_token_time - self.first_token_time) / (n - 1) if n > 1 else 0.0
+            met = ttft <= slo.ttft_s and tpot <= slo.tpot_s
+            m.request_slo.labels(met="true" if met else "false").inc()
 
 
 class ServingMetrics:
     """All metrics of one app, in their own registry."""
 
-    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+    def __init__(self, registry: CollectorRegistry | None = None, slo: SLO | None = None) -> None:
         self.registry = registry if registry is not None else CollectorRegistry()
+        self.slo = slo  # the deployment's SLO: finished requests are counted as meeting it or not
         r = self.registry
         self.ttft = Histogram(PREFIX + "time_to_first_token_seconds", "Time to first token, measured at the API server.", buckets=TTFT_BUCKETS, registry=r)
         self.itl = Histogram(PREFIX + "inter_token_latency_seconds", "Time between consecutive output tokens.", buckets=ITL_BUCKETS, registry=r)
@@ -221,6 +232,10 @@ class ServingMetrics:
         self.request_success = Counter(PREFIX + "request_success", "Finished requests by finish reason.", ["finish_reason"], registry=r)
         self.prompt_tokens_total = Counter(PREFIX + "prompt_tokens", "Prompt tokens processed.", registry=r)
         self.generation_tokens_total = Counter(PREFIX + "generation_tokens", "Tokens generated.", registry=r)
+        self.request_slo = Counter(
+            PREFIX + "request_slo", "Finished requests by whether they met the deployment's TTFT and TPOT SLO (--ttft-slo/--tpot-slo).",
+            ["met"], registry=r,
+        )
         self.kv_migration_seconds = Histogram(
             PREFIX + "kv_migration_seconds", "Duration of one request's KV migration.", ["instance", "phase"], buckets=MIGRATION_BUCKETS, registry=r
         )

@@ -11,7 +11,7 @@ from collections.abc import AsyncGenerator, Callable, Sequence as Seq
 from dataclasses import dataclass
 from typing import Any
 
-from distserve.config import CacheConfig, SamplingParams
+from distserve.config import CacheConfig, SamplingParams, SchedulerConfig
 from distserve.engine.llm_engine import LLMEngine
 from distserve.engine.outputs import EngineBase, RequestOutput
 from distserve.errors import DistServeError, EngineDeadError, InvalidConfigError, QueueFullError
@@ -328,8 +328,13 @@ def build_local_engine_client(
     dtype: str = "auto",
     cache_config: CacheConfig | None = None,
     max_queued_requests: int = DEFAULT_MAX_QUEUED_REQUESTS,
+    scheduler_config: SchedulerConfig | None = None,
 ) -> ThreadedEngineClient:
-    """``num_colocated`` > 0: that many ``LLMEngine``s (least-loaded routing); else one ``LocalDisaggEngine`` xPyD."""
+    """``num_colocated`` > 0: that many ``LLMEngine``s (least-loaded routing); else one ``LocalDisaggEngine`` xPyD.
+
+    ``scheduler_config`` applies to the instances that decode (colocated and decode); prefill
+    instances keep the default (their steps hold no decodes whose TPOT a budget would protect).
+    """
     from distserve.engine.model import resolve_dtype
     from distserve.engine.weights import load_model
 
@@ -338,7 +343,12 @@ def build_local_engine_client(
     loaded = load_model(model, resolve_dtype(dtype))
     engines: list[EngineBase]
     if num_colocated > 0:
-        engines = [LLMEngine(loaded, cache_config=cache_config) for _ in range(num_colocated)]
+        engines = [LLMEngine(loaded, cache_config=cache_config, scheduler_config=scheduler_config) for _ in range(num_colocated)]
     else:
-        engines = [LocalDisaggEngine(loaded, num_prefill=num_prefill, num_decode=num_decode, cache_config=cache_config)]
+        engines = [
+            LocalDisaggEngine(
+                loaded, num_prefill=num_prefill, num_decode=num_decode, cache_config=cache_config,
+                prefill_scheduler_config=SchedulerConfig(), decode_scheduler_config=scheduler_config,
+            )
+        ]
     return ThreadedEngineClient(engines, max_queued_requests=max_queued_requests, model_name=loaded.config.name)

@@ -77,6 +77,27 @@ def test_plan_cli_writes_a_placement_serve_accepts(tmp_path: Path, capsys: pytes
 
     args = build_parser().parse_args(["serve", "--placement", str(out)])
     assert _placement_from_args(args) == placement
+    # It carries the SLO it was planned for; serve keeps decoding steps within its TPOT unless told otherwise.
+    from distserve.cli import _serve_slo
+
+    assert placement.slo is not None and (placement.slo.ttft_s, placement.slo.tpot_s) == (0.25, 0.1)
+    assert _serve_slo(args, placement) == placement.slo
+    override = build_parser().parse_args(["serve", "--placement", str(out), "--tpot-slo", "0.05"])
+    assert _serve_slo(override, placement).tpot_s == 0.05  # type: ignore[union-attr]
+
+
+def test_colocated_candidates_are_weighed_with_the_slo_step_budget(capsys: pytest.CaptureFixture[str]) -> None:
+    """Long prompts and a tight TPOT: a colocated instance that chunks prompts to the TPOT SLO (as a
+    modern aggregated server does) is the colocated baseline, not one that runs whole prompts."""
+    code = main(["plan", "--model", "facebook/opt-13b", "--gpu", "a100-80g", "--nodes", "1", "--gpus-per-node", "1",
+                 "--workload", "fixed:1024:64", "--ttft", "1.0", "--tpot", "0.03", "--num-requests", "60", "--json"])
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert code == 0
+    colocated = next(o for o in out["options"] if o["name"] == "colocated")
+    assert colocated["placement"]["predicted"]["step_budget"] == "slo"
+    assert colocated["placement"]["slo"] == {"ttft_s": 1.0, "tpot_s": 0.03, "attainment": 0.9}
+    by_config = {c["configuration"]: c["goodput"] for c in out["candidates"] if c["kind"] == "colocated"}
+    assert by_config["1C tp1pp1 (slo budget)"] > 2 * by_config["1C tp1pp1"] > 0
 
 
 def test_target_rate_sizes_replicas_and_json(capsys: pytest.CaptureFixture[str]) -> None:

@@ -310,3 +310,24 @@ def test_sse_response_closes_its_generator_on_disconnect() -> None:
         assert closed.is_set()  # ``gen`` is still referenced here, so no GC finalizer did it
 
     asyncio.run(run())
+
+
+def test_metrics_count_requests_meeting_the_deployment_slo(tiny: LoadedModel) -> None:
+    from distserve.config import SLO
+
+    client = ThreadedEngineClient(LLMEngine(tiny, cache_config=CACHE))
+
+    async def run() -> str:
+        for slo, met in ((SLO(60.0, 60.0), "true"), (SLO(60.0, 1e-9), "false")):
+            app = build_fastapi_app(client, "tiny", metrics=ServingMetrics(slo=slo))
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as h:
+                body = {"prompt": "x", "max_tokens": 4, "min_tokens": 4, "stream": True}
+                assert (await h.post("/v1/completions", json=body)).status_code == 200
+                text = (await h.get("/metrics")).text
+                assert f'distserve:request_slo_total{{met="{met}"}} 1.0' in text, text
+        return text
+
+    try:
+        asyncio.run(run())
+    finally:
+        client.close()

@@ -1,0 +1,105 @@
+"""How many tokens one step may compute: the step budget policies, chosen by name.
+
+``static``: ``SchedulerConfig.max_num_batched_tokens`` every step (whole prompts join the running
+decodes unless chunked prefill is on, so every arrival stretches the decodes' step).
+
+``slo`` (Sarathi-style): the prefill tokens that keep a step within the TPOT SLO
+(``SchedulerConfig.tpot_slo_s``) next to the decodes it runs, so prompts are chunked to fit and a
+colocated instance meets TPOT while it prefills. The step time comes from a linear model fitted
+online, by exponentially weighted recursive least squares, to the instance's own steps as its
+driver reports them (``observe``): measured time on the real runtime, modelled time in the
+simulator — the same policy code either way.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import numpy as np
+
+from distserve.config import SchedulerConfig
+from distserve.errors import InvalidConfigError
+
+
+class StepBudget(ABC):
+    """A token budget per step, told how long each executed step took."""
+
+    @abstractmethod
+    def tokens(self, num_decodes: int, decode_ctx: int) -> int:
+        """Tokens the next step may compute (its decodes' one token each included), given the
+        ``num_decodes`` running sequences and their total context ``decode_ctx``."""
+
+    def observe(self, num_decodes: int, decode_ctx: int, num_prefill_tokens: int, seconds: float) -> None:
+        """A step with this shape took ``seconds``."""
+
+    @property
+    def chunks_prefills(self) -> bool:
+        """True if prompts are split to fit the budget whatever ``enable_chunked_prefill`` says."""
+        return False
+
+
+class StaticBudget(StepBudget):
+    def __init__(self, config: SchedulerConfig) -> None:
+        self.limit = config.max_num_batched_tokens
+
+    def tokens(self, num_decodes: int, decode_ctx: int) -> int:
+        return self.limit
+
+
+class SLOBudget(StepBudget):
+    """Prefill tokens that keep the predicted step time within ``headroom × tpot_slo_s``.
+
+    Model: ``t = w0 + w1·num_decodes + w2·decode_ctx/1000 + w3·prefill_tokens``. Until it has seen
+    ``MIN_OBSERVATIONS`` steps, some of them with prefill, the budget is ``max_num_batched_tokens``.
+    At least ``min_prefill_tokens`` prefill tokens are allowed per step, so prompts always advance
+    even when the decodes alone take the whole SLO.
+    """
+
+    MIN_OBSERVATIONS = 6
+    FORGETTING = 0.98  # weight of the past per step: the model follows load and context drift
+    HEADROOM = 0.9
+
+    def __init__(self, config: SchedulerConfig) -> None:
+        if config.tpot_slo_s is None:
+            raise InvalidConfigError("step_budget 'slo' needs tpot_slo_s")
+        self.tpot_slo_s = config.tpot_slo_s
+        self.max_tokens = config.max_num_batched_tokens
+        self.min_prefill_tokens = min(config.min_prefill_chunk, config.max_num_batched_tokens)
+        self.weights = np.zeros(4)  # [w0, w1, w2, w3]
+        self._p = np.eye(4) * 1e3  # inverse information matrix of the weighted least squares
+        self.num_observations = 0
+        self.num_prefill_observations = 0
+
+    @property
+    def chunks_prefills(self) -> bool:
+        return True
+
+    def tokens(self, num_decodes: int, decode_ctx: int) -> int:
+        if self.num_observations < self.MIN_OBSERVATIONS or self.num_prefill_observations < 2:
+            return self.max_tokens
+        w0, w1, w2, w3 = self.weights
+        base = w0 + w1 * num_decodes + w2 * decode_ctx / 1000.0
+        if w3 <= 0:
+            return self.max_tokens
+        prefill = int((self.HEADROOM * self.tpot_slo_s - base) / w3)
+        prefill = max(self.min_prefill_tokens, min(prefill, self.max_tokens - num_decodes))
+        return num_decodes + prefill
+
+    def observe(self, num_decodes: int, decode_ctx: int, num_prefill_tokens: int, seconds: float) -> None:
+        x = np.array([1.0, num_decodes, decode_ctx / 1000.0, num_prefill_tokens])
+        lam = self.FORGETTING
+        px = self._p @ x
+        gain = px / (lam + x @ px)
+        self.weights = self.weights + gain * (seconds - x @ self.weights)
+        self._p = (self._p - np.outer(gain, px)) / lam
+        self.num_observations += 1
+        self.num_prefill_observations += num_prefill_tokens > 0
+
+
+STEP_BUDGETS: dict[str, type[StepBudget]] = {"static": StaticBudget, "slo": SLOBudget}
+
+
+def make_step_budget(config: SchedulerConfig) -> StepBudget:
+    if config.step_budget not in STEP_BUDGETS:
+        raise InvalidConfigError(f"unknown step_budget {config.step_budget!r}; choose from {sorted(STEP_BUDGETS)}")
+    return STEP_BUDGETS[config.step_budget](config)
