@@ -104,6 +104,9 @@ def _add_simulate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-batched-tokens", type=_positive_int, default=None, help="tokens per step (default: as serve)")
     p.add_argument("--num-blocks", type=_positive_int, default=None, help="KV blocks per instance (default: what fits)")
     p.add_argument("--step-overhead-ms", type=float, default=0.0, help="extra fixed cost per step of the runtime")
+    p.add_argument("--step-budget", default="static", choices=["static", "slo"],
+                   help="colocated/decode step budget: static (whole prompts) or slo (chunk prompts to keep steps within --tpot, "
+                   "as serve --tpot-slo does)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
 
 
@@ -412,7 +415,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     placement = _placement_from_args(args)
     config = SimConfig(
         num_blocks=args.num_blocks, step_overhead_s=args.step_overhead_ms / 1e3,
-        **report.scheduler_configs(args.max_num_seqs, args.max_batched_tokens),
+        **report.scheduler_configs(args.max_num_seqs, args.max_batched_tokens, args.tpot if args.step_budget == "slo" else None),
     )
     request = report.SimulateRequest(
         model=args.model, placement=placement, workload=args.workload,

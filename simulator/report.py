@@ -9,7 +9,7 @@ from typing import Any
 
 from rich.table import Table
 
-from distserve.config import SLO, SchedulerConfig
+from distserve.config import SLO, SchedulerConfig, slo_scheduler_config
 from distserve.errors import InvalidConfigError
 from distserve.placement.placement import Placement
 from simulator.goodput import GoodputResult, find_goodput
@@ -141,15 +141,19 @@ def render(out: dict[str, Any]) -> list[Table]:
     return tables
 
 
-def scheduler_configs(max_num_seqs: int | None, max_batched_tokens: int | None) -> dict[str, SchedulerConfig]:
-    """The same limits for every phase (what ``distserve serve`` uses), overridden where given."""
+def scheduler_configs(
+    max_num_seqs: int | None, max_batched_tokens: int | None, tpot_slo_s: float | None = None
+) -> dict[str, SchedulerConfig]:
+    """The same limits for every phase (what ``distserve serve`` uses), overridden where given; with
+    ``tpot_slo_s``, colocated and decode instances use the "slo" step budget (``serve --tpot-slo``)."""
     base = SchedulerConfig()
     kwargs = {
         "max_num_seqs": max_num_seqs or base.max_num_seqs,
         "max_num_batched_tokens": max_batched_tokens or base.max_num_batched_tokens,
     }
     cfg = SchedulerConfig(**kwargs)
-    return {"scheduler": cfg, "prefill_scheduler": cfg, "decode_scheduler": cfg}
+    decoding = slo_scheduler_config(tpot_slo_s, cfg)
+    return {"scheduler": decoding, "prefill_scheduler": cfg, "decode_scheduler": decoding}
 
 
 def slo_spec(ttft_s: float, tpot_s: float, attainment: float, mode: str) -> SLOSpec:

@@ -79,3 +79,13 @@ class _no_raise:
 
     def __exit__(self, *exc: object) -> bool:
         return False
+
+
+def test_simulate_step_budget_slo_keeps_colocated_tpot_within_the_slo(capsys: pytest.CaptureFixture[str]) -> None:
+    tpot = {}
+    for budget in ("static", "slo"):
+        code = main(["simulate", "--model", "facebook/opt-13b", "--colocated", "1", "--workload", "fixed:1024:64",
+                     "--ttft", "1", "--tpot", "0.03", "--rate", "3", "--num-requests", "100", "--step-budget", budget, "--json"])
+        assert code == 0
+        tpot[budget] = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["result"]["tpot_p90_s"]
+    assert tpot["slo"] <= 0.03 < tpot["static"]
