@@ -153,6 +153,8 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--kv-transfer-timeout", type=_positive_float, default=None, metavar="S",
                    help="seconds before a KV migration is failed and the request re-prefilled (Ray runtime; default 30)")
+    p.add_argument("--threads", type=_positive_int, default=None, metavar="N",
+                   help="torch threads per engine (local runtime; default: all cores) or per Ray worker (default 1)")
     p.add_argument("--ttft-slo", type=_positive_float, default=None, metavar="S",
                    help="TTFT SLO in seconds: /metrics counts requests meeting the SLO (default: the placement's)")
     p.add_argument("--tpot-slo", type=_positive_float, default=None, metavar="S",
@@ -284,6 +286,8 @@ def _check_serve_args(args: argparse.Namespace) -> None:
     _check_placement_args(args)
     if args.kv_transfer_timeout is not None and args.runtime == "local":
         raise InvalidConfigError("--kv-transfer-timeout applies to the Ray runtime; --runtime local copies KV in-process")
+    if args.ray_serve and args.threads is not None:
+        raise InvalidConfigError("--threads applies to plain `distserve serve` (local or Ray runtime), not --ray-serve")
     if args.ray_serve and (parallel or args.placement is not None or args.runtime == "ray"):
         raise InvalidConfigError("--ray-serve serves in-process engines; use plain `distserve serve --runtime ray` for placements")
 
@@ -363,7 +367,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                 args.model, placement, dtype=args.dtype, cache_config=cache,
                 max_queued_requests=args.max_queued_requests, kv_transfer_timeout_s=args.kv_transfer_timeout,
                 scheduler_config=slo_scheduler_config(slo.tpot_s if slo else None),
-                prefill_scheduler_config=SchedulerConfig(),
+                prefill_scheduler_config=SchedulerConfig(), num_threads_per_worker=args.threads or 1,
             )
 
         ray_layout = " + ".join(
@@ -377,6 +381,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
         )
 
     slo = _serve_slo(args, None)
+    if args.threads is not None:
+        import torch
+
+        torch.set_num_threads(args.threads)
     sock = open_listen_socket(args.host, args.port)
     client = build_local_engine_client(
         args.model,

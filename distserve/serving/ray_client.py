@@ -35,6 +35,7 @@ class ControllerClient(EngineClient):
         max_queued_requests: int = 1024,
         ray_temp_dir: str | None = None,
         kv_transfer_timeout_s: float | None = None,
+        num_threads_per_worker: int = 1,
     ) -> "ControllerClient":
         import ray
 
@@ -44,6 +45,7 @@ class ControllerClient(EngineClient):
             controller = RemoteController(
                 model, placement, dtype=dtype, cache_config=cache_config, scheduler_config=scheduler_config,
                 prefill_scheduler_config=prefill_scheduler_config, max_queued_requests=max_queued_requests,
+                num_threads_per_worker=num_threads_per_worker,
                 **({} if kv_transfer_timeout_s is None else {"kv_transfer_timeout_s": kv_transfer_timeout_s}),
             )
             await controller.start()  # tears the deployment down itself if it fails

@@ -71,7 +71,7 @@ def test_serve_process_answers_and_stops_on_sigint() -> None:
     port = _free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "distserve.cli", "serve", "--model", "tiny", "--port", str(port), "--log-level", "warning",
-         "--ttft-slo", "30", "--tpot-slo", "5"],
+         "--ttft-slo", "30", "--tpot-slo", "5", "--threads", "1"],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
