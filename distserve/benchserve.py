@@ -27,6 +27,8 @@ from typing import Any
 
 import httpx
 
+from distserve.profiler import cpu_jiffies
+
 # What `distserve serve` prints once it listens (with --port 0 the port is only known from this line).
 READY_LINE = re.compile(r"at (http://\S+)/v1")
 # A Prometheus text sample: name, optional labels, value.
@@ -49,8 +51,16 @@ def session_pids(sid: int) -> list[int]:
     return pids
 
 
-def process_cpu() -> dict[int, tuple[int, str, float]]:
-    """pid -> (session id, name, CPU seconds so far, reaped children included) for every process."""
+@dataclass(frozen=True)
+class CpuSnapshot:
+    """CPU seconds so far: per process (own + reaped children's) and of the whole machine."""
+
+    per_pid: dict[int, tuple[int, str, float]]  # pid -> (session id, name, CPU seconds)
+    machine_busy_s: float  # all CPUs, everything but idle and iowait (/proc/stat)
+
+
+def process_cpu() -> CpuSnapshot:
+    """A snapshot of every process's CPU time (reaped children included) and the machine's."""
     tick = os.sysconf("SC_CLK_TCK")
     out = {}
     for entry in os.listdir("/proc"):
@@ -68,24 +78,26 @@ def process_cpu() -> dict[int, tuple[int, str, float]]:
         elif b"vllm.entrypoints.openai.api_server" in cmd:
             name = "vllm-api-server"
         out[int(entry)] = (int(fields[3]), name, sum(int(x) for x in fields[11:15]) / tick)  # utime stime cutime cstime
-    return out
+    return CpuSnapshot(out, cpu_jiffies(busy=True)[0] / tick)
 
 
-def cpu_usage(before: dict[int, tuple[int, str, float]], after: dict[int, tuple[int, str, float]], elapsed_s: float, server_sid: int | None) -> dict[str, Any]:
+def cpu_usage(before: CpuSnapshot, after: CpuSnapshot, elapsed_s: float, server_sid: int | None) -> dict[str, Any]:
     """Where the CPU went between two snapshots, in cores: the server's busiest processes, this
-    process (the load generator), and everything else on the machine (it is shared)."""
+    process (the load generator), and everything else on the machine (it is shared).
+
+    "Everything else" is the machine's busy time minus the server's and ours: summing other
+    processes instead would credit a process that exits meanwhile with its whole lifetime (it moves
+    into its parent's reaped-children time at once).
+    """
     me = os.getpid()
     server: list[tuple[str, float]] = []
-    other = 0.0
-    for pid, (sid, name, cpu) in after.items():
-        used = (cpu - before[pid][2] if pid in before else cpu) / elapsed_s
-        if pid == me:
-            continue
-        if server_sid is not None and sid == server_sid:
+    for pid, (sid, name, cpu) in after.per_pid.items():
+        if pid != me and server_sid is not None and sid == server_sid:
+            used = (cpu - before.per_pid[pid][2] if pid in before.per_pid else cpu) / elapsed_s
             server.append((f"{name} [{pid}]", round(used, 2)))
-        else:
-            other += used
-    me_used = (after[me][2] - before[me][2]) / elapsed_s if me in before and me in after else 0.0
+    mine = before.per_pid.get(me), after.per_pid.get(me)
+    me_used = (mine[1][2] - mine[0][2]) / elapsed_s if mine[0] and mine[1] else 0.0
+    other = (after.machine_busy_s - before.machine_busy_s) / elapsed_s - sum(c for _, c in server) - me_used
     return {
         "server_cores": sorted((x for x in server if x[1] >= 0.05), key=lambda x: -x[1])[:5],
         "loadgen_cores": round(me_used, 2),

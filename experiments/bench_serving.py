@@ -12,9 +12,10 @@ the same SmolLM2-135M folder (``load_model("smollm2-135m")``'s cache) in bfloat1
 Every server is driven by the same client (``distserve.loadgen``: streamed ``/v1/completions``) with the
 same seeded workloads; ``ignore_eos`` + ``min_tokens`` make every request full length:
   * short: ~256-token prompts, 64 output tokens; SLO TTFT 2 s, TPOT 150 ms;
-  * long:  ~1024-token prompts, 32 output tokens; SLO TTFT 3 s, TPOT 150 ms. One unloaded 1024-token
-           prefill takes ~1.5-1.9 s here, so the TTFT SLO is under 2x of it: queueing behind one other
-           prefill already misses it. That is the SLO that binds.
+  * long:  ~1024-token prompts, 32 output tokens; SLO TTFT 3 s, TPOT 150 ms. An unloaded 1024-token
+           prefill takes 1.1-2.2 s here (vLLM 1.5 s), so the TTFT SLO is about 2x of it: queueing
+           behind one other prefill already misses it. In the last full run no server reached 90% at
+           0.25 req/s (the README); a looser TTFT SLO or a lower --min-rate resolves goodputs there.
 
 Goodput of a server on a workload = the highest Poisson rate at which >= 90% of the requests meet
 both SLOs, found by ``simulator.goodput.search_rate`` (the planner's search: double/halve from the
