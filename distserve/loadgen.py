@@ -24,6 +24,15 @@ when asked for, since other servers may reject unknown fields.
 Goodput is the number of requests meeting *both* SLOs divided by the run's duration (first arrival
 to last completion); attainment is that number over all requests sent (errors count as misses).
 
+A run can end as soon as its SLO verdict is certain (``stop_below``, for goodput searches whose
+probes are long): once more requests are *known* to miss than the target attainment allows, the
+outstanding requests are cancelled (their streams closed, so the server aborts them) and the
+unsent ones never go out. A miss is known when a finished request missed, when a request has
+waited longer than the TTFT SLO for its first token, or when its tokens so far already span more
+than ``TPOT SLO x (max_tokens - 1)`` (a stream never has more than ``max_tokens`` tokens, so its
+TPOT can only be worse). Cancelled requests count as misses (not as errors): such a run's
+attainment is a lower bound on the full run's, and the verdict (below the target) is the same.
+
 CLI::
 
     python -m distserve.loadgen --base-url http://127.0.0.1:8000/v1 --model smollm2-135m \\
@@ -125,6 +134,7 @@ class RequestResult:
     num_prompt_tokens: int | None = None  # from the server's usage chunk
     num_output_tokens: int = 0
     error: str | None = None
+    cancelled: bool = False  # ended (or never sent) because the run stopped early; ``error`` says so
 
     @property
     def ok(self) -> bool:
@@ -162,7 +172,8 @@ class RequestResult:
 class Summary:
     num_requests: int
     num_completed: int
-    num_errors: int
+    num_errors: int  # failed requests, not counting cancelled ones
+    num_cancelled: int  # cancelled by an early stop (misses, not errors)
     error_kinds: dict[str, int]
     duration_s: float  # first arrival to last completion
     throughput_rps: float  # completed requests / duration
@@ -200,6 +211,7 @@ class LoadResult:
     summary: Summary
     calibration: tuple[float, float] = (1.0, 0.0)  # (tokens per word, overhead tokens) used to build prompts
     extra: dict[str, Any] = field(default_factory=dict)
+    stopped_early: bool = False  # ended once attainment was certain to be below ``stop_below``
 
     @property
     def tokens_per_word(self) -> float:
@@ -213,6 +225,7 @@ class LoadResult:
             "slo": asdict(self.slo),
             "tokens_per_word": self.calibration[0],
             "overhead_tokens": self.calibration[1],
+            "stopped_early": self.stopped_early,
             **self.summary.to_dict(),
             **self.extra,
         }
@@ -286,7 +299,7 @@ def summarize(results: Seq[RequestResult], slo: SLO) -> Summary:
     duration = (max(finishes) - min(r.arrival_s for r in results)) if finishes else 0.0
     errors: dict[str, int] = {}
     for r in results:
-        if r.error is not None:
+        if r.error is not None and not r.cancelled:
             key = r.error[:160]
             if key in errors or len(errors) < MAX_ERROR_KINDS:
                 errors[key] = errors.get(key, 0) + 1
@@ -300,7 +313,8 @@ def summarize(results: Seq[RequestResult], slo: SLO) -> Summary:
     return Summary(
         num_requests=n,
         num_completed=len(done),
-        num_errors=n - len(done),
+        num_errors=sum(not r.ok and not r.cancelled for r in results),
+        num_cancelled=sum(r.cancelled for r in results),
         error_kinds=errors,
         duration_s=duration,
         throughput_rps=len(done) / duration if duration > 0 else 0.0,
@@ -322,6 +336,32 @@ def summarize(results: Seq[RequestResult], slo: SLO) -> Summary:
         goodput_rps=good / duration if duration > 0 else 0.0,
         max_send_lag_s=max(lags) if lags else 0.0,
     )
+
+
+def num_known_misses(results: Seq[RequestResult], slo: SLO, max_tokens: int, now_s: float) -> int:
+    """Requests certain to miss ``slo`` at time ``now_s`` (from the run's start), finished or not.
+
+    A stream has at most ``max_tokens`` tokens, so once its tokens so far span more than
+    ``tpot_s * (max_tokens - 1)`` its TPOT can only end above ``tpot_s``.
+    """
+    num = 0
+    for r in results:
+        if r.finish_s is not None:
+            num += not r.meets(slo)
+        elif r.sent_s is not None and r.first_token_s is None:
+            num += slo.ttft_s is not None and now_s - r.sent_s > slo.ttft_s
+        elif r.first_token_s is not None and r.last_token_s is not None:
+            missed_ttft = slo.ttft_s is not None and r.ttft_s is not None and r.ttft_s > slo.ttft_s
+            missed_tpot = slo.tpot_s is not None and max_tokens > 1 and (
+                r.last_token_s - r.first_token_s > slo.tpot_s * (max_tokens - 1)
+            )
+            num += missed_ttft or missed_tpot
+    return num
+
+
+def max_misses(num_requests: int, target_attainment: float) -> int:
+    """How many of ``num_requests`` may miss while attainment stays >= ``target_attainment``."""
+    return num_requests - math.ceil(target_attainment * num_requests - 1e-9)
 
 
 # ---- HTTP ------------------------------------------------------------------------------------
@@ -368,6 +408,20 @@ async def calibrate_tokens_per_word(client: httpx.AsyncClient, url: str, model: 
         return 1.0, 0.0  # no usage reported: assume one token per word
     per_word = (t2 - t1) / len(WORDS)
     return per_word, max(0.0, 2.0 * t1 - t2)
+
+
+def _describe(exc: BaseException) -> str:
+    """``Type: message``, plus the root cause when the exception wraps one (httpx's ``ConnectError:
+    All connection attempts failed`` hides whether the port refused, the address was unavailable...)."""
+    text = f"{type(exc).__name__}: {exc}"
+    cause, seen = exc.__cause__ or exc.__context__, 0
+    while cause is not None and seen < 8:
+        if isinstance(cause, BaseExceptionGroup) and cause.exceptions:
+            cause = cause.exceptions[0]
+        root, cause, seen = cause, cause.__cause__ or cause.__context__, seen + 1
+    if seen and str(root) and str(root) not in text:
+        text += f" ({type(root).__name__}: {root})"
+    return text
 
 
 async def _send(
@@ -419,7 +473,7 @@ async def _send(
     except TimeoutError:
         result.error = f"timed out after {request_timeout_s:g} s"
     except Exception as exc:  # noqa: BLE001 - one bad request is counted, never ends the run
-        result.error = f"{type(exc).__name__}: {exc}"
+        result.error = _describe(exc)
     finally:
         result.finish_s = time.perf_counter() - t0
         result.num_output_tokens = usage_tokens if usage_tokens is not None else num_text_chunks
@@ -435,6 +489,7 @@ async def run_load_async(
     calibrate: bool = True,
     tokens_per_word: tuple[float, float] | None = None,
     request_timeout_s: float = 300.0,
+    stop_below: float | None = None,
 ) -> LoadResult:
     """Send ``workload`` to ``{base_url}/completions`` and measure it; failures are counted, never raised.
 
@@ -442,6 +497,8 @@ async def run_load_async(
     ``LoadResult.calibration``, skips the probes. If the probes fail, one token per word is assumed
     and the reason is kept in ``LoadResult.extra["calibration_error"]`` (the requests will most
     likely fail the same way).
+    ``stop_below``: end the run (``LoadResult.stopped_early``) once its SLO attainment is certain
+    to end below this fraction; the requests still open or unsent are cancelled.
     """
     url = base_url.rstrip("/") + "/completions"
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
@@ -464,13 +521,71 @@ async def run_load_async(
             body = _payload(model, spec.prompt, workload, workload.output_len, stream=True)
             await _send(client, url, body, headers, result, t0, request_timeout_s)
 
-        await asyncio.gather(*(fire(s, r) for s, r in zip(specs, results)))
-    return LoadResult(base_url, model, workload, slo, results, summarize(results, slo), calibration, extra)
+        tasks = [asyncio.create_task(fire(s, r)) for s, r in zip(specs, results)]
+        stopped_early = False
+        if stop_below is None:
+            await asyncio.gather(*tasks)
+        else:
+            allowed = max_misses(len(results), stop_below)
+            pending = set(tasks)
+            while pending:
+                _, pending = await asyncio.wait(pending, timeout=0.05)
+                now = time.perf_counter() - t0
+                if pending and num_known_misses(results, slo, workload.output_len, now) > allowed:
+                    stopped_early = True
+                    for task in pending:
+                        task.cancel()
+                    await asyncio.gather(*pending, return_exceptions=True)
+                    for task, result in zip(tasks, results):
+                        if task.cancelled():
+                            result.cancelled = True
+                            result.error = "cancelled: the run's SLO verdict was already certain"
+                    break
+    return LoadResult(
+        base_url, model, workload, slo, results, summarize(results, slo), calibration, extra, stopped_early=stopped_early
+    )
 
 
 def run_load(base_url: str, model: str, workload: Workload, slo: SLO = SLO(), **kwargs: Any) -> LoadResult:
     """Synchronous ``run_load_async`` (starts its own event loop)."""
     return asyncio.run(run_load_async(base_url, model, workload, slo, **kwargs))
+
+
+@dataclass(frozen=True)
+class SingleStream:
+    """A server's unloaded latency: medians over requests sent one at a time."""
+
+    ttft_s: float
+    tpot_s: float
+    num_prompt_tokens: int | None
+    calibration: tuple[float, float]  # the server's (tokens per word, overhead tokens), for later runs
+
+
+def single_stream(
+    base_url: str,
+    model: str,
+    input_len: int,
+    output_len: int,
+    num_requests: int = 3,
+    *,
+    seed: int = 10_000,
+    tokens_per_word: tuple[float, float] | None = None,
+    request_timeout_s: float = 300.0,
+) -> SingleStream:
+    """Send one warm-up and then ``num_requests`` requests one at a time (full length: ``ignore_eos``
+    and ``min_tokens``); raise if none completed. Also probes the tokenizer unless ``tokens_per_word``."""
+    runs: list[LoadResult] = []
+    calibration = tokens_per_word
+    for i in range(num_requests + 1):
+        w = Workload(1, 1.0, input_len, output_len, seed=seed + i, ignore_eos=True, min_tokens=True)
+        runs.append(run_load(base_url, model, w, tokens_per_word=calibration, request_timeout_s=request_timeout_s))
+        calibration = runs[-1].calibration
+    done = [r.requests[0] for r in runs[1:] if r.requests[0].ok]
+    ttfts = [r.ttft_s for r in done if r.ttft_s is not None]
+    tpots = [r.tpot_s for r in done if r.tpot_s is not None]
+    if not ttfts or not tpots:
+        raise RuntimeError(f"single requests to {base_url} failed: {runs[-1].summary.error_kinds}")
+    return SingleStream(float(np.median(ttfts)), float(np.median(tpots)), done[0].num_prompt_tokens, runs[-1].calibration)
 
 
 # ---- CLI -------------------------------------------------------------------------------------
@@ -491,6 +606,8 @@ def format_summary(result: LoadResult) -> str:
         f"(TTFT {s.ttft_attainment:.0%}, TPOT {s.tpot_attainment:.0%})  goodput {s.goodput_rps:.2f} req/s",
     ]
     lines += [f"error x{count}: {kind}" for kind, count in s.error_kinds.items()]
+    if result.stopped_early:
+        lines.append(f"stopped early: attainment certain to be below the target ({s.num_cancelled} requests cancelled)")
     if "calibration_error" in result.extra:
         lines.append(f"calibration failed (assumed 1 token/word): {result.extra['calibration_error']}")
     return "\n".join(lines)
@@ -515,6 +632,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--prompt-seed", type=int, default=None, help="prompt words (default: --seed)")
     ap.add_argument("--api-key", default=None)
     ap.add_argument("--request-timeout", type=float, default=300.0, help="seconds, per request")
+    ap.add_argument("--stop-below", type=float, default=None,
+                    help="end the run once SLO attainment is certain to be below this fraction (e.g. 0.9)")
     ap.add_argument("--no-calibrate", action="store_true", help="assume one token per word instead of probing")
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     ap.add_argument("--per-request", action="store_true", help="with --json: include every request's timings")
@@ -535,7 +654,7 @@ def main(argv: Seq[str] | None = None) -> int:
     slo = SLO(ttft_s=args.ttft_slo, tpot_s=args.tpot_slo)
     result = run_load(
         args.base_url, args.model, workload, slo, api_key=args.api_key,
-        calibrate=not args.no_calibrate, request_timeout_s=args.request_timeout,
+        calibrate=not args.no_calibrate, request_timeout_s=args.request_timeout, stop_below=args.stop_below,
     )
     print(json.dumps(result.to_dict(include_requests=args.per_request)) if args.json else format_summary(result))
     return 0 if result.summary.num_completed else 1

@@ -34,21 +34,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
-import shutil
 import signal
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import httpx
-
-from distserve.loadgen import SLO, LoadResult, Workload, run_load, summarize
+from distserve.benchserve import ServerProcess, cpu_usage, distserve_serve_argv, process_cpu
+from distserve.loadgen import SLO, LoadResult, Workload, run_load, single_stream, summarize
 
 SYSTEM_FLAGS = {
     "colocated": ["--colocated", "1", "--runtime", "local"],
@@ -57,155 +51,10 @@ SYSTEM_FLAGS = {
 ATTAINMENT_TARGET = 0.9
 SENSITIVITY_FACTORS = (2.0, 2.5, 3.0, 4.0)  # TPOT SLO as multiples of the colocated single-request TPOT
 NUM_SINGLE_REQUESTS = 3
-READY_LINE = re.compile(r"at (http://\S+)/v1")
-
-
-# ---- servers -------------------------------------------------------------------------------
-def _session_pids(sid: int) -> list[int]:
-    """Live (non-zombie) processes in session ``sid``: a server started with start_new_session and
-    everything it spawned, Ray's raylet, GCS and actor workers included (they keep the session)."""
-    pids = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[3]) == sid and fields[0] != "Z":
-            pids.append(int(entry))
-    return pids
-
-
-def _process_cpu() -> dict[int, tuple[int, str, float]]:
-    """pid -> (session id, name, CPU seconds so far, reaped children included) for every process."""
-    tick = os.sysconf("SC_CLK_TCK")
-    out = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            stat = Path(f"/proc/{entry}/stat").read_text()
-            fields = stat.rsplit(")", 1)[1].split()
-            cmd = Path(f"/proc/{entry}/cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        name = os.path.basename(cmd[0].decode(errors="replace"))[:40] if cmd and cmd[0] else stat.split("(", 1)[1].split(")")[0]
-        if b"distserve.cli" in cmd:
-            name = "distserve-serve"  # the HTTP server (+ the colocated engine, or the Ray runtime's controller)
-        out[int(entry)] = (int(fields[3]), name, sum(int(x) for x in fields[11:15]) / tick)  # utime stime cutime cstime
-    return out
-
-
-def cpu_usage(before: dict[int, tuple[int, str, float]], after: dict[int, tuple[int, str, float]], elapsed_s: float, server_sid: int | None) -> dict[str, Any]:
-    """Where the CPU went between two snapshots, in cores: the server's busiest processes, this
-    process (the load generator), and everything else on the machine (it is shared)."""
-    me = os.getpid()
-    server: list[tuple[str, float]] = []
-    other = 0.0
-    for pid, (sid, name, cpu) in after.items():
-        used = (cpu - before[pid][2] if pid in before else cpu) / elapsed_s
-        if pid == me:
-            continue
-        if server_sid is not None and sid == server_sid:
-            server.append((f"{name} [{pid}]", round(used, 2)))
-        else:
-            other += used
-    me_used = (after[me][2] - before[me][2]) / elapsed_s if me in before and me in after else 0.0
-    return {
-        "server_cores": sorted((x for x in server if x[1] >= 0.05), key=lambda x: -x[1])[:5],
-        "loadgen_cores": round(me_used, 2),
-        "other_cores": round(max(0.0, other), 2),
-    }
-
-
-@dataclass
-class ServerProcess:
-    """One `distserve serve` subprocess in its own session; ``stop`` leaves none of its processes."""
-
-    name: str
-    argv: list[str]
-    startup_timeout_s: float
-    work_dir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="dsb", dir="/tmp")))
-    proc: subprocess.Popen[bytes] | None = None
-    base_url: str = ""
-    startup_s: float = 0.0
-
-    @property
-    def log_path(self) -> Path:
-        return self.work_dir / "server.log"
-
-    def log_tail(self, num_chars: int = 3000) -> str:
-        try:
-            return self.log_path.read_text(errors="replace")[-num_chars:]
-        except OSError:
-            return ""
-
-    def start(self) -> str:
-        """Start, wait until ``/health`` answers, return the base URL (``http://127.0.0.1:PORT/v1``)."""
-        env = dict(os.environ, RAY_TMPDIR=str(self.work_dir), PYTHONUNBUFFERED="1")
-        env.pop("RAY_ADDRESS", None)  # a fresh Ray instance of our own, never someone else's cluster
-        t0 = time.monotonic()
-        with open(self.log_path, "wb") as log:
-            self.proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-        deadline = t0 + self.startup_timeout_s
-        with httpx.Client(trust_env=False, timeout=2.0) as client:
-            while True:
-                if self.proc.poll() is not None:
-                    raise RuntimeError(f"{self.name} server exited with {self.proc.returncode}:\n{self.log_tail()}")
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"{self.name} server not healthy after {self.startup_timeout_s:g} s:\n{self.log_tail()}")
-                match = READY_LINE.search(self.log_tail(100_000))
-                if match:
-                    try:
-                        if client.get(f"{match.group(1)}/health").status_code == 200:
-                            break
-                    except httpx.HTTPError:
-                        pass
-                time.sleep(0.2)
-        self.startup_s = time.monotonic() - t0
-        self.base_url = f"{match.group(1)}/v1"
-        return self.base_url
-
-    def stop(self, grace_s: float = 30.0) -> dict[str, Any]:
-        """SIGINT, wait, then SIGKILL whatever is left in the server's session; report what was left."""
-        report: dict[str, Any] = {"graceful": True, "num_left_after_sigint": 0, "num_left": 0}
-        if self.proc is None:
-            return report
-        sid = self.proc.pid
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)
-            try:
-                self.proc.wait(grace_s)
-            except subprocess.TimeoutExpired:
-                report["graceful"] = False
-        deadline = time.monotonic() + 10.0  # Ray's daemons exit shortly after the driver shuts Ray down
-        while _session_pids(sid) and time.monotonic() < deadline and report["graceful"]:
-            time.sleep(0.2)
-        left = _session_pids(sid)
-        report["num_left_after_sigint"] = len(left)
-        for pid in left:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        if self.proc.poll() is None:
-            self.proc.wait(10)
-        deadline = time.monotonic() + 10.0
-        while _session_pids(sid) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        report["num_left"] = len(_session_pids(sid))
-        report["exit_code"] = self.proc.returncode
-        if report["num_left"] == 0:
-            shutil.rmtree(self.work_dir, ignore_errors=True)
-        return report
 
 
 def serve_argv(system: str, model: str, dtype: str) -> list[str]:
-    return [
-        sys.executable, "-m", "distserve.cli", "serve", "--model", model, "--dtype", dtype,
-        "--host", "127.0.0.1", "--port", "0", "--log-level", "warning", *SYSTEM_FLAGS[system],
-    ]
+    return distserve_serve_argv(model, dtype, SYSTEM_FLAGS[system])
 
 
 # ---- measurements ----------------------------------------------------------------------------
@@ -216,23 +65,6 @@ def workload(args: argparse.Namespace, num_requests: int, rate: float, seed: int
     )
 
 
-def single_request_latency(args: argparse.Namespace, url: str, calibration: tuple[float, float] | None) -> dict[str, Any]:
-    """Median TTFT/TPOT of requests sent one at a time (after one warm-up request)."""
-    runs: list[LoadResult] = []
-    for i in range(NUM_SINGLE_REQUESTS + 1):
-        runs.append(run_load(url, args.request_model, workload(args, 1, 1.0, 10_000 + i), tokens_per_word=calibration))
-        calibration = runs[-1].calibration
-    done = [r.requests[0] for r in runs[1:] if r.requests[0].ok]
-    if not done:
-        raise RuntimeError(f"single requests to {url} failed: {runs[-1].summary.error_kinds}")
-    return {
-        "ttft_s": statistics.median(r.ttft_s for r in done if r.ttft_s is not None),
-        "tpot_s": statistics.median(r.tpot_s for r in done if r.tpot_s is not None),
-        "prompt_tokens": done[0].num_prompt_tokens,
-        "calibration": runs[-1].calibration,
-    }
-
-
 def sweep(
     args: argparse.Namespace, url: str, slo: SLO, calibration: tuple[float, float], server_sid: int | None
 ) -> list[tuple[dict[str, Any], LoadResult]]:
@@ -241,9 +73,9 @@ def sweep(
     out = []
     for i, rate in enumerate(args.rates):
         w = workload(args, args.num_requests, rate, args.seed, prompt_seed=args.seed + 1 + i)
-        cpu0, t0 = _process_cpu(), time.monotonic()
+        cpu0, t0 = process_cpu(), time.monotonic()
         result = run_load(url, args.request_model, w, slo, tokens_per_word=calibration, request_timeout_s=args.request_timeout)
-        cpu = cpu_usage(cpu0, _process_cpu(), time.monotonic() - t0, server_sid)
+        cpu = cpu_usage(cpu0, process_cpu(), time.monotonic() - t0, server_sid)
         s = result.summary
         out.append(({"rate": rate, **s.to_dict(), **cpu}, result))
         print(
@@ -415,24 +247,25 @@ def measure_system(
             figures[f"{label}_startup_s"] = round(server.startup_s, 1)
             print(f"{label}: started `{' '.join(server.argv[2:])}` at {url} in {server.startup_s:.1f} s", flush=True)
         assert url is not None
-        single = single_request_latency(args, url, None)  # also probes this server's tokenizer
-        figures[f"{label}_single_ttft_s"] = round(single["ttft_s"], 4)
-        figures[f"{label}_single_tpot_s"] = round(single["tpot_s"], 4)
+        # Also probes this server's tokenizer.
+        single = single_stream(url, args.request_model, args.input_len, args.output_len, NUM_SINGLE_REQUESTS)
+        figures[f"{label}_single_ttft_s"] = round(single.ttft_s, 4)
+        figures[f"{label}_single_tpot_s"] = round(single.tpot_s, 4)
         print(
-            f"{label}: one request at a time: TTFT {single['ttft_s'] * 1000:.0f} ms, TPOT {single['tpot_s'] * 1000:.1f} ms "
-            f"({single['prompt_tokens']} prompt tokens)",
+            f"{label}: one request at a time: TTFT {single.ttft_s * 1000:.0f} ms, TPOT {single.tpot_s * 1000:.1f} ms "
+            f"({single.num_prompt_tokens} prompt tokens)",
             flush=True,
         )
         if slo is None:
             slo = SLO(
-                ttft_s=args.ttft_slo if args.ttft_slo is not None else args.ttft_slo_factor * single["ttft_s"],
-                tpot_s=args.tpot_slo if args.tpot_slo is not None else args.tpot_slo_factor * single["tpot_s"],
+                ttft_s=args.ttft_slo if args.ttft_slo is not None else args.ttft_slo_factor * single.ttft_s,
+                tpot_s=args.tpot_slo if args.tpot_slo is not None else args.tpot_slo_factor * single.tpot_s,
             )
             figures["ttft_slo_s"] = round(slo.ttft_s or 0.0, 4)
             figures["tpot_slo_s"] = round(slo.tpot_s or 0.0, 4)
             print(f"SLOs: TTFT {figures['ttft_slo_s'] * 1000:.0f} ms, TPOT {figures['tpot_slo_s'] * 1000:.1f} ms", flush=True)
-        sid = server.proc.pid if server is not None and server.proc is not None else None
-        return slo, sweep(args, url, slo, single["calibration"], sid)
+        sid = server.sid if server is not None else None
+        return slo, sweep(args, url, slo, single.calibration, sid)
     finally:
         if server is not None:
             stop = server.stop()

@@ -149,7 +149,7 @@ def find_goodput(
         return results[rate]
 
     def search(passes: Callable[[float], bool]) -> tuple[float, float]:
-        return _search(passes, start_rate or float(num_gpus), max_rate, rel_tol, max_probes)
+        return search_rate(passes, start_rate or float(num_gpus), max_rate, rel_tol, max_probes)
 
     if min_rate is not None and not _reaches(search, probe, outcomes, min_rate, max_rate):
         failed = min((p for p in probes if not p.meets), key=lambda p: p.rate, default=None)
@@ -168,11 +168,12 @@ def find_goodput(
     )
 
 
-def _search(passes: Callable[[float], bool], start_rate: float, max_rate: float | None, rel_tol: float,
-            max_probes: int) -> tuple[float, float]:
+def search_rate(passes: Callable[[float], bool], start_rate: float, max_rate: float | None, rel_tol: float,
+                max_probes: int) -> tuple[float, float]:
     """The search over an oracle ``passes(rate)``: (lo, hi), the best passing rate and the failing one above it.
 
-    ``lo`` is 0 if no rate passed, ``hi`` inf if none failed.
+    ``lo`` is 0 if no rate passed, ``hi`` inf if none failed. The oracle may be a simulation or a
+    measurement of a real server (experiments/bench_serving.py): the search is the same.
     """
     rate = start_rate if max_rate is None else min(start_rate, max_rate)
     lo, hi = 0.0, math.inf

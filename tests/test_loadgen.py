@@ -117,6 +117,39 @@ def test_summary_math() -> None:
     assert json.loads(json.dumps(s.to_dict()))["slo_attainment"] == pytest.approx(0.4)
 
 
+def test_known_misses_and_the_miss_budget() -> None:
+    slo = SLO(ttft_s=0.3, tpot_s=0.03)
+    open_slow_ttft = RequestResult(5, 5.0, 10, sent_s=5.0)  # sent at 5 s, no token yet
+    open_slow_tpot = RequestResult(6, 5.0, 10, sent_s=5.0, first_token_s=5.1, last_token_s=5.5)  # 0.4 s of tokens
+    open_fine = RequestResult(7, 5.0, 10, sent_s=5.0, first_token_s=5.1, last_token_s=5.2)
+    unsent = RequestResult(8, 9.0, 10)
+    finished = [
+        _req(0, 0.0, ttft=0.1, tpot=0.02, n=11),  # meets
+        _req(1, 1.0, ttft=0.5, tpot=0.02, n=11),  # missed TTFT
+        _req(2, 2.0, ttft=0.1, tpot=0.05, n=11),  # missed TPOT
+    ]
+    results = [*finished, open_slow_ttft, open_slow_tpot, open_fine, unsent]
+    # At 5.2 s: two finished misses; the open request has waited 0.2 s (< TTFT SLO); with at most 11
+    # tokens, 0.4 s of tokens is a TPOT of at least 0.04 s: a known miss.
+    assert loadgen.num_known_misses(results, slo, max_tokens=11, now_s=5.2) == 3
+    assert loadgen.num_known_misses(results, slo, max_tokens=11, now_s=5.4) == 4  # now past the TTFT SLO
+    assert loadgen.num_known_misses(results, slo, max_tokens=20, now_s=5.2) == 2  # 0.4 / 19 < 0.03: not yet known
+    assert loadgen.num_known_misses(results, SLO(), max_tokens=11, now_s=100.0) == 0
+    assert [loadgen.max_misses(n, 0.9) for n in (1, 9, 10, 40, 41)] == [0, 0, 1, 4, 4]
+    assert loadgen.max_misses(40, 1.0) == 0 and loadgen.max_misses(40, 0.0) == 40
+
+
+def test_cancelled_requests_are_misses_not_errors() -> None:
+    results = [
+        _req(0, 0.0, ttft=0.1, tpot=0.02, n=11),
+        RequestResult(1, 1.0, 10, sent_s=1.0, finish_s=1.5, error="cancelled", cancelled=True),
+        RequestResult(2, 9.0, 10, error="cancelled", cancelled=True),  # never sent
+    ]
+    s = summarize(results, SLO(ttft_s=0.3, tpot_s=0.03))
+    assert (s.num_completed, s.num_errors, s.num_cancelled, s.error_kinds) == (1, 0, 2, {})
+    assert s.slo_attainment == pytest.approx(1 / 3) and s.duration_s == pytest.approx(1.5)
+
+
 def test_summary_of_nothing_completed() -> None:
     s = summarize([RequestResult(0, 0.0, 8, sent_s=0.0, finish_s=0.2, error="x")], SLO(1.0, 1.0))
     assert s.num_completed == 0 and s.ttft_p50_s is None and s.goodput_rps == 0.0 and s.slo_attainment == 0.0
@@ -188,6 +221,21 @@ def test_bad_model_and_dead_server_are_counted_not_raised(live: LiveServer) -> N
     dead = run_load(dead_url, "tiny", w)
     assert dead.summary.num_errors == 3 and "ConnectError" in next(iter(dead.summary.error_kinds))
     assert "calibration_error" in dead.extra
+
+
+def test_run_stops_once_its_verdict_is_certain(live: LiveServer) -> None:
+    # 40 requests over ~4 s; a TTFT SLO nobody meets: the 5th miss (> 10% of 40) ends the run.
+    w = Workload(num_requests=40, rate=10.0, input_len=32, output_len=8, seed=1, ignore_eos=True)
+    t0 = time.monotonic()
+    result = run_load(live.base_url, "tiny", w, SLO(ttft_s=1e-6), stop_below=0.9)
+    s = result.summary
+    assert result.stopped_early and result.to_dict()["stopped_early"]
+    assert s.num_errors == 0 and s.num_cancelled > 0 and s.num_completed + s.num_cancelled == 40
+    assert s.slo_attainment == 0.0 and time.monotonic() - t0 < 3.0
+    assert all(r.error is not None and r.error.startswith("cancelled") for r in result.requests if r.cancelled)
+    # A run that meets its target is never stopped, and is the same as without stop_below.
+    easy = run_load(live.base_url, "tiny", Workload(8, 20.0, 32, 8, ignore_eos=True), SLO(60.0, 60.0), stop_below=0.9)
+    assert not easy.stopped_early and easy.summary.num_completed == 8 and easy.summary.num_cancelled == 0
 
 
 def test_request_timeout_is_an_error(live: LiveServer) -> None:

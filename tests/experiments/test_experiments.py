@@ -31,6 +31,17 @@ CHECKS = {
         and 0.0 <= f[f"{s}_max_attainment"] <= 1.0 and f[f"{s}_goodput_rps"] >= 0.0
         for s in ("colocated", "disagg")
     ),
+    # Quick: our colocated server only (vLLM needs `make peers` and SmolLM2): both workloads searched,
+    # every request answered in full, its single-stream latency measured, and no process left behind.
+    "bench_serving": lambda f: f["quick"] and set(f["servers"]) == {"colocated"} and f["num_errors"] == 0
+    and f["servers"]["colocated"]["processes_left"] == 0 and "skipped" in f["crosscheck"]
+    and all(
+        (g := f["servers"]["colocated"]["goodput"][w])["num_probes"] >= 1 and g["goodput_rps"] >= 0
+        and g["num_completed"] + g["num_cancelled"] == g["num_requests"]
+        and g["min_mean_output_tokens"] == g["max_mean_output_tokens"] == spec["output_len"]
+        and f["servers"]["colocated"]["single"][w]["tpot_s"] > 0
+        for w, spec in f["workloads"].items()
+    ) and set(f["workloads"]) == {"short", "long"},
     # Both systems at three rates, every latency measured and predicted, errors computed.
     "validate_simulator": lambda f: len(f["rows"]) == 6
     and all(r[f"{w}_{k}"] > 0 for r in f["rows"] for w in ("measured", "predicted") for k in ("ttft_p90_s", "tpot_p90_s"))

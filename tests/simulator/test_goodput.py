@@ -8,7 +8,7 @@ import pytest
 
 from distserve.config import SLO
 from distserve.placement.placement import Placement
-from simulator.goodput import _reaches, _search, find_goodput
+from simulator.goodput import _reaches, find_goodput, search_rate
 from simulator.latency import FittedLatencyModel, TpCoefficients
 from simulator.metrics import SLOSpec
 from simulator.workload import generate_requests
@@ -37,7 +37,7 @@ def test_min_rate_decides_exactly_what_the_full_search_would() -> None:
             return table[rate]
 
         def search(oracle):  # the planner's call: start at half the bound, capped at it
-            return _search(oracle, 0.5 * bound, bound, 0.05, 40)
+            return search_rate(oracle, 0.5 * bound, bound, 0.05, 40)
 
         asked: list[float] = []
         full = search(lambda r: (asked.append(r), passes(r))[1])
