@@ -47,6 +47,7 @@ import argparse
 import json
 import math
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -144,7 +145,7 @@ def distserve_server(args: argparse.Namespace, name: str) -> ServerProcess:
         flags = ["--placement", str(Path(args.placement).resolve())]
     else:
         flags = ["--prefill", "1", "--decode", "1", "--runtime", "ray"]  # make serve's deployment
-    argv = distserve_serve_argv(args.model, args.dtype, flags)
+    argv = distserve_serve_argv(args.model, args.dtype, flags + shlex.split(args.serve_args))
     return ServerProcess(name, argv, args.startup_timeout)
 
 
@@ -448,6 +449,8 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--min-rate", type=float, default=0.25, help="req/s; lower rates are not probed")
     ap.add_argument("--max-rate", type=float, default=16.0, help="req/s; the search stops passing there")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--serve-args", default="", help="more `distserve serve` flags for our servers, e.g. '--tpot-slo 0.15'")
+    ap.add_argument("--tag", default="", help="suffix of the result files' names (bench_serving_TAG.*), to keep several runs")
     ap.add_argument("--no-crosscheck", action="store_true", help="skip the vLLM-client cross-check")
     ap.add_argument("--startup-timeout", type=float, default=300.0, help="seconds for a server to become healthy")
     ap.add_argument("--request-timeout", type=float, default=120.0, help="seconds, per request")
@@ -520,7 +523,9 @@ def main() -> None:
     figures["max_other_cores"] = max((r["other_cores"] for r in rows), default=0.0)
     figures["wall_s"] = round(time.monotonic() - t_start, 1)
     print_summary(figures)
-    write_outputs(Path(args.out_dir), "bench_serving_quick" if args.quick else "bench_serving", figures, rows)
+    stem = "bench_serving_quick" if args.quick else "bench_serving" + (f"_{args.tag}" if args.tag else "")
+    figures["serve_args"] = args.serve_args
+    write_outputs(Path(args.out_dir), stem, figures, rows)
     print(json.dumps(figures))
 
 
