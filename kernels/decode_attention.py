@@ -178,20 +178,23 @@ class PaddedDecodeAttention(DecodeAttention):
         return o.squeeze(2)  # [nd, H, D]
 
 
-def choose_chunk_len(context_lens: torch.Tensor, block_size: int) -> int:  # context_lens: [nd] int64
+def choose_chunk_len(context_lens: list[int], block_size: int) -> int:
     """The longest chunk ``ceil(longest context / k)``, rounded up to whole blocks and at most
     ``MAX_CHUNK_TOKENS``, whose padding stays within ``max(MAX_PADDING_FRACTION · Σctx,
     FREE_PADDING_TOKENS · nd)``; one block if none does."""
-    total = int(context_lens.sum())
-    longest_blocks = -(-int(context_lens.max()) // block_size)
-    max_chunk_blocks = max(1, MAX_CHUNK_TOKENS // block_size)
-    first = -(-longest_blocks // max_chunk_blocks)
-    splits = torch.arange(first, min(longest_blocks, first + MAX_SPLITS) + 1, dtype=torch.int64)  # [K]
-    chunks = (longest_blocks + splits - 1) // splits * block_size  # [K] non-increasing
-    padded = (((context_lens[None, :] + chunks[:, None] - 1) // chunks[:, None]) * chunks[:, None]).sum(1)  # [K]
+    total = sum(context_lens)
     allowed = max(MAX_PADDING_FRACTION * total, FREE_PADDING_TOKENS * len(context_lens))
-    fits = (padded - total <= allowed).nonzero()
-    return int(chunks[fits[0, 0]]) if len(fits) else block_size
+    longest_blocks = -(-max(context_lens) // block_size)
+    first = -(-longest_blocks // max(1, MAX_CHUNK_TOKENS // block_size))
+    tried = 0
+    for k in range(first, min(longest_blocks, first + MAX_SPLITS - 1) + 1):
+        chunk = -(-longest_blocks // k) * block_size
+        if chunk == tried:
+            continue
+        tried = chunk
+        if sum(-(-c // chunk) for c in context_lens) * chunk - total <= allowed:
+            return chunk
+    return block_size
 
 
 class ExactDecodeAttention(DecodeAttention):
@@ -206,31 +209,31 @@ class ExactDecodeAttention(DecodeAttention):
     def plan(self, context_lens: list[int], block_tables: torch.Tensor, block_size: int) -> DecodePlan:
         nd = len(context_lens)
         device = block_tables.device
-        ctx = torch.tensor(context_lens, dtype=torch.int64)  # [nd]
-        chunk = self.chunk_len or choose_chunk_len(ctx, block_size)
+        chunk = self.chunk_len or choose_chunk_len(context_lens, block_size)
         if chunk % block_size:
             raise ValueError(f"chunk length {chunk} is not a multiple of the block size {block_size}")
-        blocks_per_chunk = chunk // block_size
-        num_chunks = (ctx + chunk - 1) // chunk  # [nd]
-        max_chunks = int(num_chunks.max())
-        width = max_chunks * blocks_per_chunk
+        max_chunks = -(-max(context_lens) // chunk)
+        width = max_chunks * (chunk // block_size)
         table = block_tables[:nd, :width]
         if table.shape[1] < width:
             table = F.pad(table, (0, width - table.shape[1]))
-        grid = table.reshape(nd, max_chunks, blocks_per_chunk)
-        starts = torch.arange(max_chunks, dtype=torch.int64) * chunk  # [max_chunks]
-        lens = (ctx[:, None] - starts[None, :]).clamp(max=chunk)  # [nd, max_chunks] tokens per chunk
-        used = lens > 0  # chunk j of sequence i exists
-        lens = lens[used]  # [R]
+        grid = table.reshape(nd * max_chunks, chunk // block_size)  # row i * max_chunks + j: chunk j of sequence i
+        slots: list[int] = []  # the grid rows that exist
+        lens: list[int] = []  # their tokens
+        for i, ctx in enumerate(context_lens):
+            for j in range(-(-ctx // chunk)):
+                slots.append(i * max_chunks + j)
+                lens.append(min(chunk, ctx - j * chunk))
         valid = None
-        if bool((lens < chunk).any()):
-            valid = (torch.arange(chunk)[None, :] < lens[:, None]).view(-1, 1, 1, chunk).to(device)
+        if sum(lens) < len(lens) * chunk:
+            valid = torch.arange(chunk)[None, :] < torch.tensor(lens)[:, None]  # [R, C]
+            valid = valid.view(-1, 1, 1, chunk).to(device)
         if max_chunks == 1:
-            return DecodePlan(nd, block_size, grid[:, 0], valid)
-        slots = torch.arange(nd * max_chunks, dtype=torch.int64).view(nd, max_chunks)[used]  # [R]
+            return DecodePlan(nd, block_size, grid, valid)
+        merge_slot = torch.tensor(slots, dtype=torch.int64, device=device)  # [R]
         return DecodePlan(
-            nd, block_size, grid[used.to(device)], valid,
-            unit_seq=(slots // max_chunks).to(device), merge_slot=slots.to(device), max_chunks=max_chunks,
+            nd, block_size, grid.index_select(0, merge_slot), valid,
+            unit_seq=merge_slot // max_chunks, merge_slot=merge_slot, max_chunks=max_chunks,
         )
 
     def forward(

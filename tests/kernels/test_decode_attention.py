@@ -166,8 +166,9 @@ def test_chunk_len_bounds_padding(seed: int) -> None:
     rng = random.Random(seed)
     for _ in range(50):
         bs = rng.choice([4, 16])
-        ctx = torch.tensor([rng.randint(1, rng.choice([40, 600, 5000])) for _ in range(rng.randint(1, 40))])
-        chunk = choose_chunk_len(ctx, bs)
+        lens = [rng.randint(1, rng.choice([40, 600, 5000])) for _ in range(rng.randint(1, 40))]
+        chunk = choose_chunk_len(lens, bs)
+        ctx = torch.tensor(lens)
         assert chunk % bs == 0 and bs <= chunk <= max(bs, MAX_CHUNK_TOKENS)
         padding = int(((ctx + chunk - 1) // chunk).sum()) * chunk - int(ctx.sum())
         block_floor = int(((ctx + bs - 1) // bs).sum()) * bs - int(ctx.sum())
