@@ -6,12 +6,12 @@ from that plan; every layer of the step shares the plan.
 
 * ``padded`` gathers every sequence's KV up to the batch's *longest* context and runs masked SDPA:
   bytes and work scale with ``batch × max ctx``. The reference the tests compare against.
-* ``exact`` (split-K, flash-decoding style) cuts each context into chunks of ``C`` tokens (a
-  multiple of the block size, chosen per step: the largest whose padding stays within
-  ``MAX_PADDING_FRACTION`` of Σctx), gathers exactly those chunks' blocks, attends every chunk in
-  one batched flash-attention call that also returns each chunk's log-sum-exp, and merges a
-  sequence's chunks by their log-sum-exp (in fp32). Bytes and work scale with Σctx. When every
-  sequence fits in one chunk there is nothing to merge.
+* ``exact`` (split-K, flash-decoding style) cuts each context into chunks of ``C`` tokens (whole
+  blocks; ``choose_chunk_len`` picks ``C`` per step, the longest whose padding stays small),
+  gathers exactly those chunks' blocks, attends every chunk in one batched flash-attention call
+  that also returns each chunk's log-sum-exp, and merges a sequence's chunks by their log-sum-exp
+  (in fp32). Bytes and work scale with Σctx. When every sequence fits in one chunk (similar
+  contexts) there is nothing to merge.
 
 ``exact`` runs grouped-query heads as *rows*: the ``G = H / KVH`` query heads sharing a KV head
 form a ``[KVH, G, D]`` query, so the CPU flash kernel sees ``q_len = G`` instead of ``q_len = 1``
