@@ -11,7 +11,8 @@ from that plan; every layer of the step shares the plan.
   gathers exactly those chunks' blocks, attends every chunk in one batched flash-attention call
   that also returns each chunk's log-sum-exp, and merges a sequence's chunks by their log-sum-exp
   (in fp32). Bytes and work scale with Σctx. When every sequence fits in one chunk (similar
-  contexts) there is nothing to merge.
+  contexts) there is nothing to merge. With bf16 caches a merged output is rounded twice (the
+  chunks' outputs come back in bf16): relative RMS error vs fp32 attention 2.5e-3, padded 2.2e-3.
 
 ``exact`` runs grouped-query heads as *rows*: the ``G = H / KVH`` query heads sharing a KV head
 form a ``[KVH, G, D]`` query, so the CPU flash kernel sees ``q_len = G`` instead of ``q_len = 1``
