@@ -10,7 +10,12 @@ ids each backend's plan gathers (padding included): padded reads batch x longest
 a copy and read that back, so the bytes they move are 3x those they read from the cache.
 
 Model: one decode step (``ModelRunner.execute``, sampling included) of a real model at batch 16
-with contexts ~300 and ~1000 (±5%, seeded) and spread 128-4096, with each backend.
+with contexts ~300 and ~1000 (±5%, seeded) and spread 128-4096, with each backend, over a KV cache
+of random values (prefilling real prompts that long would dominate the run). On such a cache the
+model amplifies any rounding difference: in bf16 the two backends' logits differ by up to ~20
+(one attention-kernel ulp, 30 layers; the padded path against itself on a reordered batch: 0), so
+"argmax same" is only a sanity figure there; greedy parity on real prompts is tested in
+tests/engine and measured by bench_engine.py.
 
 Writes JSON + markdown under --out-dir; the last stdout line is one JSON object of the figures.
 """
@@ -156,7 +161,7 @@ def bench_model_step(model: str, dtype: str, cases: dict[str, list[int]], repeat
         rows.append({
             "case": name, "model": model, "dtype": dtype, "batch": len(contexts), "mean_ctx": sum(contexts) / len(contexts),
             "max_ctx": max(contexts), **{f"{b}_ms": seconds[b] * 1e3 for b in BACKENDS},
-            "speedup": seconds["padded"] / seconds["exact"], "greedy_same": same,
+            "speedup": seconds["padded"] / seconds["exact"], "greedy_same": same,  # "argmax same" (see the docstring)
         })
         del runner
     return rows
@@ -175,8 +180,9 @@ def write_outputs(out_dir: Path, stem: str, kernel: list[dict[str, Any]], model:
            f"| {r['bytes_ratio_padded']:.2f} | {r['bytes_ratio_exact']:.3f} | {r['exact_num_chunks']} x {r['exact_chunk_len']} "
            f"| {r['padded_build_us']:.0f} | {r['exact_build_us']:.0f} | {r['max_abs_diff']:.1e} |" for r in kernel]
     if model:
-        md += ["", "Whole-model decode step (ModelRunner.execute):", "",
-               "| model | dtype | case | batch | mean ctx | max ctx | padded ms | exact ms | speedup | greedy same |",
+        md += ["", "Whole-model decode step (ModelRunner.execute) over a random KV cache; argmax agreement there "
+               "is only a sanity figure in bf16 (see the script docstring):", "",
+               "| model | dtype | case | batch | mean ctx | max ctx | padded ms | exact ms | speedup | argmax same (random KV) |",
                "|---|---|---|---|---|---|---|---|---|---|"]
         md += [f"| {r['model']} | {r['dtype']} | {r['case']} | {r['batch']} | {r['mean_ctx']:.0f} | {r['max_ctx']} "
                f"| {r['padded_ms']:.1f} | {r['exact_ms']:.1f} | {r['speedup']:.2f}x | {r['greedy_same']:.0%} |" for r in model]
@@ -247,10 +253,10 @@ def main() -> None:
               f"  speedup {r['speedup']:.2f}x  max|diff| {r['max_abs_diff']:.1e}")
     for r in model:
         print(f"model step {r['model']} {r['dtype']} {r['case']:>16}: padded {r['padded_ms']:7.1f} ms  exact {r['exact_ms']:7.1f} ms"
-              f"  speedup {r['speedup']:.2f}x  greedy same {r['greedy_same']:.0%}")
+              f"  speedup {r['speedup']:.2f}x  argmax same {r['greedy_same']:.0%} (random KV)")
     title = (f"Decode attention, SmolLM2-135M shapes (9 heads, 3 KV heads, head_dim 64, block 16), batch {args.batch}, "
              f"{args.threads} threads, median of {args.repeats} alternating calls. KV MB read: from the cache, per layer, "
-             f"padding included (each backend also writes them to a scratch copy and reads that back).")
+             f"padding included (each backend also writes them to a copy and reads that back).")
     stem = "bench_attention_quick" if args.quick else "bench_attention"
     write_outputs(Path(args.out_dir), stem, kernel, model, figures, title)
     sys.stdout.flush()
