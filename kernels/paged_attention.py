@@ -19,7 +19,13 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kernels.decode_attention import DecodeAttention, DecodePlan, default_decode_attention, gather_blocks, get_decode_attention
+from kernels.decode_attention import (
+    DecodeAttention,
+    DecodePlan,
+    default_decode_attention,
+    gather_blocks,
+    get_decode_attention,
+)
 
 
 @dataclass
@@ -117,6 +123,10 @@ def paged_attention(
             v = value[s:e].transpose(0, 1).unsqueeze(0)
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
         else:
+            # A chunk over a cached prefix reads its own context exactly (no padding). Its time is
+            # attention compute: gathering into reused buffers, a per-step mask or grouped heads as
+            # rows (as the exact decode does) gained 0-10% here (SmolLM2 shapes, 16-512 queries over
+            # 1-2k tokens), within this machine's noise, so it stays plain SDPA.
             nb = -(-ctx_len // meta.block_size)
             table = meta.block_tables[i, :nb]
             k = gather_blocks(k_cache, table)[:, :ctx_len].unsqueeze(0)  # [1, KVH, ctx, D]
