@@ -53,6 +53,7 @@ from distserve.engine.sequence import Sequence
 from distserve.engine.weights import LoadedModel, load_model, resolve_model_dir
 from distserve.errors import InvalidConfigError
 from distserve.prefill.scheduler import PrefillScheduler
+from kernels.decode_attention import default_decode_attention, get_decode_attention
 
 HARDWARE = "cpu"
 _SEED = 0
@@ -110,6 +111,7 @@ class _Job:
     repeats: int
     block_size: int
     grid: ProfileGrid
+    decode_attention: str  # the kernels.decode_attention backend the runner uses
     quiet: bool = False
     max_quiet_wait_s: float = 600.0
 
@@ -278,7 +280,8 @@ def _measure(job: _Job, loaded: LoadedModel, parallel: ParallelState) -> dict[st
     config = loaded.config
     max_model_len = config.max_position_embeddings
     num_blocks = _num_blocks_needed(job, max_model_len)
-    runner = ModelRunner(config, loaded.state_dict, num_blocks, job.block_size, parallel=parallel)
+    runner = ModelRunner(config, loaded.state_dict, num_blocks, job.block_size, parallel=parallel,
+                         decode_attention=job.decode_attention)
     guard = _QuietGuard(_QUIET_MAX_OTHER_CORES, _QUIET_RETRIES, job.max_quiet_wait_s) if job.quiet else None
     timer = _StepTimer(runner, parallel, guard)
     bm = BlockManager(num_blocks, job.block_size)
@@ -577,10 +580,12 @@ def profile_engine(
     tps = check_tps(config, tps)
     grid = QUICK_GRID if quick else FULL_GRID
     samples_by_tp: dict[int, dict[str, Any]] = {}
+    decode_attention = default_decode_attention("cpu")  # what ModelRunner runs by default here
     t0 = time.perf_counter()
     jiffies0 = cpu_jiffies()
     for tp in tps:
-        job = _Job(model, resolved, tp, threads, repeats, block_size, grid, quiet=quiet, max_quiet_wait_s=max_quiet_wait_s)
+        job = _Job(model, resolved, tp, threads, repeats, block_size, grid, decode_attention,
+                   quiet=quiet, max_quiet_wait_s=max_quiet_wait_s)
         samples_by_tp[tp] = _measure_in_process(job) if tp == 1 else _measure_tp(job)
     extras = {tp: {k: v for k, v in samples.items() if k not in ("prefill", "decode")} for tp, samples in samples_by_tp.items()}
     concurrent = measure_concurrent_slowdown(model, resolved, threads, quiet=quiet, max_quiet_wait_s=max_quiet_wait_s) if concurrency else None
@@ -599,9 +604,10 @@ def profile_engine(
         # Share of the CPU time the hypervisor gave to others while profiling (a VM's noise).
         "cpu_steal_fraction": _steal_fraction(jiffies0, cpu_jiffies()),
         "note": "pp is not profiled; the simulator models pp from the tp profile",
-        # kernels.paged_attention (the torch path profiled here) pads every decode of a batch to the
-        # longest context: the simulator charges batch x max ctx (FittedLatencyModel decode_attention).
-        "decode_attention": "padded",
+        # What the profiled decode-attention backend reads, as FittedLatencyModel charges it: "sum"
+        # (Σctx) or "padded" (batch x max ctx, kernels.decode_attention's padded backend).
+        "decode_attention": get_decode_attention(decode_attention).kv_read,
+        "decode_attention_backend": decode_attention,
         "prefill_first_use_extra_s": {str(tp): e.get("prefill_first_use_extra_s") for tp, e in extras.items()},
         "architecture": _architecture(config),
     }

@@ -263,11 +263,12 @@ class FittedLatencyModel(LatencyModel):
     in place of Σl².
 
     ``decode_attention="padded"``: the decode term reads ``batch × max ctx`` in place of Σctx, for
-    an engine whose decode attention pads every sequence of the batch to the longest context (our
-    torch paged-attention path does: it gathers the same number of blocks for every decode). A
-    profile of uniform contexts fits the same coefficients either way; batches of mixed contexts
-    cost up to several times Σctx (median 2.8× in a loaded SmolLM2 run here). Our profiler
-    records it in the profile's ``meta.decode_attention``.
+    an engine whose decode attention pads every sequence of the batch to the longest context (the
+    ``padded`` backend of ``kernels.decode_attention`` does, and was our default until the
+    ``exact`` split-K backend, which reads Σctx). A profile of uniform contexts fits the same
+    coefficients either way; with padding, batches of mixed contexts cost up to several times
+    Σctx (median 2.8× in a loaded SmolLM2 run here). Our profiler records what its backend reads
+    in the profile's ``meta.decode_attention``.
     """
 
     def __init__(

@@ -16,6 +16,7 @@ from distserve.engine.model import TORCH_DTYPES, LlamaForCausalLM, prepack_linea
 from distserve.engine.parallel import ParallelState, ShardSpec
 from distserve.engine.sampler import Sampler
 from distserve.engine.scheduler import SampledToken, ScheduledChunk, StepPlan
+from kernels.decode_attention import default_decode_attention, get_decode_attention
 from kernels.paged_attention import AttentionMetadata
 
 
@@ -32,7 +33,9 @@ class ModelRunner:
         device: str = "cpu",
         prepack_weights: bool = True,
         parallel: ParallelState | None = None,
+        decode_attention: str | None = None,
     ) -> None:
+        """``decode_attention`` names a ``kernels.decode_attention`` backend (default: the device's)."""
         self.config = config
         self.parallel = parallel or ParallelState(ShardSpec())
         shard = self.parallel.shard
@@ -40,6 +43,8 @@ class ModelRunner:
         self.dtype = TORCH_DTYPES[config.dtype]
         self.block_size = block_size
         self.num_blocks = num_blocks
+        self.decode_attention = decode_attention or default_decode_attention(self.device)
+        get_decode_attention(self.decode_attention)  # fail here, not at the first step, on an unknown name
         self.eos_token_ids = eos_token_ids
         model = LlamaForCausalLM(config, shard, self.parallel.all_reduce)
         model.load_hf_state_dict(state_dict)
@@ -104,7 +109,7 @@ class ModelRunner:
             tables.append(table)
             if chunk.sample:
                 sample_rows.append(len(input_ids) - 1)
-        meta = AttentionMetadata.build(query_lens, context_lens, slots, tables, bs, self.device)
+        meta = AttentionMetadata.build(query_lens, context_lens, slots, tables, bs, self.device, self.decode_attention)
         ids = torch.tensor(input_ids, dtype=torch.int64, device=self.device)
         pos_t = torch.tensor(positions, dtype=torch.int64, device=self.device)
         return ids, pos_t, meta, sample_rows

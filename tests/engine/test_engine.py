@@ -85,6 +85,21 @@ def test_batch_invariance_mixed_lengths(tiny: LoadedModel) -> None:
     assert [done[p] for p in PROMPTS] == alone
 
 
+def test_decode_attention_backends_same_tokens_and_logits(tiny: LoadedModel) -> None:
+    """The default (exact, split-K) decode attention and the padded reference agree on a mixed batch."""
+    results = {}
+    for backend in ("padded", "exact"):
+        engine = make_engine(tiny)
+        engine.runner.decode_attention = backend
+        captured: list[torch.Tensor] = []
+        original = engine.runner.model.compute_logits
+        engine.runner.model.compute_logits = lambda h: captured.append(original(h)) or captured[-1]  # type: ignore[method-assign]
+        tokens = [o.token_ids for o in engine.generate(PROMPTS, GREEDY32)]
+        results[backend] = (tokens, torch.cat(captured))
+    assert results["exact"][0] == results["padded"][0]
+    torch.testing.assert_close(results["exact"][1], results["padded"][1], atol=1e-4, rtol=1e-4)
+
+
 def test_chunked_prefill_same_output(tiny: LoadedModel) -> None:
     ref = make_engine(tiny).generate(PROMPTS, GREEDY32)
     chunked = make_engine(

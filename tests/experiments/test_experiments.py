@@ -14,6 +14,11 @@ SCRIPTS = sorted((ROOT / "experiments").glob("*.py"))
 
 # Figures a quick run must get right regardless of machine speed.
 CHECKS = {
+    # Both decode-attention backends timed on the same batch and agreeing; exact reads no more than
+    # padded; whole-model steps at three context mixes give the same greedy tokens either way.
+    "bench_attention": lambda f: f["padded_ms"] > 0 and f["exact_ms"] > 0 and f["max_abs_diff"] < 1e-2
+    and 1.0 <= f["bytes_ratio_exact"] <= f["bytes_ratio_padded"] and f["default_decode_attention"] == "exact"
+    and len(f["model_step"]) == 3 and all(r["greedy_same"] == 1.0 and r["exact_ms"] > 0 for r in f["model_step"].values()),
     "bench_engine": lambda f: f["greedy_same_as_hf_float32"] == 1.0 and f["ours_tok_s_batch_float32"] > 0,
     # Every deployment simulated every request to the end and measured a speed; the JSON says which latency model.
     "bench_simulator": lambda f: f["target_requests_per_s"] == 100_000 and all(

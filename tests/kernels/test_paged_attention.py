@@ -3,11 +3,13 @@
 import pytest
 import torch
 
+from kernels.decode_attention import DECODE_ATTENTION_BACKENDS
 from kernels.paged_attention import AttentionMetadata, paged_attention, reference_attention, write_kv
 
 
+@pytest.mark.parametrize("decode_attention", sorted(DECODE_ATTENTION_BACKENDS))
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (8, 2), (9, 3)])
-def test_mixed_batch_matches_reference(num_heads: int, num_kv_heads: int) -> None:
+def test_mixed_batch_matches_reference(num_heads: int, num_kv_heads: int, decode_attention: str) -> None:
     torch.manual_seed(0)
     d, bs, nb = 16, 4, 64
     k_cache = torch.zeros(nb, bs, num_kv_heads, d)
@@ -29,7 +31,7 @@ def test_mixed_batch_matches_reference(num_heads: int, num_kv_heads: int) -> Non
             write_kv(k[:start], v[:start], k_cache, v_cache, slots)
     query = [torch.randn(q, num_heads, d) for _, q in shapes]
     slots = [table[p // bs] * bs + p % bs for (ctx, q), table in zip(shapes, tables) for p in range(ctx - q, ctx)]
-    meta = AttentionMetadata.build([q for _, q in shapes], [c for c, _ in shapes], slots, tables, bs)
+    meta = AttentionMetadata.build([q for _, q in shapes], [c for c, _ in shapes], slots, tables, bs, decode_attention=decode_attention)
     new_k = torch.cat([k[c - q :] for (c, q), k in zip(shapes, full_k)])
     new_v = torch.cat([v[c - q :] for (c, q), v in zip(shapes, full_v)])
     write_kv(new_k, new_v, k_cache, v_cache, meta.slot_mapping)
