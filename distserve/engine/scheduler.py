@@ -234,7 +234,9 @@ class Scheduler:
         if self._static_budget:
             budget = self.config.max_num_batched_tokens
         else:
-            budget = self.step_budget.tokens(len(self.running), sum(len(s.token_ids) for s in self.running))
+            # The sequences that decode this step (one token left to compute): their TPOT is what a budget protects.
+            decoding = [len(s.token_ids) for s in self.running if len(s.token_ids) - s.num_computed_tokens <= 1]
+            budget = self.step_budget.tokens(len(decoding), sum(decoding))
         decodes: list[ScheduledChunk] = []
         prefills: list[ScheduledChunk] = []
         preempted = False

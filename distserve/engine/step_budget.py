@@ -52,7 +52,8 @@ class SLOBudget(StepBudget):
     Model: ``t = w0 + w1·num_decodes + w2·decode_ctx/1000 + w3·prefill_tokens``. Until it has seen
     ``MIN_OBSERVATIONS`` steps, some of them with prefill, the budget is ``max_num_batched_tokens``.
     At least ``min_prefill_tokens`` prefill tokens are allowed per step, so prompts always advance
-    even when the decodes alone take the whole SLO.
+    even when the decodes alone take the whole SLO; a step with no decodes runs prompts whole (there
+    is no TPOT to protect, and chunking would only delay their first token).
     """
 
     MIN_OBSERVATIONS = 6
@@ -75,6 +76,8 @@ class SLOBudget(StepBudget):
         return True
 
     def tokens(self, num_decodes: int, decode_ctx: int) -> int:
+        if num_decodes == 0:
+            return self.max_tokens  # no decode's TPOT to protect: prompts run whole (TTFT first)
         if self.num_observations < self.MIN_OBSERVATIONS or self.num_prefill_observations < 2:
             return self.max_tokens
         w0, w1, w2, w3 = self.weights

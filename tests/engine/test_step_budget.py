@@ -31,6 +31,7 @@ def test_the_budget_follows_the_learned_step_time() -> None:
     # (0.9 * 50 ms - 10 ms - 10 decodes * 2 ms) / 0.1 ms per token = 150 prefill tokens, plus the 10 decodes.
     assert budget.tokens(10, 1000) == pytest.approx(160, abs=2)
     assert budget.tokens(40, 4000) == 40 + 32  # the decodes alone miss the SLO: prompts still advance by min_prefill_chunk
+    assert budget.tokens(0, 0) == 4096  # nothing decoding: whole prompts, for the fastest first token
 
 
 def test_slo_scheduling_keeps_steps_within_the_tpot_slo() -> None:
