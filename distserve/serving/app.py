@@ -12,7 +12,7 @@ from fastapi import FastAPI
 from ray import serve
 from ray.serve import Application
 
-from distserve.config import CacheConfig
+from distserve.config import CacheConfig, slo_scheduler_config
 from distserve.errors import InvalidConfigError
 from distserve.serving.ray_env import init_ray_local
 from distserve.serving.threaded_client import DEFAULT_MAX_QUEUED_REQUESTS, ThreadedEngineClient, build_local_engine_client

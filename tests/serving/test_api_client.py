@@ -331,3 +331,16 @@ def test_metrics_count_requests_meeting_the_deployment_slo(tiny: LoadedModel) ->
         asyncio.run(run())
     finally:
         client.close()
+
+
+def test_ray_serve_options_carry_the_tpot_slo_to_the_decoding_instances() -> None:
+    from distserve.serving.app import ServeOptions
+
+    client = ServeOptions.from_args({"model": "tiny", "tpot_slo": "0.1"}).build_client()
+    try:
+        engine = client.engines[0]
+        assert isinstance(engine, LocalDisaggEngine)
+        assert [i.scheduler.config.step_budget for i in engine.decode] == ["slo"]
+        assert [i.scheduler.config.step_budget for i in engine.prefill] == ["static"]
+    finally:
+        client.close()
