@@ -35,10 +35,10 @@ def suspects_of(
     if isinstance(failure, StepFailedError):
         named = set(failure.seq_ids)
         return [s for s in held_ids if s in named]
-    waiting_alone = [s for s in held_ids if isolated and s in isolated]
-    if waiting_alone:
-        assert isolated is not None
-        return [min(waiting_alone, key=lambda s: (isolated[s], s))]
+    if isolated:
+        waiting_alone = [s for s in held_ids if s in isolated]
+        if waiting_alone:
+            return [min(waiting_alone, key=lambda s: (isolated[s], s))]  # as solo_order
     return held_ids
 
 

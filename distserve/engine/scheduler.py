@@ -182,7 +182,7 @@ class Scheduler:
         return len(self.running)
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running or self.isolated)
+        return self.has_work()
 
     def has_work(self) -> bool:
         """Something to compute: queued, running or isolated sequences (not ones parked elsewhere)."""

@@ -367,8 +367,6 @@ class InstanceServer:
                 launched.sampled = self.local.execute(launched.plan, launched.plan_seq)
             result.execute_seconds = time.perf_counter() - t_exec
             result.num_batched_tokens = launched.plan.num_batched_tokens
-            with self._lock:
-                self.scheduler.observe_step(launched.plan, result.execute_seconds)
         must_wait = launched is None or len(self._in_flight) >= self.spec.pp
         while self._in_flight:
             oldest = self._in_flight[0]
@@ -381,6 +379,8 @@ class InstanceServer:
             must_wait = False
         with self._lock:
             s = self.scheduler
+            if launched is not None:
+                s.observe_step(launched.plan, result.execute_seconds)
             result.has_work = bool(s.has_work() or self._pending or self._deferred or self._in_flight)
         self.last_step_s = result.step_seconds = time.perf_counter() - t0
         self.num_steps += 1
