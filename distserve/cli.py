@@ -381,10 +381,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
         )
 
     slo = _serve_slo(args, None)
-    if args.threads is not None:
-        import torch
-
-        torch.set_num_threads(args.threads)
     sock = open_listen_socket(args.host, args.port)
     client = build_local_engine_client(
         args.model,
@@ -395,6 +391,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         cache_config=CacheConfig(block_size=args.block_size, kv_cache_memory_gb=args.kv_cache_gb),
         max_queued_requests=args.max_queued_requests,
         scheduler_config=slo_scheduler_config(slo.tpot_s if slo else None),
+        num_threads=args.threads,
     )
     return run_server(client, served, sock, on_ready=lambda url: _print_ready(url, served, layout), log_level=args.log_level, slo=slo)
 

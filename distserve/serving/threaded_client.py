@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from distserve.config import CacheConfig, SamplingParams, SchedulerConfig
+from distserve.engine.compute_thread import use_compute_threads
 from distserve.engine.llm_engine import LLMEngine
 from distserve.engine.outputs import EngineBase, RequestOutput
 from distserve.errors import DistServeError, EngineDeadError, InvalidConfigError, QueueFullError
@@ -67,6 +68,9 @@ class _EngineSlot:
     num_migration_durations_reported: int = 0
 
 
+EngineFactory = Callable[[], "EngineBase | Seq[EngineBase]"]
+
+
 class ThreadedEngineClient(EngineClient):
     """An ``EngineClient`` over one or more in-process engines (``LLMEngine``, ``LocalDisaggEngine``).
 
@@ -76,38 +80,49 @@ class ThreadedEngineClient(EngineClient):
     engine has work and blocks on the command queue otherwise. With several engines, a new
     request goes to the one with the fewest requests in flight.
 
+    **Build the engines on the engine thread** (pass a factory) when serving: the engine thread is
+    the process's compute thread, and a model loaded on another thread makes every step slower
+    (``distserve.engine.compute_thread`` says why and by how much).
+
     Args:
-        engines: the engine, or engines of the same model, to drive.
+        engines: the engine, or engines of the same model, to drive; or a factory that builds
+            them, called on the engine thread (errors it raises come out of this constructor).
         max_queued_requests: bound on requests in flight; beyond it ``generate`` raises ``QueueFullError``.
         model_name: defaults to the first engine's model name.
+        num_threads: torch threads for the engine thread's compute (default: torch's, all cores).
     """
+
+    _slots: list[_EngineSlot]  # set on the engine thread before the constructor returns
 
     def __init__(
         self,
-        engines: EngineBase | Seq[EngineBase],
+        engines: EngineBase | Seq[EngineBase] | EngineFactory,
         *,
         max_queued_requests: int = DEFAULT_MAX_QUEUED_REQUESTS,
         model_name: str | None = None,
+        num_threads: int | None = None,
     ) -> None:
-        engine_list = [engines] if isinstance(engines, EngineBase) else list(engines)
-        if not engine_list:
-            raise InvalidConfigError("ThreadedEngineClient needs at least one engine")
         if max_queued_requests < 1:
             raise InvalidConfigError(f"max_queued_requests must be >= 1, got {max_queued_requests}")
+        if num_threads is not None and num_threads < 1:
+            raise InvalidConfigError(f"num_threads must be >= 1, got {num_threads}")
+        self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
+        self._dead: EngineDeadError | None = None
+        built: concurrent.futures.Future[list[EngineBase]] = concurrent.futures.Future()
+        self._thread = threading.Thread(
+            target=self._run, args=(engines, num_threads, built), name="distserve-engine", daemon=True
+        )
+        self._thread.start()
+        engine_list = built.result()  # re-raises what building failed with
         first = engine_list[0]
         self.engines = engine_list
         self.model_name = model_name or first.model_config.name
         self.tokenizer = first.tokenizer
         self.max_model_len = min(e.max_model_len for e in engine_list)
         self.max_queued_requests = max_queued_requests
-        self._slots = [_EngineSlot(e, i) for i, e in enumerate(engine_list)]
-        self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
         self._streams: dict[str, tuple[_Stream, _EngineSlot]] = {}  # engine thread only
         self._num_outstanding = 0
         self._count_lock = threading.Lock()
-        self._dead: EngineDeadError | None = None
-        self._thread = threading.Thread(target=self._run, name="distserve-engine", daemon=True)
-        self._thread.start()
 
     # ---- async API (any event loop) ----------------------------------------------------------
     @property
@@ -186,7 +201,29 @@ class ThreadedEngineClient(EngineClient):
     def _has_work(self) -> bool:
         return any(slot.engine.has_unfinished_requests() for slot in self._slots)
 
-    def _run(self) -> None:
+    def _build(
+        self, engines: EngineBase | Seq[EngineBase] | EngineFactory, num_threads: int | None
+    ) -> list[EngineBase]:
+        use_compute_threads(num_threads)
+        made = engines() if callable(engines) and not isinstance(engines, EngineBase) else engines
+        engine_list = [made] if isinstance(made, EngineBase) else list(made)
+        if not engine_list:
+            raise InvalidConfigError("ThreadedEngineClient needs at least one engine")
+        return engine_list
+
+    def _run(
+        self,
+        engines: EngineBase | Seq[EngineBase] | EngineFactory,
+        num_threads: int | None,
+        built: concurrent.futures.Future[list[EngineBase]],
+    ) -> None:
+        try:
+            engine_list = self._build(engines, num_threads)
+        except BaseException as exc:  # noqa: BLE001 - handed to the constructor, which raises it
+            built.set_exception(exc)
+            return
+        self._slots = [_EngineSlot(e, i) for i, e in enumerate(engine_list)]
+        built.set_result(engine_list)
         try:
             while True:
                 cmd: _Command | None = self._commands.get() if not self._has_work() else self._next_command()
@@ -329,26 +366,30 @@ def build_local_engine_client(
     cache_config: CacheConfig | None = None,
     max_queued_requests: int = DEFAULT_MAX_QUEUED_REQUESTS,
     scheduler_config: SchedulerConfig | None = None,
+    num_threads: int | None = None,
 ) -> ThreadedEngineClient:
     """``num_colocated`` > 0: that many ``LLMEngine``s (least-loaded routing); else one ``LocalDisaggEngine`` xPyD.
 
-    ``scheduler_config`` applies to the instances that decode (colocated and decode); prefill
-    instances keep the default (their steps hold no decodes whose TPOT a budget would protect).
+    The model is loaded and the engines are built on the engine thread (see ``ThreadedEngineClient``),
+    which computes with ``num_threads`` torch threads. ``scheduler_config`` applies to the instances
+    that decode (colocated and decode); prefill instances keep the default (their steps hold no
+    decodes whose TPOT a budget would protect).
     """
     from distserve.engine.model import resolve_dtype
     from distserve.engine.weights import load_model
 
     if num_colocated < 0:
         raise InvalidConfigError(f"num_colocated must be >= 0, got {num_colocated}")
-    loaded = load_model(model, resolve_dtype(dtype))
-    engines: list[EngineBase]
-    if num_colocated > 0:
-        engines = [LLMEngine(loaded, cache_config=cache_config, scheduler_config=scheduler_config) for _ in range(num_colocated)]
-    else:
-        engines = [
+
+    def build() -> list[EngineBase]:
+        loaded = load_model(model, resolve_dtype(dtype))
+        if num_colocated > 0:
+            return [LLMEngine(loaded, cache_config=cache_config, scheduler_config=scheduler_config) for _ in range(num_colocated)]
+        return [
             LocalDisaggEngine(
                 loaded, num_prefill=num_prefill, num_decode=num_decode, cache_config=cache_config,
                 prefill_scheduler_config=SchedulerConfig(), decode_scheduler_config=scheduler_config,
             )
         ]
-    return ThreadedEngineClient(engines, max_queued_requests=max_queued_requests, model_name=loaded.config.name)
+
+    return ThreadedEngineClient(build, max_queued_requests=max_queued_requests, num_threads=num_threads)

@@ -1,7 +1,9 @@
 """One rank of an instance: its model shard, its KV-cache shard, and its side of KV transfers.
 
 Ray-free; the runtime hosts rank 0 inside the instance actor and the other ranks as worker
-actors. Transfers run on a background thread so a step and a migration overlap; the step loop
+actors. The model is loaded and every step runs on one compute thread (whichever thread of a
+threaded actor a call arrives on; see ``engine.compute_thread``). Transfers run on a background
+thread so a step and a migration overlap; the step loop
 collects finished transfers with ``poll``. A transfer gives up after ``kv_transfer_timeout_s``
 (or when ``cancel_transfer`` is called), so the thread is never stuck on a lost peer.
 """
@@ -16,6 +18,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from distserve.engine.compute_thread import compute_executor
 from distserve.engine.model_runner import ModelRunner
 from distserve.engine.parallel import ShardSpec, build_parallel_state
 from distserve.engine.scheduler import SampledToken, StepPlan
@@ -59,6 +62,7 @@ class Worker:
         self.runner: ModelRunner | None = None
         self.transport: TorchDistTransport | None = None
         self.layout: KVLayout | None = None
+        self._compute = compute_executor(spec.num_threads, "compute")
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-transfer")
         self._transfers: dict[str, Future[MigrationStats]] = {}
         self._cancels: dict[str, threading.Event] = {}
@@ -76,16 +80,19 @@ class Worker:
     def init(self, init_method: str, world_size: int) -> str:
         """Join the runtime's torch.distributed world, build the TP group, load the model shard."""
         spec = self.spec
-        torch.set_num_threads(spec.num_threads)
         os.environ.setdefault("OMP_NUM_THREADS", str(spec.num_threads))
         backend = init_process_group(self.global_rank, world_size, init_method)
         kv_group = new_kv_group()  # first: a collective of every rank, before the TP groups
         parallel = build_parallel_state(spec.shard, spec.instance_ranks)
-        loaded = load_model(spec.model, spec.dtype)
-        self.runner = ModelRunner(
-            loaded.config, loaded.state_dict, spec.num_blocks, spec.block_size, spec.eos_token_ids, parallel=parallel
-        )
-        cfg = loaded.config
+
+        def build() -> ModelRunner:
+            loaded = load_model(spec.model, spec.dtype)
+            return ModelRunner(
+                loaded.config, loaded.state_dict, spec.num_blocks, spec.block_size, spec.eos_token_ids, parallel=parallel
+            )
+
+        self.runner = self._compute.submit(build).result()
+        cfg = self.runner.config
         self.layout = KVLayout(
             cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, spec.block_size, spec.shard.tp, spec.shard.pp, cfg.dtype
         )
@@ -134,11 +141,11 @@ class Worker:
         """
         assert self.runner is not None, "init() first"
         if plan_seq is None:
-            return self.runner.execute(plan)
+            return self._compute.submit(self.runner.execute, plan).result()
         with self._plan_turn:
             self._plan_turn.wait_for(lambda: self._next_plan_seq == plan_seq)
         try:
-            return self.runner.execute(plan)
+            return self._compute.submit(self.runner.execute, plan).result()
         finally:
             with self._plan_turn:
                 self._next_plan_seq += 1  # also after a failure, so later plans are not stuck behind it
@@ -240,6 +247,7 @@ class Worker:
         for cancel in self._cancels.values():
             cancel.set()
         self._pool.shutdown(wait=False, cancel_futures=True)
+        self._compute.shutdown(wait=False, cancel_futures=True)
         if dist.is_initialized():
             dist.destroy_process_group()
 

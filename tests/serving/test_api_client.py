@@ -344,3 +344,37 @@ def test_ray_serve_options_carry_the_tpot_slo_to_the_decoding_instances() -> Non
         assert [i.scheduler.config.step_budget for i in engine.prefill] == ["static"]
     finally:
         client.close()
+
+
+def test_engines_built_by_a_factory_run_on_the_engine_thread(tiny: LoadedModel) -> None:
+    """A factory runs on the engine thread (the process's compute thread), with the torch threads asked for."""
+    import torch
+
+    seen: dict[str, Any] = {}
+
+    def build() -> LLMEngine:
+        seen["thread"] = threading.current_thread().name
+        seen["torch_threads"] = torch.get_num_threads()
+        return LLMEngine(tiny, cache_config=CACHE)
+
+    before = torch.get_num_threads()
+    client = ThreadedEngineClient(build, num_threads=1)
+    try:
+        assert seen == {"thread": "distserve-engine", "torch_threads": 1}
+        assert client.model_name == tiny.config.name
+        ref = LLMEngine(tiny, cache_config=CACHE).generate(["abc"], SHORT)[0]
+        out = asyncio.run(drain(client.generate("abc", SHORT, "r1")))
+        assert out.token_ids == ref.token_ids
+    finally:
+        client.close()
+        torch.set_num_threads(before)
+
+
+def test_a_factory_that_fails_fails_the_constructor() -> None:
+    def build() -> LLMEngine:
+        raise FileNotFoundError("no such model")
+
+    with pytest.raises(FileNotFoundError, match="no such model"):
+        ThreadedEngineClient(build)
+    with pytest.raises(ValueError, match="at least one engine"):
+        ThreadedEngineClient(lambda: [])
