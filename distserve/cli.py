@@ -154,7 +154,8 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-transfer-timeout", type=_positive_float, default=None, metavar="S",
                    help="seconds before a KV migration is failed and the request re-prefilled (Ray runtime; default 30)")
     p.add_argument("--threads", type=_positive_int, default=None, metavar="N",
-                   help="torch threads per engine (local runtime; default: all cores) or per Ray worker (default 1)")
+                   help="torch threads per engine (local runtime; default: all cores) or per Ray worker "
+                   "(default: the placement's per-instance threads, else 1)")
     p.add_argument("--ttft-slo", type=_positive_float, default=None, metavar="S",
                    help="TTFT SLO in seconds: /metrics counts requests meeting the SLO (default: the placement's)")
     p.add_argument("--tpot-slo", type=_positive_float, default=None, metavar="S",
@@ -358,6 +359,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         from distserve.serving.ray_client import ControllerClient
 
         placement = _placement_from_args(args)
+        if args.threads is not None:
+            placement = placement.with_threads(args.threads)
         slo = _serve_slo(args, placement)
         sock = open_listen_socket(args.host, args.port)
         cache = CacheConfig(block_size=args.block_size, kv_cache_memory_gb=args.kv_cache_gb)
@@ -367,7 +370,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                 args.model, placement, dtype=args.dtype, cache_config=cache,
                 max_queued_requests=args.max_queued_requests, kv_transfer_timeout_s=args.kv_transfer_timeout,
                 scheduler_config=slo_scheduler_config(slo.tpot_s if slo else None),
-                prefill_scheduler_config=SchedulerConfig(), num_threads_per_worker=args.threads or 1,
+                prefill_scheduler_config=SchedulerConfig(),
             )
 
         ray_layout = " + ".join(

@@ -63,6 +63,8 @@ class LatencyModel(ABC):
 
     model: ModelSpec
     hardware: HardwareSpec
+    # Torch threads per worker the step times were measured with (profiles of a CPU); None otherwise.
+    threads: int | None = None
 
     @abstractmethod
     def step_time(self, shape: BatchShape, tp: int = 1, pp: int = 1) -> float:
@@ -279,11 +281,16 @@ class FittedLatencyModel(LatencyModel):
         pp_stage_overhead_s: float = 0.0,
         source: str = "",
         decode_attention: str = "sum",
+        threads: int | None = None,
     ) -> None:
-        """``hardware`` (default a100-80g) is used for memory capacity and migration times only."""
+        """``hardware`` (default a100-80g) is used for memory capacity and migration times only;
+        ``threads``: torch threads per worker of the profiled runs (the profile's ``meta.threads``)."""
         if decode_attention not in ("sum", "padded"):
             raise InvalidConfigError(f"decode_attention must be 'sum' or 'padded', got {decode_attention!r}")
         self.padded_decode = decode_attention == "padded"
+        if threads is not None and (not isinstance(threads, int) or threads < 1):
+            raise InvalidConfigError(f"threads must be an integer >= 1, got {threads!r}")
+        self.threads = threads
         if not coeffs:
             raise InvalidConfigError(f"fitted latency model for {model!r} needs coefficients for at least one tp")
         if pp_stage_overhead_s < 0:
@@ -397,7 +404,11 @@ class FittedLatencyModel(LatencyModel):
         attention = (data.get("meta") or {}).get("decode_attention", "sum")
         if attention not in ("sum", "padded"):
             raise InvalidConfigError(f"profile {source!r}: meta.decode_attention must be 'sum' or 'padded', got {attention!r}")
-        return cls(_resolve_model(model, source), coeffs, hardware=hardware, source=source, decode_attention=attention)
+        threads = (data.get("meta") or {}).get("threads")
+        if threads is not None and (not isinstance(threads, int) or isinstance(threads, bool) or threads < 1):
+            raise InvalidConfigError(f"profile {source!r}: meta.threads must be an integer >= 1, got {threads!r}")
+        return cls(_resolve_model(model, source), coeffs, hardware=hardware, source=source, decode_attention=attention,
+                   threads=threads)
 
     @classmethod
     def _from_distserve_profile(

@@ -10,7 +10,7 @@ shorthand flags (``--prefill 1 --decode 1 --prefill-tp 1 ...``, ``--colocated N`
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -20,17 +20,22 @@ from distserve.errors import InvalidConfigError
 
 @dataclass(frozen=True)
 class InstanceSpec:
-    """One instance: its parallelism and, optionally, the node (index) its workers must use."""
+    """One instance: its parallelism, optionally the node (index) its workers must use, and
+    optionally the torch threads each of its workers computes with (CPU; the planner writes the
+    thread count its profile was measured with; ``serve --threads`` overrides it; default 1)."""
 
     tp: int = 1
     pp: int = 1
     node: int | None = None
+    threads: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("tp", "pp"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise InvalidConfigError(f"instance {name} must be an integer >= 1, got {value!r}")
+        if self.threads is not None and (not isinstance(self.threads, int) or isinstance(self.threads, bool) or self.threads < 1):
+            raise InvalidConfigError(f"instance threads must be an integer >= 1, got {self.threads!r}")
         if self.node is not None and (not isinstance(self.node, int) or self.node < 0):
             raise InvalidConfigError(f"instance node must be an integer >= 0, got {self.node!r}")
 
@@ -94,11 +99,21 @@ class Placement:
             raise InvalidConfigError(f"--colocated must be >= 1, got {n}")
         return cls(colocated=tuple(InstanceSpec(tp, pp) for _ in range(n)))
 
+    def with_threads(self, threads: int) -> "Placement":
+        """Every instance's workers compute with ``threads`` torch threads (``serve --threads``)."""
+        def each(specs: tuple[InstanceSpec, ...]) -> tuple[InstanceSpec, ...]:
+            return tuple(replace(s, threads=threads) for s in specs)
+
+        return Placement(each(self.prefill), each(self.decode), each(self.colocated), self.predicted, self.slo)
+
     def to_dict(self) -> dict[str, Any]:
+        def spec(i: InstanceSpec) -> dict[str, Any]:
+            return {k: v for k, v in asdict(i).items() if k != "threads" or v is not None}
+
         out: dict[str, Any] = {
-            "prefill": [asdict(i) for i in self.prefill],
-            "decode": [asdict(i) for i in self.decode],
-            "colocated": [asdict(i) for i in self.colocated],
+            "prefill": [spec(i) for i in self.prefill],
+            "decode": [spec(i) for i in self.decode],
+            "colocated": [spec(i) for i in self.colocated],
         }
         if self.predicted:
             out["predicted"] = self.predicted
@@ -120,8 +135,8 @@ class Placement:
                 raise InvalidConfigError(f"placement '{key}' must be a list")
             out = []
             for i, item in enumerate(items):
-                if not isinstance(item, dict) or set(item) - {"tp", "pp", "node"}:
-                    raise InvalidConfigError(f"placement {key}[{i}] must be an object with tp, pp and optional node")
+                if not isinstance(item, dict) or set(item) - {"tp", "pp", "node", "threads"}:
+                    raise InvalidConfigError(f"placement {key}[{i}] must be an object with tp, pp and optional node and threads")
                 out.append(InstanceSpec(**item))
             return tuple(out)
 

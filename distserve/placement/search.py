@@ -353,6 +353,10 @@ class Planner:
             return f"an unloaded decode step takes {t:.3g} s > TPOT {slo.tpot_s} s"
         return None
 
+    def _spec(self, tp: int, pp: int) -> InstanceSpec:
+        """An instance as planned: with the torch threads per worker its latency was measured at."""
+        return InstanceSpec(tp, pp, threads=self.req.latency.threads)
+
     # -- searches --
     def search_phases(self) -> tuple[list[Candidate], list[Candidate]]:
         lat, cfg = self.req.latency, self.req.sim_config
@@ -363,7 +367,7 @@ class Planner:
         dec: list[tuple[Candidate, _Job]] = []
         out_p, out_d = [], []
         for tp, pp in self.configs:
-            spec = InstanceSpec(tp, pp)
+            spec = self._spec(tp, pp)
             c = Candidate("prefill", Placement(prefill=(spec,), decode=(spec,)), tp * pp,
                           prefill_bound(lat, tp, pp, self.prompt_mean, cfg.prefill_scheduler.max_num_batched_tokens) / cfg.prefill_scale)
             c.skipped = self._floor_misses("prefill", tp, pp)
@@ -398,7 +402,7 @@ class Planner:
         jobs, out = [], []
         for budget, cfg in self.colocated_configs().items():
             for tp, pp in self.configs:
-                spec = InstanceSpec(tp, pp)
+                spec = self._spec(tp, pp)
                 kv = lat.max_kv_tokens(tp, pp, cfg.mem_utilization)
                 # One instance does both phases: per request it spends a prefill share and a decode share.
                 bound = 1.0 / (
@@ -426,8 +430,8 @@ class Planner:
                 for n_p in range(1, g // tp_p + 1):
                     for n_d in range(1, (g - n_p * tp_p) // tp_d + 1):
                         placement = Placement(
-                            prefill=tuple(InstanceSpec(tp_p, pp) for _ in range(n_p)),
-                            decode=tuple(InstanceSpec(tp_d, pp) for _ in range(n_d)),
+                            prefill=tuple(self._spec(tp_p, pp) for _ in range(n_p)),
+                            decode=tuple(self._spec(tp_d, pp) for _ in range(n_d)),
                         )
                         kv = lat.max_kv_tokens(tp_d, pp, cfg.mem_utilization)
                         bound = min(

@@ -225,7 +225,7 @@ class Controller(RequestFrontend):
                     instance_id=f"{phase}-{i}", phase=phase, model=self.model_name, dtype=self.dtype,
                     cache=self.cache_config, scheduler=sched, num_blocks=self.num_blocks,
                     max_model_len=self.max_model_len, eos_token_ids=self.eos_token_ids, tp=placed.tp, pp=placed.pp,
-                    global_ranks=list(range(next_rank, next_rank + world)), num_threads=self.num_threads_per_worker,
+                    global_ranks=list(range(next_rank, next_rank + world)), num_threads=placed.threads or self.num_threads_per_worker,
                     kv_transfer_timeout_s=self.kv_transfer_timeout_s,
                 )
                 next_rank += world

@@ -164,3 +164,31 @@ def test_stopping_losing_searches_early_changes_no_figure() -> None:
             assert f.goodput < e.goodput_below  # it was indeed going to fall short
         else:
             assert (e.goodput, e.skipped) == (f.goodput, f.skipped)
+
+
+def test_a_cpu_plan_carries_the_profiled_threads_and_serve_can_override_them(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A profile measured with N torch threads per rank plans instances that run with N threads;
+    the Placement JSON keeps them; `serve --threads` overrides them; bad values are refused."""
+    from distserve.cli import _placement_from_args, build_parser
+
+    source = Path(__file__).parents[2] / "experiments" / "results" / "validate_simulator_profile.json"
+    profile = json.loads(source.read_text())
+    profile["meta"]["threads"] = 2
+    path, out = tmp_path / "profile.json", tmp_path / "plan.json"
+    path.write_text(json.dumps(profile))
+    code = main(["plan", "--model", "smollm2-135m", "--gpu", "cpu", "--profile", str(path), "--nodes", "1",
+                 "--gpus-per-node", "2", "--ttft", "2", "--tpot", "0.15", "--num-requests", "30", "--out", str(out)])
+    capsys.readouterr()
+    assert code == 0
+    placement = Placement.load(out)
+    specs = placement.prefill + placement.decode + placement.colocated
+    assert specs and all(s.threads == 2 for s in specs)
+    assert json.loads(out.read_text())[("colocated" if placement.colocated else "prefill")][0]["threads"] == 2
+    args = build_parser().parse_args(["serve", "--placement", str(out)])
+    assert _placement_from_args(args) == placement
+    assert all(s.threads == 1 for s in placement.with_threads(1).decode + placement.with_threads(1).colocated)
+    # Without a thread count (GPU plans, older files) the key is absent and the runtime's default applies.
+    assert "threads" not in Placement.colocated_instances(1).to_dict()["colocated"][0]
+    for bad in (0, "2", True):
+        with pytest.raises(ValueError, match="threads"):
+            Placement.from_dict({"colocated": [{"tp": 1, "pp": 1, "threads": bad}]})

@@ -358,3 +358,19 @@ def test_padded_decode_attention_reads_batch_times_longest_context(tmp_path) -> 
     profile["meta"]["decode_attention"] = "sideways"
     with pytest.raises(InvalidConfigError, match="decode_attention"):
         FittedLatencyModel.from_profile(profile)
+
+
+def test_profile_threads_are_kept_and_checked() -> None:
+    from distserve.errors import InvalidConfigError
+    from simulator.latency import FittedLatencyModel
+
+    profile = {"format": "distserve-profile/1", "model": "facebook/opt-13b", "hardware": "a100-80g", "units": "ms",
+               "meta": {"threads": 2},
+               "tp": {"1": {"prefill": [10.0, 0.1, 0.0], "decoding_smallbs": [5.0, 0.01, 1.0], "decoding_largebs": [5.0, 0.01, 1.0],
+                            "decoding_large_small_bs_threshold": 95}}}
+    assert FittedLatencyModel.from_profile(profile).threads == 2
+    profile["meta"]["threads"] = "many"
+    with pytest.raises(InvalidConfigError, match="meta.threads"):
+        FittedLatencyModel.from_profile(profile)
+    del profile["meta"]["threads"]
+    assert FittedLatencyModel.from_profile(profile).threads is None
