@@ -1,11 +1,12 @@
 """Event-driven simulation of a deployment: our real schedulers, step times from a ``LatencyModel``.
 
-Each simulated instance owns a real ``BlockManager`` and the real ``Scheduler`` of its phase
-(``Scheduler`` colocated, ``PrefillScheduler``, ``DecodeScheduler``) and executes the ``StepPlan``s
-they emit by advancing a clock by the latency model's step time instead of running a model. The
-glue around the schedulers mirrors ``distserve.serving.controller``: new requests go to the least
-loaded prefill (or colocated) instance; finished prefills wait, KV held, in one FCFS queue until a
-decode instance (least loaded first) can ``reserve`` room for them (pull-based); the KV then moves
+Each simulated instance is the runtime's own ``InstanceCore`` (the real ``BlockManager`` and the
+real ``Scheduler`` of its phase: ``Scheduler`` colocated, ``PrefillScheduler``, ``DecodeScheduler``)
+and executes the ``StepPlan``s it launches by advancing a clock by the latency model's step time
+instead of running a model. Routing is the runtime's too (``distserve.cluster.routing``): new
+requests go to the least assigned prefill (or colocated) instance (the synthetic prompts share no
+prefixes, so affinity plays no part); finished prefills wait, KV held, in one FCFS queue until a
+decode instance (fewest assigned first) can ``reserve`` room for them (pull-based); the KV then moves
 over the link (one transfer at a time per sender and per receiver, as each worker has one transfer
 thread), the decode instance starts decoding and the prefill instance frees its copy.
 
@@ -26,19 +27,18 @@ from __future__ import annotations
 import heapq
 import itertools
 import time
-from collections import deque
 from dataclasses import dataclass, field, replace
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from distserve.cluster.migration_queue import MigrationQueue
+from distserve.cluster.routing import RouteState, decode_order, pick_entry
 from distserve.config import SamplingParams, SchedulerConfig
-from distserve.decode.scheduler import DecodeScheduler
-from distserve.engine.block_manager import BlockManager
-from distserve.engine.scheduler import SampledToken, Scheduler, StepPlan
+from distserve.engine.instance_core import InstanceCore
+from distserve.engine.scheduler import SampledToken, StepPlan
 from distserve.engine.sequence import Sequence, SequenceStatus
 from distserve.errors import InvalidConfigError
 from distserve.placement.placement import InstanceSpec, Placement
-from distserve.prefill.scheduler import PrefillScheduler
 from simulator.latency import BatchShape, LatencyModel
 from simulator.metrics import RequestRecord, SimResult
 
@@ -106,25 +106,22 @@ class SimConfig:
 
 
 class SimInstance:
-    """One instance: a real scheduler over a real block manager, and a pipeline of ``pp`` stages."""
+    """One instance: the runtime's ``InstanceCore``, a clock for each of its ``pp`` stages, a link."""
 
     def __init__(
-        self, kind: str, index: int, spec: InstanceSpec, scheduler: Scheduler, step_time_fn: object
+        self, kind: str, index: int, spec: InstanceSpec, core: InstanceCore, step_time_fn: object
     ) -> None:
         self.kind = kind  # "colocated" | "prefill" | "decode"
         self.index = index
         self.spec = spec
         self.tp, self.pp = spec.tp, spec.pp
-        self.scheduler = scheduler
-        self.seqs: dict[str, Sequence] = {}
+        self.core = core
         self.stage_free = [0.0] * spec.pp  # when each pipeline stage finishes its last micro-batch
-        self.num_in_flight = 0
         self.launch_pending = False
-        self.num_assigned = 0  # requests routed here and not yet finished or moved on
+        self.route = RouteState()  # what routing knows (``cluster.routing``, as the runtime's)
         self.tx_free = 0.0  # the transfer thread: busy until
         self.rx_free = 0.0
         self.busy_s = 0.0
-        self.num_steps = 0
         self.step_time = step_time_fn
         # Shared compute: the step in flight's solo seconds still to run, its current speed, when
         # those were last brought up to date, and a version that invalidates superseded completions.
@@ -175,20 +172,19 @@ class Simulation:
         self.kv_bytes_per_token = model.kv_bytes_per_token
         self.instances: list[SimInstance] = []
         groups = (
-            [("colocated", s, Scheduler, cfg.scheduler) for s in placement.colocated]
-            + [("prefill", s, PrefillScheduler, cfg.prefill_scheduler) for s in placement.prefill]
-            + [("decode", s, DecodeScheduler, cfg.decode_scheduler) for s in placement.decode]
+            [("colocated", s, cfg.scheduler) for s in placement.colocated]
+            + [("prefill", s, cfg.prefill_scheduler) for s in placement.prefill]
+            + [("decode", s, cfg.decode_scheduler) for s in placement.decode]
         )
         counters: dict[str, int] = {}
-        for kind, spec, cls, sched_cfg in groups:
-            num_blocks = self._num_blocks(spec)
-            bm = BlockManager(num_blocks, cfg.block_size, enable_prefix_caching=False)
-            scheduler = cls(sched_cfg, bm, self.max_model_len, (), pipeline_depth=spec.pp)
+        for kind, spec, sched_cfg in groups:
+            core = InstanceCore(kind, sched_cfg, self._num_blocks(spec), cfg.block_size, self.max_model_len,
+                                enable_prefix_caching=False, pipeline_depth=spec.pp)
             idx = counters.get(kind, 0)
             counters[kind] = idx + 1
             fn = _step_time_fn(latency, spec.tp, spec.pp, cfg.step_overhead_s, cfg.step_time_scale,
                                cfg.prefill_scale, instant=cfg.instant_prefill and kind == "prefill")
-            self.instances.append(SimInstance(kind, idx, spec, scheduler, fn))
+            self.instances.append(SimInstance(kind, idx, spec, core, fn))
         self.entry = [i for i in self.instances if i.kind in ("colocated", "prefill")]
         self.decodes = [i for i in self.instances if i.kind == "decode"]
         # Shared compute: the instances computing right now, per node (unpinned ones share one).
@@ -222,8 +218,9 @@ class Simulation:
             need = sum(-(-(r.prompt_len + 1) // self.config.block_size) for r in requests)
             for inst in self.instances:
                 if inst.kind == "prefill":
-                    inst.scheduler.block_manager = BlockManager(need, self.config.block_size, enable_prefix_caching=False)
-                    inst.scheduler.max_running = len(requests)
+                    inst.core.num_blocks = need
+                    inst.core.reset()
+                    inst.core.scheduler.max_running = len(requests)
         self._check_fits(requests)
         wall0 = time.perf_counter()
         events: list[tuple[float, int, int, object]] = []
@@ -240,7 +237,7 @@ class Simulation:
         self._stop = False
         # Finished prefills waiting for room, FCFS: (source, its sequence, the copy the decode side gets).
         # The copy is made once; a failed ``reserve`` leaves it untouched, so retries reuse it.
-        self.pending: deque[tuple[SimInstance, Sequence, Sequence]] = deque()
+        self.pending: MigrationQueue[tuple[SimInstance, Sequence, Sequence]] = MigrationQueue()
         # One SampledToken per live request, reused every step: update_from_output only reads it.
         self._sampled: dict[str, SampledToken] = {}
         self.num_migrations = 0
@@ -272,17 +269,14 @@ class Simulation:
                     str(r.req_id), prompt, SamplingParams(max_tokens=r.output_len, ignore_eos=True), arrival_time=r.arrival_s
                 )
                 self._sampled[seq.seq_id] = SampledToken(seq.seq_id, _TOKEN)
-                inst = min(self.entry, key=_load)
-                inst.num_assigned += 1
-                inst.seqs[seq.seq_id] = seq
-                inst.scheduler.add(seq)
+                inst = pick_entry(self.entry, _route)  # synthetic prompts: no prefix affinity
+                inst.core.add(seq)
                 self._try_launch(inst, now)
             elif kind == _MIGRATED:
                 src, dst, seq_id = payload  # type: ignore[misc]
-                src.scheduler.release(seq_id)
-                src.seqs.pop(seq_id, None)
-                src.num_assigned -= 1
-                dst.scheduler.complete(seq_id)
+                src.core.release(seq_id)
+                src.route.release()
+                dst.core.complete(seq_id)
                 self._try_launch(src, now)
                 self._try_launch(dst, now)
                 if self.pending:
@@ -292,7 +286,7 @@ class Simulation:
                 inst.launch_pending = False
                 self._try_launch(inst, now)
         if unfinished and not self._stop:
-            stuck = {i.name: (i.scheduler.num_waiting, i.scheduler.num_running) for i in self.instances}
+            stuck = {i.name: (i.core.scheduler.num_waiting, i.core.scheduler.num_running) for i in self.instances}
             raise RuntimeError(f"simulation stalled with {unfinished} unfinished requests; (waiting, running): {stuck}")
         return SimResult(
             records=list(records.values()),
@@ -303,10 +297,10 @@ class Simulation:
                 i.name: {
                     "tp": i.tp,
                     "pp": i.pp,
-                    "num_steps": i.num_steps,
+                    "num_steps": i.core.num_steps,
                     "utilization": i.busy_s / now if now > 0 else 0.0,
-                    "num_preemptions": i.scheduler.num_preemptions,
-                    "num_blocks": i.scheduler.block_manager.num_blocks,
+                    "num_preemptions": i.core.scheduler.num_preemptions,
+                    "num_blocks": i.core.block_manager.num_blocks,
                 }
                 for i in self.instances
             },
@@ -324,7 +318,7 @@ class Simulation:
                 "clip the workload (max_total_len) or raise max_model_len"
             )
         for inst in self.instances:
-            capacity = inst.scheduler.block_manager.num_blocks * self.config.block_size
+            capacity = inst.core.block_manager.num_blocks * self.config.block_size
             need = longest if inst.kind != "prefill" else max(r.prompt_len + 1 for r in requests)
             if need > capacity:
                 raise InvalidConfigError(
@@ -333,20 +327,23 @@ class Simulation:
                 )
 
     def _try_launch(self, inst: SimInstance, now: float) -> None:
-        if inst.num_in_flight >= inst.pp or inst.launch_pending:
+        core = inst.core
+        if len(core.in_flight) >= inst.pp or inst.launch_pending:
             return
         if inst.stage_free[0] > now:  # stage 0 still busy with the previous micro-batch
             inst.launch_pending = True
             heapq.heappush(self._events, (inst.stage_free[0], _LAUNCH, next(self._seq_no), inst))
             return
-        plan = inst.scheduler.schedule()
-        if not plan.chunks:
+        launched = core.launch()
+        if launched is None:
+            return
+        plan = launched.plan
+        if not plan.chunks:  # only finished ids, which no simulated worker keeps state for
+            core.apply_oldest([], now)
             return
         t = inst.step_time(_shape(plan))
-        inst.scheduler.observe_step(plan, t)  # what the runtime measures: the SLO budget learns from it
+        core.observe(plan, t)  # what the runtime measures: the SLO budget learns from it
         inst.busy_s += t
-        inst.num_steps += 1
-        inst.num_in_flight += 1
         if self.shared and t > 0 and inst.pp == 1:
             self._start_computing(inst, plan, t, now)
             return
@@ -357,7 +354,7 @@ class Simulation:
             end = start + t
             stage_free[s] = end
         heapq.heappush(self._events, (end, _STEP_DONE, next(self._seq_no), (inst, plan, inst.step_version)))
-        if inst.pp > 1 and inst.num_in_flight < inst.pp:
+        if inst.pp > 1 and len(core.in_flight) < inst.pp:
             inst.launch_pending = True
             heapq.heappush(self._events, (stage_free[0], _LAUNCH, next(self._seq_no), inst))
 
@@ -398,15 +395,16 @@ class Simulation:
             heapq.heappush(self._events, (end, _STEP_DONE, next(self._seq_no), (inst, inst.plan_in_flight, inst.step_version)))
 
     def _step_done(self, inst: SimInstance, plan: StepPlan, now: float) -> int:
-        """Apply a finished micro-batch; returns how many requests finished."""
-        inst.num_in_flight -= 1
+        """Apply a finished micro-batch (the oldest in flight: stages finish in launch order);
+        returns how many requests finished."""
         tokens = self._sampled
         sampled = [tokens[c.seq_id] for c in plan.chunks if c.sample]
-        updated = inst.scheduler.update_from_output(plan, sampled, inst.seqs, now)
+        assert inst.core.in_flight[0].plan is plan
+        updated = inst.core.apply_oldest(sampled, now)
         num_finished = 0
         records = self.records
         finished = SequenceStatus.FINISHED
-        awaiting = inst.scheduler.awaiting_migration if inst.kind == "prefill" else None  # type: ignore[attr-defined]
+        awaiting = inst.core.prefill.awaiting_migration if inst.kind == "prefill" else None
         for seq in updated:
             if seq.status is finished:
                 rec = records[seq.seq_id]
@@ -414,46 +412,45 @@ class Simulation:
                 rec.finish_s = now
                 rec.num_output_tokens = seq.num_output_tokens
                 rec.num_preemptions += seq.num_preemptions
-                inst.seqs.pop(seq.seq_id, None)
-                inst.num_assigned -= 1
+                inst.route.release()
                 tokens.pop(seq.seq_id, None)
                 num_finished += 1
                 if self._stop_when is not None and not self._stop and self._stop_when(rec):
                     self._stop = True
             elif awaiting is not None and seq.seq_id in awaiting:
-                self.pending.append((inst, seq, seq.detached_copy()))
+                self.pending.push((inst, seq, seq.detached_copy()))
         self._try_launch(inst, now)
         return num_finished
 
     def _migrate_pending(self, now: float) -> None:
-        """Oldest first; nobody overtakes a request waiting for room (as the controller does)."""
-        pending = self.pending
-        while pending:
-            src, seq, copy = pending[0]
-            for dst in sorted(self.decodes, key=_load):
-                reservation = dst.scheduler.reserve(copy)  # type: ignore[attr-defined]
-                if reservation is not None:
-                    break
-            else:
-                return
-            pending.popleft()
-            self.records[seq.seq_id].num_preemptions += seq.num_preemptions
-            dst.num_assigned += 1
-            dst.seqs[copy.seq_id] = copy
-            num_bytes = reservation.num_blocks_to_transfer * self.config.block_size * self.kv_bytes_per_token
-            same_node = src.spec.node is None or dst.spec.node is None or src.spec.node == dst.spec.node
-            duration = self.latency.migration_time(num_bytes, same_node, min(src.tp, dst.tp)) + self.config.migration_overhead_s
-            start = max(now, src.tx_free, dst.rx_free)
-            end = start + duration
-            src.tx_free = dst.rx_free = end
-            self.num_migrations += 1
-            self.migration_bytes += num_bytes
-            self.migration_s += duration
-            heapq.heappush(self._events, (end, _MIGRATED, next(self._seq_no), (src, dst, seq.seq_id)))
+        """Oldest first; nobody overtakes a request waiting for room (``MigrationQueue``)."""
+        self.pending.drain(lambda entry: self._migrate(entry, now))
+
+    def _migrate(self, entry: tuple[SimInstance, Sequence, Sequence], now: float) -> bool:
+        src, seq, copy = entry
+        for dst in decode_order(self.decodes, _route):
+            reservation = dst.core.reserve(copy)
+            if reservation is not None:
+                break
+        else:
+            return False
+        self.records[seq.seq_id].num_preemptions += seq.num_preemptions
+        dst.route.num_assigned += 1
+        num_bytes = reservation.num_blocks_to_transfer * self.config.block_size * self.kv_bytes_per_token
+        same_node = src.spec.node is None or dst.spec.node is None or src.spec.node == dst.spec.node
+        duration = self.latency.migration_time(num_bytes, same_node, min(src.tp, dst.tp)) + self.config.migration_overhead_s
+        start = max(now, src.tx_free, dst.rx_free)
+        end = start + duration
+        src.tx_free = dst.rx_free = end
+        self.num_migrations += 1
+        self.migration_bytes += num_bytes
+        self.migration_s += duration
+        heapq.heappush(self._events, (end, _MIGRATED, next(self._seq_no), (src, dst, seq.seq_id)))
+        return True
 
 
-def _load(inst: SimInstance) -> tuple[int, int]:
-    return (inst.num_assigned, inst.index)
+def _route(inst: SimInstance) -> RouteState:
+    return inst.route
 
 
 def _step_time_fn(latency: LatencyModel, tp: int, pp: int, overhead_s: float, scale: float = 1.0,  # noqa: ANN202

@@ -9,10 +9,11 @@ import time
 
 from distserve.config import CacheConfig, SchedulerConfig
 from distserve.engine.block_manager import BlockManager
+from distserve.engine.instance_core import InstanceCore
 from distserve.engine.model import resolve_dtype
 from distserve.engine.model_runner import ModelRunner
 from distserve.engine.outputs import EngineBase, RequestMetrics, RequestOutput
-from distserve.engine.scheduler import Scheduler, attributed_to
+from distserve.engine.scheduler import Scheduler
 from distserve.engine.sequence import Sequence
 from distserve.engine.weights import LoadedModel, load_model
 
@@ -35,27 +36,38 @@ class LLMEngine(EngineBase):
     ) -> None:
         loaded = load_model(model, resolve_dtype(dtype, device)) if isinstance(model, str) else model
         super().__init__(loaded, cache_config, scheduler_config)
-        bs = self.cache_config.block_size
-        self._reset()
-        self.runner = ModelRunner(loaded.config, loaded.state_dict, self.num_blocks, bs, self.eos_token_ids, device)
-        self.num_steps = 0
+        cc = self.cache_config
+        self.core = InstanceCore("colocated", self.scheduler_config, self.num_blocks, cc.block_size, self.max_model_len,
+                                 self.eos_token_ids, enable_prefix_caching=cc.enable_prefix_caching)
+        self.runner = ModelRunner(loaded.config, loaded.state_dict, self.num_blocks, cc.block_size, self.eos_token_ids, device)
+
+    @property
+    def scheduler(self) -> Scheduler:
+        return self.core.scheduler
+
+    @property
+    def block_manager(self) -> BlockManager:
+        return self.core.block_manager
+
+    @property
+    def num_steps(self) -> int:
+        return self.core.num_steps
 
     def _reset(self) -> None:
-        self.block_manager = BlockManager(self.num_blocks, self.cache_config.block_size, self.cache_config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.scheduler_config, self.block_manager, self.max_model_len, self.eos_token_ids)
+        self.core.reset()
 
     def _submit(self, seq: Sequence) -> None:
-        self.scheduler.add(seq)
+        self.core.add(seq)
 
     def abort_request(self, request_id: str) -> None:
         """Stop a request and free its blocks; unknown or finished ids are ignored."""
         seq = self._forget(request_id)
         if seq is not None and not seq.is_finished:
             seq.finish_time = time.monotonic()
-            self.scheduler.finish(seq, "abort")
+            self.core.abort(request_id)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.core.has_work()
 
     @property
     def num_requests(self) -> int:
@@ -64,15 +76,9 @@ class LLMEngine(EngineBase):
     # ---- the step ----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Run one batch; return an output for every request that got a token (or finished)."""
-        plan = self.scheduler.schedule()
-        with attributed_to(plan):
-            start = time.perf_counter()
-            sampled = self.runner.execute(plan)
-            self.scheduler.observe_step(plan, time.perf_counter() - start)
-            now = time.monotonic()
-            self.num_steps += 1
-            updated = self.scheduler.update_from_output(plan, sampled, self._seqs, now)
-        return [self._output(seq, now, self.scheduler.finish) for seq in updated]
+        updated = self.core.step(self.runner.execute, time.monotonic)
+        now = time.monotonic()
+        return [self._output(seq, now, self.core.finish) for seq in updated]
 
     def stats(self) -> dict[str, float]:
         """Gauges for monitoring: queue lengths, KV usage, prefix-cache hit rate, preemptions."""

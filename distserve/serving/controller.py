@@ -32,12 +32,13 @@ import logging
 import math
 import socket
 import time
-from collections import OrderedDict
 from collections.abc import AsyncIterator, Sequence as Seq
 from dataclasses import dataclass, field
 from typing import Any
 
 from distserve.cluster.recovery import CrashLedger, blame, poison_message, suspects_of
+from distserve.cluster.migration_queue import MigrationQueue
+from distserve.cluster.routing import RouteState, decode_order, pick_entry
 from distserve.config import CacheConfig, SamplingParams, SchedulerConfig
 from distserve.engine.block_manager import prefix_block_hashes
 from distserve.engine.model import resolve_dtype
@@ -56,8 +57,6 @@ from distserve.serving.worker import Worker, WorkerSpec
 log = logging.getLogger(__name__)
 
 CPUS_PER_WORKER = 0.1  # Ray bookkeeping only: on 2 cores, the OS shares the cores among workers.
-MAX_REMEMBERED_BLOCKS = 65536  # prefix hashes remembered per entry instance for affinity routing
-MAX_AFFINITY_IMBALANCE = 4
 DEFAULT_KV_TRANSFER_TIMEOUT_S = 30.0
 # A step that did nothing but wait for KV transfers sleeps this long (or until kicked) before polling again.
 IDLE_POLL_S = 0.002
@@ -98,15 +97,7 @@ class _Instance:
     charged_restarts: int = 0  # of its deaths, those counted against max_instance_restarts (poison's are not)
     solo_pending: dict[str, float] = field(default_factory=dict)  # suspects here before their step alone -> arrival
     wake: asyncio.Event = field(default_factory=asyncio.Event)
-    num_assigned: int = 0  # requests routed here and not yet finished or moved on
-    recent_prefixes: OrderedDict[int, None] = field(default_factory=OrderedDict)  # block hashes, LRU
-
-    def remember(self, hashes: list[int]) -> None:
-        for h in hashes:
-            self.recent_prefixes[h] = None
-            self.recent_prefixes.move_to_end(h)
-        while len(self.recent_prefixes) > MAX_REMEMBERED_BLOCKS:
-            self.recent_prefixes.popitem(last=False)
+    route: RouteState = field(default_factory=RouteState)  # what routing knows (``cluster.routing``)
 
     @property
     def phase(self) -> str:
@@ -185,7 +176,7 @@ class Controller(RequestFrontend):
         self._queues: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
         self._owner: dict[str, _Instance] = {}
         self._source: dict[str, _Instance] = {}  # decode-bound request -> prefill instance holding its KV
-        self._pending: list[tuple[_Instance, str]] = []  # prefilled, waiting for a decode instance
+        self._pending: MigrationQueue[tuple[_Instance, str]] = MigrationQueue()  # prefilled, waiting for a decode instance
         self._migration_lock = asyncio.Lock()
         self._tags = itertools.count()
         self._tasks: list[asyncio.Task[None]] = []
@@ -323,22 +314,7 @@ class Controller(RequestFrontend):
             return
         pinned = self._pins.get(seq.seq_id, (None, None))[0]
         entry = [i for i in entry if i.spec.instance_id == pinned] or entry
-        hashes = prefix_block_hashes(seq.token_ids, self.cache_config.block_size)
-
-        def cached_blocks(i: _Instance) -> int:
-            n = 0
-            while n < len(hashes) and hashes[n] in i.recent_prefixes:
-                n += 1
-            return n
-
-        # Prefix affinity: the instance that most recently saw the longest prefix of this prompt
-        # (its blocks are likely still cached), then the least loaded; a load gap of more than
-        # MAX_AFFINITY_IMBALANCE requests overrides affinity so one hot prefix cannot pile up.
-        least = min(i.num_assigned for i in entry)
-        candidates = [i for i in entry if i.num_assigned - least <= MAX_AFFINITY_IMBALANCE]
-        inst = min(candidates, key=lambda i: (-cached_blocks(i), i.num_assigned))
-        inst.remember(hashes)
-        inst.num_assigned += 1
+        inst = pick_entry(entry, _route, prefix_block_hashes(seq.token_ids, self.cache_config.block_size))
         if seq.isolate:
             inst.solo_pending[seq.seq_id] = seq.arrival_time
         self._owner[seq.seq_id] = inst
@@ -405,11 +381,11 @@ class Controller(RequestFrontend):
 
     def _drop(self, request_id: str, reason: str) -> None:
         """Tell every instance holding this request's KV to free it."""
-        self._pending = [(i, s) for i, s in self._pending if s != request_id]
+        self._pending.drop(lambda e: e[1] == request_id)
         self._parked = [s for s in self._parked if s.seq_id != request_id]
         for holder in (self._owner.pop(request_id, None), self._source.pop(request_id, None)):
             if holder is not None and holder.alive:
-                holder.num_assigned = max(0, holder.num_assigned - 1)
+                holder.route.release()
                 holder.actor.abort.remote(request_id, reason)
                 holder.kick()
 
@@ -462,7 +438,7 @@ class Controller(RequestFrontend):
             source = self._source.pop(seq_id, None)
             if source is not None and source.alive:
                 source.actor.release.remote(seq_id)  # acknowledged: the prefill KV may go
-                source.num_assigned = max(0, source.num_assigned - 1)
+                source.route.release()
                 source.kick()
             started = self._migration_started.pop(seq_id, None)
             if started is not None:
@@ -491,9 +467,9 @@ class Controller(RequestFrontend):
                 seq.finish_time = now
                 owner = self._owner.pop(seq.seq_id, None)
                 if owner is not None:
-                    owner.num_assigned = max(0, owner.num_assigned - 1)
+                    owner.route.release()
             elif up.awaiting_migration:
-                self._pending.append((inst, seq.seq_id))
+                self._pending.push((inst, seq.seq_id))
             out = self._output(seq, now, self._finish)
             queue = self._queues.get(seq.seq_id)
             if queue is not None:
@@ -501,18 +477,15 @@ class Controller(RequestFrontend):
 
     async def _migrate_pending(self) -> None:
         """Move waiting requests to decode instances with room, oldest first (pull-based)."""
+        async def move(entry: tuple[_Instance, str]) -> bool:
+            src, seq_id = entry
+            seq = self._seqs.get(seq_id)
+            if seq is None or seq.is_finished or not src.alive:
+                return True  # finished, or its instance died: no longer waiting
+            return await self._migrate(src, seq)
+
         async with self._migration_lock:
-            snapshot = list(self._pending)
-            still: list[tuple[_Instance, str]] = []
-            for entry in snapshot:
-                src, seq_id = entry
-                seq = self._seqs.get(seq_id)
-                if seq is None or seq.is_finished or not src.alive or entry not in self._pending:
-                    continue  # finished, or dropped meanwhile (abort, death, requeue)
-                if still or not await self._migrate(src, seq):
-                    still.append(entry)  # FCFS: nobody overtakes a request waiting for room
-            # Entries may have been dropped or added while we awaited the actors.
-            self._pending = [e for e in still if e in self._pending] + [e for e in self._pending if e not in snapshot]
+            await self._pending.drain_async(move)
 
     async def _migrate(self, src: _Instance, seq: Sequence) -> bool:
         decodes = [i for i in self.instances if i.alive and i.phase == "decode"]
@@ -522,7 +495,7 @@ class Controller(RequestFrontend):
             return False
         import ray
 
-        for dst in sorted(decodes, key=lambda i: i.num_assigned):
+        for dst in decode_order(decodes, _route):
             try:
                 reservation = await dst.actor.reserve.remote(seq.detached_copy())
             except ray.exceptions.RayError:
@@ -544,7 +517,7 @@ class Controller(RequestFrontend):
         self._migration_started[seq.seq_id] = time.monotonic()
         self._owner[seq.seq_id] = dst
         self._source[seq.seq_id] = src
-        dst.num_assigned += 1
+        dst.route.num_assigned += 1
         first, end = reservation.num_reused_blocks, reservation.num_blocks_to_fill
         self.migration_counters["num_migrations"] += 1
         self.migration_counters["kv_migration_blocks_skipped_total"] += first
@@ -573,7 +546,7 @@ class Controller(RequestFrontend):
         src = self._source.pop(seq_id, None)
         dst = self._owner.pop(seq_id, None)
         if dst is not None:
-            dst.num_assigned = max(0, dst.num_assigned - 1)
+            dst.route.release()
         self._migration_started.pop(seq_id, None)
         if src is not None and src.alive:
             self._owner[seq_id] = src
@@ -605,7 +578,7 @@ class Controller(RequestFrontend):
             log.warning("instance %s failed (%s: %s); %s", inst.spec.instance_id, type(exc).__name__, failure,
                         "restarting it" if inst.restarting else "not restarting it")
         poison = {seq.seq_id for seq in convicted}
-        self._pending = [(i, s) for i, s in self._pending if i is not inst]
+        self._pending.drop(lambda e: e[0] is inst)
         for seq_id in lost:
             seq = self._seqs.get(seq_id)
             if seq_id in poison and seq is not None:
@@ -620,14 +593,14 @@ class Controller(RequestFrontend):
                 # a failed transfer. (An abort and a re-add of the same id could cross on the way.)
                 self._migration_started.pop(seq_id, None)
                 self._owner[seq_id] = holder
-                self._pending = [(i, s) for i, s in self._pending if s != seq_id]
+                self._pending.drop(lambda e, seq_id=seq_id: e[1] == seq_id)
                 self.migration_counters["requests_rerun_total"] += 1
                 self._spawn(self._call_then_kick(holder, holder.actor.requeue.remote(seq_id)))
                 continue
             for survivor in (owner, holder):
                 if survivor is not None and survivor is not inst and survivor.alive:
                     survivor.actor.abort.remote(seq_id, "abort")  # e.g. a decode instance mid-receive
-                    survivor.num_assigned = max(0, survivor.num_assigned - 1)
+                    survivor.route.release()
                     survivor.kick()
             if seq is None or seq.is_finished:
                 continue
@@ -711,8 +684,7 @@ class Controller(RequestFrontend):
                 self._running.set()
             inst.restarts += 1
             self.migration_counters["instance_restarts_total"] += 1
-            inst.num_assigned = 0
-            inst.recent_prefixes.clear()
+            inst.route = RouteState()
             inst.has_work = inst.kicked = False
             inst.restarting = False
             inst.alive = True
@@ -763,6 +735,10 @@ class Controller(RequestFrontend):
             {"instance": i.spec.instance_id, "tp": i.spec.tp, "pp": i.spec.pp, "node_ids": n}
             for i, n in zip(self.instances, nodes)
         ]
+
+
+def _route(inst: _Instance) -> RouteState:
+    return inst.route
 
 
 def _create_instance_actor(inst: _Instance) -> Any:

@@ -1,9 +1,12 @@
-"""An instance as the runtime sees it: a phase scheduler driving ``tp × pp`` workers, plus KV transfer.
+"""An instance as the runtime sees it: an ``InstanceCore`` driving ``tp × pp`` workers, plus KV transfer.
 
-Ray-free (the runtime wraps it in a threaded Ray actor). Rank 0 runs in this process; other
-ranks are worker actors created by ``create_remote_worker``. ``step`` runs while ``reserve``,
-``start_send`` and ``start_recv`` may arrive on other threads: scheduler state is guarded by a
-lock held only around scheduling and bookkeeping, never around model execution.
+The core (``distserve.engine.instance_core``, the same class the in-process engines and the
+simulator drive) owns the scheduler, blocks, sequences, plans in flight, deferred frees and token
+deltas; this class adds the workers and the transfers. Ray-free (the runtime wraps it in a
+threaded Ray actor). Rank 0 runs in this process; other ranks are worker actors created by
+``create_remote_worker``. ``step`` runs while ``reserve``, ``start_send`` and ``start_recv`` may
+arrive on other threads: the core is guarded by a lock held only around scheduling and
+bookkeeping, never around model execution.
 
 Pipelining: up to ``pp`` plans (micro-batches) are in flight, so stage 0 computes the next plan
 while later stages finish earlier ones. A ``step`` launches a plan if the pipeline has room and
@@ -34,26 +37,18 @@ from __future__ import annotations
 
 import threading
 import time
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from distserve.config import CacheConfig, SchedulerConfig
-from distserve.decode.scheduler import DecodeScheduler, Reservation
-from distserve.engine.block_manager import BlockManager
+from distserve.decode.scheduler import Reservation
+from distserve.engine.instance_core import SCHEDULERS, InstanceCore, PlanInFlight, SeqUpdate
 from distserve.engine.parallel import ShardSpec
-from distserve.engine.scheduler import SampledToken, Scheduler, StepPlan, attributed_to
+from distserve.engine.scheduler import attributed_to
 from distserve.engine.sequence import Sequence
 from distserve.kvtransfer.layout import KVLayout
-from distserve.prefill.scheduler import PrefillScheduler
 from distserve.serving.worker import TransferResult, Worker, WorkerSpec
-
-SCHEDULERS: dict[str, type[Scheduler]] = {
-    "prefill": PrefillScheduler,
-    "decode": DecodeScheduler,
-    "colocated": Scheduler,
-}
 
 
 @dataclass
@@ -77,20 +72,6 @@ class InstanceSpec:
 
 
 @dataclass
-class SeqUpdate:
-    """What happened to one request in a step (tokens since its previous update)."""
-
-    seq_id: str
-    new_token_ids: list[int]
-    new_logprobs: list[float]
-    finished: bool
-    finish_reason: str | None
-    num_cached_tokens: int
-    awaiting_migration: bool = False
-    error: str | None = None  # with finish_reason "error"
-
-
-@dataclass
 class StepResult:
     updates: list[SeqUpdate] = field(default_factory=list)
     received: list[str] = field(default_factory=list)  # decode: KV arrived, request now decoding
@@ -103,41 +84,22 @@ class StepResult:
     num_batched_tokens: int = 0
 
 
-@dataclass
-class _PlanInFlight:
-    """A launched plan whose tokens are not applied yet."""
-
-    plan: StepPlan
-    plan_seq: int  # launch order; every worker executes plans in this order
-    seq_ids: frozenset[str]  # requests it computes: their blocks must not be freed
-    refs: list[Any] = field(default_factory=list)  # ranks 1.. executing it (Ray object refs)
-    sampled: list[SampledToken] = field(default_factory=list)  # rank 0's result
-
-
 class InstanceServer:
     def __init__(self, spec: InstanceSpec, create_remote_worker: Callable[[WorkerSpec], Any] | None = None) -> None:
         if spec.phase not in SCHEDULERS:
             raise ValueError(f"unknown phase {spec.phase!r}")
         self.spec = spec
-        self.block_manager = BlockManager(spec.num_blocks, spec.cache.block_size, spec.cache.enable_prefix_caching)
-        self.scheduler = SCHEDULERS[spec.phase](
-            spec.scheduler, self.block_manager, spec.max_model_len, spec.eos_token_ids, pipeline_depth=spec.pp
+        self.core = InstanceCore(
+            spec.phase, spec.scheduler, spec.num_blocks, spec.cache.block_size, spec.max_model_len, spec.eos_token_ids,
+            enable_prefix_caching=spec.cache.enable_prefix_caching, pipeline_depth=spec.pp,
         )
-        self.seqs: dict[str, Sequence] = {}
-        self._reported: dict[str, int] = {}  # output tokens already reported per request
-        self._lock = threading.Lock()
-        self._deferred: list[tuple[str, Callable[[], None]]] = []  # (seq_id, op) waiting for its plans
-        self._in_flight: deque[_PlanInFlight] = deque()  # oldest first; changed by ``step`` under the lock
-        self._next_plan_seq = 0
-        self.max_plans_in_flight = 0  # high-water mark, counting plans that compute tokens
-        self.num_overlapped_launches = 0  # plans launched while another that computes tokens was in flight
+        self._lock = threading.Lock()  # guards the core: requests arrive on other threads than ``step``
         self._pending: dict[str, set[int]] = {}  # transfer key (``_transfer_key``) -> ranks still busy
         self._failed: set[str] = set()
         self._timed_out: set[str] = set()
         self._receiving: dict[str, str] = {}  # seq_id -> key of its receive in flight
         self._after_recv: dict[str, list[Callable[[], None]]] = {}  # block-freeing ops waiting for that receive
         self.last_step_s = 0.0
-        self.num_steps = 0
 
         def worker_spec(rank: int) -> WorkerSpec:
             shard = ShardSpec(tp=spec.tp, pp=spec.pp, tp_rank=rank % spec.tp, pp_rank=rank // spec.tp)
@@ -169,7 +131,7 @@ class InstanceServer:
         requests again); once every rank has let go of them, the process groups are rebuilt.
         """
         with self._lock:
-            computing = [ref for p in self._in_flight for ref in p.refs]
+            computing = [ref for p in self.core.in_flight for ref in p.refs]
         if computing:  # plans still on the pipeline's later stages use the groups: let them finish
             import ray
 
@@ -199,35 +161,17 @@ class InstanceServer:
     # ---- requests ----------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
         """A new request, or one re-run here; after any op still queued for an earlier attempt of its id."""
-
-        def run() -> None:
-            self.seqs[seq.seq_id] = seq
-            self._reported[seq.seq_id] = seq.num_output_tokens
-            self.scheduler.add(seq)
-
-        self._defer(seq.seq_id, run)
+        with self._lock:
+            self.core.add(seq)
 
     def abort(self, seq_id: str, reason: str = "abort") -> None:
         """Finish a request here (abort, or a stop string the controller matched); frees its KV."""
-
-        def run() -> None:
-            seq = self.seqs.pop(seq_id, None)
-            self._reported.pop(seq_id, None)
-            if seq is not None and not seq.is_finished:
-                self.scheduler.finish(seq, reason)
-
-        self._free_later(seq_id, run)
+        self._free_later(seq_id, lambda: self.core.abort(seq_id, reason))
 
     def release(self, seq_id: str) -> None:
         """Prefill side: the decode side acknowledged the KV; free it at the next step boundary."""
-
-        def run() -> None:
-            assert isinstance(self.scheduler, PrefillScheduler)
-            self.scheduler.release(seq_id)
-            self.seqs.pop(seq_id, None)
-            self._reported.pop(seq_id, None)
-
-        self._defer(seq_id, run)
+        with self._lock:
+            self.core.release(seq_id)
 
     def requeue(self, seq_id: str) -> None:
         """Prefill side: the transfer failed; stop sending and prefill the request again."""
@@ -235,12 +179,8 @@ class InstanceServer:
             sends = [k for k in self._pending if k.startswith("send:") and k.split(":", 2)[2] == seq_id]
         for key in sends:
             self._fan_out("cancel_transfer", key)
-
-        def run() -> None:
-            assert isinstance(self.scheduler, PrefillScheduler)
-            self.scheduler.requeue(seq_id)
-
-        self._defer(seq_id, run)
+        with self._lock:
+            self.core.requeue(seq_id)
 
     def reserve(self, seq: Sequence) -> Reservation | None:
         """Decode side: blocks for a migrating request (prompt + first token), or None if full.
@@ -249,14 +189,9 @@ class InstanceServer:
         abort has not finished): its two reservations would collide.
         """
         with self._lock:
-            assert isinstance(self.scheduler, DecodeScheduler)
-            if seq.seq_id in self.seqs or seq.seq_id in self._receiving:
+            if seq.seq_id in self._receiving:
                 return None
-            reservation = self.scheduler.reserve(seq)
-            if reservation is not None:
-                self.seqs[seq.seq_id] = seq
-                self._reported[seq.seq_id] = seq.num_output_tokens
-            return reservation
+            return self.core.reserve(seq)
 
     def start_send(
         self, seq_id: str, first: int, end: int, dst_layout: KVLayout, dst_ranks: list[int], tag_base: int
@@ -264,8 +199,7 @@ class InstanceServer:
         """Prefill side: post the sends of blocks [first, end) of a request awaiting migration."""
         key = _transfer_key("send", tag_base, seq_id)
         with self._lock:
-            assert isinstance(self.scheduler, PrefillScheduler)
-            blocks = self.scheduler.awaiting_migration[seq_id].block_table[first:end]
+            blocks = self.core.kv_source(seq_id)[first:end]
             self._pending[key] = set(range(len(self.remote) + 1))
         self._fan_out("start_send", key, blocks, dst_layout, dst_ranks, tag_base, first)
 
@@ -282,14 +216,7 @@ class InstanceServer:
 
     def cancel_reservation(self, seq_id: str) -> None:
         """Decode side: give a reservation's blocks back (after its receive, if one is in flight)."""
-
-        def run() -> None:
-            assert isinstance(self.scheduler, DecodeScheduler)
-            self.scheduler.cancel(seq_id)
-            self.seqs.pop(seq_id, None)
-            self._reported.pop(seq_id, None)
-
-        self._free_later(seq_id, run)
+        self._free_later(seq_id, lambda: self.core.cancel(seq_id))
 
     def inject_step_fault(self, seq_id: str, kind: str = "raise") -> None:
         """Test hook: ``ModelRunner.inject_step_fault`` on rank 0 (``exit`` kills this actor's process)."""
@@ -304,39 +231,13 @@ class InstanceServer:
             _ray_get([self.remote[rank - 1].inject_transfer_fault.remote(kind)])
 
     def _free_later(self, seq_id: str, run: Callable[[], None]) -> None:
-        """Run a block-freeing op after the request's receive in flight (if any), else like ``_defer``."""
+        """Run a block-freeing core op after the request's receive in flight (if any), else at once
+        (the core itself defers it while a plan in flight computes the request)."""
         with self._lock:
             if seq_id in self._receiving:
                 self._after_recv.setdefault(seq_id, []).append(run)
                 return
-        self._defer(seq_id, run)
-
-    def _defer(self, seq_id: str, run: Callable[[], None]) -> None:
-        """Run now if no plan in flight computes ``seq_id``, else once none does (a step boundary).
-
-        Ops of one request run in call order: one arriving behind a queued op of its id queues too
-        (e.g. the re-run of a request whose earlier attempt's abort is still waiting).
-        """
-        with self._lock:
-            if self._computes(seq_id) or any(queued == seq_id for queued, _ in self._deferred):
-                self._deferred.append((seq_id, run))
-            else:
-                run()
-
-    def _computes(self, seq_id: str) -> bool:
-        return any(seq_id in p.seq_ids for p in self._in_flight)
-
-    def _run_deferred(self) -> None:
-        """Under the lock: the deferred ops whose request no plan in flight computes any more, in order."""
-        if not self._deferred:
-            return
-        waiting: list[tuple[str, Callable[[], None]]] = []
-        for seq_id, run in self._deferred:
-            if self._computes(seq_id):
-                waiting.append((seq_id, run))
-            else:
-                run()
-        self._deferred = waiting
+            run()
 
     def _fan_out(self, method: str, *args: Any) -> None:
         refs = [getattr(w, method).remote(*args) for w in self.remote]
@@ -349,14 +250,11 @@ class InstanceServer:
         are done, waiting for the oldest if the pipeline is full or nothing was launched."""
         t0 = time.perf_counter()
         result = StepResult()
-        launched: _PlanInFlight | None = None
+        core = self.core
         with self._lock:
-            self._run_deferred()
+            core.run_deferred()
             self._collect_transfers(result)
-            if len(self._in_flight) < self.spec.pp:
-                plan = self.scheduler.schedule()
-                if not plan.is_empty or plan.finished_seq_ids:  # finished ids: workers drop their state
-                    launched = self._launch(plan)
+            launched = core.launch()
         if launched is not None:
             # Outside the lock, so that reserve/abort/... are not held up by the model. Rank 0 is
             # stage 0 (and the sampler when tp == pp == 1); its send to stage 1 returns once stage 1
@@ -367,9 +265,9 @@ class InstanceServer:
                 launched.sampled = self.local.execute(launched.plan, launched.plan_seq)
             result.execute_seconds = time.perf_counter() - t_exec
             result.num_batched_tokens = launched.plan.num_batched_tokens
-        must_wait = launched is None or len(self._in_flight) >= self.spec.pp
-        while self._in_flight:
-            oldest = self._in_flight[0]
+        must_wait = launched is None or len(core.in_flight) >= self.spec.pp
+        while core.in_flight:
+            oldest = core.in_flight[0]
             # The plan launched just now waits for the next step unless it is the one to wait for
             # (pp == 1): applied together with the previous one, the two micro-batches would merge
             # into one plan at the next ``schedule`` and the pipeline would stop overlapping.
@@ -378,28 +276,13 @@ class InstanceServer:
             self._apply_oldest(result)
             must_wait = False
         with self._lock:
-            s = self.scheduler
             if launched is not None:
-                s.observe_step(launched.plan, result.execute_seconds)
-            result.has_work = bool(s.has_work() or self._pending or self._deferred or self._in_flight)
-        self.last_step_s = result.step_seconds = time.perf_counter() - t0
-        self.num_steps += 1
+                core.observe(launched.plan, result.execute_seconds)
+            result.has_work = bool(core.has_work() or self._pending)
+        self.last_step_s = core.last_step_s = result.step_seconds = time.perf_counter() - t0
         return result
 
-    def _launch(self, plan: StepPlan) -> _PlanInFlight:
-        """Under the lock: number ``plan`` and queue it in the pipeline (``step`` then hands it to the ranks)."""
-        computing = sum(1 for p in self._in_flight if not p.plan.is_empty)
-        if not plan.is_empty:
-            if computing:
-                self.num_overlapped_launches += 1
-            self.max_plans_in_flight = max(self.max_plans_in_flight, computing + 1)
-        plan_seq = self._next_plan_seq
-        self._next_plan_seq += 1
-        launched = _PlanInFlight(plan, plan_seq, frozenset(c.seq_id for c in plan.chunks))
-        self._in_flight.append(launched)
-        return launched
-
-    def _is_done(self, p: _PlanInFlight) -> bool:
+    def _is_done(self, p: PlanInFlight) -> bool:
         if not p.refs:
             return True
         import ray
@@ -409,17 +292,14 @@ class InstanceServer:
 
     def _apply_oldest(self, result: StepResult) -> None:
         """Wait for the oldest plan in flight on every rank, then apply its sampled tokens."""
-        p = self._in_flight[0]
+        p = self.core.in_flight[0]
         sampled = p.sampled
         with attributed_to(p.plan):  # a rank that raised or died fails the plan it was computing
             for other in _ray_get(p.refs):
                 sampled = sampled or other
         with self._lock, attributed_to(p.plan):
-            self._in_flight.popleft()
-            self._run_deferred()  # first: an aborted request gets no token from its last plan
-            updated = self.scheduler.update_from_output(p.plan, sampled, self.seqs, time.monotonic())
-            for seq in updated:
-                result.updates.append(self._update(seq))
+            for seq in self.core.apply_oldest(sampled, time.monotonic()):
+                result.updates.append(self.core.delta(seq))
 
     def _collect_transfers(self, result: StepResult) -> None:
         if not self._pending:
@@ -449,64 +329,36 @@ class InstanceServer:
             self._timed_out.discard(d.key)
             if kind != "recv":
                 continue
-            assert isinstance(self.scheduler, DecodeScheduler)
             if self._receiving.get(seq_id) == d.key:
                 del self._receiving[seq_id]
             for run in self._after_recv.pop(seq_id, []):
                 run()  # an abort that arrived mid-transfer
             if failed:
-                self.scheduler.cancel(seq_id)
-                self.seqs.pop(seq_id, None)
-                self._reported.pop(seq_id, None)
+                self.core.cancel(seq_id)
                 result.failed_transfers.append(seq_id)
                 if timed_out:
                     result.timed_out_transfers.append(seq_id)
-            elif self.scheduler.complete(seq_id) is not None:
+            elif self.core.complete(seq_id) is not None:
                 result.received.append(seq_id)
-
-    def _update(self, seq: Sequence) -> SeqUpdate:
-        seen = self._reported.get(seq.seq_id, 0)
-        n = seq.num_output_tokens
-        new = seq.output_token_ids[seen:]
-        self._reported[seq.seq_id] = n
-        awaiting = isinstance(self.scheduler, PrefillScheduler) and seq.seq_id in self.scheduler.awaiting_migration
-        if seq.is_finished:
-            self.seqs.pop(seq.seq_id, None)
-            self._reported.pop(seq.seq_id, None)
-        return SeqUpdate(
-            seq.seq_id, new, seq.logprobs[seen:] if seq.logprobs else [], seq.is_finished,
-            seq.finish_reason, seq.num_cached_tokens, awaiting, seq.error,
-        )
 
     def load(self) -> int:
         with self._lock:
-            s = self.scheduler
-            return sum(q.num_uncomputed_tokens for q in s.waiting + s.running)
+            return self.core.load()
 
     def stats(self) -> dict[str, Any]:
         with self._lock:
-            s = self.scheduler
-            out: dict[str, Any] = {
+            core = self.core
+            return {
                 "instance": self.spec.instance_id,
                 "phase": self.spec.phase,
-                "num_requests_waiting": s.num_waiting,
-                "num_requests_running": s.num_running,
-                "kv_cache_usage_perc": self.block_manager.usage,
-                "num_free_blocks": self.block_manager.num_free_blocks,
-                "step_seconds": self.last_step_s,
-                "num_steps": self.num_steps,
+                **core.stats(),
                 "tp": self.spec.tp,
                 "pp": self.spec.pp,
+                "num_kv_transfers_in_flight": len(self._pending),
+                "num_plans_in_flight": len(core.in_flight),
+                "max_plans_in_flight": core.max_plans_in_flight,
+                "num_overlapped_launches": core.num_overlapped_launches,
             }
-            if isinstance(s, PrefillScheduler):
-                out["num_requests_awaiting_migration"] = s.num_awaiting_migration
-            if isinstance(s, DecodeScheduler):
-                out["num_requests_migrating"] = len(s.migrating)
-            out["num_kv_transfers_in_flight"] = len(self._pending)
-            out["num_plans_in_flight"] = len(self._in_flight)
-            out["max_plans_in_flight"] = self.max_plans_in_flight
-            out["num_overlapped_launches"] = self.num_overlapped_launches
-            return out
 
     def node_id(self) -> str:
         import ray

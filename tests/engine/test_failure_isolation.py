@@ -49,7 +49,7 @@ def run(engine: EngineBase, params: dict[str, SamplingParams] | None = None, max
 
 def kv_freed(engine: EngineBase) -> bool:
     if isinstance(engine, LocalDisaggEngine):
-        return all(i.block_manager.usage == 0.0 for i in engine.prefill + engine.decode)
+        return all(i.core.block_manager.usage == 0.0 for i in engine.prefill + engine.decode)
     assert isinstance(engine, LLMEngine)
     return engine.block_manager.usage == 0.0
 

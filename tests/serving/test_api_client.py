@@ -83,7 +83,7 @@ def test_queue_bound_and_close_aborts(tiny: LoadedModel) -> None:
         while engine.has_unfinished_requests() and time.monotonic() < deadline:
             time.sleep(0.01)
         assert not engine.has_unfinished_requests()
-        assert all(i.block_manager.usage == 0.0 for i in engine.prefill + engine.decode)
+        assert all(i.core.block_manager.usage == 0.0 for i in engine.prefill + engine.decode)
     finally:
         client.close()
 
@@ -340,8 +340,8 @@ def test_ray_serve_options_carry_the_tpot_slo_to_the_decoding_instances() -> Non
     try:
         engine = client.engines[0]
         assert isinstance(engine, LocalDisaggEngine)
-        assert [i.scheduler.config.step_budget for i in engine.decode] == ["slo"]
-        assert [i.scheduler.config.step_budget for i in engine.prefill] == ["static"]
+        assert [i.core.scheduler.config.step_budget for i in engine.decode] == ["slo"]
+        assert [i.core.scheduler.config.step_budget for i in engine.prefill] == ["static"]
     finally:
         client.close()
 

@@ -268,7 +268,7 @@ def _all_freed(engine: LocalDisaggEngine, client: ThreadedEngineClient) -> bool:
         client.num_outstanding == 0
         and engine.num_requests == 0
         and not engine.has_unfinished_requests()
-        and all(inst.block_manager.usage == 0.0 and not inst.seqs for inst in instances)
+        and all(inst.core.block_manager.usage == 0.0 and not inst.core.seqs for inst in instances)
     )
 
 
@@ -284,7 +284,7 @@ def test_disconnect_mid_stream_aborts_and_frees_both_sides(tiny: LoadedModel, en
             lines = resp.iter_lines()
             got = [line for line, _ in zip(lines, range(12)) if line.startswith("data:")]
             assert len(got) >= 5
-            assert any(inst.block_manager.usage > 0 for inst in engine.decode)  # decoding when we leave
+            assert any(inst.core.block_manager.usage > 0 for inst in engine.decode)  # decoding when we leave
         assert wait_until(lambda: _all_freed(engine, server.client)), engine.stats()
         assert len(aborted) == 1
         samples = metric_samples(server.url)

@@ -37,7 +37,7 @@ def test_xpyd_matches_colocated(tiny: LoadedModel, reference: list[list[int]], n
     assert [o.token_ids for o in outs] == reference
     assert engine.migration.num_migrations == len(PROMPTS)
     for inst in engine.prefill + engine.decode:
-        assert inst.block_manager.usage == 0.0  # everything released after the acknowledgement
+        assert inst.core.block_manager.usage == 0.0  # everything released after the acknowledgement
     assert all(o.metrics.ttft_s is not None and o.metrics.ttft_s > 0 for o in outs)
 
 
@@ -71,7 +71,7 @@ def test_stop_string_and_abort_free_both_sides(tiny: LoadedModel) -> None:
     engine.abort_request(rid)
     assert not engine.has_unfinished_requests()
     for inst in engine.prefill + engine.decode:
-        assert inst.block_manager.usage == 0.0
+        assert inst.core.block_manager.usage == 0.0
 
 
 def test_single_token_requests_finish_on_prefill(tiny: LoadedModel) -> None:

@@ -1,0 +1,324 @@
+"""``InstanceCore``: one instance's state and step bookkeeping, without a model or a clock.
+
+An instance is a phase scheduler (colocated, prefill or decode) over a ``BlockManager``, the
+sequences it holds, the plans it has launched and not applied yet (up to ``pipeline_depth``
+micro-batches), the operations that free blocks and must wait for those plans, and the tokens each
+request has been told about. Every executor drives this one class:
+
+* the colocated ``LLMEngine`` and the in-process instances of ``LocalDisaggEngine`` run each plan
+  on a ``ModelRunner`` at once (``step`` below);
+* the Ray runtime's ``InstanceServer`` launches plans onto ``tp × pp`` workers, applies them when
+  the ranks are done, and reports token deltas (``delta``) across processes;
+* the simulator launches plans and applies them when its clock reaches the latency model's step time.
+
+A driver calls ``launch`` (schedule a plan if the pipeline has room), executes it however it
+does, reports its duration with ``observe`` and applies the oldest plan's tokens with
+``apply_oldest``. Operations that free blocks (``abort``, ``release``, ``requeue``, ``cancel``)
+run at once unless a plan in flight computes the request; then they wait for the step boundary
+that applies it (``defer``), in call order per request. Not thread-safe: a driver with several
+threads (the Ray instance actor) serialises calls with its own lock.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from distserve.config import SchedulerConfig
+from distserve.decode.scheduler import DecodeScheduler, Reservation
+from distserve.engine.block_manager import BlockManager
+from distserve.engine.scheduler import SampledToken, Scheduler, StepPlan, attributed_to
+from distserve.engine.sequence import Sequence
+from distserve.prefill.scheduler import PrefillScheduler
+
+SCHEDULERS: dict[str, type[Scheduler]] = {
+    "colocated": Scheduler,
+    "prefill": PrefillScheduler,
+    "decode": DecodeScheduler,
+}
+
+
+@dataclass
+class SeqUpdate:
+    """What happened to one request in a step (tokens since its previous update); plain data for Ray."""
+
+    seq_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[float]
+    finished: bool
+    finish_reason: str | None
+    num_cached_tokens: int
+    awaiting_migration: bool = False
+    error: str | None = None  # with finish_reason "error"
+
+
+@dataclass(slots=True)
+class PlanInFlight:
+    """A launched plan whose tokens are not applied yet."""
+
+    plan: StepPlan
+    plan_seq: int  # launch order; every worker executes plans in this order
+    refs: list[Any] = field(default_factory=list)  # the driver's handles on the ranks computing it (Ray refs)
+    sampled: list[SampledToken] = field(default_factory=list)  # the driver's result, once it has one
+    _seq_ids: frozenset[str] | None = None
+
+    def computes(self, seq_id: str) -> bool:
+        """Whether this plan computes ``seq_id`` (whose blocks must then not be freed yet)."""
+        if self._seq_ids is None:  # built on first use: most plans never need it
+            self._seq_ids = frozenset(c.seq_id for c in self.plan.chunks)
+        return seq_id in self._seq_ids
+
+
+class InstanceCore:
+    """One instance's scheduler, blocks, sequences, plans in flight, deferred frees and token deltas.
+
+    Args:
+        phase: ``colocated``, ``prefill`` or ``decode`` (``SCHEDULERS``).
+        pipeline_depth: plans that may be in flight at once (the instance's pp degree).
+    """
+
+    def __init__(
+        self,
+        phase: str,
+        config: SchedulerConfig,
+        num_blocks: int,
+        block_size: int,
+        max_model_len: int,
+        eos_token_ids: tuple[int, ...] = (),
+        *,
+        enable_prefix_caching: bool = True,
+        pipeline_depth: int = 1,
+    ) -> None:
+        if phase not in SCHEDULERS:
+            raise ValueError(f"unknown phase {phase!r}; choose from {sorted(SCHEDULERS)}")
+        self.phase = phase
+        self.config = config
+        self.num_blocks, self.block_size = num_blocks, block_size
+        self.max_model_len = max_model_len
+        self.eos_token_ids = eos_token_ids
+        self.enable_prefix_caching = enable_prefix_caching
+        self.pipeline_depth = pipeline_depth
+        self.num_steps = 0
+        self.last_step_s = 0.0
+        self.max_plans_in_flight = 0  # high-water mark, counting plans that compute tokens
+        self.num_overlapped_launches = 0  # plans launched while another that computes tokens was in flight
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget every request, plan and KV block (after a failed step); counters stay."""
+        self.block_manager = BlockManager(self.num_blocks, self.block_size, self.enable_prefix_caching)
+        self.scheduler = SCHEDULERS[self.phase](
+            self.config, self.block_manager, self.max_model_len, self.eos_token_ids, pipeline_depth=self.pipeline_depth
+        )
+        self.seqs: dict[str, Sequence] = {}
+        self.in_flight: deque[PlanInFlight] = deque()  # oldest first
+        self._deferred: list[tuple[str, Callable[[], None]]] = []  # (seq_id, op) waiting for its plans
+        self._reported: dict[str, int] = {}  # output tokens already reported per request (``delta``)
+        self._next_plan_seq = 0
+
+    # ---- the phase's schedulers, typed ---------------------------------------------------------
+    @property
+    def prefill(self) -> PrefillScheduler:
+        assert isinstance(self.scheduler, PrefillScheduler), f"a {self.phase} instance has no prefill queue"
+        return self.scheduler
+
+    @property
+    def decode(self) -> DecodeScheduler:
+        assert isinstance(self.scheduler, DecodeScheduler), f"a {self.phase} instance has no reservations"
+        return self.scheduler
+
+    # ---- requests ------------------------------------------------------------------------------
+    def add(self, seq: Sequence) -> None:
+        """A new request, or one re-run here; after any op still queued for an earlier attempt of its id."""
+
+        def run() -> None:
+            self.seqs[seq.seq_id] = seq
+            self._reported[seq.seq_id] = seq.num_output_tokens
+            self.scheduler.add(seq)
+
+        self.defer(seq.seq_id, run)
+
+    def abort(self, seq_id: str, reason: str = "abort") -> None:
+        """Finish a request here (abort, or a stop string matched); frees its KV."""
+
+        def run() -> None:
+            seq = self.seqs.pop(seq_id, None)
+            self._reported.pop(seq_id, None)
+            if seq is not None and not seq.is_finished:
+                self.scheduler.finish(seq, reason)
+
+        self.defer(seq_id, run)
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """Finish a sequence the driver holds right now, between steps (a stop string matched)."""
+        self.seqs.pop(seq.seq_id, None)
+        self._reported.pop(seq.seq_id, None)
+        self.scheduler.finish(seq, reason)
+
+    def kv_source(self, seq_id: str) -> list[int]:
+        """Prefill: the block table holding the prompt KV of a request awaiting migration."""
+        return list(self.prefill.awaiting_migration[seq_id].block_table)
+
+    def release(self, seq_id: str) -> None:
+        """Prefill: the decode side holds the KV now; free it (hashed blocks stay as prefix cache)."""
+
+        def run() -> None:
+            self.prefill.release(seq_id)
+            self.seqs.pop(seq_id, None)
+            self._reported.pop(seq_id, None)
+
+        self.defer(seq_id, run)
+
+    def requeue(self, seq_id: str) -> None:
+        """Prefill: the migration failed; drop the KV and prefill the request again."""
+        self.defer(seq_id, lambda: self.prefill.requeue(seq_id))
+
+    def reserve(self, seq: Sequence) -> Reservation | None:
+        """Decode: blocks for a migrating request (prompt + first token), or None while there is no room
+        or this instance still holds an earlier attempt of the request."""
+        if seq.seq_id in self.seqs:
+            return None
+        reservation = self.decode.reserve(seq)
+        if reservation is not None:
+            self.seqs[seq.seq_id] = seq
+            self._reported[seq.seq_id] = seq.num_output_tokens
+        return reservation
+
+    def complete(self, seq_id: str) -> Sequence | None:
+        """Decode: the KV arrived; the request decodes from the next step on."""
+        return self.decode.complete(seq_id)
+
+    def cancel(self, seq_id: str) -> None:
+        """Decode: the transfer failed or was aborted; give the reservation's blocks back."""
+
+        def run() -> None:
+            self.decode.cancel(seq_id)
+            self.seqs.pop(seq_id, None)
+            self._reported.pop(seq_id, None)
+
+        self.defer(seq_id, run)
+
+    # ---- deferred ops --------------------------------------------------------------------------
+    def defer(self, seq_id: str, run: Callable[[], None]) -> None:
+        """Run now if no plan in flight computes ``seq_id``, else once none does (a step boundary).
+
+        Ops of one request run in call order: one arriving behind a queued op of its id queues too
+        (e.g. the re-run of a request whose earlier attempt's abort is still waiting).
+        """
+        if self.computes(seq_id) or any(queued == seq_id for queued, _ in self._deferred):
+            self._deferred.append((seq_id, run))
+        else:
+            run()
+
+    def computes(self, seq_id: str) -> bool:
+        """Whether a plan in flight computes ``seq_id`` (its blocks must not be freed yet)."""
+        return any(p.computes(seq_id) for p in self.in_flight)
+
+    def run_deferred(self) -> None:
+        """The deferred ops whose request no plan in flight computes any more, in order."""
+        if not self._deferred:
+            return
+        waiting: list[tuple[str, Callable[[], None]]] = []
+        for seq_id, run in self._deferred:
+            if self.computes(seq_id):
+                waiting.append((seq_id, run))
+            else:
+                run()
+        self._deferred = waiting
+
+    # ---- the step ------------------------------------------------------------------------------
+    def launch(self) -> PlanInFlight | None:
+        """The next plan, numbered and in flight, if the pipeline has room and there is something
+        to send (tokens to compute, or finished ids whose state the workers drop); else None."""
+        self.run_deferred()
+        if len(self.in_flight) >= self.pipeline_depth:
+            return None
+        plan = self.scheduler.schedule()
+        if plan.is_empty and not plan.finished_seq_ids:
+            return None
+        if not plan.is_empty:
+            computing = sum(1 for p in self.in_flight if not p.plan.is_empty)
+            if computing:
+                self.num_overlapped_launches += 1
+            self.max_plans_in_flight = max(self.max_plans_in_flight, computing + 1)
+        launched = PlanInFlight(plan, self._next_plan_seq)
+        self._next_plan_seq += 1
+        self.in_flight.append(launched)
+        return launched
+
+    def observe(self, plan: StepPlan, seconds: float) -> None:
+        """How long ``plan`` took (measured, or modelled in the simulator): the step budget learns from it."""
+        self.scheduler.observe_step(plan, seconds)
+        self.num_steps += 1
+
+    def apply_oldest(self, sampled: list[SampledToken], now: float) -> list[Sequence]:
+        """Apply the oldest plan in flight: its sampled tokens, stop rules, the ops that waited for
+        it. Returns the sequences that received a token (finished ones are forgotten here)."""
+        p = self.in_flight.popleft()
+        self.run_deferred()  # first: an aborted request gets no token from its last plan
+        updated = self.scheduler.update_from_output(p.plan, sampled, self.seqs, now)
+        for seq in updated:
+            if seq.is_finished:
+                self.seqs.pop(seq.seq_id, None)
+        return updated
+
+    def step(self, execute: Callable[[StepPlan], list[SampledToken]], clock: Callable[[], float]) -> list[Sequence]:
+        """Launch, execute and apply one plan at once (an in-process instance, pp = 1). A failure
+        is a ``StepFailedError`` naming the plan's requests (``attributed_to``)."""
+        launched = self.launch()
+        if launched is None:
+            return []
+        with attributed_to(launched.plan):
+            t0 = clock()
+            sampled = execute(launched.plan)
+            now = clock()
+            self.last_step_s = now - t0
+            self.observe(launched.plan, self.last_step_s)
+            return self.apply_oldest(sampled, now)
+
+    def delta(self, seq: Sequence) -> SeqUpdate:
+        """The tokens ``seq`` got since its previous delta (for a driver that reports across processes)."""
+        seen = self._reported.get(seq.seq_id, 0)
+        self._reported[seq.seq_id] = seq.num_output_tokens
+        awaiting = isinstance(self.scheduler, PrefillScheduler) and seq.seq_id in self.scheduler.awaiting_migration
+        if seq.is_finished:
+            self._reported.pop(seq.seq_id, None)
+        return SeqUpdate(
+            seq.seq_id, seq.output_token_ids[seen:], seq.logprobs[seen:] if seq.logprobs else [], seq.is_finished,
+            seq.finish_reason, seq.num_cached_tokens, awaiting, seq.error,
+        )
+
+    # ---- what the router and /metrics see ------------------------------------------------------
+    def has_work(self) -> bool:
+        """Something to compute, or to apply, or an op waiting for a plan."""
+        return bool(self.scheduler.has_work() or self.in_flight or self._deferred)
+
+    def load(self) -> int:
+        """Routing signal: prompt tokens queued or running here."""
+        s = self.scheduler
+        return sum(q.num_uncomputed_tokens for q in s.waiting + s.running)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.block_manager.num_free_blocks
+
+    def stats(self) -> dict[str, Any]:
+        s = self.scheduler
+        out: dict[str, Any] = {
+            "num_requests_waiting": s.num_waiting,
+            "num_requests_running": s.num_running,
+            "kv_cache_usage_perc": self.block_manager.usage,
+            "num_free_blocks": self.block_manager.num_free_blocks,
+            "step_seconds": self.last_step_s,
+            "num_steps": self.num_steps,
+        }
+        if isinstance(s, PrefillScheduler):
+            out["num_requests_awaiting_migration"] = s.num_awaiting_migration
+        if isinstance(s, DecodeScheduler):
+            out["num_requests_migrating"] = len(s.migrating)
+        return out
+
+
+__all__ = ["InstanceCore", "PlanInFlight", "SCHEDULERS", "SeqUpdate"]

@@ -1,0 +1,123 @@
+"""InstanceCore on its own, with a fake executor: steps, pipelines, deferred frees, token deltas, phases."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from distserve.config import SamplingParams, SchedulerConfig
+from distserve.engine.instance_core import InstanceCore
+from distserve.engine.scheduler import SampledToken, StepPlan
+from distserve.engine.sequence import Sequence
+
+TOKEN = 7
+SP = SamplingParams(max_tokens=3, ignore_eos=True, temperature=0)
+
+
+def fake_execute(plan: StepPlan) -> list[SampledToken]:
+    return [SampledToken(c.seq_id, TOKEN) for c in plan.chunks if c.sample]
+
+
+def core(phase: str = "colocated", pipeline_depth: int = 1, num_blocks: int = 64) -> InstanceCore:
+    return InstanceCore(phase, SchedulerConfig(), num_blocks, 4, 256, pipeline_depth=pipeline_depth)
+
+
+def seq(seq_id: str, n: int = 6, sampling: SamplingParams = SP) -> Sequence:
+    return Sequence(seq_id, list(range(10, 10 + n)), sampling)
+
+
+def test_steps_run_requests_to_the_end_and_free_everything() -> None:
+    c = core()
+    clock = itertools.count(1.0, 0.5).__next__
+    c.add(seq("a"))
+    c.add(seq("b", 9))
+    finished = []
+    while c.has_work():
+        for s in c.step(fake_execute, clock):
+            if s.is_finished:
+                finished.append((s.seq_id, s.output_token_ids, s.finish_reason))
+    assert sorted(finished) == [("a", [TOKEN] * 3, "length"), ("b", [TOKEN] * 3, "length")]
+    assert c.num_steps == 3 and c.last_step_s == 0.5
+    assert c.block_manager.usage == 0.0 and not c.seqs and not c.in_flight
+    assert c.step(fake_execute, clock) == []  # nothing to do: no plan is launched
+
+
+def test_a_free_waits_for_the_plan_that_computes_the_request() -> None:
+    """pp = 2: an abort (and a re-add of the same id) issued while a plan computes the request run
+    when that plan is applied, in call order; the aborted request gets no token from it."""
+    c = core(pipeline_depth=2)
+    c.add(seq("a"))
+    first = c.launch()
+    assert first is not None and first.computes("a") and not first.computes("b")
+    c.abort("a")
+    again = seq("a")
+    c.add(again)  # a re-run of the id: queued behind the abort
+    assert c.seqs["a"] is not again and c.has_work()
+    updated = c.apply_oldest(fake_execute(first.plan), 1.0)
+    assert updated == []  # aborted before its token was applied
+    assert c.seqs["a"] is again and c.scheduler.waiting == [again]
+    assert c.block_manager.usage == 0.0  # the first attempt's blocks are free; the re-run holds none yet
+
+
+def test_pipeline_depth_bounds_the_plans_in_flight() -> None:
+    c = core(pipeline_depth=2)
+    for i in range(3):
+        c.add(seq(f"s{i}", 4))
+    a, b = c.launch(), c.launch()
+    assert a is not None and b is not None and c.launch() is None
+    assert [p.plan_seq for p in c.in_flight] == [0, 1] and c.max_plans_in_flight == 2 and c.num_overlapped_launches == 1
+    assert not set(ch.seq_id for ch in a.plan.chunks) & set(ch.seq_id for ch in b.plan.chunks)
+    c.apply_oldest(fake_execute(a.plan), 1.0)
+    assert [p.plan_seq for p in c.in_flight] == [1]
+
+
+def test_deltas_report_each_token_once() -> None:
+    c = core()
+    clock = itertools.count(1.0).__next__
+    c.add(seq("a"))
+    got: list[int] = []
+    while c.has_work():
+        for s in c.step(fake_execute, clock):
+            d = c.delta(s)
+            got += d.new_token_ids
+            last = d
+    assert got == [TOKEN] * 3 and last.finished and last.finish_reason == "length"
+
+
+def test_prefill_holds_the_kv_until_released_and_decode_reserves_once() -> None:
+    p, d = core("prefill"), core("decode")
+    clock = itertools.count(1.0).__next__
+    s = seq("a", 8)
+    p.add(s)
+    (out,) = p.step(fake_execute, clock)
+    assert out is s and p.delta(s).awaiting_migration and p.prefill.num_awaiting_migration == 1
+    held = p.kv_source("a")
+    assert held == s.block_table and p.block_manager.usage > 0
+    moved = s.detached_copy()
+    reservation = d.reserve(moved)
+    assert reservation is not None and d.reserve(moved.detached_copy()) is None  # the id is held here already
+    assert d.complete("a") is moved
+    p.release("a")
+    assert p.block_manager.usage == 0.0 and not p.seqs
+    while d.has_work():
+        d.step(fake_execute, clock)
+    assert moved.output_token_ids == [TOKEN] * 3 and d.block_manager.usage == 0.0
+
+
+def test_a_failed_migration_requeues_and_cancels() -> None:
+    p, d = core("prefill"), core("decode")
+    clock = itertools.count(1.0).__next__
+    s = seq("a", 8)
+    p.add(s)
+    p.step(fake_execute, clock)
+    assert d.reserve(s.detached_copy()) is not None
+    d.cancel("a")
+    p.requeue("a")
+    assert d.block_manager.usage == 0.0 and not d.seqs
+    assert p.scheduler.waiting == [s] and p.prefill.num_awaiting_migration == 0
+
+
+def test_unknown_phase_is_refused() -> None:
+    with pytest.raises(ValueError, match="unknown phase"):
+        core("sideways")
