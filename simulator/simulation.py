@@ -334,13 +334,10 @@ class Simulation:
             inst.launch_pending = True
             heapq.heappush(self._events, (inst.stage_free[0], _LAUNCH, next(self._seq_no), inst))
             return
-        launched = core.launch()
+        launched = core.launch(send_finished=False)  # no simulated worker keeps per-request state
         if launched is None:
             return
         plan = launched.plan
-        if not plan.chunks:  # only finished ids, which no simulated worker keeps state for
-            core.apply_oldest([], now)
-            return
         t = inst.step_time(_shape(plan))
         core.observe(plan, t)  # what the runtime measures: the SLO budget learns from it
         inst.busy_s += t

@@ -144,8 +144,7 @@ class InstanceCore:
         """Finish a request here (abort, or a stop string matched); frees its KV."""
 
         def run() -> None:
-            seq = self.seqs.pop(seq_id, None)
-            self._reported.pop(seq_id, None)
+            seq = self._forget(seq_id)
             if seq is not None and not seq.is_finished:
                 self.scheduler.finish(seq, reason)
 
@@ -153,9 +152,12 @@ class InstanceCore:
 
     def finish(self, seq: Sequence, reason: str) -> None:
         """Finish a sequence the driver holds right now, between steps (a stop string matched)."""
-        self.seqs.pop(seq.seq_id, None)
-        self._reported.pop(seq.seq_id, None)
+        self._forget(seq.seq_id)
         self.scheduler.finish(seq, reason)
+
+    def _forget(self, seq_id: str) -> Sequence | None:
+        self._reported.pop(seq_id, None)
+        return self.seqs.pop(seq_id, None)
 
     def kv_source(self, seq_id: str) -> list[int]:
         """Prefill: the block table holding the prompt KV of a request awaiting migration."""
@@ -166,8 +168,7 @@ class InstanceCore:
 
         def run() -> None:
             self.prefill.release(seq_id)
-            self.seqs.pop(seq_id, None)
-            self._reported.pop(seq_id, None)
+            self._forget(seq_id)
 
         self.defer(seq_id, run)
 
@@ -195,8 +196,7 @@ class InstanceCore:
 
         def run() -> None:
             self.decode.cancel(seq_id)
-            self.seqs.pop(seq_id, None)
-            self._reported.pop(seq_id, None)
+            self._forget(seq_id)
 
         self.defer(seq_id, run)
 
@@ -229,14 +229,15 @@ class InstanceCore:
         self._deferred = waiting
 
     # ---- the step ------------------------------------------------------------------------------
-    def launch(self) -> PlanInFlight | None:
+    def launch(self, send_finished: bool = True) -> PlanInFlight | None:
         """The next plan, numbered and in flight, if the pipeline has room and there is something
-        to send (tokens to compute, or finished ids whose state the workers drop); else None."""
+        to send: tokens to compute, or (``send_finished``) finished ids whose per-request state the
+        workers drop; else None. A driver without such state (the simulator) passes False."""
         self.run_deferred()
         if len(self.in_flight) >= self.pipeline_depth:
             return None
         plan = self.scheduler.schedule()
-        if plan.is_empty and not plan.finished_seq_ids:
+        if plan.is_empty and not (send_finished and plan.finished_seq_ids):
             return None
         if not plan.is_empty:
             computing = sum(1 for p in self.in_flight if not p.plan.is_empty)

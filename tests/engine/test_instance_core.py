@@ -19,8 +19,8 @@ def fake_execute(plan: StepPlan) -> list[SampledToken]:
     return [SampledToken(c.seq_id, TOKEN) for c in plan.chunks if c.sample]
 
 
-def core(phase: str = "colocated", pipeline_depth: int = 1, num_blocks: int = 64) -> InstanceCore:
-    return InstanceCore(phase, SchedulerConfig(), num_blocks, 4, 256, pipeline_depth=pipeline_depth)
+def core(phase: str = "colocated", pipeline_depth: int = 1, config: SchedulerConfig | None = None) -> InstanceCore:
+    return InstanceCore(phase, config or SchedulerConfig(), 64, 4, 256, pipeline_depth=pipeline_depth)
 
 
 def seq(seq_id: str, n: int = 6, sampling: SamplingParams = SP) -> Sequence:
@@ -61,7 +61,7 @@ def test_a_free_waits_for_the_plan_that_computes_the_request() -> None:
 
 
 def test_pipeline_depth_bounds_the_plans_in_flight() -> None:
-    c = core(pipeline_depth=2)
+    c = core(pipeline_depth=2, config=SchedulerConfig(max_num_seqs=1))  # one sequence per micro-batch
     for i in range(3):
         c.add(seq(f"s{i}", 4))
     a, b = c.launch(), c.launch()

@@ -85,7 +85,7 @@ def test_bad_configuration() -> None:
     with pytest.raises(InvalidConfigError):
         LocalDisaggEngine("tiny", num_prefill=0)
     with pytest.raises(InvalidConfigError):
-        LocalDisaggEngine("tiny", router="nope")
+        LocalDisaggEngine("tiny", kv_transfer_timeout_s=0)
 
 
 def test_chunked_prefill_instance(tiny: LoadedModel, reference: list[list[int]]) -> None:
