@@ -22,15 +22,15 @@ threads (the Ray instance actor) serialises calls with its own lock.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence as Seq
+from dataclasses import dataclass
 from typing import Any
 
 from distserve.config import SchedulerConfig
 from distserve.decode.scheduler import DecodeScheduler, Reservation
 from distserve.engine.block_manager import BlockManager
 from distserve.engine.scheduler import SampledToken, Scheduler, StepPlan, attributed_to
-from distserve.engine.sequence import Sequence
+from distserve.engine.sequence import Sequence, SequenceStatus
 from distserve.prefill.scheduler import PrefillScheduler
 
 SCHEDULERS: dict[str, type[Scheduler]] = {
@@ -60,8 +60,8 @@ class PlanInFlight:
 
     plan: StepPlan
     plan_seq: int  # launch order; every worker executes plans in this order
-    refs: list[Any] = field(default_factory=list)  # the driver's handles on the ranks computing it (Ray refs)
-    sampled: list[SampledToken] = field(default_factory=list)  # the driver's result, once it has one
+    refs: Seq[Any] = ()  # the driver's handles on the ranks computing it (Ray refs), set by the driver
+    sampled: Seq[SampledToken] = ()  # the driver's result, once it has one
     _seq_ids: frozenset[str] | None = None
 
     def computes(self, seq_id: str) -> bool:
@@ -233,17 +233,20 @@ class InstanceCore:
         """The next plan, numbered and in flight, if the pipeline has room and there is something
         to send: tokens to compute, or (``send_finished``) finished ids whose per-request state the
         workers drop; else None. A driver without such state (the simulator) passes False."""
-        self.run_deferred()
+        if self._deferred:
+            self.run_deferred()
         if len(self.in_flight) >= self.pipeline_depth:
             return None
         plan = self.scheduler.schedule()
         if plan.is_empty and not (send_finished and plan.finished_seq_ids):
             return None
-        if not plan.is_empty:
-            computing = sum(1 for p in self.in_flight if not p.plan.is_empty)
+        if plan.chunks and self.in_flight:
+            computing = sum(1 for p in self.in_flight if p.plan.chunks)
             if computing:
                 self.num_overlapped_launches += 1
             self.max_plans_in_flight = max(self.max_plans_in_flight, computing + 1)
+        elif plan.chunks and not self.max_plans_in_flight:
+            self.max_plans_in_flight = 1
         launched = PlanInFlight(plan, self._next_plan_seq)
         self._next_plan_seq += 1
         self.in_flight.append(launched)
@@ -254,15 +257,18 @@ class InstanceCore:
         self.scheduler.observe_step(plan, seconds)
         self.num_steps += 1
 
-    def apply_oldest(self, sampled: list[SampledToken], now: float) -> list[Sequence]:
+    def apply_oldest(self, sampled: Seq[SampledToken], now: float) -> list[Sequence]:
         """Apply the oldest plan in flight: its sampled tokens, stop rules, the ops that waited for
         it. Returns the sequences that received a token (finished ones are forgotten here)."""
         p = self.in_flight.popleft()
-        self.run_deferred()  # first: an aborted request gets no token from its last plan
-        updated = self.scheduler.update_from_output(p.plan, sampled, self.seqs, now)
-        for seq in updated:
-            if seq.is_finished:
-                self.seqs.pop(seq.seq_id, None)
+        if self._deferred:
+            self.run_deferred()  # first: an aborted request gets no token from its last plan
+        seqs = self.seqs
+        updated = self.scheduler.update_from_output(p.plan, sampled, seqs, now)
+        finished = SequenceStatus.FINISHED
+        for seq in updated:  # the simulator's hot loop: status compared inline
+            if seq.status is finished:
+                seqs.pop(seq.seq_id, None)
         return updated
 
     def step(self, execute: Callable[[StepPlan], list[SampledToken]], clock: Callable[[], float]) -> list[Sequence]:
