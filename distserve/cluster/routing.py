@@ -24,7 +24,7 @@ MAX_AFFINITY_IMBALANCE = 4  # requests more than the least assigned instance tha
 T = TypeVar("T")
 
 
-@dataclass
+@dataclass(eq=False)  # mutable state of one instance: compared by identity
 class RouteState:
     """What routing knows about one instance."""
 

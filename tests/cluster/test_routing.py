@@ -14,7 +14,10 @@ def states(n: int) -> list[RouteState]:
 
 def test_without_prefixes_the_least_assigned_first_instance_wins() -> None:
     insts = states(3)
-    picks = [insts.index(pick_entry(insts, lambda s: s)) for _ in range(6)]
+    picks = []
+    for _ in range(6):
+        chosen = pick_entry(insts, lambda s: s)
+        picks.append(next(i for i, s in enumerate(insts) if s is chosen))
     assert picks == [0, 1, 2, 0, 1, 2]
     assert [s.num_assigned for s in insts] == [2, 2, 2]
     insts[1].release()
