@@ -99,7 +99,6 @@ class InstanceServer:
         self._timed_out: set[str] = set()
         self._receiving: dict[str, str] = {}  # seq_id -> key of its receive in flight
         self._after_recv: dict[str, list[Callable[[], None]]] = {}  # block-freeing ops waiting for that receive
-        self.last_step_s = 0.0
 
         def worker_spec(rank: int) -> WorkerSpec:
             shard = ShardSpec(tp=spec.tp, pp=spec.pp, tp_rank=rank % spec.tp, pp_rank=rank // spec.tp)
@@ -279,7 +278,7 @@ class InstanceServer:
             if launched is not None:
                 core.observe(launched.plan, result.execute_seconds)
             result.has_work = bool(core.has_work() or self._pending)
-        self.last_step_s = core.last_step_s = result.step_seconds = time.perf_counter() - t0
+        core.last_step_s = result.step_seconds = time.perf_counter() - t0
         return result
 
     def _is_done(self, p: PlanInFlight) -> bool:
