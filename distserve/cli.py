@@ -14,8 +14,8 @@ if TYPE_CHECKING:
     from collections.abc import Awaitable
 
     from distserve.config import SLO
-    from distserve.placement.placement import Placement
-    from distserve.serving.client import EngineClient
+    from distserve.placement import Placement
+    from distserve.runtime.client import EngineClient
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
@@ -294,7 +294,7 @@ def _check_serve_args(args: argparse.Namespace) -> None:
 
 
 def _placement_from_args(args: argparse.Namespace) -> "Placement":
-    from distserve.placement.placement import Placement
+    from distserve.placement import Placement
 
     if args.placement is not None:
         try:
@@ -352,11 +352,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return 0
     from distserve.config import CacheConfig, SchedulerConfig, slo_scheduler_config
     from distserve.serving.api import open_listen_socket, run_server
-    from distserve.serving.threaded_client import build_local_engine_client
+    from distserve.runtime.threaded_client import build_local_engine_client
 
     parallel = any(getattr(args, f) != 1 for f in ("prefill_tp", "prefill_pp", "decode_tp", "decode_pp"))
     if args.runtime == "ray" or (args.runtime == "auto" and (parallel or args.placement is not None)):
-        from distserve.serving.ray_client import ControllerClient
+        from distserve.runtime.ray_client import ControllerClient
 
         placement = _placement_from_args(args)
         if args.threads is not None:
@@ -445,7 +445,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     import pathlib
 
     from distserve.errors import InvalidConfigError
-    from distserve.placement import plan_report
+    from distserve.planner import report as plan_report
     from simulator import report
     from simulator.simulation import SimConfig
 
@@ -498,7 +498,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from distserve import profiler
+    from distserve.measure import profiler
     from distserve.errors import InvalidConfigError
 
     out = pathlib.Path(args.out)

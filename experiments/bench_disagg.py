@@ -4,7 +4,7 @@ Two servers, one after the other, each a `distserve serve` subprocess on a free 
   * colocated: `--colocated 1 --runtime local` — one engine using all torch threads (2 here);
   * disagg:    `--prefill 1 --decode 1 --runtime ray` — a prefill and a decode instance, each a Ray
     actor process with one torch thread, KV migrating over gloo.
-Same model and dtype. Each is driven with `distserve.loadgen` (streamed `/v1/completions`, Poisson
+Same model and dtype. Each is driven with `distserve.measure.loadgen` (streamed `/v1/completions`, Poisson
 arrivals, fixed input length, `max_tokens` = `min_tokens` = output length with `ignore_eos`, so every
 request has the same shape) at several rates. Every rate replays the same seeded arrival pattern,
 scaled to the rate (so the curves are not shaped by one rate's lucky or bursty draw), with its own
@@ -41,8 +41,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from distserve.benchserve import ServerProcess, cpu_usage, distserve_serve_argv, process_cpu
-from distserve.loadgen import SLO, LoadResult, Workload, run_load, single_stream, summarize
+from distserve.measure.benchserve import ServerProcess, cpu_usage, distserve_serve_argv, process_cpu
+from distserve.measure.loadgen import SLO, LoadResult, Workload, run_load, single_stream, summarize
 
 SYSTEM_FLAGS = {
     "colocated": ["--colocated", "1", "--runtime", "local"],

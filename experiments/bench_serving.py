@@ -9,7 +9,7 @@ the same SmolLM2-135M folder (``load_model("smollm2-135m")``'s cache) in bfloat1
   * colocated: ``distserve serve --colocated 1 --runtime local`` (one engine, both cores);
   * deployed:  what ``make serve`` deploys, ``--prefill 1 --decode 1 --runtime ray``, or ``--placement FILE``
                (the planner's output).
-Every server is driven by the same client (``distserve.loadgen``: streamed ``/v1/completions``) with the
+Every server is driven by the same client (``distserve.measure.loadgen``: streamed ``/v1/completions``) with the
 same seeded workloads; ``ignore_eos`` + ``min_tokens`` make every request full length:
   * short: ~256-token prompts, 64 output tokens; SLO TTFT 2 s, TPOT 150 ms;
   * long:  ~1024-token prompts, 32 output tokens; SLO TTFT 3 s, TPOT 150 ms. An unloaded 1024-token
@@ -31,7 +31,7 @@ the server's queue gauges read zero.
 Also measured: each server's single-stream TTFT/TPOT per workload (requests one at a time, medians),
 and one cross-check of the client: vLLM's own benchmark client (``vllm.benchmarks.serve``, run from
 the vLLM venv, random dataset of the same lengths, ``--ignore-eos``, ``--goodput ttft:.. tpot:..``)
-against OUR colocated server at the short workload's goodput rate, next to ``distserve.loadgen`` at
+against OUR colocated server at the short workload's goodput rate, next to ``distserve.measure.loadgen`` at
 the same rate and request count. vLLM's client counts TPOT as (E2E - TTFT) / (tokens - 1), ours as
 (last token - first token) / (tokens - 1).
 
@@ -62,10 +62,10 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # simulator/ is a top-level package of the repository
 
-from distserve.benchserve import (  # noqa: E402
+from distserve.measure.benchserve import (  # noqa: E402
     ServerProcess, cpu_usage, distserve_serve_argv, free_port, metric_sums, process_cpu, wait_until_idle,
 )
-from distserve.loadgen import SLO, LoadResult, Workload, run_load, single_stream  # noqa: E402
+from distserve.measure.loadgen import SLO, LoadResult, Workload, run_load, single_stream  # noqa: E402
 from simulator.goodput import search_rate  # noqa: E402
 
 ATTAINMENT_TARGET = 0.9
@@ -380,7 +380,7 @@ def write_outputs(out_dir: Path, stem: str, figures: dict[str, Any], rows: list[
                "| client | goodput (req/s) | attainment | TTFT p50 / p99 (ms) | TPOT p50 / p99 (ms) | duration (s) "
                "| prompt tokens as served |",
                "|---|---|---|---|---|---|---|"]
-        for name, m in (("distserve.loadgen", ours), ("vllm.benchmarks.serve", theirs)):
+        for name, m in (("distserve.measure.loadgen", ours), ("vllm.benchmarks.serve", theirs)):
             if "error" in m:
                 md.append(f"| {name} | error: {m['error'][:200]} | | | | | |")
             else:

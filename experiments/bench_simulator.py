@@ -50,7 +50,7 @@ PACKAGES = ("distserve", "simulator", "kernels")
 # ---- one measurement (runs in a subprocess whose PYTHONPATH picks the code under test) ----------
 def measure(deployment: str, num_requests: int, rate_per_entry: float, profile: str | None, seed: int) -> dict[str, Any]:
     from distserve.engine import scheduler as scheduler_module
-    from distserve.placement.placement import Placement
+    from distserve.placement import Placement
     from simulator.latency import FittedLatencyModel, LatencyModel, RooflineLatencyModel
     from simulator.simulation import simulate
     from simulator.workload import generate_requests

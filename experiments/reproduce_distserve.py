@@ -45,7 +45,7 @@ from pathlib import Path
 from typing import Any
 
 from distserve.config import SLO, SchedulerConfig
-from distserve.placement.placement import InstanceSpec, Placement
+from distserve.placement import InstanceSpec, Placement
 from simulator.goodput import find_goodput
 from simulator.latency import FittedLatencyModel, LatencyModel, RooflineLatencyModel
 from simulator.metrics import SLOSpec

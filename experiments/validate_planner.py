@@ -3,7 +3,7 @@
 Issue acceptance: "a plan for this machine (CPU, the real engine's fitted profile) deploys with
 ``distserve serve --placement`` and its measured goodput is within 15% of the prediction".
 
-1. Profile the real engine here (``distserve.profiler.profile_engine``, one thread per worker, as
+1. Profile the real engine here (``distserve.measure.profiler.profile_engine``, one thread per worker, as
    the Ray workers run) or reuse ``--profile``.
 2. Calibrate the runtime's constants as ``validate_simulator.py`` does (``calibrate``: one request
    alone on a deployment; the serving process's step-time scale, the per-step overhead and, for
@@ -52,9 +52,9 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "experiments"))
 
 from distserve.config import SLO, CacheConfig, SamplingParams, SchedulerConfig  # noqa: E402
-from distserve.placement.placement import InstanceSpec, Placement  # noqa: E402
-from distserve.placement.plan_report import PlanArgs, run_plan  # noqa: E402
-from distserve.placement.search import PlanOption, PlanResult  # noqa: E402
+from distserve.placement import InstanceSpec, Placement  # noqa: E402
+from distserve.planner.report import PlanArgs, run_plan  # noqa: E402
+from distserve.planner.search import PlanOption, PlanResult  # noqa: E402
 from simulator.latency import FittedLatencyModel  # noqa: E402
 from simulator.metrics import SLOSpec, attainment, latency_summary  # noqa: E402
 from simulator.simulation import SimConfig, simulate, with_rate  # noqa: E402
@@ -147,7 +147,7 @@ def layout(p: Placement) -> str:
 def deploy(args: argparse.Namespace, placement: Placement, cache: CacheConfig, sched: SchedulerConfig,
            unit: list[Request], rng: np.random.Generator, vocab_size: int) -> Any:
     """A warmed-up deployment: the first steps pay one-off costs (allocator, oneDNN) the profile excluded."""
-    from distserve.serving.llm import DisaggLLM
+    from distserve.runtime.llm import DisaggLLM
 
     # The controller in this process: the calibration's StepTrace instruments it.
     llm = DisaggLLM(args.model, placement, dtype=args.dtype, cache_config=cache, scheduler_config=sched,

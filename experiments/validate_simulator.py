@@ -1,6 +1,6 @@
 """Does the simulator predict the real engine? Measured vs simulated TTFT/TPOT/attainment on this machine.
 
-1. Profile the real engine here (``distserve.profiler.profile_engine``: ``ModelRunner.execute`` on
+1. Profile the real engine here (``distserve.measure.profiler.profile_engine``: ``ModelRunner.execute`` on
    real scheduler plans, one thread, as the Ray workers run; steps re-timed while other processes
    used the CPU) and fit DistServe's latency form. The profile also measures how much a step slows
    down while the other worker computes (``concurrent_slowdown``: the two workers share this
@@ -59,8 +59,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from distserve.config import SLO, CacheConfig, SamplingParams, SchedulerConfig  # noqa: E402
-from distserve.placement.placement import Placement  # noqa: E402
-from distserve.profiler import cpu_jiffies  # noqa: E402
+from distserve.placement import Placement  # noqa: E402
+from distserve.measure.profiler import cpu_jiffies  # noqa: E402
 from simulator.latency import FittedLatencyModel  # noqa: E402
 from simulator.metrics import RequestRecord, SLOSpec, attainment, latency_summary  # noqa: E402
 from simulator.simulation import SimConfig, simulate, with_rate  # noqa: E402
@@ -128,7 +128,7 @@ def make_profile(args: argparse.Namespace) -> dict[str, Any]:
     step slows down while the other worker computes (the simulator's ``concurrent_slowdown``)."""
     if args.profile:
         return json.loads(Path(args.profile).read_text())
-    from distserve.profiler import profile_engine
+    from distserve.measure.profiler import profile_engine
 
     return profile_engine(args.model, (1,), dtype=args.dtype, threads=1, quick=args.profile_grid == "quick",
                           quiet=args.wait_for_quiet, concurrency=True, max_quiet_wait_s=args.max_wait_s)
@@ -336,7 +336,7 @@ def measure(args: argparse.Namespace, name: str, placement: Placement, unit: lis
 
     Returns the records per rate, the KV blocks per instance, the calibration and the diagnostics
     (prefix-cache hits, others' CPU per rate, the step trace and its summary, KV migration times)."""
-    from distserve.serving.llm import DisaggLLM
+    from distserve.runtime.llm import DisaggLLM
 
     vocab = latency.model.vocab_size
     runs: dict[float, list[RequestRecord]] = {}

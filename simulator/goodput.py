@@ -24,7 +24,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from distserve.errors import InvalidConfigError
-from distserve.placement.placement import Placement
+from distserve.placement import Placement
 from simulator.latency import LatencyModel
 from simulator.metrics import RequestRecord, SimResult, SLOSpec, attainment, meets
 from simulator.simulation import SimConfig, Simulation, with_rate

@@ -11,7 +11,7 @@ from rich.table import Table
 
 from distserve.config import SLO, SchedulerConfig, slo_scheduler_config
 from distserve.errors import InvalidConfigError
-from distserve.placement.placement import Placement
+from distserve.placement import Placement
 from simulator.goodput import GoodputResult, find_goodput
 from simulator.latency import LatencyModel, get_latency_model
 from simulator.metrics import SLOSpec

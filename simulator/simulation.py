@@ -38,7 +38,7 @@ from distserve.engine.instance_core import InstanceCore
 from distserve.engine.scheduler import SampledToken, StepPlan
 from distserve.engine.sequence import Sequence, SequenceStatus
 from distserve.errors import InvalidConfigError
-from distserve.placement.placement import InstanceSpec, Placement
+from distserve.placement import InstanceSpec, Placement
 from simulator.latency import BatchShape, LatencyModel
 from simulator.metrics import RequestRecord, SimResult
 
@@ -69,7 +69,7 @@ class SimConfig:
     # the decode phase is measured alone.
     instant_prefill: bool = False
     # How many times longer a step takes while another instance on the same node computes (1:
-    # independent devices). distserve.profiler.measure_concurrent_slowdown measures it (~2 for two
+    # independent devices). distserve.measure.profiler.measure_concurrent_slowdown measures it (~2 for two
     # one-thread workers on a VM whose two vCPUs share a core). pp > 1 instances are left out.
     concurrent_slowdown: float = 1.0
     # A deployment's runtime constants, measured on it (validate_simulator's solo-request calibration):

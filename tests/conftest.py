@@ -19,7 +19,7 @@ def ray_cluster() -> Iterator[Any]:
     import ray
     from ray.cluster_utils import Cluster
 
-    from distserve.serving.ray_env import keep_ray_on_loopback
+    from distserve.runtime.ray_env import keep_ray_on_loopback
 
     keep_ray_on_loopback()  # also when ray was imported before this fixture ran
 

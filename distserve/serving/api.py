@@ -29,7 +29,7 @@ from distserve.errors import (
     QueueFullError,
     ServiceUnavailableError,
 )
-from distserve.serving.client import EngineClient
+from distserve.runtime.client import EngineClient
 from distserve.serving.metrics import CONTENT_TYPE, RequestTimer, ServingMetrics
 from distserve.serving.protocol import (
     SSE_DONE,

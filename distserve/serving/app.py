@@ -14,8 +14,8 @@ from ray.serve import Application
 
 from distserve.config import CacheConfig, slo_scheduler_config
 from distserve.errors import InvalidConfigError
-from distserve.serving.ray_env import init_ray_local
-from distserve.serving.threaded_client import DEFAULT_MAX_QUEUED_REQUESTS, ThreadedEngineClient, build_local_engine_client
+from distserve.runtime.ray_env import init_ray_local
+from distserve.runtime.threaded_client import DEFAULT_MAX_QUEUED_REQUESTS, ThreadedEngineClient, build_local_engine_client
 
 APP_NAME = "distserve"
 

@@ -15,7 +15,7 @@ from distserve.engine.llm_engine import LLMEngine
 from distserve.engine.outputs import MAX_CONSECUTIVE_FAILED_STEPS, EngineBase, RequestOutput
 from distserve.engine.weights import LoadedModel, load_model
 from distserve.errors import EngineDeadError
-from distserve.serving.local_disagg import LocalDisaggEngine
+from distserve.runtime.local_disagg import LocalDisaggEngine
 
 PROMPTS = {"a": "Hello, my name is", "poison": "The capital of France is", "b": "1 2 3 4 5 6"}
 SP = SamplingParams(max_tokens=12, min_tokens=12, temperature=0.0)

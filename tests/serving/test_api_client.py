@@ -18,9 +18,10 @@ from distserve.engine.outputs import RequestOutput
 from distserve.engine.weights import LoadedModel, load_model
 from distserve.errors import PromptTooLongError, QueueFullError
 from distserve.serving.api import _SSEResponse, build_fastapi_app
-from distserve.serving.local_disagg import LocalDisaggEngine
-from distserve.serving.metrics import ServingMetrics, normalize_stats
-from distserve.serving.threaded_client import EngineDeadError, ThreadedEngineClient
+from distserve.runtime.local_disagg import LocalDisaggEngine
+from distserve.runtime.stats import normalize_stats
+from distserve.serving.metrics import ServingMetrics
+from distserve.runtime.threaded_client import EngineDeadError, ThreadedEngineClient
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -7,7 +7,7 @@ import json
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import httpx
 import openai
@@ -25,8 +25,8 @@ from distserve.engine.model import resolve_dtype
 from distserve.engine.outputs import EngineBase, RequestOutput
 from distserve.engine.weights import LoadedModel, load_model
 from distserve.serving.api import build_fastapi_app
-from distserve.serving.local_disagg import LocalDisaggEngine
-from distserve.serving.threaded_client import ThreadedEngineClient
+from distserve.runtime.local_disagg import LocalDisaggEngine
+from distserve.runtime.threaded_client import ThreadedEngineClient
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -68,7 +68,7 @@ def ray_session() -> Iterator[Callable[[], dict[int, str]]]:
     import ray
     from ray import serve
 
-    from distserve.serving.ray_env import init_ray_local
+    from distserve.runtime.ray_env import init_ray_local
 
     if ray.is_initialized():
         pytest.skip("Ray is already initialised in this process; this test needs an instance of its own")

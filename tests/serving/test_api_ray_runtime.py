@@ -13,8 +13,8 @@ import pytest
 from distserve.config import CacheConfig, SamplingParams
 from distserve.engine.llm_engine import LLMEngine
 from distserve.engine.weights import load_model
-from distserve.placement.placement import Placement
-from distserve.serving.ray_client import ControllerClient
+from distserve.placement import Placement
+from distserve.runtime.ray_client import ControllerClient
 from serving_util import HttpServer
 
 pytestmark = pytest.mark.timeout(300)

@@ -21,10 +21,10 @@ from schemathesis import GenerationMode
 
 from distserve.config import CacheConfig, SchedulerConfig
 from distserve.engine.weights import load_model
-from distserve.placement.placement import Placement
-from distserve.serving.local_disagg import LocalDisaggEngine
-from distserve.serving.ray_client import ControllerClient
-from distserve.serving.threaded_client import ThreadedEngineClient
+from distserve.placement import Placement
+from distserve.runtime.local_disagg import LocalDisaggEngine
+from distserve.runtime.ray_client import ControllerClient
+from distserve.runtime.threaded_client import ThreadedEngineClient
 from serving_util import HttpServer
 
 pytestmark = pytest.mark.timeout(600)

@@ -7,7 +7,7 @@ import random
 import pytest
 
 from distserve.config import SLO
-from distserve.placement.placement import Placement
+from distserve.placement import Placement
 from simulator.goodput import _reaches, find_goodput, search_rate
 from simulator.latency import FittedLatencyModel, TpCoefficients
 from simulator.metrics import SLOSpec

@@ -334,7 +334,6 @@ def test_simulator_does_not_import_torch_or_ray() -> None:
 def test_padded_decode_attention_reads_batch_times_longest_context(tmp_path) -> None:  # noqa: ANN001
     """An engine that pads decodes to the longest context: the decode term uses batch x max ctx;
     uniform contexts cost the same either way; the profile's meta selects it; bad values are refused."""
-    import json
 
     from distserve.errors import InvalidConfigError
     from simulator.latency import FittedLatencyModel, TpCoefficients

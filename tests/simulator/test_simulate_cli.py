@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from distserve.cli import main
-from distserve.placement.placement import Placement
+from distserve.placement import Placement
 from simulator.workload import Request, write_trace
 
 BASE = ["simulate", "--model", "facebook/opt-13b", "--hardware", "a100-80g", "--ttft", "0.25", "--tpot", "0.1"]

@@ -8,7 +8,7 @@ import pytest
 
 from distserve.config import SLO, SchedulerConfig
 from distserve.errors import InvalidConfigError
-from distserve.placement.placement import InstanceSpec, Placement
+from distserve.placement import InstanceSpec, Placement
 from simulator.goodput import find_goodput
 from simulator.latency import FittedLatencyModel, TpCoefficients
 from simulator.metrics import SLOSpec, attainment

@@ -19,9 +19,9 @@ from distserve.engine.llm_engine import LLMEngine
 from distserve.engine.outputs import RequestMetrics, RequestOutput
 from distserve.engine.weights import load_model
 from distserve.errors import DistServeError, InvalidConfigError, QueueFullError, ServiceUnavailableError
-from distserve.placement.placement import Placement
-from distserve.serving.controller_actor import ControllerActor, RemoteController
-from distserve.serving.llm import DisaggLLM
+from distserve.placement import Placement
+from distserve.runtime.controller_actor import ControllerActor, RemoteController
+from distserve.runtime.llm import DisaggLLM
 
 PROMPTS = ["Hello, my name is", "The capital of France is", "a b c d e f g h i j k l m n o p", "1 2 3"]
 SP = SamplingParams(max_tokens=16, min_tokens=16, temperature=0.0)

@@ -14,14 +14,14 @@ import pytest
 import uvicorn
 from scipy import stats
 
-from distserve import loadgen
+from distserve.measure import loadgen
 from distserve.config import CacheConfig
 from distserve.engine.llm_engine import LLMEngine
 from distserve.engine.model import resolve_dtype
 from distserve.engine.weights import load_model
-from distserve.loadgen import SLO, RequestResult, Workload, build_requests, run_load, summarize
+from distserve.measure.loadgen import SLO, RequestResult, Workload, build_requests, run_load, summarize
 from distserve.serving.api import build_fastapi_app
-from distserve.serving.threaded_client import ThreadedEngineClient
+from distserve.runtime.threaded_client import ThreadedEngineClient
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -13,9 +13,9 @@ from distserve.config import CacheConfig, SamplingParams
 from distserve.engine.llm_engine import LLMEngine
 from distserve.engine.weights import load_model
 from distserve.errors import InvalidConfigError
-from distserve.placement.placement import InstanceSpec, Placement
-from distserve.serving.controller import Controller
-from distserve.serving.local_disagg import LocalDisaggEngine
+from distserve.placement import InstanceSpec, Placement
+from distserve.runtime.controller import Controller
+from distserve.runtime.local_disagg import LocalDisaggEngine
 
 PROMPTS = ["Hello, my name is", "The capital of France is", "a b c d e f g h i j k l m n o p"]
 SP = SamplingParams(max_tokens=12, min_tokens=12, temperature=0.0)

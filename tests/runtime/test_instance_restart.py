@@ -21,8 +21,8 @@ from distserve.config import CacheConfig, SamplingParams
 from distserve.engine.llm_engine import LLMEngine
 from distserve.engine.weights import load_model
 from distserve.errors import InvalidConfigError
-from distserve.placement.placement import InstanceSpec, Placement
-from distserve.serving.controller import Controller
+from distserve.placement import InstanceSpec, Placement
+from distserve.runtime.controller import Controller
 
 PROMPTS = ["Hello, my name is", "The capital of France is", "a b c d e f g h i j k l m n o p", "1 2 3"]
 SP = SamplingParams(max_tokens=64, min_tokens=64, temperature=0.0)

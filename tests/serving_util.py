@@ -12,10 +12,10 @@ from typing import Any
 
 from distserve.config import CacheConfig, SamplingParams
 from distserve.engine.outputs import RequestOutput
-from distserve.placement.placement import Placement
+from distserve.placement import Placement
 from distserve.serving.api import build_fastapi_app
-from distserve.serving.client import EngineClient
-from distserve.serving.controller import Controller
+from distserve.runtime.client import EngineClient
+from distserve.runtime.controller import Controller
 
 
 def wait_until(predicate: Callable[[], bool], timeout_s: float = 10.0) -> bool:

@@ -27,8 +27,8 @@ from distserve.engine.outputs import RequestFrontend, RequestOutput
 from distserve.engine.sequence import Sequence
 from distserve.engine.weights import load_model
 from distserve.errors import DistServeError, ServiceUnavailableError
-from distserve.placement.placement import Placement
-from distserve.serving.controller import (
+from distserve.placement import Placement
+from distserve.runtime.controller import (
     DEFAULT_KV_TRANSFER_TIMEOUT_S,
     DEFAULT_MAX_INSTANCE_RESTARTS,
     Controller,

@@ -16,10 +16,10 @@ from typing import Any, TypeVar
 
 from distserve.config import CacheConfig, SamplingParams, SchedulerConfig
 from distserve.engine.outputs import RequestOutput
-from distserve.placement.placement import Placement
-from distserve.serving.controller import DEFAULT_KV_TRANSFER_TIMEOUT_S, Controller
-from distserve.serving.controller_actor import RemoteController
-from distserve.serving.ray_env import init_ray_local
+from distserve.placement import Placement
+from distserve.runtime.controller import DEFAULT_KV_TRANSFER_TIMEOUT_S, Controller
+from distserve.runtime.controller_actor import RemoteController
+from distserve.runtime.ray_env import init_ray_local
 
 T = TypeVar("T")
 

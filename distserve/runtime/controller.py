@@ -49,10 +49,10 @@ from distserve.errors import DistServeError, InvalidConfigError, QueueFullError,
 from distserve.kvtransfer.layout import KVLayout
 from distserve.kvtransfer.migration import num_tags
 from distserve.kvtransfer.transport import MAX_TAG
-from distserve.placement.placement import InstanceSpec as PlacedInstance
-from distserve.placement.placement import Placement
-from distserve.serving.instance_server import InstanceServer, InstanceSpec, StepResult
-from distserve.serving.worker import Worker, WorkerSpec
+from distserve.placement import InstanceSpec as PlacedInstance
+from distserve.placement import Placement
+from distserve.runtime.instance_server import InstanceServer, InstanceSpec, StepResult
+from distserve.runtime.worker import Worker, WorkerSpec
 
 log = logging.getLogger(__name__)
 

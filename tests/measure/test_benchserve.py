@@ -9,7 +9,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from distserve.benchserve import ServerProcess, free_port, metric_sums, num_requests_in_server, session_pids, wait_until_idle
+from distserve.measure.benchserve import ServerProcess, free_port, metric_sums, num_requests_in_server, session_pids, wait_until_idle
 
 OURS = """# HELP distserve:num_requests_running Requests in the running batch.
 # TYPE distserve:num_requests_running gauge

@@ -18,7 +18,7 @@ from distserve.config import CacheConfig, SamplingParams
 from distserve.engine.llm_engine import LLMEngine
 from distserve.engine.weights import load_model
 from distserve.errors import DistServeError, InvalidConfigError
-from distserve.placement.placement import InstanceSpec, Placement
+from distserve.placement import InstanceSpec, Placement
 
 PROMPTS = ["Hello, my name is", "The capital of France is", "a b c d e f g h i j k l m n o p", "1 2 3"]
 SP = SamplingParams(max_tokens=12, min_tokens=12, temperature=0.0)

@@ -8,7 +8,7 @@ from distserve.config import CacheConfig, SamplingParams, SchedulerConfig
 from distserve.engine.llm_engine import LLMEngine
 from distserve.engine.weights import LoadedModel, load_model
 from distserve.errors import InvalidConfigError
-from distserve.serving.local_disagg import LocalDisaggEngine
+from distserve.runtime.local_disagg import LocalDisaggEngine
 
 PROMPTS = [
     "Hello, my name is",

@@ -6,10 +6,10 @@ from collections.abc import AsyncIterator, Sequence as Seq
 
 from distserve.config import CacheConfig, SamplingParams, SchedulerConfig
 from distserve.engine.outputs import RequestOutput
-from distserve.placement.placement import Placement
-from distserve.serving.client import EngineClient
-from distserve.serving.controller_actor import RemoteController
-from distserve.serving.ray_env import init_ray_local
+from distserve.placement import Placement
+from distserve.runtime.client import EngineClient
+from distserve.runtime.controller_actor import RemoteController
+from distserve.runtime.ray_env import init_ray_local
 
 
 class ControllerClient(EngineClient):

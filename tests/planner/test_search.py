@@ -10,9 +10,9 @@ import pytest
 
 from simulator import DISTSERVE_A100_PROFILE
 from distserve.cli import main
-from distserve.placement import plan_report
-from distserve.placement.placement import InstanceSpec, Placement
-from distserve.placement.search import Candidate, Cluster, Planner, assign_nodes
+from distserve.planner import report as plan_report
+from distserve.placement import InstanceSpec, Placement
+from distserve.planner.search import Candidate, Cluster, Planner, assign_nodes
 from simulator.hardware import get_hardware
 
 PROFILE = DISTSERVE_A100_PROFILE

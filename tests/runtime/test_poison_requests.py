@@ -19,7 +19,7 @@ from distserve.engine.llm_engine import LLMEngine
 from distserve.engine.outputs import RequestOutput
 from distserve.engine.weights import load_model
 from distserve.errors import ServiceUnavailableError
-from distserve.placement.placement import Placement
+from distserve.placement import Placement
 
 PROMPTS = {"a": "Hello, my name is", "b": "1 2 3 4 5 6"}
 POISON_PROMPT = "The capital of France is"

@@ -10,8 +10,8 @@ from serving_util import wait_until
 from distserve.config import CacheConfig, SamplingParams, SchedulerConfig
 from distserve.engine.llm_engine import LLMEngine
 from distserve.engine.weights import load_model
-from distserve.placement.placement import InstanceSpec, Placement
-from distserve.serving.llm import DisaggLLM
+from distserve.placement import InstanceSpec, Placement
+from distserve.runtime.llm import DisaggLLM
 
 PROMPTS = [
     "Hello, my name is", "The capital of France is", "a b c d e f g h i j k l m n o p", "1 2 3",

@@ -16,9 +16,9 @@ from distserve.engine.compute_thread import use_compute_threads
 from distserve.engine.llm_engine import LLMEngine
 from distserve.engine.outputs import EngineBase, RequestOutput
 from distserve.errors import DistServeError, EngineDeadError, InvalidConfigError, QueueFullError
-from distserve.serving.client import EngineClient
-from distserve.serving.local_disagg import LocalDisaggEngine
-from distserve.serving.metrics import ClientStats, InstanceStats, instance_stats
+from distserve.runtime.client import EngineClient
+from distserve.runtime.local_disagg import LocalDisaggEngine
+from distserve.runtime.stats import ClientStats, InstanceStats, instance_stats
 
 logger = logging.getLogger(__name__)
 

@@ -11,7 +11,7 @@ import pytest
 from distserve.cli import main
 from distserve.errors import InvalidConfigError
 from distserve.engine.weights import build_tiny_hf_model
-from distserve.profiler import profile_engine
+from distserve.measure.profiler import profile_engine
 from simulator.latency import FittedLatencyModel
 from simulator.models import model_spec_from_hf_config
 

@@ -13,7 +13,7 @@ from rich.table import Table
 
 from distserve.config import SLO
 from distserve.errors import InvalidConfigError
-from distserve.placement.search import Cluster, PlanOption, PlanRequest, PlanResult, Planner
+from distserve.planner.search import Cluster, PlanOption, PlanRequest, PlanResult, Planner
 from simulator.hardware import get_hardware
 from simulator.latency import get_latency_model
 from simulator.metrics import SLOSpec, attainment

@@ -35,7 +35,7 @@ attainment is a lower bound on the full run's, and the verdict (below the target
 
 CLI::
 
-    python -m distserve.loadgen --base-url http://127.0.0.1:8000/v1 --model smollm2-135m \\
+    python -m distserve.measure.loadgen --base-url http://127.0.0.1:8000/v1 --model smollm2-135m \\
         --rate 2 --num-requests 40 --input-len 256 --output-len 64 --ttft-slo 2 --tpot-slo 0.1 \\
         --ignore-eos --min-tokens --json
 
@@ -614,7 +614,7 @@ def format_summary(result: LoadResult) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m distserve.loadgen", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m distserve.measure.loadgen", description=__doc__.split("\n\n")[0])
     ap.add_argument("--base-url", required=True, help="e.g. http://127.0.0.1:8000/v1")
     ap.add_argument("--model", required=True, help="the model name the server answers to")
     ap.add_argument("--rate", type=float, required=True, help="requests per second (Poisson); inf = all at once")

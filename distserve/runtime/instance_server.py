@@ -48,7 +48,7 @@ from distserve.engine.parallel import ShardSpec
 from distserve.engine.scheduler import attributed_to
 from distserve.engine.sequence import Sequence
 from distserve.kvtransfer.layout import KVLayout
-from distserve.serving.worker import TransferResult, Worker, WorkerSpec
+from distserve.runtime.worker import TransferResult, Worker, WorkerSpec
 
 
 @dataclass

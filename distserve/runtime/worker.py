@@ -15,7 +15,6 @@ import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
-import torch
 import torch.distributed as dist
 
 from distserve.engine.compute_thread import compute_executor

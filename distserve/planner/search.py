@@ -32,7 +32,7 @@ from typing import Any
 
 from distserve.config import SLO
 from distserve.errors import InvalidConfigError
-from distserve.placement.placement import InstanceSpec, Placement
+from distserve.placement import InstanceSpec, Placement
 from simulator.goodput import GoodputResult, find_goodput
 from simulator.hardware import HardwareSpec
 from simulator.latency import BatchShape, LatencyModel

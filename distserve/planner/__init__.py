@@ -1,0 +1,1 @@
+"""The placement planner: searches placements against the simulator and reports the chosen plan."""

@@ -1,0 +1,1 @@
+"""Running deployments: the Ray controller, instance servers and workers, recovery of dead instances, the in-process engines, ``DisaggLLM``, and the ``EngineClient`` implementations the HTTP layer drives."""

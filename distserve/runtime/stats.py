@@ -1,0 +1,99 @@
+"""What a runtime reports about its instances: the shape of ``EngineClient.stats()``.
+
+``EngineClient.stats()`` returns a ``ClientStats`` dict::
+
+    {
+        "instances": [
+            {"instance": "prefill-0", "phase": "prefill",      # phase: prefill | decode | colocated
+             "num_requests_waiting": 0, "num_requests_running": 1, "kv_cache_usage_perc": 0.02},
+            {"instance": "decode-0", "phase": "decode", ...},
+        ],
+        "kv_migration_bytes_total": 123456,                    # cumulative since start
+        "kv_migration_blocks_skipped_total": 16,               # cumulative: prefix blocks the receiver held
+        "kv_migration_failures_total": 1,                      # cumulative: failed or timed-out migrations (optional)
+        "kv_migration_timeouts_total": 1,                      # cumulative: those that timed out (optional)
+        "kv_migration_seconds": [0.0012, 0.0009],              # durations of migrations since the previous call
+        "instance_restarts_total": 0,                          # cumulative: instances replaced after a death (optional)
+        "requests_rerun_total": 0,                             # cumulative: requests re-run after their instance died (optional)
+        "requests_failed_poison_total": 0,                     # cumulative: requests failed after a second crash (optional)
+        "failed_steps_total": 0,                               # cumulative: engine steps that failed and were recovered from (optional)
+    }
+
+``kv_cache_usage_perc`` is a fraction in [0, 1] (1 = full), as in vLLM. The top-level migration
+figures are exported with ``instance="all", phase="decode"`` (the pulling side); a runtime that
+knows which decode instance pulled may instead put the same keys in that instance's dict.
+``normalize_stats`` also accepts what ``LLMEngine.stats()`` and ``LocalDisaggEngine.stats()`` return.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, NotRequired, TypedDict, cast
+
+AGGREGATE_INSTANCE = "all"
+
+
+class InstanceStats(TypedDict):
+    instance: str
+    phase: str
+    num_requests_waiting: float
+    num_requests_running: float
+    kv_cache_usage_perc: float
+    kv_migration_bytes_total: NotRequired[float]
+    kv_migration_blocks_skipped_total: NotRequired[float]
+    kv_migration_failures_total: NotRequired[float]
+    kv_migration_timeouts_total: NotRequired[float]
+    kv_migration_seconds: NotRequired[list[float]]
+
+
+class ClientStats(TypedDict):
+    instances: list[InstanceStats]
+    kv_migration_bytes_total: float
+    kv_migration_blocks_skipped_total: float
+    kv_migration_failures_total: NotRequired[float]
+    kv_migration_timeouts_total: NotRequired[float]
+    kv_migration_seconds: list[float]
+    instance_restarts_total: NotRequired[float]
+    requests_rerun_total: NotRequired[float]
+    requests_failed_poison_total: NotRequired[float]
+    failed_steps_total: NotRequired[float]
+
+
+def instance_stats(raw: Mapping[str, Any], instance: str, phase: str) -> InstanceStats:
+    return {
+        "instance": instance,
+        "phase": phase,
+        "num_requests_waiting": float(raw.get("num_requests_waiting", 0)),
+        "num_requests_running": float(raw.get("num_requests_running", 0)),
+        "kv_cache_usage_perc": float(raw.get("kv_cache_usage_perc", 0.0)),
+    }
+
+
+def normalize_stats(raw: Mapping[str, Any]) -> ClientStats:
+    """The ``ClientStats`` shape from itself, ``LocalDisaggEngine.stats()`` or ``LLMEngine.stats()``."""
+    instances: list[InstanceStats]
+    if "instances" in raw:
+        instances = [cast(InstanceStats, dict(i)) for i in raw["instances"]]
+    elif isinstance(raw.get("prefill"), Mapping) or isinstance(raw.get("decode"), Mapping):
+        instances = [
+            instance_stats(s, name, phase)
+            for phase in ("prefill", "decode")
+            for name, s in dict(raw.get(phase) or {}).items()
+        ]
+    elif "num_requests_waiting" in raw:
+        instances = [instance_stats(raw, "colocated-0", "colocated")]
+    else:
+        instances = []
+    seconds = raw.get("kv_migration_seconds", [])
+    return {
+        "instances": instances,
+        "kv_migration_bytes_total": float(raw.get("kv_migration_bytes_total", 0)),
+        "kv_migration_blocks_skipped_total": float(raw.get("kv_migration_blocks_skipped_total", 0)),
+        "kv_migration_failures_total": float(raw.get("kv_migration_failures_total", 0)),
+        "kv_migration_timeouts_total": float(raw.get("kv_migration_timeouts_total", 0)),
+        "kv_migration_seconds": [float(s) for s in seconds] if isinstance(seconds, list) else [],
+        "instance_restarts_total": float(raw.get("instance_restarts_total", 0)),
+        "requests_rerun_total": float(raw.get("requests_rerun_total", 0)),
+        "requests_failed_poison_total": float(raw.get("requests_failed_poison_total", 0)),
+        "failed_steps_total": float(raw.get("failed_steps_total", 0)),
+    }
