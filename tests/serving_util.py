@@ -12,6 +12,7 @@ from typing import Any
 
 from distserve.config import CacheConfig, SamplingParams
 from distserve.engine.outputs import RequestOutput
+from distserve.runtime.config import DeploymentConfig
 from distserve.placement import Placement
 from distserve.serving.api import build_fastapi_app
 from distserve.runtime.client import EngineClient
@@ -37,7 +38,7 @@ class ControllerRuntime:
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
-        self.controller = Controller("tiny", placement, dtype="float32", cache_config=cache, **controller_kw)
+        self.controller = Controller(DeploymentConfig("tiny", placement, dtype="float32", cache_config=cache, **controller_kw))
         self.ids = itertools.count()
         try:
             self.run(self.controller.start(), timeout_s=180.0)

@@ -21,18 +21,14 @@ from collections import OrderedDict
 from collections.abc import AsyncIterator, Sequence as Seq
 from typing import Any, NoReturn
 
-from distserve.config import CacheConfig, SamplingParams, SchedulerConfig
+from distserve.config import SamplingParams
 from distserve.engine.model import resolve_dtype
 from distserve.engine.outputs import RequestFrontend, RequestOutput
 from distserve.engine.sequence import Sequence
 from distserve.engine.weights import load_model
 from distserve.errors import DistServeError, ServiceUnavailableError
-from distserve.placement import Placement
-from distserve.runtime.controller import (
-    DEFAULT_KV_TRANSFER_TIMEOUT_S,
-    DEFAULT_MAX_INSTANCE_RESTARTS,
-    Controller,
-)
+from distserve.runtime.config import DeploymentConfig
+from distserve.runtime.controller import Controller
 
 log = logging.getLogger(__name__)
 
@@ -76,15 +72,14 @@ class ControllerActor:
     ``ActorDiedError``.
     """
 
-    def __init__(self, model: str, placement: Placement, **controller_kw: Any) -> None:
-        self._args = (model, placement, controller_kw)
+    def __init__(self, config: DeploymentConfig) -> None:
+        self.config = config
         self.controller: Controller | None = None
         self._outboxes: dict[str, _Outbox] = {}  # proxy id -> its outbox
         self._early_aborts: OrderedDict[str, None] = OrderedDict()
 
     async def start(self) -> None:
-        model, placement, kw = self._args
-        self.controller = Controller(model, placement, **kw)
+        self.controller = Controller(self.config)
         await self.controller.start()
 
     def _started(self) -> Controller:
@@ -241,26 +236,14 @@ class RemoteController:
     Construct, then ``await start()``; ``shutdown()`` stops the deployment and kills the actor.
     """
 
-    def __init__(
-        self,
-        model: str,
-        placement: Placement,
-        *,
-        dtype: str = "auto",
-        cache_config: CacheConfig | None = None,
-        scheduler_config: SchedulerConfig | None = None,
-        prefill_scheduler_config: SchedulerConfig | None = None,
-        max_queued_requests: int = 1024,
-        num_threads_per_worker: int = 1,
-        kv_transfer_timeout_s: float = DEFAULT_KV_TRANSFER_TIMEOUT_S,
-        max_instance_restarts: int = DEFAULT_MAX_INSTANCE_RESTARTS,
-    ) -> None:
+    def __init__(self, config: DeploymentConfig) -> None:
         import ray
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-        self.model_name = model
-        self.kv_transfer_timeout_s = kv_transfer_timeout_s
-        self._frontend = _Tokenizer(load_model(model, resolve_dtype(dtype), weights=False), cache_config, scheduler_config)
+        self.config = config
+        self.model_name = config.model
+        loaded = load_model(config.model, resolve_dtype(config.dtype), weights=False)
+        self._frontend = _Tokenizer(loaded, config.cache_config, config.scheduler_config)
         self.tokenizer = self._frontend.tokenizer
         self.max_model_len = self._frontend.max_model_len
         self.num_blocks = self._frontend.num_blocks
@@ -279,12 +262,7 @@ class RemoteController:
                 num_cpus=CONTROLLER_CPUS, max_concurrency=CONTROL_CONCURRENCY,
                 max_restarts=0, scheduling_strategy=here,
             )
-            .remote(
-                model, placement, dtype=dtype, cache_config=cache_config, scheduler_config=scheduler_config,
-                prefill_scheduler_config=prefill_scheduler_config, max_queued_requests=max_queued_requests,
-                num_threads_per_worker=num_threads_per_worker, kv_transfer_timeout_s=kv_transfer_timeout_s,
-                max_instance_restarts=max_instance_restarts,
-            )
+            .remote(config)
         )
 
     def encode_prompt(self, prompt: str | Seq[int]) -> list[int]:

@@ -52,7 +52,7 @@ from distserve.runtime.worker import TransferResult, Worker, WorkerSpec
 
 
 @dataclass
-class InstanceSpec:
+class InstanceServerSpec:
     """What an instance is: phase, model, caches and parallelism; plain data for Ray."""
 
     instance_id: str
@@ -85,7 +85,7 @@ class StepResult:
 
 
 class InstanceServer:
-    def __init__(self, spec: InstanceSpec, create_remote_worker: Callable[[WorkerSpec], Any] | None = None) -> None:
+    def __init__(self, spec: InstanceServerSpec, create_remote_worker: Callable[[WorkerSpec], Any] | None = None) -> None:
         if spec.phase not in SCHEDULERS:
             raise ValueError(f"unknown phase {spec.phase!r}")
         self.spec = spec

@@ -14,10 +14,11 @@ import threading
 from collections.abc import Coroutine, Iterator, Sequence as Seq
 from typing import Any, TypeVar
 
-from distserve.config import CacheConfig, SamplingParams, SchedulerConfig
+from distserve.config import SamplingParams
 from distserve.engine.outputs import RequestOutput
 from distserve.placement import Placement
-from distserve.runtime.controller import DEFAULT_KV_TRANSFER_TIMEOUT_S, Controller
+from distserve.runtime.config import DeploymentConfig
+from distserve.runtime.controller import Controller
 from distserve.runtime.controller_actor import RemoteController
 from distserve.runtime.ray_env import init_ray_local
 
@@ -27,33 +28,31 @@ T = TypeVar("T")
 class DisaggLLM:
     def __init__(
         self,
-        model: str = "tiny",
+        model: str | DeploymentConfig = "tiny",
         placement: Placement | None = None,
         *,
-        dtype: str = "auto",
-        cache_config: CacheConfig | None = None,
-        scheduler_config: SchedulerConfig | None = None,
-        prefill_scheduler_config: SchedulerConfig | None = None,
         ray_temp_dir: str | None = None,
-        kv_transfer_timeout_s: float = DEFAULT_KV_TRANSFER_TIMEOUT_S,
         controller_in_process: bool = False,
+        **deployment: Any,
     ) -> None:
-        """``controller_in_process`` runs the ``Controller`` on this process's event loop instead of in
-        its own actor, for tools that instrument its internals (e.g. a trace of its step results)."""
+        """Deploy ``model`` with ``placement`` (default 1P1D); ``deployment`` holds the other
+        ``DeploymentConfig`` fields (``dtype``, ``cache_config``, ...). Or pass a whole ``DeploymentConfig``.
+
+        ``controller_in_process`` runs the ``Controller`` on this process's event loop instead of in
+        its own actor, for tools that instrument it (``Controller.add_step_listener``).
+        """
+        if isinstance(model, DeploymentConfig):
+            if placement is not None or deployment:
+                raise TypeError("pass either a DeploymentConfig or a model name with DeploymentConfig fields, not both")
+            config = model
+        else:
+            config = DeploymentConfig(model, placement or Placement.disaggregated(), **deployment)
         init_ray_local(ray_temp_dir)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="distserve-controller", daemon=True)
         self._thread.start()
         make = Controller if controller_in_process else RemoteController
-        self.controller: Controller | RemoteController = make(
-            model,
-            placement or Placement.disaggregated(),
-            dtype=dtype,
-            cache_config=cache_config,
-            scheduler_config=scheduler_config,
-            prefill_scheduler_config=prefill_scheduler_config,
-            kv_transfer_timeout_s=kv_transfer_timeout_s,
-        )
+        self.controller: Controller | RemoteController = make(config)
         self.tokenizer = self.controller.tokenizer
         self._ids = itertools.count()
         try:

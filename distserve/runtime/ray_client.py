@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Sequence as Seq
 
-from distserve.config import CacheConfig, SamplingParams, SchedulerConfig
+from distserve.config import SamplingParams
 from distserve.engine.outputs import RequestOutput
-from distserve.placement import Placement
 from distserve.runtime.client import EngineClient
+from distserve.runtime.config import DeploymentConfig
 from distserve.runtime.controller_actor import RemoteController
 from distserve.runtime.ray_env import init_ray_local
 
@@ -23,31 +23,13 @@ class ControllerClient(EngineClient):
         self._owns_ray = owns_ray
 
     @classmethod
-    async def create(
-        cls,
-        model: str,
-        placement: Placement,
-        *,
-        dtype: str = "auto",
-        cache_config: CacheConfig | None = None,
-        scheduler_config: SchedulerConfig | None = None,
-        prefill_scheduler_config: SchedulerConfig | None = None,
-        max_queued_requests: int = 1024,
-        ray_temp_dir: str | None = None,
-        kv_transfer_timeout_s: float | None = None,
-        num_threads_per_worker: int = 1,
-    ) -> "ControllerClient":
+    async def create(cls, config: DeploymentConfig, *, ray_temp_dir: str | None = None) -> "ControllerClient":
         import ray
 
         owns_ray = not ray.is_initialized()
         init_ray_local(ray_temp_dir)
         try:
-            controller = RemoteController(
-                model, placement, dtype=dtype, cache_config=cache_config, scheduler_config=scheduler_config,
-                prefill_scheduler_config=prefill_scheduler_config, max_queued_requests=max_queued_requests,
-                num_threads_per_worker=num_threads_per_worker,
-                **({} if kv_transfer_timeout_s is None else {"kv_transfer_timeout_s": kv_transfer_timeout_s}),
-            )
+            controller = RemoteController(config)
             await controller.start()  # tears the deployment down itself if it fails
         except BaseException:
             if owns_ray:

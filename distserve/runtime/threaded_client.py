@@ -11,18 +11,18 @@ from collections.abc import AsyncGenerator, Callable, Sequence as Seq
 from dataclasses import dataclass
 from typing import Any
 
-from distserve.config import CacheConfig, SamplingParams, SchedulerConfig
+from distserve.config import SamplingParams
 from distserve.engine.compute_thread import use_compute_threads
 from distserve.engine.llm_engine import LLMEngine
 from distserve.engine.outputs import EngineBase, RequestOutput
 from distserve.errors import DistServeError, EngineDeadError, InvalidConfigError, QueueFullError
 from distserve.runtime.client import EngineClient
+from distserve.runtime.config import DEFAULT_MAX_QUEUED_REQUESTS, DeploymentConfig
 from distserve.runtime.local_disagg import LocalDisaggEngine
 from distserve.runtime.stats import ClientStats, InstanceStats, instance_stats
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_MAX_QUEUED_REQUESTS = 256
 STATS_TIMEOUT_S = 30.0
 
 
@@ -356,40 +356,38 @@ def _put_all(items: list[tuple[_Stream, RequestOutput | BaseException]]) -> None
         stream.queue.put_nowait(item)
 
 
-def build_local_engine_client(
-    model: str = "smollm2-135m",
-    *,
-    num_colocated: int = 0,
-    num_prefill: int = 1,
-    num_decode: int = 1,
-    dtype: str = "auto",
-    cache_config: CacheConfig | None = None,
-    max_queued_requests: int = DEFAULT_MAX_QUEUED_REQUESTS,
-    scheduler_config: SchedulerConfig | None = None,
-    num_threads: int | None = None,
-) -> ThreadedEngineClient:
-    """``num_colocated`` > 0: that many ``LLMEngine``s (least-loaded routing); else one ``LocalDisaggEngine`` xPyD.
+def build_local_engine_client(config: DeploymentConfig) -> ThreadedEngineClient:
+    """The in-process runtime of ``config``: colocated instances are ``LLMEngine``s (least-loaded
+    routing); a disaggregated placement is one ``LocalDisaggEngine`` xPyD.
 
     The model is loaded and the engines are built on the engine thread (see ``ThreadedEngineClient``),
-    which computes with ``num_threads`` torch threads. ``scheduler_config`` applies to the instances
-    that decode (colocated and decode); prefill instances keep the default (their steps hold no
-    decodes whose TPOT a budget would protect).
+    which computes with ``config.num_threads_per_worker`` torch threads (or the placement's, if its
+    instances say). In-process instances have no TP/PP: a placement that asks for it is refused.
     """
     from distserve.engine.model import resolve_dtype
     from distserve.engine.weights import load_model
 
-    if num_colocated < 0:
-        raise InvalidConfigError(f"num_colocated must be >= 0, got {num_colocated}")
+    placement = config.placement
+    specs = placement.prefill + placement.decode + placement.colocated
+    if any(s.tp != 1 or s.pp != 1 for s in specs):
+        raise InvalidConfigError("the in-process runtime runs instances without TP/PP; use the Ray runtime for tp/pp > 1")
+    threads = {s.threads for s in specs if s.threads is not None}
+    if len(threads) > 1:
+        raise InvalidConfigError(f"the in-process runtime computes on one thread; the placement asks for {sorted(threads)} threads")
+    num_threads = threads.pop() if threads else config.num_threads_per_worker
 
     def build() -> list[EngineBase]:
-        loaded = load_model(model, resolve_dtype(dtype))
-        if num_colocated > 0:
-            return [LLMEngine(loaded, cache_config=cache_config, scheduler_config=scheduler_config) for _ in range(num_colocated)]
+        loaded = load_model(config.model, resolve_dtype(config.dtype))
+        if placement.colocated:
+            return [
+                LLMEngine(loaded, cache_config=config.cache_config, scheduler_config=config.scheduler_config)
+                for _ in placement.colocated
+            ]
         return [
             LocalDisaggEngine(
-                loaded, num_prefill=num_prefill, num_decode=num_decode, cache_config=cache_config,
-                prefill_scheduler_config=SchedulerConfig(), decode_scheduler_config=scheduler_config,
+                loaded, num_prefill=len(placement.prefill), num_decode=len(placement.decode), cache_config=config.cache_config,
+                prefill_scheduler_config=config.prefill_scheduler_config, decode_scheduler_config=config.scheduler_config,
             )
         ]
 
-    return ThreadedEngineClient(build, max_queued_requests=max_queued_requests, num_threads=num_threads)
+    return ThreadedEngineClient(build, max_queued_requests=config.max_queued_requests, num_threads=num_threads)

@@ -12,10 +12,12 @@ from fastapi import FastAPI
 from ray import serve
 from ray.serve import Application
 
-from distserve.config import CacheConfig, slo_scheduler_config
+from distserve.config import CacheConfig, SchedulerConfig, slo_scheduler_config
 from distserve.errors import InvalidConfigError
+from distserve.placement import Placement
+from distserve.runtime.config import SERVER_MAX_QUEUED_REQUESTS, DeploymentConfig
 from distserve.runtime.ray_env import init_ray_local
-from distserve.runtime.threaded_client import DEFAULT_MAX_QUEUED_REQUESTS, ThreadedEngineClient, build_local_engine_client
+from distserve.runtime.threaded_client import ThreadedEngineClient, build_local_engine_client
 
 APP_NAME = "distserve"
 
@@ -32,7 +34,7 @@ class ServeOptions:
     dtype: str = "auto"
     kv_cache_gb: float = 0.5
     block_size: int = 16
-    max_queued_requests: int = DEFAULT_MAX_QUEUED_REQUESTS
+    max_queued_requests: int = SERVER_MAX_QUEUED_REQUESTS
     tpot_slo: float | None = None  # seconds: steps of decoding instances stay within it ("slo" step budget)
 
     @classmethod
@@ -62,17 +64,21 @@ class ServeOptions:
                 raise InvalidConfigError(f"app arg {key}={value!r} is not a valid {fields[key].__name__}") from exc
         return cls(**values)
 
-    def build_client(self) -> ThreadedEngineClient:
-        return build_local_engine_client(
-            self.model,
-            num_colocated=self.colocated,
-            num_prefill=self.prefill,
-            num_decode=self.decode,
-            dtype=self.dtype,
-            cache_config=CacheConfig(block_size=self.block_size, kv_cache_memory_gb=self.kv_cache_gb),
-            max_queued_requests=self.max_queued_requests,
-            scheduler_config=slo_scheduler_config(self.tpot_slo),
+    def deployment(self) -> DeploymentConfig:
+        if self.colocated < 0:
+            raise InvalidConfigError(f"app arg colocated must be >= 0, got {self.colocated}")
+        placement = (
+            Placement.colocated_instances(self.colocated) if self.colocated > 0 else Placement.disaggregated(self.prefill, self.decode)
         )
+        return DeploymentConfig(
+            self.model, placement, dtype=self.dtype,
+            cache_config=CacheConfig(block_size=self.block_size, kv_cache_memory_gb=self.kv_cache_gb),
+            scheduler_config=slo_scheduler_config(self.tpot_slo), prefill_scheduler_config=SchedulerConfig(),
+            max_queued_requests=self.max_queued_requests,
+        )
+
+    def build_client(self) -> ThreadedEngineClient:
+        return build_local_engine_client(self.deployment())
 
 
 @serve.deployment(ray_actor_options={"num_cpus": 0.1})

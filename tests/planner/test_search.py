@@ -73,17 +73,17 @@ def test_plan_cli_writes_a_placement_serve_accepts(tmp_path: Path, capsys: pytes
     assert placement.num_workers <= 4 and placement.predicted["goodput_per_gpu"] > 0
     assert png.stat().st_size > 0
     # `distserve serve --placement` parses exactly this file (deployment itself: validate_planner).
-    from distserve.cli import _placement_from_args, build_parser
+    from distserve.cli.args import build_parser, placement_from_args
 
     args = build_parser().parse_args(["serve", "--placement", str(out)])
-    assert _placement_from_args(args) == placement
+    assert placement_from_args(args) == placement
     # It carries the SLO it was planned for; serve keeps decoding steps within its TPOT unless told otherwise.
-    from distserve.cli import _serve_slo
+    from distserve.cli.serve import serve_slo
 
     assert placement.slo is not None and (placement.slo.ttft_s, placement.slo.tpot_s) == (0.25, 0.1)
-    assert _serve_slo(args, placement) == placement.slo
+    assert serve_slo(args, placement) == placement.slo
     override = build_parser().parse_args(["serve", "--placement", str(out), "--tpot-slo", "0.05"])
-    assert _serve_slo(override, placement).tpot_s == 0.05  # type: ignore[union-attr]
+    assert serve_slo(override, placement).tpot_s == 0.05  # type: ignore[union-attr]
 
 
 def test_colocated_candidates_are_weighed_with_the_slo_step_budget(capsys: pytest.CaptureFixture[str]) -> None:
@@ -169,7 +169,7 @@ def test_stopping_losing_searches_early_changes_no_figure() -> None:
 def test_a_cpu_plan_carries_the_profiled_threads_and_serve_can_override_them(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """A profile measured with N torch threads per rank plans instances that run with N threads;
     the Placement JSON keeps them; `serve --threads` overrides them; bad values are refused."""
-    from distserve.cli import _placement_from_args, build_parser
+    from distserve.cli.args import build_parser, placement_from_args
 
     source = Path(__file__).parents[2] / "experiments" / "results" / "validate_simulator_profile.json"
     profile = json.loads(source.read_text())
@@ -185,7 +185,7 @@ def test_a_cpu_plan_carries_the_profiled_threads_and_serve_can_override_them(tmp
     assert specs and all(s.threads == 2 for s in specs)
     assert json.loads(out.read_text())[("colocated" if placement.colocated else "prefill")][0]["threads"] == 2
     args = build_parser().parse_args(["serve", "--placement", str(out)])
-    assert _placement_from_args(args) == placement
+    assert placement_from_args(args) == placement
     assert all(s.threads == 1 for s in placement.with_threads(1).decode + placement.with_threads(1).colocated)
     # Without a thread count (GPU plans, older files) the key is absent and the runtime's default applies.
     assert "threads" not in Placement.colocated_instances(1).to_dict()["colocated"][0]

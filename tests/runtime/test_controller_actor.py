@@ -19,7 +19,8 @@ from distserve.engine.llm_engine import LLMEngine
 from distserve.engine.outputs import RequestMetrics, RequestOutput
 from distserve.engine.weights import load_model
 from distserve.errors import DistServeError, InvalidConfigError, QueueFullError, ServiceUnavailableError
-from distserve.placement import Placement
+from distserve.runtime.config import DeploymentConfig
+from distserve.placement import InstanceSpec, Placement
 from distserve.runtime.controller_actor import ControllerActor, RemoteController
 from distserve.runtime.llm import DisaggLLM
 
@@ -193,7 +194,7 @@ class _ScriptedController:
 
 def test_the_actor_multiplexes_a_proxys_requests_and_keeps_errors_to_their_own() -> None:
     async def scenario() -> dict[str, list[Any]]:
-        actor = ControllerActor("tiny", Placement.disaggregated())
+        actor = ControllerActor(DeploymentConfig("tiny"))
         actor.controller = _ScriptedController()  # type: ignore[assignment]
         outputs = actor.outputs("proxy")
         with pytest.raises(QueueFullError):
@@ -248,15 +249,17 @@ def test_errors_keep_their_types_abort_ends_a_stream_and_a_dead_controller_fails
     import ray
 
     async def scenario() -> tuple[list[int], set[str]]:
-        bad = RemoteController("tiny", Placement.disaggregated(), dtype="float32", cache_config=CACHE, kv_transfer_timeout_s=0.0)
-        with pytest.raises(InvalidConfigError) as invalid:
+        # Raised inside the actor's start (deploying): node 7 is not in the cluster.
+        unplaceable = Placement(prefill=(InstanceSpec(node=7),), decode=(InstanceSpec(),))
+        bad = RemoteController(DeploymentConfig("tiny", unplaceable, dtype="float32", cache_config=CACHE))
+        with pytest.raises(InvalidConfigError, match="node 7") as invalid:
             await bad.start()
         assert type(invalid.value) is InvalidConfigError
         with pytest.raises(ray.exceptions.RayActorError):
             await bad.actor.pid.remote()  # a failed start leaves no actor behind
 
         before = live_placement_groups()
-        rc = RemoteController("tiny", Placement.disaggregated(), dtype="float32", cache_config=CACHE, max_queued_requests=1)
+        rc = RemoteController(DeploymentConfig("tiny", Placement.disaggregated(), dtype="float32", cache_config=CACHE, max_queued_requests=1))
         await rc.start()
         try:
             held = rc.generate(PROMPTS[0], LONG, "held")

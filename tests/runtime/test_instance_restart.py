@@ -21,8 +21,8 @@ from distserve.config import CacheConfig, SamplingParams
 from distserve.engine.llm_engine import LLMEngine
 from distserve.engine.weights import load_model
 from distserve.errors import InvalidConfigError
+from distserve.runtime.config import DeploymentConfig
 from distserve.placement import InstanceSpec, Placement
-from distserve.runtime.controller import Controller
 
 PROMPTS = ["Hello, my name is", "The capital of France is", "a b c d e f g h i j k l m n o p", "1 2 3"]
 SP = SamplingParams(max_tokens=64, min_tokens=64, temperature=0.0)
@@ -96,4 +96,4 @@ def test_only_prefill_instance_crash_parks_requests_until_restart(runtime: Contr
 def test_max_instance_restarts_must_be_a_count() -> None:
     for bad in (-1, 1.5):
         with pytest.raises(InvalidConfigError, match="max_instance_restarts"):
-            Controller("tiny", Placement.disaggregated(), max_instance_restarts=bad)  # type: ignore[arg-type]
+            DeploymentConfig("tiny", Placement.disaggregated(), max_instance_restarts=bad)  # type: ignore[arg-type]

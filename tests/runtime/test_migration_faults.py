@@ -13,8 +13,8 @@ from distserve.config import CacheConfig, SamplingParams
 from distserve.engine.llm_engine import LLMEngine
 from distserve.engine.weights import load_model
 from distserve.errors import InvalidConfigError
+from distserve.runtime.config import DeploymentConfig
 from distserve.placement import InstanceSpec, Placement
-from distserve.runtime.controller import Controller
 from distserve.runtime.local_disagg import LocalDisaggEngine
 
 PROMPTS = ["Hello, my name is", "The capital of France is", "a b c d e f g h i j k l m n o p"]
@@ -98,6 +98,6 @@ def test_local_disagg_failed_migration_is_prefilled_again(reference: list[list[i
 @pytest.mark.parametrize("bad", [0.0, -1.0, float("inf"), float("nan")])
 def test_kv_transfer_timeout_must_be_positive(bad: float) -> None:
     with pytest.raises(InvalidConfigError, match="kv_transfer_timeout_s"):
-        Controller("tiny", Placement.disaggregated(), kv_transfer_timeout_s=bad)
+        DeploymentConfig("tiny", Placement.disaggregated(), kv_transfer_timeout_s=bad)
     with pytest.raises(InvalidConfigError, match="kv_transfer_timeout_s"):
         LocalDisaggEngine("tiny", kv_transfer_timeout_s=bad)

@@ -13,6 +13,7 @@ import pytest
 from distserve.config import CacheConfig, SamplingParams
 from distserve.engine.llm_engine import LLMEngine
 from distserve.engine.weights import load_model
+from distserve.runtime.config import DeploymentConfig
 from distserve.placement import Placement
 from distserve.runtime.ray_client import ControllerClient
 from serving_util import HttpServer
@@ -25,9 +26,9 @@ PROMPT = "Hello, my name is"
 def start_server() -> HttpServer:
     async def make_client() -> ControllerClient:
         client = await ControllerClient.create(
-            "tiny", Placement.disaggregated(), dtype="float32", cache_config=CACHE, kv_transfer_timeout_s=20.0
+            DeploymentConfig("tiny", Placement.disaggregated(), dtype="float32", cache_config=CACHE, kv_transfer_timeout_s=20.0)
         )
-        assert client.controller.kv_transfer_timeout_s == 20.0
+        assert client.controller.config.kv_transfer_timeout_s == 20.0
         return client
 
     return HttpServer(make_client)

@@ -21,6 +21,7 @@ from schemathesis import GenerationMode
 
 from distserve.config import CacheConfig, SchedulerConfig
 from distserve.engine.weights import load_model
+from distserve.runtime.config import DeploymentConfig
 from distserve.placement import Placement
 from distserve.runtime.local_disagg import LocalDisaggEngine
 from distserve.runtime.ray_client import ControllerClient
@@ -65,7 +66,7 @@ def local_server() -> HttpServer:
 def ray_server() -> HttpServer:
     async def make_client() -> ControllerClient:
         return await ControllerClient.create(
-            "tiny", Placement.disaggregated(), dtype="float32", cache_config=CACHE, scheduler_config=SCHED
+            DeploymentConfig("tiny", Placement.disaggregated(), dtype="float32", cache_config=CACHE, scheduler_config=SCHED)
         )
 
     return HttpServer(make_client)

@@ -1,21 +1,15 @@
-"""Command line: argument handling only; every subcommand calls into the packages."""
+"""The ``distserve`` command line's arguments: the parser, flag types, and turning placement flags into a ``Placement``."""
 
 from __future__ import annotations
 
 import argparse
-import json
-import sys
-from collections.abc import Sequence as Seq
 from typing import TYPE_CHECKING
 
 from distserve.errors import DistServeError
+from distserve.runtime.config import SERVER_MAX_QUEUED_REQUESTS
 
 if TYPE_CHECKING:
-    from collections.abc import Awaitable
-
-    from distserve.config import SLO
     from distserve.placement import Placement
-    from distserve.runtime.client import EngineClient
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
@@ -142,7 +136,7 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to listen on")
     p.add_argument("--port", type=_port, default=8000, help="0 picks a free port")
     p.add_argument("--served-model-name", default=None, help="model name clients send (default: --model)")
-    p.add_argument("--max-queued-requests", type=_positive_int, default=256, help="requests in flight before 429")
+    p.add_argument("--max-queued-requests", type=_positive_int, default=SERVER_MAX_QUEUED_REQUESTS, help="requests in flight before 429")
     _add_placement_args(p)
     p.add_argument(
         "--runtime",
@@ -166,6 +160,9 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from distserve.cli.commands import cmd_generate, cmd_plan, cmd_profile, cmd_simulate
+    from distserve.cli.serve import cmd_serve
+
     parser = argparse.ArgumentParser(prog="distserve", description="distserve: disaggregated LLM serving")
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="complete one prompt with the colocated engine")
@@ -225,75 +222,17 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def cmd_generate(args: argparse.Namespace) -> int:
-    from distserve.config import CacheConfig, SamplingParams
-    from distserve.engine.llm_engine import LLMEngine
-
-    sampling = SamplingParams(
-        max_tokens=args.max_tokens,
-        temperature=args.temperature,
-        top_p=args.top_p,
-        top_k=args.top_k,
-        seed=args.seed,
-        stop=tuple(args.stop),
-        min_tokens=args.min_tokens,
-        ignore_eos=args.ignore_eos,
-    )
-    engine = LLMEngine(
-        args.model,
-        dtype=args.dtype,
-        cache_config=CacheConfig(block_size=args.block_size, kv_cache_memory_gb=args.kv_cache_gb),
-    )
-    prompt: str | list[int] = args.prompt
-    if args.chat:
-        prompt = engine.tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}])
-    last = None
-    for out in engine.stream(prompt, sampling):
-        if not args.json:
-            sys.stdout.write(out.new_text)
-            sys.stdout.flush()
-        last = out
-    assert last is not None
-    if args.json:
-        m = last.metrics
-        print(
-            json.dumps(
-                {
-                    "model": args.model,
-                    "text": last.text,
-                    "token_ids": last.token_ids,
-                    "finish_reason": last.finish_reason,
-                    "num_prompt_tokens": m.num_prompt_tokens,
-                    "num_output_tokens": m.num_output_tokens,
-                    "ttft_s": m.ttft_s,
-                    "tpot_s": m.tpot_s,
-                    "e2e_s": (m.finish_time or 0.0) - m.arrival_time,
-                }
-            )
-        )
-    else:
-        sys.stdout.write("\n")
-    return 0
-
-
-def _check_serve_args(args: argparse.Namespace) -> None:
+def check_placement_args(args: argparse.Namespace) -> None:
     from distserve.errors import InvalidConfigError
 
     parallel = any(getattr(args, f) != 1 for f in ("prefill_tp", "prefill_pp", "decode_tp", "decode_pp"))
-    if args.runtime == "local" and (parallel or args.placement is not None):
-        raise InvalidConfigError(
-            "--runtime local runs tp = pp = 1 instances only; TP/PP degrees and --placement need --runtime ray"
-        )
-    _check_placement_args(args)
-    if args.kv_transfer_timeout is not None and args.runtime == "local":
-        raise InvalidConfigError("--kv-transfer-timeout applies to the Ray runtime; --runtime local copies KV in-process")
-    if args.ray_serve and args.threads is not None:
-        raise InvalidConfigError("--threads applies to plain `distserve serve` (local or Ray runtime), not --ray-serve")
-    if args.ray_serve and (parallel or args.placement is not None or args.runtime == "ray"):
-        raise InvalidConfigError("--ray-serve serves in-process engines; use plain `distserve serve --runtime ray` for placements")
+    if args.placement is not None and (args.colocated is not None or args.prefill is not None or args.decode is not None or parallel):
+        raise InvalidConfigError("--placement cannot be combined with --colocated/--prefill/--decode or TP/PP flags")
+    if args.colocated is not None and (args.prefill is not None or args.decode is not None):
+        raise InvalidConfigError("--colocated cannot be combined with --prefill/--decode")
 
 
-def _placement_from_args(args: argparse.Namespace) -> "Placement":
+def placement_from_args(args: argparse.Namespace) -> "Placement":
     from distserve.placement import Placement
 
     if args.placement is not None:
@@ -306,254 +245,3 @@ def _placement_from_args(args: argparse.Namespace) -> "Placement":
     return Placement.disaggregated(
         args.prefill or 1, args.decode or 1, args.prefill_tp, args.prefill_pp, args.decode_tp, args.decode_pp
     )
-
-
-def _serve_slo(args: argparse.Namespace, placement: "Placement | None") -> "SLO | None":
-    """The deployment's SLO: --ttft-slo/--tpot-slo over the placement's ``slo``; None if neither says."""
-    from distserve.config import SLO
-
-    base = placement.slo if placement is not None else None
-    ttft = args.ttft_slo if args.ttft_slo is not None else (base.ttft_s if base else None)
-    tpot = args.tpot_slo if args.tpot_slo is not None else (base.tpot_s if base else None)
-    if ttft is None and tpot is None:
-        return None
-    return SLO(ttft if ttft is not None else float("inf"), tpot if tpot is not None else float("inf"))
-
-
-def _print_ready(url: str, model: str, layout: str) -> None:
-    body = json.dumps({"model": model, "messages": [{"role": "user", "content": "What is the capital of France?"}], "max_tokens": 32})
-    print(f"distserve: serving {model!r} ({layout}) at {url}/v1  (metrics: {url}/metrics)")
-    print(f"  curl {url}/v1/chat/completions -H 'Content-Type: application/json' -d '{body}'", flush=True)
-
-
-def cmd_serve(args: argparse.Namespace) -> int:
-    _check_serve_args(args)
-    served = args.served_model_name or args.model
-    if args.colocated is not None:
-        layout = f"{args.colocated} colocated engine{'s' if args.colocated > 1 else ''}"
-    else:
-        layout = f"{args.prefill or 1}P{args.decode or 1}D disaggregated"
-    if args.ray_serve:
-        from distserve.serving.app import ServeOptions, run_ray_serve
-
-        options = ServeOptions(
-            model=args.model,
-            served_model_name=served,
-            colocated=args.colocated or 0,
-            prefill=args.prefill or 1,
-            decode=args.decode or 1,
-            dtype=args.dtype,
-            kv_cache_gb=args.kv_cache_gb,
-            block_size=args.block_size,
-            max_queued_requests=args.max_queued_requests,
-            tpot_slo=args.tpot_slo,
-        )
-        run_ray_serve(options, args.host, args.port, on_ready=lambda url: _print_ready(url, served, f"{layout}, Ray Serve"))
-        return 0
-    from distserve.config import CacheConfig, SchedulerConfig, slo_scheduler_config
-    from distserve.serving.api import open_listen_socket, run_server
-    from distserve.runtime.threaded_client import build_local_engine_client
-
-    parallel = any(getattr(args, f) != 1 for f in ("prefill_tp", "prefill_pp", "decode_tp", "decode_pp"))
-    if args.runtime == "ray" or (args.runtime == "auto" and (parallel or args.placement is not None)):
-        from distserve.runtime.ray_client import ControllerClient
-
-        placement = _placement_from_args(args)
-        if args.threads is not None:
-            placement = placement.with_threads(args.threads)
-        slo = _serve_slo(args, placement)
-        sock = open_listen_socket(args.host, args.port)
-        cache = CacheConfig(block_size=args.block_size, kv_cache_memory_gb=args.kv_cache_gb)
-
-        def factory() -> "Awaitable[EngineClient]":
-            return ControllerClient.create(
-                args.model, placement, dtype=args.dtype, cache_config=cache,
-                max_queued_requests=args.max_queued_requests, kv_transfer_timeout_s=args.kv_transfer_timeout,
-                scheduler_config=slo_scheduler_config(slo.tpot_s if slo else None),
-                prefill_scheduler_config=SchedulerConfig(),
-            )
-
-        ray_layout = " + ".join(
-            f"{len(specs)}x {kind} tp{specs[0].tp}pp{specs[0].pp}"
-            for kind, specs in (("prefill", placement.prefill), ("decode", placement.decode), ("colocated", placement.colocated))
-            if specs
-        )
-        return run_server(
-            factory, served, sock, on_ready=lambda url: _print_ready(url, served, f"{ray_layout}, Ray runtime"),
-            log_level=args.log_level, slo=slo,
-        )
-
-    slo = _serve_slo(args, None)
-    sock = open_listen_socket(args.host, args.port)
-    client = build_local_engine_client(
-        args.model,
-        num_colocated=args.colocated or 0,
-        num_prefill=args.prefill or 1,
-        num_decode=args.decode or 1,
-        dtype=args.dtype,
-        cache_config=CacheConfig(block_size=args.block_size, kv_cache_memory_gb=args.kv_cache_gb),
-        max_queued_requests=args.max_queued_requests,
-        scheduler_config=slo_scheduler_config(slo.tpot_s if slo else None),
-        num_threads=args.threads,
-    )
-    return run_server(client, served, sock, on_ready=lambda url: _print_ready(url, served, layout), log_level=args.log_level, slo=slo)
-
-
-def _check_placement_args(args: argparse.Namespace) -> None:
-    from distserve.errors import InvalidConfigError
-
-    parallel = any(getattr(args, f) != 1 for f in ("prefill_tp", "prefill_pp", "decode_tp", "decode_pp"))
-    if args.placement is not None and (args.colocated is not None or args.prefill is not None or args.decode is not None or parallel):
-        raise InvalidConfigError("--placement cannot be combined with --colocated/--prefill/--decode or TP/PP flags")
-    if args.colocated is not None and (args.prefill is not None or args.decode is not None):
-        raise InvalidConfigError("--colocated cannot be combined with --prefill/--decode")
-
-
-def cmd_simulate(args: argparse.Namespace) -> int:
-    from rich.console import Console
-
-    from simulator import report
-    from simulator.simulation import SimConfig
-
-    _check_placement_args(args)
-    from distserve.errors import InvalidConfigError
-
-    if args.step_overhead_ms < 0:
-        raise InvalidConfigError(f"--step-overhead-ms must be >= 0, got {args.step_overhead_ms}")
-    placement = _placement_from_args(args)
-    config = SimConfig(
-        num_blocks=args.num_blocks, step_overhead_s=args.step_overhead_ms / 1e3,
-        **report.scheduler_configs(args.max_num_seqs, args.max_batched_tokens, args.tpot if args.step_budget == "slo" else None),
-    )
-    request = report.SimulateRequest(
-        model=args.model, placement=placement, workload=args.workload,
-        slo=report.slo_spec(args.ttft, args.tpot, args.attainment, args.attainment_mode),
-        rate=args.rate, num_requests=args.num_requests, arrival=args.arrival, cv=args.cv, seed=args.seed,
-        profile=args.profile, hardware=args.hardware, goodput=args.goodput, config=config,
-    )
-    out = report.run(request)
-    if args.json:
-        print(json.dumps(out, default=float))
-        return 0
-    console = Console()
-    for table in report.render(out):
-        console.print(table)
-    return 0
-
-
-def cmd_plan(args: argparse.Namespace) -> int:
-    import pathlib
-
-    from distserve.errors import InvalidConfigError
-    from distserve.planner import report as plan_report
-    from simulator import report
-    from simulator.simulation import SimConfig
-
-    if args.step_overhead_ms < 0:
-        raise InvalidConfigError(f"--step-overhead-ms must be >= 0, got {args.step_overhead_ms}")
-    for flag, value in (("--out", args.out), ("--plot", args.plot)):
-        if value is not None and not pathlib.Path(value).resolve().parent.is_dir():
-            raise InvalidConfigError(f"{flag} {value}: directory {pathlib.Path(value).parent} does not exist")
-    plan_args = plan_report.PlanArgs(
-        model=args.model, gpu=args.gpu, nodes=args.nodes, gpus_per_node=args.gpus_per_node, workload=args.workload,
-        ttft_s=args.ttft, tpot_s=args.tpot, attainment=args.attainment, attainment_mode=args.attainment_mode,
-        rate=args.rate, gpus=args.gpus, profile=args.profile, affinity=args.affinity, num_requests=args.num_requests,
-        seed=args.seed, intra_node_gbps=args.intra_node_bandwidth, inter_node_gbps=args.inter_node_bandwidth,
-        workers=args.workers,
-        sim_config=SimConfig(step_overhead_s=args.step_overhead_ms / 1e3, **report.scheduler_configs(args.max_num_seqs, args.max_batched_tokens)),
-    )
-    req, result = plan_report.run_plan(plan_args, show_progress=not args.json)
-    if args.json:
-        print(json.dumps(plan_report.summary(req, result), default=float))
-    else:
-        plan_report.print_tables(plan_report.render(req, result))
-        for note in result.notes:
-            print(f"note: {note}")
-    if not result.feasible:
-        print(f"distserve plan: no placement meets the SLO on this cluster. {result.closest}", file=sys.stderr)
-        return 1
-    best = result.best
-    assert best is not None
-    colo = result.colocated
-    if not args.json:
-        verdict = ""
-        if colo is not None and colo.per_gpu > 0:
-            ratio = best.per_gpu / colo.per_gpu
-            verdict = f" ({ratio:.2f}x colocated)" if best is not colo else " (colocated wins for this workload)"
-        print(f"best: {best.name}, {best.num_gpus} GPUs, {best.rate:.3g} req/s, {best.per_gpu:.3g} req/s per GPU{verdict}")
-    if args.out is not None:
-        plan_report.write_plan(result, args.out)
-        if not args.json:
-            print(f"wrote {args.out} (deploy with: distserve serve --model ... --placement {args.out})")
-    if args.plot is not None:
-        plan_report.plot(req, result, args.plot)
-        if not args.json:
-            print(f"wrote {args.plot}")
-    return 0
-
-
-def cmd_profile(args: argparse.Namespace) -> int:
-    import pathlib
-
-    from rich.console import Console
-    from rich.table import Table
-
-    from distserve.measure import profiler
-    from distserve.errors import InvalidConfigError
-
-    out = pathlib.Path(args.out)
-    if not out.parent.is_dir():
-        raise InvalidConfigError(f"--out {args.out}: directory {out.parent} does not exist")
-    if out.is_dir():
-        raise InvalidConfigError(f"--out {args.out}: is a directory")
-    if not args.max_quiet_wait_s >= 0:
-        raise InvalidConfigError(f"--max-quiet-wait-s must be >= 0, got {args.max_quiet_wait_s}")
-    try:
-        config = profiler.model_config(args.model, args.dtype)
-    except DistServeError as exc:
-        raise type(exc)(f"--model {args.model}: {exc}") from exc
-    try:
-        tps = profiler.check_tps(config, args.tp or [1])
-    except DistServeError as exc:
-        raise type(exc)(f"--tp: {exc}") from exc
-    profile = profiler.profile_engine(
-        args.model, tps, dtype=args.dtype, threads=args.threads, quick=args.quick,
-        repeats=args.repeats, block_size=args.block_size, quiet=args.quiet, concurrency=args.concurrency,
-        max_quiet_wait_s=args.max_quiet_wait_s,
-    )
-    profiler.write_profile(profile, out)
-    meta = profile["meta"]
-    table = Table(title=f"{args.model}, {meta['dtype']}, {args.threads} thread(s)/rank: step time (ms)",
-                  caption=f"{meta['cpu']}, measured in {meta['profile_seconds']} s")
-    for col in ("tp", "phase", "coefficients", "MAPE"):
-        table.add_column(col, justify="right" if col in ("tp", "MAPE") else "left")
-    for tp, fit in profile["tp"].items():
-        err = fit["fit_error"]
-        table.add_row(tp, "prefill", _fmt_coeffs(fit["prefill"]), f"{err['prefill_mape']:.1%}")
-        threshold = fit["decoding_large_small_bs_threshold"]
-        table.add_row(tp, f"decode bs<{threshold}", _fmt_coeffs(fit["decoding_smallbs"]), f"{err['decode_mape']:.1%}")
-        table.add_row(tp, f"decode bs>={threshold}", _fmt_coeffs(fit["decoding_largebs"]), "")
-    Console().print(table)
-    print(f"wrote {out}")
-    return 0
-
-
-def _fmt_coeffs(coeffs: Seq[float]) -> str:
-    return "[" + ", ".join(f"{c:.4g}" for c in coeffs) + "]"
-
-
-def main(argv: Seq[str] | None = None) -> int:
-    """Bad flags and bad input both exit with code 2 and a message naming the problem."""
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    try:
-        return int(args.func(args))
-    except DistServeError as exc:
-        print(f"distserve {args.command}: error: {exc}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        return 130
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,0 +1,110 @@
+"""``distserve serve``: one ``DeploymentConfig`` from the flags, served over HTTP by the Ray or the in-process runtime."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import TYPE_CHECKING
+
+from distserve.cli.args import check_placement_args, placement_from_args
+
+if TYPE_CHECKING:
+    from distserve.config import SLO
+    from distserve.placement import Placement
+
+
+def _check_serve_args(args: argparse.Namespace) -> None:
+    from distserve.errors import InvalidConfigError
+
+    parallel = any(getattr(args, f) != 1 for f in ("prefill_tp", "prefill_pp", "decode_tp", "decode_pp"))
+    if args.runtime == "local" and (parallel or args.placement is not None):
+        raise InvalidConfigError(
+            "--runtime local runs tp = pp = 1 instances only; TP/PP degrees and --placement need --runtime ray"
+        )
+    check_placement_args(args)
+    if args.kv_transfer_timeout is not None and args.runtime == "local":
+        raise InvalidConfigError("--kv-transfer-timeout applies to the Ray runtime; --runtime local copies KV in-process")
+    if args.ray_serve and args.threads is not None:
+        raise InvalidConfigError("--threads applies to plain `distserve serve` (local or Ray runtime), not --ray-serve")
+    if args.ray_serve and (parallel or args.placement is not None or args.runtime == "ray"):
+        raise InvalidConfigError("--ray-serve serves in-process engines; use plain `distserve serve --runtime ray` for placements")
+
+
+def serve_slo(args: argparse.Namespace, placement: "Placement | None") -> "SLO | None":
+    """The deployment's SLO: --ttft-slo/--tpot-slo over the placement's ``slo``; None if neither says."""
+    from distserve.config import SLO
+
+    base = placement.slo if placement is not None else None
+    ttft = args.ttft_slo if args.ttft_slo is not None else (base.ttft_s if base else None)
+    tpot = args.tpot_slo if args.tpot_slo is not None else (base.tpot_s if base else None)
+    if ttft is None and tpot is None:
+        return None
+    return SLO(ttft if ttft is not None else float("inf"), tpot if tpot is not None else float("inf"))
+
+
+def _print_ready(url: str, model: str, layout: str) -> None:
+    body = json.dumps({"model": model, "messages": [{"role": "user", "content": "What is the capital of France?"}], "max_tokens": 32})
+    print(f"distserve: serving {model!r} ({layout}) at {url}/v1  (metrics: {url}/metrics)")
+    print(f"  curl {url}/v1/chat/completions -H 'Content-Type: application/json' -d '{body}'", flush=True)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    _check_serve_args(args)
+    served = args.served_model_name or args.model
+    if args.colocated is not None:
+        layout = f"{args.colocated} colocated engine{'s' if args.colocated > 1 else ''}"
+    else:
+        layout = f"{args.prefill or 1}P{args.decode or 1}D disaggregated"
+    if args.ray_serve:
+        from distserve.serving.app import ServeOptions, run_ray_serve
+
+        options = ServeOptions(
+            model=args.model,
+            served_model_name=served,
+            colocated=args.colocated or 0,
+            prefill=args.prefill or 1,
+            decode=args.decode or 1,
+            dtype=args.dtype,
+            kv_cache_gb=args.kv_cache_gb,
+            block_size=args.block_size,
+            max_queued_requests=args.max_queued_requests,
+            tpot_slo=args.tpot_slo,
+        )
+        run_ray_serve(options, args.host, args.port, on_ready=lambda url: _print_ready(url, served, f"{layout}, Ray Serve"))
+        return 0
+    from distserve.config import CacheConfig, SchedulerConfig, slo_scheduler_config
+    from distserve.runtime.config import DeploymentConfig
+    from distserve.serving.api import open_listen_socket, run_server
+
+    parallel = any(getattr(args, f) != 1 for f in ("prefill_tp", "prefill_pp", "decode_tp", "decode_pp"))
+    on_ray = args.runtime == "ray" or (args.runtime == "auto" and (parallel or args.placement is not None))
+    placement = placement_from_args(args)
+    if args.threads is not None and on_ray:
+        placement = placement.with_threads(args.threads)
+    slo = serve_slo(args, placement if on_ray else None)
+    sock = open_listen_socket(args.host, args.port)
+    config = DeploymentConfig(
+        args.model, placement, dtype=args.dtype,
+        cache_config=CacheConfig(block_size=args.block_size, kv_cache_memory_gb=args.kv_cache_gb),
+        # Prefill steps hold no decodes whose TPOT a step budget would protect.
+        scheduler_config=slo_scheduler_config(slo.tpot_s if slo else None), prefill_scheduler_config=SchedulerConfig(),
+        max_queued_requests=args.max_queued_requests, num_threads_per_worker=args.threads,
+        **({} if args.kv_transfer_timeout is None else {"kv_transfer_timeout_s": args.kv_transfer_timeout}),
+    )
+    if on_ray:
+        from distserve.runtime.ray_client import ControllerClient
+
+        ray_layout = " + ".join(
+            f"{len(specs)}x {kind} tp{specs[0].tp}pp{specs[0].pp}"
+            for kind, specs in (("prefill", placement.prefill), ("decode", placement.decode), ("colocated", placement.colocated))
+            if specs
+        )
+        return run_server(
+            lambda: ControllerClient.create(config), served, sock,
+            on_ready=lambda url: _print_ready(url, served, f"{ray_layout}, Ray runtime"), log_level=args.log_level, slo=slo,
+        )
+
+    from distserve.runtime.threaded_client import build_local_engine_client
+
+    client = build_local_engine_client(config)
+    return run_server(client, served, sock, on_ready=lambda url: _print_ready(url, served, layout), log_level=args.log_level, slo=slo)

@@ -1,0 +1,224 @@
+"""The controller's recovery: re-running the requests of a dead instance and restarting it.
+
+An instance whose actor or any of its workers dies (or whose step fails) is replaced: its requests
+are re-run (prompt + tokens so far) on a surviving instance of the same phase — or, when it was the
+last of its phase, parked until the replacement is up — and the controller restarts it in its
+placement group (up to ``max_instance_restarts`` times). A death is blamed on the requests it was
+computing (``cluster.recovery``, the policy): one blamed twice is poison and fails instead. The
+replacement must join the torch.distributed world, which cannot grow a member back, so the world is
+formed anew: every instance pauses between steps, cancels its KV transfers in flight (those requests
+are prefilled again) and rebuilds its process groups, keeping its model and KV cache; then all resume.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import TYPE_CHECKING
+
+from distserve.cluster.migration_queue import MigrationQueue
+from distserve.cluster.recovery import CrashLedger, blame, poison_message, suspects_of
+from distserve.cluster.routing import RouteState
+from distserve.engine.outputs import RequestOutput
+from distserve.engine.sequence import Sequence
+from distserve.errors import DistServeError, ServiceUnavailableError
+from distserve.placement import Placement
+from distserve.runtime.ray_deployment import DeployedInstance, create_instance_actor, init_method
+
+log = logging.getLogger(__name__)
+
+RESTART_TIMEOUT_S = 300.0  # a replacement that is not up (loaded and in the new world) by then stays dead
+
+
+class InstanceRecovery:
+    """The ``Controller``'s recovery half (a mixin: it works on the controller's request state)."""
+
+    placement: Placement
+    instances: list[DeployedInstance]
+    max_instance_restarts: int
+    migration_counters: dict[str, int]
+    _seqs: dict[str, Sequence]
+    _owner: dict[str, DeployedInstance]
+    _source: dict[str, DeployedInstance]
+    _queues: dict[str, asyncio.Queue[RequestOutput | BaseException]]
+    _pending: MigrationQueue[tuple[DeployedInstance, str]]
+    _parked: list[Sequence]
+    _crashes: CrashLedger
+    _closed: bool
+    _running: asyncio.Event
+    _steps_in_flight: int
+    _world_size: int
+    _world_lock: asyncio.Lock
+    _migration_lock: asyncio.Lock
+    _migration_started: dict[str, float]
+    _step_faults: dict[str, str]
+    _tasks: list[asyncio.Task[None]]
+
+    if TYPE_CHECKING:  # the Controller's, which this half calls
+        def _spawn(self, coro: object, name: str | None = None) -> None: ...
+        async def _call_then_kick(self, inst: DeployedInstance, ref: object) -> None: ...
+        def _outage(self) -> str | None: ...
+        def _route_new(self, seq: Sequence) -> None: ...
+        def _drop(self, request_id: str, reason: str) -> None: ...
+        def _forget(self, request_id: str) -> None: ...
+        def _fail(self, seq: Sequence, error: str, now: float) -> RequestOutput: ...
+        async def _loop(self, inst: DeployedInstance) -> None: ...
+        async def _migrate_pending(self) -> None: ...
+
+    def _on_death(self, inst: DeployedInstance, exc: BaseException | None = None) -> None:
+        """Re-run the dead instance's requests from prompt + tokens so far on survivors; restart it.
+
+        The death is blamed on the requests it was computing (``distserve.cluster.recovery``): one
+        blamed a second time is poison and fails instead of being re-run, and the restarts its
+        deaths caused are not charged to ``max_instance_restarts``.
+        """
+        inst.alive = False
+        lost = [sid for sid, owner in self._owner.items() if owner is inst]
+        lost += [sid for sid, src in self._source.items() if src is inst and sid not in lost]
+        failure = getattr(exc, "cause", None) or exc  # a RayTaskError carries what the step raised
+        blamed = suspects_of(failure, lost, inst.solo_pending)
+        inst.solo_pending.clear()
+        suspects = [seq for sid in blamed if (seq := self._seqs.get(sid)) is not None and not seq.is_finished]
+        convicted = blame(suspects)
+        for instance_id in self._crashes.record(inst.spec.instance_id, suspects, convicted, set(self._seqs)):
+            refunded = next(i for i in self.instances if i.spec.instance_id == instance_id)
+            refunded.charged_restarts = max(0, refunded.charged_restarts - 1)
+        charged = not convicted
+        inst.restarting = not self._closed and (not charged or inst.charged_restarts < self.max_instance_restarts)
+        if inst.restarting and charged:
+            inst.charged_restarts += 1
+        if exc is not None:
+            log.warning("instance %s failed (%s: %s); %s", inst.spec.instance_id, type(exc).__name__, failure,
+                        "restarting it" if inst.restarting else "not restarting it")
+        poison = {seq.seq_id for seq in convicted}
+        self._pending.drop(lambda e: e[0] is inst)
+        for seq_id in lost:
+            seq = self._seqs.get(seq_id)
+            if seq_id in poison and seq is not None:
+                self.migration_counters["requests_failed_poison_total"] += 1
+                self._fail_request(seq, poison_message(seq))  # also frees its KV on survivors
+                continue
+            owner = self._owner.pop(seq_id, None)
+            holder = self._source.pop(seq_id, None)
+            if owner is inst and holder is not None and holder.alive and seq is not None and not seq.is_finished:
+                # Its decode instance died mid-migration; the prefill side still holds the KV, so
+                # the request is prefilled again there (prefix cached) and migrates anew — as after
+                # a failed transfer. (An abort and a re-add of the same id could cross on the way.)
+                self._migration_started.pop(seq_id, None)
+                self._owner[seq_id] = holder
+                self._pending.drop(lambda e, seq_id=seq_id: e[1] == seq_id)
+                self.migration_counters["requests_rerun_total"] += 1
+                self._spawn(self._call_then_kick(holder, holder.actor.requeue.remote(seq_id)))
+                continue
+            for survivor in (owner, holder):
+                if survivor is not None and survivor is not inst and survivor.alive:
+                    survivor.actor.abort.remote(seq_id, "abort")  # e.g. a decode instance mid-receive
+                    survivor.route.release()
+                    survivor.kick()
+            if seq is None or seq.is_finished:
+                continue
+            self.migration_counters["requests_rerun_total"] += 1
+            self._reroute(seq)
+        if inst.restarting:
+            self._spawn(self._restart(inst), name=f"restart-{inst.spec.instance_id}")
+        else:
+            self._fail_stranded()
+
+    def _fail_request(self, seq: Sequence, error: str) -> None:
+        """End one request with ``error`` (finish_reason "error") and free its KV wherever it is."""
+        out = self._fail(seq, error, time.monotonic())
+        self._forget(seq.seq_id)
+        self._drop(seq.seq_id, "abort")
+        queue = self._queues.get(seq.seq_id)
+        if queue is not None:
+            queue.put_nowait(out)
+
+    def _fail_stranded(self) -> None:
+        """In an outage (a phase has no live or restarting instance), fail the requests that can no
+        longer finish — all but those on live colocated instances — with ``ServiceUnavailableError``."""
+        reason = self._outage()
+        if reason is None:
+            return
+        for seq_id in list(self._seqs):
+            owner = self._owner.get(seq_id)
+            if owner is not None and owner.alive and owner.phase == "colocated":
+                continue
+            self._forget(seq_id)
+            self._drop(seq_id, "abort")
+            queue = self._queues.get(seq_id)
+            if queue is not None:
+                queue.put_nowait(ServiceUnavailableError(reason))
+
+    def _reroute(self, seq: Sequence) -> None:
+        try:
+            self._route_new(seq)
+        except (DistServeError, ServiceUnavailableError) as exc:
+            queue = self._queues.get(seq.seq_id)
+            if queue is not None:
+                queue.put_nowait(exc)
+
+    async def _restart(self, inst: DeployedInstance) -> None:
+        """Replace a dead instance in its placement group and form the world anew with it."""
+        import ray
+
+        async with self._world_lock, self._migration_lock:
+            self._running.clear()
+            try:
+                while self._steps_in_flight and not self._closed:
+                    await asyncio.sleep(0.005)  # let every step in flight return
+                if self._closed:
+                    return
+                log.info("restart %s: steps paused", inst.spec.instance_id)
+                try:
+                    ray.kill(inst.actor, no_restart=True)  # what is left of it (its workers die with it)
+                except Exception:  # noqa: BLE001 - already gone
+                    pass
+                inst.actor = create_instance_actor(inst)
+                survivors = [i for i in self.instances if i.alive]
+                method = init_method(self.placement)
+                await asyncio.wait_for(
+                    asyncio.gather(
+                        inst.actor.init.remote(method, self._world_size),
+                        *(i.actor.reinit.remote(method, self._world_size) for i in survivors),
+                    ),
+                    RESTART_TIMEOUT_S,
+                )
+                inst.layout = await inst.actor.layout.remote()
+                for request_id, kind in self._step_faults.items():
+                    await inst.actor.inject_step_fault.remote(request_id, kind)
+                log.info("restart %s: the new world of %d ranks is formed", inst.spec.instance_id, self._world_size)
+            except Exception as exc:  # noqa: BLE001 - the instance stays dead; survivors that broke fail their next step
+                log.error("restarting instance %s failed: %r", inst.spec.instance_id, exc)
+                inst.restarting = False
+                self._fail_parked()
+                self._fail_stranded()
+                return
+            finally:
+                self._running.set()
+            inst.restarts += 1
+            self.migration_counters["instance_restarts_total"] += 1
+            inst.route = RouteState()
+            inst.has_work = inst.kicked = False
+            inst.restarting = False
+            inst.alive = True
+            self._tasks.append(asyncio.create_task(self._loop(inst)))
+            for i in self.instances:
+                if i.alive:
+                    i.kick()  # cancelled transfers are reported at their next step
+        parked, self._parked = self._parked, []
+        for seq in parked:
+            self._reroute(seq)
+        if self._pending:
+            await self._migrate_pending()
+
+    def _fail_parked(self) -> None:
+        parked, self._parked = self._parked, []
+        for seq in parked:
+            self._reroute(seq)  # to a survivor, or the error goes to its stream
+
+    async def inject_step_fault(self, request_id: str, kind: str = "raise") -> None:
+        """Test hook: every step computing ``request_id`` fails on every instance, replacements
+        included (``ModelRunner.inject_step_fault``): a poison request."""
+        self._step_faults[request_id] = kind
+        await asyncio.gather(*(i.actor.inject_step_fault.remote(request_id, kind) for i in self.instances if i.alive))
