@@ -19,7 +19,7 @@ from distserve.engine.outputs import RequestOutput
 from distserve.placement import Placement
 from distserve.runtime.config import DeploymentConfig
 from distserve.runtime.controller import Controller
-from distserve.runtime.controller_actor import RemoteController
+from distserve.runtime.remote_controller import RemoteController
 from distserve.runtime.ray_env import init_ray_local
 
 T = TypeVar("T")

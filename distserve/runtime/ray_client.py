@@ -8,7 +8,7 @@ from distserve.config import SamplingParams
 from distserve.engine.outputs import RequestOutput
 from distserve.runtime.client import EngineClient
 from distserve.runtime.config import DeploymentConfig
-from distserve.runtime.controller_actor import RemoteController
+from distserve.runtime.remote_controller import RemoteController
 from distserve.runtime.ray_env import init_ray_local
 
 

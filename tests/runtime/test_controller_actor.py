@@ -21,7 +21,8 @@ from distserve.engine.weights import load_model
 from distserve.errors import DistServeError, InvalidConfigError, QueueFullError, ServiceUnavailableError
 from distserve.runtime.config import DeploymentConfig
 from distserve.placement import InstanceSpec, Placement
-from distserve.runtime.controller_actor import ControllerActor, RemoteController
+from distserve.runtime.controller_actor import ControllerActor
+from distserve.runtime.remote_controller import RemoteController
 from distserve.runtime.llm import DisaggLLM
 
 PROMPTS = ["Hello, my name is", "The capital of France is", "a b c d e f g h i j k l m n o p", "1 2 3"]

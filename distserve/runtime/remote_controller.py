@@ -1,0 +1,276 @@
+"""``RemoteController``: the callers' handle on a ``ControllerActor`` (the ``Controller``'s async interface over actor calls).
+
+It tokenizes and validates locally (no actor hop), submits with plain actor calls, reads all its
+requests' outputs from the actor's one stream on a reader thread and hands each request its own,
+unwraps errors to their own types and turns a dead controller into a ``ServiceUnavailableError``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator, Sequence as Seq
+from typing import Any, NoReturn
+
+from distserve.config import SamplingParams
+from distserve.engine.model import resolve_dtype
+from distserve.engine.outputs import RequestFrontend, RequestOutput
+from distserve.engine.sequence import Sequence
+from distserve.engine.weights import load_model
+from distserve.errors import DistServeError, ServiceUnavailableError
+from distserve.runtime.config import DeploymentConfig
+from distserve.runtime.controller_actor import CONTROL_CONCURRENCY, CONTROLLER_CPUS, SHUTDOWN_TIMEOUT_S, ControllerActor, StreamItem
+
+log = logging.getLogger(__name__)
+
+
+class _Tokenizer(RequestFrontend):
+    """The Controller's prompt validation and tokenization, computed in the caller's process."""
+
+    def _submit(self, seq: Sequence) -> None:
+        raise TypeError("requests go through RemoteController.generate")
+
+
+class RemoteController:
+    """The callers' handle on a ``ControllerActor``: the ``Controller``'s async interface over actor calls.
+
+    Construct, then ``await start()``; ``shutdown()`` stops the deployment and kills the actor.
+    """
+
+    def __init__(self, config: DeploymentConfig) -> None:
+        import ray
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        self.config = config
+        self.model_name = config.model
+        loaded = load_model(config.model, resolve_dtype(config.dtype), weights=False)
+        self._frontend = _Tokenizer(loaded, config.cache_config, config.scheduler_config)
+        self.tokenizer = self._frontend.tokenizer
+        self.max_model_len = self._frontend.max_model_len
+        self.num_blocks = self._frontend.num_blocks
+        self._placement_groups: list[Any] = []  # known once started: removed at shutdown whatever became of the actor
+        # Open requests -> (the output stream they were submitted to, their outputs).
+        self._requests: dict[str, tuple[str, asyncio.Queue[StreamItem]]] = {}
+        self._proxy_id = ""  # names the current output stream to the actor; new for each stream opened
+        self._reader: threading.Thread | None = None  # reads the current output stream
+        self._reader_loop: asyncio.AbstractEventLoop | None = None  # where it hands the outputs
+        self._shutting_down = False
+        self._actor_died = False
+        here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+        self.actor = (
+            ray.remote(ControllerActor)
+            .options(
+                num_cpus=CONTROLLER_CPUS, max_concurrency=CONTROL_CONCURRENCY,
+                max_restarts=0, scheduling_strategy=here,
+            )
+            .remote(config)
+        )
+
+    def encode_prompt(self, prompt: str | Seq[int]) -> list[int]:
+        return self._frontend.encode_prompt(prompt)
+
+    def encode_batch(
+        self,
+        prompts: str | Seq[str] | Seq[Seq[int]],
+        sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+    ) -> tuple[list[list[int]], list[SamplingParams]]:
+        return self._frontend.encode_batch(prompts, sampling_params)
+
+    async def start(self) -> None:
+        """Deploy the placement; on failure the deployment is torn down and the error re-raised."""
+        try:
+            await _call(self.actor.start.remote())
+            self._placement_groups = await _call(self.actor.placement_groups.remote())
+        except BaseException:
+            await self.shutdown()
+            raise
+
+    async def generate(
+        self, prompt: str | Seq[int], sampling: SamplingParams, request_id: str, priority: int = 0
+    ) -> AsyncIterator[RequestOutput]:
+        """Stream one request's outputs; closing the iterator early aborts the request."""
+        ids = self.encode_prompt(prompt)
+        self._frontend.check_request(ids, sampling, priority)  # refused here, without a trip to the actor
+        if request_id in self._requests:
+            raise DistServeError(f"request id {request_id!r} is already in flight")
+        proxy_id = self._open_stream()
+        queue: asyncio.Queue[StreamItem] = asyncio.Queue()
+        entry = (proxy_id, queue)
+        self._requests[request_id] = entry  # before submitting: its first output may beat the reply
+        over = False  # the actor's side of the request has ended: nothing to abort
+        try:
+            try:
+                await _call(self.actor.submit.remote(proxy_id, ids, sampling, request_id, priority))
+            except Exception:
+                over = True
+                raise
+            while True:
+                item = await queue.get()
+                if item is None:  # ended without a finished output: the request was aborted
+                    over = True
+                    return
+                if isinstance(item, BaseException):
+                    over = True
+                    raise item
+                over = item.finished
+                yield item
+                if over:
+                    return
+        finally:
+            if self._requests.get(request_id) is entry:
+                del self._requests[request_id]
+            if not over:
+                self.actor.abort.remote(request_id)  # not awaited: this may run in a cancelled task
+
+    def _open_stream(self) -> str:
+        """The id of the output stream read for this event loop, opened (with its reader thread) if need be."""
+        loop = asyncio.get_running_loop()
+        if self._reader is None or not self._reader.is_alive() or self._reader_loop is not loop:
+            self._proxy_id = uuid.uuid4().hex
+            self._reader_loop = loop
+            self._reader = threading.Thread(target=self._read, args=(self._proxy_id, loop), name="distserve-outputs", daemon=True)
+            self._reader.start()
+        return self._proxy_id
+
+    def _read(self, proxy_id: str, loop: asyncio.AbstractEventLoop) -> None:
+        """The reader thread: hand each batch of the stream to the event loop, then how the stream ended.
+
+        A thread blocked on the stream costs half the CPU per item of an ``async for`` over it.
+        """
+        import ray
+
+        failure: BaseException = RuntimeError("the controller closed the output stream")
+        try:
+            for ref in self.actor.outputs.remote(proxy_id):
+                loop.call_soon_threadsafe(self._dispatch, proxy_id, ray.get(ref))
+        except BaseException as exc:  # noqa: BLE001 - every open request gets it
+            failure = exc
+        try:
+            loop.call_soon_threadsafe(self._stream_ended, proxy_id, failure)
+        except RuntimeError:  # the event loop is closed: nothing waits on it
+            pass
+
+    def _dispatch(self, proxy_id: str, batch: list[tuple[str, StreamItem]]) -> None:
+        for request_id, item in batch:
+            entry = self._requests.get(request_id)
+            if entry is not None and entry[0] == proxy_id:  # else it was closed early or is over
+                entry[1].put_nowait(item)
+
+    def _stream_ended(self, proxy_id: str, failure: BaseException) -> None:
+        if proxy_id == self._proxy_id:
+            self._reader = None  # the next request opens a new stream
+        for stream_id, queue in self._requests.values():
+            if stream_id == proxy_id:
+                queue.put_nowait(self._stream_error(failure))
+
+    def _stream_error(self, exc: BaseException) -> BaseException:
+        """What a request open when the output stream failed with ``exc`` raises."""
+        import ray
+
+        if isinstance(exc, ray.exceptions.RayTaskError) and isinstance(exc.cause, Exception):
+            return exc.cause  # type: ignore[no-any-return]
+        err: Exception
+        if self._shutting_down:
+            err = ServiceUnavailableError("the controller was shut down")
+        elif isinstance(exc, ray.exceptions.RayActorError):
+            self._actor_died = True
+            err = ServiceUnavailableError(f"the controller actor died: {exc}")
+        else:
+            err = ServiceUnavailableError(f"the controller's output stream failed: {exc!r}")
+        err.__cause__ = exc
+        return err
+
+    async def abort(self, request_id: str) -> None:
+        await _call(self.actor.abort.remote(request_id))
+
+    @property
+    def is_dead(self) -> bool:
+        """The controller actor died: this deployment can never serve again."""
+        return self._actor_died and not self._shutting_down
+
+    async def check_health(self) -> None:
+        import ray
+
+        try:
+            await self.actor.check_health.remote()
+        except ray.exceptions.RayActorError as exc:
+            self._actor_died = True
+            raise ServiceUnavailableError(f"the controller actor died: {exc}") from exc
+        except ray.exceptions.RayError as exc:
+            _reraise(exc)
+
+    async def inject_step_fault(self, request_id: str, kind: str = "raise") -> None:
+        await _call(self.actor.inject_step_fault.remote(request_id, kind))
+
+    async def stats(self) -> dict[str, object]:
+        return await _call(self.actor.stats.remote())  # type: ignore[no-any-return]
+
+    async def placement_report(self) -> list[dict[str, Any]]:
+        return await _call(self.actor.placement_report.remote())  # type: ignore[no-any-return]
+
+    async def worker_pids(self) -> dict[str, list[int]]:
+        return await _call(self.actor.worker_pids.remote())  # type: ignore[no-any-return]
+
+    async def shutdown(self) -> None:
+        """Stop the instances, remove their placement groups and kill the controller actor."""
+        import ray
+        from ray.util.placement_group import remove_placement_group
+
+        self._shutting_down = True
+        try:
+            self._placement_groups = await asyncio.wait_for(_call(self.actor.placement_groups.remote()), SHUTDOWN_TIMEOUT_S)
+            await asyncio.wait_for(_call(self.actor.shutdown.remote()), SHUTDOWN_TIMEOUT_S)
+        except Exception as exc:  # noqa: BLE001 - killing the actor below takes its instances with it
+            log.warning("controller shutdown failed (%r); killing its actor", exc)
+        finally:
+            ray.kill(self.actor, no_restart=True)
+            deadline = time.monotonic() + SHUTDOWN_TIMEOUT_S
+            await _wait_dead(self.actor, deadline)  # ray.kill returns before the actor is gone
+            reader = self._reader
+            while reader is not None and reader.is_alive() and time.monotonic() < deadline:
+                await asyncio.sleep(0.01)  # its stream fails with the actor
+            # Placement groups outlive the actor that created them until the job ends: remove them
+            # here too, for a controller that died or could not shut down.
+            for group in self._placement_groups:
+                try:
+                    remove_placement_group(group)
+                except Exception:  # noqa: BLE001 - already removed
+                    pass
+
+
+async def _wait_dead(actor: Any, deadline: float) -> None:
+    """Until calls to ``actor`` fail because it died (or ``deadline``, a ``time.monotonic()``)."""
+    import ray
+
+    while time.monotonic() < deadline:
+        try:
+            await asyncio.wait_for(actor.pid.remote(), max(0.01, min(1.0, deadline - time.monotonic())))
+        except ray.exceptions.RayActorError:
+            return
+        except (asyncio.TimeoutError, ray.exceptions.RayError):
+            pass
+        await asyncio.sleep(0.02)
+
+
+async def _call(ref: Any) -> Any:
+    """Await an actor call, raising the controller's own exception types."""
+    import ray
+
+    try:
+        return await ref
+    except ray.exceptions.RayError as exc:
+        _reraise(exc)
+
+
+def _reraise(exc: BaseException) -> NoReturn:
+    """Raise what the controller raised (a ``ServiceUnavailableError`` if its actor died), chained to ``exc``."""
+    import ray
+
+    if isinstance(exc, ray.exceptions.RayTaskError) and isinstance(exc.cause, Exception):
+        raise exc.cause from exc
+    if isinstance(exc, ray.exceptions.RayActorError):
+        raise ServiceUnavailableError(f"the controller actor died: {exc}") from exc
+    raise exc
