@@ -4,6 +4,12 @@ Only ids move here; the tensors live in the model runner. A full block whose KV 
 is *committed*: it gets a content hash (chained with its prefix's hash) so later requests with the
 same prefix reuse it. A block with ref count 0 stays hashed in the free queue until it is evicted
 (least recently freed first), so prefixes survive their requests.
+
+A sequence's block hashes are computed once and kept on it (``seq_block_hashes``): admission
+(``can_allocate``, ``num_cached_prefix_tokens``, ``allocate``, each asked again every step a
+prompt waits), ``commit`` and prefix-affinity routing all read the same list. It never goes stale
+because ``token_ids`` only grow (preemption and crash re-runs keep the tokens so far), and a
+block's hash depends only on the tokens up to its end.
 """
 
 from __future__ import annotations
@@ -30,9 +36,29 @@ def hash_block(prefix_hash: int | None, token_ids: Seq[int]) -> int:
 
 def prefix_block_hashes(token_ids: Seq[int], block_size: int) -> list[int]:
     """Hashes of every full block of ``token_ids``."""
-    hashes: list[int] = []
-    prev: int | None = None
-    for i in range(len(token_ids) // block_size):
+    return _extend_hashes([], token_ids, block_size, len(token_ids) // block_size)
+
+
+def seq_block_hashes(seq: Sequence, block_size: int, num_blocks: int | None = None) -> list[int]:
+    """Hashes of the first ``num_blocks`` full blocks of ``seq.token_ids`` (all of them if None),
+    as ``prefix_block_hashes`` computes them, each block hashed once in the sequence's lifetime."""
+    n = seq.num_tokens // block_size if num_blocks is None else num_blocks
+    return _hashes_upto(seq, block_size, n)[:n]
+
+
+def _hashes_upto(seq: Sequence, block_size: int, num_blocks: int) -> list[int]:
+    """``seq``'s hash cache itself, extended to cover at least ``num_blocks`` blocks: read it, don't keep it."""
+    if seq.hashed_block_size != block_size:  # never hashed, or for another block size: start over
+        seq.prefix_hashes = []
+        seq.hashed_block_size = block_size
+    cache = seq.prefix_hashes
+    return cache if len(cache) >= num_blocks else _extend_hashes(cache, seq.token_ids, block_size, num_blocks)
+
+
+def _extend_hashes(hashes: list[int], token_ids: Seq[int], block_size: int, num_blocks: int) -> list[int]:
+    """Append to ``hashes`` (the chained hashes of the leading blocks of ``token_ids``) up to ``num_blocks``."""
+    prev = hashes[-1] if hashes else None
+    for i in range(len(hashes), num_blocks):
         prev = hash_block(prev, token_ids[i * block_size : (i + 1) * block_size])
         hashes.append(prev)
     return hashes
@@ -81,14 +107,14 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return []
         hits: list[int] = []
-        prev: int | None = None
         bs = self.block_size
         # The last token must be computed to produce logits, so its block is never a hit.
-        for i in range((seq.num_tokens - 1) // bs):
-            tokens = seq.token_ids[i * bs : (i + 1) * bs]
-            prev = hash_block(prev, tokens)
-            block_id = self._hash_to_block.get(prev)
-            if block_id is None or self.blocks[block_id].token_ids != tokens:
+        num_candidates = (seq.num_tokens - 1) // bs
+        hashes = _hashes_upto(seq, bs, num_candidates)
+        token_ids = seq.token_ids
+        for i in range(num_candidates):
+            block_id = self._hash_to_block.get(hashes[i])
+            if block_id is None or self.blocks[block_id].token_ids != token_ids[i * bs : (i + 1) * bs]:
                 break
             hits.append(block_id)
         return hits
@@ -184,18 +210,17 @@ class BlockManager:
         hashes = seq.block_hashes
         if len(hashes) >= num_full:
             return  # no block filled up since the last commit (every decode step but one per block)
+        content = _hashes_upto(seq, bs, num_full)
         while len(hashes) < num_full:
             i = len(hashes)
-            prev = hashes[-1] if hashes else None
-            tokens = token_ids[i * bs : (i + 1) * bs]
-            h = hash_block(prev, tokens)
+            h = content[i]
             hashes.append(h)
             if not self.enable_prefix_caching:
                 continue
             block = self.blocks[seq.block_table[i]]
             if h not in self._hash_to_block and block.content_hash is None:
                 block.content_hash = h
-                block.token_ids = list(tokens)
+                block.token_ids = token_ids[i * bs : (i + 1) * bs]
                 self._hash_to_block[h] = block.block_id
 
     def fork(self, parent: Sequence, child: Sequence) -> None:

@@ -10,6 +10,8 @@ request has been told about. Every executor drives this one class:
 * the Ray runtime's ``InstanceServer`` launches plans onto ``tp × pp`` workers, applies them when
   the ranks are done, and reports token deltas (``delta``) across processes;
 * the simulator launches plans and applies them when its clock reaches the latency model's step time.
+* the profiler (``distserve.measure.step_times``) launches a plan, times it on a runner shared by
+  its prefill and decode instances, and applies it at once.
 
 A driver calls ``launch`` (schedule a plan if the pipeline has room), executes it however it
 does, reports its duration with ``observe`` and applies the oldest plan's tokens with

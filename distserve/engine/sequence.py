@@ -27,6 +27,10 @@ class Sequence:
     status: SequenceStatus = SequenceStatus.WAITING
     block_table: list[int] = field(default_factory=list)
     block_hashes: list[int] = field(default_factory=list)  # content hash of each committed full block
+    # Content hash of each leading full block of token_ids, computed once (block_manager.seq_block_hashes).
+    # Never stale: token_ids only grow, and a block's hash depends on the tokens up to its end alone.
+    prefix_hashes: list[int] = field(default_factory=list)
+    hashed_block_size: int = 0  # the block size prefix_hashes were computed for (0: none yet)
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prefix-cache hits at the last admission
     num_preemptions: int = 0
@@ -52,6 +56,8 @@ class Sequence:
             arrival_time=self.arrival_time,
             priority=self.priority,
             token_ids=list(self.token_ids),
+            prefix_hashes=list(self.prefix_hashes),
+            hashed_block_size=self.hashed_block_size,
             first_token_time=self.first_token_time,
             logprobs=list(self.logprobs),
             num_crashes=self.num_crashes,

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from distserve.cluster.migration_queue import MigrationQueue
 from distserve.cluster.routing import RouteState, decode_order, pick_entry
 from distserve.config import CacheConfig, SchedulerConfig
-from distserve.engine.block_manager import prefix_block_hashes
+from distserve.engine.block_manager import seq_block_hashes
 from distserve.engine.instance_core import InstanceCore
 from distserve.engine.model import resolve_dtype
 from distserve.engine.model_runner import ModelRunner
@@ -101,7 +101,7 @@ class LocalDisaggEngine(EngineBase):
     # ---- requests ----------------------------------------------------------------------------
     def _submit(self, seq: Sequence) -> None:
         cc = self.cache_config
-        hashes = prefix_block_hashes(seq.token_ids, cc.block_size) if cc.enable_prefix_caching else []
+        hashes = seq_block_hashes(seq, cc.block_size) if cc.enable_prefix_caching else []  # admission reuses them
         inst = pick_entry(self.prefill, _route, hashes)
         inst.core.add(seq)
         self._owner[seq.seq_id] = inst

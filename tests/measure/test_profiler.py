@@ -121,3 +121,36 @@ def test_api_rejects_bad_tp() -> None:
         profile_engine("tiny", tps=[0], quick=True)
     with pytest.raises(InvalidConfigError, match="tp=3"):
         profile_engine("tiny", tps=[1, 3], quick=True)
+
+
+def test_profiled_instances_share_one_kv_cache_without_sharing_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The measurement drives one InstanceCore per instance over one runner: the decode batches of a
+    context, live at once, never touch each other's blocks, and every block id fits the cache."""
+    from distserve.engine.model_runner import ModelRunner
+    from distserve.measure.step_times import MeasureJob, ProfileGrid, measure_in_process
+
+    plans: list[tuple[frozenset[str], set[int]]] = []
+    num_blocks: list[int] = []
+    real = ModelRunner.execute
+
+    def execute(self: ModelRunner, plan: Any) -> Any:
+        num_blocks.append(self.num_blocks)
+        if plan.chunks and all(c.is_decode for c in plan.chunks):
+            plans.append((frozenset(c.seq_id for c in plan.chunks), {b for c in plan.chunks for b in c.block_table}))
+        return real(self, plan)
+
+    monkeypatch.setattr(ModelRunner, "execute", execute)
+    grid = ProfileGrid((1, 2), (16,), (1, 4), (16, 40), max_prefill_tokens=64, max_decode_kv_tokens=512)
+    samples = measure_in_process(MeasureJob("tiny", "float32", 1, 1, 2, 8, grid, "exact"))
+    assert [s["lens"] for s in samples["prefill"]] == [[16], [16, 16]]
+    assert [len(s["ctx_lens"]) for s in samples["decode"]] == [1, 4, 1, 4]
+    assert all(b < num_blocks[0] for _, blocks in plans for b in blocks)
+    batches: dict[frozenset[str], tuple[int, int, set[int]]] = {}  # seq ids -> (first plan, last plan, blocks)
+    for i, (ids, blocks) in enumerate(plans):
+        first, _, seen = batches.get(ids, (i, i, set()))
+        batches[ids] = (first, i, seen | blocks)
+    assert len(batches) == 4
+    for a, (a0, a1, a_blocks) in batches.items():
+        for b, (b0, b1, b_blocks) in batches.items():
+            if a != b and a0 < b1 and b0 < a1:  # live at the same time
+                assert not a_blocks & b_blocks
