@@ -5,8 +5,9 @@ Tiers: a test is ``integration`` when it starts Ray, spawns a process or loads t
 (``slow``). Modules that are integration as a whole say so with ``pytestmark``; tests that use the
 ``ray_cluster`` fixture (directly or through another fixture) or carry ``slow`` are marked here at
 collection time, so new ones land in the right tier by themselves. ``pytest -m "not integration"``
-is the fast tier; every test outside it runs under :func:`fast_tier_guard`, which makes starting a
-process or Ray fail the test, so the fast tier stays fast and Ray-free.
+is the fast tier (``make test-fast``); every test not marked ``integration`` runs under
+:func:`fast_tier_guard`, which makes starting a process or Ray fail the test, so the tier stays fast
+and Ray-free.
 """
 
 from __future__ import annotations
