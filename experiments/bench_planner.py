@@ -39,7 +39,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from distserve.planner.report import PlanArgs, build_request  # noqa: E402
-from distserve.planner.search import Planner, PlanResult  # noqa: E402
+from distserve.planner.plan import PlanResult  # noqa: E402
+from distserve.planner.search import Planner  # noqa: E402
 
 DEFAULT_PROFILE = REPO / "simulator" / "data" / "distserve-a100-80g-profile.json"  # shipped with the package
 TARGET_S, GOAL_S = 10.0, 1.0

@@ -54,7 +54,7 @@ sys.path.insert(0, str(REPO / "experiments"))
 from distserve.config import SLO, CacheConfig, SamplingParams, SchedulerConfig  # noqa: E402
 from distserve.placement import InstanceSpec, Placement  # noqa: E402
 from distserve.planner.report import PlanArgs, run_plan  # noqa: E402
-from distserve.planner.search import PlanOption, PlanResult  # noqa: E402
+from distserve.planner.plan import PlanOption, PlanResult  # noqa: E402
 from simulator.latency import FittedLatencyModel  # noqa: E402
 from simulator.metrics import SLOSpec, attainment, latency_summary  # noqa: E402
 from simulator.simulation import SimConfig, simulate, with_rate  # noqa: E402

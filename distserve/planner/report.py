@@ -13,7 +13,8 @@ from rich.table import Table
 
 from distserve.config import SLO
 from distserve.errors import InvalidConfigError
-from distserve.planner.search import Cluster, PlanOption, PlanRequest, PlanResult, Planner
+from distserve.planner.plan import Cluster, PlanOption, PlanRequest, PlanResult
+from distserve.planner.search import Planner
 from simulator.hardware import get_hardware
 from simulator.latency import get_latency_model
 from simulator.metrics import SLOSpec, attainment

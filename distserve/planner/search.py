@@ -19,178 +19,29 @@ unloaded latency already misses the SLO (its M/D/1 floor) is dropped. Candidates
 best bound first, and a candidate's search stops as soon as its outcome certainly falls short of the
 best so far (``find_goodput``'s ``min_rate``): which candidates win, and their goodputs, are exactly
 those of the full search.
+
+This module owns the search (``Planner``); what it is asked and answers is in ``planner.plan``, the
+layouts it tries and their bounds in ``planner.candidates``.
 """
 
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 from distserve.config import SLO
 from distserve.errors import InvalidConfigError
 from distserve.placement import InstanceSpec, Placement
+from distserve.planner.candidates import assign_nodes, decode_bound, parallel_configs, prefill_bound, replicate_units
+from distserve.planner.plan import Candidate, PlanOption, PlanRequest, PlanResult
 from simulator.goodput import GoodputResult, find_goodput
-from simulator.hardware import HardwareSpec
-from simulator.latency import BatchShape, LatencyModel
+from simulator.latency import LatencyModel
 from simulator.metrics import SLOSpec
 from simulator.simulation import SimConfig, simulate, with_rate
 from simulator.workload import Request
-
-AFFINITIES = ("high", "low", "auto")
-# A finite workload lets an overloaded deployment meet its SLO for a while (the TPOT of long outputs
-# absorbs seconds of queueing), so a simulated goodput can exceed what the deployment sustains. A
-# candidate's goodput is therefore capped at its steady-state throughput bound.
-PRUNE_SLACK = 1.0
-
-
-@dataclass(frozen=True)
-class Cluster:
-    """``num_nodes`` × ``gpus_per_node`` devices of one type; bandwidth overrides in bytes/s."""
-
-    num_nodes: int
-    gpus_per_node: int
-    gpu: HardwareSpec
-
-    def __post_init__(self) -> None:
-        if self.num_nodes < 1 or self.gpus_per_node < 1:
-            raise InvalidConfigError(f"--nodes and --gpus-per-node must be >= 1, got {self.num_nodes} and {self.gpus_per_node}")
-
-    @property
-    def num_gpus(self) -> int:
-        return self.num_nodes * self.gpus_per_node
-
-    @classmethod
-    def of(cls, num_nodes: int, gpus_per_node: int, gpu: HardwareSpec,
-           intra_node_bandwidth: float | None = None, inter_node_bandwidth: float | None = None) -> "Cluster":
-        changes = {k: v for k, v in (("intra_node_bandwidth", intra_node_bandwidth), ("inter_node_bandwidth", inter_node_bandwidth)) if v is not None}
-        for key, value in changes.items():
-            if not value > 0:
-                raise InvalidConfigError(f"{key} must be > 0, got {value}")
-        return cls(num_nodes, gpus_per_node, replace(gpu, **changes) if changes else gpu)
-
-
-@dataclass(frozen=True)
-class PlanRequest:
-    """Everything the search needs. ``unit_requests`` arrive at 1 request/s (they are rescaled)."""
-
-    latency: LatencyModel
-    cluster: Cluster
-    unit_requests: tuple[Request, ...]
-    slo: SLOSpec
-    rate: float | None = None  # target traffic; None: the most goodput within the GPU budget
-    gpu_budget: int | None = None  # GPUs the plan may use (default: the whole cluster)
-    affinity: str = "auto"
-    sim_config: SimConfig = field(default_factory=SimConfig)
-    rel_tol: float = 0.05
-    max_workers: int = 1
-    # Stop a candidate's search once it certainly falls short of the best so far (exact: the same
-    # plan); False searches every candidate in full (bench_planner's reference).
-    stop_losers: bool = True
-    # End each simulated probe once its SLO verdict is certain (exact: the same outcome; False runs
-    # every probe to its last request, bench_planner's reference).
-    stop_probes: bool = True
-
-    def __post_init__(self) -> None:
-        if self.affinity not in AFFINITIES:
-            raise InvalidConfigError(f"--affinity must be one of {AFFINITIES}, got {self.affinity!r}")
-        if self.rate is not None and not (self.rate > 0 and math.isfinite(self.rate)):
-            raise InvalidConfigError(f"--rate must be a positive number, got {self.rate}")
-        if not self.unit_requests:
-            raise InvalidConfigError("the workload has no requests")
-        if self.gpu_budget is not None and not 1 <= self.gpu_budget <= self.cluster.num_gpus:
-            raise InvalidConfigError(f"--gpus must be in [1, {self.cluster.num_gpus}] (the cluster's GPUs), got {self.gpu_budget}")
-        if self.rate is not None and self.gpu_budget is not None:
-            raise InvalidConfigError("give either --rate (size the plan for it) or --gpus (best goodput within a budget), not both")
-
-
-@dataclass
-class Candidate:
-    """One simulated configuration and its goodput."""
-
-    kind: str  # "prefill" | "decode" | "unit" | "colocated"
-    placement: Placement
-    num_gpus: int
-    bound_rate: float  # steady-state throughput upper bound, requests/s
-    goodput: float = 0.0  # requests/s meeting the SLO (of this phase alone for prefill/decode), <= bound_rate
-    binding: str | None = None
-    probes: list[tuple[float, dict[str, float], bool]] = field(default_factory=list)
-    skipped: str | None = None  # why it was not simulated
-    # Set when the search stopped because it would end below the best candidate so far (as many GPUs
-    # at the best goodput per GPU): the goodput is below this, and ``goodput`` stays 0.
-    goodput_below: float | None = None
-    num_probes_stopped: int = 0  # probes ended as soon as they could no longer pass
-    step_budget: str = "static"  # colocated: the scheduler's step budget policy it was simulated with
-
-    @property
-    def per_gpu(self) -> float:
-        return self.goodput / self.num_gpus
-
-    def label(self) -> str:
-        p = self.placement
-        parts = []
-        for name, specs in (("P", p.prefill), ("D", p.decode), ("C", p.colocated)):
-            if specs:
-                parts.append(f"{len(specs)}{name} tp{specs[0].tp}pp{specs[0].pp}")
-        return " + ".join(parts) + (" (slo budget)" if self.step_budget == "slo" else "")
-
-
-@dataclass
-class PlanOption:
-    """A deployable plan: the placement, its size and predicted figures."""
-
-    name: str  # "disaggregated (high affinity)" | "disaggregated (low affinity)" | "colocated"
-    placement: Placement
-    num_gpus: int
-    rate: float  # requests/s the plan is predicted to serve within SLO
-    predicted: dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def per_gpu(self) -> float:
-        return self.rate / self.num_gpus if self.num_gpus else 0.0
-
-
-@dataclass
-class PlanResult:
-    best: PlanOption | None
-    options: list[PlanOption]
-    candidates: list[Candidate]
-    num_simulated: int
-    feasible: bool
-    closest: str | None = None  # for impossible SLOs: the closest candidate and the binding SLO
-    notes: list[str] = field(default_factory=list)  # e.g. a target rate the cluster cannot serve
-
-    @property
-    def colocated(self) -> PlanOption | None:
-        return next((o for o in self.options if o.name == "colocated"), None)
-
-
-# ---- enumeration ------------------------------------------------------------------------------
-def parallel_configs(latency: LatencyModel, cluster: Cluster, mem_utilization: float, max_pp: int | None = None) -> list[tuple[int, int]]:
-    """(tp, pp) layouts that the latency model can time and that fit in memory.
-
-    TP stays inside a node (it all-reduces every layer) and divides the heads; PP divides the layers.
-    """
-    model = latency.model
-    out = []
-    tp = 1
-    while tp <= cluster.gpus_per_node:
-        if model.num_heads % tp == 0:
-            for pp in range(1, model.num_layers + 1):
-                if model.num_layers % pp or tp * pp > cluster.num_gpus or (max_pp is not None and pp > max_pp):
-                    continue
-                if not latency.supports(tp, pp):
-                    continue
-                try:
-                    latency.max_kv_tokens(tp, pp, mem_utilization)
-                except InvalidConfigError:
-                    continue
-                out.append((tp, pp))
-        tp *= 2
-    return out
 
 
 def _mean(values: Sequence[int]) -> float:
@@ -200,25 +51,6 @@ def _mean(values: Sequence[int]) -> float:
 def _quantile(values: Sequence[int], q: float) -> int:
     s = sorted(values)
     return s[min(len(s) - 1, int(q * len(s)))]
-
-
-def prefill_bound(latency: LatencyModel, tp: int, pp: int, prompt_mean: float, max_tokens: int) -> float:
-    """Requests/s of back-to-back full prefill batches (pipelined: one stage time per batch)."""
-    per_batch = max(1, int(max_tokens // max(prompt_mean, 1)))
-    n = int(round(prompt_mean))
-    t = latency.step_time(BatchShape(per_batch, per_batch * n, per_batch * n * n, 0, 0), tp, pp)
-    return per_batch / t if t > 0 else math.inf
-
-
-def decode_bound(latency: LatencyModel, tp: int, pp: int, prompt_mean: float, output_mean: float, max_seqs: int, kv_tokens: int) -> float:
-    """Requests/s of full decode micro-batches back to back (pp in flight, one stage time apart).
-
-    A micro-batch holds at most ``max_seqs`` sequences, and all ``pp`` of them share the KV capacity.
-    """
-    ctx = prompt_mean + output_mean / 2
-    batch = max(1, min(max_seqs, int(kv_tokens // max(ctx * pp, 1))))
-    t = latency.step_time(BatchShape(0, 0, 0, batch, int(batch * ctx)), tp, pp)
-    return batch / t / max(output_mean, 1.0) if t > 0 else math.inf
 
 
 def _rounded(rate: float) -> float:
@@ -305,6 +137,9 @@ class Planner:
         def record(cand: Candidate, result: _Evaluation) -> None:
             nonlocal best, done
             cand.goodput, cand.binding, cand.probes, cand.goodput_below, cand.num_probes_stopped = result
+            # A finite workload lets an overloaded deployment meet its SLO for a while (the TPOT of long
+            # outputs absorbs seconds of queueing), so a simulated goodput can exceed what the deployment
+            # sustains: it is capped at the candidate's steady-state throughput bound.
             if cand.goodput >= cand.bound_rate:
                 cand.goodput = cand.bound_rate
                 cand.binding = "throughput"
@@ -522,7 +357,7 @@ class Planner:
                 max_units = min(cluster.num_nodes // nodes_per_unit, (self.req.gpu_budget or cluster.num_gpus) // bu.num_gpus)
                 k = max_units if self.req.rate is None else math.ceil(self.req.rate / bu.goodput)
                 if 1 <= k <= max_units:
-                    placement = _replicate_units(bu.placement, k, pp)
+                    placement = replicate_units(bu.placement, k, pp)
                     rate = k * bu.goodput if self.req.rate is None else self.req.rate
                     options.append(self._option("disaggregated (low affinity)", placement, rate))
                 else:
@@ -558,41 +393,3 @@ class Planner:
         binding = "TTFT" if att["ttft"] < att["tpot"] else "TPOT"
         return (f"closest: {c.kind} {c.label()} reaches {joint:.0%} joint attainment (TTFT {att['ttft']:.0%}, "
                 f"TPOT {att['tpot']:.0%}) at its lowest probed rate; the {binding} SLO binds")
-
-
-def _replicate_units(unit: Placement, k: int, pp: int) -> Placement:
-    """k copies of a low-affinity unit; copy j uses nodes [j*pp, (j+1)*pp) (stage i on node j*pp+i)."""
-    prefill, decode = [], []
-    for j in range(k):
-        node = j * pp if pp == 1 else None  # a multi-node pipeline is spread by Ray over its nodes
-        prefill += [replace(s, node=node) for s in unit.prefill]
-        decode += [replace(s, node=node) for s in unit.decode]
-    return Placement(prefill=tuple(prefill), decode=tuple(decode))
-
-
-def assign_nodes(placement: Placement, cluster: Cluster) -> Placement:
-    """Pin single-node instances to nodes, first-fit by size (largest first), decode after prefill.
-
-    Instances larger than a node (pp across nodes) stay unpinned (``node`` None): Ray spreads them.
-    """
-    free = [cluster.gpus_per_node] * cluster.num_nodes
-    out: dict[str, list[InstanceSpec]] = {"prefill": [], "decode": [], "colocated": []}
-    order = sorted(
-        ((kind, i, s) for kind in out for i, s in enumerate(getattr(placement, kind))),
-        key=lambda t: -t[2].num_workers,
-    )
-    assigned: dict[tuple[str, int], InstanceSpec] = {}
-    for kind, i, s in order:
-        node = None
-        if s.num_workers <= cluster.gpus_per_node:
-            node = next((n for n, f in enumerate(free) if f >= s.num_workers), None)
-            if node is not None:
-                free[node] -= s.num_workers
-        assigned[(kind, i)] = replace(s, node=node)
-    for kind in out:
-        out[kind] = [assigned[(kind, i)] for i in range(len(getattr(placement, kind)))]
-    return Placement(prefill=tuple(out["prefill"]), decode=tuple(out["decode"]), colocated=tuple(out["colocated"]))
-
-
-def default_workers() -> int:
-    return max(1, min(2, os.cpu_count() or 1))

@@ -1,4 +1,9 @@
-"""The OpenAI-compatible HTTP API (FastAPI) over any ``EngineClient``, and a plain-uvicorn runner."""
+"""The OpenAI-compatible HTTP API (FastAPI) over any ``EngineClient``: its routes, and a plain-uvicorn runner.
+
+How engine failures become HTTP errors is in ``serving.http_errors``; how outputs stream to the client
+(SSE, aborting on disconnect) in ``serving.streams``; request bodies and their ``SamplingParams`` in
+``serving.protocol``.
+"""
 
 from __future__ import annotations
 
@@ -10,29 +15,24 @@ import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import suppress
-from typing import Any, TypeVar
 
-import anyio
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
-from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.types import Receive, Scope, Send
+from fastapi.responses import JSONResponse, Response
 
 from distserve.config import SLO, SamplingParams
 from distserve.engine.outputs import RequestOutput
-from distserve.errors import (
-    DistServeError,
-    InvalidConfigError,
-    PromptTooLongError,
-    QueueFullError,
-    ServiceUnavailableError,
-)
+from distserve.errors import InvalidConfigError, ServiceUnavailableError
 from distserve.runtime.client import EngineClient
+from distserve.serving.http_errors import (
+    ClientDisconnected,
+    add_error_handlers,
+    check_output,
+    engine_error,
+    error_response,
+    unavailable,
+)
 from distserve.serving.metrics import CONTENT_TYPE, RequestTimer, ServingMetrics
 from distserve.serving.protocol import (
-    SSE_DONE,
     APIError,
     ChatChoice,
     ChatChunkChoice,
@@ -54,136 +54,14 @@ from distserve.serving.protocol import (
     finish_reason,
     sse,
 )
+from distserve.serving.streams import SSEResponse, aclose_stream, sse_events, unless_disconnected, usage_of
 
 logger = logging.getLogger(__name__)
-
-T = TypeVar("T")
 
 MODEL_ALIASES: dict[str, tuple[str, ...]] = {"smollm2-135m": ("HuggingFaceTB/SmolLM2-135M-Instruct",)}
 STATS_TIMEOUT_S = 5.0
 HEALTH_TIMEOUT_S = 5.0
-CLIENT_CLOSED_REQUEST = 499
-RETRY_AFTER_S = "1"
 ENGINE_WATCH_INTERVAL_S = 0.5
-
-
-class ClientDisconnected(Exception):
-    """The HTTP client went away before the answer was complete."""
-
-
-async def _wait_for_disconnect(request: Request) -> None:
-    while True:
-        message = await request.receive()
-        if message["type"] == "http.disconnect":
-            return
-
-
-async def _unless_disconnected(request: Request, awaitable: Awaitable[T]) -> T:
-    """Await ``awaitable``, cancelling it (which closes the streams it iterates) if the client leaves."""
-    task = asyncio.ensure_future(awaitable)
-    watcher = asyncio.ensure_future(_wait_for_disconnect(request))
-    try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    except BaseException:
-        task.cancel()
-        raise
-    finally:
-        watcher.cancel()
-    if task.done():
-        return task.result()
-    task.cancel()
-    with suppress(Exception, asyncio.CancelledError):
-        await task
-    raise ClientDisconnected()
-
-
-class _SSEResponse(StreamingResponse):
-    """Streams server-sent events and always closes the event generator at the end.
-
-    Closing it on disconnect is what aborts the request in the engine; Starlette alone only
-    cancels the task that iterates it, leaving the generator for the garbage collector.
-    """
-
-    media_type = "text/event-stream"
-
-    def __init__(self, events: AsyncIterator[str]) -> None:
-        super().__init__(events, headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        self._events = events
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        try:
-            async with anyio.create_task_group() as group:
-
-                async def stream() -> None:
-                    with suppress(OSError):
-                        await self.stream_response(send)
-                    group.cancel_scope.cancel()
-
-                group.start_soon(stream)
-                await self.listen_for_disconnect(receive)
-                group.cancel_scope.cancel()
-        finally:
-            aclose = getattr(self._events, "aclose", None)
-            if aclose is not None:
-                with anyio.CancelScope(shield=True):
-                    await aclose()
-
-
-def _error_response(exc: APIError) -> JSONResponse:
-    headers = {"Retry-After": RETRY_AFTER_S} if exc.status_code in (429, 503) else None
-    return JSONResponse(exc.body(), status_code=exc.status_code, headers=headers)
-
-
-def _unavailable(message: str) -> APIError:
-    return APIError(503, message, type="service_unavailable_error", code="service_unavailable")
-
-
-def _engine_error(exc: BaseException, prompt_param: str, param_names: dict[str, str] | None = None) -> APIError:
-    """The HTTP error for an exception raised by ``EngineClient.generate``.
-
-    Bad input is a 4xx naming the field (``param_names`` maps the engine's name of a field to the
-    one this request used, e.g. ``max_tokens`` -> ``max_completion_tokens``); an outage is a 503;
-    anything else is the server's fault (500), never blamed on the request.
-    """
-    if isinstance(exc, APIError):
-        return exc
-    if isinstance(exc, QueueFullError):
-        return APIError(429, str(exc), type="rate_limit_error", code="queue_full")
-    if isinstance(exc, DistServeError):
-        param = exc.param or prompt_param
-        param = (param_names or {}).get(param, param)
-        code = "context_length_exceeded" if isinstance(exc, PromptTooLongError) else None
-        return APIError(400, str(exc), param=param, code=code)
-    if isinstance(exc, ServiceUnavailableError):
-        return _unavailable(str(exc))
-    logger.error("request failed: %s: %s", type(exc).__name__, exc)
-    return _request_failed(f"{type(exc).__name__}: {exc}")
-
-
-def _request_failed(message: str) -> APIError:
-    return APIError(500, message, type="internal_server_error", code="request_failed")
-
-
-def _check_output(out: RequestOutput) -> RequestOutput:
-    """``out``, unless it reports that its request failed (``finish_reason`` "error"): then a 500."""
-    if out.error is not None:
-        raise _request_failed(out.error)
-    return out
-
-
-def _validation_param(loc: tuple[Any, ...]) -> str | None:
-    """``messages[0].content`` from a pydantic error location (union member tags dropped)."""
-    param = ""
-    for part in loc[1:] if loc and loc[0] == "body" else loc:
-        if isinstance(part, int):
-            if not param:
-                break
-            param += f"[{part}]"
-        elif part in ("str", "int", "float", "bool") or "[" in part or "-" in part:
-            break
-        else:
-            param += f".{part}" if param else part
-    return param or None
 
 
 class _Server:
@@ -215,13 +93,13 @@ class _Server:
         timer = self.metrics.request_timer()
         stream = self.client.generate(prompt, sampling, request_id, priority)
         try:
-            first = _check_output(await _unless_disconnected(request, anext(stream)))
+            first = check_output(await unless_disconnected(request, anext(stream)))
         except ClientDisconnected:
             timer.finish("abort")
             raise
         except Exception as exc:
-            await _aclose(stream)
-            raise _engine_error(exc, prompt_param, param_names) from exc
+            await aclose_stream(stream)
+            raise engine_error(exc, prompt_param, param_names) from exc
         timer.observe(first)
         return stream, first, timer
 
@@ -232,19 +110,19 @@ class _Server:
             last = first
             try:
                 while not last.finished:
-                    last = _check_output(await anext(stream))
+                    last = check_output(await anext(stream))
                     timer.observe(last)
             finally:
-                await _aclose(stream)
+                await aclose_stream(stream)
             return last
 
         try:
-            return await _unless_disconnected(request, run())
+            return await unless_disconnected(request, run())
         except ClientDisconnected:
             timer.finish("abort")
             raise
         except Exception as exc:
-            raise _engine_error(exc, "prompt") from exc
+            raise engine_error(exc, "prompt") from exc
 
     def token_text(self, token_id: int) -> str:
         return self.client.tokenizer.decode([token_id], skip_special_tokens=False)
@@ -263,12 +141,6 @@ class _Server:
 
 def _prompt_ids(client: EngineClient, prompt: str | list[int]) -> list[int]:
     return client.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
-
-
-async def _aclose(stream: AsyncIterator[Any]) -> None:
-    aclose = getattr(stream, "aclose", None)
-    if aclose is not None:
-        await aclose()
 
 
 def _completion_logprobs(pairs: list[tuple[str, float]], offset: int, top: bool) -> CompletionLogprobs:
@@ -290,42 +162,6 @@ def _chat_logprobs(pairs: list[tuple[str, float]]) -> ChatLogprobs:
     )
 
 
-def _usage(out: RequestOutput) -> UsageInfo:
-    return UsageInfo.of(len(out.prompt_token_ids), len(out.token_ids))
-
-
-async def _events(
-    stream: AsyncIterator[RequestOutput],
-    first: RequestOutput,
-    timer: RequestTimer,
-    render: Callable[[RequestOutput], list[str]],
-    include_usage: bool,
-    usage_chunk: Callable[[UsageInfo], str],
-) -> AsyncIterator[str]:
-    """SSE events for one request; closing this generator early aborts the request."""
-    out = first
-    failed = False
-    try:
-        while True:
-            for event in render(out):
-                yield event
-            if out.finished:
-                break
-            out = _check_output(await anext(stream))
-            timer.observe(out)
-        if include_usage:
-            yield usage_chunk(_usage(out))
-        yield SSE_DONE
-    except Exception as exc:  # noqa: BLE001 - the status line is sent: the error becomes the last event
-        failed = True  # not counted as a finished request
-        yield sse(_engine_error(exc, "prompt").body())
-        yield SSE_DONE
-    finally:
-        if not out.finished and not failed:
-            timer.finish("abort")
-        await _aclose(stream)
-
-
 def build_fastapi_app(
     client: EngineClient, served_model_name: str, *, metrics: ServingMetrics | None = None
 ) -> FastAPI:
@@ -333,30 +169,7 @@ def build_fastapi_app(
     app = FastAPI(title="distserve", description="OpenAI-compatible API of a disaggregated LLM server")
     server = _Server(client, served_model_name, metrics or ServingMetrics())
     app.state.server = server
-
-    @app.exception_handler(APIError)
-    async def _api_error(_: Request, exc: APIError) -> JSONResponse:
-        return _error_response(exc)
-
-    @app.exception_handler(RequestValidationError)
-    async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
-        errors = exc.errors()
-        first = errors[0] if errors else {}
-        if first.get("type") == "json_invalid":
-            return _error_response(APIError(400, f"invalid JSON body: {first.get('ctx', {}).get('error', '')}".strip()))
-        param = _validation_param(tuple(first.get("loc", ())))
-        lines = (f"{_validation_param(tuple(e.get('loc', ()))) or 'body'}: {e.get('msg', 'invalid')}" for e in errors)
-        message = "; ".join(dict.fromkeys(lines))
-        return _error_response(APIError(400, message, param=param))
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        return _error_response(APIError(exc.status_code, str(exc.detail), type=kind))
-
-    @app.exception_handler(ClientDisconnected)
-    async def _disconnected(_: Request, exc: ClientDisconnected) -> Response:
-        return Response(status_code=CLIENT_CLOSED_REQUEST)
+    add_error_handlers(app)
 
     @app.get("/health")
     async def health() -> Response:
@@ -364,9 +177,9 @@ def build_fastapi_app(
         try:
             await asyncio.wait_for(client.check_health(), HEALTH_TIMEOUT_S)
         except ServiceUnavailableError as exc:
-            return _error_response(_unavailable(str(exc)))
+            return error_response(unavailable(str(exc)))
         except asyncio.TimeoutError:
-            return _error_response(_unavailable(f"the engine did not answer a health check within {HEALTH_TIMEOUT_S:g} s"))
+            return error_response(unavailable(f"the engine did not answer a health check within {HEALTH_TIMEOUT_S:g} s"))
         return JSONResponse({"status": "ok"})
 
     @app.get("/v1/models")
@@ -399,7 +212,7 @@ def build_fastapi_app(
                 id=request_id,
                 model=served_model_name,
                 choices=[CompletionChoice(text=out.text, logprobs=logprobs, finish_reason=finish_reason(out.finish_reason))],
-                usage=_usage(out),
+                usage=usage_of(out),
             )
         created = int(time.time())
         emitted = {"chars": 0}
@@ -415,8 +228,8 @@ def build_fastapi_app(
             emitted["chars"] += len(out.new_text)
             return [chunk([CompletionChoice(text=out.new_text, logprobs=logprobs, finish_reason=finish_reason(out.finish_reason))])]
 
-        events = _events(stream, first, timer, render, body.include_usage, lambda u: chunk([], u))
-        return _SSEResponse(events)
+        events = sse_events(stream, first, timer, render, body.include_usage, lambda u: chunk([], u))
+        return SSEResponse(events)
 
     @app.post("/v1/chat/completions", response_model=None)
     async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response | ChatCompletionResponse:
@@ -450,7 +263,7 @@ def build_fastapi_app(
                         finish_reason=finish_reason(out.finish_reason),
                     )
                 ],
-                usage=_usage(out),
+                usage=usage_of(out),
             )
         created = int(time.time())
         state = {"role_sent": False}
@@ -470,8 +283,8 @@ def build_fastapi_app(
                 events.append(chunk([ChatChunkChoice(delta=delta, logprobs=logprobs, finish_reason=finish_reason(out.finish_reason))]))
             return events
 
-        events = _events(stream, first, timer, render, body.include_usage, lambda u: chunk([], u))
-        return _SSEResponse(events)
+        events = sse_events(stream, first, timer, render, body.include_usage, lambda u: chunk([], u))
+        return SSEResponse(events)
 
     return app
 

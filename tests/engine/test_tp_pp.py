@@ -66,6 +66,7 @@ def reference() -> list[list[int]]:
     return [o.token_ids for o in engine.generate(PROMPTS, SP)]
 
 
+@pytest.mark.integration  # spawns processes
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2), (2, 2)])
 def test_parallel_matches_single_worker(tp: int, pp: int, reference: list[list[int]]) -> None:

@@ -10,6 +10,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.integration  # runs each script as a process
+
 SCRIPTS = sorted((ROOT / "experiments").glob("*.py"))
 
 # Figures a quick run must get right regardless of machine speed.

@@ -15,6 +15,8 @@ from distserve.kvtransfer import KVLayout, TorchDistTransport, init_process_grou
 from distserve.kvtransfer.migration import num_tags
 from distserve.kvtransfer.transport import TransferCancelled, TransferTimeout, new_kv_group
 
+pytestmark = pytest.mark.integration  # spawns processes
+
 SRC = KVLayout(num_layers=5, num_kv_heads=4, head_dim=8, block_size=4, tp=1, pp=2)
 DST = KVLayout(num_layers=5, num_kv_heads=4, head_dim=8, block_size=4, tp=2, pp=1)
 NUM_BLOCKS, NUM_SKIPPED, NB_SRC, NB_DST = 12, 3, 20, 16

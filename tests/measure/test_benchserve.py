@@ -66,6 +66,7 @@ def test_metric_sums_of_a_dead_server() -> None:
     assert metric_sums(f"http://127.0.0.1:{free_port()}/v1", ("x",)) is None
 
 
+@pytest.mark.integration  # starts processes
 def test_server_process_on_a_given_port_is_stopped_with_its_children() -> None:
     """A peer-style server (known port, ready on GET /health) that spawns a child; stop kills both."""
     port = free_port()

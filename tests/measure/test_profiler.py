@@ -53,6 +53,7 @@ def test_fit_predicts_measured_samples(tiny_profile: dict[str, Any]) -> None:
     assert "quiet_guard" not in meta and "concurrent_slowdown" not in meta  # both opt-in
 
 
+@pytest.mark.integration  # the busy neighbour is a process
 def test_quiet_guard_and_concurrent_slowdown_are_recorded(tmp_path: pathlib.Path) -> None:
     """The opt-in measurements (CLI flags): the guard's counts (no waiting here) and the slowdown next to a busy worker."""
     out = tmp_path / "p.json"
@@ -67,6 +68,7 @@ def test_quiet_guard_and_concurrent_slowdown_are_recorded(tmp_path: pathlib.Path
     assert profile["tp"]["1"]["num_samples"]["prefill"] >= 6
 
 
+@pytest.mark.integration  # tp=2 runs as processes over gloo
 def test_cli_writes_loadable_profile_with_tp1_and_tp2(tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "tmp" / "p.json"
     out.parent.mkdir()

@@ -12,7 +12,9 @@ from simulator import DISTSERVE_A100_PROFILE
 from distserve.cli import main
 from distserve.planner import report as plan_report
 from distserve.placement import InstanceSpec, Placement
-from distserve.planner.search import Candidate, Cluster, Planner, assign_nodes
+from distserve.planner.candidates import assign_nodes
+from distserve.planner.plan import Candidate, Cluster
+from distserve.planner.search import Planner
 from simulator.hardware import get_hardware
 
 PROFILE = DISTSERVE_A100_PROFILE

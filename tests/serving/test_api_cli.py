@@ -66,6 +66,7 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+@pytest.mark.integration  # runs `distserve serve` as a process
 @pytest.mark.timeout(120)
 def test_serve_process_answers_and_stops_on_sigint() -> None:
     port = _free_port()

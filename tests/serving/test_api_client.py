@@ -17,10 +17,11 @@ from distserve.engine.llm_engine import LLMEngine
 from distserve.engine.outputs import RequestOutput
 from distserve.engine.weights import LoadedModel, load_model
 from distserve.errors import PromptTooLongError, QueueFullError
-from distserve.serving.api import _SSEResponse, build_fastapi_app
+from distserve.serving.api import build_fastapi_app
 from distserve.runtime.local_disagg import LocalDisaggEngine
 from distserve.runtime.stats import normalize_stats
 from distserve.serving.metrics import ServingMetrics
+from distserve.serving.streams import SSEResponse
 from distserve.runtime.threaded_client import EngineDeadError, ThreadedEngineClient
 
 pytestmark = pytest.mark.timeout(60)
@@ -307,7 +308,7 @@ def test_sse_response_closes_its_generator_on_disconnect() -> None:
                 await asyncio.sleep(10)
 
         scope = {"type": "http", "asgi": {"spec_version": "2.3"}}
-        await asyncio.wait_for(_SSEResponse(gen)(scope, receive, send), 5)  # type: ignore[arg-type]
+        await asyncio.wait_for(SSEResponse(gen)(scope, receive, send), 5)  # type: ignore[arg-type]
         assert closed.is_set()  # ``gen`` is still referenced here, so no GC finalizer did it
 
     asyncio.run(run())

@@ -17,6 +17,8 @@ import pytest
 from distserve.config import SamplingParams
 from distserve.engine.llm_engine import LLMEngine
 
+pytestmark = pytest.mark.integration  # starts Ray and Ray Serve
+
 PROMPT = "Hello, my name is"
 
 

@@ -72,7 +72,7 @@ def ray_server() -> HttpServer:
     return HttpServer(make_client)
 
 
-@pytest.fixture(params=["local", "ray"])
+@pytest.fixture(params=["local", pytest.param("ray", marks=pytest.mark.integration)])
 def server(request: pytest.FixtureRequest) -> Iterator[HttpServer]:
     if request.param == "ray":
         request.getfixturevalue("ray_cluster")

@@ -321,6 +321,7 @@ def test_step_time_is_cheap() -> None:
         assert (time.perf_counter() - start) / 20000 < 50e-6  # ~1 µs on a laptop; generous for a busy CI box
 
 
+@pytest.mark.integration  # a fresh interpreter
 def test_simulator_does_not_import_torch_or_ray() -> None:
     code = (
         "import sys, simulator.latency, simulator.models, simulator.hardware; "

@@ -278,6 +278,7 @@ def test_fixed_lengths_reject_bad_values() -> None:
         FixedLengths(0, 5)
 
 
+@pytest.mark.integration  # a fresh interpreter
 def test_simulator_workload_imports_neither_torch_nor_ray() -> None:
     code = "import sys, simulator.workload; assert not {'torch', 'ray'} & set(sys.modules), sorted(sys.modules)"
     subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(workload.__file__).parents[1])
