@@ -13,7 +13,7 @@ from distserve.errors import DistServeError
 if TYPE_CHECKING:
     from collections.abc import Awaitable
 
-    from distserve.config import SLO
+    from distserve.slo import SLO
     from distserve.placement import Placement
     from distserve.runtime.client import EngineClient
 
@@ -310,7 +310,7 @@ def _placement_from_args(args: argparse.Namespace) -> "Placement":
 
 def _serve_slo(args: argparse.Namespace, placement: "Placement | None") -> "SLO | None":
     """The deployment's SLO: --ttft-slo/--tpot-slo over the placement's ``slo``; None if neither says."""
-    from distserve.config import SLO
+    from distserve.slo import SLO
 
     base = placement.slo if placement is not None else None
     ttft = args.ttft_slo if args.ttft_slo is not None else (base.ttft_s if base else None)

@@ -30,13 +30,12 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from distserve.config import SLO
 from distserve.errors import InvalidConfigError
 from distserve.placement import InstanceSpec, Placement
+from distserve.slo import SLO, SLOSpec
 from simulator.goodput import GoodputResult, find_goodput
 from simulator.hardware import HardwareSpec
 from simulator.latency import BatchShape, LatencyModel
-from simulator.metrics import SLOSpec
 from simulator.simulation import SimConfig, simulate, with_rate
 from simulator.workload import Request
 

@@ -20,7 +20,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Receive, Scope, Send
 
-from distserve.config import SLO, SamplingParams
+from distserve.config import SamplingParams
 from distserve.engine.outputs import RequestOutput
 from distserve.errors import (
     DistServeError,
@@ -54,6 +54,7 @@ from distserve.serving.protocol import (
     finish_reason,
     sse,
 )
+from distserve.slo import SLO
 
 logger = logging.getLogger(__name__)
 
