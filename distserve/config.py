@@ -177,21 +177,6 @@ class ParallelConfig:
         return self.tp * self.pp
 
 
-@dataclass(frozen=True)
-class SLO:
-    """Latency objectives: a request meets its SLO if TTFT <= ttft_s and TPOT <= tpot_s."""
-
-    ttft_s: float
-    tpot_s: float
-    attainment: float = 0.9
-
-    def __post_init__(self) -> None:
-        if self.ttft_s <= 0 or self.tpot_s <= 0:
-            raise InvalidConfigError("ttft_s and tpot_s must be > 0")
-        if not 0 < self.attainment <= 1:
-            raise InvalidConfigError("attainment must be in (0, 1]")
-
-
 # Limits of what one request may ask for: each is what the engine can represent (64-bit seeds
 # and priorities) or a bound that keeps one request's per-step cost small (stop strings are
 # searched every step, and sampling parameters travel with every plan).

@@ -14,8 +14,9 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from distserve.config import SLO, ParallelConfig
+from distserve.config import ParallelConfig
 from distserve.errors import InvalidConfigError
+from distserve.slo import SLO
 
 
 @dataclass(frozen=True)

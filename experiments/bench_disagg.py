@@ -42,7 +42,8 @@ from pathlib import Path
 from typing import Any
 
 from distserve.measure.benchserve import ServerProcess, cpu_usage, distserve_serve_argv, process_cpu
-from distserve.measure.loadgen import SLO, LoadResult, Workload, run_load, single_stream, summarize
+from distserve.measure.loadgen import LoadResult, Workload, run_load, single_stream, summarize
+from distserve.slo import SLO
 
 SYSTEM_FLAGS = {
     "colocated": ["--colocated", "1", "--runtime", "local"],

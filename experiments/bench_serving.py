@@ -65,7 +65,8 @@ sys.path.insert(0, str(ROOT))  # simulator/ is a top-level package of the reposi
 from distserve.measure.benchserve import (  # noqa: E402
     ServerProcess, cpu_usage, distserve_serve_argv, free_port, metric_sums, process_cpu, wait_until_idle,
 )
-from distserve.measure.loadgen import SLO, LoadResult, Workload, run_load, single_stream  # noqa: E402
+from distserve.measure.loadgen import LoadResult, Workload, run_load, single_stream  # noqa: E402
+from distserve.slo import SLO  # noqa: E402
 from simulator.goodput import search_rate  # noqa: E402
 
 ATTAINMENT_TARGET = 0.9

@@ -44,11 +44,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from distserve.config import SLO, SchedulerConfig
+from distserve.config import SchedulerConfig
 from distserve.placement import InstanceSpec, Placement
+from distserve.slo import SLO, SLOSpec
 from simulator.goodput import find_goodput
 from simulator.latency import FittedLatencyModel, LatencyModel, RooflineLatencyModel
-from simulator.metrics import SLOSpec
 from simulator.simulation import SimConfig
 from simulator.workload import Request, describe, generate_requests, rescale
 

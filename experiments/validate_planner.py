@@ -51,12 +51,12 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "experiments"))
 
-from distserve.config import SLO, CacheConfig, SamplingParams, SchedulerConfig  # noqa: E402
+from distserve.config import CacheConfig, SamplingParams, SchedulerConfig  # noqa: E402
 from distserve.placement import InstanceSpec, Placement  # noqa: E402
 from distserve.planner.report import PlanArgs, run_plan  # noqa: E402
 from distserve.planner.plan import PlanOption, PlanResult  # noqa: E402
+from distserve.slo import SLO, SLOSpec, attainment, latency_summary  # noqa: E402
 from simulator.latency import FittedLatencyModel  # noqa: E402
-from simulator.metrics import SLOSpec, attainment, latency_summary  # noqa: E402
 from simulator.simulation import SimConfig, simulate, with_rate  # noqa: E402
 from simulator.workload import Request, generate_requests, rescale, write_trace  # noqa: E402
 from validate_simulator import (  # noqa: E402

@@ -58,11 +58,12 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from distserve.config import SLO, CacheConfig, SamplingParams, SchedulerConfig  # noqa: E402
+from distserve.config import CacheConfig, SamplingParams, SchedulerConfig  # noqa: E402
 from distserve.placement import Placement  # noqa: E402
 from distserve.measure.profiler import cpu_jiffies  # noqa: E402
+from distserve.slo import SLO, SLOSpec, attainment, latency_summary  # noqa: E402
 from simulator.latency import FittedLatencyModel  # noqa: E402
-from simulator.metrics import RequestRecord, SLOSpec, attainment, latency_summary  # noqa: E402
+from simulator.metrics import RequestRecord  # noqa: E402
 from simulator.simulation import SimConfig, simulate, with_rate  # noqa: E402
 from simulator.workload import Request, chatbot_lengths, generate_requests  # noqa: E402
 

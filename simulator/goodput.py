@@ -25,8 +25,9 @@ from dataclasses import dataclass, field
 
 from distserve.errors import InvalidConfigError
 from distserve.placement import Placement
+from distserve.slo import SLOSpec, attainment, max_misses, meets
 from simulator.latency import LatencyModel
-from simulator.metrics import RequestRecord, SimResult, SLOSpec, attainment, meets
+from simulator.metrics import RequestRecord, SimResult
 from simulator.simulation import SimConfig, Simulation, with_rate
 from simulator.workload import Request
 
@@ -43,16 +44,15 @@ class _MissCounter:
     """``Simulation.run``'s ``stop_when``: True once the probe is certain to miss the target."""
 
     def __init__(self, num_requests: int, slo: SLOSpec) -> None:
-        target = slo.default.attainment - 1e-12  # as ``meets``
         # meets() needs hits / n >= target, so at most this many misses (of one kind, or joint) pass.
-        self.allowed = num_requests - math.ceil(target * num_requests - 1e-9)
+        self.allowed = max_misses(num_requests, slo.default.attainment - 1e-12)  # the tolerance as ``meets``
         self.slo = slo
         self.joint = slo.mode == "joint"
         self.misses = [0, 0, 0]  # ttft, tpot, either
 
     def __call__(self, rec: RequestRecord) -> bool:
         target = self.slo.for_class(rec.slo_class)
-        ttft_miss, tpot_miss = rec.ttft_s > target.ttft_s, rec.tpot_s > target.tpot_s
+        ttft_miss, tpot_miss = not rec.meets_ttft(target), not rec.meets_tpot(target)
         m = self.misses
         m[0] += ttft_miss
         m[1] += tpot_miss

@@ -9,12 +9,12 @@ from typing import Any
 
 from rich.table import Table
 
-from distserve.config import SLO, SchedulerConfig, slo_scheduler_config
+from distserve.config import SchedulerConfig, slo_scheduler_config
 from distserve.errors import InvalidConfigError
 from distserve.placement import Placement
+from distserve.slo import SLO, SLOSpec
 from simulator.goodput import GoodputResult, find_goodput
 from simulator.latency import LatencyModel, get_latency_model
-from simulator.metrics import SLOSpec
 from simulator.simulation import SimConfig, simulate
 from simulator.workload import Request, describe, generate_requests, load_trace, rescale
 

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 from distserve.cli.args import check_placement_args, placement_from_args
 
 if TYPE_CHECKING:
-    from distserve.config import SLO
+    from distserve.slo import SLO
     from distserve.placement import Placement
 
 
@@ -32,7 +32,7 @@ def _check_serve_args(args: argparse.Namespace) -> None:
 
 def serve_slo(args: argparse.Namespace, placement: "Placement | None") -> "SLO | None":
     """The deployment's SLO: --ttft-slo/--tpot-slo over the placement's ``slo``; None if neither says."""
-    from distserve.config import SLO
+    from distserve.slo import SLO
 
     base = placement.slo if placement is not None else None
     ttft = args.ttft_slo if args.ttft_slo is not None else (base.ttft_s if base else None)

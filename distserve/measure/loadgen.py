@@ -1,25 +1,10 @@
 """HTTP load generator for any OpenAI-compatible server: Poisson arrivals, streamed completions, SLO attainment and goodput.
 
-It works against any base URL that serves ``POST {base_url}/completions`` with ``"stream": true``
-(ours, vLLM, SGLang, ...). Each request is sent at its arrival time, streamed, and timed on the
-client side:
-
-* TTFT: from sending the request to the first chunk with non-empty text;
-* TPOT: (time of the last text chunk - time of the first) / (output tokens - 1), with the output
-  token count taken from the final usage chunk (``stream_options.include_usage``) when the server
-  sends one, else the number of text chunks; undefined (and within any TPOT SLO) for one token;
-* E2E: from sending to the end of the stream.
-
-Prompts are random words from a small list of common English words (one token each in most BPE
-vocabularies), different for every request so prefix caching cannot skip their prefill. To hit a
-target length in the *server's* tokens, two probe requests (``max_tokens=1``) holding the word list
-once and twice are sent first; their ``usage.prompt_tokens`` give the mean tokens per word and the
-fixed overhead (BOS...). Without calibration one word is assumed to be one token. Lengths are
-therefore approximate (exact for one-token words, a few tokens off otherwise); the count the server
-reports is kept in each result.
-
-``ignore_eos`` and ``min_tokens`` (vLLM-style extensions that fix the output length) are only sent
-when asked for, since other servers may reject unknown fields.
+Each request of the workload (``distserve.measure.workload``) is sent at its arrival time, streamed
+and timed on the client side (``distserve.measure.stream_client``); TTFT, TPOT, E2E and attainment
+are ``distserve.slo``'s definitions, the same the simulator predicts. Before the run, two probe
+requests (``max_tokens=1``) holding the prompt word list once and twice calibrate the server's
+tokens per word, so prompts hit their target length in the server's tokens.
 
 Goodput is the number of requests meeting *both* SLOs divided by the run's duration (first arrival
 to last completion); attainment is that number over all requests sent (errors count as misses).
@@ -57,119 +42,18 @@ from typing import Any
 import httpx
 import numpy as np
 
-# Common English words; with a leading space each is a single token in GPT-2/LLaMA-style BPE vocabularies.
-WORDS: tuple[str, ...] = tuple(
-    """the of and to in is was for on are with as at be by this had not but from or have an they which one
-    you were her all she there would their we him been has when who will more no if out so said what up its
-    about into than them can only other new some could time these two may then do first any my now such like
-    our over man me even most""".split()
-)
-INPUT_LEN_DISTS = ("fixed", "uniform", "lognormal")
+from distserve.errors import InvalidConfigError
+from distserve.measure.stream_client import RequestResult, calibrate_tokens_per_word, completion_body, stream_completion
+from distserve.measure.workload import INPUT_LEN_DISTS, RequestSpec, Workload, build_requests
+from distserve.slo import SLO, attainment, latency_summary, max_misses
+
 MAX_ERROR_KINDS = 5
 
 
 @dataclass(frozen=True)
-class Workload:
-    """What to send: ``num_requests`` Poisson arrivals at ``rate`` requests/s (``inf``: all at once).
-
-    Input lengths (in the server's tokens) are ``input_len`` for ``"fixed"``, uniform in
-    ``input_len * (1 ± input_len_spread)`` for ``"uniform"``, and lognormal with mean ``input_len``
-    and sigma ``input_len_spread`` for ``"lognormal"``. Every request asks for ``output_len`` tokens.
-    ``seed`` drives arrivals and lengths; ``prompt_seed`` (default: ``seed``) the prompt words, so a
-    sweep can keep one arrival pattern across rates while giving each rate fresh prompts.
-    """
-
-    num_requests: int
-    rate: float
-    input_len: int
-    output_len: int
-    input_len_dist: str = "fixed"
-    input_len_spread: float = 0.5
-    seed: int = 0
-    prompt_seed: int | None = None
-    ignore_eos: bool = False  # send "ignore_eos": true (extension)
-    min_tokens: bool = False  # send "min_tokens": output_len (extension)
-    temperature: float = 0.0
-
-    def __post_init__(self) -> None:
-        if self.num_requests < 1:
-            raise ValueError(f"num_requests must be >= 1, got {self.num_requests}")
-        if not self.rate > 0:
-            raise ValueError(f"rate must be > 0 (inf: all requests at once), got {self.rate}")
-        if self.input_len < 1 or self.output_len < 1:
-            raise ValueError(f"input_len and output_len must be >= 1, got {self.input_len} and {self.output_len}")
-        if self.input_len_dist not in INPUT_LEN_DISTS:
-            raise ValueError(f"input_len_dist must be one of {INPUT_LEN_DISTS}, got {self.input_len_dist!r}")
-        if self.input_len_spread < 0:
-            raise ValueError(f"input_len_spread must be >= 0, got {self.input_len_spread}")
-
-
-@dataclass(frozen=True)
-class SLO:
-    """Per-request latency targets in seconds; ``None`` means not checked."""
-
-    ttft_s: float | None = None
-    tpot_s: float | None = None
-
-
-@dataclass(frozen=True)
-class RequestSpec:
-    index: int
-    arrival_s: float  # scheduled send time, from the start of the run
-    input_len: int  # target, in the server's tokens
-    prompt: str
-
-
-@dataclass
-class RequestResult:
-    """One request as the client saw it; times are seconds from the start of the run."""
-
-    index: int
-    arrival_s: float
-    input_len: int
-    sent_s: float | None = None
-    first_token_s: float | None = None
-    last_token_s: float | None = None
-    finish_s: float | None = None
-    num_prompt_tokens: int | None = None  # from the server's usage chunk
-    num_output_tokens: int = 0
-    error: str | None = None
-    cancelled: bool = False  # ended (or never sent) because the run stopped early; ``error`` says so
-
-    @property
-    def ok(self) -> bool:
-        return self.error is None
-
-    @property
-    def ttft_s(self) -> float | None:
-        if self.first_token_s is None or self.sent_s is None:
-            return None
-        return self.first_token_s - self.sent_s
-
-    @property
-    def tpot_s(self) -> float | None:
-        if self.first_token_s is None or self.last_token_s is None or self.num_output_tokens < 2:
-            return None
-        return (self.last_token_s - self.first_token_s) / (self.num_output_tokens - 1)
-
-    @property
-    def e2e_s(self) -> float | None:
-        if self.finish_s is None or self.sent_s is None:
-            return None
-        return self.finish_s - self.sent_s
-
-    def meets(self, slo: SLO) -> bool:
-        """Completed, and within both SLOs (a one-token answer has no TPOT and meets any TPOT SLO)."""
-        if not self.ok or self.ttft_s is None:
-            return False
-        if slo.ttft_s is not None and self.ttft_s > slo.ttft_s:
-            return False
-        tpot = self.tpot_s
-        return slo.tpot_s is None or tpot is None or tpot <= slo.tpot_s
-
-
-@dataclass(frozen=True)
 class Summary:
+    """What one run measured: counts, throughput, latency percentiles (completed requests), attainment and goodput."""
+
     num_requests: int
     num_completed: int
     num_errors: int  # failed requests, not counting cancelled ones
@@ -222,7 +106,7 @@ class LoadResult:
             "base_url": self.base_url,
             "model": self.model,
             "workload": asdict(self.workload),
-            "slo": asdict(self.slo),
+            "slo": {"ttft_s": _finite_or_none(self.slo.ttft_s), "tpot_s": _finite_or_none(self.slo.tpot_s)},
             "tokens_per_word": self.calibration[0],
             "overhead_tokens": self.calibration[1],
             "stopped_early": self.stopped_early,
@@ -236,65 +120,14 @@ class LoadResult:
         return out
 
 
-# ---- workload ------------------------------------------------------------------------------
-def poisson_arrivals(num_requests: int, rate: float, rng: np.random.Generator) -> list[float]:
-    """Arrival times (s) of a Poisson process at ``rate``/s; the first request arrives at 0."""
-    if math.isinf(rate):
-        return [0.0] * num_requests
-    gaps = rng.exponential(1.0 / rate, size=num_requests - 1)
-    return [0.0, *np.cumsum(gaps).tolist()]
-
-
-def sample_input_lengths(workload: Workload, rng: np.random.Generator) -> list[int]:
-    n, mean, spread = workload.num_requests, workload.input_len, workload.input_len_spread
-    if workload.input_len_dist == "fixed":
-        lengths = np.full(n, float(mean))
-    elif workload.input_len_dist == "uniform":
-        lengths = rng.uniform(mean * (1 - spread), mean * (1 + spread), size=n)
-    else:  # lognormal with the requested mean: E[X] = exp(mu + sigma^2 / 2)
-        lengths = rng.lognormal(math.log(mean) - spread**2 / 2, spread, size=n)
-    return [max(1, int(round(x))) for x in lengths]
-
-
-def random_words(num_words: int, rng: np.random.Generator) -> str:
-    return " ".join(WORDS[i] for i in rng.integers(0, len(WORDS), size=num_words))
-
-
-def words_for(input_len: int, tokens_per_word: float, overhead_tokens: float) -> int:
-    return max(1, int(round((input_len - overhead_tokens) / tokens_per_word)))
-
-
-def build_requests(workload: Workload, tokens_per_word: float = 1.0, overhead_tokens: float = 0.0) -> list[RequestSpec]:
-    """The seeded workload: arrivals, target lengths and prompts (independent RNG streams, so
-    arrivals do not change when the length distribution or the prompt seed does)."""
-    arrival_ss, length_ss, word_ss = np.random.SeedSequence(workload.seed).spawn(3)
-    if workload.prompt_seed is not None:
-        word_ss = np.random.SeedSequence(workload.prompt_seed).spawn(3)[2]
-    arrival_rng, length_rng, word_rng = (np.random.default_rng(s) for s in (arrival_ss, length_ss, word_ss))
-    arrivals = poisson_arrivals(workload.num_requests, workload.rate, arrival_rng)
-    lengths = sample_input_lengths(workload, length_rng)
-    return [
-        RequestSpec(i, arrivals[i], lengths[i], random_words(words_for(lengths[i], tokens_per_word, overhead_tokens), word_rng))
-        for i in range(workload.num_requests)
-    ]
-
-
-# ---- summary ---------------------------------------------------------------------------------
-def _percentile(values: Seq[float], q: float) -> float | None:
-    return float(np.percentile(values, q)) if values else None
-
-
-def _mean(values: Seq[float]) -> float | None:
-    return float(np.mean(values)) if values else None
+def _finite_or_none(seconds: float) -> float | None:
+    return seconds if math.isfinite(seconds) else None
 
 
 def summarize(results: Seq[RequestResult], slo: SLO) -> Summary:
     """Percentiles over completed requests; attainment over all requests (errors are misses)."""
     n = len(results)
     done = [r for r in results if r.ok]
-    ttfts = [r.ttft_s for r in done if r.ttft_s is not None]
-    tpots = [r.tpot_s for r in done if r.tpot_s is not None]
-    e2es = [r.e2e_s for r in done if r.e2e_s is not None]
     finishes = [r.finish_s for r in results if r.finish_s is not None]
     duration = (max(finishes) - min(r.arrival_s for r in results)) if finishes else 0.0
     errors: dict[str, int] = {}
@@ -305,8 +138,7 @@ def summarize(results: Seq[RequestResult], slo: SLO) -> Summary:
                 errors[key] = errors.get(key, 0) + 1
             else:
                 errors["(other)"] = errors.get("(other)", 0) + 1
-    within_ttft = sum(r.meets(SLO(ttft_s=slo.ttft_s)) for r in results)
-    within_tpot = sum(r.meets(SLO(tpot_s=slo.tpot_s)) for r in results)
+    att = attainment(results, slo) if n else {"ttft": 0.0, "tpot": 0.0, "joint": 0.0}
     good = sum(r.meets(slo) for r in results)
     lags = [r.sent_s - r.arrival_s for r in results if r.sent_s is not None]
     prompt_tokens = [float(r.num_prompt_tokens) for r in done if r.num_prompt_tokens is not None]
@@ -321,21 +153,17 @@ def summarize(results: Seq[RequestResult], slo: SLO) -> Summary:
         output_tok_s=sum(r.num_output_tokens for r in done) / duration if duration > 0 else 0.0,
         mean_prompt_tokens=_mean(prompt_tokens),
         mean_output_tokens=_mean([float(r.num_output_tokens) for r in done]),
-        ttft_p50_s=_percentile(ttfts, 50),
-        ttft_p90_s=_percentile(ttfts, 90),
-        ttft_p99_s=_percentile(ttfts, 99),
-        tpot_p50_s=_percentile(tpots, 50),
-        tpot_p90_s=_percentile(tpots, 90),
-        tpot_p99_s=_percentile(tpots, 99),
-        e2e_p50_s=_percentile(e2es, 50),
-        e2e_p90_s=_percentile(e2es, 90),
-        e2e_p99_s=_percentile(e2es, 99),
-        ttft_attainment=within_ttft / n if n else 0.0,
-        tpot_attainment=within_tpot / n if n else 0.0,
-        slo_attainment=good / n if n else 0.0,
+        **latency_summary(results, with_mean=False, empty=None),  # type: ignore[arg-type]
+        ttft_attainment=att["ttft"],
+        tpot_attainment=att["tpot"],
+        slo_attainment=att["joint"],
         goodput_rps=good / duration if duration > 0 else 0.0,
         max_send_lag_s=max(lags) if lags else 0.0,
     )
+
+
+def _mean(values: Seq[float]) -> float | None:
+    return float(np.mean(values)) if values else None
 
 
 def num_known_misses(results: Seq[RequestResult], slo: SLO, max_tokens: int, now_s: float) -> int:
@@ -349,134 +177,12 @@ def num_known_misses(results: Seq[RequestResult], slo: SLO, max_tokens: int, now
         if r.finish_s is not None:
             num += not r.meets(slo)
         elif r.sent_s is not None and r.first_token_s is None:
-            num += slo.ttft_s is not None and now_s - r.sent_s > slo.ttft_s
+            num += now_s - r.sent_s > slo.ttft_s
         elif r.first_token_s is not None and r.last_token_s is not None:
-            missed_ttft = slo.ttft_s is not None and r.ttft_s is not None and r.ttft_s > slo.ttft_s
-            missed_tpot = slo.tpot_s is not None and max_tokens > 1 and (
-                r.last_token_s - r.first_token_s > slo.tpot_s * (max_tokens - 1)
-            )
+            missed_ttft = not slo.ttft_met(r.ttft_s)
+            missed_tpot = max_tokens > 1 and r.last_token_s - r.first_token_s > slo.tpot_s * (max_tokens - 1)
             num += missed_ttft or missed_tpot
     return num
-
-
-def max_misses(num_requests: int, target_attainment: float) -> int:
-    """How many of ``num_requests`` may miss while attainment stays >= ``target_attainment``."""
-    return num_requests - math.ceil(target_attainment * num_requests - 1e-9)
-
-
-# ---- HTTP ------------------------------------------------------------------------------------
-def _error_message(status: int, body: bytes) -> str:
-    try:
-        err = json.loads(body)
-        message = err["error"]["message"] if isinstance(err.get("error"), dict) else (err.get("error") or err.get("detail") or err.get("message"))
-    except (ValueError, AttributeError, KeyError, TypeError):
-        message = body[:200].decode("utf-8", "replace")
-    return f"HTTP {status}: {message}"
-
-
-def _payload(model: str, prompt: str, workload: Workload, max_tokens: int, stream: bool) -> dict[str, Any]:
-    body: dict[str, Any] = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": workload.temperature}
-    if stream:
-        body["stream"] = True
-        body["stream_options"] = {"include_usage": True}
-    if workload.ignore_eos:
-        body["ignore_eos"] = True
-    if workload.min_tokens:
-        body["min_tokens"] = max_tokens
-    return body
-
-
-async def _probe_prompt_tokens(client: httpx.AsyncClient, url: str, model: str, prompt: str, headers: dict[str, str]) -> int | None:
-    resp = await client.post(url, json={"model": model, "prompt": prompt, "max_tokens": 1, "temperature": 0}, headers=headers)
-    if resp.status_code != 200:
-        raise RuntimeError(f"calibration request failed: {_error_message(resp.status_code, resp.content)}")
-    usage = resp.json().get("usage") or {}
-    tokens = usage.get("prompt_tokens")
-    return int(tokens) if tokens else None
-
-
-async def calibrate_tokens_per_word(client: httpx.AsyncClient, url: str, model: str, headers: dict[str, str]) -> tuple[float, float]:
-    """(mean tokens per word, fixed overhead tokens such as BOS) of the server's tokenizer on ``WORDS``.
-
-    The probes are the whole word list once and twice, so the difference is exactly the mean over
-    the list that prompts sample from, with no sampling noise.
-    """
-    once = " ".join(WORDS)
-    t1 = await _probe_prompt_tokens(client, url, model, once, headers)
-    t2 = await _probe_prompt_tokens(client, url, model, f"{once} {once}", headers)
-    if t1 is None or t2 is None or t2 <= t1:
-        return 1.0, 0.0  # no usage reported: assume one token per word
-    per_word = (t2 - t1) / len(WORDS)
-    return per_word, max(0.0, 2.0 * t1 - t2)
-
-
-def _describe(exc: BaseException) -> str:
-    """``Type: message``, plus the root cause when the exception wraps one (httpx's ``ConnectError:
-    All connection attempts failed`` hides whether the port refused, the address was unavailable...)."""
-    text = f"{type(exc).__name__}: {exc}"
-    cause, seen = exc.__cause__ or exc.__context__, 0
-    while cause is not None and seen < 8:
-        if isinstance(cause, BaseExceptionGroup) and cause.exceptions:
-            cause = cause.exceptions[0]
-        root, cause, seen = cause, cause.__cause__ or cause.__context__, seen + 1
-    if seen and str(root) and str(root) not in text:
-        text += f" ({type(root).__name__}: {root})"
-    return text
-
-
-async def _send(
-    client: httpx.AsyncClient,
-    url: str,
-    body: dict[str, Any],
-    headers: dict[str, str],
-    result: RequestResult,
-    t0: float,
-    request_timeout_s: float,
-) -> None:
-    num_text_chunks = 0
-    usage_tokens: int | None = None
-    done = False
-    result.sent_s = time.perf_counter() - t0
-    try:
-        async with asyncio.timeout(request_timeout_s):
-            async with client.stream("POST", url, json=body, headers=headers) as resp:
-                if resp.status_code != 200:
-                    result.error = _error_message(resp.status_code, await resp.aread())
-                    return
-                async for line in resp.aiter_lines():
-                    if not line.startswith("data:"):
-                        continue
-                    data = line[5:].strip()
-                    if data == "[DONE]":
-                        done = True
-                        break
-                    now = time.perf_counter() - t0
-                    chunk = json.loads(data)
-                    if chunk.get("error"):
-                        err = chunk["error"]
-                        result.error = f"stream error: {err.get('message', err) if isinstance(err, dict) else err}"
-                        return
-                    for choice in chunk.get("choices") or []:
-                        if choice.get("text"):
-                            if result.first_token_s is None:
-                                result.first_token_s = now
-                            result.last_token_s = now
-                            num_text_chunks += 1
-                    usage = chunk.get("usage")
-                    if usage:
-                        usage_tokens = usage.get("completion_tokens")
-                        result.num_prompt_tokens = usage.get("prompt_tokens")
-        if not done:
-            result.error = "stream ended without [DONE]"
-        elif result.first_token_s is None:
-            result.error = "no text in the response"
-    except TimeoutError:
-        result.error = f"timed out after {request_timeout_s:g} s"
-    except Exception as exc:  # noqa: BLE001 - one bad request is counted, never ends the run
-        result.error = _describe(exc)
-    finally:
-        result.finish_s = time.perf_counter() - t0
-        result.num_output_tokens = usage_tokens if usage_tokens is not None else num_text_chunks
 
 
 async def run_load_async(
@@ -518,8 +224,8 @@ async def run_load_async(
 
         async def fire(spec: RequestSpec, result: RequestResult) -> None:
             await asyncio.sleep(max(0.0, spec.arrival_s - (time.perf_counter() - t0)))
-            body = _payload(model, spec.prompt, workload, workload.output_len, stream=True)
-            await _send(client, url, body, headers, result, t0, request_timeout_s)
+            body = completion_body(model, spec.prompt, workload, workload.output_len, stream=True)
+            await stream_completion(client, url, body, headers, result, t0, request_timeout_s)
 
         tasks = [asyncio.create_task(fire(s, r)) for s, r in zip(specs, results)]
         stopped_early = False
@@ -590,7 +296,7 @@ def single_stream(
 
 # ---- CLI -------------------------------------------------------------------------------------
 def _fmt_ms(seconds: float | None) -> str:
-    return "-" if seconds is None else f"{seconds * 1000:.0f} ms"
+    return "-" if seconds is None or math.isinf(seconds) else f"{seconds * 1000:.0f} ms"
 
 
 def format_summary(result: LoadResult) -> str:
@@ -626,8 +332,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--ignore-eos", action="store_true", help='send "ignore_eos": true (vLLM-style extension)')
     ap.add_argument("--min-tokens", action="store_true", help='send "min_tokens" = output len (vLLM-style extension)')
     ap.add_argument("--temperature", type=float, default=0.0)
-    ap.add_argument("--ttft-slo", type=float, default=None, help="seconds")
-    ap.add_argument("--tpot-slo", type=float, default=None, help="seconds")
+    ap.add_argument("--ttft-slo", type=float, default=math.inf, help="seconds (default: not checked)")
+    ap.add_argument("--tpot-slo", type=float, default=math.inf, help="seconds (default: not checked)")
     ap.add_argument("--seed", type=int, default=0, help="arrivals and lengths")
     ap.add_argument("--prompt-seed", type=int, default=None, help="prompt words (default: --seed)")
     ap.add_argument("--api-key", default=None)
@@ -651,7 +357,10 @@ def main(argv: Seq[str] | None = None) -> int:
         )
     except ValueError as exc:
         ap.error(str(exc))
-    slo = SLO(ttft_s=args.ttft_slo, tpot_s=args.tpot_slo)
+    try:
+        slo = SLO(ttft_s=args.ttft_slo, tpot_s=args.tpot_slo)
+    except InvalidConfigError as exc:
+        ap.error(str(exc))
     result = run_load(
         args.base_url, args.model, workload, slo, api_key=args.api_key,
         calibrate=not args.no_calibrate, request_timeout_s=args.request_timeout, stop_below=args.stop_below,

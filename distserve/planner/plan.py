@@ -11,7 +11,7 @@ from distserve.errors import InvalidConfigError
 from distserve.placement import Placement
 from simulator.hardware import HardwareSpec
 from simulator.latency import LatencyModel
-from simulator.metrics import SLOSpec
+from distserve.slo import SLOSpec
 from simulator.simulation import SimConfig
 from simulator.workload import Request
 

@@ -11,13 +11,12 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from distserve.config import SLO
 from distserve.errors import InvalidConfigError
 from distserve.planner.plan import Cluster, PlanOption, PlanRequest, PlanResult
 from distserve.planner.search import Planner
+from distserve.slo import SLO, SLOSpec, attainment
 from simulator.hardware import get_hardware
 from simulator.latency import get_latency_model
-from simulator.metrics import SLOSpec, attainment
 from simulator.simulation import SimConfig, simulate, with_rate
 from simulator.workload import generate_requests, load_trace, rescale
 

@@ -32,14 +32,13 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, replace
 from typing import Any
 
-from distserve.config import SLO
 from distserve.errors import InvalidConfigError
 from distserve.placement import InstanceSpec, Placement
 from distserve.planner.candidates import assign_nodes, decode_bound, parallel_configs, prefill_bound, replicate_units
 from distserve.planner.plan import Candidate, PlanOption, PlanRequest, PlanResult
 from simulator.goodput import GoodputResult, find_goodput
 from simulator.latency import LatencyModel
-from simulator.metrics import SLOSpec
+from distserve.slo import SLO, SLOSpec
 from simulator.simulation import SimConfig, simulate, with_rate
 from simulator.workload import Request
 

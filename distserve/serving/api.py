@@ -19,7 +19,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from distserve.config import SLO, SamplingParams
+from distserve.config import SamplingParams
 from distserve.engine.outputs import RequestOutput
 from distserve.errors import InvalidConfigError, ServiceUnavailableError
 from distserve.runtime.client import EngineClient
@@ -55,6 +55,7 @@ from distserve.serving.protocol import (
     sse,
 )
 from distserve.serving.streams import SSEResponse, aclose_stream, sse_events, unless_disconnected, usage_of
+from distserve.slo import SLO
 
 logger = logging.getLogger(__name__)
 

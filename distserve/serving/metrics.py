@@ -17,9 +17,9 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, H
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from distserve.config import SLO
 from distserve.engine.outputs import RequestOutput
 from distserve.runtime.stats import AGGREGATE_INSTANCE, ClientStats, normalize_stats
+from distserve.slo import SLO, tpot
 
 PREFIX = "distserve:"
 CONTENT_TYPE = CONTENT_TYPE_LATEST
@@ -122,11 +122,9 @@ class RequestTimer:
         m.request_prompt_tokens.observe(num_prompt_tokens if num_prompt_tokens is not None else self.num_prompt_tokens)
         m.request_generation_tokens.observe(self.num_output_tokens)
         slo = m.slo
-        if slo is not None and reason != "abort" and self.first_token_time is not None and self.last_token_time is not None:
-            ttft = self.first_token_time - self.start
-            n = self.num_output_tokens
-            tpot = (self.last_token_time - self.first_token_time) / (n - 1) if n > 1 else 0.0
-            met = ttft <= slo.ttft_s and tpot <= slo.tpot_s
+        if slo is not None and reason != "abort" and self.first_token_time is not None:
+            met = slo.ttft_met(self.first_token_time - self.start) and slo.tpot_met(
+                tpot(self.first_token_time, self.last_token_time, self.num_output_tokens))
             m.request_slo.labels(met="true" if met else "false").inc()
 
 

@@ -19,9 +19,12 @@ from distserve.config import CacheConfig
 from distserve.engine.llm_engine import LLMEngine
 from distserve.engine.model import resolve_dtype
 from distserve.engine.weights import load_model
-from distserve.measure.loadgen import SLO, RequestResult, Workload, build_requests, run_load, summarize
-from distserve.serving.api import build_fastapi_app
+from distserve.measure.loadgen import run_load, summarize
+from distserve.measure.stream_client import RequestResult
+from distserve.measure.workload import Workload, build_requests, words_for
 from distserve.runtime.threaded_client import ThreadedEngineClient
+from distserve.serving.api import build_fastapi_app
+from distserve.slo import SLO, max_misses
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -61,7 +64,7 @@ def test_input_lengths_and_prompts() -> None:
     assert np.mean([r.input_len for r in lognormal]) == pytest.approx(100, rel=0.05)
 
     # With 4 tokens per word and 2 tokens of overhead, 202 tokens are 50 words.
-    assert loadgen.words_for(202, 4.0, 2.0) == 50
+    assert words_for(202, 4.0, 2.0) == 50
     assert len(build_requests(Workload(1, 1.0, 202, 4), 4.0, 2.0)[0].prompt.split()) == 50
 
 
@@ -135,8 +138,8 @@ def test_known_misses_and_the_miss_budget() -> None:
     assert loadgen.num_known_misses(results, slo, max_tokens=11, now_s=5.4) == 4  # now past the TTFT SLO
     assert loadgen.num_known_misses(results, slo, max_tokens=20, now_s=5.2) == 2  # 0.4 / 19 < 0.03: not yet known
     assert loadgen.num_known_misses(results, SLO(), max_tokens=11, now_s=100.0) == 0
-    assert [loadgen.max_misses(n, 0.9) for n in (1, 9, 10, 40, 41)] == [0, 0, 1, 4, 4]
-    assert loadgen.max_misses(40, 1.0) == 0 and loadgen.max_misses(40, 0.0) == 40
+    assert [max_misses(n, 0.9) for n in (1, 9, 10, 40, 41)] == [0, 0, 1, 4, 4]
+    assert max_misses(40, 1.0) == 0 and max_misses(40, 0.0) == 40
 
 
 def test_cancelled_requests_are_misses_not_errors() -> None:
@@ -205,7 +208,7 @@ def test_every_request_completes_with_the_asked_tokens(live: LiveServer) -> None
     assert result.tokens_per_word > 1  # the tiny model's tokenizer is byte-level: a word is several tokens
     assert s.slo_attainment == 1.0 and s.goodput_rps == pytest.approx(8 / s.duration_s)
     assert s.mean_output_tokens == WORKLOAD.output_len
-    impossible = summarize(result.requests, SLO(ttft_s=0.0))
+    impossible = summarize(result.requests, SLO(ttft_s=1e-9))
     assert impossible.slo_attainment == 0.0 and impossible.goodput_rps == 0.0
 
 

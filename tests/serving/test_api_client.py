@@ -315,7 +315,7 @@ def test_sse_response_closes_its_generator_on_disconnect() -> None:
 
 
 def test_metrics_count_requests_meeting_the_deployment_slo(tiny: LoadedModel) -> None:
-    from distserve.config import SLO
+    from distserve.slo import SLO
 
     client = ThreadedEngineClient(LLMEngine(tiny, cache_config=CACHE))
 

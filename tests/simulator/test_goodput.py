@@ -6,11 +6,10 @@ import random
 
 import pytest
 
-from distserve.config import SLO
 from distserve.placement import Placement
+from distserve.slo import SLO, SLOSpec
 from simulator.goodput import _reaches, find_goodput, search_rate
 from simulator.latency import FittedLatencyModel, TpCoefficients
-from simulator.metrics import SLOSpec
 from simulator.workload import generate_requests
 
 OPT13B_A100 = TpCoefficients(

@@ -6,12 +6,12 @@ import math
 
 import pytest
 
-from distserve.config import SLO, SchedulerConfig
+from distserve.config import SchedulerConfig
 from distserve.errors import InvalidConfigError
 from distserve.placement import InstanceSpec, Placement
+from distserve.slo import SLO, SLOSpec, attainment
 from simulator.goodput import find_goodput
 from simulator.latency import FittedLatencyModel, TpCoefficients
-from simulator.metrics import SLOSpec, attainment
 from simulator.simulation import SimConfig, simulate, with_rate
 from simulator.workload import Request, generate_requests
 
