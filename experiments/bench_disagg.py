@@ -42,7 +42,7 @@ from typing import Any
 import harness
 from distserve.measure.benchserve import ServerProcess, cpu_usage, distserve_serve_argv, process_cpu
 from distserve.measure.loadgen import SLO, LoadResult, Workload, run_load, single_stream, summarize
-from harness import Outputs
+from harness import Outputs, ms
 
 SYSTEM_FLAGS = {
     "colocated": ["--colocated", "1", "--runtime", "local"],
@@ -118,10 +118,6 @@ def slo_sensitivity(
 
 
 # ---- outputs ---------------------------------------------------------------------------------
-def _ms(x: float | None) -> str:
-    return "-" if x is None else f"{x * 1000:.0f}"
-
-
 def write_outputs(out: Outputs, rows: list[dict[str, Any]], figures: dict[str, Any], labels: list[str]) -> None:
     out.json({"figures": figures, "rows": rows})
     md = [
@@ -134,7 +130,7 @@ def write_outputs(out: Outputs, rows: list[dict[str, Any]], figures: dict[str, A
     ]
     md += [
         f"| {r['system']} | {r['rate']:g} | {r['num_completed']}/{r['num_requests']} | {r['num_errors']} | "
-        f"{_ms(r['ttft_p50_s'])} / {_ms(r['ttft_p90_s'])} | {_ms(r['tpot_p50_s'])} / {_ms(r['tpot_p90_s'])} | "
+        f"{ms(r['ttft_p50_s'])} / {ms(r['ttft_p90_s'])} | {ms(r['tpot_p50_s'])} / {ms(r['tpot_p90_s'])} | "
         f"{r['slo_attainment']:.0%} | {r['goodput_rps']:.2f} | "
         + ", ".join(f"{n.split()[0]} {c:.2f}" for n, c in r["server_cores"][:3])
         + f" | {r['loadgen_cores']:.2f} / {r['other_cores']:.2f} |"
@@ -184,7 +180,7 @@ def print_table(rows: list[dict[str, Any]], title: str) -> None:
     harness.rich_table(
         title, ["system", "rate", "done", "err", "TTFT p50", "TTFT p90", "TPOT p50", "TPOT p90", "attain", "goodput"],
         [[r["system"], f"{r['rate']:g}", f"{r['num_completed']}/{r['num_requests']}", str(r["num_errors"]),
-          _ms(r["ttft_p50_s"]), _ms(r["ttft_p90_s"]), _ms(r["tpot_p50_s"]), _ms(r["tpot_p90_s"]),
+          ms(r["ttft_p50_s"]), ms(r["ttft_p90_s"]), ms(r["tpot_p50_s"]), ms(r["tpot_p90_s"]),
           f"{r['slo_attainment']:.0%}", f"{r['goodput_rps']:.2f}"] for r in rows],
         width=140,
     )
@@ -253,13 +249,7 @@ def measure_system(
         return slo, sweep(args, url, slo, single.calibration, sid)
     finally:
         if server is not None:
-            stop = server.stop()
-            figures[f"{label}_processes_left"] = stop["num_left"]
-            figures[f"{label}_processes_left_after_sigint"] = stop["num_left_after_sigint"]
-            figures[f"{label}_stopped_gracefully"] = stop["graceful"]
-            print(f"{label}: stopped ({stop})", flush=True)
-            if stop["num_left"]:
-                print(f"WARNING: {stop['num_left']} processes of the {label} server survived SIGKILL", file=sys.stderr)
+            figures.update({f"{label}_{k}": v for k, v in harness.stop_server(server).items()})
 
 
 def summarize_systems(rows: list[dict[str, Any]], labels: list[str], figures: dict[str, Any]) -> None:

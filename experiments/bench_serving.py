@@ -62,7 +62,7 @@ from distserve.measure.benchserve import (
     ServerProcess, cpu_usage, distserve_serve_argv, metric_sums, process_cpu, wait_until_idle,
 )
 from distserve.measure.loadgen import SLO, LoadResult, Workload, run_load, single_stream
-from harness import Outputs
+from harness import Outputs, ms
 from simulator.goodput import search_rate
 
 ATTAINMENT_TARGET = 0.9
@@ -148,7 +148,7 @@ def run_probe(
     print(
         f"  {server.name}/{spec.name} rate {rate:g}/s: {s.num_completed}/{s.num_requests} done"
         + (f" (stopped early, {s.num_cancelled} cancelled)" if result.stopped_early else "")
-        + f", TTFT p50/p90 {_ms(s.ttft_p50_s)}/{_ms(s.ttft_p90_s)} ms, TPOT p50/p90 {_ms(s.tpot_p50_s)}/{_ms(s.tpot_p90_s)} ms, "
+        + f", TTFT p50/p90 {ms(s.ttft_p50_s)}/{ms(s.ttft_p90_s)} ms, TPOT p50/p90 {ms(s.tpot_p50_s)}/{ms(s.tpot_p90_s)} ms, "
         f"attainment {s.slo_attainment:.0%} -> {'pass' if row['passed'] else 'fail'} ({row['wall_s']:.0f} s); "
         f"cores: server {' '.join(f'{n.split()[0]}={c:.2f}' for n, c in cpu['server_cores'][:3])}, others {cpu['other_cores']:.2f}",
         flush=True,
@@ -244,20 +244,10 @@ def measure_server(
                 rate = goodput["goodput_rps"] or args.min_rate
                 report["crosscheck"] = crosscheck(args, server, spec, rate, single.calibration, *crosscheck_with)
     finally:
-        stop = server.stop()
-        report["processes_left"] = stop["num_left"]
-        report["processes_left_after_sigint"] = stop["num_left_after_sigint"]
-        report["stopped_gracefully"] = stop["graceful"]
-        print(f"{server.name}: stopped ({stop})", flush=True)
-        if stop["num_left"]:
-            print(f"WARNING: {stop['num_left']} processes of the {server.name} server survived SIGKILL", file=sys.stderr)
+        report.update(harness.stop_server(server))
 
 
 # ---- outputs ---------------------------------------------------------------------------------
-def _ms(x: float | None) -> str:
-    return "-" if x is None else f"{x * 1000:.0f}"
-
-
 def _ratio(ours: float, theirs: float | None) -> float | None:
     return round(ours / theirs, 3) if theirs else None
 
@@ -291,7 +281,7 @@ def write_outputs(out: Outputs, figures: dict[str, Any], rows: list[dict[str, An
            "| server | " + " | ".join(workloads) + " |", "|---|" + "---|" * len(workloads)]
     for s, rep in servers.items():
         md.append(f"| {s} | " + " | ".join(
-            f"{_ms(rep['single'][w]['ttft_s'])} / {_ms(rep['single'][w]['tpot_s'])}" if w in rep["single"] else "-"
+            f"{ms(rep['single'][w]['ttft_s'])} / {ms(rep['single'][w]['tpot_s'])}" if w in rep["single"] else "-"
             for w in workloads) + " |")
     md += ["", "Every probe (attainment of an early-stopped probe is a lower bound):", "",
            "| server | workload | rate (req/s) | requests | done | cancelled | errors | TTFT p50 / p90 (ms) | TPOT p50 / p90 (ms) "
@@ -299,7 +289,7 @@ def write_outputs(out: Outputs, figures: dict[str, Any], rows: list[dict[str, An
            "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     md += [
         f"| {r['server']} | {r['workload']} | {r['rate']:g} | {r['num_requests']} | {r['num_completed']} | {r['num_cancelled']} | "
-        f"{r['num_errors']} | {_ms(r['ttft_p50_s'])} / {_ms(r['ttft_p90_s'])} | {_ms(r['tpot_p50_s'])} / {_ms(r['tpot_p90_s'])} | "
+        f"{r['num_errors']} | {ms(r['ttft_p50_s'])} / {ms(r['ttft_p90_s'])} | {ms(r['tpot_p50_s'])} / {ms(r['tpot_p90_s'])} | "
         f"{'>= ' if r['stopped_early'] else ''}{r['slo_attainment']:.0%} | {'pass' if r['passed'] else 'fail'} | "
         + ", ".join(f"{n.split()[0]} {c:.2f}" for n, c in r["server_cores"][:3]) + f" | {r['other_cores']:.2f} |"
         for r in rows
@@ -317,8 +307,8 @@ def write_outputs(out: Outputs, figures: dict[str, Any], rows: list[dict[str, An
                 md.append(f"| {name} | error: {m['error'][:200]} | | | | | |")
             else:
                 tokens = m.get("mean_prompt_tokens", m.get("server_mean_prompt_tokens"))
-                md.append(f"| {name} | {m['goodput_rps']:.3f} | {m['slo_attainment']:.0%} | {_ms(m['ttft_p50_s'])} / "
-                          f"{_ms(m['ttft_p99_s'])} | {_ms(m['tpot_p50_s'])} / {_ms(m['tpot_p99_s'])} | {m['duration_s']:.1f} "
+                md.append(f"| {name} | {m['goodput_rps']:.3f} | {m['slo_attainment']:.0%} | {ms(m['ttft_p50_s'])} / "
+                          f"{ms(m['ttft_p99_s'])} | {ms(m['tpot_p50_s'])} / {ms(m['tpot_p99_s'])} | {m['duration_s']:.1f} "
                           f"| {'-' if tokens is None else f'{tokens:.0f}'} |")
     elif cc:
         md += ["", f"Client cross-check skipped: {cc.get('skipped')}"]

@@ -10,6 +10,8 @@ harness`` works without any path edit) and:
   ``_quick`` for a quick run);
 * ends its stdout with ONE line: the JSON object of its measured figures (``finish``).
 
+Also a few helpers more than one script uses (``rich_table``, ``ms``, ``layout``, ``stop_server``).
+
 This machine is shared, so timings are taken with the load of everything else in view:
 ``LoadWatch`` measures the CPU used outside this run's process tree (and which other benchmarks
 ran) while a measurement runs, and ``QuietGuard`` waits for a quiet machine before a measurement
@@ -32,6 +34,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 if TYPE_CHECKING:
+    from distserve.measure.benchserve import ServerProcess
     from distserve.placement import Placement
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
@@ -96,6 +99,21 @@ def pyplot() -> Any:
     import matplotlib.pyplot as plt
 
     return plt
+
+
+def ms(seconds: float | None) -> str:
+    """Seconds as whole milliseconds for a table; "-" when missing (None or NaN)."""
+    return "-" if seconds is None or seconds != seconds else f"{seconds * 1000:.0f}"
+
+
+def stop_server(server: ServerProcess) -> dict[str, Any]:
+    """Stop a started server (SIGINT, then SIGKILL for its session) and report what survived."""
+    stop = server.stop()
+    print(f"{server.name}: stopped ({stop})", flush=True)
+    if stop["num_left"]:
+        print(f"WARNING: {stop['num_left']} processes of the {server.name} server survived SIGKILL", file=sys.stderr)
+    return {"processes_left": stop["num_left"], "processes_left_after_sigint": stop["num_left_after_sigint"],
+            "stopped_gracefully": stop["graceful"]}
 
 
 def finish(figures: dict[str, Any]) -> None:

@@ -54,11 +54,8 @@ from simulator.metrics import SLOSpec
 from simulator.simulation import SimConfig
 from simulator.workload import Request, describe, generate_requests, rescale
 
-MODEL = "facebook/opt-13b"
-HARDWARE = "a100-80g"
-NUM_GPUS = 4
-TPS = (1, 2, 4)  # the tps DistServe profiled for OPT-13B
-PPS = (1, 2, 4)
+MODEL, HARDWARE, NUM_GPUS = "facebook/opt-13b", "a100-80g", 4
+TPS, PPS = (1, 2, 4), (1, 2, 4)  # the tps DistServe profiled for OPT-13B
 DISTSERVE_PER_GPU = 1.56  # simdistserve/README.md: "Best per GPU rate: 1.56"
 DISTSERVE_BRACKET = (1.5625, 1.71875)  # its bisection grid on [0, 5] with esp 0.25
 START_PER_GPU = 3.0  # first probe, req/s per GPU; the bracket search doubles or halves from there

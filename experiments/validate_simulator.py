@@ -53,7 +53,7 @@ import numpy as np
 import harness
 from distserve.config import SLO, CacheConfig, SamplingParams, SchedulerConfig
 from distserve.placement import Placement
-from harness import Outputs, QuietGuard
+from harness import Outputs, QuietGuard, ms
 from simulator.calibration import Calibration, StepTrace, calibrate, step_time_summary
 from simulator.latency import FittedLatencyModel
 from simulator.metrics import RequestRecord, SLOSpec, attainment, latency_summary
@@ -259,12 +259,8 @@ def main() -> None:
     harness.finish(figures)
 
 
-def _ms(x: float) -> str:
-    return "-" if x is None or math.isnan(x) else f"{1e3 * x:.0f}"
-
-
 def _errors(r: dict[str, Any]) -> list[str]:
-    return [f"{_ms(r[f'predicted_{k}'])} / {_ms(r[f'measured_{k}'])} ({r[f'error_{k}']:+.0%})" for k in METRICS]
+    return [f"{ms(r[f'predicted_{k}'])} / {ms(r[f'measured_{k}'])} ({r[f'error_{k}']:+.0%})" for k in METRICS]
 
 
 def print_table(rows: list[dict[str, Any]]) -> None:
