@@ -22,24 +22,21 @@ Writes JSON + markdown under --out-dir; the last stdout line is one JSON object 
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
 import random
 import statistics
-import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch
 
+import harness
 from distserve.config import SamplingParams
 from distserve.engine.model import TORCH_DTYPES
 from distserve.engine.model_runner import ModelRunner
 from distserve.engine.scheduler import ScheduledChunk, StepPlan
 from distserve.engine.weights import load_model
+from harness import LoadWatch, Outputs
 from kernels.decode_attention import default_decode_attention
 from kernels.paged_attention import AttentionMetadata, paged_attention
 
@@ -78,16 +75,6 @@ def alternate(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str, f
             fns[name]()
             times[name].append(time.perf_counter() - t0)
     return {name: statistics.median(ts) for name, ts in times.items()}
-
-
-def cpu_busy_s() -> float | None:
-    """CPU seconds the whole machine has been busy since boot (None off Linux)."""
-    try:
-        with open("/proc/stat") as f:
-            user, nice, system, _idle, _iowait, irq, softirq = (int(x) for x in f.readline().split()[1:8])
-    except (OSError, ValueError):
-        return None
-    return (user + nice + system + irq + softirq) / os.sysconf("SC_CLK_TCK")
 
 
 def bench_kernel(name: str, contexts: list[int], dtype: torch.dtype, repeats: int, seed: int) -> dict[str, Any]:
@@ -167,10 +154,9 @@ def bench_model_step(model: str, dtype: str, cases: dict[str, list[int]], repeat
     return rows
 
 
-def write_outputs(out_dir: Path, stem: str, kernel: list[dict[str, Any]], model: list[dict[str, Any]],
+def write_outputs(out: Outputs, kernel: list[dict[str, Any]], model: list[dict[str, Any]],
                   figures: dict[str, Any], title: str) -> None:
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / f"{stem}.json").write_text(json.dumps({"figures": figures, "kernel": kernel, "model_step": model}, indent=2))
+    out.json({"figures": figures, "kernel": kernel, "model_step": model})
     md = [title, "",
           "| case | dtype | Σctx | max ctx | padded ms | exact ms | speedup | KV MB read padded | exact | Σctx MB "
           "| bytes/Σctx padded | exact | exact chunks | build µs padded | exact | max abs diff |",
@@ -187,11 +173,11 @@ def write_outputs(out_dir: Path, stem: str, kernel: list[dict[str, Any]], model:
         md += [f"| {r['model']} | {r['dtype']} | {r['case']} | {r['batch']} | {r['mean_ctx']:.0f} | {r['max_ctx']} "
                f"| {r['padded_ms']:.1f} | {r['exact_ms']:.1f} | {r['speedup']:.2f}x | {r['greedy_same']:.0%} |" for r in model]
     md += ["", f"Cores kept busy by other processes meanwhile: {figures['other_processes_busy_cores']}"]
-    (out_dir / f"{stem}.md").write_text("\n".join(md) + "\n")
+    out.markdown(md)
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = harness.parser(__doc__, "batch 4 at contexts 16-256, tiny model steps, 3 repeats")
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--min-ctx", type=int, default=128)
     ap.add_argument("--max-ctx", type=int, default=4096)
@@ -204,8 +190,6 @@ def main() -> None:
     ap.add_argument("--step-repeats", type=int, default=7)
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out-dir", default="experiments/results")
-    ap.add_argument("--quick", action="store_true", help="batch 4 at contexts 16-256, tiny model steps, 3 repeats")
     args = ap.parse_args()
     if args.quick:
         args.batch, args.min_ctx, args.max_ctx, args.repeats = 4, 16, 256, 3
@@ -219,15 +203,12 @@ def main() -> None:
                              f"1 x {args.max_ctx}": [args.max_ctx]})
     dtypes = [TORCH_DTYPES[d] for d in args.dtypes.split(",") if d]
 
-    busy0, t0 = cpu_busy_s(), time.perf_counter()
-    cpu0 = time.process_time()
-    kernel = [bench_kernel(name, ctx, dtype, args.repeats, args.seed) for dtype in dtypes for name, ctx in kernel_cases.items()]
-    step_cases = {f"~{c}": around(args.batch, int(c), rng) for c in args.step_contexts.split(",") if c}
-    if step_cases:
-        step_cases[f"spread {args.min_ctx}-{args.max_ctx}"] = spread
-    model = bench_model_step(args.model, args.model_dtype, step_cases, args.step_repeats, args.seed) if step_cases else []
-    busy1, wall = cpu_busy_s(), time.perf_counter() - t0
-    other = None if busy0 is None or busy1 is None else max(0.0, (busy1 - busy0 - (time.process_time() - cpu0)) / wall)
+    with LoadWatch(period=None) as watch:  # no polling thread: it would disturb the timings
+        kernel = [bench_kernel(name, ctx, dtype, args.repeats, args.seed) for dtype in dtypes for name, ctx in kernel_cases.items()]
+        step_cases = {f"~{c}": around(args.batch, int(c), rng) for c in args.step_contexts.split(",") if c}
+        if step_cases:
+            step_cases[f"spread {args.min_ctx}-{args.max_ctx}"] = spread
+        model = bench_model_step(args.model, args.model_dtype, step_cases, args.step_repeats, args.seed) if step_cases else []
 
     head = kernel[0]
     figures: dict[str, Any] = {
@@ -245,7 +226,7 @@ def main() -> None:
                    for r in kernel},
         "model_step": {f"{r['model']} {r['dtype']} {r['case']}": {k: round(r[k], 3) for k in ("padded_ms", "exact_ms", "speedup", "greedy_same")}
                        for r in model},
-        "other_processes_busy_cores": None if other is None else round(other, 2),
+        "other_processes_busy_cores": round(watch.other_cores, 2),
     }
     for r in kernel:
         print(f"{r['case']:>16} {r['dtype']:>8}: padded {r['padded_ms']:8.2f} ms ({r['bytes_ratio_padded']:.2f}x Σctx bytes)"
@@ -257,10 +238,8 @@ def main() -> None:
     title = (f"Decode attention, SmolLM2-135M shapes (9 heads, 3 KV heads, head_dim 64, block 16), batch {args.batch}, "
              f"{args.threads} threads, median of {args.repeats} alternating calls. KV MB read: from the cache, per layer, "
              f"padding included (each backend also writes them to a copy and reads that back).")
-    stem = "bench_attention_quick" if args.quick else "bench_attention"
-    write_outputs(Path(args.out_dir), stem, kernel, model, figures, title)
-    sys.stdout.flush()
-    print(json.dumps(figures))
+    write_outputs(Outputs.for_run(args, "bench_attention"), kernel, model, figures, title)
+    harness.finish(figures)
 
 
 if __name__ == "__main__":

@@ -32,18 +32,18 @@ of figures.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import signal
 import statistics
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
+import harness
 from distserve.measure.benchserve import ServerProcess, cpu_usage, distserve_serve_argv, process_cpu
-from distserve.measure.loadgen import LoadResult, Workload, run_load, single_stream, summarize
 from distserve.slo import SLO
+from distserve.measure.loadgen import LoadResult, Workload, run_load, single_stream, summarize
+from harness import Outputs, ms
 
 SYSTEM_FLAGS = {
     "colocated": ["--colocated", "1", "--runtime", "local"],
@@ -119,13 +119,8 @@ def slo_sensitivity(
 
 
 # ---- outputs ---------------------------------------------------------------------------------
-def _ms(x: float | None) -> str:
-    return "-" if x is None else f"{x * 1000:.0f}"
-
-
-def write_outputs(out_dir: Path, stem: str, rows: list[dict[str, Any]], figures: dict[str, Any], labels: list[str]) -> None:
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / f"{stem}.json").write_text(json.dumps({"figures": figures, "rows": rows}, indent=2))
+def write_outputs(out: Outputs, rows: list[dict[str, Any]], figures: dict[str, Any], labels: list[str]) -> None:
+    out.json({"figures": figures, "rows": rows})
     md = [
         f"SLOs: TTFT {figures['ttft_slo_s'] * 1000:.0f} ms, TPOT {figures['tpot_slo_s'] * 1000:.0f} ms "
         f"({figures['model']}, input ~{figures['input_len']} tokens, output {figures['output_len']} tokens, "
@@ -136,7 +131,7 @@ def write_outputs(out_dir: Path, stem: str, rows: list[dict[str, Any]], figures:
     ]
     md += [
         f"| {r['system']} | {r['rate']:g} | {r['num_completed']}/{r['num_requests']} | {r['num_errors']} | "
-        f"{_ms(r['ttft_p50_s'])} / {_ms(r['ttft_p90_s'])} | {_ms(r['tpot_p50_s'])} / {_ms(r['tpot_p90_s'])} | "
+        f"{ms(r['ttft_p50_s'])} / {ms(r['ttft_p90_s'])} | {ms(r['tpot_p50_s'])} / {ms(r['tpot_p90_s'])} | "
         f"{r['slo_attainment']:.0%} | {r['goodput_rps']:.2f} | "
         + ", ".join(f"{n.split()[0]} {c:.2f}" for n, c in r["server_cores"][:3])
         + f" | {r['loadgen_cores']:.2f} / {r['other_cores']:.2f} |"
@@ -162,14 +157,9 @@ def write_outputs(out_dir: Path, stem: str, rows: list[dict[str, Any]], figures:
             + " | ".join(f"{sens[f'{s}_goodput_rps'][i]:.2f}" for s in labels)
             + f" | {'-' if r is None else f'{r:.2f}x'} |"
         )
-    (out_dir / f"{stem}.md").write_text("\n".join(md) + "\n")
+    out.markdown(md)
 
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
+    fig, (ax1, ax2) = harness.pyplot().subplots(1, 2, figsize=(10, 4))
     for label in labels:
         mine = [r for r in rows if r["system"] == label]
         ax1.plot([r["rate"] for r in mine], [r["slo_attainment"] * 100 for r in mine], marker="o", label=label)
@@ -184,29 +174,22 @@ def write_outputs(out_dir: Path, stem: str, rows: list[dict[str, Any]], figures:
         f"{figures['model']}: TTFT SLO {figures['ttft_slo_s'] * 1000:.0f} ms, TPOT SLO {figures['tpot_slo_s'] * 1000:.0f} ms"
     )
     fig.tight_layout()
-    fig.savefig(out_dir / f"{stem}.png", dpi=120)
-    plt.close(fig)
+    out.png(fig)
 
 
 def print_table(rows: list[dict[str, Any]], title: str) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
-    table = Table(title=title)
-    for col in ("system", "rate", "done", "err", "TTFT p50", "TTFT p90", "TPOT p50", "TPOT p90", "attain", "goodput"):
-        table.add_column(col, justify="right")
-    for r in rows:
-        table.add_row(
-            r["system"], f"{r['rate']:g}", f"{r['num_completed']}/{r['num_requests']}", str(r["num_errors"]),
-            _ms(r["ttft_p50_s"]), _ms(r["ttft_p90_s"]), _ms(r["tpot_p50_s"]), _ms(r["tpot_p90_s"]),
-            f"{r['slo_attainment']:.0%}", f"{r['goodput_rps']:.2f}",
-        )
-    Console(file=sys.stdout, width=140).print(table)
+    harness.rich_table(
+        title, ["system", "rate", "done", "err", "TTFT p50", "TTFT p90", "TPOT p50", "TPOT p90", "attain", "goodput"],
+        [[r["system"], f"{r['rate']:g}", f"{r['num_completed']}/{r['num_requests']}", str(r["num_errors"]),
+          ms(r["ttft_p50_s"]), ms(r["ttft_p90_s"]), ms(r["tpot_p50_s"]), ms(r["tpot_p90_s"]),
+          f"{r['slo_attainment']:.0%}", f"{r['goodput_rps']:.2f}"] for r in rows],
+        width=140,
+    )
 
 
 # ---- main ------------------------------------------------------------------------------------
 def parse_args() -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = harness.parser(__doc__, "tiny model, 2 rates x 8 requests, input 64, output 16")
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--rates", default="1,1.25,1.5,1.75,2", help="comma-separated Poisson rates (req/s)")
@@ -225,8 +208,6 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--request-model", default=None, help="model name sent in requests (default: --model)")
     ap.add_argument("--startup-timeout", type=float, default=300.0, help="seconds for a server to become healthy")
     ap.add_argument("--request-timeout", type=float, default=120.0, help="seconds, per request")
-    ap.add_argument("--out-dir", default="experiments/results")
-    ap.add_argument("--quick", action="store_true", help="tiny model, 2 rates x 8 requests, input 64, output 16")
     args = ap.parse_args()
     if args.quick:
         args.model, args.rates, args.num_requests, args.input_len, args.output_len = "tiny", "4,16", 8, 64, 16
@@ -269,13 +250,7 @@ def measure_system(
         return slo, sweep(args, url, slo, single.calibration, sid)
     finally:
         if server is not None:
-            stop = server.stop()
-            figures[f"{label}_processes_left"] = stop["num_left"]
-            figures[f"{label}_processes_left_after_sigint"] = stop["num_left_after_sigint"]
-            figures[f"{label}_stopped_gracefully"] = stop["graceful"]
-            print(f"{label}: stopped ({stop})", flush=True)
-            if stop["num_left"]:
-                print(f"WARNING: {stop['num_left']} processes of the {label} server survived SIGKILL", file=sys.stderr)
+            figures.update({f"{label}_{k}": v for k, v in harness.stop_server(server).items()})
 
 
 def summarize_systems(rows: list[dict[str, Any]], labels: list[str], figures: dict[str, Any]) -> None:
@@ -329,9 +304,8 @@ def main() -> None:
     print("at other TPOT SLOs (x colocated single TPOT): " + ", ".join(
         f"{f:g}x -> ratio {'-' if r is None else f'{r:.2f}'}" for f, r in zip(sens["tpot_slo_factor"], sens["goodput_ratio"])
     ))
-    stem = "bench_disagg_quick" if args.quick else "bench_disagg"
-    write_outputs(Path(args.out_dir), stem, rows, figures, labels)
-    print(json.dumps(figures))
+    write_outputs(Outputs.for_run(args, "bench_disagg"), rows, figures, labels)
+    harness.finish(figures)
 
 
 if __name__ == "__main__":

@@ -7,20 +7,18 @@ writes JSON + markdown under --out-dir, and ends with one JSON line of the measu
 
 from __future__ import annotations
 
-import argparse
 import gc
-import json
 import resource
-import sys
 import time
-from pathlib import Path
 
 import torch
 
+import harness
 from distserve.config import CacheConfig, SamplingParams
 from distserve.engine.llm_engine import LLMEngine
 from distserve.engine.model import cpu_has_fast_bf16
 from distserve.engine.weights import build_tiny_hf_model, load_model, resolve_model_dir
+from harness import Outputs
 
 # vLLM's CPU backend on this kind of machine (2 cores, one engine core), SmolLM2-135M, batch 16:
 # about 130 output tokens/s (figure given in the issue; vLLM is not installable here to re-measure).
@@ -105,14 +103,12 @@ def bench_hf(model: str, dtype: str, prompts: list[str], max_tokens: int) -> dic
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__)
+    ap = harness.parser(__doc__, "tiny model, 4 prompts x 8 tokens")
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--num-prompts", type=int, default=16)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch threads, both sides")
     ap.add_argument("--dtypes", default="float32,bfloat16")
-    ap.add_argument("--out-dir", default="experiments/results")
-    ap.add_argument("--quick", action="store_true", help="tiny model, 4 prompts x 8 tokens")
     args = ap.parse_args()
     if args.quick:
         args.model, args.num_prompts, args.max_tokens = "tiny", 4, 8
@@ -148,30 +144,22 @@ def main() -> None:
     figures["ratio_ours_best_vs_vllm_cpu_reference"] = round(best[1]["tok_s_batch"] / VLLM_CPU_REFERENCE_TOK_S, 3)
     figures["peak_rss_mb"] = round(peak_rss_mb(), 1)
 
-    from rich.console import Console
-    from rich.table import Table
+    harness.rich_table(
+        f"{args.model}: {args.num_prompts} prompts x {args.max_tokens} tokens, {args.threads} threads",
+        ["dtype", f"ours tok/s (b{args.num_prompts})", "HF tok/s", "ratio", "ours b1", "HF b1", "greedy = HF"],
+        [[dtype, f"{ours['tok_s_batch']:.1f}", f"{hf['tok_s_batch']:.1f}", f"{ratio:.2f}x",
+          f"{ours['tok_s_b1']:.1f}", f"{hf['tok_s_b1']:.1f}", f"{same:.0%}"] for dtype, ours, hf, ratio, same in rows],
+    )
 
-    table = Table(title=f"{args.model}: {args.num_prompts} prompts x {args.max_tokens} tokens, {args.threads} threads")
-    for col in ("dtype", f"ours tok/s (b{args.num_prompts})", "HF tok/s", "ratio", "ours b1", "HF b1", "greedy = HF"):
-        table.add_column(col, justify="right")
-    for dtype, ours, hf, ratio, same in rows:
-        table.add_row(
-            dtype, f"{ours['tok_s_batch']:.1f}", f"{hf['tok_s_batch']:.1f}", f"{ratio:.2f}x",
-            f"{ours['tok_s_b1']:.1f}", f"{hf['tok_s_b1']:.1f}", f"{same:.0%}",
-        )
-    Console(file=sys.stdout).print(table)
-
-    out_dir = Path(args.out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    stem = "bench_engine_quick" if args.quick else "bench_engine"
-    (out_dir / f"{stem}.json").write_text(json.dumps(figures, indent=2))
+    out = Outputs.for_run(args, "bench_engine")
+    out.json(figures)
     md = ["| dtype | ours tok/s | HF tok/s | ratio | ours b1 | HF b1 | greedy = HF |", "|---|---|---|---|---|---|---|"]
     md += [
         f"| {d} | {o['tok_s_batch']:.1f} | {h['tok_s_batch']:.1f} | {r:.2f}x | {o['tok_s_b1']:.1f} | {h['tok_s_b1']:.1f} | {s:.0%} |"
         for d, o, h, r, s in rows
     ]
-    (out_dir / f"{stem}.md").write_text("\n".join(md) + "\n")
-    print(json.dumps(figures))
+    out.markdown(md)
+    harness.finish(figures)
 
 
 if __name__ == "__main__":

@@ -15,24 +15,22 @@ in decode steps. Writes JSON + markdown + PNG under --out-dir; the last stdout l
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
-import resource
 import socket
 import statistics
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+import harness
 from distserve.kvtransfer import KVLayout, StagingBuffers, TorchDistTransport, init_process_group, recv_kv, send_kv
 from distserve.kvtransfer.migration import DEFAULT_CHUNK_BYTES, messages
 from distserve.kvtransfer.plan import reshard_plan
+from harness import Outputs
 
 SMOLLM2_KV: dict[str, Any] = dict(num_layers=30, num_kv_heads=3, head_dim=64, block_size=16, dtype="float32")
 CASES = {"tp1pp1_to_tp1pp1": (1, 1, 1, 1), "tp1pp1_to_tp1pp2": (1, 1, 1, 2)}  # src tp, pp; dst tp, pp
@@ -135,34 +133,6 @@ def run_case(
     return results.get()  # type: ignore[no-any-return]
 
 
-def cpu_busy_s() -> float | None:
-    """CPU seconds all processes on the machine have been busy since boot (None off Linux)."""
-    try:
-        with open("/proc/stat") as f:
-            fields = [int(x) for x in f.readline().split()[1:]]
-    except OSError:
-        return None
-    user, nice, system, _idle, _iowait, irq, softirq = fields[:7]
-    return (user + nice + system + irq + softirq) / os.sysconf("SC_CLK_TCK")
-
-
-def other_load(fn: Callable[[], Any]) -> tuple[Any, float | None]:
-    """Run ``fn``; also return how many cores *other* processes kept busy meanwhile.
-
-    A rough noise indicator: kernel time spent on loopback traffic outside our processes counts
-    as "other" too, so ~0.2 is what an otherwise idle machine shows.
-    """
-    busy0, t0 = cpu_busy_s(), time.perf_counter()
-    ours0 = resource.getrusage(resource.RUSAGE_CHILDREN)
-    result = fn()
-    ours1 = resource.getrusage(resource.RUSAGE_CHILDREN)
-    busy1, wall = cpu_busy_s(), time.perf_counter() - t0
-    if busy0 is None or busy1 is None:
-        return result, None
-    ours = (ours1.ru_utime + ours1.ru_stime) - (ours0.ru_utime + ours0.ru_stime)
-    return result, max(0.0, (busy1 - busy0 - ours) / wall)
-
-
 def decode_step_ms(model: str, batch: int, prompt_len: int, num_steps: int) -> float:
     """Median wall time of a decode-only ``engine.step()`` with ``batch`` requests in flight."""
     from distserve.config import SamplingParams
@@ -187,9 +157,8 @@ def decode_step_ms(model: str, batch: int, prompt_len: int, num_steps: int) -> f
     return statistics.median(times) * 1e3
 
 
-def write_outputs(out_dir: Path, stem: str, rows: list[dict[str, Any]], figures: dict[str, Any]) -> None:
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / f"{stem}.json").write_text(json.dumps({"figures": figures, "rows": rows}, indent=2))
+def write_outputs(out: Outputs, rows: list[dict[str, Any]], figures: dict[str, Any]) -> None:
+    out.json({"figures": figures, "rows": rows})
     md = [
         f"KV migration over gloo on 127.0.0.1, SmolLM2-135M KV shape (fp32), {figures['threads']} torch thread(s) "
         f"per process, median of {figures['repeats']}. Chunked = slices of >= 2 x {figures['chunk_mb']:g} MiB sent "
@@ -211,14 +180,9 @@ def write_outputs(out_dir: Path, stem: str, rows: list[dict[str, Any]], figures:
         if k.startswith("other_processes_busy_cores_")))
     md.append(f"\nOne decode step ({figures['decode_model']}, batch {figures['decode_batch']}, prompt "
               f"{figures['decode_prompt_len']} tokens): {figures['decode_step_ms']:.1f} ms")
-    (out_dir / f"{stem}.md").write_text("\n".join(md) + "\n")
+    out.markdown(md)
 
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(8, 4.8))
+    fig, ax = harness.pyplot().subplots(figsize=(8, 4.8))
     styles = {"chunked": "o-", "one_msg_per_slice": "^:", "raw": "s--"}
     for i, case in enumerate(CASES):
         case_rows = [r for r in rows if r["case"] == case]
@@ -237,12 +201,11 @@ def write_outputs(out_dir: Path, stem: str, rows: list[dict[str, Any]], figures:
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(out_dir / f"{stem}.png", dpi=120)
-    plt.close(fig)
+    out.png(fig)
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = harness.parser(__doc__, "lengths 256 and 1024, tiny model, 3 repeats")
     ap.add_argument("--lengths", default="1024,2048,4096,8192,16384", help="request lengths in tokens")
     ap.add_argument("--cases", default=",".join(CASES), help=f"comma-separated subset of {', '.join(CASES)}")
     ap.add_argument("--repeats", type=int, default=7)
@@ -253,8 +216,6 @@ def main() -> None:
     ap.add_argument("--decode-batch", type=int, default=16)
     ap.add_argument("--decode-prompt-len", type=int, default=256)
     ap.add_argument("--decode-steps", type=int, default=10)
-    ap.add_argument("--out-dir", default="experiments/results")
-    ap.add_argument("--quick", action="store_true", help="lengths 256 and 1024, tiny model, 3 repeats")
     args = ap.parse_args()
     if args.quick:
         args.lengths, args.repeats, args.model, args.decode_prompt_len, args.decode_steps = "256,1024", 3, "tiny", 64, 5
@@ -262,11 +223,12 @@ def main() -> None:
     chunk_bytes = int(args.chunk_mb * (1 << 20)) or None
 
     rows: list[dict[str, Any]] = []
-    other_cores: dict[str, float | None] = {}
+    other_cores: dict[str, float] = {}
     for case in args.cases.split(","):
         if case not in CASES:
             ap.error(f"unknown case {case!r}; choose from {', '.join(CASES)}")
-        case_rows, other_cores[case] = other_load(lambda: run_case(case, lengths, args.repeats, args.threads, chunk_bytes))
+        # Others' cores: a noise indicator (loopback traffic's kernel time outside our processes counts too: ~0.2 idle).
+        case_rows, other_cores[case] = harness.watched(lambda: run_case(case, lengths, args.repeats, args.threads, chunk_bytes))
         rows += case_rows
     step_ms = decode_step_ms(args.model, args.decode_batch, args.decode_prompt_len, args.decode_steps)
     for r in rows:
@@ -283,7 +245,7 @@ def main() -> None:
         "num_cpus": os.cpu_count(),
     }
     for case, cores in other_cores.items():  # > 0.3 means another job shared the cores: ratios are pessimistic
-        figures[f"other_processes_busy_cores_{case}"] = None if cores is None else round(cores, 2)
+        figures[f"other_processes_busy_cores_{case}"] = round(cores, 2)
     for r in rows:
         key = f"{r['case']}_{r['num_tokens']}"
         figures[f"migration_ms_{key}"] = round(r["chunked_s"] * 1e3, 2)
@@ -305,9 +267,8 @@ def main() -> None:
               f"{r['ratio_one_msg_per_slice']:>5.2f} {r['migration_over_decode_step']:>7.2f}")
     print("cores kept busy by other processes during the transfers:", other_cores)
     print(f"decode step ({args.model}, batch {args.decode_batch}, prompt {args.decode_prompt_len}): {step_ms:.1f} ms")
-    stem = "bench_kv_migration_quick" if args.quick else "bench_kv_migration"
-    write_outputs(Path(args.out_dir), stem, rows, figures)
-    print(json.dumps(figures))
+    write_outputs(Outputs.for_run(args, "bench_kv_migration"), rows, figures)
+    harness.finish(figures)
 
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@
 
 The setting: OPT-66B, the chatbot workload (ShareGPT's shape), TTFT 2.5 s and TPOT 0.15 s at 90%
 (joint), affinity ``auto`` (colocated, high- and low-affinity disaggregated all searched), with
-DistServe's fitted A100 profile (``../shared/data/distserve-a100-80g-profile.json``; the roofline
+DistServe's fitted A100 profile (``simulator/data/distserve-a100-80g-profile.json``; the roofline
 model of the A100 when that file is absent, and the JSON says so). The search is run for every
 combination of ``--workers`` (processes simulating candidates) and ``--num-requests`` (requests per
 simulated probe), so the trade-off between search time and workload size is visible: more requests
@@ -26,29 +26,25 @@ Writes JSON + markdown under --out-dir; the last stdout line is the JSON.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import resource
-import sys
 import time
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-from distserve.planner.report import PlanArgs, build_request  # noqa: E402
-from distserve.planner.plan import PlanResult  # noqa: E402
-from distserve.planner.search import Planner  # noqa: E402
-
-DEFAULT_PROFILE = REPO / "simulator" / "data" / "distserve-a100-80g-profile.json"  # shipped with the package
+import harness
+from distserve.planner.report import PlanArgs, build_request
+from distserve.planner.plan import PlanResult
+from distserve.planner.search import Planner
+from harness import Outputs
+from simulator import DISTSERVE_A100_PROFILE as DEFAULT_PROFILE
 TARGET_S, GOAL_S = 10.0, 1.0
 CLI_DEFAULTS = {"workers": 1, "num_requests": 300}
 
 
 def parse_args() -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = harness.parser(__doc__, "OPT-13B on 1 x 4, 50 requests (the test suite's run)")
     p.add_argument("--model", default="facebook/opt-66b")
     p.add_argument("--gpu", default="a100-80g")
     p.add_argument("--nodes", type=int, default=4)
@@ -62,8 +58,6 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--workers", default="1,2", help="comma-separated --workers values to time")
     p.add_argument("--num-requests", default="100,300", help="comma-separated --num-requests values to time")
     p.add_argument("--no-reference", action="store_true", help="skip the full-search reference run")
-    p.add_argument("--quick", action="store_true", help="OPT-13B on 1 x 4, 50 requests (the test suite's run)")
-    p.add_argument("--out-dir", default=str(REPO / "experiments" / "results"))
     args = p.parse_args()
     if args.quick:
         args.model, args.nodes, args.gpus_per_node, args.num_requests = "facebook/opt-13b", 1, 4, "50"
@@ -85,14 +79,7 @@ def describe_plan(result: PlanResult) -> dict[str, Any] | None:
     best = result.best
     if best is None:
         return None
-    p = best.placement
-    if p.colocated:
-        s = p.colocated[0]
-        layout = f"{len(p.colocated)} x colocated tp{s.tp}pp{s.pp}"
-    else:
-        sp, sd = p.prefill[0], p.decode[0]
-        layout = f"{len(p.prefill)}P tp{sp.tp}pp{sp.pp} + {len(p.decode)}D tp{sd.tp}pp{sd.pp}"
-    return {"name": best.name, "layout": layout, "num_gpus": best.num_gpus, "rate": best.rate, "per_gpu": best.per_gpu,
+    return {"name": best.name, "layout": harness.layout(best.placement), "num_gpus": best.num_gpus, "rate": best.rate, "per_gpu": best.per_gpu,
             "predicted_attainment": best.predicted.get("attainment", {}).get("joint")}
 
 
@@ -141,8 +128,7 @@ def time_one(args: argparse.Namespace, profile: str | None, workers: int, num_re
 
 def main() -> None:
     args = parse_args()
-    out_dir = Path(args.out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    out = Outputs.for_run(args, "bench_planner")
     profile_used = Path(args.profile).is_file()
     profile = args.profile if profile_used else None
     if not profile_used:
@@ -206,13 +192,12 @@ def main() -> None:
         "reference": reference,
         "runs": runs,
     }
-    write_outputs(out_dir, figures, args.quick)
-    print(json.dumps(figures, default=float))
+    write_outputs(out, figures)
+    harness.finish(figures)
 
 
-def write_outputs(out_dir: Path, f: dict[str, Any], quick: bool) -> None:
-    stem = "bench_planner" + ("_quick" if quick else "")
-    (out_dir / f"{stem}.json").write_text(json.dumps(f, indent=2, default=float) + "\n")
+def write_outputs(out: Outputs, f: dict[str, Any]) -> None:
+    out.json(f)
     slo = f["slo"]
     lines = [
         f"# Planner search time: {f['model']} on {f['cluster']}",
@@ -253,7 +238,7 @@ def write_outputs(out_dir: Path, f: dict[str, Any], quick: bool) -> None:
         goodput = f"< {c['goodput_below']:.3g}" if c["goodput_below"] is not None else f"{c['goodput']:.3g}"
         lines.append(f"| {c['kind']} | {c['configuration']} | {c['num_gpus']} | {c['bound']:.3g} | {goodput} "
                      f"| {c['binding'] or '-'} | {c['num_probes']} ({c['num_probes_stopped']}) |")
-    (out_dir / f"{stem}.md").write_text("\n".join(lines) + "\n")
+    out.markdown(lines)
 
 
 if __name__ == "__main__":

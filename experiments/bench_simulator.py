@@ -33,6 +33,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+import harness
+from harness import Outputs
+
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_PROFILE = ROOT / "simulator" / "data" / "distserve-a100-80g-profile.json"  # shipped with the package
 MODEL, HARDWARE = "facebook/opt-13b", "a100-80g"
@@ -125,9 +128,8 @@ def summarize(rows: list[dict[str, Any]], variant: str, deployment: str) -> dict
     }
 
 
-def write_outputs(out_dir: Path, stem: str, rows: list[dict[str, Any]], figures: dict[str, Any]) -> None:
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / f"{stem}.json").write_text(json.dumps({"figures": figures, "rows": rows}, indent=2))
+def write_outputs(out: Outputs, rows: list[dict[str, Any]], figures: dict[str, Any]) -> None:
+    out.json({"figures": figures, "rows": rows})
     deployments = figures["deployments"]
     has_baseline = figures["baseline_ref"] is not None
     md = [
@@ -157,14 +159,9 @@ def write_outputs(out_dir: Path, stem: str, rows: list[dict[str, Any]], figures:
     if has_baseline:
         md.append(f"\nBaseline: {', '.join(f'`{p}`' for p in HOT_PATH_FILES)} as of `{figures['baseline_ref']}`, "
                   "the rest of the tree as now; same workloads and results, interleaved with the current code.")
-    (out_dir / f"{stem}.md").write_text("\n".join(md) + "\n")
+    out.markdown(md)
 
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(8, 3.6))
+    fig, ax = harness.pyplot().subplots(figsize=(8, 3.6))
     ys = range(len(deployments))
     height = 0.38 if has_baseline else 0.6
     ax.barh([y + (height / 2 if has_baseline else 0) for y in ys],
@@ -180,12 +177,11 @@ def write_outputs(out_dir: Path, stem: str, rows: list[dict[str, Any]], figures:
     ax.grid(alpha=0.3, axis="x")
     ax.legend(fontsize=8, loc="center")
     fig.tight_layout()
-    fig.savefig(out_dir / f"{stem}.png", dpi=120)
-    plt.close(fig)
+    out.png(fig)
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = harness.parser(__doc__, "200 requests per deployment")
     ap.add_argument("--num-requests", type=int, default=10_000)
     ap.add_argument("--rate-per-prefill", type=float, default=3.0, help="req/s per prefill (or colocated) instance")
     ap.add_argument("--deployments", default=",".join(DEPLOYMENTS), help=f"subset of {', '.join(DEPLOYMENTS)}")
@@ -195,13 +191,11 @@ def main() -> None:
                     help="DistServe's fitted coefficients; if the file is absent (or ''), the roofline model")
     ap.add_argument("--baseline-ref", default=None,
                     help="also time the hot-path files as of this git ref (e.g. the commit before the speed-up)")
-    ap.add_argument("--out-dir", default="experiments/results")
-    ap.add_argument("--quick", action="store_true", help="200 requests per deployment")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # internal: one measurement, JSON out
     args = ap.parse_args()
     profile = args.profile if args.profile and Path(args.profile).is_file() else None
     if args.worker:
-        print(json.dumps(measure(args.worker, args.num_requests, args.rate_per_prefill, profile, args.seed)))
+        harness.finish(measure(args.worker, args.num_requests, args.rate_per_prefill, profile, args.seed))
         return
     if args.quick:
         args.num_requests = 200
@@ -257,9 +251,8 @@ def main() -> None:
         if args.baseline_ref:
             line += f"  speed-up {figures[f'{d}_speedup']:.2f}x (CPU {figures[f'{d}_cpu_speedup']:.2f}x)"
         print(line)
-    stem = "bench_simulator_quick" if args.quick else "bench_simulator"
-    write_outputs(Path(args.out_dir), stem, rows, figures)
-    print(json.dumps(figures))
+    write_outputs(Outputs.for_run(args, "bench_simulator"), rows, figures)
+    harness.finish(figures)
 
 
 if __name__ == "__main__":

@@ -36,7 +36,6 @@ Writes JSON + markdown + PNG (SLO attainment vs per-GPU rate of the best placeme
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
@@ -44,21 +43,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import harness
+from distserve.slo import SLO, SLOSpec
 from distserve.config import SchedulerConfig
 from distserve.placement import InstanceSpec, Placement
-from distserve.slo import SLO, SLOSpec
+from harness import Outputs
+from simulator import DISTSERVE_A100_PROFILE
 from simulator.goodput import find_goodput
 from simulator.latency import FittedLatencyModel, LatencyModel, RooflineLatencyModel
 from simulator.simulation import SimConfig
 from simulator.workload import Request, describe, generate_requests, rescale
 
-ROOT = Path(__file__).resolve().parents[1]
-DEFAULT_PROFILE = ROOT / "simulator" / "data" / "distserve-a100-80g-profile.json"  # shipped with the package
-MODEL = "facebook/opt-13b"
-HARDWARE = "a100-80g"
-NUM_GPUS = 4
-TPS = (1, 2, 4)  # the tps DistServe profiled for OPT-13B
-PPS = (1, 2, 4)
+MODEL, HARDWARE, NUM_GPUS = "facebook/opt-13b", "a100-80g", 4
+TPS, PPS = (1, 2, 4), (1, 2, 4)  # the tps DistServe profiled for OPT-13B
 DISTSERVE_PER_GPU = 1.56  # simdistserve/README.md: "Best per GPU rate: 1.56"
 DISTSERVE_BRACKET = (1.5625, 1.71875)  # its bisection grid on [0, 5] with esp 0.25
 START_PER_GPU = 3.0  # first probe, req/s per GPU; the bracket search doubles or halves from there
@@ -254,24 +251,16 @@ def mark_notes(rows: list[dict[str, Any]], figures: dict[str, Any]) -> None:
 
 
 def print_table(rows: list[dict[str, Any]], title: str) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
-    table = Table(title=title)
-    cols = ("#", "placement", "GPUs", "screen/GPU", "goodput (req/s)", "per GPU", "binding SLO", "per GPU joint", "note")
-    for col in cols:
-        table.add_column(col, justify="left" if col in ("placement", "note") else "right")
-    for i, r in enumerate(rows, 1):
-        table.add_row(
-            str(i), r["placement"], str(r["num_gpus"]), _fmt(r["screen_per_gpu"]), _fmt(r["rate"]), _fmt(r["per_gpu"]),
-            r["binding"] or "-", _fmt(r["per_gpu_joint"]), r["note"],
-        )
-    Console(file=sys.stdout, width=160).print(table)
+    harness.rich_table(
+        title, ["#", "placement", "GPUs", "screen/GPU", "goodput (req/s)", "per GPU", "binding SLO", "per GPU joint", "note"],
+        [[str(i), r["placement"], str(r["num_gpus"]), _fmt(r["screen_per_gpu"]), _fmt(r["rate"]), _fmt(r["per_gpu"]),
+          r["binding"] or "-", _fmt(r["per_gpu_joint"]), r["note"]] for i, r in enumerate(rows, 1)],
+        width=160, left=("placement", "note"),
+    )
 
 
-def write_outputs(out_dir: Path, stem: str, rows: list[dict[str, Any]], searches: list[dict[str, Any]], figures: dict[str, Any]) -> None:
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / f"{stem}.json").write_text(json.dumps({"figures": figures, "rows": rows, "searches": searches}, indent=2))
+def write_outputs(out: Outputs, rows: list[dict[str, Any]], searches: list[dict[str, Any]], figures: dict[str, Any]) -> None:
+    out.json({"figures": figures, "rows": rows, "searches": searches})
     w = figures["workload_stats"]
     screened = figures["screen_requests_per_gpu"] is not None
     md = [
@@ -310,14 +299,9 @@ def write_outputs(out_dir: Path, stem: str, rows: list[dict[str, Any]], searches
         f"for prefill TP2 + decode TP1; ours for that layout: {ours['distserve_3gpu']['per_gpu']:.3f} (1 + 1, 3 GPUs), "
         f"{ours['distserve_4gpu']['per_gpu']:.3f} (1 + 2, 4 GPUs).",
     ]
-    (out_dir / f"{stem}.md").write_text("\n".join(md) + "\n")
+    out.markdown(md)
 
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(8, 4.5))
+    fig, ax = harness.pyplot().subplots(figsize=(8, 4.5))
     final = {r["placement"]: r for r in searches if r["stage"] == "final"}
     for key, color in (("best_disagg", "tab:blue"), ("best_colocated", "tab:orange")):
         r = final[figures[key]["placement"]]
@@ -333,14 +317,13 @@ def write_outputs(out_dir: Path, stem: str, rows: list[dict[str, Any]], searches
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(out_dir / f"{stem}.png", dpi=120)
-    plt.close(fig)
+    out.png(fig)
 
 
 # ---- main ------------------------------------------------------------------------------------
 def parse_args() -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--profile", default=str(DEFAULT_PROFILE), help="DistServe's coefficients file")
+    ap = harness.parser(__doc__, "3 placements, 20 requests per GPU, no screen, rel_tol 0.2, joint mode for the best two only")
+    ap.add_argument("--profile", default=str(DISTSERVE_A100_PROFILE), help="DistServe's coefficients file")
     ap.add_argument("--workload", default="chatbot", help="a length spec for simulator.workload.generate_requests")
     ap.add_argument("--requests-per-gpu", type=int, default=300, help="workload size per GPU of the placement")
     ap.add_argument("--screen-requests-per-gpu", type=int, default=100, help="0: no screen, search every placement in full")
@@ -352,8 +335,6 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--max-num-seqs", type=int, default=SchedulerConfig.max_num_seqs)
     ap.add_argument("--rel-tol", type=float, default=0.02, help="bisection stops when (hi - lo) / hi <= this")
     ap.add_argument("--jobs", type=int, default=2, help="worker processes")
-    ap.add_argument("--out-dir", default="experiments/results")
-    ap.add_argument("--quick", action="store_true", help="3 placements, 20 requests per GPU, no screen, rel_tol 0.2, joint mode for the best two only")
     args = ap.parse_args()
     if args.quick:
         args.requests_per_gpu, args.screen_requests_per_gpu, args.rel_tol = 20, 0, 0.2
@@ -458,10 +439,9 @@ def main() -> None:
           f"ratio {_fmt(ratio)}x")
     print(f"DistServe reports {DISTSERVE_PER_GPU} req/s/GPU for prefill TP2 + decode TP1; ours: "
           f"{ours['distserve_3gpu']['per_gpu']:.3f} (1 + 1, 3 GPUs), {ours['distserve_4gpu']['per_gpu']:.3f} (1 + 2, 4 GPUs)")
-    stem = "reproduce_distserve_quick" if args.quick else "reproduce_distserve"
     searches = [*screen.values(), *final.values(), *joint.values()]
-    write_outputs(Path(args.out_dir), stem, rows, searches, figures)
-    print(json.dumps(figures))
+    write_outputs(Outputs.for_run(args, "reproduce_distserve"), rows, searches, figures)
+    harness.finish(figures)
 
 
 if __name__ == "__main__":

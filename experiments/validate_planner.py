@@ -5,7 +5,7 @@ Issue acceptance: "a plan for this machine (CPU, the real engine's fitted profil
 
 1. Profile the real engine here (``distserve.measure.profiler.profile_engine``, one thread per worker, as
    the Ray workers run) or reuse ``--profile``.
-2. Calibrate the runtime's constants as ``validate_simulator.py`` does (``calibrate``: one request
+2. Calibrate the runtime's constants as ``validate_simulator.py`` does (``solo_calibration``: one request
    alone on a deployment; the serving process's step-time scale, the per-step overhead and, for
    1P1D, the per-migration overhead). They differ by kind, and ``SimConfig`` holds one set, so
    they are measured on both kinds (``--gpus`` colocated instances; 1P1D) and the planner is run once
@@ -38,7 +38,6 @@ import argparse
 import json
 import math
 import os
-import sys
 import tempfile
 import time
 from dataclasses import asdict, replace
@@ -47,32 +46,28 @@ from typing import Any
 
 import numpy as np
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "experiments"))
-
-from distserve.config import CacheConfig, SamplingParams, SchedulerConfig  # noqa: E402
-from distserve.placement import InstanceSpec, Placement  # noqa: E402
-from distserve.planner.report import PlanArgs, run_plan  # noqa: E402
-from distserve.planner.plan import PlanOption, PlanResult  # noqa: E402
-from distserve.slo import SLO, SLOSpec, attainment, latency_summary  # noqa: E402
-from simulator.latency import FittedLatencyModel  # noqa: E402
-from simulator.simulation import SimConfig, simulate, with_rate  # noqa: E402
-from simulator.workload import Request, generate_requests, rescale, write_trace  # noqa: E402
-from validate_simulator import (  # noqa: E402
-    Calibration, StepTrace, _profile_step, concurrent_slowdown, fresh_prompts, lengths, make_profile, overrides, quietly, rel_err, replay,
-    solo_calibration,
+import harness
+from distserve.slo import SLO
+from distserve.config import CacheConfig, SamplingParams, SchedulerConfig
+from distserve.placement import InstanceSpec, Placement
+from distserve.planner.report import PlanArgs, run_plan
+from distserve.planner.plan import PlanOption, PlanResult
+from harness import Outputs, QuietGuard, layout
+from simulator.calibration import Calibration, StepTrace, step_diagnostics
+from simulator.latency import FittedLatencyModel
+from distserve.slo import SLOSpec, attainment, latency_summary
+from simulator.simulation import SimConfig, simulate, with_rate
+from simulator.workload import Request, generate_requests, rescale, write_trace
+from validation import (
+    add_profile_args, concurrent_slowdown, fresh_prompts, lengths, make_profile, overrides, rel_err, replay, solo_calibration,
 )
 
 TARGET_ERROR = 0.15
 
 
 def parse_args() -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="smollm2-135m")
-    p.add_argument("--dtype", default="auto")
-    p.add_argument("--profile", default=None, help="reuse a profile JSON from `distserve profile` (default: measure now)")
-    p.add_argument("--profile-grid", default="full", choices=["quick", "full"])
+    p = harness.parser(__doc__, "tiny model, 12 requests, 3 rates (the test suite's run)")
+    add_profile_args(p)
     p.add_argument("--gpus", type=int, default=2, help="'GPUs' (one-thread workers) the plan may use: --gpus-per-node")
     p.add_argument("--kv-cache-gb", type=float, default=0.5, help="KV cache per instance (as validate_simulator)")
     p.add_argument("--num-requests", type=int, default=300,
@@ -84,19 +79,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--rate-factors", default="0.6,0.8,1.0,1.2,1.4", help="measured rates, as multiples of the predicted goodput")
     p.add_argument("--max-extra-rates", type=int, default=3, help="rates added while all pass (x1.4) or all fail (/1.4)")
     p.add_argument("--refine", type=int, default=2, help="rates added by bisecting between the last passing and first failing rate")
-    p.add_argument("--step-overhead-ms", type=float, default=None,
-                   help="runtime cost per step for the planner, both kinds (default: calibrated with one solo request)")
-    p.add_argument("--concurrent-slowdown", type=float, default=None,
-                   help="step-time factor while both workers compute (default: the profile's measurement; 1 if absent)")
-    p.add_argument("--max-wait-s", type=float, default=3600.0, help="longest wait for other benchmarks before a measurement")
-    p.add_argument("--max-other-cores", type=float, default=0.25,
-                   help="CPU the rest of the machine may use during a measurement (cores, mean) before it is redone")
-    p.add_argument("--retries", type=int, default=3, help="times a measurement is redone when another benchmark ran meanwhile")
+    harness.add_quiet_args(p, max_wait_s=3600.0, retries=3)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--quick", action="store_true", help="tiny model, 12 requests, 3 rates (the test suite's run)")
-    p.add_argument("--out-dir", default=str(REPO / "experiments" / "results"))
     args = p.parse_args()
-    args.wait_for_quiet = not args.quick
     if args.quick:
         args.model, args.dtype, args.profile_grid = "tiny", "float32", "quick"
         args.num_requests, args.rate_factors, args.max_extra_rates = 12, "0.7,1.0,1.4", 1
@@ -136,14 +121,6 @@ def same_layout(a: Placement, b: Placement) -> bool:
     return key(a) == key(b)
 
 
-def layout(p: Placement) -> str:
-    if p.colocated:
-        s = p.colocated[0]
-        return f"{len(p.colocated)} x colocated tp{s.tp}pp{s.pp}"
-    sp, sd = p.prefill[0], p.decode[0]
-    return f"{len(p.prefill)}P tp{sp.tp}pp{sp.pp} + {len(p.decode)}D tp{sd.tp}pp{sd.pp}"
-
-
 def deploy(args: argparse.Namespace, placement: Placement, cache: CacheConfig, sched: SchedulerConfig,
            unit: list[Request], rng: np.random.Generator, vocab_size: int) -> Any:
     """A warmed-up deployment: the first steps pay one-off costs (allocator, oneDNN) the profile excluded."""
@@ -160,24 +137,9 @@ def deploy(args: argparse.Namespace, placement: Placement, cache: CacheConfig, s
 def calibrate(args: argparse.Namespace, llm: Any, name: str, rng: np.random.Generator,
               latency: FittedLatencyModel, block_size: int) -> Calibration:
     """validate_simulator's calibration (one request alone), with the command line's overrides."""
-    return overrides(args, solo_calibration(args, llm, StepTrace(llm.controller), name, rng, latency, block_size)[0])
-
-
-def step_diagnostics(steps: list[dict[str, Any]], latency: FittedLatencyModel) -> dict[str, float]:
-    """Medians over a run's steps: the model's execute time over the profile's (prefill-carrying and
-    decode-only steps), and the decode instance's round trip between back-to-back steps beyond the
-    model's time (what the simulator charges as the step overhead)."""
-    def median(xs: list[float]) -> float:
-        return float(np.median(xs)) if xs else math.nan
-
-    timed = [s for s in steps if s.get("execute_s")]
-    return {
-        "prefill_execute_over_profile": median([s["execute_s"] / _profile_step(latency, s) for s in timed if s["prefill_lens"]]),
-        "decode_execute_over_profile": median([s["execute_s"] / _profile_step(latency, s) for s in timed if not s["prefill_lens"]]),
-        "decode_round_trip_s": median([s["cycle_s"] - s["execute_s"] for s in timed
-                                       if s["cycle_s"] is not None and s["decode_ctx"] and not s["prefill_lens"]]),
-        "num_steps": len(steps),
-    }
+    with StepTrace(llm.controller) as trace:
+        cal, _ = solo_calibration(QuietGuard.from_args(args), llm, trace, name, rng, latency, block_size)
+    return overrides(args, cal)
 
 
 # ---- planning ------------------------------------------------------------------------------------
@@ -216,12 +178,12 @@ def sweep_goodput(points: list[tuple[float, float]], target: float) -> tuple[flo
 # ---- main ----------------------------------------------------------------------------------------
 def main() -> None:
     args = parse_args()
-    out_dir = Path(args.out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    out = Outputs.for_run(args, "validate_planner")
+    guard = QuietGuard.from_args(args)
     wall0 = time.perf_counter()
     t = time.perf_counter()
     if args.profile is None:
-        profile, _, watch = quietly(args, "profile", lambda: make_profile(args))
+        profile, _, watch = guard.measure("profile", lambda: make_profile(args))
         profile_other_cores = watch.other_cores
     else:
         profile, profile_other_cores = make_profile(args), math.nan
@@ -275,7 +237,7 @@ def main() -> None:
         llm.shutdown()
         figures = {"model": args.model, "feasible": False, "notes": notes, "wall_s": time.perf_counter() - wall0}
         print("no placement meets the SLO on this machine")
-        print(json.dumps(figures, default=float))
+        harness.finish(figures)
         return
     best, plan_overhead, config = options[0]
     predicted = best.rate
@@ -294,7 +256,7 @@ def main() -> None:
     rates = [f * predicted for f in args.factor_list]
     rows: list[dict[str, Any]] = []
 
-    trace = StepTrace(llm.controller)  # every step of a measured run: where the real system spends its time
+    trace = StepTrace(llm.controller)  # every step of a measured run: where the real system spends its time (until shutdown)
 
     def traced(reqs: list[Request], tag: str) -> list[Any]:
         trace.steps.clear()
@@ -309,7 +271,7 @@ def main() -> None:
     def run_rate(rate: float) -> dict[str, Any]:
         reqs = with_rate(unit, rate)
         t0 = time.perf_counter()
-        measured, waited, watch = quietly(args, f"{rate:.3g} req/s", lambda: traced(reqs, f"rate-{rate:.4g}-{time.monotonic()}"))
+        measured, waited, watch = guard.measure(f"{rate:.3g} req/s", lambda: traced(reqs, f"rate-{rate:.4g}-{time.monotonic()}"))
         seconds = time.perf_counter() - t0 - waited
         sim = simulate(placement, latency, reqs, config)
         row: dict[str, Any] = {"rate": rate, "factor": rate / predicted, "num_requests": len(measured), "seconds": seconds,
@@ -389,20 +351,14 @@ def main() -> None:
         "notes": notes,
         "wall_s": time.perf_counter() - wall0,
     }
-    write_outputs(out_dir, figures, args.quick)
+    write_outputs(out, figures)
     print(f"predicted goodput {predicted:.3g} req/s, measured {measured_goodput:.3g} req/s ({bracket}): "
           f"error {error:+.1%} (target {TARGET_ERROR:.0%})", flush=True)
-    print(json.dumps(figures, default=float))
+    harness.finish(figures)
 
 
-def write_outputs(out_dir: Path, f: dict[str, Any], quick: bool) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    stem = "validate_planner" + ("_quick" if quick else "")
-    (out_dir / f"{stem}.json").write_text(json.dumps(f, indent=2, default=float) + "\n")
+def write_outputs(out: Outputs, f: dict[str, Any]) -> None:
+    out.json(f)
     slo = f["slo"]
     lo, hi = f["measured_bracket_rates"]
     lines = [
@@ -445,8 +401,8 @@ def write_outputs(out_dir: Path, f: dict[str, Any], quick: bool) -> None:
                      f"| {1e3 * r['decode_round_trip_s']:.1f} |")
     if f["notes"]:
         lines += ["", "Notes: " + "; ".join(f["notes"])]
-    (out_dir / f"{stem}.md").write_text("\n".join(lines) + "\n")
-    fig, ax = plt.subplots(figsize=(6, 4))
+    out.markdown(lines)
+    fig, ax = harness.pyplot().subplots(figsize=(6, 4))
     rates = [r["rate"] for r in f["rows"]]
     ax.plot(rates, [r["measured_attainment"] for r in f["rows"]], marker="o", label="measured")
     ax.plot(rates, [r["predicted_attainment"] for r in f["rows"]], marker="s", linestyle="--", label="simulated")
@@ -458,8 +414,7 @@ def write_outputs(out_dir: Path, f: dict[str, Any], quick: bool) -> None:
     ax.set_title(f"{f['plan']['layout']} ({f['model']})")
     ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(out_dir / f"{stem}.png", dpi=100)
-    plt.close(fig)
+    out.png(fig, dpi=100)
 
 
 if __name__ == "__main__":

@@ -1,18 +1,26 @@
-"""Every script under experiments/ runs with --quick and ends with one JSON object of figures."""
+"""Every script under experiments/ runs with --quick and ends with one JSON object of figures;
+the modules they share (no ``__main__``) are imported, never run, and a quick run without
+--out-dir leaves experiments/results/ alone."""
 
 from __future__ import annotations
 
+import argparse
+import ast
+import importlib.util
 import json
 import subprocess
 import sys
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.integration  # runs each script as a process
 
-SCRIPTS = sorted((ROOT / "experiments").glob("*.py"))
+MODULES = sorted((ROOT / "experiments").glob("*.py"))
+SCRIPTS = [p for p in MODULES if 'if __name__ == "__main__":' in p.read_text()]
+SHARED = {p.stem for p in MODULES} - {p.stem for p in SCRIPTS}
 
 # Figures a quick run must get right regardless of machine speed.
 CHECKS = {
@@ -73,7 +81,43 @@ CHECKS = {
 
 
 def test_there_are_experiments() -> None:
-    assert SCRIPTS
+    assert SCRIPTS and "harness" in SHARED
+
+
+@pytest.mark.parametrize("module", MODULES, ids=[p.stem for p in MODULES])
+def test_imports_only_shared_modules(module: Path) -> None:
+    """No ``sys.path`` edits, and no script imports another script (only the shared modules)."""
+    scripts = {p.stem for p in SCRIPTS}
+    for node in ast.walk(ast.parse(module.read_text())):
+        assert not (isinstance(node, ast.Attribute) and node.attr == "path" and isinstance(node.value, ast.Name)
+                    and node.value.id == "sys"), f"{module.name} uses sys.path"
+        names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+            [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+        assert not scripts & {n.split(".")[0] for n in names}, f"{module.name} imports a script: {names}"
+
+
+def _harness() -> ModuleType:
+    """experiments/harness.py, imported by path (the scripts import it from their own folder)."""
+    spec = importlib.util.spec_from_file_location("experiments_harness", ROOT / "experiments" / "harness.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_quick_run_writes_to_a_temporary_directory(tmp_path: Path) -> None:
+    harness = _harness()
+    quick = harness.Outputs.for_run(argparse.Namespace(quick=True, out_dir=None), "bench_x")
+    assert quick.out_dir.is_dir() and harness.RESULTS_DIR not in (quick.out_dir, *quick.out_dir.parents)
+    assert quick.path(".json").name == "bench_x_quick.json"
+    quick.out_dir.rmdir()
+    given = harness.Outputs.for_run(argparse.Namespace(quick=True, out_dir=str(tmp_path / "o")), "bench_x")
+    assert given.out_dir == tmp_path / "o" and given.out_dir.is_dir()
+    full = harness.Outputs.for_run(argparse.Namespace(quick=False, out_dir=None), "bench_x")  # creates nothing: results/ exists
+    assert full.path(".md") == ROOT / "experiments" / "results" / "bench_x.md"
+    tagged = harness.Outputs.for_run(argparse.Namespace(quick=False, out_dir=str(tmp_path)), "bench_x", tag="t")
+    assert tagged.path(".png") == tmp_path / "bench_x_t.png"
 
 
 @pytest.mark.parametrize("script", SCRIPTS, ids=[s.stem for s in SCRIPTS])
