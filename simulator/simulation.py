@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING
 from distserve.cluster.migration_queue import MigrationQueue
 from distserve.cluster.routing import RouteState, decode_order, pick_entry
 from distserve.config import SamplingParams, SchedulerConfig
+from distserve.engine.block_manager import prefix_block_hashes
 from distserve.engine.instance_core import InstanceCore
 from distserve.engine.scheduler import SampledToken, StepPlan
 from distserve.engine.sequence import Sequence, SequenceStatus
@@ -47,10 +48,12 @@ if TYPE_CHECKING:
 
     from simulator.workload import Request
 
-_TOKEN = 1  # the token every simulated step "samples"; never an EOS (ignore_eos is set anyway)
+SAMPLED_TOKEN = 1  # the token every simulated step "samples"; never an EOS (ignore_eos is set anyway)
 
-# event kinds, ordered so that at equal times completions are handled before new arrivals
-_STEP_DONE, _MIGRATED, _LAUNCH, _ARRIVE = 0, 1, 2, 3
+# Event kinds, in the order they are handled at one instant: steps that end then are applied, then
+# finished prefills migrate, then migrations that complete then are delivered, then arrivals are
+# routed; instances launch their next step only after all of that (``Simulation.run``).
+_STEP_DONE, _MIGRATE, _MIGRATED, _LAUNCH, _ARRIVE = 0, 1, 2, 3, 4
 
 
 @dataclass(frozen=True)
@@ -80,6 +83,9 @@ class SimConfig:
     step_time_scale: float = 1.0
     prefill_time_scale: float | None = None
     migration_overhead_s: float = 0.0
+    # The runtime's prefix cache (``CacheConfig.enable_prefix_caching``) and, with it, prefix
+    # affinity in entry routing; it matters only for requests that carry ``prompt_token_ids``.
+    enable_prefix_caching: bool = False
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
@@ -109,10 +115,12 @@ class SimInstance:
     """One instance: the runtime's ``InstanceCore``, a clock for each of its ``pp`` stages, a link."""
 
     def __init__(
-        self, kind: str, index: int, spec: InstanceSpec, core: InstanceCore, step_time_fn: object
+        self, kind: str, index: int, spec: InstanceSpec, core: InstanceCore, step_time_fn: object, position: int = 0
     ) -> None:
         self.kind = kind  # "colocated" | "prefill" | "decode"
         self.index = index
+        self.position = position  # in ``Simulation.instances``: instances due at one instant launch in this order
+        self.launch_due = False
         self.spec = spec
         self.tp, self.pp = spec.tp, spec.pp
         self.core = core
@@ -136,6 +144,11 @@ class SimInstance:
     @property
     def name(self) -> str:
         return f"{self.kind}{self.index}"
+
+    @property
+    def instance_id(self) -> str:
+        """The runtime's name of this instance (``prefill-0``)."""
+        return f"{self.kind}-{self.index}"
 
     @property
     def num_gpus(self) -> int:
@@ -179,17 +192,21 @@ class Simulation:
         counters: dict[str, int] = {}
         for kind, spec, sched_cfg in groups:
             core = InstanceCore(kind, sched_cfg, self._num_blocks(spec), cfg.block_size, self.max_model_len,
-                                enable_prefix_caching=False, pipeline_depth=spec.pp)
+                                enable_prefix_caching=cfg.enable_prefix_caching, pipeline_depth=spec.pp)
             idx = counters.get(kind, 0)
             counters[kind] = idx + 1
             fn = _step_time_fn(latency, spec.tp, spec.pp, cfg.step_overhead_s, cfg.step_time_scale,
                                cfg.prefill_scale, instant=cfg.instant_prefill and kind == "prefill")
-            self.instances.append(SimInstance(kind, idx, spec, core, fn))
+            self.instances.append(SimInstance(kind, idx, spec, core, fn, len(self.instances)))
         self.entry = [i for i in self.instances if i.kind in ("colocated", "prefill")]
         self.decodes = [i for i in self.instances if i.kind == "decode"]
         # Shared compute: the instances computing right now, per node (unpinned ones share one).
         self.shared = cfg.concurrent_slowdown != 1.0
         self.computing: dict[int | None, list[SimInstance]] = {}
+        # Observers, as ``LocalDisaggEngine``'s: every plan launched (instance id, plan) and every
+        # migration completed (request id, source id, destination id).
+        self.on_plan: Callable[[str, StepPlan], None] | None = None
+        self.on_migration: Callable[[str, str, str], None] | None = None
 
     def _num_blocks(self, spec: InstanceSpec) -> int:
         if self.config.num_blocks is not None:
@@ -238,6 +255,8 @@ class Simulation:
         # Finished prefills waiting for room, FCFS: (source, its sequence, the copy the decode side gets).
         # The copy is made once; a failed ``reserve`` leaves it untouched, so retries reuse it.
         self.pending: MigrationQueue[tuple[SimInstance, Sequence, Sequence]] = MigrationQueue()
+        self._migrate_at = -1.0  # the instant a _MIGRATE event is queued for
+        self._due: list[SimInstance] = []  # instances to launch at the end of this instant
         # One SampledToken per live request, reused every step: update_from_output only reads it.
         self._sampled: dict[str, SampledToken] = {}
         self.num_migrations = 0
@@ -246,6 +265,7 @@ class Simulation:
         unfinished = len(requests)
         now = 0.0
         prompts: dict[int, list[int]] = {}
+        block_size, prefix_caching = self.config.block_size, self.config.enable_prefix_caching
         pop = heapq.heappop
         while events:
             now, kind, _, payload = pop(events)
@@ -259,32 +279,42 @@ class Simulation:
                 if self._stop:
                     break
                 if self.pending:
-                    self._migrate_pending(now)
+                    self._queue_migrate(now)
+            elif kind == _MIGRATE:
+                self._migrate_pending(now)
             elif kind == _ARRIVE:
                 r: Request = payload  # type: ignore[assignment]
-                prompt = prompts.get(r.prompt_len)
-                if prompt is None:
-                    prompt = prompts[r.prompt_len] = [_TOKEN] * r.prompt_len
+                if r.prompt_token_ids is not None:
+                    prompt = list(r.prompt_token_ids)
+                else:
+                    prompt = prompts.get(r.prompt_len)
+                    if prompt is None:
+                        prompt = prompts[r.prompt_len] = [SAMPLED_TOKEN] * r.prompt_len
                 seq = Sequence(
                     str(r.req_id), prompt, SamplingParams(max_tokens=r.output_len, ignore_eos=True), arrival_time=r.arrival_s
                 )
-                self._sampled[seq.seq_id] = SampledToken(seq.seq_id, _TOKEN)
-                inst = pick_entry(self.entry, _route)  # synthetic prompts: no prefix affinity
+                self._sampled[seq.seq_id] = SampledToken(seq.seq_id, SAMPLED_TOKEN)
+                hashes = prefix_block_hashes(prompt, block_size) if prefix_caching else ()
+                inst = pick_entry(self.entry, _route, hashes)
                 inst.core.add(seq)
-                self._try_launch(inst, now)
+                self._launch_at_end(inst)
             elif kind == _MIGRATED:
                 src, dst, seq_id = payload  # type: ignore[misc]
                 src.core.release(seq_id)
                 src.route.release()
                 dst.core.complete(seq_id)
-                self._try_launch(src, now)
-                self._try_launch(dst, now)
+                if self.on_migration is not None:
+                    self.on_migration(seq_id, src.instance_id, dst.instance_id)
+                self._launch_at_end(src)
+                self._launch_at_end(dst)
                 if self.pending:
-                    self._migrate_pending(now)
+                    self._queue_migrate(now)
             else:  # _LAUNCH
                 inst = payload  # type: ignore[assignment]
                 inst.launch_pending = False
-                self._try_launch(inst, now)
+                self._launch_at_end(inst)
+            if self._due and (not events or events[0][0] > now):
+                self._launch_due(now)
         if unfinished and not self._stop:
             stuck = {i.name: (i.core.scheduler.num_waiting, i.core.scheduler.num_running) for i in self.instances}
             raise RuntimeError(f"simulation stalled with {unfinished} unfinished requests; (waiting, running): {stuck}")
@@ -326,6 +356,29 @@ class Simulation:
                     f"but a request needs {need}: the placement does not fit in memory"
                 )
 
+    # ---- one instant's order --------------------------------------------------------------------
+    def _queue_migrate(self, now: float) -> None:
+        """Migrate the waiting prefills once every step ending at ``now`` is applied (room freed)."""
+        if self._migrate_at != now:
+            self._migrate_at = now
+            heapq.heappush(self._events, (now, _MIGRATE, next(self._seq_no), None))
+
+    def _launch_at_end(self, inst: SimInstance) -> None:
+        if not inst.launch_due:
+            inst.launch_due = True
+            self._due.append(inst)
+
+    def _launch_due(self, now: float) -> None:
+        """The end of an instant: each instance that got work or finished a step launches its next
+        one, seeing everything that happened at ``now`` — as the runtime's step collects finished
+        transfers and new requests before it schedules."""
+        due, self._due = self._due, []
+        if len(due) > 1:
+            due.sort(key=lambda i: i.position)
+        for inst in due:
+            inst.launch_due = False
+            self._try_launch(inst, now)
+
     def _try_launch(self, inst: SimInstance, now: float) -> None:
         core = inst.core
         if len(core.in_flight) >= inst.pp or inst.launch_pending:
@@ -338,6 +391,8 @@ class Simulation:
         if launched is None:
             return
         plan = launched.plan
+        if self.on_plan is not None:
+            self.on_plan(inst.instance_id, plan)
         t = inst.step_time(_shape(plan))
         core.observe(plan, t)  # what the runtime measures: the SLO budget learns from it
         inst.busy_s += t
@@ -416,7 +471,7 @@ class Simulation:
                     self._stop = True
             elif awaiting is not None and seq.seq_id in awaiting:
                 self.pending.push((inst, seq, seq.detached_copy()))
-        self._try_launch(inst, now)
+        self._launch_at_end(inst)
         return num_finished
 
     def _migrate_pending(self, now: float) -> None:

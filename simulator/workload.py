@@ -71,11 +71,18 @@ class Request:
     prompt_len: int
     output_len: int  # tokens to generate, >= 1
     slo_class: str | None = None
+    # The prompt itself, where its content matters (prefix caching and affinity routing); None:
+    # synthetic, every prompt token the same.
+    prompt_token_ids: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.prompt_len < 1 or self.output_len < 1:
             raise InvalidConfigError(
                 f"request {self.req_id}: prompt_len and output_len must be >= 1, got {self.prompt_len} and {self.output_len}"
+            )
+        if self.prompt_token_ids is not None and len(self.prompt_token_ids) != self.prompt_len:
+            raise InvalidConfigError(
+                f"request {self.req_id}: prompt_token_ids has {len(self.prompt_token_ids)} tokens, prompt_len is {self.prompt_len}"
             )
 
 

@@ -6,13 +6,22 @@ One ``step`` runs a prefill step on every prefill instance with work, migrates e
 whose KV a decode instance has room for, then runs a decode step on every busy decode instance.
 A failed migration (only ever injected here: the copy is synchronous and cannot time out) takes
 the Ray runtime's path: the decode side cancels its reservation and the request is prefilled again.
+
+Each instance executes its plans on a ``StepRunner``: the torch ``ModelRunner`` by default, or
+whatever ``runner_factory`` builds (a fake runner makes this engine a CPU-cheap reference for the
+scheduling and migration policies, as ``tests/cluster/test_equivalence.py`` uses it). ``on_plan``
+and ``on_migration`` observe every launched plan and every completed migration.
 """
 
 from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
 
 from distserve.cluster.migration_queue import MigrationQueue
 from distserve.cluster.routing import RouteState, decode_order, pick_entry
@@ -22,23 +31,50 @@ from distserve.engine.instance_core import InstanceCore
 from distserve.engine.model import resolve_dtype
 from distserve.engine.model_runner import ModelRunner
 from distserve.engine.outputs import EngineBase, RequestOutput
+from distserve.engine.scheduler import SampledToken, StepPlan
 from distserve.engine.sequence import Sequence, SequenceStatus
 from distserve.engine.weights import LoadedModel, load_model
 from distserve.errors import InvalidConfigError
 from distserve.kvtransfer.migration import pack_blocks, unpack_blocks
 
 
+class StepRunner(Protocol):
+    """What an in-process instance needs of the executor of its plans (``ModelRunner`` is the real one)."""
+
+    kv_cache: torch.Tensor  # [layers, 2, num_blocks, block_size, kv_heads, head_dim]; migration copies its blocks
+
+    def execute(self, plan: StepPlan) -> list[SampledToken]: ...
+
+
+# (model, num_blocks, block_size, eos_token_ids) -> the runner of one instance
+RunnerFactory = Callable[[LoadedModel, int, int, tuple[int, ...]], StepRunner]
+PlanListener = Callable[[str, StepPlan], None]  # (instance id, plan), as each plan is launched
+MigrationListener = Callable[[str, str, str], None]  # (request id, source id, destination id), once the KV arrived
+
+
+def model_runner(loaded: LoadedModel, num_blocks: int, block_size: int, eos_token_ids: tuple[int, ...]) -> StepRunner:
+    """The default ``RunnerFactory``: a torch ``ModelRunner`` over the loaded weights."""
+    return ModelRunner(loaded.config, loaded.state_dict, num_blocks, block_size, eos_token_ids)
+
+
 @dataclass
 class LocalInstance:
-    """An instance in this process (tp = pp = 1): its core and the model runner that executes its plans."""
+    """An instance in this process (tp = pp = 1): its core and the runner that executes its plans."""
 
     instance_id: str
     core: InstanceCore
-    runner: ModelRunner
+    runner: StepRunner
     route: RouteState = field(default_factory=RouteState)  # what routing knows (``cluster.routing``)
 
-    def step(self) -> list[Sequence]:
-        return self.core.step(self.runner.execute, time.monotonic)
+    def step(self, on_plan: PlanListener | None = None) -> list[Sequence]:
+        if on_plan is None:
+            return self.core.step(self.runner.execute, time.monotonic)
+
+        def execute(plan: StepPlan) -> list[SampledToken]:
+            on_plan(self.instance_id, plan)
+            return self.runner.execute(plan)
+
+        return self.core.step(execute, time.monotonic)
 
     def stats(self) -> dict[str, float]:
         return self.core.stats()
@@ -74,6 +110,7 @@ class LocalDisaggEngine(EngineBase):
         prefill_scheduler_config: SchedulerConfig | None = None,
         decode_scheduler_config: SchedulerConfig | None = None,
         kv_transfer_timeout_s: float = 30.0,
+        runner_factory: RunnerFactory = model_runner,
     ) -> None:
         if not (kv_transfer_timeout_s > 0 and math.isfinite(kv_transfer_timeout_s)):
             raise InvalidConfigError(f"kv_transfer_timeout_s must be a positive number of seconds, got {kv_transfer_timeout_s}")
@@ -87,8 +124,7 @@ class LocalDisaggEngine(EngineBase):
         def instance(phase: str, i: int, config: SchedulerConfig) -> LocalInstance:
             core = InstanceCore(phase, config, self.num_blocks, cc.block_size, self.max_model_len, self.eos_token_ids,
                                 enable_prefix_caching=cc.enable_prefix_caching)
-            runner = ModelRunner(loaded.config, loaded.state_dict, self.num_blocks, cc.block_size, self.eos_token_ids)
-            return LocalInstance(f"{phase}-{i}", core, runner)
+            return LocalInstance(f"{phase}-{i}", core, runner_factory(loaded, self.num_blocks, cc.block_size, self.eos_token_ids))
 
         self.prefill = [instance("prefill", i, prefill_cfg) for i in range(num_prefill)]
         self.decode = [instance("decode", i, self.scheduler_config) for i in range(num_decode)]
@@ -97,6 +133,8 @@ class LocalDisaggEngine(EngineBase):
         self._fault: str | None = None
         self._pending: MigrationQueue[tuple[LocalInstance, Sequence]] = MigrationQueue()  # prompts done, KV not yet pulled
         self._owner: dict[str, LocalInstance] = {}
+        self.on_plan: PlanListener | None = None
+        self.on_migration: MigrationListener | None = None
 
     # ---- requests ----------------------------------------------------------------------------
     def _submit(self, seq: Sequence) -> None:
@@ -141,14 +179,14 @@ class LocalDisaggEngine(EngineBase):
         for inst in self.prefill:
             if not inst.core.has_work():
                 continue
-            for seq in inst.step():
+            for seq in inst.step(self.on_plan):
                 if seq.status is not SequenceStatus.FINISHED:
                     self._pending.push((inst, seq))
                 outputs.append(self._emit(seq))
         self._migrate_pending()
         for inst in self.decode:
             if inst.core.has_work():
-                outputs.extend(self._emit(seq) for seq in inst.step())
+                outputs.extend(self._emit(seq) for seq in inst.step(self.on_plan))
         return outputs
 
     def _emit(self, seq: Sequence) -> RequestOutput:
@@ -212,6 +250,8 @@ class LocalDisaggEngine(EngineBase):
         m.durations_s.append(elapsed)
         self._seqs[seq.seq_id] = moved
         self._owner[seq.seq_id] = dst
+        if self.on_migration is not None:
+            self.on_migration(seq.seq_id, src.instance_id, dst.instance_id)
         return True
 
     def stats(self) -> dict[str, object]:

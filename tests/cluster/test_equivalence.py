@@ -1,0 +1,228 @@
+"""The simulator runs the production policy code: same workload, same plans, same migrations.
+
+One workload goes through two drivers of the cluster core: ``LocalDisaggEngine`` (the in-process
+runtime; a fake runner samples a fixed token instead of running the model) and the simulator's
+``Simulation`` (every step takes ``STEP_S``; KV moves in no time, as the engine's synchronous copy
+does). Both build their instances on ``InstanceCore`` and route with ``cluster.routing`` and
+``cluster.migration_queue``; the test asserts that every instance launches the same sequence of
+plans — per step, which requests and how many tokens each — and that the same requests migrate
+between the same instances in the same order.
+
+What is compared, and why it can be: the engine runs in rounds (every prefill instance with work
+steps, finished prefills migrate, every decode instance with work steps; requests of round ``k``
+are added before it), the simulator in time. With a constant step time, arrivals at ``k·STEP_S``
+and instant migrations every simulated event falls on that grid, and prefill step ``k`` of the
+engine is the simulated step over ``[k, k+1]·STEP_S``, decode step ``k`` the one over
+``[k+1, k+2]·STEP_S``. Both then follow the Ray runtime's rule (``runtime/controller.py``): a
+migration completes when the decode side has the KV, and the request decodes in that instance's
+next step. For the simulator that needs its rule for events at one instant (every step that ends
+then is applied, then finished prefills migrate, then arrivals are routed, then idle instances
+launch): a decode step ending at the instant a migration completes is followed by a step that
+decodes the migrated request, as the runtime's next step would, having collected the transfer
+first. Times themselves are not compared (the engine's are wall-clock), nor plans without tokens
+(the engine sends one to drop finished requests' sampler state; the simulator keeps none).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+
+from distserve.config import CacheConfig, SamplingParams, SchedulerConfig
+from distserve.engine.scheduler import SampledToken, StepPlan
+from distserve.engine.weights import LoadedModel, load_model
+from distserve.placement import InstanceSpec, Placement
+from distserve.runtime.local_disagg import LocalDisaggEngine, StepRunner
+from simulator.hardware import get_hardware
+from simulator.latency import BatchShape, LatencyModel
+from simulator.models import ModelSpec
+from simulator.simulation import SAMPLED_TOKEN, SimConfig, Simulation
+from simulator.workload import Request
+
+STEP_S = 1.0  # every simulated step; integral, so event times are exact
+BLOCK_SIZE = 4
+
+Step = tuple[tuple[str, int], ...]  # (request id, tokens computed) per chunk of one plan
+
+
+class FakeRunner:
+    """A ``StepRunner`` without a model: every sampling chunk gets ``SAMPLED_TOKEN``, as in the simulator."""
+
+    def __init__(self, num_blocks: int, block_size: int) -> None:
+        self.kv_cache = torch.zeros((1, 2, num_blocks, block_size, 1, 1))  # [layers, 2, blocks, block_size, heads, dim]
+        self.num_plans = 0
+
+    def execute(self, plan: StepPlan) -> list[SampledToken]:
+        self.num_plans += 1
+        return [SampledToken(c.seq_id, SAMPLED_TOKEN) for c in plan.chunks if c.sample]
+
+
+def fake_runner(loaded: LoadedModel, num_blocks: int, block_size: int, eos: tuple[int, ...]) -> StepRunner:
+    return FakeRunner(num_blocks, block_size)
+
+
+class ConstantStepTime(LatencyModel):
+    """Every step with tokens takes ``STEP_S``; migrations take no time."""
+
+    def __init__(self, model: ModelSpec) -> None:
+        self.model = model
+        self.hardware = get_hardware("a100-80g")
+
+    def step_time(self, shape: BatchShape, tp: int = 1, pp: int = 1) -> float:
+        return STEP_S if shape.prefill_tokens or shape.num_decode else 0.0
+
+    def supports(self, tp: int, pp: int) -> bool:
+        return True
+
+    def migration_time(self, num_bytes: int, same_node: bool = True, num_links: int = 1) -> float:
+        return 0.0
+
+
+@dataclass
+class Trace:
+    """What a driver did: per instance the plans it launched, and the migrations in completion order."""
+
+    steps: dict[str, list[Step]] = field(default_factory=lambda: defaultdict(list))
+    migrations: list[tuple[str, str, str]] = field(default_factory=list)
+    max_awaiting_migration: int = 0  # engine only: the most finished prefills that waited for room after a round
+
+    def on_plan(self, instance_id: str, plan: StepPlan) -> None:
+        if plan.chunks:
+            self.steps[instance_id].append(tuple((c.seq_id, len(c.token_ids)) for c in plan.chunks))
+
+    def on_migration(self, seq_id: str, src: str, dst: str) -> None:
+        self.migrations.append((seq_id, src, dst))
+
+
+@dataclass(frozen=True)
+class Arrival:
+    round: int  # added before this engine round; arrives at round * STEP_S in the simulator
+    prompt: tuple[int, ...]
+    output_len: int
+
+
+def workload() -> list[Arrival]:
+    """Two prompt families sharing long prefixes (affinity keeps each on one prefill instance), a few
+    strangers, a one-token request that never migrates, bursts and gaps."""
+    sys_a = tuple(range(10, 34))  # 6 blocks
+    sys_b = tuple(range(40, 60))  # 5 blocks
+    return [
+        Arrival(0, sys_a + (100, 101, 102), 6),
+        Arrival(0, sys_b + (103, 104), 4),
+        Arrival(0, tuple(range(180, 193)), 9),
+        Arrival(1, sys_a + (105, 106, 107, 108, 109), 5),
+        Arrival(1, sys_b + (110,), 1),
+        Arrival(2, sys_a + (111,), 7),
+        Arrival(2, sys_b + (112, 113, 114, 115, 116, 117), 3),
+        Arrival(2, tuple(range(150, 181)), 8),
+        Arrival(3, sys_a + (118, 119), 2),
+        Arrival(5, sys_b + (120, 121, 122), 6),
+        Arrival(5, tuple(range(70, 75)), 10),
+        Arrival(5, sys_a + (123,), 4),
+        Arrival(6, sys_a + (124, 125, 126, 127, 128, 129, 130), 5),
+        Arrival(9, sys_b + (131,), 3),
+        Arrival(9, tuple(range(210, 251)), 6),
+    ]
+
+
+@dataclass(frozen=True)
+class Setup:
+    num_prefill: int
+    num_decode: int
+    num_blocks: int
+    prefill: SchedulerConfig
+    decode: SchedulerConfig
+
+
+SETUPS = {
+    "1P1D": Setup(1, 1, 64, SchedulerConfig(max_num_batched_tokens=48), SchedulerConfig(max_num_seqs=4)),
+    "2P1D": Setup(2, 1, 64, SchedulerConfig(max_num_batched_tokens=40), SchedulerConfig(max_num_seqs=8)),
+    "1P2D": Setup(1, 2, 40, SchedulerConfig(max_num_batched_tokens=64), SchedulerConfig(max_num_seqs=3)),
+    "2P2D-tight": Setup(2, 2, 14, SchedulerConfig(max_num_batched_tokens=32), SchedulerConfig(max_num_seqs=4)),
+}
+
+
+@pytest.fixture(scope="module")
+def tiny() -> LoadedModel:
+    return load_model("tiny")
+
+
+def run_engine(tiny: LoadedModel, setup: Setup, arrivals: list[Arrival]) -> tuple[Trace, LocalDisaggEngine]:
+    engine = LocalDisaggEngine(
+        tiny, num_prefill=setup.num_prefill, num_decode=setup.num_decode,
+        cache_config=CacheConfig(num_blocks=setup.num_blocks, block_size=BLOCK_SIZE, enable_prefix_caching=True),
+        prefill_scheduler_config=setup.prefill, decode_scheduler_config=setup.decode, runner_factory=fake_runner,
+    )
+    trace = Trace()
+    engine.on_plan, engine.on_migration = trace.on_plan, trace.on_migration
+    by_round: dict[int, list[tuple[int, Arrival]]] = defaultdict(list)
+    for i, a in enumerate(arrivals):
+        by_round[a.round].append((i, a))
+    last = max(by_round)
+    k = 0
+    while k <= last or engine.has_unfinished_requests():
+        for i, a in by_round.get(k, []):
+            sampling = SamplingParams(max_tokens=a.output_len, ignore_eos=True)
+            # The simulator's arrival time: the FCFS order of requests arriving together is then their admission order in both.
+            engine.add_request(list(a.prompt), sampling, request_id=str(i), arrival_time=a.round * STEP_S)
+        engine.step()
+        trace.max_awaiting_migration = max(trace.max_awaiting_migration, engine.stats()["num_requests_awaiting_migration"])
+        k += 1
+        assert k < 1000, "the engine stalled"
+    return trace, engine
+
+
+def run_simulator(engine: LocalDisaggEngine, setup: Setup, arrivals: list[Arrival]) -> Trace:
+    cfg = engine.model_config
+    spec = ModelSpec(cfg.name, cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+                     cfg.intermediate_size, cfg.vocab_size, gated_mlp=True, max_position_embeddings=engine.max_model_len)
+    placement = Placement(prefill=(InstanceSpec(),) * setup.num_prefill, decode=(InstanceSpec(),) * setup.num_decode)
+    config = SimConfig(
+        block_size=BLOCK_SIZE, num_blocks=setup.num_blocks, max_model_len=engine.max_model_len,
+        prefill_scheduler=setup.prefill, decode_scheduler=setup.decode, enable_prefix_caching=True,
+    )
+    sim = Simulation(placement, ConstantStepTime(spec), config)
+    trace = Trace()
+    sim.on_plan, sim.on_migration = trace.on_plan, trace.on_migration
+    requests = [Request(i, a.round * STEP_S, len(a.prompt), a.output_len, prompt_token_ids=a.prompt) for i, a in enumerate(arrivals)]
+    result = sim.run(requests)
+    assert all(r.num_output_tokens == a.output_len for r, a in zip(sorted(result.records, key=lambda r: r.req_id), arrivals))
+    return trace
+
+
+@pytest.mark.parametrize("name", list(SETUPS))
+def test_simulator_and_local_engine_make_the_same_plans_and_migrations(tiny: LoadedModel, name: str) -> None:
+    setup, arrivals = SETUPS[name], workload()
+    engine_trace, engine = run_engine(tiny, setup, arrivals)
+    sim_trace = run_simulator(engine, setup, arrivals)
+
+    # The workload exercises what the drivers could disagree on.
+    assert len(engine_trace.migrations) == sum(a.output_len > 1 for a in arrivals)
+    decode_batches = [len(step) for inst, steps in engine_trace.steps.items() if inst.startswith("decode") for step in steps]
+    assert max(decode_batches) >= 3
+    prefill_tokens = sum(n for inst, steps in engine_trace.steps.items() if inst.startswith("prefill") for step in steps for _, n in step)
+    assert prefill_tokens < sum(len(a.prompt) for a in arrivals)  # shared prefixes were served from the cache
+    used = {src for _, src, _ in engine_trace.migrations} | {dst for _, _, dst in engine_trace.migrations}
+    assert len(used) == setup.num_prefill + setup.num_decode
+    if name == "2P2D-tight":  # decode memory is short: requests wait for room, running ones are preempted
+        assert engine_trace.max_awaiting_migration > 0
+        assert all(inst.core.scheduler.num_preemptions > 0 for inst in engine.decode)
+
+    assert dict(sim_trace.steps) == dict(engine_trace.steps)
+    assert sim_trace.migrations == engine_trace.migrations
+
+
+def test_prefix_affinity_keeps_a_family_on_one_prefill_instance(tiny: LoadedModel) -> None:
+    """2P1D: each family's requests go to the instance that saw its prefix (while within the load bound)."""
+    arrivals = workload()
+    trace, _ = run_engine(tiny, SETUPS["2P1D"], arrivals)
+    entry = {seq: src for seq, src, _ in trace.migrations}
+    families: dict[int, set[str]] = defaultdict(set)
+    for i, a in enumerate(arrivals):
+        if str(i) in entry and a.prompt[0] in (10, 40):
+            families[a.prompt[0]].add(entry[str(i)])
+    assert families[10] != families[40]
+    assert all(len(instances) == 1 for instances in families.values())
