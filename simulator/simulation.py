@@ -4,11 +4,18 @@ Each simulated instance is the runtime's own ``InstanceCore`` (the real ``BlockM
 real ``Scheduler`` of its phase: ``Scheduler`` colocated, ``PrefillScheduler``, ``DecodeScheduler``)
 and executes the ``StepPlan``s it launches by advancing a clock by the latency model's step time
 instead of running a model. Routing is the runtime's too (``distserve.cluster.routing``): new
-requests go to the least assigned prefill (or colocated) instance (the synthetic prompts share no
-prefixes, so affinity plays no part); finished prefills wait, KV held, in one FCFS queue until a
-decode instance (fewest assigned first) can ``reserve`` room for them (pull-based); the KV then moves
-over the link (one transfer at a time per sender and per receiver, as each worker has one transfer
-thread), the decode instance starts decoding and the prefill instance frees its copy.
+requests go to the least assigned prefill (or colocated) instance, by prefix affinity where prompts
+carry their tokens and ``enable_prefix_caching`` is set (synthetic prompts share no prefixes);
+finished prefills wait, KV held, in one FCFS queue until a decode instance (fewest assigned first)
+can ``reserve`` room for them (pull-based); the KV then moves over the link (one transfer at a time
+per sender and per receiver, as each worker has one transfer thread), the decode instance decodes
+the request from its next step on and the prefill instance frees its copy.
+
+Events at one instant are handled in phases: steps ending then are applied, finished prefills
+migrate, migrations completing then are delivered, arrivals are routed, and only then do instances
+launch — a step sees everything that happened before it starts, as the runtime's step collects
+finished transfers and new requests before it schedules. ``tests/cluster/test_equivalence.py``
+checks that this makes the plans and migrations of ``LocalDisaggEngine``'s rounds.
 
 Pipeline parallelism: an instance with ``pp`` stages keeps up to ``pp`` micro-batches in flight
 (the scheduler skips sequences that are in flight); each micro-batch spends the latency model's
@@ -32,7 +39,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from distserve.cluster.migration_queue import MigrationQueue
-from distserve.cluster.routing import RouteState, decode_order, pick_entry
+from distserve.cluster.routing import decode_order, pick_entry
 from distserve.config import SamplingParams, SchedulerConfig
 from distserve.engine.block_manager import prefix_block_hashes
 from distserve.engine.instance_core import InstanceCore
@@ -40,8 +47,9 @@ from distserve.engine.scheduler import SampledToken, StepPlan
 from distserve.engine.sequence import Sequence, SequenceStatus
 from distserve.errors import InvalidConfigError
 from distserve.placement import InstanceSpec, Placement
-from simulator.latency import BatchShape, LatencyModel
+from simulator.latency import LatencyModel
 from simulator.metrics import RequestRecord, SimResult
+from simulator.sim_instance import SharedCompute, SimInstance, batch_shape, route_of, step_time_fn
 
 if TYPE_CHECKING:
     from collections.abc import Sequence as Seq
@@ -111,67 +119,6 @@ class SimConfig:
         return self.step_time_scale if self.prefill_time_scale is None else self.prefill_time_scale
 
 
-class SimInstance:
-    """One instance: the runtime's ``InstanceCore``, a clock for each of its ``pp`` stages, a link."""
-
-    def __init__(
-        self, kind: str, index: int, spec: InstanceSpec, core: InstanceCore, step_time_fn: object, position: int = 0
-    ) -> None:
-        self.kind = kind  # "colocated" | "prefill" | "decode"
-        self.index = index
-        self.position = position  # in ``Simulation.instances``: instances due at one instant launch in this order
-        self.launch_due = False
-        self.spec = spec
-        self.tp, self.pp = spec.tp, spec.pp
-        self.core = core
-        self.stage_free = [0.0] * spec.pp  # when each pipeline stage finishes its last micro-batch
-        self.launch_pending = False
-        self.route = RouteState()  # what routing knows (``cluster.routing``, as the runtime's)
-        self.tx_free = 0.0  # the transfer thread: busy until
-        self.rx_free = 0.0
-        self.busy_s = 0.0
-        self.step_time = step_time_fn
-        # Shared compute: the step in flight's solo seconds still to run, its current speed, when
-        # those were last brought up to date, and a version that invalidates superseded completions.
-        self.work_left = 0.0
-        self.speed = 1.0
-        self.updated_at = 0.0
-        self.step_version = 0
-        self.plan_in_flight: StepPlan | None = None
-        self.launched_at = 0.0
-        self.solo_s = 0.0
-
-    @property
-    def name(self) -> str:
-        return f"{self.kind}{self.index}"
-
-    @property
-    def instance_id(self) -> str:
-        """The runtime's name of this instance (``prefill-0``)."""
-        return f"{self.kind}-{self.index}"
-
-    @property
-    def num_gpus(self) -> int:
-        return self.tp * self.pp
-
-
-def _shape(plan: StepPlan) -> BatchShape:
-    num_prefill = prefill_tokens = prefill_sq = num_decode = decode_ctx = max_ctx = 0
-    for c in plan.chunks:
-        n = len(c.token_ids)
-        if n == 1:
-            num_decode += 1
-            decode_ctx += c.start_pos + 1
-            if c.start_pos >= max_ctx:
-                max_ctx = c.start_pos + 1
-        else:
-            s = c.start_pos
-            num_prefill += 1
-            prefill_tokens += n
-            prefill_sq += (s + n) * (s + n) - s * s
-    return BatchShape(num_prefill, prefill_tokens, prefill_sq, num_decode, decode_ctx, max_ctx)
-
-
 class Simulation:
     """Run a list of requests through a placement; ``run()`` returns a ``SimResult``."""
 
@@ -195,14 +142,12 @@ class Simulation:
                                 enable_prefix_caching=cfg.enable_prefix_caching, pipeline_depth=spec.pp)
             idx = counters.get(kind, 0)
             counters[kind] = idx + 1
-            fn = _step_time_fn(latency, spec.tp, spec.pp, cfg.step_overhead_s, cfg.step_time_scale,
+            fn = step_time_fn(latency, spec.tp, spec.pp, cfg.step_overhead_s, cfg.step_time_scale,
                                cfg.prefill_scale, instant=cfg.instant_prefill and kind == "prefill")
             self.instances.append(SimInstance(kind, idx, spec, core, fn, len(self.instances)))
         self.entry = [i for i in self.instances if i.kind in ("colocated", "prefill")]
         self.decodes = [i for i in self.instances if i.kind == "decode"]
-        # Shared compute: the instances computing right now, per node (unpinned ones share one).
-        self.shared = cfg.concurrent_slowdown != 1.0
-        self.computing: dict[int | None, list[SimInstance]] = {}
+        self.shared = SharedCompute(cfg.concurrent_slowdown) if cfg.concurrent_slowdown != 1.0 else None
         # Observers, as ``LocalDisaggEngine``'s: every plan launched (instance id, plan) and every
         # migration completed (request id, source id, destination id).
         self.on_plan: Callable[[str, StepPlan], None] | None = None
@@ -274,7 +219,7 @@ class Simulation:
                 if version != inst.step_version:
                     continue  # superseded: shared compute moved this step's completion
                 if inst.plan_in_flight is not None:
-                    self._stop_computing(inst, now)
+                    self._push_completions(self.shared.stop(inst, now))  # type: ignore[union-attr]
                 unfinished -= self._step_done(inst, plan, now)
                 if self._stop:
                     break
@@ -295,7 +240,7 @@ class Simulation:
                 )
                 self._sampled[seq.seq_id] = SampledToken(seq.seq_id, SAMPLED_TOKEN)
                 hashes = prefix_block_hashes(prompt, block_size) if prefix_caching else ()
-                inst = pick_entry(self.entry, _route, hashes)
+                inst = pick_entry(self.entry, route_of, hashes)
                 inst.core.add(seq)
                 self._launch_at_end(inst)
             elif kind == _MIGRATED:
@@ -393,11 +338,11 @@ class Simulation:
         plan = launched.plan
         if self.on_plan is not None:
             self.on_plan(inst.instance_id, plan)
-        t = inst.step_time(_shape(plan))
+        t = inst.step_time(batch_shape(plan))
         core.observe(plan, t)  # what the runtime measures: the SLO budget learns from it
         inst.busy_s += t
         if self.shared and t > 0 and inst.pp == 1:
-            self._start_computing(inst, plan, t, now)
+            self._push_completions(self.shared.start(inst, plan, t, now))
             return
         end = now
         stage_free = inst.stage_free
@@ -410,41 +355,12 @@ class Simulation:
             inst.launch_pending = True
             heapq.heappush(self._events, (stage_free[0], _LAUNCH, next(self._seq_no), inst))
 
-    # ---- shared compute (processor sharing among the instances of a node) ---------------------
-    def _start_computing(self, inst: SimInstance, plan: StepPlan, t: float, now: float) -> None:
-        group = self.computing.setdefault(inst.spec.node, [])
-        self._advance(group, now)
-        inst.work_left, inst.updated_at = t, now
-        inst.plan_in_flight, inst.launched_at, inst.solo_s = plan, now, t
-        group.append(inst)
-        self._reschedule(group, now)
-
-    def _stop_computing(self, inst: SimInstance, now: float) -> None:
-        group = self.computing[inst.spec.node]
-        self._advance(group, now)
-        group.remove(inst)
-        inst.busy_s += (now - inst.launched_at) - inst.solo_s  # busy for as long as it took
-        inst.plan_in_flight = None
-        self._reschedule(group, now)
-
-    @staticmethod
-    def _advance(group: list[SimInstance], now: float) -> None:
+    def _push_completions(self, group: list[SimInstance]) -> None:
+        """Shared compute moved the steps in flight of ``group``: a new completion event for each
+        (the old one is superseded by the version)."""
         for inst in group:
-            inst.work_left = max(0.0, inst.work_left - (now - inst.updated_at) * inst.speed)
-            inst.updated_at = now
-
-    def _reschedule(self, group: list[SimInstance], now: float) -> None:
-        """The group's steps in flight at their new speed: each gets a new completion event (the
-        old one is superseded by the version)."""
-        if not group:
-            return
-        speed = 1.0 / (1.0 + (len(group) - 1) * (self.config.concurrent_slowdown - 1.0))
-        for inst in group:
-            inst.speed = speed
-            inst.step_version += 1
-            end = now + inst.work_left / speed
-            inst.stage_free[0] = end
-            heapq.heappush(self._events, (end, _STEP_DONE, next(self._seq_no), (inst, inst.plan_in_flight, inst.step_version)))
+            heapq.heappush(self._events, (inst.stage_free[0], _STEP_DONE, next(self._seq_no),
+                                          (inst, inst.plan_in_flight, inst.step_version)))
 
     def _step_done(self, inst: SimInstance, plan: StepPlan, now: float) -> int:
         """Apply a finished micro-batch (the oldest in flight: stages finish in launch order);
@@ -480,7 +396,7 @@ class Simulation:
 
     def _migrate(self, entry: tuple[SimInstance, Sequence, Sequence], now: float) -> bool:
         src, seq, copy = entry
-        for dst in decode_order(self.decodes, _route):
+        for dst in decode_order(self.decodes, route_of):
             reservation = dst.core.reserve(copy)
             if reservation is not None:
                 break
@@ -499,22 +415,6 @@ class Simulation:
         self.migration_s += duration
         heapq.heappush(self._events, (end, _MIGRATED, next(self._seq_no), (src, dst, seq.seq_id)))
         return True
-
-
-def _route(inst: SimInstance) -> RouteState:
-    return inst.route
-
-
-def _step_time_fn(latency: LatencyModel, tp: int, pp: int, overhead_s: float, scale: float = 1.0,  # noqa: ANN202
-                  prefill_scale: float = 1.0, instant: bool = False):
-    step_time = latency.step_time
-    if instant:
-        return lambda shape: 0.0
-    if prefill_scale == scale:
-        if scale == 1.0:
-            return lambda shape: step_time(shape, tp, pp) + overhead_s
-        return lambda shape: scale * step_time(shape, tp, pp) + overhead_s
-    return lambda shape: (prefill_scale if shape.prefill_tokens else scale) * step_time(shape, tp, pp) + overhead_s
 
 
 def simulate(

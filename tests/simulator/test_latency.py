@@ -338,7 +338,7 @@ def test_padded_decode_attention_reads_batch_times_longest_context(tmp_path) -> 
 
     from distserve.errors import InvalidConfigError
     from simulator.latency import FittedLatencyModel, TpCoefficients
-    from simulator.simulation import _shape
+    from simulator.sim_instance import batch_shape
     from distserve.engine.scheduler import ScheduledChunk, StepPlan
     from distserve.config import SamplingParams
 
@@ -352,7 +352,7 @@ def test_padded_decode_attention_reads_batch_times_longest_context(tmp_path) -> 
     # The simulator's shapes carry the longest context.
     sp = SamplingParams(max_tokens=8)
     plan = StepPlan([ScheduledChunk("a", [1], 99, [0], True, sp, 0), ScheduledChunk("b", [1], 999, [1], True, sp, 0)])
-    assert _shape(plan) == mixed
+    assert batch_shape(plan) == mixed
     profile = {"format": "distserve-profile/1", "model": "facebook/opt-13b", "hardware": "a100-80g", "units": "ms",
                "meta": {"decode_attention": "padded"},
                "tp": {"1": {"prefill": [10.0, 0.1, 0.0], "decoding_smallbs": [5.0, 0.01, 1.0], "decoding_largebs": [5.0, 0.01, 1.0],

@@ -1,0 +1,144 @@
+"""One simulated instance: the runtime's ``InstanceCore`` with clocks, how long its steps take, and
+how instances sharing a node's compute slow each other down.
+
+``Simulation`` drives these: it launches the core's plans, times each one with ``step_time_fn``
+(the latency model's time of the plan's ``batch_shape``) and applies it when its clock gets there;
+with ``SharedCompute`` the steps in flight on a node finish later while others compute there.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from distserve.cluster.routing import RouteState
+from distserve.engine.instance_core import InstanceCore
+from distserve.engine.scheduler import StepPlan
+from distserve.placement import InstanceSpec
+from simulator.latency import BatchShape, LatencyModel
+
+StepTimeFn = Callable[[BatchShape], float]
+
+
+class SimInstance:
+    """One instance: the runtime's ``InstanceCore``, a clock for each of its ``pp`` stages, a link."""
+
+    def __init__(
+        self, kind: str, index: int, spec: InstanceSpec, core: InstanceCore, step_time_fn: StepTimeFn, position: int = 0
+    ) -> None:
+        self.kind = kind  # "colocated" | "prefill" | "decode"
+        self.index = index
+        self.position = position  # in ``Simulation.instances``: instances due at one instant launch in this order
+        self.launch_due = False
+        self.spec = spec
+        self.tp, self.pp = spec.tp, spec.pp
+        self.core = core
+        self.stage_free = [0.0] * spec.pp  # when each pipeline stage finishes its last micro-batch
+        self.launch_pending = False
+        self.route = RouteState()  # what routing knows (``cluster.routing``, as the runtime's)
+        self.tx_free = 0.0  # the transfer thread: busy until
+        self.rx_free = 0.0
+        self.busy_s = 0.0
+        self.step_time = step_time_fn
+        # Shared compute: the step in flight's solo seconds still to run, its current speed, when
+        # those were last brought up to date, and a version that invalidates superseded completions.
+        self.work_left = 0.0
+        self.speed = 1.0
+        self.updated_at = 0.0
+        self.step_version = 0
+        self.plan_in_flight: StepPlan | None = None
+        self.launched_at = 0.0
+        self.solo_s = 0.0
+
+    @property
+    def name(self) -> str:
+        return f"{self.kind}{self.index}"
+
+    @property
+    def instance_id(self) -> str:
+        """The runtime's name of this instance (``prefill-0``)."""
+        return f"{self.kind}-{self.index}"
+
+    @property
+    def num_gpus(self) -> int:
+        return self.tp * self.pp
+
+
+def batch_shape(plan: StepPlan) -> BatchShape:
+    """The aggregates of ``plan`` a latency model times."""
+    num_prefill = prefill_tokens = prefill_sq = num_decode = decode_ctx = max_ctx = 0
+    for c in plan.chunks:
+        n = len(c.token_ids)
+        if n == 1:
+            num_decode += 1
+            decode_ctx += c.start_pos + 1
+            if c.start_pos >= max_ctx:
+                max_ctx = c.start_pos + 1
+        else:
+            s = c.start_pos
+            num_prefill += 1
+            prefill_tokens += n
+            prefill_sq += (s + n) * (s + n) - s * s
+    return BatchShape(num_prefill, prefill_tokens, prefill_sq, num_decode, decode_ctx, max_ctx)
+
+
+def route_of(inst: SimInstance) -> RouteState:
+    return inst.route
+
+
+def step_time_fn(latency: LatencyModel, tp: int, pp: int, overhead_s: float, scale: float = 1.0,
+                 prefill_scale: float = 1.0, instant: bool = False) -> StepTimeFn:
+    """Seconds one step of an instance of ``tp`` × ``pp`` takes: the latency model's time, scaled
+    (steps with prompt tokens by ``prefill_scale``), plus ``overhead_s``; 0 if ``instant``."""
+    step_time = latency.step_time
+    if instant:
+        return lambda shape: 0.0
+    if prefill_scale == scale:
+        if scale == 1.0:
+            return lambda shape: step_time(shape, tp, pp) + overhead_s
+        return lambda shape: scale * step_time(shape, tp, pp) + overhead_s
+    return lambda shape: (prefill_scale if shape.prefill_tokens else scale) * step_time(shape, tp, pp) + overhead_s
+
+
+class SharedCompute:
+    """Processor sharing among the instances of a node (unpinned ones share one): while ``k`` of them
+    compute, each step progresses ``1 + (k - 1)(slowdown - 1)`` times slower than alone.
+
+    ``start`` and ``stop`` return the instances whose step in flight got a new end
+    (``stage_free[0]``) and ``step_version``; the driver schedules those completions.
+    """
+
+    def __init__(self, slowdown: float) -> None:
+        self.slowdown = slowdown
+        self.computing: dict[int | None, list[SimInstance]] = {}  # per node: the instances computing now
+
+    def start(self, inst: SimInstance, plan: StepPlan, solo_s: float, now: float) -> list[SimInstance]:
+        group = self.computing.setdefault(inst.spec.node, [])
+        _advance(group, now)
+        inst.work_left, inst.updated_at = solo_s, now
+        inst.plan_in_flight, inst.launched_at, inst.solo_s = plan, now, solo_s
+        group.append(inst)
+        return self._reschedule(group, now)
+
+    def stop(self, inst: SimInstance, now: float) -> list[SimInstance]:
+        group = self.computing[inst.spec.node]
+        _advance(group, now)
+        group.remove(inst)
+        inst.busy_s += (now - inst.launched_at) - inst.solo_s  # busy for as long as it took
+        inst.plan_in_flight = None
+        return self._reschedule(group, now)
+
+    def _reschedule(self, group: list[SimInstance], now: float) -> list[SimInstance]:
+        if group:
+            speed = 1.0 / (1.0 + (len(group) - 1) * (self.slowdown - 1.0))
+            for inst in group:
+                inst.speed = speed
+                inst.step_version += 1
+                inst.stage_free[0] = now + inst.work_left / speed
+        return group
+
+
+def _advance(group: list[SimInstance], now: float) -> None:
+    """Bring the work left of ``group``'s steps up to ``now``."""
+    for inst in group:
+        inst.work_left = max(0.0, inst.work_left - (now - inst.updated_at) * inst.speed)
+        inst.updated_at = now
