@@ -25,7 +25,8 @@ from harness import QuietGuard
 from simulator.calibration import Calibration, StepTrace, calibrate
 from simulator.latency import FittedLatencyModel
 from simulator.metrics import RequestRecord
-from simulator.workload import Request, chatbot_lengths
+from simulator.lengths import chatbot_lengths
+from simulator.workload import Request
 
 CALIBRATION_PROMPT, CALIBRATION_OUTPUT = 32, 24
 

@@ -13,13 +13,15 @@ from scipy import stats
 
 from distserve.errors import InvalidConfigError
 from simulator import workload
-from simulator.workload import (
+from simulator.lengths import (
     ARXIV_4K_LLAMA2,
     AZURE2023_CODE,
     HUMANEVAL_OPT,
     SHAREGPT_OPT,
     FixedLengths,
     PublishedLengths,
+)
+from simulator.workload import (
     Request,
     arrival_times,
     describe,
@@ -280,7 +282,7 @@ def test_fixed_lengths_reject_bad_values() -> None:
 
 @pytest.mark.integration  # a fresh interpreter
 def test_simulator_workload_imports_neither_torch_nor_ray() -> None:
-    code = "import sys, simulator.workload; assert not {'torch', 'ray'} & set(sys.modules), sorted(sys.modules)"
+    code = "import sys, simulator.workload, simulator.lengths; assert not {'torch', 'ray'} & set(sys.modules), sorted(sys.modules)"
     subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(workload.__file__).parents[1])
 
 
