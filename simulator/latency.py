@@ -1,29 +1,24 @@
 """Step-time models of one LLM on one device type: an analytical roofline and DistServe's fitted form.
 
+Profile files (reading and writing ``TpCoefficients``) are ``simulator.profiles``' job, fitting
+them to measurements ``simulator.fitting``'s.
+
 The simulator calls ``step_time`` once per simulated step, so it is plain arithmetic on the few
 aggregates a ``BatchShape`` carries, with everything that depends only on (tp, pp) precomputed.
 """
 
 from __future__ import annotations
 
-import json
 import os
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from pathlib import Path
+from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
-from scipy.optimize import nnls
-
-from distserve.errors import InvalidConfigError, ModelNotFoundError
+from distserve.errors import InvalidConfigError
 from simulator.hardware import HardwareSpec, get_hardware
-from simulator.models import ModelSpec, get_model_spec, known_model
-
-PROFILE_FORMAT = "distserve-profile/1"
-DEFAULT_HARDWARE = "a100-80g"  # DistServe's published coefficients were measured on A100-80G
-_MIN_FIT_SAMPLES = 3  # three coefficients per phase
+from simulator.models import ModelSpec, get_model_spec
+from simulator.profiles import DEFAULT_HARDWARE, TpCoefficients, profile_json, read_profile
 
 
 @dataclass(frozen=True, slots=True)
@@ -231,30 +226,6 @@ class RooflineLatencyModel(LatencyModel):
         return (compute if compute > memory else memory) + num_tokens * comm_per_token + fixed
 
 
-@dataclass(frozen=True)
-class TpCoefficients:
-    """DistServe's fitted coefficients for one tp, in milliseconds.
-
-    Prefill: ``a + b·Σl + c·Σl²``; decode: ``a + b·Σctx + c·batch``, with ``decode_small`` for
-    batch sizes <= ``decode_threshold`` and ``decode_large`` above.
-    """
-
-    prefill: tuple[float, float, float]  # ms
-    decode_small: tuple[float, float, float]  # ms
-    decode_large: tuple[float, float, float]  # ms
-    decode_threshold: int  # batch sizes <= threshold use decode_small
-    fit_error: dict[str, float] = field(default_factory=dict, hash=False, compare=False)
-
-    def __post_init__(self) -> None:
-        for name in ("prefill", "decode_small", "decode_large"):
-            values = getattr(self, name)
-            if len(values) != 3:
-                raise InvalidConfigError(f"{name} needs 3 coefficients (a, b, c), got {values!r}")
-            object.__setattr__(self, name, tuple(float(v) for v in values))
-        if self.decode_threshold < 0:
-            raise InvalidConfigError(f"decode_threshold must be >= 0, got {self.decode_threshold}")
-
-
 class FittedLatencyModel(LatencyModel):
     """DistServe's form, per tp: prefill a + b·Σl + c·Σl²; decode a + b·Σctx + c·batch (separate
     small/large-batch coefficients split at a batch-size threshold). Coefficients in milliseconds,
@@ -360,306 +331,13 @@ class FittedLatencyModel(LatencyModel):
             InvalidConfigError: unreadable or malformed profile (the message names the key and file),
                 or ``model`` not in it.
         """
-        if isinstance(profile, dict):
-            data: Any = profile
-            source = "<dict>"
-        else:
-            source = os.fspath(profile)
-            try:
-                data = json.loads(Path(source).read_text())
-            except (OSError, ValueError) as exc:
-                raise InvalidConfigError(f"cannot read latency profile {source!r}: {exc}") from exc
-        if not isinstance(data, dict):
-            raise InvalidConfigError(f"latency profile {source!r} is not a JSON object")
-        if "format" in data:
-            return cls._from_our_profile(data, source, model, hardware)
-        return cls._from_distserve_profile(data, source, model, hardware)
-
-    @classmethod
-    def _from_our_profile(
-        cls, data: dict[str, Any], source: str, model: str | ModelSpec | None, hardware: HardwareSpec | str | None
-    ) -> FittedLatencyModel:
-        if data["format"] != PROFILE_FORMAT:
-            raise InvalidConfigError(f"profile {source!r}: format {data['format']!r} is not {PROFILE_FORMAT!r}")
-        units = data.get("units", "ms")
-        if units not in ("ms", "s"):
-            raise InvalidConfigError(f"profile {source!r}: key 'units' must be 'ms' or 's', got {units!r}")
-        scale = 1000.0 if units == "s" else 1.0
-        profiled_model = _profile_key(data, "model", source)
-        # The profiler records the architecture at the profiled dtype (KV bytes depend on it).
-        arch = (data.get("meta") or {}).get("architecture")
-        if model is None:
-            model = _spec_from_architecture(arch, source) if arch is not None else str(profiled_model)
-        else:
-            name = model.name if isinstance(model, ModelSpec) else model
-            known_a, known_b = known_model(name), known_model(str(profiled_model))
-            if known_a is not None and known_b is not None and known_a is not known_b:
-                raise InvalidConfigError(f"profile {source!r} is for model {profiled_model!r}, not {name!r}")
-            if arch is not None and isinstance(model, str):
-                model = _spec_from_architecture(arch, source)
-        if hardware is None:
-            hardware = str(_profile_key(data, "hardware", source))
-        table = _profile_key(data, "tp", source)
-        coeffs = _parse_tp_table(table, f"profile {source!r}", scale)
-        attention = (data.get("meta") or {}).get("decode_attention", "sum")
-        if attention not in ("sum", "padded"):
-            raise InvalidConfigError(f"profile {source!r}: meta.decode_attention must be 'sum' or 'padded', got {attention!r}")
-        threads = (data.get("meta") or {}).get("threads")
-        if threads is not None and (not isinstance(threads, int) or isinstance(threads, bool) or threads < 1):
-            raise InvalidConfigError(f"profile {source!r}: meta.threads must be an integer >= 1, got {threads!r}")
-        return cls(_resolve_model(model, source), coeffs, hardware=hardware, source=source, decode_attention=attention,
-                   threads=threads)
-
-    @classmethod
-    def _from_distserve_profile(
-        cls, data: dict[str, Any], source: str, model: str | ModelSpec | None, hardware: HardwareSpec | str | None
-    ) -> FittedLatencyModel:
-        if not data:
-            raise InvalidConfigError(f"latency profile {source!r} holds no models")
-        if model is None:
-            if len(data) != 1:
-                raise InvalidConfigError(
-                    f"latency profile {source!r} holds several models, pass model= one of: {', '.join(data)}"
-                )
-            key = next(iter(data))
-            spec_source: str | ModelSpec = key
-        else:
-            name = model.name if isinstance(model, ModelSpec) else model
-            key = _match_model_key(name, data)
-            if key is None:
-                raise InvalidConfigError(
-                    f"model {name!r} is not in latency profile {source!r}; it holds: {', '.join(data)}"
-                )
-            spec_source = model if isinstance(model, ModelSpec) else key
-        coeffs = _parse_tp_table(data[key], f"profile {source!r}, model {key!r}", 1.0)
-        return cls(
-            _resolve_model(spec_source, source), coeffs,
-            hardware=hardware if hardware is not None else DEFAULT_HARDWARE, source=source,
-        )
+        p = read_profile(profile, model, hardware)
+        return cls(p.model, p.coeffs, hardware=p.hardware, source=p.source, decode_attention=p.decode_attention,
+                   threads=p.threads)
 
     def to_profile(self) -> dict[str, Any]:
         """This model's coefficients in our profile format (no samples)."""
-        return {
-            "format": PROFILE_FORMAT,
-            "model": self.model.name,
-            "hardware": self.hardware.name,
-            "units": "ms",
-            "meta": {"source": self.source} if self.source else {},
-            "tp": {str(tp): _tp_entry(c) for tp, c in self.coeffs.items()},
-        }
-
-
-def _spec_from_architecture(arch: Any, source: str) -> ModelSpec:
-    if not isinstance(arch, dict):
-        raise InvalidConfigError(f"profile {source!r}: key 'meta.architecture' must be an object")
-    try:
-        return ModelSpec(**arch)
-    except TypeError as exc:
-        raise InvalidConfigError(f"profile {source!r}: bad 'meta.architecture': {exc}") from exc
-
-
-def _resolve_model(model: str | ModelSpec, source: str) -> ModelSpec:
-    try:
-        return _as_model(model)
-    except ModelNotFoundError as exc:
-        raise InvalidConfigError(f"latency profile {source!r}: {exc}") from exc
-
-
-def _match_model_key(name: str, data: dict[str, Any]) -> str | None:
-    """The key of ``data`` naming ``name``: exact, case-insensitive, or through a known alias."""
-    if name in data:
-        return name
-    by_lower = {key.lower(): key for key in data}
-    key = by_lower.get(name.lower())
-    if key is None:
-        spec = known_model(name)
-        if spec is not None:
-            key = by_lower.get(spec.name.lower())
-    return key
-
-
-def _profile_key(data: dict[str, Any], key: str, where: str) -> Any:
-    if key not in data:
-        raise InvalidConfigError(f"{where}: missing key {key!r}")
-    return data[key]
-
-
-def _triple(entry: dict[str, Any], key: str, where: str, scale: float) -> tuple[float, float, float]:
-    values = _profile_key(entry, key, where)
-    if not isinstance(values, (list, tuple)) or len(values) != 3:
-        raise InvalidConfigError(f"{where}: key {key!r} must be a list of 3 numbers [a, b, c], got {values!r}")
-    try:
-        a, b, c = (float(v) * scale for v in values)
-    except (TypeError, ValueError) as exc:
-        raise InvalidConfigError(f"{where}: key {key!r} must hold numbers, got {values!r}") from exc
-    return a, b, c
-
-
-def _parse_tp_table(table: Any, where: str, scale: float) -> dict[int, TpCoefficients]:
-    if not isinstance(table, dict) or not table:
-        raise InvalidConfigError(f"{where}: expected a non-empty mapping of tp -> coefficients, got {table!r}")
-    coeffs: dict[int, TpCoefficients] = {}
-    for tp_key, entry in table.items():
-        try:
-            tp = int(tp_key)
-        except (TypeError, ValueError) as exc:
-            raise InvalidConfigError(f"{where}: tp key {tp_key!r} is not an integer") from exc
-        entry_where = f"{where}, tp {tp_key}"
-        if not isinstance(entry, dict):
-            raise InvalidConfigError(f"{entry_where}: expected an object, got {entry!r}")
-        threshold = _profile_key(entry, "decoding_large_small_bs_threshold", entry_where)
-        if not isinstance(threshold, (int, float)) or threshold < 0:
-            raise InvalidConfigError(
-                f"{entry_where}: key 'decoding_large_small_bs_threshold' must be a number >= 0, got {threshold!r}"
-            )
-        coeffs[tp] = TpCoefficients(
-            prefill=_triple(entry, "prefill", entry_where, scale),
-            decode_small=_triple(entry, "decoding_smallbs", entry_where, scale),
-            decode_large=_triple(entry, "decoding_largebs", entry_where, scale),
-            decode_threshold=int(threshold),
-            fit_error=dict(entry.get("fit_error") or {}),
-        )
-    return coeffs
-
-
-def _tp_entry(c: TpCoefficients) -> dict[str, Any]:
-    return {
-        "prefill": list(c.prefill),
-        "decoding_smallbs": list(c.decode_small),
-        "decoding_largebs": list(c.decode_large),
-        "decoding_large_small_bs_threshold": c.decode_threshold,
-        "fit_error": dict(c.fit_error),
-    }
-
-
-def _fit_relative(features: np.ndarray, seconds: np.ndarray) -> tuple[float, float, float]:
-    """Non-negative coefficients (ms) minimising the squared relative error of ``features @ coef``."""
-    target_ms = seconds * 1e3
-    weighted = features / target_ms[:, None]  # row i / y_i: residuals become relative errors
-    scale = weighted.max(axis=0)
-    scale[scale == 0] = 1.0  # columns differ by ~1e6 (Σl vs Σl²); nnls is better conditioned scaled
-    solution, _ = nnls(weighted / scale, np.ones(len(target_ms)))
-    a, b, c = (float(v) for v in solution / scale)
-    return a, b, c
-
-
-def _mape(predicted_ms: np.ndarray, seconds: np.ndarray) -> float:
-    return float(np.mean(np.abs(predicted_ms - seconds * 1e3) / (seconds * 1e3)))
-
-
-def _samples_to_arrays(
-    samples: Sequence[tuple[Sequence[int], float]], phase: str
-) -> tuple[list[Sequence[int]], np.ndarray]:
-    if len(samples) < _MIN_FIT_SAMPLES:
-        raise InvalidConfigError(f"need at least {_MIN_FIT_SAMPLES} {phase} samples to fit, got {len(samples)}")
-    lens = [list(lengths) for lengths, _ in samples]
-    seconds = np.array([float(s) for _, s in samples])
-    if any(not row for row in lens):
-        raise InvalidConfigError(f"{phase} sample with an empty batch")
-    if not np.all(np.isfinite(seconds)) or np.any(seconds <= 0):
-        raise InvalidConfigError(f"{phase} sample times must be finite and > 0 seconds")
-    return lens, seconds
-
-
-def fit_coefficients(
-    prefill_samples: Sequence[tuple[Sequence[int], float]],
-    decode_samples: Sequence[tuple[Sequence[int], float]],
-    decode_threshold: int | None = None,
-) -> TpCoefficients:
-    """Fit DistServe's form with scipy (non-negative least squares, scipy.optimize.nnls, on relative
-    error weighting so short steps matter) from (prompt_lens, seconds) and (ctx_lens, seconds) samples.
-
-    MAPE per phase is recorded in ``fit_error`` (``prefill_mape``, ``decode_mape``). A decode side of
-    the threshold with fewer than 3 samples (e.g. none) cannot be fitted on its own: both sides then
-    use the coefficients fitted on all decode samples. ``decode_threshold`` None (our profiles)
-    picks the split between small and large decode batches that fits best: one batch size of the
-    samples, or no split. On this machine's SmolLM2 profile a batch of one or two costs a fixed
-    ~30 ms (weights dominate) while larger batches grow with their context — the split at 8 fits
-    with 5.6% MAPE where DistServe's 95 (no split here) gave 9.4%.
-
-    Raises:
-        InvalidConfigError: fewer than 3 samples in a phase, an empty batch, or a time <= 0.
-    """
-    prefill_lens, prefill_s = _samples_to_arrays(prefill_samples, "prefill")
-    decode_lens, decode_s = _samples_to_arrays(decode_samples, "decode")
-    prefill_x = np.array([[1.0, sum(lens), sum(n * n for n in lens)] for lens in prefill_lens])
-    decode_x = np.array([[1.0, sum(ctx), len(ctx)] for ctx in decode_lens])
-    prefill = _fit_relative(prefill_x, prefill_s)
-
-    def fit_decode(threshold: int) -> tuple[tuple[float, float, float], tuple[float, float, float], float]:
-        small = decode_x[:, 2] <= threshold
-        if small.sum() >= _MIN_FIT_SAMPLES and (~small).sum() >= _MIN_FIT_SAMPLES:
-            lo, hi = _fit_relative(decode_x[small], decode_s[small]), _fit_relative(decode_x[~small], decode_s[~small])
-        else:
-            lo = hi = _fit_relative(decode_x, decode_s)
-        pred = np.where(small, decode_x @ np.array(lo), decode_x @ np.array(hi))
-        return lo, hi, _mape(pred, decode_s)
-
-    if decode_threshold is None:
-        candidates = sorted({int(b) for b in decode_x[:, 2]})
-        fits = {t: fit_decode(t) for t in candidates}
-        decode_threshold = min(fits, key=lambda t: (round(fits[t][2], 6), -t))  # ties: the larger (fewer splits)
-        decode_small, decode_large, decode_mape = fits[decode_threshold]
-    else:
-        decode_small, decode_large, decode_mape = fit_decode(decode_threshold)
-    return TpCoefficients(
-        prefill=prefill,
-        decode_small=decode_small,
-        decode_large=decode_large,
-        decode_threshold=decode_threshold,
-        fit_error={"prefill_mape": _mape(prefill_x @ np.array(prefill), prefill_s), "decode_mape": decode_mape},
-    )
-
-
-def build_profile(
-    model: str,
-    hardware: str,
-    samples_by_tp: dict[int, dict[str, Any]],
-    meta: dict[str, Any] | None = None,
-    decode_threshold: int | None = None,
-) -> dict[str, Any]:
-    """Our profile JSON. samples_by_tp[tp] = {"prefill": [{"lens": [...], "seconds": s}, ...],
-    "decode": [{"ctx_lens": [...], "seconds": s}, ...]}. Fits each tp and returns
-    {"format": "distserve-profile/1", "model": model, "hardware": hardware, "units": "ms", "meta": meta or {},
-     "tp": {"1": {"prefill": [a,b,c], "decoding_smallbs": [...], "decoding_largebs": [...],
-                  "decoding_large_small_bs_threshold": N, "fit_error": {...}, "num_samples": {...}}},
-     "samples": {"1": samples...}}
-
-    Raises:
-        InvalidConfigError: no tp, a missing key in the samples, or too few samples to fit.
-    """
-    if not samples_by_tp:
-        raise InvalidConfigError("build_profile needs samples for at least one tp")
-    tp_table: dict[str, Any] = {}
-    samples_out: dict[str, Any] = {}
-    for tp in sorted(samples_by_tp):
-        where = f"samples for tp {tp}"
-        samples = samples_by_tp[tp]
-        try:
-            prefill = [(list(map(int, s["lens"])), float(s["seconds"])) for s in samples["prefill"]]
-            decode = [(list(map(int, s["ctx_lens"])), float(s["seconds"])) for s in samples["decode"]]
-        except KeyError as exc:
-            raise InvalidConfigError(f"{where}: missing key {exc.args[0]!r}") from exc
-        try:
-            coeffs = fit_coefficients(prefill, decode, decode_threshold)
-        except InvalidConfigError as exc:
-            raise InvalidConfigError(f"{where}: {exc}") from exc
-        entry = _tp_entry(coeffs)
-        entry["num_samples"] = {"prefill": len(prefill), "decode": len(decode)}
-        tp_table[str(tp)] = entry
-        samples_out[str(tp)] = {
-            "prefill": [{"lens": lens, "seconds": s} for lens, s in prefill],
-            "decode": [{"ctx_lens": ctx, "seconds": s} for ctx, s in decode],
-        }
-    return {
-        "format": PROFILE_FORMAT,
-        "model": model,
-        "hardware": hardware,
-        "units": "ms",
-        "meta": dict(meta or {}),
-        "tp": tp_table,
-        "samples": samples_out,
-    }
+        return profile_json(self.model.name, self.hardware.name, self.source, self.coeffs)
 
 
 LATENCY_MODELS: dict[str, type[LatencyModel]] = {

@@ -9,7 +9,7 @@ the profile's ``meta``; the parts live next to it:
 * ``distserve.measure.contention``: the slowdown next to a busy worker (``--concurrency``).
 
 Pipeline parallelism is not profiled: the simulator derives pp from the tp profile. Fitting is
-``simulator.latency.build_profile``'s job.
+``simulator.fitting.build_profile``'s job.
 """
 
 from __future__ import annotations
@@ -89,7 +89,7 @@ def profile_engine(
     Raises ``ModelNotFoundError`` for an unknown model and ``InvalidConfigError`` for a tp that
     does not split the model or a non-positive count.
     """
-    from simulator.latency import build_profile
+    from simulator.fitting import build_profile
 
     check_positive(threads=threads, repeats=repeats, block_size=block_size)
     resolved = resolve_dtype(dtype)

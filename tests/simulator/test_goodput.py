@@ -9,7 +9,8 @@ import pytest
 from distserve.placement import Placement
 from distserve.slo import SLO, SLOSpec
 from simulator.goodput import _reaches, find_goodput, search_rate
-from simulator.latency import FittedLatencyModel, TpCoefficients
+from simulator.latency import FittedLatencyModel
+from simulator.profiles import TpCoefficients
 from simulator.workload import generate_requests
 
 OPT13B_A100 = TpCoefficients(

@@ -14,16 +14,9 @@ import pytest
 
 from distserve.errors import InvalidConfigError
 from simulator.hardware import HARDWARE
-from simulator.latency import (
-    LATENCY_MODELS,
-    BatchShape,
-    FittedLatencyModel,
-    RooflineLatencyModel,
-    TpCoefficients,
-    build_profile,
-    fit_coefficients,
-    get_latency_model,
-)
+from simulator.fitting import build_profile, fit_coefficients
+from simulator.latency import LATENCY_MODELS, BatchShape, FittedLatencyModel, RooflineLatencyModel, get_latency_model
+from simulator.profiles import TpCoefficients
 from simulator.models import KNOWN_MODELS
 
 DATA_DIR = Path(__file__).resolve().parents[2] / "simulator" / "data"  # shipped with the package
@@ -337,7 +330,8 @@ def test_padded_decode_attention_reads_batch_times_longest_context(tmp_path) -> 
     uniform contexts cost the same either way; the profile's meta selects it; bad values are refused."""
 
     from distserve.errors import InvalidConfigError
-    from simulator.latency import FittedLatencyModel, TpCoefficients
+    from simulator.latency import FittedLatencyModel
+    from simulator.profiles import TpCoefficients
     from simulator.sim_instance import batch_shape
     from distserve.engine.scheduler import ScheduledChunk, StepPlan
     from distserve.config import SamplingParams

@@ -11,7 +11,8 @@ from distserve.errors import InvalidConfigError
 from distserve.placement import InstanceSpec, Placement
 from distserve.slo import SLO, SLOSpec, attainment
 from simulator.goodput import find_goodput
-from simulator.latency import FittedLatencyModel, TpCoefficients
+from simulator.latency import FittedLatencyModel
+from simulator.profiles import TpCoefficients
 from simulator.simulation import SimConfig, simulate, with_rate
 from simulator.workload import Request, generate_requests
 
