@@ -28,7 +28,7 @@ from distserve.cluster.migration_queue import MigrationQueue
 from distserve.cluster.recovery import CrashLedger
 from distserve.cluster.routing import pick_entry
 from distserve.config import SamplingParams
-from distserve.engine.block_manager import prefix_block_hashes
+from distserve.engine.block_manager import seq_block_hashes
 from distserve.engine.model import resolve_dtype
 from distserve.engine.outputs import RequestFrontend, RequestOutput
 from distserve.engine.sequence import Sequence, SequenceStatus
@@ -177,7 +177,9 @@ class Controller(RequestFrontend, KVMigrations, InstanceRecovery):
             return
         pinned = self._pins.get(seq.seq_id, (None, None))[0]
         entry = [i for i in entry if i.spec.instance_id == pinned] or entry
-        inst = pick_entry(entry, route_of, prefix_block_hashes(seq.token_ids, self.cache_config.block_size))
+        cc = self.cache_config
+        hashes = seq_block_hashes(seq, cc.block_size) if cc.enable_prefix_caching else []  # the instance's admission reuses them
+        inst = pick_entry(entry, route_of, hashes)
         if seq.isolate:
             inst.solo_pending[seq.seq_id] = seq.arrival_time
         self._owner[seq.seq_id] = inst
