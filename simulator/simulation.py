@@ -39,7 +39,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from distserve.cluster.migration_queue import MigrationQueue
-from distserve.cluster.routing import decode_order, pick_entry
+from distserve.cluster.routing import DEFAULT_ROUTER, check_router, decode_order, pick_entry
 from distserve.config import SamplingParams, SchedulerConfig
 from distserve.engine.block_manager import seq_block_hashes
 from distserve.engine.instance_core import InstanceCore
@@ -94,8 +94,10 @@ class SimConfig:
     # The runtime's prefix cache (``CacheConfig.enable_prefix_caching``) and, with it, prefix
     # affinity in entry routing; it matters only for requests that carry ``prompt_token_ids``.
     enable_prefix_caching: bool = False
+    router: str = DEFAULT_ROUTER  # the entry rule, by name (``distserve.cluster.routing.ROUTERS``), as ``serve --router``
 
     def __post_init__(self) -> None:
+        check_router(self.router)
         if self.block_size < 1:
             raise InvalidConfigError(f"block_size must be >= 1, got {self.block_size}")
         if self.num_blocks is not None and self.num_blocks < 1:
@@ -240,7 +242,7 @@ class Simulation:
                 )
                 self._sampled[seq.seq_id] = SampledToken(seq.seq_id, SAMPLED_TOKEN)
                 hashes = seq_block_hashes(seq, block_size) if prefix_caching else ()  # admission reuses them
-                inst = pick_entry(self.entry, route_of, hashes)
+                inst = pick_entry(self.entry, route_of, hashes, self.config.router)
                 inst.core.add(seq)
                 self._launch_at_end(inst)
             elif kind == _MIGRATED:

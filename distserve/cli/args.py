@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import TYPE_CHECKING
 
+from distserve.cluster.routing import DEFAULT_ROUTER, ROUTERS
 from distserve.errors import DistServeError
 from distserve.runtime.config import SERVER_MAX_QUEUED_REQUESTS
 
@@ -57,6 +58,9 @@ def _add_placement_args(p: argparse.ArgumentParser) -> None:
         for kind, what in (("tp", "tensor"), ("pp", "pipeline")):
             p.add_argument(f"--{phase}-{kind}", type=_positive_int, default=1, help=f"{what}-parallel degree of {phase}")
     p.add_argument("--placement", default=None, metavar="FILE", help="a Placement JSON (from `distserve plan`)")
+    p.add_argument("--router", default=DEFAULT_ROUTER, choices=sorted(ROUTERS),
+                   help="how a new request's entry instance is chosen: prefix-affinity (the longest cached prefix among the "
+                   "least loaded) or least-loaded")
 
 
 def _positive_float(text: str) -> float:

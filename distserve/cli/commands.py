@@ -75,7 +75,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         raise InvalidConfigError(f"--step-overhead-ms must be >= 0, got {args.step_overhead_ms}")
     placement = placement_from_args(args)
     config = SimConfig(
-        num_blocks=args.num_blocks, step_overhead_s=args.step_overhead_ms / 1e3,
+        num_blocks=args.num_blocks, step_overhead_s=args.step_overhead_ms / 1e3, router=args.router,
         **report.scheduler_configs(args.max_num_seqs, args.max_batched_tokens, args.tpot if args.step_budget == "slo" else None),
     )
     request = report.SimulateRequest(

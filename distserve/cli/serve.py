@@ -69,6 +69,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             block_size=args.block_size,
             max_queued_requests=args.max_queued_requests,
             tpot_slo=args.tpot_slo,
+            router=args.router,
         )
         run_ray_serve(options, args.host, args.port, on_ready=lambda url: _print_ready(url, served, f"{layout}, Ray Serve"))
         return 0
@@ -88,7 +89,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         cache_config=CacheConfig(block_size=args.block_size, kv_cache_memory_gb=args.kv_cache_gb),
         # Prefill steps hold no decodes whose TPOT a step budget would protect.
         scheduler_config=slo_scheduler_config(slo.tpot_s if slo else None), prefill_scheduler_config=SchedulerConfig(),
-        max_queued_requests=args.max_queued_requests, num_threads_per_worker=args.threads,
+        max_queued_requests=args.max_queued_requests, num_threads_per_worker=args.threads, router=args.router,
         **({} if args.kv_transfer_timeout is None else {"kv_transfer_timeout_s": args.kv_transfer_timeout}),
     )
     if on_ray:

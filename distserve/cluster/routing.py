@@ -9,6 +9,10 @@ instances within ``MAX_AFFINITY_IMBALANCE`` requests of the least assigned, the 
 longest prefix of this prompt (its blocks are likely still in its prefix cache), then the least
 assigned, then the first. Decode instances are asked fewest-assigned first (``decode_order``); the
 first with room takes the request (pull-based migration).
+
+The entry rule is a plug-in chosen by name (``ROUTERS``: ``prefix-affinity``, the default, and
+``least-loaded``, which ignores prefixes); ``pick_entry`` applies the chosen one and does the
+bookkeeping every rule shares (counting the assignment, remembering the prompt's blocks).
 """
 
 from __future__ import annotations
@@ -16,7 +20,9 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import Protocol, TypeVar
+
+from distserve.errors import InvalidConfigError
 
 MAX_REMEMBERED_BLOCKS = 65536  # prefix hashes remembered per entry instance for affinity routing
 MAX_AFFINITY_IMBALANCE = 4  # requests more than the least assigned instance that still wins on affinity
@@ -50,22 +56,51 @@ class RouteState:
         self.num_assigned = max(0, self.num_assigned - 1)
 
 
-def pick_entry(candidates: Sequence[T], state: Callable[[T], RouteState], hashes: Sequence[int] = ()) -> T:
-    """The entry instance for a new prompt whose block hashes are ``hashes`` (``prefix_block_hashes``;
-    empty where prefixes are not modelled, e.g. the simulator's synthetic prompts); counts it as
-    assigned there and remembers its blocks."""
-    if not candidates:
-        raise ValueError("no instance to route to")
-    least = min(state(i).num_assigned for i in candidates)
-    best, best_key = None, None
-    for inst in candidates:  # first of the best: ties go to the earlier instance
-        s = state(inst)
+class EntryRouter(Protocol):
+    """Chooses the entry instance among ``states`` (one per candidate, in order) for a prompt with block hashes ``hashes``."""
+
+    def __call__(self, states: Sequence[RouteState], hashes: Sequence[int]) -> int: ...
+
+
+def prefix_affinity(states: Sequence[RouteState], hashes: Sequence[int]) -> int:
+    """Among the instances within ``MAX_AFFINITY_IMBALANCE`` of the least assigned: the longest
+    remembered prefix of this prompt, then the least assigned, then the first."""
+    least = min(s.num_assigned for s in states)
+    best, best_key = 0, None
+    for i, s in enumerate(states):  # first of the best: ties go to the earlier instance
         if s.num_assigned - least > MAX_AFFINITY_IMBALANCE:
             continue
         key = (-s.cached_blocks(hashes) if hashes else 0, s.num_assigned)
         if best_key is None or key < best_key:
-            best, best_key = inst, key
-    assert best is not None
+            best, best_key = i, key
+    return best
+
+
+def least_loaded(states: Sequence[RouteState], hashes: Sequence[int]) -> int:
+    """The least assigned instance, then the first; prompts' prefixes play no part."""
+    return min(range(len(states)), key=lambda i: states[i].num_assigned)
+
+
+ROUTERS: dict[str, EntryRouter] = {"prefix-affinity": prefix_affinity, "least-loaded": least_loaded}
+DEFAULT_ROUTER = "prefix-affinity"
+
+
+def check_router(name: str) -> str:
+    """``name`` if it names a router, else an ``InvalidConfigError`` listing them."""
+    if name not in ROUTERS:
+        raise InvalidConfigError(f"unknown router {name!r}; known: {sorted(ROUTERS)}")
+    return name
+
+
+def pick_entry(
+    candidates: Sequence[T], state: Callable[[T], RouteState], hashes: Sequence[int] = (), router: str = DEFAULT_ROUTER
+) -> T:
+    """The entry instance for a new prompt whose block hashes are ``hashes`` (``seq_block_hashes``;
+    empty where prefixes are not modelled or cached), by the router named ``router``; counts it as
+    assigned there and remembers its blocks."""
+    if not candidates:
+        raise ValueError("no instance to route to")
+    best = candidates[ROUTERS[check_router(router)]([state(c) for c in candidates], hashes)]
     chosen = state(best)
     if hashes:
         chosen.remember(hashes)
@@ -78,4 +113,7 @@ def decode_order(candidates: Sequence[T], state: Callable[[T], RouteState]) -> l
     return sorted(candidates, key=lambda i: state(i).num_assigned)
 
 
-__all__ = ["MAX_AFFINITY_IMBALANCE", "MAX_REMEMBERED_BLOCKS", "RouteState", "decode_order", "pick_entry"]
+__all__ = [
+    "DEFAULT_ROUTER", "MAX_AFFINITY_IMBALANCE", "MAX_REMEMBERED_BLOCKS", "ROUTERS", "EntryRouter", "RouteState",
+    "check_router", "decode_order", "least_loaded", "pick_entry", "prefix_affinity",
+]

@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from distserve.cluster.routing import DEFAULT_ROUTER, check_router
 from distserve.config import CacheConfig, SchedulerConfig
 from distserve.errors import InvalidConfigError
 from distserve.placement import Placement
@@ -32,6 +33,7 @@ class DeploymentConfig:
     instance does not say (``InstanceSpec.threads``); ``None`` means 1 per Ray worker, and torch's
     default for the in-process engine thread. ``kv_transfer_timeout_s`` and ``max_instance_restarts``
     apply to the Ray runtime (the in-process engines copy KV in memory and do not restart).
+    ``router`` names the rule that picks a new request's entry instance on both runtimes.
     """
 
     model: str
@@ -44,6 +46,7 @@ class DeploymentConfig:
     num_threads_per_worker: int | None = None
     kv_transfer_timeout_s: float = DEFAULT_KV_TRANSFER_TIMEOUT_S
     max_instance_restarts: int = DEFAULT_MAX_INSTANCE_RESTARTS
+    router: str = DEFAULT_ROUTER  # the entry rule, by name (``cluster.routing.ROUTERS``)
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
@@ -57,6 +60,7 @@ class DeploymentConfig:
         timeout = self.kv_transfer_timeout_s
         if not (isinstance(timeout, (int, float)) and timeout > 0 and math.isfinite(timeout)):
             raise InvalidConfigError(f"kv_transfer_timeout_s must be a positive number of seconds, got {timeout}")
+        check_router(self.router)
         if not (_is_int(self.max_instance_restarts) and self.max_instance_restarts >= 0):
             raise InvalidConfigError(f"max_instance_restarts must be an integer >= 0, got {self.max_instance_restarts!r}")
 

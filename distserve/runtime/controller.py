@@ -179,7 +179,7 @@ class Controller(RequestFrontend, KVMigrations, InstanceRecovery):
         entry = [i for i in entry if i.spec.instance_id == pinned] or entry
         cc = self.cache_config
         hashes = seq_block_hashes(seq, cc.block_size) if cc.enable_prefix_caching else []  # the instance's admission reuses them
-        inst = pick_entry(entry, route_of, hashes)
+        inst = pick_entry(entry, route_of, hashes, self.config.router)
         if seq.isolate:
             inst.solo_pending[seq.seq_id] = seq.arrival_time
         self._owner[seq.seq_id] = inst

@@ -24,7 +24,7 @@ from typing import Protocol
 import torch
 
 from distserve.cluster.migration_queue import MigrationQueue
-from distserve.cluster.routing import RouteState, decode_order, pick_entry
+from distserve.cluster.routing import DEFAULT_ROUTER, RouteState, check_router, decode_order, pick_entry
 from distserve.config import CacheConfig, SchedulerConfig
 from distserve.engine.block_manager import seq_block_hashes
 from distserve.engine.instance_core import InstanceCore
@@ -111,9 +111,11 @@ class LocalDisaggEngine(EngineBase):
         decode_scheduler_config: SchedulerConfig | None = None,
         kv_transfer_timeout_s: float = 30.0,
         runner_factory: RunnerFactory = model_runner,
+        router: str = DEFAULT_ROUTER,
     ) -> None:
         if not (kv_transfer_timeout_s > 0 and math.isfinite(kv_transfer_timeout_s)):
             raise InvalidConfigError(f"kv_transfer_timeout_s must be a positive number of seconds, got {kv_transfer_timeout_s}")
+        self.router = check_router(router)
         if num_prefill < 1 or num_decode < 1:
             raise InvalidConfigError(f"need at least one prefill and one decode instance, got {num_prefill}P{num_decode}D")
         loaded = load_model(model, resolve_dtype(dtype)) if isinstance(model, str) else model
@@ -140,7 +142,7 @@ class LocalDisaggEngine(EngineBase):
     def _submit(self, seq: Sequence) -> None:
         cc = self.cache_config
         hashes = seq_block_hashes(seq, cc.block_size) if cc.enable_prefix_caching else []  # admission reuses them
-        inst = pick_entry(self.prefill, _route, hashes)
+        inst = pick_entry(self.prefill, _route, hashes, self.router)
         inst.core.add(seq)
         self._owner[seq.seq_id] = inst
 

@@ -12,6 +12,7 @@ from fastapi import FastAPI
 from ray import serve
 from ray.serve import Application
 
+from distserve.cluster.routing import DEFAULT_ROUTER
 from distserve.config import CacheConfig, SchedulerConfig, slo_scheduler_config
 from distserve.errors import InvalidConfigError
 from distserve.placement import Placement
@@ -36,6 +37,7 @@ class ServeOptions:
     block_size: int = 16
     max_queued_requests: int = SERVER_MAX_QUEUED_REQUESTS
     tpot_slo: float | None = None  # seconds: steps of decoding instances stay within it ("slo" step budget)
+    router: str = DEFAULT_ROUTER  # entry routing among the prefill instances (``cluster.routing.ROUTERS``)
 
     @classmethod
     def from_args(cls, args: Mapping[str, Any]) -> ServeOptions:
@@ -50,6 +52,7 @@ class ServeOptions:
             "block_size": int,
             "max_queued_requests": int,
             "tpot_slo": float,
+            "router": str,
         }
         unknown = sorted(set(args) - set(fields))
         if unknown:
@@ -74,7 +77,7 @@ class ServeOptions:
             self.model, placement, dtype=self.dtype,
             cache_config=CacheConfig(block_size=self.block_size, kv_cache_memory_gb=self.kv_cache_gb),
             scheduler_config=slo_scheduler_config(self.tpot_slo), prefill_scheduler_config=SchedulerConfig(),
-            max_queued_requests=self.max_queued_requests,
+            max_queued_requests=self.max_queued_requests, router=self.router,
         )
 
     def build_client(self) -> ThreadedEngineClient:

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
+from distserve.cluster.routing import DEFAULT_ROUTER
 from distserve.config import CacheConfig, SamplingParams, SchedulerConfig
 from distserve.engine.scheduler import SampledToken, StepPlan
 from distserve.engine.weights import LoadedModel, load_model
@@ -150,11 +151,11 @@ def tiny() -> LoadedModel:
     return load_model("tiny")
 
 
-def run_engine(tiny: LoadedModel, setup: Setup, arrivals: list[Arrival]) -> tuple[Trace, LocalDisaggEngine]:
+def run_engine(tiny: LoadedModel, setup: Setup, arrivals: list[Arrival], router: str = DEFAULT_ROUTER) -> tuple[Trace, LocalDisaggEngine]:
     engine = LocalDisaggEngine(
         tiny, num_prefill=setup.num_prefill, num_decode=setup.num_decode,
         cache_config=CacheConfig(num_blocks=setup.num_blocks, block_size=BLOCK_SIZE, enable_prefix_caching=True),
-        prefill_scheduler_config=setup.prefill, decode_scheduler_config=setup.decode, runner_factory=fake_runner,
+        prefill_scheduler_config=setup.prefill, decode_scheduler_config=setup.decode, runner_factory=fake_runner, router=router,
     )
     trace = Trace()
     engine.on_plan, engine.on_migration = trace.on_plan, trace.on_migration
@@ -175,14 +176,14 @@ def run_engine(tiny: LoadedModel, setup: Setup, arrivals: list[Arrival]) -> tupl
     return trace, engine
 
 
-def run_simulator(engine: LocalDisaggEngine, setup: Setup, arrivals: list[Arrival]) -> Trace:
+def run_simulator(engine: LocalDisaggEngine, setup: Setup, arrivals: list[Arrival], router: str = DEFAULT_ROUTER) -> Trace:
     cfg = engine.model_config
     spec = ModelSpec(cfg.name, cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
                      cfg.intermediate_size, cfg.vocab_size, gated_mlp=True, max_position_embeddings=engine.max_model_len)
     placement = Placement(prefill=(InstanceSpec(),) * setup.num_prefill, decode=(InstanceSpec(),) * setup.num_decode)
     config = SimConfig(
         block_size=BLOCK_SIZE, num_blocks=setup.num_blocks, max_model_len=engine.max_model_len,
-        prefill_scheduler=setup.prefill, decode_scheduler=setup.decode, enable_prefix_caching=True,
+        prefill_scheduler=setup.prefill, decode_scheduler=setup.decode, enable_prefix_caching=True, router=router,
     )
     sim = Simulation(placement, ConstantStepTime(spec), config)
     trace = Trace()
@@ -226,3 +227,16 @@ def test_prefix_affinity_keeps_a_family_on_one_prefill_instance(tiny: LoadedMode
             families[a.prompt[0]].add(entry[str(i)])
     assert families[10] != families[40]
     assert all(len(instances) == 1 for instances in families.values())
+
+
+def test_the_least_loaded_router_is_the_same_in_both_and_ignores_prefixes(tiny: LoadedModel) -> None:
+    """The router is chosen by name in both drivers: least-loaded splits a family that prefix
+    affinity keeps together, and the simulator still makes the engine's plans and migrations."""
+    setup, arrivals = SETUPS["2P1D"], workload()
+    engine_trace, engine = run_engine(tiny, setup, arrivals, router="least-loaded")
+    sim_trace = run_simulator(engine, setup, arrivals, router="least-loaded")
+    assert dict(sim_trace.steps) == dict(engine_trace.steps)
+    assert sim_trace.migrations == engine_trace.migrations
+    entry = {seq: src for seq, src, _ in engine_trace.migrations}
+    family = {entry[str(i)] for i, a in enumerate(arrivals) if str(i) in entry and a.prompt[0] == 40}
+    assert len(family) == 2

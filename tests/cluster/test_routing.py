@@ -5,7 +5,10 @@ from __future__ import annotations
 import asyncio
 
 from distserve.cluster.migration_queue import MigrationQueue
-from distserve.cluster.routing import MAX_AFFINITY_IMBALANCE, RouteState, decode_order, pick_entry
+import pytest
+
+from distserve.cluster.routing import MAX_AFFINITY_IMBALANCE, ROUTERS, RouteState, check_router, decode_order, pick_entry
+from distserve.errors import InvalidConfigError
 
 
 def states(n: int) -> list[RouteState]:
@@ -78,3 +81,16 @@ def test_async_drain_honours_entries_dropped_while_a_move_awaits() -> None:
 
     asyncio.run(q.drain_async(move))
     assert not q
+
+
+def test_least_loaded_ignores_prefixes_and_unknown_routers_are_refused() -> None:
+    insts = states(2)
+    hashes = [11, 22, 33]
+    picks = [pick_entry(insts, lambda s: s, hashes, "least-loaded") for _ in range(4)]
+    assert picks == [insts[0], insts[1], insts[0], insts[1]]  # prefix affinity would have kept them on insts[0]
+    assert insts[1].cached_blocks(hashes) == 3  # both remember what they saw: switching routers keeps working
+    assert sorted(ROUTERS) == ["least-loaded", "prefix-affinity"]
+    with pytest.raises(InvalidConfigError, match="unknown router 'random'"):
+        check_router("random")
+    with pytest.raises(InvalidConfigError, match="unknown router"):
+        pick_entry(insts, lambda s: s, hashes, "random")
