@@ -8,10 +8,11 @@ import logging
 import queue
 import threading
 from collections.abc import AsyncGenerator, Callable, Sequence as Seq
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from distserve.config import SamplingParams
+from distserve.cluster.routing import DEFAULT_ROUTER, RouteState, check_router, pick_entry
 from distserve.engine.compute_thread import use_compute_threads
 from distserve.engine.llm_engine import LLMEngine
 from distserve.engine.outputs import EngineBase, RequestOutput
@@ -65,6 +66,7 @@ _Command = _Add | _Abort | _Stats | _Stop
 class _EngineSlot:
     engine: EngineBase
     index: int
+    route: RouteState = field(default_factory=RouteState)  # requests routed here and not yet ended (``cluster.routing``)
     num_migration_durations_reported: int = 0
 
 
@@ -78,7 +80,9 @@ class ThreadedEngineClient(EngineClient):
     (add, abort, stats, stop) arrive through a thread-safe queue, and outputs go back to each
     request's ``asyncio.Queue`` with ``loop.call_soon_threadsafe``. The thread steps while any
     engine has work and blocks on the command queue otherwise. With several engines, a new
-    request goes to the one with the fewest requests in flight.
+    request goes where the cluster's entry rule (``cluster.routing.pick_entry``) sends it; the
+    prompt is tokenized by the engine after routing, so these engines get no prefix affinity
+    (with no prefix to go by, every router picks the engine with the fewest requests in flight).
 
     **Build the engines on the engine thread** (pass a factory) when serving: the engine thread is
     the process's compute thread, and a model loaded on another thread makes every step slower
@@ -90,6 +94,7 @@ class ThreadedEngineClient(EngineClient):
         max_queued_requests: bound on requests in flight; beyond it ``generate`` raises ``QueueFullError``.
         model_name: defaults to the first engine's model name.
         num_threads: torch threads for the engine thread's compute (default: torch's, all cores).
+        router: the entry rule by name (``cluster.routing.ROUTERS``).
     """
 
     _slots: list[_EngineSlot]  # set on the engine thread before the constructor returns
@@ -101,7 +106,9 @@ class ThreadedEngineClient(EngineClient):
         max_queued_requests: int = DEFAULT_MAX_QUEUED_REQUESTS,
         model_name: str | None = None,
         num_threads: int | None = None,
+        router: str = DEFAULT_ROUTER,
     ) -> None:
+        self._router = check_router(router)
         if max_queued_requests < 1:
             raise InvalidConfigError(f"max_queued_requests must be >= 1, got {max_queued_requests}")
         if num_threads is not None and num_threads < 1:
@@ -248,9 +255,7 @@ class ThreadedEngineClient(EngineClient):
         if isinstance(cmd, _Add):
             self._add(cmd)
         elif isinstance(cmd, _Abort):
-            entry = self._streams.pop(cmd.request_id, None)
-            if entry is not None:
-                entry[1].engine.abort_request(cmd.request_id)
+            self._drop(cmd.request_id)
         elif isinstance(cmd, _Stats):
             try:
                 cmd.future.set_result(self._collect_stats())
@@ -259,12 +264,14 @@ class ThreadedEngineClient(EngineClient):
 
     def _add(self, cmd: _Add) -> None:
         rid = cmd.stream.request_id
-        slot = min(self._slots, key=lambda s: (s.engine.num_requests, s.index))
+        if rid in self._streams:
+            self._deliver([(cmd.stream, DistServeError(f"request id {rid!r} is already in flight"))])
+            return
+        slot = pick_entry(self._slots, _slot_route, (), self._router)
         try:
-            if rid in self._streams:
-                raise DistServeError(f"request id {rid!r} is already in flight")
             slot.engine.add_request(cmd.prompt, cmd.sampling, request_id=rid, priority=cmd.priority)
         except Exception as exc:  # noqa: BLE001 - validation errors go to this request only
+            slot.route.release()
             self._deliver([(cmd.stream, exc)])
             return
         self._streams[rid] = (cmd.stream, slot)
@@ -281,6 +288,7 @@ class ThreadedEngineClient(EngineClient):
                 batch.append((entry[0], out))
                 if out.finished:
                     del self._streams[out.request_id]
+                    slot.route.release()
             self._deliver(batch)
 
     def _deliver(self, items: list[tuple[_Stream, RequestOutput | BaseException]]) -> None:
@@ -298,6 +306,7 @@ class ThreadedEngineClient(EngineClient):
     def _drop(self, request_id: str) -> None:
         entry = self._streams.pop(request_id, None)
         if entry is not None:
+            entry[1].route.release()
             entry[1].engine.abort_request(request_id)
 
     def _fail_all(self, exc: EngineDeadError) -> None:
@@ -347,6 +356,10 @@ class ThreadedEngineClient(EngineClient):
         }
 
 
+def _slot_route(slot: _EngineSlot) -> RouteState:
+    return slot.route
+
+
 def _qualified(instance_id: str, slot: _EngineSlot) -> str:
     return instance_id if slot.index == 0 else f"{instance_id}@{slot.index}"
 
@@ -391,4 +404,4 @@ def build_local_engine_client(config: DeploymentConfig) -> ThreadedEngineClient:
             )
         ]
 
-    return ThreadedEngineClient(build, max_queued_requests=config.max_queued_requests, num_threads=num_threads)
+    return ThreadedEngineClient(build, max_queued_requests=config.max_queued_requests, num_threads=num_threads, router=config.router)
