@@ -133,12 +133,12 @@ def measure(args: argparse.Namespace, name: str, placement: Placement, unit: lis
 
             def run_rate() -> tuple[list[RequestRecord], list[int], list[dict[str, Any]], list[float]]:
                 del trace.steps[num_kept:]  # a redone run's steps are not kept
-                llm.controller.migration_durations.clear()
+                llm.controller.counters.drain_migration_durations()
                 trace.enabled = True
                 hits: list[int] = []
                 records = llm._run(replay(llm.controller, reqs, fresh_prompts(reqs, rng, vocab), f"{name}-{rate}", hits))
                 trace.enabled = False
-                return records, hits, trace.steps[num_kept:], list(llm.controller.migration_durations)
+                return records, hits, trace.steps[num_kept:], llm.controller.counters.drain_migration_durations()
 
             num_kept = len(trace.steps)
             (runs[rate], hits, _, migrations[rate]), waited, watch = guard.measure(f"{name} at {rate} req/s", run_rate)

@@ -38,6 +38,7 @@ from dataclasses import dataclass, field, replace
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from distserve.cluster.counters import ClusterCounters
 from distserve.cluster.migration_queue import MigrationQueue
 from distserve.cluster.routing import DEFAULT_ROUTER, check_router, decode_order, pick_entry
 from distserve.config import SamplingParams, SchedulerConfig
@@ -206,9 +207,7 @@ class Simulation:
         self._due: list[SimInstance] = []  # instances to launch at the end of this instant
         # One SampledToken per live request, reused every step: update_from_output only reads it.
         self._sampled: dict[str, SampledToken] = {}
-        self.num_migrations = 0
-        self.migration_bytes = 0
-        self.migration_s = 0.0
+        self.counters = ClusterCounters()
         unfinished = len(requests)
         now = 0.0
         prompts: dict[int, list[int]] = {}
@@ -281,9 +280,9 @@ class Simulation:
                 }
                 for i in self.instances
             },
-            num_migrations=self.num_migrations,
-            migration_bytes=self.migration_bytes,
-            mean_migration_s=self.migration_s / self.num_migrations if self.num_migrations else 0.0,
+            num_migrations=self.counters.num_migrations,
+            migration_bytes=self.counters.num_bytes_migrated,
+            mean_migration_s=self.counters.migration_s / self.counters.num_migrations if self.counters.num_migrations else 0.0,
             stopped_early=self._stop,
         )
 
@@ -412,9 +411,8 @@ class Simulation:
         start = max(now, src.tx_free, dst.rx_free)
         end = start + duration
         src.tx_free = dst.rx_free = end
-        self.num_migrations += 1
-        self.migration_bytes += num_bytes
-        self.migration_s += duration
+        self.counters.record_migration(reservation.num_reused_blocks, reservation.num_blocks_to_transfer, num_bytes)
+        self.counters.record_migration_duration(duration)  # known now: the link model decides it
         heapq.heappush(self._events, (end, _MIGRATED, next(self._seq_no), (src, dst, seq.seq_id)))
         return True
 

@@ -24,6 +24,7 @@ from collections.abc import AsyncIterator, Callable, Sequence as Seq
 from dataclasses import dataclass
 from typing import Any
 
+from distserve.cluster.counters import ClusterCounters
 from distserve.cluster.migration_queue import MigrationQueue
 from distserve.cluster.recovery import CrashLedger
 from distserve.cluster.routing import pick_entry
@@ -89,17 +90,7 @@ class Controller(RequestFrontend, KVMigrations, InstanceRecovery):
         self._closed = False
         self._crashes = CrashLedger()
         self._step_faults: dict[str, str] = {}  # test hook: request id -> fault kind, armed on every instance
-        self.migration_counters = {
-            "num_migrations": 0,  # attempts started, failed ones included
-            "kv_migration_blocks_skipped_total": 0,
-            "kv_migration_bytes_total": 0,
-            "kv_migration_failures_total": 0,  # attempts that failed or timed out (the request was re-prefilled)
-            "kv_migration_timeouts_total": 0,  # of those, the ones that timed out
-            "instance_restarts_total": 0,  # instances replaced after a death
-            "requests_rerun_total": 0,  # requests re-run from prompt + tokens so far after their instance died
-            "requests_failed_poison_total": 0,  # requests failed for a second death of the instance computing them
-        }
-        self.migration_durations: list[float] = []
+        self.counters = ClusterCounters()  # migrations and recovery events (``stats()`` reports them)
         self._migration_started: dict[str, float] = {}
         self._step_listeners: list[Callable[[StepEvent], None]] = []
 
@@ -319,7 +310,7 @@ class Controller(RequestFrontend, KVMigrations, InstanceRecovery):
 
     def _apply(self, inst: DeployedInstance, result: StepResult) -> None:
         now = time.monotonic()
-        self.migration_counters["kv_migration_bytes_total"] += result.received_bytes
+        self.counters.record_bytes_migrated(result.received_bytes)
         for seq_id in result.received:
             if self._owner.get(seq_id) is not inst:
                 continue  # an attempt the runtime gave up on (its source died); that instance was told to abort
@@ -330,7 +321,7 @@ class Controller(RequestFrontend, KVMigrations, InstanceRecovery):
                 source.kick()
             started = self._migration_started.pop(seq_id, None)
             if started is not None:
-                self.migration_durations.append(now - started)
+                self.counters.record_migration_duration(now - started)
             seq = self._seqs.get(seq_id)
             if seq is not None and seq.isolate:
                 inst.solo_pending[seq_id] = seq.arrival_time  # its first decode step runs alone
@@ -368,12 +359,11 @@ class Controller(RequestFrontend, KVMigrations, InstanceRecovery):
         alive = [i for i in self.instances if i.alive]
         per = await asyncio.gather(*(i.actor.stats.remote() for i in alive), return_exceptions=True)
         instances = [s for s in per if isinstance(s, dict)]
-        durations, self.migration_durations = self.migration_durations, []
         return {
             "instances": instances,
-            "kv_migration_seconds": durations,
+            "kv_migration_seconds": self.counters.drain_migration_durations(),
             "num_requests_awaiting_migration": len(self._pending),
-            **self.migration_counters,
+            **self.counters.as_stats(),
         }
 
     async def worker_pids(self) -> dict[str, list[int]]:

@@ -23,6 +23,7 @@ from typing import Protocol
 
 import torch
 
+from distserve.cluster.counters import ClusterCounters
 from distserve.cluster.migration_queue import MigrationQueue
 from distserve.cluster.routing import DEFAULT_ROUTER, RouteState, check_router, decode_order, pick_entry
 from distserve.config import CacheConfig, SchedulerConfig
@@ -84,18 +85,6 @@ def _route(inst: LocalInstance) -> RouteState:
     return inst.route
 
 
-@dataclass
-class MigrationCounters:
-    num_migrations: int = 0
-    num_blocks_sent: int = 0
-    num_blocks_skipped: int = 0
-    num_bytes: int = 0
-    seconds: float = 0.0
-    durations_s: list[float] = field(default_factory=list)
-    num_failures: int = 0
-    num_timeouts: int = 0
-
-
 class LocalDisaggEngine(EngineBase):
     """``num_prefill`` prefill and ``num_decode`` decode instances of one model, all in this process."""
 
@@ -130,7 +119,7 @@ class LocalDisaggEngine(EngineBase):
 
         self.prefill = [instance("prefill", i, prefill_cfg) for i in range(num_prefill)]
         self.decode = [instance("decode", i, self.scheduler_config) for i in range(num_decode)]
-        self.migration = MigrationCounters()
+        self.counters = ClusterCounters()
         self.kv_transfer_timeout_s = kv_transfer_timeout_s  # for parity with the Controller: copies here are synchronous
         self._fault: str | None = None
         self._pending: MigrationQueue[tuple[LocalInstance, Sequence]] = MigrationQueue()  # prompts done, KV not yet pulled
@@ -226,30 +215,25 @@ class LocalDisaggEngine(EngineBase):
             fault, self._fault = self._fault, None
             dst.core.cancel(seq.seq_id)
             src.core.requeue(seq.seq_id)  # prefilled again; it keeps its first token
-            self.migration.num_failures += 1
-            self.migration.num_timeouts += fault == "drop_send"
+            self.counters.record_failed_migration(timed_out=fault == "drop_send")
             return True  # no longer waiting: the prefill step reports it again
         t0 = time.perf_counter()
         first, end = reservation.num_reused_blocks, reservation.num_blocks_to_fill
         src_blocks = src.core.kv_source(seq.seq_id)[first:end]
         dst_blocks = reservation.block_table[first:end]
+        num_bytes = 0
         if src_blocks:
             cache = src.runner.kv_cache  # [L, 2, NB, BS, KVH, D]
             whole = ((0, cache.shape[0]), (0, cache.shape[4]))
             data = pack_blocks(cache, src_blocks, *whole)
             unpack_blocks(dst.runner.kv_cache, dst_blocks, *whole, data)
-            self.migration.num_bytes += data.numel() * data.element_size()
+            num_bytes = data.numel() * data.element_size()
         dst.core.complete(seq.seq_id)
         src.core.release(seq.seq_id)  # after the receiver holds the KV
         src.route.release()
         dst.route.num_assigned += 1
-        elapsed = time.perf_counter() - t0
-        m = self.migration
-        m.num_migrations += 1
-        m.num_blocks_sent += len(src_blocks)
-        m.num_blocks_skipped += first
-        m.seconds += elapsed
-        m.durations_s.append(elapsed)
+        self.counters.record_migration_duration(time.perf_counter() - t0)
+        self.counters.record_migration(num_blocks_skipped=first, num_blocks=len(src_blocks), num_bytes=num_bytes)
         self._seqs[seq.seq_id] = moved
         self._owner[seq.seq_id] = dst
         if self.on_migration is not None:
@@ -260,11 +244,8 @@ class LocalDisaggEngine(EngineBase):
         return {
             "prefill": {i.instance_id: i.stats() for i in self.prefill},
             "decode": {i.instance_id: i.stats() for i in self.decode},
-            "kv_migration_blocks_total": self.migration.num_blocks_sent,
-            "kv_migration_blocks_skipped_total": self.migration.num_blocks_skipped,
-            "kv_migration_bytes_total": self.migration.num_bytes,
-            "kv_migration_seconds_total": self.migration.seconds,
-            "kv_migration_failures_total": self.migration.num_failures,
-            "kv_migration_timeouts_total": self.migration.num_timeouts,
+            "kv_migration_blocks_total": self.counters.num_blocks_migrated,
+            "kv_migration_seconds_total": self.counters.migration_s,
+            **self.counters.migration_stats(),
             "num_requests_awaiting_migration": len(self._pending),
         }

@@ -17,6 +17,7 @@ import logging
 import time
 from typing import TYPE_CHECKING
 
+from distserve.cluster.counters import ClusterCounters
 from distserve.cluster.migration_queue import MigrationQueue
 from distserve.cluster.routing import decode_order
 from distserve.engine.sequence import Sequence
@@ -31,7 +32,7 @@ class KVMigrations:
     """The ``Controller``'s migration half (a mixin: it works on the controller's request state)."""
 
     instances: list[DeployedInstance]
-    migration_counters: dict[str, int]
+    counters: ClusterCounters
     _seqs: dict[str, Sequence]
     _owner: dict[str, DeployedInstance]
     _source: dict[str, DeployedInstance]
@@ -89,8 +90,7 @@ class KVMigrations:
         self._source[seq.seq_id] = src
         dst.route.num_assigned += 1
         first, end = reservation.num_reused_blocks, reservation.num_blocks_to_fill
-        self.migration_counters["num_migrations"] += 1
-        self.migration_counters["kv_migration_blocks_skipped_total"] += first
+        self.counters.record_migration(num_blocks_skipped=first, num_blocks=end - first)
         try:
             await asyncio.gather(
                 src.actor.start_send.remote(seq.seq_id, first, end, dst.layout, dst.spec.global_ranks, tag),
@@ -111,8 +111,7 @@ class KVMigrations:
         The prefill instance keeps the request's first token, so the client sees no duplicate, and
         its prefix is cached, so the re-prefill is cheap; the request then migrates anew.
         """
-        self.migration_counters["kv_migration_failures_total"] += 1
-        self.migration_counters["kv_migration_timeouts_total"] += int(timed_out)
+        self.counters.record_failed_migration(timed_out)
         src = self._source.pop(seq_id, None)
         dst = self._owner.pop(seq_id, None)
         if dst is not None:

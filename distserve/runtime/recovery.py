@@ -17,6 +17,7 @@ import logging
 import time
 from typing import TYPE_CHECKING
 
+from distserve.cluster.counters import ClusterCounters
 from distserve.cluster.migration_queue import MigrationQueue
 from distserve.cluster.recovery import CrashLedger, blame, poison_message, suspects_of
 from distserve.cluster.routing import RouteState
@@ -37,7 +38,7 @@ class InstanceRecovery:
     placement: Placement
     instances: list[DeployedInstance]
     max_instance_restarts: int
-    migration_counters: dict[str, int]
+    counters: ClusterCounters
     _seqs: dict[str, Sequence]
     _owner: dict[str, DeployedInstance]
     _source: dict[str, DeployedInstance]
@@ -96,7 +97,7 @@ class InstanceRecovery:
         for seq_id in lost:
             seq = self._seqs.get(seq_id)
             if seq_id in poison and seq is not None:
-                self.migration_counters["requests_failed_poison_total"] += 1
+                self.counters.record_request_failed_poison()
                 self._fail_request(seq, poison_message(seq))  # also frees its KV on survivors
                 continue
             owner = self._owner.pop(seq_id, None)
@@ -108,7 +109,7 @@ class InstanceRecovery:
                 self._migration_started.pop(seq_id, None)
                 self._owner[seq_id] = holder
                 self._pending.drop(lambda e, seq_id=seq_id: e[1] == seq_id)
-                self.migration_counters["requests_rerun_total"] += 1
+                self.counters.record_request_rerun()
                 self._spawn(self._call_then_kick(holder, holder.actor.requeue.remote(seq_id)))
                 continue
             for survivor in (owner, holder):
@@ -118,7 +119,7 @@ class InstanceRecovery:
                     survivor.kick()
             if seq is None or seq.is_finished:
                 continue
-            self.migration_counters["requests_rerun_total"] += 1
+            self.counters.record_request_rerun()
             self._reroute(seq)
         if inst.restarting:
             self._spawn(self._restart(inst), name=f"restart-{inst.spec.instance_id}")
@@ -197,7 +198,7 @@ class InstanceRecovery:
             finally:
                 self._running.set()
             inst.restarts += 1
-            self.migration_counters["instance_restarts_total"] += 1
+            self.counters.record_instance_restart()
             inst.route = RouteState()
             inst.has_work = inst.kicked = False
             inst.restarting = False

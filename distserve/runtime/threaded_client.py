@@ -335,11 +335,11 @@ class ThreadedEngineClient(EngineClient):
                 for phase, group in (("prefill", engine.prefill), ("decode", engine.decode)):
                     for inst in group:
                         instances.append(instance_stats(inst.stats(), _qualified(inst.instance_id, slot), phase))
-                m = engine.migration
-                total_bytes += m.num_bytes
+                m = engine.counters
+                total_bytes += m.num_bytes_migrated
                 total_skipped += m.num_blocks_skipped
-                durations.extend(m.durations_s[slot.num_migration_durations_reported :])
-                slot.num_migration_durations_reported = len(m.durations_s)
+                durations.extend(m.migration_durations_s[slot.num_migration_durations_reported :])
+                slot.num_migration_durations_reported = len(m.migration_durations_s)
             elif isinstance(engine, LLMEngine):
                 instances.append(instance_stats(engine.stats(), f"colocated-{slot.index}", "colocated"))
             else:

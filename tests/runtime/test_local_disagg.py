@@ -35,7 +35,7 @@ def test_xpyd_matches_colocated(tiny: LoadedModel, reference: list[list[int]], n
     engine = LocalDisaggEngine(tiny, num_prefill=num_prefill, num_decode=num_decode, cache_config=CacheConfig(num_blocks=512, block_size=4))
     outs = engine.generate(PROMPTS, SP)
     assert [o.token_ids for o in outs] == reference
-    assert engine.migration.num_migrations == len(PROMPTS)
+    assert engine.counters.num_migrations == len(PROMPTS)
     for inst in engine.prefill + engine.decode:
         assert inst.core.block_manager.usage == 0.0  # everything released after the acknowledgement
     assert all(o.metrics.ttft_s is not None and o.metrics.ttft_s > 0 for o in outs)
@@ -52,9 +52,9 @@ def test_prefix_aware_migration_skips_held_blocks(tiny: LoadedModel) -> None:
     engine = LocalDisaggEngine(tiny, cache_config=CacheConfig(num_blocks=512, block_size=4))
     shared = "System: you are a helpful assistant. Answer briefly. " * 2
     engine.generate([shared + "Q: hi"], SP)
-    assert engine.migration.num_blocks_skipped == 0
+    assert engine.counters.num_blocks_skipped == 0
     second = engine.generate([shared + "Q: bye"], SP)[0]
-    assert engine.migration.num_blocks_skipped >= 16  # the shared prefix stayed in the decode cache
+    assert engine.counters.num_blocks_skipped >= 16  # the shared prefix stayed in the decode cache
     fresh = LLMEngine(tiny, cache_config=CacheConfig(num_blocks=512, block_size=4)).generate([shared + "Q: bye"], SP)[0]
     assert second.token_ids == fresh.token_ids
 
@@ -78,7 +78,7 @@ def test_single_token_requests_finish_on_prefill(tiny: LoadedModel) -> None:
     engine = LocalDisaggEngine(tiny, cache_config=CacheConfig(num_blocks=512, block_size=4))
     outs = engine.generate(PROMPTS, SamplingParams(max_tokens=1, temperature=0))
     assert all(len(o.token_ids) == 1 and o.finish_reason == "length" for o in outs)
-    assert engine.migration.num_migrations == 0
+    assert engine.counters.num_migrations == 0
 
 
 def test_bad_configuration() -> None:
