@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
+from distserve.cluster.counters import ClusterCounters
 from distserve.cluster.routing import DEFAULT_ROUTER
 from distserve.config import CacheConfig, SamplingParams, SchedulerConfig
 from distserve.engine.scheduler import SampledToken, StepPlan
@@ -89,6 +90,7 @@ class Trace:
     steps: dict[str, list[Step]] = field(default_factory=lambda: defaultdict(list))
     migrations: list[tuple[str, str, str]] = field(default_factory=list)
     max_awaiting_migration: int = 0  # engine only: the most finished prefills that waited for room after a round
+    counters: ClusterCounters | None = None  # simulator only: its migration counters
 
     def on_plan(self, instance_id: str, plan: StepPlan) -> None:
         if plan.chunks:
@@ -190,6 +192,7 @@ def run_simulator(engine: LocalDisaggEngine, setup: Setup, arrivals: list[Arriva
     sim.on_plan, sim.on_migration = trace.on_plan, trace.on_migration
     requests = [Request(i, a.round * STEP_S, len(a.prompt), a.output_len, prompt_token_ids=a.prompt) for i, a in enumerate(arrivals)]
     result = sim.run(requests)
+    trace.counters = sim.counters
     assert all(r.num_output_tokens == a.output_len for r, a in zip(sorted(result.records, key=lambda r: r.req_id), arrivals))
     return trace
 
@@ -214,6 +217,10 @@ def test_simulator_and_local_engine_make_the_same_plans_and_migrations(tiny: Loa
 
     assert dict(sim_trace.steps) == dict(engine_trace.steps)
     assert sim_trace.migrations == engine_trace.migrations
+    # ... and count them alike: the same migrations, the same prefix blocks the decode side already held.
+    assert sim_trace.counters is not None
+    for name in ("num_migrations", "num_blocks_migrated", "num_blocks_skipped"):
+        assert getattr(sim_trace.counters, name) == getattr(engine.counters, name), name
 
 
 def test_prefix_affinity_keeps_a_family_on_one_prefill_instance(tiny: LoadedModel) -> None:
