@@ -264,7 +264,7 @@ def main() -> None:
         trace.enabled = True
         try:
             # Fresh prompts: the same token ids again would be prefix-cache hits (see validate_simulator).
-            return llm._run(replay(llm.controller, reqs, fresh_prompts(reqs, rng, vocab), tag))
+            return llm.run(replay(llm.controller, reqs, fresh_prompts(reqs, rng, vocab), tag))
         finally:
             trace.enabled = False
 
@@ -296,7 +296,7 @@ def main() -> None:
         # The first loaded run on a fresh deployment is slow (new batch shapes, allocator growth) and
         # the 2-request warm-up does not cover it: one uncounted replay at the lowest rate does.
         warm_reqs = with_rate(unit, rates[0])
-        warm = llm._run(replay(llm.controller, warm_reqs, fresh_prompts(warm_reqs, rng, vocab), "warm-up"))
+        warm = llm.run(replay(llm.controller, warm_reqs, fresh_prompts(warm_reqs, rng, vocab), "warm-up"))
         print(f"  warm-up replay at {rates[0]:.3g} req/s (not counted): attainment {attainment(warm, slo)['joint']:.0%}", flush=True)
         rows = [run_rate(r) for r in rates]
         for _ in range(args.max_extra_rates):

@@ -125,7 +125,7 @@ def measure(args: argparse.Namespace, name: str, placement: Placement, unit: lis
         # the measured runs replay the same prompt lengths, so they then run warm as a server does.
         warm_reqs = with_rate(unit, max(args.rate_list))
         t = time.perf_counter()
-        llm._run(replay(llm.controller, warm_reqs, fresh_prompts(warm_reqs, rng, vocab), f"{name}-warm-up"))
+        llm.run(replay(llm.controller, warm_reqs, fresh_prompts(warm_reqs, rng, vocab), f"{name}-warm-up"))
         print(f"  {name}: warm-up replay at {max(args.rate_list)} req/s (not counted) in {time.perf_counter() - t:.1f} s", flush=True)
         for rate in args.rate_list:
             reqs = with_rate(unit, rate)
@@ -136,7 +136,7 @@ def measure(args: argparse.Namespace, name: str, placement: Placement, unit: lis
                 llm.controller.counters.drain_migration_durations()
                 trace.enabled = True
                 hits: list[int] = []
-                records = llm._run(replay(llm.controller, reqs, fresh_prompts(reqs, rng, vocab), f"{name}-{rate}", hits))
+                records = llm.run(replay(llm.controller, reqs, fresh_prompts(reqs, rng, vocab), f"{name}-{rate}", hits))
                 trace.enabled = False
                 return records, hits, trace.steps[num_kept:], llm.controller.counters.drain_migration_durations()
 

@@ -125,7 +125,7 @@ def solo_calibration(guard: QuietGuard, llm: Any, trace: StepTrace, name: str, r
         trace.enabled = True
         tpots = []
         for i in range(3):
-            tpots.append(llm._run(replay(llm.controller, solo, fresh_prompts(solo, rng, vocab), f"{name}-cal{i}"))[0].tpot_s)
+            tpots.append(llm.run(replay(llm.controller, solo, fresh_prompts(solo, rng, vocab), f"{name}-cal{i}"))[0].tpot_s)
             trace.new_run()
         trace.enabled = False
         return tpots, list(trace.steps)

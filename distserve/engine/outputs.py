@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from distserve.cluster.recovery import blame, poison_message
 from distserve.config import PRIORITY_MAX, PRIORITY_MIN, CacheConfig, SamplingParams, SchedulerConfig
+from distserve import slo
 from distserve.engine.sequence import Sequence, SequenceStatus
 from distserve.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from distserve.engine.weights import LoadedModel
@@ -44,16 +45,12 @@ class RequestMetrics:
 
     @property
     def ttft_s(self) -> float | None:
-        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+        return slo.ttft(self.arrival_time, self.first_token_time)
 
     @property
     def tpot_s(self) -> float | None:
-        """Mean time per output token after the first (0 for a single-token output)."""
-        if self.finish_time is None or self.first_token_time is None:
-            return None
-        if self.num_output_tokens <= 1:
-            return 0.0
-        return (self.finish_time - self.first_token_time) / (self.num_output_tokens - 1)
+        """Mean time per output token after the first, once finished (``distserve.slo.tpot``: None for one token)."""
+        return slo.tpot(self.first_token_time, self.finish_time, self.num_output_tokens)
 
 
 @dataclass

@@ -56,12 +56,14 @@ class DisaggLLM:
         self.tokenizer = self.controller.tokenizer
         self._ids = itertools.count()
         try:
-            self._run(self.controller.start())
+            self.run(self.controller.start())
         except BaseException:
             self._stop_loop()
             raise
 
-    def _run(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
+    def run(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
+        """Run ``coro`` on the controller's event loop and return its result: for tools driving
+        ``self.controller``'s async API directly (e.g. an open-loop replay of a trace)."""
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
 
     def generate(
@@ -82,7 +84,7 @@ class DisaggLLM:
         async def run_all() -> list[RequestOutput]:
             return list(await asyncio.gather(*(one(e, sp) for e, sp in zip(encoded, params))))
 
-        return self._run(run_all())
+        return self.run(run_all())
 
     def stream(self, prompt: str | Seq[int], sampling: SamplingParams | None = None) -> Iterator[RequestOutput]:
         """Yield this request's outputs as tokens arrive."""
@@ -108,14 +110,14 @@ class DisaggLLM:
             fut.cancel()
 
     def stats(self) -> dict[str, object]:
-        return self._run(self.controller.stats())
+        return self.run(self.controller.stats())
 
     def placement_report(self) -> list[dict[str, Any]]:
-        return self._run(self.controller.placement_report())
+        return self.run(self.controller.placement_report())
 
     def shutdown(self) -> None:
         try:
-            self._run(self.controller.shutdown(), timeout=60)
+            self.run(self.controller.shutdown(), timeout=60)
         finally:
             self._stop_loop()
 

@@ -103,7 +103,7 @@ def test_concurrent_streams_of_one_proxy_interleave_and_match_the_colocated_engi
     async def run_all() -> list[list[RequestOutput]]:
         return list(await asyncio.gather(*(consume(i) for i in range(len(PROMPTS)))))
 
-    streams = llm._run(run_all())
+    streams = llm.run(run_all())
     for i, outs in enumerate(streams):
         assert all(o.request_id == f"mux-{i}" for o in outs)
         assert outs[-1].finished and not any(o.finished for o in outs[:-1])
@@ -158,9 +158,9 @@ def test_an_error_for_one_request_leaves_the_proxys_other_streams_alone(
         return list(tokens), duplicate, bad_prompt
 
     try:
-        tokens, duplicate, bad_prompt = llm._run(scenario())
+        tokens, duplicate, bad_prompt = llm.run(scenario())
     finally:
-        llm._run(controller.abort("taken"))
+        llm.run(controller.abort("taken"))
     assert type(duplicate) is DistServeError and "already in flight" in str(duplicate)
     assert type(bad_prompt) is DistServeError and "out of range" in str(bad_prompt)
     assert tokens == colocated_tokens
