@@ -59,3 +59,7 @@ class StepFailedError(RuntimeError):
 
     def __reduce__(self) -> tuple[type, tuple[str, tuple[str, ...]]]:
         return (type(self), (str(self), self.seq_ids))
+
+
+class DataflowError(DistServeError):
+    """A semantic call, variable or session request is malformed or refers to what it may not (HTTP 4xx)."""

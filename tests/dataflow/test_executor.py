@@ -1,0 +1,94 @@
+"""A session's DAG run on the real engine (tiny model): the same greedy outputs as issuing the calls one by one."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+
+import pytest
+
+from distserve.config import CacheConfig, SamplingParams
+from distserve.dataflow.executor import DataflowSession, VariableFailed
+from distserve.dataflow.template import parse_call
+from distserve.engine.llm_engine import LLMEngine
+from distserve.engine.weights import LoadedModel, load_model
+from distserve.runtime.threaded_client import ThreadedEngineClient
+
+CACHE = CacheConfig(num_blocks=256, block_size=16)
+GREEDY = {"temperature": 0, "max_gen_length": 6, "ignore_tokenizer_eos": True}
+
+
+@pytest.fixture(scope="module")
+def tiny() -> LoadedModel:
+    return load_model("tiny")
+
+
+@pytest.fixture
+def client(tiny: LoadedModel) -> Iterator[ThreadedEngineClient]:
+    c = ThreadedEngineClient(LLMEngine(tiny, cache_config=CACHE))
+    yield c
+    c.close()
+
+
+def out(name: str) -> dict[str, object]:
+    return {"name": name, "is_output": True, "sampling_config": GREEDY}
+
+
+def test_a_chain_and_a_fan_in_match_the_calls_issued_one_by_one(tiny: LoadedModel, client: ThreadedEngineClient) -> None:
+    async def dataflow() -> tuple[str, str, str]:
+        s = DataflowSession("s", client)
+        a = s.submit(parse_call("Topic {{t}}. Idea: {{idea}} Detail: {{detail}}", [{"name": "t", "value": "bees"}, out("idea"), out("detail")]))
+        b = s.submit(parse_call("Other: {{x}}", [out("x")]))
+        c = s.submit(parse_call("{{i}} and {{x}} give {{y}}", [
+            {"name": "i", "var_id": a.outputs["detail"].var_id}, {"name": "x", "var_id": b.outputs["x"].var_id}, out("y"),
+        ]))
+        y = await s.get(c.outputs["y"].var_id, "latency", timeout_s=60)
+        return a.outputs["idea"].value or "", a.outputs["detail"].value or "", y
+
+    idea, detail, y = asyncio.run(dataflow())
+    # The same prompts, one request at a time, on a fresh engine.
+    engine = LLMEngine(tiny, cache_config=CACHE)
+    sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+
+    def one(prompt: str) -> str:
+        return engine.generate([prompt], sp)[0].text
+
+    ref_idea = one("Topic bees. Idea: ")
+    ref_detail = one("Topic bees. Idea: " + ref_idea + " Detail: ")
+    ref_x = one("Other: ")
+    assert (idea, detail) == (ref_idea, ref_detail)
+    assert y == one(ref_detail + " and " + ref_x + " give ")
+
+
+def test_a_failed_transform_fails_the_reader_and_downstream_without_hanging(client: ThreadedEngineClient) -> None:
+    async def scenario() -> None:
+        s = DataflowSession("s", client)
+        a = s.submit(parse_call("Count: {{n}}", [out("n")]))
+        b = s.submit(parse_call("{{num}} then {{m}}", [
+            {"name": "num", "var_id": a.outputs["n"].var_id, "transforms": [{"op": "regex", "pattern": "^NEVER$"}]}, out("m"),
+        ]))
+        c = s.submit(parse_call("{{m}} so {{k}}", [{"name": "m", "var_id": b.outputs["m"].var_id}, out("k")]))
+        with pytest.raises(VariableFailed, match=f"call {b.call_id} failed: regex"):
+            await s.get(c.outputs["k"].var_id, "latency", timeout_s=60)
+        assert a.outputs["n"].value is not None  # the producer itself succeeded
+        pending = s.graph.new_variable("never_set")
+        with pytest.raises(TimeoutError):
+            await s.get(pending.var_id, "latency", timeout_s=0.05)
+        await s.close()
+
+    asyncio.run(scenario())
+
+
+def test_an_input_set_later_releases_its_calls(client: ThreadedEngineClient) -> None:
+    async def scenario() -> str:
+        s = DataflowSession("s", client)
+        a = s.submit(parse_call("Doc: {{doc}} Summary: {{sum}}", [{"name": "doc"}, out("sum")]), criteria="throughput")
+        doc = a.inputs["doc"]
+        assert not isinstance(doc, str)
+        reading = asyncio.ensure_future(s.get(a.outputs["sum"].var_id, "throughput", timeout_s=60))
+        await asyncio.sleep(0.05)
+        assert not reading.done()
+        await s.set(doc.var_id, "the quick brown fox")
+        return await reading
+
+    assert isinstance(asyncio.run(scenario()), str)
