@@ -34,6 +34,10 @@ MAX_VARIABLES = 10_000
 MAX_VALUE_CHARS = 1_000_000
 
 
+class UnknownVariable(DataflowError):
+    """No variable with this id in this session (HTTP 404): ids of other sessions are unknown here too."""
+
+
 class VarState(str, Enum):
     PENDING = "pending"
     READY = "ready"
@@ -101,7 +105,7 @@ class DataflowGraph:
     def variable(self, var_id: object) -> SemanticVariable:
         var = self.variables.get(var_id) if isinstance(var_id, str) else None
         if var is None:
-            raise DataflowError(f"no semantic variable {var_id!r} in this session", "var_id")
+            raise UnknownVariable(f"no semantic variable {var_id!r} in this session", "var_id")
         return var
 
     def add_call(self, call: SemanticCall, criteria: str | None = None) -> CallNode:

@@ -23,6 +23,8 @@ from distserve.config import SamplingParams
 from distserve.engine.outputs import RequestOutput
 from distserve.errors import InvalidConfigError, ServiceUnavailableError
 from distserve.runtime.client import EngineClient
+from distserve.dataflow.sessions import SessionManager
+from distserve.serving.dataflow_routes import add_dataflow_routes
 from distserve.serving.http_errors import (
     ClientDisconnected,
     add_error_handlers,
@@ -171,6 +173,8 @@ def build_fastapi_app(
     server = _Server(client, served_model_name, metrics or ServingMetrics())
     app.state.server = server
     add_error_handlers(app)
+    app.state.sessions = SessionManager(client)
+    add_dataflow_routes(app, app.state.sessions, {served_model_name, client.model_name})
 
     @app.get("/health")
     async def health() -> Response:

@@ -1,0 +1,203 @@
+"""Parrot's public v1 API (semantic variables) on the same app and port as the OpenAI API.
+
+Routes, with Parrot's JSON fields (its clients send them as a JSON body, also on GET and DELETE;
+query parameters work too, for curl):
+
+* ``POST /v1/session`` → ``{session_id, session_auth}``; ``GET|DELETE /v1/session/{id}``
+* ``POST /v1/semantic_call`` (``session_id``, ``session_auth``, ``template``, ``placeholders`` or
+  ``parameters``, ``models``, ``model_type``, ``remove_pure_fill``, ``cache_prefix``,
+  ``output_criteria``, ``fuse_fill``) → ``{request_id, session_id, param_info}`` (also as
+  ``placeholders_mapping``, the older name): the variable of every placeholder
+* ``POST /v1/semantic_var`` (``var_name``) → ``{var_id}``; ``POST /v1/semantic_var/{id}``
+  (``content``) sets it; ``GET /v1/semantic_var/{id}`` (``criteria``, optional ``timeout``)
+  waits for its value → ``{content}``; ``GET /v1/semantic_var`` lists the session's variables
+* ``POST /v1/py_native_call`` → 400: we never execute client code
+
+Errors use the OpenAI error body: 400 naming the ``param``, 403 for a wrong ``session_auth``,
+404 for an unknown session or variable, 408 when a read times out, 424 when the variable's call
+(or one upstream) failed — its message names that call. ``cache_prefix``, ``fuse_fill`` and
+``remove_pure_fill`` are accepted: prefixes are always cached, and fills are never sent alone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Mapping
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+
+from distserve.dataflow.executor import DataflowSession, VariableFailed
+from distserve.dataflow.graph import UnknownVariable, check_criteria
+from distserve.dataflow.sessions import SessionForbidden, SessionManager, SessionNotFound
+from distserve.dataflow.template import parse_call
+from distserve.errors import DataflowError
+from distserve.serving.protocol import APIError
+
+MAX_GET_TIMEOUT_S = 3600.0
+_CALL_FIELDS = {
+    "session_id", "session_auth", "template", "placeholders", "parameters", "models", "model_type",
+    "remove_pure_fill", "cache_prefix", "output_criteria", "fuse_fill",
+}
+
+
+def add_dataflow_routes(app: FastAPI, sessions: SessionManager, served_model_names: set[str]) -> None:
+    """Mount the semantic-variable API on ``app``; ``sessions`` run their calls on the app's engine."""
+
+    async def session_of(payload: Mapping[str, Any]) -> DataflowSession:
+        try:
+            return await sessions.get(payload.get("session_id"), payload.get("session_auth"))
+        except SessionNotFound as exc:
+            raise APIError(404, str(exc), param="session_id", type="not_found_error") from None
+        except SessionForbidden as exc:
+            raise APIError(403, str(exc), param="session_auth", type="permission_error") from None
+
+    @app.post("/v1/session")
+    async def register_session() -> JSONResponse:
+        session_id, token = await guarded(sessions.create())
+        return JSONResponse({"session_id": int(session_id), "session_auth": token})
+
+    @app.get("/v1/session/{session_id}")
+    async def session_info(session_id: str, request: Request) -> JSONResponse:
+        session = await session_of({**await body(request), "session_id": session_id})
+        calls = session.graph.calls.values()
+        return JSONResponse({
+            "session_id": int(session_id), "num_variables": len(session.graph.variables), "num_calls": len(calls),
+            "calls": {state: sum(1 for c in calls if c.state.value == state) for state in ("waiting", "running", "done", "failed")},
+        })
+
+    @app.delete("/v1/session/{session_id}")
+    async def remove_session(session_id: str, request: Request) -> JSONResponse:
+        payload = {**await body(request), "session_id": session_id}
+        await session_of(payload)  # 404/403 first
+        await sessions.delete(session_id, payload.get("session_auth"))
+        return JSONResponse({})
+
+    @app.post("/v1/semantic_call")
+    async def submit_semantic_call(request: Request) -> JSONResponse:
+        payload = await body(request)
+        session = await session_of(payload)
+        unknown = sorted(set(payload) - _CALL_FIELDS)
+        if unknown:
+            raise APIError(400, f"unknown fields {unknown}", param=unknown[0])
+        check_metadata(payload, served_model_names)
+        placeholders = payload.get("placeholders", payload.get("parameters"))
+        call = await guarded_sync(lambda: parse_call(payload.get("template"), placeholders))
+        await guarded_sync(lambda: sessions.check_pending(session))
+        criteria = payload.get("output_criteria")
+        node = await guarded_sync(lambda: session.submit(call, criteria))
+        info = [
+            {"placeholder_name": name, "is_output": ph.is_output, "var_name": var.name, "var_id": var.var_id,
+             "var_desc": f"{'output' if ph.is_output else 'input'} {name} of call {node.call_id}", "var_scope": "session"}
+            for name, ph in call.placeholders.items()
+            if (var := (node.outputs.get(name) or node.inputs.get(name))) is not None and not isinstance(var, str)
+        ]
+        return JSONResponse({"request_id": node.call_id, "session_id": int(payload["session_id"]),
+                             "param_info": info, "placeholders_mapping": info})
+
+    @app.post("/v1/py_native_call")
+    async def py_native_call() -> JSONResponse:
+        raise APIError(400, "native (Python) calls are not supported: the server never executes client code; "
+                            "use declarative transforms on a call's inputs instead", param="py_native_call")
+
+    @app.post("/v1/semantic_var")
+    async def register_variable(request: Request) -> JSONResponse:
+        payload = await body(request)
+        session = await session_of(payload)
+        name = payload.get("var_name", "var")
+        if not isinstance(name, str) or not name or len(name) > 256:
+            raise APIError(400, "var_name must be a non-empty string of at most 256 characters", param="var_name")
+        var = await guarded_sync(lambda: session.graph.new_variable(name))
+        return JSONResponse({"var_id": var.var_id})
+
+    @app.post("/v1/semantic_var/{var_id}")
+    async def set_variable(var_id: str, request: Request) -> JSONResponse:
+        payload = await body(request)
+        session = await session_of(payload)
+        await guarded(session.set(var_id, payload.get("content")))
+        return JSONResponse({})
+
+    @app.get("/v1/semantic_var/{var_id}")
+    async def get_variable(var_id: str, request: Request) -> JSONResponse:
+        payload = await body(request)
+        session = await session_of(payload)
+        criteria = payload.get("criteria", "latency")
+        timeout = payload.get("timeout")
+        if timeout is not None:
+            try:
+                timeout = float(timeout)
+            except (TypeError, ValueError):
+                raise APIError(400, f"timeout must be a number of seconds, got {timeout!r}", param="timeout") from None
+            if not 0 < timeout <= MAX_GET_TIMEOUT_S:
+                raise APIError(400, f"timeout must be in (0, {MAX_GET_TIMEOUT_S:g}] seconds", param="timeout")
+        await guarded_sync(lambda: check_criteria(criteria))
+        try:
+            content = await session.get(var_id, criteria, timeout)
+        except VariableFailed as exc:
+            raise APIError(424, str(exc), param="var_id", type="failed_dependency") from None
+        except (TimeoutError, asyncio.TimeoutError):
+            raise APIError(408, f"variable {var_id} has no value after {timeout:g} s", param="timeout") from None
+        except DataflowError as exc:
+            raise as_api_error(exc) from None
+        return JSONResponse({"content": content})
+
+    @app.get("/v1/semantic_var")
+    async def list_variables(request: Request) -> JSONResponse:
+        session = await session_of(await body(request))
+        return JSONResponse({"variables": [
+            {"var_id": v.var_id, "var_name": v.name, "state": v.state.value,
+             "producer": v.producer.call_id if v.producer is not None else None}
+            for v in session.graph.variables.values()
+        ]})
+
+
+async def body(request: Request) -> dict[str, Any]:
+    """The JSON body (Parrot sends one on every method) merged over the query parameters."""
+    payload: dict[str, Any] = dict(request.query_params)
+    raw = await request.body()
+    if raw.strip():
+        try:
+            data = json.loads(raw)
+        except json.JSONDecodeError as exc:
+            raise APIError(400, f"the body is not JSON: {exc.msg}") from None
+        if not isinstance(data, dict):
+            raise APIError(400, "the body must be a JSON object")
+        payload.update(data)
+    return payload
+
+
+def check_metadata(payload: Mapping[str, Any], served: set[str]) -> None:
+    models = payload.get("models", [])
+    if not isinstance(models, list) or not all(isinstance(m, str) for m in models):
+        raise APIError(400, "models must be a list of model names", param="models")
+    if models and not set(models) & served:
+        raise APIError(404, f"none of the models {models} is served here (serving {sorted(served)})", param="models", type="not_found_error")
+    if payload.get("model_type", "token_id") not in ("token_id", "text"):
+        raise APIError(400, "model_type must be 'token_id' or 'text'", param="model_type")
+    for flag in ("remove_pure_fill", "cache_prefix", "fuse_fill"):
+        if flag in payload and not isinstance(payload[flag], bool):
+            raise APIError(400, f"{flag} must be true or false", param=flag)
+    if payload.get("output_criteria") is not None and payload["output_criteria"] not in ("latency", "throughput"):
+        raise APIError(400, "output_criteria must be 'latency', 'throughput' or null", param="output_criteria")
+
+
+def as_api_error(exc: DataflowError) -> APIError:
+    if isinstance(exc, UnknownVariable):
+        return APIError(404, str(exc), param=exc.param, type="not_found_error")
+    return APIError(400, str(exc), param=exc.param)
+
+
+async def guarded(awaitable: Any) -> Any:
+    try:
+        return await awaitable
+    except DataflowError as exc:
+        raise as_api_error(exc) from None
+
+
+async def guarded_sync(fn: Any) -> Any:
+    try:
+        return fn()
+    except DataflowError as exc:
+        raise as_api_error(exc) from None
