@@ -149,3 +149,17 @@ class HttpServer:
             self.server.should_exit = True
         self.thread.join(60)
         self.sock.close()
+
+
+def colocated_tiny_server(cache: CacheConfig) -> HttpServer:
+    """The HTTP app over one in-process colocated engine of the tiny model (no Ray)."""
+    from distserve.engine.llm_engine import LLMEngine
+    from distserve.engine.weights import load_model
+    from distserve.runtime.threaded_client import ThreadedEngineClient
+
+    tiny = load_model("tiny")
+
+    async def make_client() -> ThreadedEngineClient:
+        return ThreadedEngineClient(LLMEngine(tiny, cache_config=cache))
+
+    return HttpServer(make_client)

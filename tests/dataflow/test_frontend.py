@@ -6,13 +6,12 @@ import asyncio
 from collections.abc import Iterator
 
 import pytest
-from serving_util import HttpServer
+from serving_util import HttpServer, colocated_tiny_server
 
 from distserve.config import CacheConfig, SamplingParams
 from distserve.dataflow.frontend import DataflowClientError, Input, Output, Session, semantic_function
 from distserve.engine.llm_engine import LLMEngine
 from distserve.engine.weights import load_model
-from distserve.runtime.threaded_client import ThreadedEngineClient
 
 pytestmark = pytest.mark.timeout(300)
 CACHE = CacheConfig(num_blocks=256, block_size=16)
@@ -32,12 +31,7 @@ def title(text: Input(transforms=[{"op": "strip"}]), headline: Output(max_gen_le
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[HttpServer]:
-    tiny = load_model("tiny")
-
-    async def make_client() -> ThreadedEngineClient:
-        return ThreadedEngineClient(LLMEngine(tiny, cache_config=CACHE))
-
-    srv = HttpServer(make_client)
+    srv = colocated_tiny_server(CACHE)
     yield srv
     srv.stop()
 

@@ -7,12 +7,11 @@ from typing import Any
 
 import httpx
 import pytest
-from serving_util import HttpServer
+from serving_util import HttpServer, colocated_tiny_server
 
 from distserve.config import CacheConfig, SamplingParams
 from distserve.engine.llm_engine import LLMEngine
 from distserve.engine.weights import load_model
-from distserve.runtime.threaded_client import ThreadedEngineClient
 
 pytestmark = pytest.mark.timeout(300)
 CACHE = CacheConfig(num_blocks=256, block_size=16)
@@ -21,12 +20,7 @@ GREEDY = {"temperature": 0, "max_gen_length": 5, "ignore_tokenizer_eos": True}
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[HttpServer]:
-    tiny = load_model("tiny")
-
-    async def make_client() -> ThreadedEngineClient:
-        return ThreadedEngineClient(LLMEngine(tiny, cache_config=CACHE))
-
-    srv = HttpServer(make_client)
+    srv = colocated_tiny_server(CACHE)
     yield srv
     srv.stop()
 
