@@ -40,9 +40,8 @@ from typing import TYPE_CHECKING
 
 from distserve.cluster.counters import ClusterCounters
 from distserve.cluster.migration_queue import MigrationQueue
-from distserve.cluster.routing import DEFAULT_ROUTER, check_router, decode_order, pick_entry
+from distserve.cluster.routing import DEFAULT_ROUTER, check_router, decode_order, entry_hashes, pick_entry
 from distserve.config import SamplingParams, SchedulerConfig
-from distserve.engine.block_manager import seq_block_hashes
 from distserve.engine.instance_core import InstanceCore
 from distserve.engine.scheduler import SampledToken, StepPlan
 from distserve.engine.sequence import Sequence, SequenceStatus
@@ -240,8 +239,7 @@ class Simulation:
                     str(r.req_id), prompt, SamplingParams(max_tokens=r.output_len, ignore_eos=True), arrival_time=r.arrival_s
                 )
                 self._sampled[seq.seq_id] = SampledToken(seq.seq_id, SAMPLED_TOKEN)
-                hashes = seq_block_hashes(seq, block_size) if prefix_caching else ()  # admission reuses them
-                inst = pick_entry(self.entry, route_of, hashes, self.config.router)
+                inst = pick_entry(self.entry, route_of, entry_hashes(seq, block_size, prefix_caching), self.config.router)
                 inst.core.add(seq)
                 self._launch_at_end(inst)
             elif kind == _MIGRATED:

@@ -22,6 +22,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, TypeVar
 
+from distserve.engine.block_manager import seq_block_hashes
+from distserve.engine.sequence import Sequence as SequenceT
 from distserve.errors import InvalidConfigError
 
 MAX_REMEMBERED_BLOCKS = 65536  # prefix hashes remembered per entry instance for affinity routing
@@ -92,6 +94,12 @@ def check_router(name: str) -> str:
     return name
 
 
+def entry_hashes(seq: SequenceT, block_size: int, prefix_caching: bool) -> list[int]:
+    """The block hashes entry routing goes by: the prompt's (computed once, kept on the sequence, so
+    the instance's admission reuses them), or none where there is no prefix cache to be near."""
+    return seq_block_hashes(seq, block_size) if prefix_caching else []
+
+
 def pick_entry(
     candidates: Sequence[T], state: Callable[[T], RouteState], hashes: Sequence[int] = (), router: str = DEFAULT_ROUTER
 ) -> T:
@@ -115,5 +123,5 @@ def decode_order(candidates: Sequence[T], state: Callable[[T], RouteState]) -> l
 
 __all__ = [
     "DEFAULT_ROUTER", "MAX_AFFINITY_IMBALANCE", "MAX_REMEMBERED_BLOCKS", "ROUTERS", "EntryRouter", "RouteState",
-    "check_router", "decode_order", "least_loaded", "pick_entry", "prefix_affinity",
+    "check_router", "decode_order", "entry_hashes", "least_loaded", "pick_entry", "prefix_affinity",
 ]

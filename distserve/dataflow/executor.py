@@ -86,8 +86,8 @@ class DataflowSession:
         except asyncio.CancelledError:
             self.graph.fail(node, "the session was closed")
             raise
-        except (DistServeError, TransformFailed, ValueError) as exc:
-            self.graph.fail(node, str(exc))
+        except Exception as exc:  # noqa: BLE001 - any failure (bad transform, refused or failed request, outage) fails the call
+            self.graph.fail(node, str(exc) if isinstance(exc, (DistServeError, TransformFailed)) else f"{type(exc).__name__}: {exc}")
         finally:
             self._dispatch()
             await self._notify()

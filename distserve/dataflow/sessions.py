@@ -18,6 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from distserve.dataflow.executor import DataflowSession
+from distserve.dataflow.graph import CallState
 from distserve.errors import DataflowError
 from distserve.runtime.client import EngineClient
 
@@ -85,7 +86,7 @@ class SessionManager:
         return entry.session
 
     def check_pending(self, session: DataflowSession) -> None:
-        pending = sum(1 for n in session.graph.calls.values() if n.state.value in ("waiting", "running"))
+        pending = sum(1 for n in session.graph.calls.values() if n.state in (CallState.WAITING, CallState.RUNNING))
         if pending >= self.max_pending_calls:
             raise DataflowError(f"the session has {pending} unfinished calls (max {self.max_pending_calls})", "session_id")
 

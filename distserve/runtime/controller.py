@@ -27,9 +27,8 @@ from typing import Any
 from distserve.cluster.counters import ClusterCounters
 from distserve.cluster.migration_queue import MigrationQueue
 from distserve.cluster.recovery import CrashLedger
-from distserve.cluster.routing import pick_entry
+from distserve.cluster.routing import entry_hashes, pick_entry
 from distserve.config import SamplingParams
-from distserve.engine.block_manager import seq_block_hashes
 from distserve.engine.model import resolve_dtype
 from distserve.engine.outputs import RequestFrontend, RequestOutput
 from distserve.engine.sequence import Sequence, SequenceStatus
@@ -169,7 +168,7 @@ class Controller(RequestFrontend, KVMigrations, InstanceRecovery):
         pinned = self._pins.get(seq.seq_id, (None, None))[0]
         entry = [i for i in entry if i.spec.instance_id == pinned] or entry
         cc = self.cache_config
-        hashes = seq_block_hashes(seq, cc.block_size) if cc.enable_prefix_caching else []  # the instance's admission reuses them
+        hashes = entry_hashes(seq, cc.block_size, cc.enable_prefix_caching)
         inst = pick_entry(entry, route_of, hashes, self.config.router)
         if seq.isolate:
             inst.solo_pending[seq.seq_id] = seq.arrival_time

@@ -25,9 +25,8 @@ import torch
 
 from distserve.cluster.counters import ClusterCounters
 from distserve.cluster.migration_queue import MigrationQueue
-from distserve.cluster.routing import DEFAULT_ROUTER, RouteState, check_router, decode_order, pick_entry
+from distserve.cluster.routing import DEFAULT_ROUTER, RouteState, check_router, decode_order, entry_hashes, pick_entry
 from distserve.config import CacheConfig, SchedulerConfig
-from distserve.engine.block_manager import seq_block_hashes
 from distserve.engine.instance_core import InstanceCore
 from distserve.engine.model import resolve_dtype
 from distserve.engine.model_runner import ModelRunner
@@ -130,8 +129,7 @@ class LocalDisaggEngine(EngineBase):
     # ---- requests ----------------------------------------------------------------------------
     def _submit(self, seq: Sequence) -> None:
         cc = self.cache_config
-        hashes = seq_block_hashes(seq, cc.block_size) if cc.enable_prefix_caching else []  # admission reuses them
-        inst = pick_entry(self.prefill, _route, hashes, self.router)
+        inst = pick_entry(self.prefill, _route, entry_hashes(seq, cc.block_size, cc.enable_prefix_caching), self.router)
         inst.core.add(seq)
         self._owner[seq.seq_id] = inst
 

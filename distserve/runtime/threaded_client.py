@@ -18,7 +18,7 @@ from distserve.engine.llm_engine import LLMEngine
 from distserve.engine.outputs import EngineBase, RequestOutput
 from distserve.errors import DistServeError, EngineDeadError, InvalidConfigError, QueueFullError
 from distserve.runtime.client import EngineClient
-from distserve.runtime.config import DEFAULT_MAX_QUEUED_REQUESTS, DeploymentConfig
+from distserve.runtime.config import SERVER_MAX_QUEUED_REQUESTS, DeploymentConfig
 from distserve.runtime.local_disagg import LocalDisaggEngine
 from distserve.runtime.stats import ClientStats, InstanceStats, instance_stats
 
@@ -67,7 +67,6 @@ class _EngineSlot:
     engine: EngineBase
     index: int
     route: RouteState = field(default_factory=RouteState)  # requests routed here and not yet ended (``cluster.routing``)
-    num_migration_durations_reported: int = 0
 
 
 EngineFactory = Callable[[], "EngineBase | Seq[EngineBase]"]
@@ -103,7 +102,7 @@ class ThreadedEngineClient(EngineClient):
         self,
         engines: EngineBase | Seq[EngineBase] | EngineFactory,
         *,
-        max_queued_requests: int = DEFAULT_MAX_QUEUED_REQUESTS,
+        max_queued_requests: int = SERVER_MAX_QUEUED_REQUESTS,
         model_name: str | None = None,
         num_threads: int | None = None,
         router: str = DEFAULT_ROUTER,
@@ -338,8 +337,7 @@ class ThreadedEngineClient(EngineClient):
                 m = engine.counters
                 total_bytes += m.num_bytes_migrated
                 total_skipped += m.num_blocks_skipped
-                durations.extend(m.migration_durations_s[slot.num_migration_durations_reported :])
-                slot.num_migration_durations_reported = len(m.migration_durations_s)
+                durations.extend(m.drain_migration_durations())  # each reported once; the engine keeps none
             elif isinstance(engine, LLMEngine):
                 instances.append(instance_stats(engine.stats(), f"colocated-{slot.index}", "colocated"))
             else:

@@ -92,3 +92,21 @@ def test_an_input_set_later_releases_its_calls(client: ThreadedEngineClient) -> 
         return await reading
 
     assert isinstance(asyncio.run(scenario()), str)
+
+
+def test_an_engine_outage_fails_the_call_instead_of_leaving_it_running(client: ThreadedEngineClient) -> None:
+    from distserve.errors import ServiceUnavailableError
+
+    class Down:
+        tokenizer = client.tokenizer
+
+        def generate(self, *args: object, **kwargs: object) -> object:
+            raise ServiceUnavailableError("no decode instance is alive")
+
+    async def scenario() -> None:
+        s = DataflowSession("s", Down())  # type: ignore[arg-type]
+        a = s.submit(parse_call("Hi {{x}}", [out("x")]))
+        with pytest.raises(VariableFailed, match=f"call {a.call_id} failed: ServiceUnavailableError: no decode instance"):
+            await s.get(a.outputs["x"].var_id, "latency", timeout_s=10)
+
+    asyncio.run(scenario())
