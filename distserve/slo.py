@@ -18,7 +18,13 @@ of *all* requests that meet an SLO: ``ttft`` and ``tpot`` each alone, ``joint`` 
 definition). ``SLOSpec.mode`` says which of them must reach the attainment target: ``joint``, or
 ``separate`` (TTFT and TPOT each). Latency percentiles are over completed requests.
 
-An infinite target is not checked (``SLO()`` checks nothing). This module is a leaf: numpy only.
+A request's scheduling-class objective (``distserve.cluster.classes``) decides which targets it is
+judged by, here and nowhere else (``slo_for_objective``): ``latency`` and ``default`` requests by
+the SLO, ``throughput`` requests (steps of a larger job, which no one watches token by token) by
+completion alone.
+
+An infinite target is not checked (``SLO()`` checks nothing). This module is a leaf: numpy and
+the class names only.
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from distserve.cluster.classes import THROUGHPUT
 from distserve.errors import InvalidConfigError
 
 ATTAINMENT_MODES = ("joint", "separate")
@@ -80,6 +87,14 @@ class SLOSpec:
         return slo
 
 
+def slo_for_objective(slo: SLO, objective: str) -> SLO:
+    """The targets a request of scheduling-class ``objective`` is judged by under ``slo``: a
+    throughput request's TTFT and TPOT are not checked (it must complete); the others', as ``slo``."""
+    if objective == THROUGHPUT:
+        return SLO(attainment=slo.attainment)
+    return slo
+
+
 def ttft(start_s: float | None, first_token_s: float | None) -> float | None:
     """Time to first token; None until both happened."""
     return None if start_s is None or first_token_s is None else first_token_s - start_s
@@ -97,7 +112,7 @@ class TimedRequest:
 
     The record provides (as fields or properties) ``start_s``, ``first_token_s``, ``last_token_s``,
     ``finish_s`` (None until they happen), ``num_output_tokens`` and ``completed``; ``slo_class``
-    (the class of ``SLOSpec.classes`` it is scored under) defaults to None.
+    (the class of ``SLOSpec.classes`` it is scored under) defaults to None, ``objective`` to "default".
     """
 
     __slots__ = ()
@@ -108,6 +123,7 @@ class TimedRequest:
     num_output_tokens: int
     completed: bool
     slo_class: str | None = None
+    objective: str = "default"  # the scheduling class's objective (``slo_for_objective``)
 
     @property
     def ttft_s(self) -> float | None:
@@ -143,7 +159,7 @@ def attainment(records: Sequence[TimedRequest], slo: SLO | SLOSpec) -> dict[str,
     spec = as_spec(slo)
     ok_ttft = ok_tpot = ok_both = 0
     for r in records:
-        target = spec.for_class(r.slo_class)
+        target = slo_for_objective(spec.for_class(r.slo_class), r.objective)
         a, b = r.meets_ttft(target), r.meets_tpot(target)
         ok_ttft += a
         ok_tpot += b

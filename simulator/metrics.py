@@ -22,6 +22,7 @@ class RequestRecord(TimedRequest):
     prompt_len: int
     output_len: int
     slo_class: str | None = None
+    objective: str = "default"  # the scheduling class's objective: it sets which targets apply (``slo.slo_for_objective``)
     first_token_s: float | None = None
     finish_s: float | None = None
     num_output_tokens: int = 0

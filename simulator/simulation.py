@@ -194,7 +194,7 @@ class Simulation:
         records: dict[str, RequestRecord] = {}
         for r in requests:
             sid = str(r.req_id)
-            records[sid] = RequestRecord(r.req_id, r.arrival_s, r.prompt_len, r.output_len, r.slo_class)
+            records[sid] = RequestRecord(r.req_id, r.arrival_s, r.prompt_len, r.output_len, r.slo_class, objective=r.objective)
             push(events, (r.arrival_s, _ARRIVE, next(seq_no), r))
         self.records = records
         self._stop_when = stop_when
@@ -236,16 +236,18 @@ class Simulation:
                     if prompt is None:
                         prompt = prompts[r.prompt_len] = [SAMPLED_TOKEN] * r.prompt_len
                 seq = Sequence(
-                    str(r.req_id), prompt, SamplingParams(max_tokens=r.output_len, ignore_eos=True), arrival_time=r.arrival_s
+                    str(r.req_id), prompt, SamplingParams(max_tokens=r.output_len, ignore_eos=True), arrival_time=r.arrival_s,
+                    request_class=r.request_class,
                 )
                 self._sampled[seq.seq_id] = SampledToken(seq.seq_id, SAMPLED_TOKEN)
-                inst = pick_entry(self.entry, route_of, entry_hashes(seq, block_size, prefix_caching), self.config.router)
+                hashes = entry_hashes(seq, block_size, prefix_caching)
+                inst = pick_entry(self.entry, route_of, hashes, self.config.router, seq.seq_id, seq.request_class)
                 inst.core.add(seq)
                 self._launch_at_end(inst)
             elif kind == _MIGRATED:
                 src, dst, seq_id = payload  # type: ignore[misc]
                 src.core.release(seq_id)
-                src.route.release()
+                src.route.release(seq_id)
                 dst.core.complete(seq_id)
                 if self.on_migration is not None:
                     self.on_migration(seq_id, src.instance_id, dst.instance_id)
@@ -379,7 +381,7 @@ class Simulation:
                 rec.finish_s = now
                 rec.num_output_tokens = seq.num_output_tokens
                 rec.num_preemptions += seq.num_preemptions
-                inst.route.release()
+                inst.route.release(seq.seq_id)
                 tokens.pop(seq.seq_id, None)
                 num_finished += 1
                 if self._stop_when is not None and not self._stop and self._stop_when(rec):
@@ -395,14 +397,14 @@ class Simulation:
 
     def _migrate(self, entry: tuple[SimInstance, Sequence, Sequence], now: float) -> bool:
         src, seq, copy = entry
-        for dst in decode_order(self.decodes, route_of):
+        for dst in decode_order(self.decodes, route_of, seq.request_class):
             reservation = dst.core.reserve(copy)
             if reservation is not None:
                 break
         else:
             return False
         self.records[seq.seq_id].num_preemptions += seq.num_preemptions
-        dst.route.num_assigned += 1
+        dst.route.assign(seq.seq_id, seq.request_class)
         num_bytes = reservation.num_blocks_to_transfer * self.config.block_size * self.kv_bytes_per_token
         same_node = src.spec.node is None or dst.spec.node is None or src.spec.node == dst.spec.node
         duration = self.latency.migration_time(num_bytes, same_node, min(src.tp, dst.tp)) + self.config.migration_overhead_s

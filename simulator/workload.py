@@ -1,7 +1,8 @@
 """Simulator workloads: requests, length distributions by name, arrival processes and JSONL traces.
 
-A workload is a list of ``Request``s (arrival time, prompt and output lengths, optional SLO class
-and prompt tokens). ``generate_requests`` draws one from a length distribution (``simulator.lengths``
+A workload is a list of ``Request``s (arrival time, prompt and output lengths, optional SLO class,
+scheduling class — ``objective`` and task ``group``, as ``distserve.cluster.classes`` — and prompt
+tokens). ``generate_requests`` draws one from a length distribution (``simulator.lengths``
 holds the synthetic ones and the published statistics they imitate; ``get_length_distribution``
 names them, and resamples a trace) and an arrival process; ``load_trace``/``write_trace`` read and
 write JSONL traces; ``rescale`` and ``describe`` replay and summarise them.
@@ -18,7 +19,8 @@ from typing import Any
 
 import numpy as np
 
-from distserve.errors import InvalidConfigError
+from distserve.cluster.classes import DEFAULT, DEFAULT_CLASS, RequestClass
+from distserve.errors import DistServeError, InvalidConfigError
 from simulator.lengths import FixedLengths, LengthDistribution, chatbot_lengths, check_int, code_lengths, summarization_lengths
 
 __all__ = [
@@ -39,8 +41,14 @@ class Request:
     # The prompt itself, where its content matters (prefix caching and affinity routing); None:
     # synthetic, every prompt token the same.
     prompt_token_ids: tuple[int, ...] | None = None
+    objective: str = DEFAULT  # the scheduling class: default | latency | throughput
+    group: str | None = None  # its task group, if any
 
     def __post_init__(self) -> None:
+        try:
+            self.request_class
+        except DistServeError as exc:
+            raise InvalidConfigError(f"request {self.req_id}: {exc}", exc.param) from None
         if self.prompt_len < 1 or self.output_len < 1:
             raise InvalidConfigError(
                 f"request {self.req_id}: prompt_len and output_len must be >= 1, got {self.prompt_len} and {self.output_len}"
@@ -49,6 +57,13 @@ class Request:
             raise InvalidConfigError(
                 f"request {self.req_id}: prompt_token_ids has {len(self.prompt_token_ids)} tokens, prompt_len is {self.prompt_len}"
             )
+
+    @property
+    def request_class(self) -> RequestClass:
+        """What the runtime's schedulers and routing see of ``objective`` and ``group``."""
+        if self.objective == DEFAULT and self.group is None:
+            return DEFAULT_CLASS
+        return RequestClass(self.objective, self.group)
 
 
 # ---- length distributions by name ----------------------------------------------------------
@@ -221,7 +236,7 @@ def _length_field(record: Mapping[str, Any], key: str, where: str) -> int:
     return int(value)
 
 
-def _parse_record(record: Any, where: str) -> tuple[float, int, int, str | None]:
+def _parse_record(record: Any, where: str) -> tuple[float, int, int, str | None, None, str, str | None]:
     if not isinstance(record, dict):
         raise InvalidConfigError(f"{where}: expected a JSON object, got {type(record).__name__}")
     if "arrival_s" not in record:
@@ -232,14 +247,21 @@ def _parse_record(record: Any, where: str) -> tuple[float, int, int, str | None]
     slo_class = record.get("slo_class")
     if slo_class is not None and not isinstance(slo_class, str):
         raise InvalidConfigError(f"{where}: slo_class must be a string or null, got {slo_class!r}")
-    return float(arrival), _length_field(record, "prompt_len", where), _length_field(record, "output_len", where), slo_class
+    objective, group = record.get("objective", DEFAULT), record.get("group")
+    try:
+        RequestClass(objective, group)
+    except DistServeError as exc:
+        raise InvalidConfigError(f"{where}: {exc}", exc.param) from None
+    prompt_len, output_len = _length_field(record, "prompt_len", where), _length_field(record, "output_len", where)
+    return float(arrival), prompt_len, output_len, slo_class, None, objective, group
 
 
 def load_trace(path: str | os.PathLike[str]) -> list[Request]:
     """Requests from a JSONL trace, sorted by arrival (stable), ``req_id`` in that order.
 
     One object per line: ``{"arrival_s": float, "prompt_len": int, "output_len": int,
-    "slo_class": str (optional)}``; other keys are ignored, blank lines skipped.
+    "slo_class": str, "objective": "default" | "latency" | "throughput", "group": str}`` (the last
+    three optional); other keys are ignored, blank lines skipped.
 
     Raises:
         InvalidConfigError: missing/unreadable file, empty trace, or a bad line (the message
@@ -276,6 +298,10 @@ def write_trace(path: str | os.PathLike[str], requests: Sequence[Request]) -> No
             record: dict[str, Any] = {"arrival_s": r.arrival_s, "prompt_len": r.prompt_len, "output_len": r.output_len}
             if r.slo_class is not None:
                 record["slo_class"] = r.slo_class
+            if r.objective != DEFAULT:
+                record["objective"] = r.objective
+            if r.group is not None:
+                record["group"] = r.group
             f.write(json.dumps(record) + "\n")
 
 

@@ -10,6 +10,12 @@ longest prefix of this prompt (its blocks are likely still in its prefix cache),
 assigned, then the first. Decode instances are asked fewest-assigned first (``decode_order``); the
 first with room takes the request (pull-based migration).
 
+Scheduling classes (``distserve.cluster.classes``) come first where a request has one: a later
+member of a task group enters where the group's first member did, and is decoded preferably where
+the group's earlier members were (each ``RouteState`` remembers its recent groups, LRU); a latency
+request prefers decode instances without throughput work and a throughput request ones without
+latency work (``decode_preference``), then fewest assigned.
+
 The entry rule is a plug-in chosen by name (``ROUTERS``: ``prefix-affinity``, the default, and
 ``least-loaded``, which ignores prefixes); ``pick_entry`` applies the chosen one and does the
 bookkeeping every rule shares (counting the assignment, remembering the prompt's blocks).
@@ -22,6 +28,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, TypeVar
 
+from distserve.cluster.classes import DEFAULT, LATENCY, MAX_REMEMBERED_GROUPS, THROUGHPUT, RequestClass, decode_preference
 from distserve.engine.block_manager import seq_block_hashes
 from distserve.engine.sequence import Sequence as SequenceT
 from distserve.errors import InvalidConfigError
@@ -38,6 +45,29 @@ class RouteState:
 
     num_assigned: int = 0  # requests routed here and not yet finished or moved on
     recent_prefixes: OrderedDict[int, None] = field(default_factory=OrderedDict)  # block hashes, LRU
+    recent_groups: OrderedDict[str, None] = field(default_factory=OrderedDict)  # task groups routed here, LRU
+    # Of the requests assigned, the ones of the latency or throughput class: request id -> objective.
+    classed: dict[str, str] = field(default_factory=dict)
+    num_latency: int = 0
+    num_throughput: int = 0
+
+    def assign(self, request_id: str | None = None, request_class: RequestClass | None = None) -> None:
+        """A request was routed here: count it, by class, and remember its task group."""
+        self.num_assigned += 1
+        if request_class is None:
+            return
+        if request_class.group is not None:
+            self.recent_groups[request_class.group] = None
+            self.recent_groups.move_to_end(request_class.group)
+            if len(self.recent_groups) > MAX_REMEMBERED_GROUPS:
+                self.recent_groups.popitem(last=False)
+        objective = request_class.objective
+        if objective != DEFAULT and request_id is not None and request_id not in self.classed:
+            self.classed[request_id] = objective
+            if objective == LATENCY:
+                self.num_latency += 1
+            else:
+                self.num_throughput += 1
 
     def remember(self, hashes: Sequence[int]) -> None:
         for h in hashes:
@@ -53,9 +83,14 @@ class RouteState:
             n += 1
         return n
 
-    def release(self) -> None:
-        """A request routed here finished or moved on."""
+    def release(self, request_id: str | None = None) -> None:
+        """The request ``request_id`` routed here finished or moved on."""
         self.num_assigned = max(0, self.num_assigned - 1)
+        objective = self.classed.pop(request_id, None) if request_id is not None else None
+        if objective == LATENCY:
+            self.num_latency -= 1
+        elif objective == THROUGHPUT:
+            self.num_throughput -= 1
 
 
 class EntryRouter(Protocol):
@@ -101,24 +136,44 @@ def entry_hashes(seq: SequenceT, block_size: int, prefix_caching: bool) -> list[
 
 
 def pick_entry(
-    candidates: Sequence[T], state: Callable[[T], RouteState], hashes: Sequence[int] = (), router: str = DEFAULT_ROUTER
+    candidates: Sequence[T],
+    state: Callable[[T], RouteState],
+    hashes: Sequence[int] = (),
+    router: str = DEFAULT_ROUTER,
+    request_id: str | None = None,
+    request_class: RequestClass | None = None,
 ) -> T:
     """The entry instance for a new prompt whose block hashes are ``hashes`` (``seq_block_hashes``;
-    empty where prefixes are not modelled or cached), by the router named ``router``; counts it as
-    assigned there and remembers its blocks."""
+    empty where prefixes are not modelled or cached): where its task group's earlier members went,
+    else by the router named ``router``; counts it as assigned there (by class) and remembers its
+    blocks and group."""
     if not candidates:
         raise ValueError("no instance to route to")
-    best = candidates[ROUTERS[check_router(router)]([state(c) for c in candidates], hashes)]
+    states = [state(c) for c in candidates]
+    group = request_class.group if request_class is not None else None
+    i = next((i for i, s in enumerate(states) if group in s.recent_groups), None) if group is not None else None
+    best = candidates[ROUTERS[check_router(router)](states, hashes) if i is None else i]
     chosen = state(best)
     if hashes:
         chosen.remember(hashes)
-    chosen.num_assigned += 1
+    chosen.assign(request_id, request_class)
     return best
 
 
-def decode_order(candidates: Sequence[T], state: Callable[[T], RouteState]) -> list[T]:
-    """The decode instances to ask for room, in order: fewest assigned first, then the earlier."""
-    return sorted(candidates, key=lambda i: state(i).num_assigned)
+def decode_order(candidates: Sequence[T], state: Callable[[T], RouteState], request_class: RequestClass | None = None) -> list[T]:
+    """The decode instances to ask for room, in order: fewest assigned first, then the earlier; for
+    a request with a class, first the instances that took its task group's earlier members, then
+    those whose work its objective does not mix with (``decode_preference``)."""
+    if request_class is None or (request_class.objective == DEFAULT and request_class.group is None):
+        return sorted(candidates, key=lambda i: state(i).num_assigned)
+    objective, group = request_class.objective, request_class.group
+
+    def key(inst: T) -> tuple[int, int, int]:
+        s = state(inst)
+        return (0 if group is not None and group in s.recent_groups else 1,
+                decode_preference(objective, s.num_latency, s.num_throughput), s.num_assigned)
+
+    return sorted(candidates, key=key)
 
 
 __all__ = [

@@ -47,8 +47,7 @@ class DecodeScheduler(Scheduler):
         """Allocate blocks for a sequence whose ``token_ids`` are prompt + first token; None if no room."""
         if not self.can_reserve(seq):
             return None
-        seq.order = self._order
-        self._order += 1
+        self._stamp(seq)
         self.block_manager.allocate(seq)
         seq.status = SequenceStatus.WAITING
         self.migrating[seq.seq_id] = seq

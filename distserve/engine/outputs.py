@@ -12,6 +12,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Sequence as Seq
 from dataclasses import dataclass
 
+from distserve.cluster.classes import RequestClass, check_request_class
 from distserve.cluster.recovery import blame, poison_message
 from distserve.config import PRIORITY_MAX, PRIORITY_MIN, CacheConfig, SamplingParams, SchedulerConfig
 from distserve import slo
@@ -276,11 +277,14 @@ class RequestFrontend(ABC):
         request_id: str | None = None,
         priority: int = 0,
         arrival_time: float | None = None,
+        request_class: RequestClass | None = None,
     ) -> str:
-        """Queue a request; raises a ``DistServeError`` (a ValueError) for bad input."""
+        """Queue a request (of scheduling class ``request_class``, default: none); raises a
+        ``DistServeError`` (a ValueError) for bad input."""
         sampling = sampling or SamplingParams()
         ids = self.encode_prompt(prompt)
         self.check_request(ids, sampling, priority)
+        request_class = check_request_class(request_class)
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if request_id in self._seqs:
             raise DistServeError(f"request id {request_id!r} is already in flight")
@@ -290,6 +294,7 @@ class RequestFrontend(ABC):
             sampling=sampling,
             arrival_time=time.monotonic() if arrival_time is None else arrival_time,
             priority=priority,
+            request_class=request_class,
         )
         self._seqs[request_id] = seq
         self.outputs.add(seq)

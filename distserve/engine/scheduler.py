@@ -15,6 +15,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from operator import attrgetter
 
+from distserve.cluster.classes import GroupArrivals
 from distserve.cluster.recovery import solo_order
 from distserve.config import SamplingParams, SchedulerConfig
 from distserve.engine.block_manager import BlockManager
@@ -86,9 +87,12 @@ class SampledToken:
 PolicyKey = Callable[[Sequence], tuple]
 
 
-# attrgetter builds the same tuples as a Python function would, without a Python call per sequence.
-_fcfs_key: PolicyKey = attrgetter("arrival_time", "order")
-_priority_key: PolicyKey = attrgetter("priority", "arrival_time", "order")
+# Every key starts with the class rank (latency requests first, whatever the policy) and orders a
+# task group's members by the group's first (arrival, order), so they stay adjacent; for a request
+# in no group those are its own (``Scheduler._stamp``). attrgetter builds the same tuples as a
+# Python function would, without a Python call per sequence.
+_fcfs_key: PolicyKey = attrgetter("class_rank", "group_arrival", "group_order", "arrival_time", "order")
+_priority_key: PolicyKey = attrgetter("class_rank", "priority", "group_arrival", "group_order", "arrival_time", "order")
 
 
 SCHEDULING_POLICIES: dict[str, PolicyKey] = {"fcfs": _fcfs_key, "priority": _priority_key}
@@ -144,12 +148,24 @@ class Scheduler:
         self._finished_since_plan: list[str] = []
         self._scheduling: Sequence | None = None  # the sequence being decided on (crash attribution)
         self._order = 0
+        self._groups = GroupArrivals()
+        # While it runs latency-class requests a scheduler that decodes caps its batch, so their TPOT stays low.
+        self.latency_max_seqs = min(config.latency_max_num_seqs, config.max_num_seqs)
         self.num_preemptions = 0
 
     # ---- queue management --------------------------------------------------------------------
-    def add(self, seq: Sequence) -> None:
-        seq.order = self._order
+    def _stamp(self, seq: Sequence) -> None:
+        """Number ``seq`` in admission order and key it by its task group's first member."""
+        seq.order = order = self._order
         self._order += 1
+        group = seq.request_class.group
+        if group is None:
+            seq.group_arrival, seq.group_order = seq.arrival_time, order
+        else:
+            seq.group_arrival, seq.group_order = self._groups.first(group, seq.arrival_time, order)
+
+    def add(self, seq: Sequence) -> None:
+        self._stamp(seq)
         if seq.isolate:
             seq.status = SequenceStatus.WAITING
             self.isolated.append(seq)
@@ -252,6 +268,8 @@ class Scheduler:
         i = 0
         in_flight = self.in_flight
         max_seqs = self.config.max_num_seqs  # per plan: with pp > 1, each micro-batch gets its share
+        if running and running[0].class_rank == 0:  # latency requests sort first: it holds some
+            max_seqs = self.latency_max_seqs
         while i < len(running) and budget > 0 and len(decodes) + len(prefills) < max_seqs:
             seq = self._scheduling = running[i]
             token_ids = seq.token_ids

@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from distserve.cluster.classes import DEFAULT_CLASS, RequestClass
 from distserve.config import SamplingParams
 
 
@@ -42,10 +43,18 @@ class Sequence:
     error: str | None = None  # why it failed (finish_reason "error"): this request's fault or misfortune alone
     num_crashes: int = 0  # failed steps (instance deaths) it was computed in; see distserve.cluster.recovery
     isolate: bool = False  # a crash suspect: its next step computes nothing else
+    request_class: RequestClass = DEFAULT_CLASS  # objective and task group (``distserve.cluster.classes``)
+    # The policy keys' fields (flat, so an attrgetter reads them): the class rank (from
+    # request_class, set here), and the task group's first (arrival, order) where the scheduler
+    # admits it (its own arrival_time and order for a request in no group).
+    class_rank: int = 1
+    group_arrival: float = 0.0
+    group_order: int = 0
 
     def __post_init__(self) -> None:
         if not self.token_ids:
             self.token_ids = list(self.prompt_token_ids)
+        self.class_rank = self.request_class.rank
 
     def detached_copy(self) -> "Sequence":
         """The request with its tokens so far and no KV: what another instance needs to continue it."""
@@ -62,6 +71,7 @@ class Sequence:
             logprobs=list(self.logprobs),
             num_crashes=self.num_crashes,
             isolate=self.isolate,
+            request_class=self.request_class,
         )
 
     @property

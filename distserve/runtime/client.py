@@ -10,6 +10,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Sequence as Seq
 
+from distserve.cluster.classes import RequestClass
 from distserve.config import SamplingParams
 from distserve.engine.outputs import RequestOutput
 from distserve.engine.tokenizer import Tokenizer
@@ -29,8 +30,10 @@ class EngineClient(ABC):
         sampling: SamplingParams,
         request_id: str,
         priority: int = 0,
+        request_class: RequestClass | None = None,
     ) -> AsyncIterator[RequestOutput]:
-        """Stream this request's outputs until one has ``finished``.
+        """Stream this request's outputs until one has ``finished``. ``request_class`` is its
+        scheduling class (objective and task group, ``distserve.cluster.classes``; None: default).
 
         Bad input raises a ``DistServeError`` from the first ``__anext__``; a full queue raises
         ``QueueFullError``. Closing the iterator early (client gone) aborts the request.

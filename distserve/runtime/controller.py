@@ -28,6 +28,7 @@ from distserve.cluster.counters import ClusterCounters
 from distserve.cluster.migration_queue import MigrationQueue
 from distserve.cluster.recovery import CrashLedger
 from distserve.cluster.routing import entry_hashes, pick_entry
+from distserve.cluster.classes import RequestClass
 from distserve.config import SamplingParams
 from distserve.engine.model import resolve_dtype
 from distserve.engine.outputs import RequestFrontend, RequestOutput
@@ -169,7 +170,7 @@ class Controller(RequestFrontend, KVMigrations, InstanceRecovery):
         entry = [i for i in entry if i.spec.instance_id == pinned] or entry
         cc = self.cache_config
         hashes = entry_hashes(seq, cc.block_size, cc.enable_prefix_caching)
-        inst = pick_entry(entry, route_of, hashes, self.config.router)
+        inst = pick_entry(entry, route_of, hashes, self.config.router, seq.seq_id, seq.request_class)
         if seq.isolate:
             inst.solo_pending[seq.seq_id] = seq.arrival_time
         self._owner[seq.seq_id] = inst
@@ -190,7 +191,8 @@ class Controller(RequestFrontend, KVMigrations, InstanceRecovery):
         inst.kick()
 
     async def generate(
-        self, prompt: str | Seq[int], sampling: SamplingParams, request_id: str, priority: int = 0
+        self, prompt: str | Seq[int], sampling: SamplingParams, request_id: str, priority: int = 0,
+        request_class: RequestClass | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Stream one request's outputs; closing the iterator early aborts the request."""
         if len(self._queues) >= self.max_queued_requests:
@@ -200,7 +202,7 @@ class Controller(RequestFrontend, KVMigrations, InstanceRecovery):
         queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self._queues[request_id] = queue
         try:
-            self.add_request(prompt, sampling, request_id=request_id, priority=priority)
+            self.add_request(prompt, sampling, request_id=request_id, priority=priority, request_class=request_class)
         except BaseException:
             self._queues.pop(request_id, None)
             raise
@@ -240,7 +242,7 @@ class Controller(RequestFrontend, KVMigrations, InstanceRecovery):
         self._parked = [s for s in self._parked if s.seq_id != request_id]
         for holder in (self._owner.pop(request_id, None), self._source.pop(request_id, None)):
             if holder is not None and holder.alive:
-                holder.route.release()
+                holder.route.release(request_id)
                 holder.actor.abort.remote(request_id, reason)
                 holder.kick()
 
@@ -316,7 +318,7 @@ class Controller(RequestFrontend, KVMigrations, InstanceRecovery):
             source = self._source.pop(seq_id, None)
             if source is not None and source.alive:
                 source.actor.release.remote(seq_id)  # acknowledged: the prefill KV may go
-                source.route.release()
+                source.route.release(seq_id)
                 source.kick()
             started = self._migration_started.pop(seq_id, None)
             if started is not None:
@@ -345,7 +347,7 @@ class Controller(RequestFrontend, KVMigrations, InstanceRecovery):
                 seq.finish_time = now
                 owner = self._owner.pop(seq.seq_id, None)
                 if owner is not None:
-                    owner.route.release()
+                    owner.route.release(seq.seq_id)
             elif up.awaiting_migration:
                 self._pending.push((inst, seq.seq_id))
             out = self._output(seq, now, self._finish)

@@ -129,7 +129,8 @@ class LocalDisaggEngine(EngineBase):
     # ---- requests ----------------------------------------------------------------------------
     def _submit(self, seq: Sequence) -> None:
         cc = self.cache_config
-        inst = pick_entry(self.prefill, _route, entry_hashes(seq, cc.block_size, cc.enable_prefix_caching), self.router)
+        hashes = entry_hashes(seq, cc.block_size, cc.enable_prefix_caching)
+        inst = pick_entry(self.prefill, _route, hashes, self.router, seq.seq_id, seq.request_class)
         inst.core.add(seq)
         self._owner[seq.seq_id] = inst
 
@@ -139,7 +140,7 @@ class LocalDisaggEngine(EngineBase):
         owner = self._owner.pop(request_id, None)
         self._pending.drop(lambda e: e[1].seq_id == request_id)
         if owner is not None:
-            owner.route.release()
+            owner.route.release(request_id)
         if seq is not None and owner is not None and not seq.is_finished:
             seq.finish_time = time.monotonic()
             owner.core.abort(request_id)
@@ -159,7 +160,7 @@ class LocalDisaggEngine(EngineBase):
         owner = self._owner.pop(seq.seq_id, None)
         self._pending.drop(lambda e: e[1] is seq)
         if owner is not None:
-            owner.route.release()
+            owner.route.release(seq.seq_id)
             owner.core.finish(seq, reason)
 
     # ---- the step ----------------------------------------------------------------------------
@@ -183,7 +184,7 @@ class LocalDisaggEngine(EngineBase):
         if out.finished:
             owner = self._owner.pop(seq.seq_id, None)
             if owner is not None:
-                owner.route.release()
+                owner.route.release(seq.seq_id)
         return out
 
     def _migrate_pending(self) -> None:
@@ -203,7 +204,7 @@ class LocalDisaggEngine(EngineBase):
 
     def _migrate(self, src: LocalInstance, seq: Sequence) -> bool:
         moved = seq.detached_copy()
-        for dst in decode_order(self.decode, _route):
+        for dst in decode_order(self.decode, _route, seq.request_class):
             reservation = dst.core.reserve(moved)
             if reservation is not None:
                 break
@@ -228,8 +229,8 @@ class LocalDisaggEngine(EngineBase):
             num_bytes = data.numel() * data.element_size()
         dst.core.complete(seq.seq_id)
         src.core.release(seq.seq_id)  # after the receiver holds the KV
-        src.route.release()
-        dst.route.num_assigned += 1
+        src.route.release(seq.seq_id)
+        dst.route.assign(seq.seq_id, seq.request_class)
         self.counters.record_migration_duration(time.perf_counter() - t0)
         self.counters.record_migration(num_blocks_skipped=first, num_blocks=len(src_blocks), num_bytes=num_bytes)
         self._seqs[seq.seq_id] = moved

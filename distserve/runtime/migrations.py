@@ -66,7 +66,7 @@ class KVMigrations:
             return False
         import ray
 
-        for dst in decode_order(decodes, route_of):
+        for dst in decode_order(decodes, route_of, seq.request_class):
             try:
                 reservation = await dst.actor.reserve.remote(seq.detached_copy())
             except ray.exceptions.RayError:
@@ -88,7 +88,7 @@ class KVMigrations:
         self._migration_started[seq.seq_id] = time.monotonic()
         self._owner[seq.seq_id] = dst
         self._source[seq.seq_id] = src
-        dst.route.num_assigned += 1
+        dst.route.assign(seq.seq_id, seq.request_class)
         first, end = reservation.num_reused_blocks, reservation.num_blocks_to_fill
         self.counters.record_migration(num_blocks_skipped=first, num_blocks=end - first)
         try:
@@ -115,7 +115,7 @@ class KVMigrations:
         src = self._source.pop(seq_id, None)
         dst = self._owner.pop(seq_id, None)
         if dst is not None:
-            dst.route.release()
+            dst.route.release(seq_id)
         self._migration_started.pop(seq_id, None)
         if src is not None and src.alive:
             self._owner[seq_id] = src

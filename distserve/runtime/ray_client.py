@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Sequence as Seq
 
+from distserve.cluster.classes import RequestClass
 from distserve.config import SamplingParams
 from distserve.engine.outputs import RequestOutput
 from distserve.runtime.client import EngineClient
@@ -38,9 +39,10 @@ class ControllerClient(EngineClient):
         return cls(controller, owns_ray)
 
     def generate(
-        self, prompt: str | Seq[int], sampling: SamplingParams, request_id: str, priority: int = 0
+        self, prompt: str | Seq[int], sampling: SamplingParams, request_id: str, priority: int = 0,
+        request_class: RequestClass | None = None,
     ) -> AsyncIterator[RequestOutput]:
-        return self.controller.generate(prompt, sampling, request_id, priority)
+        return self.controller.generate(prompt, sampling, request_id, priority, request_class)
 
     async def abort(self, request_id: str) -> None:
         await self.controller.abort(request_id)

@@ -115,7 +115,7 @@ class InstanceRecovery:
             for survivor in (owner, holder):
                 if survivor is not None and survivor is not inst and survivor.alive:
                     survivor.actor.abort.remote(seq_id, "abort")  # e.g. a decode instance mid-receive
-                    survivor.route.release()
+                    survivor.route.release(seq_id)
                     survivor.kick()
             if seq is None or seq.is_finished:
                 continue

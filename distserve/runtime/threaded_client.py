@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from distserve.config import SamplingParams
+from distserve.cluster.classes import RequestClass, check_request_class
 from distserve.cluster.routing import DEFAULT_ROUTER, RouteState, check_router, pick_entry
 from distserve.engine.compute_thread import use_compute_threads
 from distserve.engine.llm_engine import LLMEngine
@@ -42,6 +43,7 @@ class _Add:
     prompt: str | Seq[int]
     sampling: SamplingParams
     priority: int
+    request_class: RequestClass | None = None
 
 
 @dataclass
@@ -145,6 +147,7 @@ class ThreadedEngineClient(EngineClient):
         sampling: SamplingParams,
         request_id: str,
         priority: int = 0,
+        request_class: RequestClass | None = None,
     ) -> AsyncGenerator[RequestOutput, None]:
         if self._dead is not None:
             raise EngineDeadError(str(self._dead))
@@ -157,7 +160,7 @@ class ThreadedEngineClient(EngineClient):
         stream = _Stream(request_id, asyncio.get_running_loop(), asyncio.Queue())
         finished = False
         try:
-            self._commands.put(_Add(stream, prompt, sampling, priority))
+            self._commands.put(_Add(stream, prompt, sampling, priority, request_class))
             if self._dead is not None:  # died before it could see the command
                 finished = True
                 raise EngineDeadError(str(self._dead))
@@ -266,11 +269,16 @@ class ThreadedEngineClient(EngineClient):
         if rid in self._streams:
             self._deliver([(cmd.stream, DistServeError(f"request id {rid!r} is already in flight"))])
             return
-        slot = pick_entry(self._slots, _slot_route, (), self._router)
         try:
-            slot.engine.add_request(cmd.prompt, cmd.sampling, request_id=rid, priority=cmd.priority)
+            request_class = check_request_class(cmd.request_class)
         except Exception as exc:  # noqa: BLE001 - validation errors go to this request only
-            slot.route.release()
+            self._deliver([(cmd.stream, exc)])
+            return
+        slot = pick_entry(self._slots, _slot_route, (), self._router, rid, request_class)
+        try:
+            slot.engine.add_request(cmd.prompt, cmd.sampling, request_id=rid, priority=cmd.priority, request_class=request_class)
+        except Exception as exc:  # noqa: BLE001 - validation errors go to this request only
+            slot.route.release(rid)
             self._deliver([(cmd.stream, exc)])
             return
         self._streams[rid] = (cmd.stream, slot)
@@ -287,7 +295,7 @@ class ThreadedEngineClient(EngineClient):
                 batch.append((entry[0], out))
                 if out.finished:
                     del self._streams[out.request_id]
-                    slot.route.release()
+                    slot.route.release(out.request_id)
             self._deliver(batch)
 
     def _deliver(self, items: list[tuple[_Stream, RequestOutput | BaseException]]) -> None:
@@ -305,7 +313,7 @@ class ThreadedEngineClient(EngineClient):
     def _drop(self, request_id: str) -> None:
         entry = self._streams.pop(request_id, None)
         if entry is not None:
-            entry[1].route.release()
+            entry[1].route.release(request_id)
             entry[1].engine.abort_request(request_id)
 
     def _fail_all(self, exc: EngineDeadError) -> None:

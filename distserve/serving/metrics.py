@@ -19,7 +19,8 @@ from prometheus_client.registry import Collector
 
 from distserve.engine.outputs import RequestOutput
 from distserve.runtime.stats import AGGREGATE_INSTANCE, ClientStats, normalize_stats
-from distserve.slo import SLO, tpot
+from distserve.cluster.classes import DEFAULT, OBJECTIVES
+from distserve.slo import SLO, slo_for_objective, tpot
 
 PREFIX = "distserve:"
 CONTENT_TYPE = CONTENT_TYPE_LATEST
@@ -80,10 +81,14 @@ class _EngineCollector(Collector):
 
 
 class RequestTimer:
-    """Observes one request's stream: TTFT, inter-token latency and, at the end, E2E and token counts."""
+    """Observes one request's stream: TTFT, inter-token latency and, at the end, E2E, token counts
+    and whether it met the SLO its scheduling-class ``objective`` is judged by."""
 
-    def __init__(self, metrics: ServingMetrics, start: float | None = None) -> None:
+    def __init__(self, metrics: ServingMetrics, start: float | None = None, objective: str = DEFAULT) -> None:
+        if objective not in OBJECTIVES:  # a label value: the set stays bounded
+            raise ValueError(f"objective must be one of {OBJECTIVES}, got {objective!r}")
         self.metrics = metrics
+        self.objective = objective
         self.start = time.perf_counter() if start is None else start
         self.first_token_time: float | None = None
         self.last_token_time: float | None = None
@@ -121,11 +126,11 @@ class RequestTimer:
         m.request_success.labels(finish_reason=reason).inc()
         m.request_prompt_tokens.observe(num_prompt_tokens if num_prompt_tokens is not None else self.num_prompt_tokens)
         m.request_generation_tokens.observe(self.num_output_tokens)
-        slo = m.slo
-        if slo is not None and reason != "abort" and self.first_token_time is not None:
-            met = slo.ttft_met(self.first_token_time - self.start) and slo.tpot_met(
+        if m.slo is not None and reason != "abort" and self.first_token_time is not None:
+            slo = slo_for_objective(m.slo, self.objective)
+            met = reason != "error" and slo.ttft_met(self.first_token_time - self.start) and slo.tpot_met(
                 tpot(self.first_token_time, self.last_token_time, self.num_output_tokens))
-            m.request_slo.labels(met="true" if met else "false").inc()
+            m.request_slo.labels(met="true" if met else "false", objective=self.objective).inc()
 
 
 class ServingMetrics:
@@ -144,8 +149,10 @@ class ServingMetrics:
         self.prompt_tokens_total = Counter(PREFIX + "prompt_tokens", "Prompt tokens processed.", registry=r)
         self.generation_tokens_total = Counter(PREFIX + "generation_tokens", "Tokens generated.", registry=r)
         self.request_slo = Counter(
-            PREFIX + "request_slo", "Finished requests by whether they met the deployment's TTFT and TPOT SLO (--ttft-slo/--tpot-slo).",
-            ["met"], registry=r,
+            PREFIX + "request_slo",
+            "Finished requests by whether they met the deployment's TTFT and TPOT SLO (--ttft-slo/--tpot-slo) and by "
+            "scheduling-class objective (throughput requests: completion alone).",
+            ["met", "objective"], registry=r,
         )
         self.kv_migration_seconds = Histogram(
             PREFIX + "kv_migration_seconds", "Duration of one request's KV migration.", ["instance", "phase"], buckets=MIGRATION_BUCKETS, registry=r
@@ -153,8 +160,8 @@ class ServingMetrics:
         self._engine = _EngineCollector()
         r.register(self._engine)
 
-    def request_timer(self) -> RequestTimer:
-        return RequestTimer(self)
+    def request_timer(self, objective: str = DEFAULT) -> RequestTimer:
+        return RequestTimer(self, objective=objective)
 
     def update_engine_stats(self, raw: Mapping[str, Any]) -> None:
         """Take a fresh ``EngineClient.stats()`` snapshot: gauges, migration totals, new migration durations."""

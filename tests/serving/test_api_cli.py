@@ -93,7 +93,7 @@ def test_serve_process_answers_and_stops_on_sigint() -> None:
             model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=4, temperature=0
         )
         assert resp.usage is not None and resp.usage.completion_tokens >= 1
-        assert 'distserve:request_slo_total{met="true"} 1.0' in httpx.get(f"{url}/metrics").text
+        assert 'distserve:request_slo_total{met="true",objective="default"} 1.0' in httpx.get(f"{url}/metrics").text
         proc.send_signal(signal.SIGINT)
         out, err = proc.communicate(timeout=30)
     finally:

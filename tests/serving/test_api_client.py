@@ -326,7 +326,7 @@ def test_metrics_count_requests_meeting_the_deployment_slo(tiny: LoadedModel) ->
                 body = {"prompt": "x", "max_tokens": 4, "min_tokens": 4, "stream": True}
                 assert (await h.post("/v1/completions", json=body)).status_code == 200
                 text = (await h.get("/metrics")).text
-                assert f'distserve:request_slo_total{{met="{met}"}} 1.0' in text, text
+                assert f'distserve:request_slo_total{{met="{met}",objective="default"}} 1.0' in text, text
         return text
 
     try:

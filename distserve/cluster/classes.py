@@ -1,0 +1,117 @@
+"""Scheduling classes: what a request's caller says about how it is to be served, and the policies
+every driver (the in-process engines, the Ray controller, the simulator) applies to it.
+
+A ``RequestClass`` is an **objective** and an optional **task group**. The dataflow layer deduces
+both per call (``CallNode.objective``, ``CallNode.task_group``); a plain API request is ``default``.
+
+* ``latency``: someone waits on this output. It is admitted (prefill) before default and
+  throughput requests whatever the policy (``class_rank``), its decode runs where the batch is
+  capped (``SchedulerConfig.latency_max_num_seqs``) and, given a choice, on a decode instance
+  without throughput work (``decode_preference``).
+* ``throughput``: only the completion matters (a step of a larger job). It is kept off decode
+  instances holding latency work when there is a choice, and its SLO checks completion alone
+  (``distserve.slo.slo_for_objective``).
+* ``default``: as before classes existed.
+* a task group (e.g. the producers of one consumer's inputs) is finished when its last member is:
+  its members are kept adjacent in the waiting order, keyed by the group's first arrival
+  (``GroupArrivals``), and go to one prefill/decode pair (``distserve.cluster.routing``).
+
+Pure policy, no engine imports: the scheduler, routing and the simulator import it.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from distserve.errors import DistServeError
+
+DEFAULT, LATENCY, THROUGHPUT = "default", "latency", "throughput"
+OBJECTIVES = (DEFAULT, LATENCY, THROUGHPUT)
+MAX_GROUP_CHARS = 256  # a group id is remembered per instance: keep it small
+MAX_REMEMBERED_GROUPS = 1024  # task groups remembered per scheduler and per route state (LRU)
+
+
+class InvalidRequestClassError(DistServeError):
+    """A request's scheduling class is malformed (``param`` names the field: objective, group)."""
+
+
+@dataclass(frozen=True, slots=True)
+class RequestClass:
+    """How a request is to be served: its ``objective`` and the task ``group`` it belongs to (None: none)."""
+
+    objective: str = DEFAULT
+    group: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.objective not in OBJECTIVES:
+            raise InvalidRequestClassError(f"objective must be one of {', '.join(OBJECTIVES)}, got {self.objective!r}", "objective")
+        if self.group is not None and not (isinstance(self.group, str) and 0 < len(self.group) <= MAX_GROUP_CHARS):
+            raise InvalidRequestClassError(
+                f"group must be null or a non-empty string of at most {MAX_GROUP_CHARS} characters, got {self.group!r:.80}", "group"
+            )
+
+    @property
+    def rank(self) -> int:
+        return class_rank(self.objective)
+
+
+DEFAULT_CLASS = RequestClass()
+
+
+def check_request_class(value: object) -> RequestClass:
+    """``value`` as a ``RequestClass`` (None: the default class); anything else is an
+    ``InvalidRequestClassError`` naming ``request_class``."""
+    if value is None:
+        return DEFAULT_CLASS
+    if not isinstance(value, RequestClass):
+        raise InvalidRequestClassError(f"request_class must be a RequestClass or None, got {type(value).__name__}", "request_class")
+    return value
+
+
+def class_rank(objective: str) -> int:
+    """The first element of every scheduling policy's key: latency requests (0) go before the rest (1)."""
+    return 0 if objective == LATENCY else 1
+
+
+def decode_preference(objective: str, num_latency: int, num_throughput: int) -> int:
+    """0 where a decode instance holding ``num_latency`` latency and ``num_throughput`` throughput
+    requests suits a request of ``objective`` (the two are not mixed when there is a choice), else 1."""
+    if objective == LATENCY:
+        return 1 if num_throughput else 0
+    if objective == THROUGHPUT:
+        return 1 if num_latency else 0
+    return 0
+
+
+class GroupArrivals:
+    """The (arrival time, admission order) of each task group's first member, for the last
+    ``max_groups`` groups seen (LRU): a group's members are ordered by it, so they stay adjacent.
+
+    A group forgotten and seen again starts anew at its next member: at worst it is split, never lost.
+    """
+
+    def __init__(self, max_groups: int = MAX_REMEMBERED_GROUPS) -> None:
+        self.max_groups = max_groups
+        self._first: OrderedDict[str, tuple[float, int]] = OrderedDict()
+
+    def first(self, group: str, arrival: float, order: int) -> tuple[float, int]:
+        """The group's key; (``arrival``, ``order``) if this member is the first one remembered."""
+        first = self._first.get(group)
+        if first is None:
+            first = self._first[group] = (arrival, order)
+            if len(self._first) > self.max_groups:
+                self._first.popitem(last=False)
+        else:
+            self._first.move_to_end(group)
+        return first
+
+    def __len__(self) -> int:
+        return len(self._first)
+
+
+__all__ = [
+    "DEFAULT", "DEFAULT_CLASS", "GroupArrivals", "InvalidRequestClassError", "LATENCY", "MAX_GROUP_CHARS",
+    "MAX_REMEMBERED_GROUPS", "OBJECTIVES", "RequestClass", "THROUGHPUT", "check_request_class", "class_rank",
+    "decode_preference",
+]
