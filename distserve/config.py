@@ -138,10 +138,12 @@ class SchedulerConfig:
     step_budget: str = "static"
     tpot_slo_s: float | None = None
     min_prefill_chunk: int = 32  # "slo": prefill tokens a step may always take, so prompts advance
-    # The batch of a decoding scheduler (decode, colocated) while it runs latency-class requests
-    # (``distserve.cluster.classes``); they go first in it. 16: a decode step of 16 costs ~1.4x one
-    # of 1 (OPT-13B on an A100, roofline: 26 vs 18 ms at 1k context) and 64 ~2.8x, so their TPOT
-    # stays near the solo one while 16 latency requests decode at once per instance.
+    # Decode instances: one holding latency-class requests (``distserve.cluster.classes``) is kept to
+    # this many requests while another has room (``cluster.routing.decode_order`` sends the others
+    # elsewhere), so its batch, and their TPOT, stays small. 16: a decode step of 16 costs ~1.4x
+    # one of 1 (OPT-13B on an A100, roofline: 26 vs 18 ms at 1k context; 64: ~2.8x). Not a hard
+    # cap: past it the instance is still used when no other has room (a refusal would hold up the
+    # FCFS migration queue and waste its capacity; measured, that cost every class more TPOT).
     latency_max_num_seqs: int = 16
 
     def __post_init__(self) -> None:

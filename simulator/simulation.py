@@ -397,7 +397,7 @@ class Simulation:
 
     def _migrate(self, entry: tuple[SimInstance, Sequence, Sequence], now: float) -> bool:
         src, seq, copy = entry
-        for dst in decode_order(self.decodes, route_of, seq.request_class):
+        for dst in decode_order(self.decodes, route_of, seq.request_class, self.config.decode_scheduler.latency_max_num_seqs):
             reservation = dst.core.reserve(copy)
             if reservation is not None:
                 break

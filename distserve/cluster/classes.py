@@ -5,9 +5,9 @@ A ``RequestClass`` is an **objective** and an optional **task group**. The dataf
 both per call (``CallNode.objective``, ``CallNode.task_group``); a plain API request is ``default``.
 
 * ``latency``: someone waits on this output. It is admitted (prefill) before default and
-  throughput requests whatever the policy (``class_rank``), its decode runs where the batch is
-  capped (``SchedulerConfig.latency_max_num_seqs``) and, given a choice, on a decode instance
-  without throughput work (``decode_preference``).
+  throughput requests whatever the policy (``class_rank``), and decoded, given a choice, on a
+  decode instance without throughput work whose batch is kept small: other requests go elsewhere
+  while it holds ``SchedulerConfig.latency_max_num_seqs`` or more (``decode_preference``).
 * ``throughput``: only the completion matters (a step of a larger job). It is kept off decode
   instances holding latency work when there is a choice, and its SLO checks completion alone
   (``distserve.slo.slo_for_objective``).
@@ -74,14 +74,24 @@ def class_rank(objective: str) -> int:
     return 0 if objective == LATENCY else 1
 
 
-def decode_preference(objective: str, num_latency: int, num_throughput: int) -> int:
-    """0 where a decode instance holding ``num_latency`` latency and ``num_throughput`` throughput
-    requests suits a request of ``objective`` (the two are not mixed when there is a choice), else 1."""
+def decode_preference(objective: str, num_latency: int, num_throughput: int, num_assigned: int, latency_cap: int) -> int:
+    """How well a decode instance holding ``num_assigned`` requests, ``num_latency`` of the latency
+    and ``num_throughput`` of the throughput class, suits a request of ``objective`` (0 best).
+
+    The two classes are not mixed when there is a choice, and an instance holding latency work is
+    kept to ``latency_cap`` requests (its small batch is what keeps their TPOT low) while another
+    has room: latency requests join such an instance below the cap (0), else go where there is no
+    throughput work (1), else anywhere (2); throughput requests go where there is no latency work
+    (0), else anywhere (1); default ones anywhere but to latency instances at the cap (1).
+    """
+    latency_full = num_latency > 0 and num_assigned >= latency_cap
     if objective == LATENCY:
-        return 1 if num_throughput else 0
+        if num_throughput:
+            return 2
+        return 0 if num_latency and not latency_full else 1
     if objective == THROUGHPUT:
         return 1 if num_latency else 0
-    return 0
+    return 1 if latency_full else 0
 
 
 class GroupArrivals:

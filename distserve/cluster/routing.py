@@ -14,7 +14,8 @@ Scheduling classes (``distserve.cluster.classes``) come first where a request ha
 member of a task group enters where the group's first member did, and is decoded preferably where
 the group's earlier members were (each ``RouteState`` remembers its recent groups, LRU); a latency
 request prefers decode instances without throughput work and a throughput request ones without
-latency work (``decode_preference``), then fewest assigned.
+latency work, and an instance holding latency requests is kept to a small batch while another has
+room (``decode_preference``); then fewest assigned.
 
 The entry rule is a plug-in chosen by name (``ROUTERS``: ``prefix-affinity``, the default, and
 ``least-loaded``, which ignores prefixes); ``pick_entry`` applies the chosen one and does the
@@ -29,12 +30,14 @@ from dataclasses import dataclass, field
 from typing import Protocol, TypeVar
 
 from distserve.cluster.classes import DEFAULT, LATENCY, MAX_REMEMBERED_GROUPS, THROUGHPUT, RequestClass, decode_preference
+from distserve.config import SchedulerConfig
 from distserve.engine.block_manager import seq_block_hashes
 from distserve.engine.sequence import Sequence as SequenceT
 from distserve.errors import InvalidConfigError
 
 MAX_REMEMBERED_BLOCKS = 65536  # prefix hashes remembered per entry instance for affinity routing
 MAX_AFFINITY_IMBALANCE = 4  # requests more than the least assigned instance that still wins on affinity
+DEFAULT_LATENCY_CAP = SchedulerConfig.latency_max_num_seqs
 
 T = TypeVar("T")
 
@@ -160,23 +163,26 @@ def pick_entry(
     return best
 
 
-def decode_order(candidates: Sequence[T], state: Callable[[T], RouteState], request_class: RequestClass | None = None) -> list[T]:
+def decode_order(
+    candidates: Sequence[T], state: Callable[[T], RouteState], request_class: RequestClass | None = None,
+    latency_cap: int = DEFAULT_LATENCY_CAP,
+) -> list[T]:
     """The decode instances to ask for room, in order: fewest assigned first, then the earlier; for
     a request with a class, first the instances that took its task group's earlier members, then
-    those whose work its objective does not mix with (``decode_preference``)."""
-    if request_class is None or (request_class.objective == DEFAULT and request_class.group is None):
-        return sorted(candidates, key=lambda i: state(i).num_assigned)
-    objective, group = request_class.objective, request_class.group
+    by ``decode_preference`` (latency and throughput apart, instances holding latency requests kept
+    to ``latency_cap`` requests while another has room: ``SchedulerConfig.latency_max_num_seqs``)."""
+    objective = request_class.objective if request_class is not None else DEFAULT
+    group = request_class.group if request_class is not None else None
 
     def key(inst: T) -> tuple[int, int, int]:
         s = state(inst)
         return (0 if group is not None and group in s.recent_groups else 1,
-                decode_preference(objective, s.num_latency, s.num_throughput), s.num_assigned)
+                decode_preference(objective, s.num_latency, s.num_throughput, s.num_assigned, latency_cap), s.num_assigned)
 
     return sorted(candidates, key=key)
 
 
 __all__ = [
-    "DEFAULT_ROUTER", "MAX_AFFINITY_IMBALANCE", "MAX_REMEMBERED_BLOCKS", "ROUTERS", "EntryRouter", "RouteState",
+    "DEFAULT_LATENCY_CAP", "DEFAULT_ROUTER", "MAX_AFFINITY_IMBALANCE", "MAX_REMEMBERED_BLOCKS", "ROUTERS", "EntryRouter", "RouteState",
     "check_router", "decode_order", "entry_hashes", "least_loaded", "pick_entry", "prefix_affinity",
 ]

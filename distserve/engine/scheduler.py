@@ -149,8 +149,6 @@ class Scheduler:
         self._scheduling: Sequence | None = None  # the sequence being decided on (crash attribution)
         self._order = 0
         self._groups = GroupArrivals()
-        # While it runs latency-class requests a scheduler that decodes caps its batch, so their TPOT stays low.
-        self.latency_max_seqs = min(config.latency_max_num_seqs, config.max_num_seqs)
         self.num_preemptions = 0
 
     # ---- queue management --------------------------------------------------------------------
@@ -268,8 +266,6 @@ class Scheduler:
         i = 0
         in_flight = self.in_flight
         max_seqs = self.config.max_num_seqs  # per plan: with pp > 1, each micro-batch gets its share
-        if running and running[0].class_rank == 0:  # latency requests sort first: it holds some
-            max_seqs = self.latency_max_seqs
         while i < len(running) and budget > 0 and len(decodes) + len(prefills) < max_seqs:
             seq = self._scheduling = running[i]
             token_ids = seq.token_ids

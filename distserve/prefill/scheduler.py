@@ -20,7 +20,6 @@ class PrefillScheduler(Scheduler):
     def __init__(self, *args: object, **kwargs: object) -> None:
         super().__init__(*args, **kwargs)  # type: ignore[arg-type]
         self.awaiting_migration: dict[str, Sequence] = {}
-        self.latency_max_seqs = self.config.max_num_seqs  # it decodes nothing: the latency cap is the decode side's
 
     def update_from_output(
         self, plan: StepPlan, sampled: list[SampledToken], seqs: dict[str, Sequence], now: float

@@ -204,7 +204,7 @@ class LocalDisaggEngine(EngineBase):
 
     def _migrate(self, src: LocalInstance, seq: Sequence) -> bool:
         moved = seq.detached_copy()
-        for dst in decode_order(self.decode, _route, seq.request_class):
+        for dst in decode_order(self.decode, _route, seq.request_class, self.scheduler_config.latency_max_num_seqs):
             reservation = dst.core.reserve(moved)
             if reservation is not None:
                 break

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 from distserve.cluster.counters import ClusterCounters
 from distserve.cluster.migration_queue import MigrationQueue
 from distserve.cluster.routing import decode_order
+from distserve.config import SchedulerConfig
 from distserve.engine.sequence import Sequence
 from distserve.kvtransfer.migration import num_tags
 from distserve.kvtransfer.transport import MAX_TAG
@@ -32,6 +33,7 @@ class KVMigrations:
     """The ``Controller``'s migration half (a mixin: it works on the controller's request state)."""
 
     instances: list[DeployedInstance]
+    scheduler_config: SchedulerConfig  # the decode instances' (``RequestFrontend``)
     counters: ClusterCounters
     _seqs: dict[str, Sequence]
     _owner: dict[str, DeployedInstance]
@@ -66,7 +68,7 @@ class KVMigrations:
             return False
         import ray
 
-        for dst in decode_order(decodes, route_of, seq.request_class):
+        for dst in decode_order(decodes, route_of, seq.request_class, self.scheduler_config.latency_max_num_seqs):
             try:
                 reservation = await dst.actor.reserve.remote(seq.detached_copy())
             except ray.exceptions.RayError:

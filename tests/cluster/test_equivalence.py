@@ -26,85 +26,12 @@ first. Times themselves are not compared (the engine's are wall-clock), nor plan
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import dataclass, field
 
 import pytest
-import torch
 
-from distserve.cluster.counters import ClusterCounters
-from distserve.cluster.routing import DEFAULT_ROUTER
-from distserve.config import CacheConfig, SamplingParams, SchedulerConfig
-from distserve.engine.scheduler import SampledToken, StepPlan
+from distserve.config import SchedulerConfig
 from distserve.engine.weights import LoadedModel, load_model
-from distserve.placement import InstanceSpec, Placement
-from distserve.runtime.local_disagg import LocalDisaggEngine, StepRunner
-from simulator.hardware import get_hardware
-from simulator.latency import BatchShape, LatencyModel
-from simulator.models import ModelSpec
-from simulator.simulation import SAMPLED_TOKEN, SimConfig, Simulation
-from simulator.workload import Request
-
-STEP_S = 1.0  # every simulated step; integral, so event times are exact
-BLOCK_SIZE = 4
-
-Step = tuple[tuple[str, int], ...]  # (request id, tokens computed) per chunk of one plan
-
-
-class FakeRunner:
-    """A ``StepRunner`` without a model: every sampling chunk gets ``SAMPLED_TOKEN``, as in the simulator."""
-
-    def __init__(self, num_blocks: int, block_size: int) -> None:
-        self.kv_cache = torch.zeros((1, 2, num_blocks, block_size, 1, 1))  # [layers, 2, blocks, block_size, heads, dim]
-        self.num_plans = 0
-
-    def execute(self, plan: StepPlan) -> list[SampledToken]:
-        self.num_plans += 1
-        return [SampledToken(c.seq_id, SAMPLED_TOKEN) for c in plan.chunks if c.sample]
-
-
-def fake_runner(loaded: LoadedModel, num_blocks: int, block_size: int, eos: tuple[int, ...]) -> StepRunner:
-    return FakeRunner(num_blocks, block_size)
-
-
-class ConstantStepTime(LatencyModel):
-    """Every step with tokens takes ``STEP_S``; migrations take no time."""
-
-    def __init__(self, model: ModelSpec) -> None:
-        self.model = model
-        self.hardware = get_hardware("a100-80g")
-
-    def step_time(self, shape: BatchShape, tp: int = 1, pp: int = 1) -> float:
-        return STEP_S if shape.prefill_tokens or shape.num_decode else 0.0
-
-    def supports(self, tp: int, pp: int) -> bool:
-        return True
-
-    def migration_time(self, num_bytes: int, same_node: bool = True, num_links: int = 1) -> float:
-        return 0.0
-
-
-@dataclass
-class Trace:
-    """What a driver did: per instance the plans it launched, and the migrations in completion order."""
-
-    steps: dict[str, list[Step]] = field(default_factory=lambda: defaultdict(list))
-    migrations: list[tuple[str, str, str]] = field(default_factory=list)
-    max_awaiting_migration: int = 0  # engine only: the most finished prefills that waited for room after a round
-    counters: ClusterCounters | None = None  # simulator only: its migration counters
-
-    def on_plan(self, instance_id: str, plan: StepPlan) -> None:
-        if plan.chunks:
-            self.steps[instance_id].append(tuple((c.seq_id, len(c.token_ids)) for c in plan.chunks))
-
-    def on_migration(self, seq_id: str, src: str, dst: str) -> None:
-        self.migrations.append((seq_id, src, dst))
-
-
-@dataclass(frozen=True)
-class Arrival:
-    round: int  # added before this engine round; arrives at round * STEP_S in the simulator
-    prompt: tuple[int, ...]
-    output_len: int
+from drivers_util import CLASS_SETUP, Arrival, Setup, class_workload, run_engine, run_simulator
 
 
 def workload() -> list[Arrival]:
@@ -131,15 +58,6 @@ def workload() -> list[Arrival]:
     ]
 
 
-@dataclass(frozen=True)
-class Setup:
-    num_prefill: int
-    num_decode: int
-    num_blocks: int
-    prefill: SchedulerConfig
-    decode: SchedulerConfig
-
-
 SETUPS = {
     "1P1D": Setup(1, 1, 64, SchedulerConfig(max_num_batched_tokens=48), SchedulerConfig(max_num_seqs=4)),
     "2P1D": Setup(2, 1, 64, SchedulerConfig(max_num_batched_tokens=40), SchedulerConfig(max_num_seqs=8)),
@@ -151,50 +69,6 @@ SETUPS = {
 @pytest.fixture(scope="module")
 def tiny() -> LoadedModel:
     return load_model("tiny")
-
-
-def run_engine(tiny: LoadedModel, setup: Setup, arrivals: list[Arrival], router: str = DEFAULT_ROUTER) -> tuple[Trace, LocalDisaggEngine]:
-    engine = LocalDisaggEngine(
-        tiny, num_prefill=setup.num_prefill, num_decode=setup.num_decode,
-        cache_config=CacheConfig(num_blocks=setup.num_blocks, block_size=BLOCK_SIZE, enable_prefix_caching=True),
-        prefill_scheduler_config=setup.prefill, decode_scheduler_config=setup.decode, runner_factory=fake_runner, router=router,
-    )
-    trace = Trace()
-    engine.on_plan, engine.on_migration = trace.on_plan, trace.on_migration
-    by_round: dict[int, list[tuple[int, Arrival]]] = defaultdict(list)
-    for i, a in enumerate(arrivals):
-        by_round[a.round].append((i, a))
-    last = max(by_round)
-    k = 0
-    while k <= last or engine.has_unfinished_requests():
-        for i, a in by_round.get(k, []):
-            sampling = SamplingParams(max_tokens=a.output_len, ignore_eos=True)
-            # The simulator's arrival time: the FCFS order of requests arriving together is then their admission order in both.
-            engine.add_request(list(a.prompt), sampling, request_id=str(i), arrival_time=a.round * STEP_S)
-        engine.step()
-        trace.max_awaiting_migration = max(trace.max_awaiting_migration, engine.stats()["num_requests_awaiting_migration"])
-        k += 1
-        assert k < 1000, "the engine stalled"
-    return trace, engine
-
-
-def run_simulator(engine: LocalDisaggEngine, setup: Setup, arrivals: list[Arrival], router: str = DEFAULT_ROUTER) -> Trace:
-    cfg = engine.model_config
-    spec = ModelSpec(cfg.name, cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
-                     cfg.intermediate_size, cfg.vocab_size, gated_mlp=True, max_position_embeddings=engine.max_model_len)
-    placement = Placement(prefill=(InstanceSpec(),) * setup.num_prefill, decode=(InstanceSpec(),) * setup.num_decode)
-    config = SimConfig(
-        block_size=BLOCK_SIZE, num_blocks=setup.num_blocks, max_model_len=engine.max_model_len,
-        prefill_scheduler=setup.prefill, decode_scheduler=setup.decode, enable_prefix_caching=True, router=router,
-    )
-    sim = Simulation(placement, ConstantStepTime(spec), config)
-    trace = Trace()
-    sim.on_plan, sim.on_migration = trace.on_plan, trace.on_migration
-    requests = [Request(i, a.round * STEP_S, len(a.prompt), a.output_len, prompt_token_ids=a.prompt) for i, a in enumerate(arrivals)]
-    result = sim.run(requests)
-    trace.counters = sim.counters
-    assert all(r.num_output_tokens == a.output_len for r, a in zip(sorted(result.records, key=lambda r: r.req_id), arrivals))
-    return trace
 
 
 @pytest.mark.parametrize("name", list(SETUPS))
@@ -247,3 +121,14 @@ def test_the_least_loaded_router_is_the_same_in_both_and_ignores_prefixes(tiny: 
     entry = {seq: src for seq, src, _ in engine_trace.migrations}
     family = {entry[str(i)] for i, a in enumerate(arrivals) if str(i) in entry and a.prompt[0] == 40}
     assert len(family) == 2
+
+
+def test_with_scheduling_classes_the_simulator_makes_the_same_plans_and_migrations(tiny: LoadedModel) -> None:
+    """Latency, throughput and task-group requests (``drivers_util.class_workload``): the class
+    rules (policy keys, the decode cap, class- and group-aware routing) are the same code in both."""
+    setup, arrivals = CLASS_SETUP, class_workload()
+    engine_trace, engine = run_engine(tiny, setup, arrivals)
+    sim_trace = run_simulator(engine, setup, arrivals)
+    assert len(engine_trace.migrations) == len(arrivals)
+    assert dict(sim_trace.steps) == dict(engine_trace.steps)
+    assert sim_trace.migrations == engine_trace.migrations

@@ -1,9 +1,13 @@
 """Scheduler on CPU with a fake runner: budgets, chunking, policies, preemption, no deadlock."""
 
+import pytest
+
+from distserve.cluster.classes import MAX_REMEMBERED_GROUPS, GroupArrivals, RequestClass
 from distserve.config import SamplingParams, SchedulerConfig
 from distserve.engine.block_manager import BlockManager
 from distserve.engine.scheduler import SampledToken, Scheduler, StepPlan
 from distserve.engine.sequence import Sequence, SequenceStatus
+from distserve.errors import InvalidConfigError
 
 
 def make(
@@ -213,3 +217,58 @@ def test_a_sampling_error_finishes_only_that_sequence() -> None:
     assert seqs["bad"].finish_reason == "error" and seqs["bad"].error == "sampling failed: boom"
     assert seqs["bad"].token_ids == seqs["bad"].prompt_token_ids  # the failed token is not appended
     assert seqs["a"].status is SequenceStatus.RUNNING and seqs["a"].num_output_tokens == 1
+
+
+# ---- scheduling classes (distserve.cluster.classes) ---------------------------------------------
+LATENCY, THROUGHPUT = RequestClass("latency"), RequestClass("throughput")
+
+
+def waiting_ids(sched: Scheduler) -> list[str]:
+    return [s.seq_id for s in sched.waiting]
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "priority"])
+def test_latency_requests_are_admitted_first_whatever_the_policy(policy: str) -> None:
+    sched, seqs = make(max_num_seqs=1, policy=policy)
+    add(sched, seqs, "thr", 4, arrival_time=0.0, priority=-5, request_class=THROUGHPUT)
+    add(sched, seqs, "dflt", 4, arrival_time=1.0, priority=-5)
+    add(sched, seqs, "lat", 4, arrival_time=2.0, priority=5, request_class=LATENCY)
+    add(sched, seqs, "lat2", 4, arrival_time=3.0, priority=0, request_class=LATENCY)
+    first = ["lat2", "lat"] if policy == "priority" else ["lat", "lat2"]  # the policy orders within the class
+    assert waiting_ids(sched) == [*first, "thr", "dflt"]
+    assert sched.schedule().chunks[0].seq_id == first[0]
+
+
+def test_a_task_groups_members_stay_adjacent_keyed_by_its_first_arrival() -> None:
+    sched, seqs = make(max_num_seqs=1)
+    group = RequestClass("throughput", "g")
+    add(sched, seqs, "g0", 4, arrival_time=0.0, request_class=group)
+    add(sched, seqs, "x1", 4, arrival_time=1.0)
+    add(sched, seqs, "y2", 4, arrival_time=2.0, request_class=THROUGHPUT)
+    add(sched, seqs, "g3", 4, arrival_time=3.0, request_class=group)
+    add(sched, seqs, "h4", 4, arrival_time=4.0, request_class=RequestClass("throughput", "h"))
+    add(sched, seqs, "g5", 4, arrival_time=5.0, request_class=group)
+    add(sched, seqs, "h6", 4, arrival_time=6.0, request_class=RequestClass("throughput", "h"))
+    assert waiting_ids(sched) == ["g0", "g3", "g5", "x1", "y2", "h4", "h6"]
+    plans = run_to_completion(sched, seqs)
+    admitted = [c.seq_id for p in plans for c in p.chunks if c.num_tokens > 1]
+    assert admitted == ["g0", "g3", "g5", "x1", "y2", "h4", "h6"]
+
+
+def test_group_memory_is_bounded_and_a_forgotten_group_starts_anew() -> None:
+    groups = GroupArrivals(max_groups=2)
+    assert groups.first("a", 0.0, 0) == (0.0, 0)
+    assert groups.first("b", 1.0, 1) == (1.0, 1)
+    assert groups.first("a", 2.0, 2) == (0.0, 0)  # "a" is now the most recent
+    assert groups.first("c", 3.0, 3) == (3.0, 3)  # evicts "b"
+    assert len(groups) == 2
+    assert groups.first("b", 4.0, 4) == (4.0, 4)
+    sched, seqs = make()
+    for i in range(MAX_REMEMBERED_GROUPS + 10):
+        add(sched, seqs, f"s{i}", 2, request_class=RequestClass("throughput", f"group-{i}"))
+    assert len(sched._groups) == MAX_REMEMBERED_GROUPS
+
+
+def test_latency_max_num_seqs_must_be_positive() -> None:
+    with pytest.raises(InvalidConfigError, match="latency_max_num_seqs"):
+        SchedulerConfig(latency_max_num_seqs=0)
