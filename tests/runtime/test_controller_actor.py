@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 from serving_util import wait_until
 
+from distserve.cluster.classes import RequestClass
 from distserve.config import CacheConfig, SamplingParams
 from distserve.engine.llm_engine import LLMEngine
 from distserve.engine.outputs import RequestMetrics, RequestOutput
@@ -179,8 +180,12 @@ class _ScriptedController:
     """Stands in for the ``Controller`` in a ``ControllerActor``: three outputs per request, except
     "refused" (refused on submission) and "failing" (fails after its first output)."""
 
-    async def generate(self, prompt_ids: list[int], sampling: SamplingParams, request_id: str, priority: int = 0
-                       ) -> AsyncIterator[RequestOutput]:
+    def __init__(self) -> None:
+        self.classes: dict[str, object] = {}
+
+    async def generate(self, prompt_ids: list[int], sampling: SamplingParams, request_id: str, priority: int = 0,
+                       request_class: RequestClass | None = None) -> AsyncIterator[RequestOutput]:
+        self.classes[request_id] = request_class
         if request_id == "refused":
             raise QueueFullError("1 requests in flight (max 1)")
         for i in range(3):
@@ -194,15 +199,17 @@ class _ScriptedController:
 
 
 def test_the_actor_multiplexes_a_proxys_requests_and_keeps_errors_to_their_own() -> None:
+    scripted = _ScriptedController()
+
     async def scenario() -> dict[str, list[Any]]:
         actor = ControllerActor(DeploymentConfig("tiny"))
-        actor.controller = _ScriptedController()  # type: ignore[assignment]
+        actor.controller = scripted  # type: ignore[assignment]
         outputs = actor.outputs("proxy")
         with pytest.raises(QueueFullError):
             await actor.submit("proxy", [1], SP, "refused")
         await actor.abort("early")  # before its submission: refused on arrival, its stream just ends
         for request_id in ("a", "failing", "b", "early"):
-            await actor.submit("proxy", [1], SP, request_id)
+            await actor.submit("proxy", [1], SP, request_id, 0, RequestClass("latency", "g") if request_id == "b" else None)
         got: dict[str, list[Any]] = defaultdict(list)
         while sum(1 for items in got.values() for item in items if item is None or isinstance(item, Exception)) < 4:
             for request_id, item in await outputs.__anext__():
@@ -218,6 +225,7 @@ def test_the_actor_multiplexes_a_proxys_requests_and_keeps_errors_to_their_own()
     assert [o.new_token_ids for o in got["failing"][:-1]] == [[0]]
     assert type(got["failing"][-1]) is InvalidConfigError
     assert got["early"] == [None]
+    assert scripted.classes == {"refused": None, "a": None, "failing": None, "b": RequestClass("latency", "g")}  # passed on as given
 
 
 def test_early_close_aborts_and_frees_kv_on_both_instances(llm: DisaggLLM) -> None:
