@@ -9,7 +9,9 @@ carry their tokens and ``enable_prefix_caching`` is set (synthetic prompts share
 finished prefills wait, KV held, in one FCFS queue until a decode instance (fewest assigned first)
 can ``reserve`` room for them (pull-based); the KV then moves over the link (one transfer at a time
 per sender and per receiver, as each worker has one transfer thread), the decode instance decodes
-the request from its next step on and the prefill instance frees its copy.
+the request from its next step on and the prefill instance frees its copy. A request's scheduling
+class (``Request.objective``, ``Request.group``) goes with it into the same policy keys and the
+same class- and group-aware routing (``distserve.cluster.classes``).
 
 Events at one instant are handled in phases: steps ending then are applied, finished prefills
 migrate, migrations completing then are delivered, arrivals are routed, and only then do instances

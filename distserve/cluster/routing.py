@@ -25,7 +25,7 @@ bookkeeping every rule shares (counting the assignment, remembering the prompt's
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, TypeVar
 
@@ -60,10 +60,7 @@ class RouteState:
         if request_class is None:
             return
         if request_class.group is not None:
-            self.recent_groups[request_class.group] = None
-            self.recent_groups.move_to_end(request_class.group)
-            if len(self.recent_groups) > MAX_REMEMBERED_GROUPS:
-                self.recent_groups.popitem(last=False)
+            _touch(self.recent_groups, (request_class.group,), MAX_REMEMBERED_GROUPS)
         objective = request_class.objective
         if objective != DEFAULT and request_id is not None and request_id not in self.classed:
             self.classed[request_id] = objective
@@ -73,11 +70,7 @@ class RouteState:
                 self.num_throughput += 1
 
     def remember(self, hashes: Sequence[int]) -> None:
-        for h in hashes:
-            self.recent_prefixes[h] = None
-            self.recent_prefixes.move_to_end(h)
-        while len(self.recent_prefixes) > MAX_REMEMBERED_BLOCKS:
-            self.recent_prefixes.popitem(last=False)
+        _touch(self.recent_prefixes, hashes, MAX_REMEMBERED_BLOCKS)
 
     def cached_blocks(self, hashes: Sequence[int]) -> int:
         """Leading blocks of a prompt (by content hash) this instance saw recently."""
@@ -94,6 +87,18 @@ class RouteState:
             self.num_latency -= 1
         elif objective == THROUGHPUT:
             self.num_throughput -= 1
+
+
+K = TypeVar("K")
+
+
+def _touch(lru: OrderedDict[K, None], keys: Iterable[K], limit: int) -> None:
+    """Mark ``keys`` most recently seen in ``lru``, keeping at most ``limit`` (the least recent go)."""
+    for key in keys:
+        lru[key] = None
+        lru.move_to_end(key)
+    while len(lru) > limit:
+        lru.popitem(last=False)
 
 
 class EntryRouter(Protocol):

@@ -87,10 +87,8 @@ class SampledToken:
 PolicyKey = Callable[[Sequence], tuple]
 
 
-# Every key starts with the class rank (latency requests first, whatever the policy) and orders a
-# task group's members by the group's first (arrival, order), so they stay adjacent; for a request
-# in no group those are its own (``Scheduler._stamp``). attrgetter builds the same tuples as a
-# Python function would, without a Python call per sequence.
+# Keys start with the class rank (latency first, whatever the policy), then a task group's first
+# (arrival, order), so its members stay adjacent (``_stamp``). attrgetter: no Python call per sequence.
 _fcfs_key: PolicyKey = attrgetter("class_rank", "group_arrival", "group_order", "arrival_time", "order")
 _priority_key: PolicyKey = attrgetter("class_rank", "priority", "group_arrival", "group_order", "arrival_time", "order")
 

@@ -257,3 +257,22 @@ def test_traces_carry_the_class(tmp_path: object) -> None:
     with pytest.raises(Exception, match=r"t.jsonl:1: objective must be one of") as err:
         load_trace(path)
     assert getattr(err.value, "param", None) == "objective"
+
+
+def test_serving_metrics_judge_a_request_by_its_class() -> None:
+    """``/metrics``: a slow throughput request still meets the SLO (completion alone), a slow default
+    one does not; the counter is labelled by objective (three values at most)."""
+    from distserve.engine.outputs import RequestMetrics, RequestOutput
+    from distserve.serving.metrics import ServingMetrics
+
+    metrics = ServingMetrics(slo=SLO(ttft_s=1e-9, tpot_s=1e-9))
+    for objective in ("throughput", "default"):
+        timer = metrics.request_timer(objective)
+        for i in range(3):
+            timer.observe(RequestOutput(f"r-{objective}", [1], list(range(i + 1)), "", [i], "", i == 2, "length" if i == 2 else None,
+                                        RequestMetrics(0.0, None, None, 1, 0, i + 1)))
+    text = metrics.render().decode()
+    assert 'distserve:request_slo_total{met="true",objective="throughput"} 1.0' in text
+    assert 'distserve:request_slo_total{met="false",objective="default"} 1.0' in text
+    with pytest.raises(ValueError, match="objective"):
+        metrics.request_timer("urgent")
