@@ -138,6 +138,9 @@ class SchedulerConfig:
     step_budget: str = "static"
     tpot_slo_s: float | None = None
     min_prefill_chunk: int = 32  # "slo": prefill tokens a step may always take, so prompts advance
+    # Hold a prompt whose next prefix blocks another request on the instance is computing right now
+    # until they are committed, so siblings arriving together compute a shared prefix once.
+    enable_inflight_prefix_sharing: bool = True
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:

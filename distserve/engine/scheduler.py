@@ -145,6 +145,7 @@ class Scheduler:
         self._scheduling: Sequence | None = None  # the sequence being decided on (crash attribution)
         self._order = 0
         self.num_preemptions = 0
+        self.num_prefix_cache_hit_tokens = 0  # prompt tokens admissions took from the prefix cache
 
     # ---- queue management --------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -288,12 +289,20 @@ class Scheduler:
             budget -= n
             i += 1
 
-        # Admit waiting sequences unless we just had to preempt (memory is tight).
+        # Admit waiting sequences unless we just had to preempt (memory is tight). One whose next
+        # prefix blocks another sequence here is computing right now is held (skipped, not
+        # blocking the queue) until they are committed: it then takes them from the cache.
+        waiting = self.waiting
+        share = self.config.enable_inflight_prefix_sharing
+        w = 0
         while (
-            self.waiting and not preempted and budget > 0
+            w < len(waiting) and not preempted and budget > 0
             and len(running) < self.max_running and len(decodes) + len(prefills) < max_seqs
         ):
-            seq = self._scheduling = self.waiting[0]
+            seq = self._scheduling = waiting[w]
+            if share and block_manager.num_blocks_in_flight(seq):
+                w += 1
+                continue
             if not block_manager.can_allocate(seq):
                 break
             n = seq.num_tokens - block_manager.num_cached_prefix_tokens(seq)
@@ -303,8 +312,9 @@ class Scheduler:
                 elif decodes or prefills:
                     break
                 # A prompt larger than the whole budget runs alone rather than never.
-            self._pop_waiting()
+            self._pop_waiting(w)
             block_manager.allocate(seq)
+            self.num_prefix_cache_hit_tokens += seq.num_cached_tokens
             n = min(n, seq.num_uncomputed_tokens)
             seq.status = SequenceStatus.RUNNING
             self._append_running(seq)
@@ -332,6 +342,7 @@ class Scheduler:
             if not bm.can_allocate(seq):
                 return False
             bm.allocate(seq)
+            self.num_prefix_cache_hit_tokens += seq.num_cached_tokens
         n = seq.num_uncomputed_tokens
         if self._chunk_prefills:
             n = min(n, self.config.max_num_batched_tokens)
