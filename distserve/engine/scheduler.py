@@ -289,9 +289,9 @@ class Scheduler:
             budget -= n
             i += 1
 
-        # Admit waiting sequences unless we just had to preempt (memory is tight). One whose next
-        # prefix blocks another sequence here is computing right now is held (skipped, not
-        # blocking the queue) until they are committed: it then takes them from the cache.
+        # Admit waiting sequences unless we just had to preempt (memory is tight). One that would
+        # recompute a prefix another sequence here is computing right now waits for it (``_held``),
+        # without blocking the queue.
         waiting = self.waiting
         share = self.config.enable_inflight_prefix_sharing
         w = 0
@@ -300,7 +300,7 @@ class Scheduler:
             and len(running) < self.max_running and len(decodes) + len(prefills) < max_seqs
         ):
             seq = self._scheduling = waiting[w]
-            if share and block_manager.num_blocks_in_flight(seq):
+            if share and self._held(seq):
                 w += 1
                 continue
             if not block_manager.can_allocate(seq):
@@ -328,6 +328,15 @@ class Scheduler:
         if self.pipeline_depth > 1:
             in_flight.update(c.seq_id for c in decodes)
         return plan
+
+    def _held(self, seq: Sequence) -> bool:
+        """Whether ``seq`` waits for prefix blocks another sequence here is computing right now, to
+        take them from the cache once committed rather than compute them too. Worth a step's wait
+        only if they are at least half of what it would compute now (siblings behind a long shared
+        prompt wait; prompts that share a short header with a long one do not)."""
+        bm = self.block_manager
+        shared = bm.num_blocks_in_flight(seq) * bm.block_size
+        return shared > 0 and 2 * shared >= seq.num_tokens - bm.num_cached_prefix_tokens(seq)
 
     def _schedule_isolated(self, plan: StepPlan) -> bool:
         """Fill ``plan`` with the oldest crash suspect alone, if its blocks can be had now."""

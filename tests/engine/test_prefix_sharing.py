@@ -95,6 +95,16 @@ def test_siblings_wait_for_the_holder_and_others_are_admitted_past_them() -> Non
     assert num_prefill_tokens(p1) + num_prefill_tokens(p2) == len(PREFIX) + 6 * 3 + 6
 
 
+def test_a_short_shared_header_is_not_worth_waiting_for() -> None:
+    sched, seqs = make()
+    header = PREFIX[:BS]  # one block shared with a long prompt: less than half of what each computes
+    a = Sequence("a", header + list(range(300, 310)), SP)
+    b = Sequence("b", header + list(range(400, 406)), SP)
+    c = Sequence("c", PREFIX[: 2 * BS] + list(range(500, 508)), SP)  # 4 of its 16 tokens computed by a: still not half
+    add(sched, seqs, a, b, c)
+    assert [cid for cid, _ in chunks(step(sched, seqs))] == ["a", "b", "c"]
+
+
 def test_sharing_off_computes_the_prefix_once_per_sibling() -> None:
     sched, seqs = make(enable_inflight_prefix_sharing=False)
     add(sched, seqs, *(sibling(i) for i in range(6)))
