@@ -4,9 +4,11 @@ A map step's N calls over one document, or N users of a copilot's system prompt,
 and share a long prefix that no instance has cached yet. With sharing off (``SchedulerConfig(
 enable_inflight_prefix_sharing=False)``, the behaviour before it existed) every sibling admitted in
 the same step computes the prefix itself; with sharing on (the default) the first computes it and
-the others wait for its commit, then take it from the prefix cache. For each engine (the colocated
-``LLMEngine`` and the in-process disaggregated ``LocalDisaggEngine``, 1 prefill + 1 decode) and
-each setting, on a fresh engine (empty cache), it measures the prefill tokens computed and reused
+the others wait for its commit, then take it from the prefix cache. (Siblings admitted in a later
+step hit the cache either way: the step token budget, ``--budgets``, decides how many share a step
+without it.) For each engine (the colocated ``LLMEngine`` and the in-process disaggregated
+``LocalDisaggEngine``, 1 prefill + 1 decode), budget and setting, on a fresh engine (empty cache), it
+measures the prefill tokens computed and reused
 (the engine's ``prefill_tokens_computed_total`` / ``prefix_cache_hit_tokens_total``), the time until
 every sibling has its first token (all prefills done) and until all finish, and checks that greedy
 outputs are the same either way. Runs alternate on/off; figures are medians over --repeats.
@@ -42,9 +44,9 @@ def make_prompts(num: int, prefix_len: int, suffix_len: int, vocab_size: int, se
     return [prefix + [rng.randrange(low, vocab_size) for _ in range(suffix_len)] for _ in range(num)]
 
 
-def build(kind: str, loaded: LoadedModel, share: bool, num_blocks: int) -> LLMEngine | LocalDisaggEngine:
+def build(kind: str, loaded: LoadedModel, share: bool, budget: int, num_blocks: int) -> LLMEngine | LocalDisaggEngine:
     cache = CacheConfig(num_blocks=num_blocks, block_size=BLOCK_SIZE)
-    sched = SchedulerConfig(enable_inflight_prefix_sharing=share)
+    sched = SchedulerConfig(max_num_batched_tokens=budget, enable_inflight_prefix_sharing=share)
     if kind == "colocated":
         return LLMEngine(loaded, cache_config=cache, scheduler_config=sched)
     return LocalDisaggEngine(loaded, num_prefill=1, num_decode=1, cache_config=cache,
@@ -84,12 +86,14 @@ def main() -> None:
     ap.add_argument("--suffix-len", type=int, default=32)
     ap.add_argument("--max-tokens", type=int, default=8)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--budgets", default="2048,8192", help="step token budgets (max_num_batched_tokens), comma-separated")
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     harness.add_quiet_args(ap, max_wait_s=600.0, retries=2)
     args = ap.parse_args()
     if args.quick:
         args.model, args.num_siblings, args.prefix_len, args.suffix_len, args.max_tokens, args.repeats = "tiny", 8, 64, 8, 4, 1
     torch.set_num_threads(args.threads)
+    budgets = [int(b) for b in args.budgets.split(",") if b]
     out = Outputs.for_run(args, "bench_prefix_sharing")
     guard = harness.QuietGuard.from_args(args)
     loaded = load_model(args.model, "float32")
@@ -98,51 +102,56 @@ def main() -> None:
     per_request = -(-(args.prefix_len + args.suffix_len + args.max_tokens) // BLOCK_SIZE)
     num_blocks = args.num_siblings * per_request + 16  # room for every sibling unshared: no preemption either way
 
-    runs: dict[tuple[str, str], list[dict[str, Any]]] = {(k, s): [] for k in ENGINES for s in SETTINGS}
+    configs = [(kind, budget) for kind in ENGINES for budget in budgets]
+    runs: dict[tuple[str, int, str], list[dict[str, Any]]] = {(k, b, s): [] for k, b in configs for s in SETTINGS}
     max_other_cores = 0.0
-    for kind in ENGINES:
+    for kind, budget in configs:
         for share in SETTINGS.values():  # warm up: every batch shape either setting runs
-            run_once(build(kind, loaded, share, num_blocks), prompts, sp)
+            run_once(build(kind, loaded, share, budget, num_blocks), prompts, sp)
         for rep in range(args.repeats):
             for setting, share in SETTINGS.items():  # alternating, so both see the same machine
-                engine = build(kind, loaded, share, num_blocks)
-                result, _, watch = guard.measure(f"{kind} sharing {setting}", lambda: run_once(engine, prompts, sp))
+                result, _, watch = guard.measure(
+                    f"{kind} budget {budget} sharing {setting}",
+                    lambda: run_once(build(kind, loaded, share, budget, num_blocks), prompts, sp),  # fresh: empty cache
+                )
                 max_other_cores = max(max_other_cores, watch.other_cores)
-                runs[(kind, setting)].append(result)
-                print(f"{kind} sharing {setting} #{rep}: computed {result['prefill_tokens_computed']} reused "
+                runs[(kind, budget, setting)].append(result)
+                print(f"{kind} budget {budget} sharing {setting} #{rep}: computed {result['prefill_tokens_computed']} reused "
                       f"{result['prefix_cache_hit_tokens']} tokens; all prefills {result['all_prefills_s']:.3f}s, "
                       f"all done {result['total_s']:.3f}s", flush=True)
 
     figures: dict[str, Any] = {
         "model": args.model, "num_siblings": args.num_siblings, "prefix_len": args.prefix_len, "suffix_len": args.suffix_len,
         "max_tokens": args.max_tokens, "repeats": args.repeats, "threads": args.threads, "block_size": BLOCK_SIZE,
-        "max_other_cores": round(max_other_cores, 2),
+        "budgets": budgets, "max_other_cores": round(max_other_cores, 2),
     }
     rows = []
-    for kind in ENGINES:
+    for kind, budget in configs:
+        name = f"{kind}_b{budget}"
         for setting in SETTINGS:
-            rs = runs[(kind, setting)]
-            key = f"{kind}_{setting}"
+            rs = runs[(kind, budget, setting)]
+            key = f"{name}_{setting}"
             figures[f"{key}_prefill_tokens_computed"] = rs[-1]["prefill_tokens_computed"]
             figures[f"{key}_prefix_cache_hit_tokens"] = rs[-1]["prefix_cache_hit_tokens"]
             figures[f"{key}_all_prefills_s"] = round(statistics.median(r["all_prefills_s"] for r in rs), 4)
             figures[f"{key}_total_s"] = round(statistics.median(r["total_s"] for r in rs), 4)
-            rows.append([kind, setting, str(figures[f"{key}_prefill_tokens_computed"]), str(figures[f"{key}_prefix_cache_hit_tokens"]),
-                         harness.ms(figures[f"{key}_all_prefills_s"]), harness.ms(figures[f"{key}_total_s"])])
-        on, off = runs[(kind, "on")], runs[(kind, "off")]
-        figures[f"{kind}_greedy_same"] = all(a["token_ids"] == b["token_ids"] for a, b in zip(on, off))
-        figures[f"{kind}_prefill_speedup"] = round(figures[f"{kind}_off_all_prefills_s"] / figures[f"{kind}_on_all_prefills_s"], 3)
-        figures[f"{kind}_total_speedup"] = round(figures[f"{kind}_off_total_s"] / figures[f"{kind}_on_total_s"], 3)
+            rows.append([kind, str(budget), setting, str(figures[f"{key}_prefill_tokens_computed"]),
+                         str(figures[f"{key}_prefix_cache_hit_tokens"]), harness.ms(figures[f"{key}_all_prefills_s"]),
+                         harness.ms(figures[f"{key}_total_s"])])
+        on, off = runs[(kind, budget, "on")], runs[(kind, budget, "off")]
+        figures[f"{name}_greedy_same"] = all(a["token_ids"] == b["token_ids"] for a, b in zip(on, off))
+        figures[f"{name}_prefill_speedup"] = round(figures[f"{name}_off_all_prefills_s"] / figures[f"{name}_on_all_prefills_s"], 3)
+        figures[f"{name}_total_speedup"] = round(figures[f"{name}_off_total_s"] / figures[f"{name}_on_total_s"], 3)
 
-    columns = ["engine", "sharing", "prefill tokens computed", "reused from cache", "all prefills (ms)", "all done (ms)"]
+    columns = ["engine", "budget", "sharing", "prefill tokens computed", "reused from cache", "all prefills (ms)", "all done (ms)"]
     title = (f"{args.num_siblings} siblings x ({args.prefix_len} shared + {args.suffix_len} own) tokens, "
              f"{args.max_tokens} out, {args.model}")
-    harness.rich_table(title, columns, rows, left=("engine", "sharing"))
+    harness.rich_table(title, columns, rows, left=("engine", "budget", "sharing"))
     out.json(figures)
     out.markdown([f"# In-flight prefix sharing: {title}", "", "| " + " | ".join(columns) + " |",
                   "|" + "---|" * len(columns), *("| " + " | ".join(r) + " |" for r in rows), "",
                   *(f"- {k}: prefills {figures[f'{k}_prefill_speedup']}x faster, all done {figures[f'{k}_total_speedup']}x, "
-                    f"greedy outputs the same: {figures[f'{k}_greedy_same']}" for k in ENGINES)])
+                    f"greedy outputs the same: {figures[f'{k}_greedy_same']}" for k in (f"{e}_b{b}" for e, b in configs))])
     harness.finish(figures)
 
 
