@@ -289,9 +289,8 @@ class Scheduler:
             budget -= n
             i += 1
 
-        # Admit waiting sequences unless we just had to preempt (memory is tight). One that would
-        # recompute a prefix another sequence here is computing right now waits for it (``_held``),
-        # without blocking the queue.
+        # Admit waiting sequences unless we just had to preempt (memory is tight); one that would
+        # recompute a prefix being computed here right now waits (``_held``) without blocking the queue.
         waiting = self.waiting
         share = self.config.enable_inflight_prefix_sharing
         w = 0
@@ -330,10 +329,9 @@ class Scheduler:
         return plan
 
     def _held(self, seq: Sequence) -> bool:
-        """Whether ``seq`` waits for prefix blocks another sequence here is computing right now, to
-        take them from the cache once committed rather than compute them too. Worth a step's wait
-        only if they are at least half of what it would compute now (siblings behind a long shared
-        prompt wait; prompts that share a short header with a long one do not)."""
+        """Whether ``seq`` waits for prefix blocks another sequence here is computing now, to take them
+        from the cache once committed: if they are at least half of what it would compute (so a
+        sibling behind a long shared prompt waits, a prompt sharing only a short header does not)."""
         bm = self.block_manager
         shared = bm.num_blocks_in_flight(seq) * bm.block_size
         return shared > 0 and 2 * shared >= seq.num_tokens - bm.num_cached_prefix_tokens(seq)
