@@ -145,6 +145,9 @@ class SchedulerConfig:
     # cap: past it the instance is still used when no other has room (a refusal would hold up the
     # FCFS migration queue and waste its capacity; measured, that cost every class more TPOT).
     latency_max_num_seqs: int = 16
+    # Hold a prompt whose next prefix blocks another request on the instance is computing right now
+    # until they are committed, so siblings arriving together compute a shared prefix once.
+    enable_inflight_prefix_sharing: bool = True
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:

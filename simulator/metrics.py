@@ -53,6 +53,8 @@ class SimResult:
     num_migrations: int = 0
     migration_bytes: int = 0
     mean_migration_s: float = 0.0
+    num_prefill_tokens_computed: int = 0  # prompt (and recomputed) tokens computed, decodes excluded
+    num_prefix_cache_hit_tokens: int = 0  # prompt tokens admissions took from the prefix cache
     stopped_early: bool = False  # ``Simulation.run``'s ``stop_when`` ended it: some records are open
 
     @property
@@ -76,6 +78,8 @@ class SimResult:
             "num_migrations": self.num_migrations,
             "migration_bytes": self.migration_bytes,
             "mean_migration_s": self.mean_migration_s,
+            "prefill_tokens_computed_total": self.num_prefill_tokens_computed,
+            "prefix_cache_hit_tokens_total": self.num_prefix_cache_hit_tokens,
             "instances": self.instances,
         }
         if slo is not None:

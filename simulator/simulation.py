@@ -279,9 +279,13 @@ class Simulation:
                     "utilization": i.busy_s / now if now > 0 else 0.0,
                     "num_preemptions": i.core.scheduler.num_preemptions,
                     "num_blocks": i.core.block_manager.num_blocks,
+                    "prefill_tokens_computed": i.core.num_prefill_tokens_computed,
+                    "prefix_cache_hit_tokens": i.core.num_prefix_cache_hit_tokens,
                 }
                 for i in self.instances
             },
+            num_prefill_tokens_computed=sum(i.core.num_prefill_tokens_computed for i in self.instances),
+            num_prefix_cache_hit_tokens=sum(i.core.num_prefix_cache_hit_tokens for i in self.instances),
             num_migrations=self.counters.num_migrations,
             migration_bytes=self.counters.num_bytes_migrated,
             mean_migration_s=self.counters.migration_s / self.counters.num_migrations if self.counters.num_migrations else 0.0,

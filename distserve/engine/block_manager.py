@@ -5,6 +5,12 @@ is *committed*: it gets a content hash (chained with its prefix's hash) so later
 same prefix reuse it. A block with ref count 0 stays hashed in the free queue until it is evicted
 (least recently freed first), so prefixes survive their requests.
 
+A full block a live sequence has been given to fill (admitted, KV not computed or received yet) is
+*in flight*: the block manager remembers its content hash and who fills it until that sequence
+commits it or lets go of its blocks (finished, aborted, preempted, failed). The scheduler asks
+``num_blocks_in_flight`` before admitting a prompt, so siblings that share a prefix and arrive
+together compute it once: the first computes, the others wait for its commit and then hit the cache.
+
 A sequence's block hashes are computed once and kept on it (``seq_block_hashes``): admission
 (``can_allocate``, ``num_cached_prefix_tokens``, ``allocate``, each asked again every step a
 prompt waits), ``commit`` and prefix-affinity routing all read the same list. It never goes stale
@@ -84,6 +90,8 @@ class BlockManager:
         self._hash_to_block: dict[int, int] = {}
         self.num_prefix_hit_tokens = 0
         self.num_prefix_query_tokens = 0
+        # Content hash of each in-flight full block -> the sequence filling it (the first to be given it).
+        self._in_flight: dict[int, Sequence] = {}
 
     # ---- queries -------------------------------------------------------------------------
     @property
@@ -123,6 +131,22 @@ class BlockManager:
         """Tokens of ``seq`` that admission would take from the prefix cache."""
         return len(self._match_prefix(seq)) * self.block_size
 
+    def num_blocks_in_flight(self, seq: Sequence) -> int:
+        """Leading full blocks of ``seq`` past its cached prefix that another live sequence here is
+        filling right now: admitting ``seq`` now would compute them a second time."""
+        in_flight = self._in_flight
+        if not in_flight:
+            return 0
+        num_hits = len(self._match_prefix(seq))  # also hashes every candidate block
+        hashes = seq.prefix_hashes
+        n = 0
+        for i in range(num_hits, (seq.num_tokens - 1) // self.block_size):
+            holder = in_flight.get(hashes[i])
+            if holder is None or holder is seq:
+                break
+            n += 1
+        return n
+
     # ---- allocation ----------------------------------------------------------------------
     def can_allocate(self, seq: Sequence) -> bool:
         hits = self._match_prefix(seq)
@@ -146,7 +170,25 @@ class BlockManager:
         seq.num_computed_tokens = seq.num_cached_tokens
         self.num_prefix_hit_tokens += seq.num_cached_tokens
         self.num_prefix_query_tokens += seq.num_tokens
+        if self.enable_prefix_caching:
+            self._mark_in_flight(seq, len(hits))
         return True
+
+    def _mark_in_flight(self, seq: Sequence, num_hits: int) -> None:
+        """``seq`` fills its full blocks past the first ``num_hits``: each is in flight until committed."""
+        num_full = seq.num_tokens // self.block_size
+        in_flight, cached = self._in_flight, self._hash_to_block
+        for h in _hashes_upto(seq, self.block_size, num_full)[num_hits:num_full]:
+            if h not in in_flight and h not in cached:
+                in_flight[h] = seq
+
+    def _drop_in_flight(self, seq: Sequence) -> None:
+        """``seq`` lets go of its blocks: the ones it was filling and had not committed are no longer in flight."""
+        in_flight = self._in_flight
+        hashes = seq.prefix_hashes if seq.hashed_block_size == self.block_size else ()
+        for h in hashes[len(seq.block_hashes) :]:
+            if in_flight.get(h) is seq:
+                del in_flight[h]
 
     def allocate_blocks(self, num_blocks: int) -> list[int] | None:
         """Raw blocks for a caller that fills them itself (e.g. KV received from another instance)."""
@@ -217,6 +259,8 @@ class BlockManager:
             hashes.append(h)
             if not self.enable_prefix_caching:
                 continue
+            if self._in_flight.get(h) is seq:
+                del self._in_flight[h]
             block = self.blocks[seq.block_table[i]]
             if h not in self._hash_to_block and block.content_hash is None:
                 block.content_hash = h
@@ -234,6 +278,8 @@ class BlockManager:
 
     def free(self, seq: Sequence) -> None:
         """Release ``seq``'s blocks; hashed ones stay reusable until evicted."""
+        if self._in_flight:
+            self._drop_in_flight(seq)
         blocks, free = self.blocks, self._free
         for b in reversed(seq.block_table):  # free_block inlined: one call per block adds up
             block = blocks[b]

@@ -106,10 +106,14 @@ class InstanceCore:
         self.last_step_s = 0.0
         self.max_plans_in_flight = 0  # high-water mark, counting plans that compute tokens
         self.num_overlapped_launches = 0  # plans launched while another that computes tokens was in flight
+        self.num_prefill_tokens_computed = 0  # prompt (and recomputed) tokens of the plans applied
+        self._num_hit_tokens_before_reset = 0
         self.reset()
 
     def reset(self) -> None:
         """Forget every request, plan and KV block (after a failed step); counters stay."""
+        if hasattr(self, "scheduler"):
+            self._num_hit_tokens_before_reset += self.scheduler.num_prefix_cache_hit_tokens
         self.block_manager = BlockManager(self.num_blocks, self.block_size, self.enable_prefix_caching)
         self.scheduler = SCHEDULERS[self.phase](
             self.config, self.block_manager, self.max_model_len, self.eos_token_ids, pipeline_depth=self.pipeline_depth
@@ -263,6 +267,7 @@ class InstanceCore:
         """Apply the oldest plan in flight: its sampled tokens, stop rules, the ops that waited for
         it. Returns the sequences that received a token (finished ones are forgotten here)."""
         p = self.in_flight.popleft()
+        self.num_prefill_tokens_computed += num_prefill_tokens(p.plan)
         if self._deferred:
             self.run_deferred()  # first: an aborted request gets no token from its last plan
         seqs = self.seqs
@@ -313,6 +318,11 @@ class InstanceCore:
     def num_free_blocks(self) -> int:
         return self.block_manager.num_free_blocks
 
+    @property
+    def num_prefix_cache_hit_tokens(self) -> int:
+        """Prompt tokens admissions here took from the prefix cache instead of computing them."""
+        return self._num_hit_tokens_before_reset + self.scheduler.num_prefix_cache_hit_tokens
+
     def stats(self) -> dict[str, Any]:
         s = self.scheduler
         out: dict[str, Any] = {
@@ -322,6 +332,8 @@ class InstanceCore:
             "num_free_blocks": self.block_manager.num_free_blocks,
             "step_seconds": self.last_step_s,
             "num_steps": self.num_steps,
+            "prefill_tokens_computed_total": self.num_prefill_tokens_computed,
+            "prefix_cache_hit_tokens_total": self.num_prefix_cache_hit_tokens,
         }
         if isinstance(s, PrefillScheduler):
             out["num_requests_awaiting_migration"] = s.num_awaiting_migration
@@ -330,4 +342,16 @@ class InstanceCore:
         return out
 
 
-__all__ = ["InstanceCore", "PlanInFlight", "SCHEDULERS", "SeqUpdate"]
+def num_prefill_tokens(plan: StepPlan) -> int:
+    """Tokens ``plan`` computes that are not decodes: every token of a chunk, but the last of one that
+    ends at a generated token (computing the newest sampled token is a decode, even in a recompute)."""
+    total = 0
+    for c in plan.chunks:
+        n = len(c.token_ids)
+        if c.sample and c.num_output_tokens:
+            n -= 1
+        total += n
+    return total
+
+
+__all__ = ["InstanceCore", "num_prefill_tokens", "PlanInFlight", "SCHEDULERS", "SeqUpdate"]

@@ -81,7 +81,8 @@ class LLMEngine(EngineBase):
         return [self._output(seq, now, self.core.finish) for seq in updated]
 
     def stats(self) -> dict[str, float]:
-        """Gauges for monitoring: queue lengths, KV usage, prefix-cache hit rate, preemptions."""
+        """Gauges for monitoring: queue lengths, KV usage, prefix-cache hit rate, preemptions, and the
+        cumulative prompt tokens computed and taken from the prefix cache."""
         bm = self.block_manager
         return {
             "num_requests_waiting": self.scheduler.num_waiting,
@@ -89,6 +90,8 @@ class LLMEngine(EngineBase):
             "kv_cache_usage_perc": bm.usage,
             "prefix_cache_hit_rate": bm.num_prefix_hit_tokens / max(1, bm.num_prefix_query_tokens),
             "num_preemptions": self.scheduler.num_preemptions,
+            "prefill_tokens_computed_total": self.core.num_prefill_tokens_computed,
+            "prefix_cache_hit_tokens_total": self.core.num_prefix_cache_hit_tokens,
         }
 
 

@@ -148,6 +148,7 @@ class Scheduler:
         self._order = 0
         self._groups = GroupArrivals()
         self.num_preemptions = 0
+        self.num_prefix_cache_hit_tokens = 0  # prompt tokens admissions took from the prefix cache
 
     # ---- queue management --------------------------------------------------------------------
     def _stamp(self, seq: Sequence) -> None:
@@ -300,12 +301,19 @@ class Scheduler:
             budget -= n
             i += 1
 
-        # Admit waiting sequences unless we just had to preempt (memory is tight).
+        # Admit waiting sequences unless we just had to preempt (memory is tight); one that would
+        # recompute a prefix being computed here right now waits (``_held``) without blocking the queue.
+        waiting = self.waiting
+        share = self.config.enable_inflight_prefix_sharing
+        w = 0
         while (
-            self.waiting and not preempted and budget > 0
+            w < len(waiting) and not preempted and budget > 0
             and len(running) < self.max_running and len(decodes) + len(prefills) < max_seqs
         ):
-            seq = self._scheduling = self.waiting[0]
+            seq = self._scheduling = waiting[w]
+            if share and self._held(seq):
+                w += 1
+                continue
             if not block_manager.can_allocate(seq):
                 break
             n = seq.num_tokens - block_manager.num_cached_prefix_tokens(seq)
@@ -315,8 +323,9 @@ class Scheduler:
                 elif decodes or prefills:
                     break
                 # A prompt larger than the whole budget runs alone rather than never.
-            self._pop_waiting()
+            self._pop_waiting(w)
             block_manager.allocate(seq)
+            self.num_prefix_cache_hit_tokens += seq.num_cached_tokens
             n = min(n, seq.num_uncomputed_tokens)
             seq.status = SequenceStatus.RUNNING
             self._append_running(seq)
@@ -331,6 +340,14 @@ class Scheduler:
             in_flight.update(c.seq_id for c in decodes)
         return plan
 
+    def _held(self, seq: Sequence) -> bool:
+        """Whether ``seq`` waits for prefix blocks another sequence here is computing now, to take them
+        from the cache once committed: if they are at least half of what it would compute (so a
+        sibling behind a long shared prompt waits, a prompt sharing only a short header does not)."""
+        bm = self.block_manager
+        shared = bm.num_blocks_in_flight(seq) * bm.block_size
+        return shared > 0 and 2 * shared >= seq.num_tokens - bm.num_cached_prefix_tokens(seq)
+
     def _schedule_isolated(self, plan: StepPlan) -> bool:
         """Fill ``plan`` with the oldest crash suspect alone, if its blocks can be had now."""
         seq = self._scheduling = min(self.isolated, key=solo_order)  # the order crash attribution assumes
@@ -344,6 +361,7 @@ class Scheduler:
             if not bm.can_allocate(seq):
                 return False
             bm.allocate(seq)
+            self.num_prefix_cache_hit_tokens += seq.num_cached_tokens
         n = seq.num_uncomputed_tokens
         if self._chunk_prefills:
             n = min(n, self.config.max_num_batched_tokens)

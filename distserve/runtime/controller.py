@@ -40,6 +40,7 @@ from distserve.runtime.instance_server import StepResult
 from distserve.runtime.migrations import KVMigrations
 from distserve.runtime.ray_deployment import DeployedInstance, deploy, init_method, route_of, undeploy
 from distserve.runtime.recovery import InstanceRecovery
+from distserve.runtime.stats import prefill_totals
 
 log = logging.getLogger(__name__)
 
@@ -365,6 +366,7 @@ class Controller(RequestFrontend, KVMigrations, InstanceRecovery):
             "kv_migration_seconds": self.counters.drain_migration_durations(),
             "num_requests_awaiting_migration": len(self._pending),
             **self.counters.as_stats(),
+            **prefill_totals(instances),  # of the live instances: a restarted one counts from 0 again
         }
 
     async def worker_pids(self) -> dict[str, list[int]]:

@@ -36,6 +36,7 @@ from distserve.engine.sequence import Sequence, SequenceStatus
 from distserve.engine.weights import LoadedModel, load_model
 from distserve.errors import InvalidConfigError
 from distserve.kvtransfer.migration import pack_blocks, unpack_blocks
+from distserve.runtime.stats import prefill_totals
 
 
 class StepRunner(Protocol):
@@ -240,11 +241,14 @@ class LocalDisaggEngine(EngineBase):
         return True
 
     def stats(self) -> dict[str, object]:
+        prefill = {i.instance_id: i.stats() for i in self.prefill}
+        decode = {i.instance_id: i.stats() for i in self.decode}
         return {
-            "prefill": {i.instance_id: i.stats() for i in self.prefill},
-            "decode": {i.instance_id: i.stats() for i in self.decode},
+            "prefill": prefill,
+            "decode": decode,
             "kv_migration_blocks_total": self.counters.num_blocks_migrated,
             "kv_migration_seconds_total": self.counters.migration_s,
             **self.counters.migration_stats(),
             "num_requests_awaiting_migration": len(self._pending),
+            **prefill_totals([*prefill.values(), *decode.values()]),
         }

@@ -17,7 +17,16 @@
         "requests_rerun_total": 0,                             # cumulative: requests re-run after their instance died (optional)
         "requests_failed_poison_total": 0,                     # cumulative: requests failed after a second crash (optional)
         "failed_steps_total": 0,                               # cumulative: engine steps that failed and were recovered from (optional)
+        "prefill_tokens_computed_total": 4096,                 # cumulative: prompt tokens computed, all instances (optional)
+        "prefix_cache_hit_tokens_total": 7680,                 # cumulative: prompt tokens taken from the prefix cache (optional)
     }
+
+Each instance's dict may carry its own ``prefill_tokens_computed_total`` and
+``prefix_cache_hit_tokens_total``; where the top-level totals are missing, ``normalize_stats``
+sums them. Prefill tokens computed are the tokens of prompts (and of recomputations after a
+preemption or a failed migration) an instance computed, decodes excluded; prefix-cache hit tokens
+are the prompt tokens its admissions took from its prefix cache instead (a decode instance's
+prompt blocks shared by prefix-aware migration are ``kv_migration_blocks_skipped_total``).
 
 ``kv_cache_usage_perc`` is a fraction in [0, 1] (1 = full), as in vLLM. The top-level migration
 figures are exported with ``instance="all", phase="decode"`` (the pulling side); a runtime that
@@ -27,7 +36,7 @@ knows which decode instance pulled may instead put the same keys in that instanc
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any, NotRequired, TypedDict, cast
 
 AGGREGATE_INSTANCE = "all"
@@ -44,6 +53,8 @@ class InstanceStats(TypedDict):
     kv_migration_failures_total: NotRequired[float]
     kv_migration_timeouts_total: NotRequired[float]
     kv_migration_seconds: NotRequired[list[float]]
+    prefill_tokens_computed_total: NotRequired[float]
+    prefix_cache_hit_tokens_total: NotRequired[float]
 
 
 class ClientStats(TypedDict):
@@ -57,16 +68,32 @@ class ClientStats(TypedDict):
     requests_rerun_total: NotRequired[float]
     requests_failed_poison_total: NotRequired[float]
     failed_steps_total: NotRequired[float]
+    prefill_tokens_computed_total: NotRequired[float]
+    prefix_cache_hit_tokens_total: NotRequired[float]
+
+
+# Counted per instance; a runtime's total is their sum.
+PREFILL_COUNTER_KEYS = ("prefill_tokens_computed_total", "prefix_cache_hit_tokens_total")
 
 
 def instance_stats(raw: Mapping[str, Any], instance: str, phase: str) -> InstanceStats:
-    return {
+    out: InstanceStats = {
         "instance": instance,
         "phase": phase,
         "num_requests_waiting": float(raw.get("num_requests_waiting", 0)),
         "num_requests_running": float(raw.get("num_requests_running", 0)),
         "kv_cache_usage_perc": float(raw.get("kv_cache_usage_perc", 0.0)),
     }
+    for key in PREFILL_COUNTER_KEYS:
+        if key in raw:
+            out[key] = float(raw[key])  # type: ignore[literal-required]
+    return out
+
+
+def prefill_totals(instances: Iterable[Mapping[str, Any]]) -> dict[str, float]:
+    """The runtime-wide ``PREFILL_COUNTER_KEYS``: the sums over ``instances`` (per-instance stats dicts)."""
+    instances = list(instances)
+    return {key: float(sum(i.get(key, 0) for i in instances)) for key in PREFILL_COUNTER_KEYS}
 
 
 def normalize_stats(raw: Mapping[str, Any]) -> ClientStats:
@@ -85,7 +112,7 @@ def normalize_stats(raw: Mapping[str, Any]) -> ClientStats:
     else:
         instances = []
     seconds = raw.get("kv_migration_seconds", [])
-    return {
+    out: ClientStats = {
         "instances": instances,
         "kv_migration_bytes_total": float(raw.get("kv_migration_bytes_total", 0)),
         "kv_migration_blocks_skipped_total": float(raw.get("kv_migration_blocks_skipped_total", 0)),
@@ -97,3 +124,6 @@ def normalize_stats(raw: Mapping[str, Any]) -> ClientStats:
         "requests_failed_poison_total": float(raw.get("requests_failed_poison_total", 0)),
         "failed_steps_total": float(raw.get("failed_steps_total", 0)),
     }
+    for key, total in prefill_totals(instances).items():
+        out[key] = float(raw.get(key, total))  # type: ignore[literal-required]
+    return out

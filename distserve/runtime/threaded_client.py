@@ -21,7 +21,7 @@ from distserve.errors import DistServeError, EngineDeadError, InvalidConfigError
 from distserve.runtime.client import EngineClient
 from distserve.runtime.config import SERVER_MAX_QUEUED_REQUESTS, DeploymentConfig
 from distserve.runtime.local_disagg import LocalDisaggEngine
-from distserve.runtime.stats import ClientStats, InstanceStats, instance_stats
+from distserve.runtime.stats import ClientStats, InstanceStats, instance_stats, prefill_totals
 
 logger = logging.getLogger(__name__)
 
@@ -359,6 +359,7 @@ class ThreadedEngineClient(EngineClient):
             "kv_migration_seconds": durations,
             "requests_failed_poison_total": sum(slot.engine.num_poison_requests for slot in self._slots),
             "failed_steps_total": sum(slot.engine.num_failed_steps for slot in self._slots),
+            **prefill_totals(instances),  # type: ignore[typeddict-item]
         }
 
 

@@ -43,6 +43,13 @@ _MIGRATION_COUNTERS = (
     ("kv_migration_failures", "KV migrations that failed or timed out; the request was prefilled again."),
     ("kv_migration_timeouts", "KV migrations that failed because they did not complete within kv_transfer_timeout_s."),
 )
+_PREFILL_COUNTERS = (
+    ("prefill_tokens_computed", "Prompt tokens computed by prefills (recomputations after a preemption included), decodes excluded."),
+    ("prefix_cache_hit_tokens", "Prompt tokens taken from the instance's prefix cache instead of being computed."),
+)
+# Per-instance counters, each table with the phase label of its aggregate (instance="all") sample:
+# migrations are counted by the pulling side, prefill tokens on every instance.
+_INSTANCE_COUNTERS = ((_MIGRATION_COUNTERS, "decode"), (_PREFILL_COUNTERS, AGGREGATE_INSTANCE))
 _RUNTIME_COUNTERS = (
     ("instance_restarts", "Instances the controller restarted after their actor or a worker died."),
     ("requests_rerun", "Requests re-run from prompt + tokens so far because their instance died."),
@@ -52,7 +59,7 @@ _RUNTIME_COUNTERS = (
 
 
 class _EngineCollector(Collector):
-    """Exports the latest ``ClientStats`` snapshot: per-instance gauges and cumulative migration counters."""
+    """Exports the latest ``ClientStats`` snapshot: per-instance gauges, cumulative migration and prefill-token counters."""
 
     def __init__(self) -> None:
         self.snapshot: ClientStats | None = None
@@ -65,14 +72,15 @@ class _EngineCollector(Collector):
             for inst in snap["instances"] if snap else []:
                 family.add_metric([inst["instance"], inst["phase"]], float(inst.get(key, 0.0)))  # type: ignore[arg-type]
             yield family
-        for key, doc in _MIGRATION_COUNTERS:
-            family_c = CounterMetricFamily(PREFIX + key, doc, labels=labels)
-            if snap is not None:
-                family_c.add_metric([AGGREGATE_INSTANCE, "decode"], float(snap.get(f"{key}_total", 0.0)))  # type: ignore[misc]
-                for inst in snap["instances"]:
-                    if f"{key}_total" in inst:
-                        family_c.add_metric([inst["instance"], inst["phase"]], float(inst[f"{key}_total"]))  # type: ignore[literal-required]
-            yield family_c
+        for table, aggregate_phase in _INSTANCE_COUNTERS:
+            for key, doc in table:
+                family_c = CounterMetricFamily(PREFIX + key, doc, labels=labels)
+                if snap is not None:
+                    family_c.add_metric([AGGREGATE_INSTANCE, aggregate_phase], float(snap.get(f"{key}_total", 0.0)))  # type: ignore[misc]
+                    for inst in snap["instances"]:
+                        if f"{key}_total" in inst:
+                            family_c.add_metric([inst["instance"], inst["phase"]], float(inst[f"{key}_total"]))  # type: ignore[literal-required]
+                yield family_c
         for key, doc in _RUNTIME_COUNTERS:
             family_r = CounterMetricFamily(PREFIX + key, doc)
             if snap is not None:

@@ -67,6 +67,15 @@ CHECKS = {
     and f["best_disagg"]["per_gpu"] > 0 and f["best_colocated"]["per_gpu"] > 0 and f["ratio"] > 0
     and [f["ours_for_distserve_placement"][k]["num_gpus"] for k in ("distserve_3gpu", "distserve_4gpu")] == [3, 4]
     and f["latency_model"].startswith("FittedLatencyModel" if f["profile_used"] else "RooflineLatencyModel"),
+    # Siblings submitted together computed their shared prefix once with sharing on, more often with
+    # it off, and produced the same greedy tokens either way, in both engines at every budget.
+    "bench_prefix_sharing": lambda f: f["budgets"] and all(
+        f[f"{c}_on_prefill_tokens_computed"] == f["prefix_len"] + f["num_siblings"] * f["suffix_len"]
+        and f[f"{c}_on_prefix_cache_hit_tokens"] == (f["num_siblings"] - 1) * f["prefix_len"]
+        and f[f"{c}_off_prefill_tokens_computed"] >= f[f"{c}_on_prefill_tokens_computed"] + f["prefix_len"]
+        and f[f"{c}_greedy_same"] and f[f"{c}_on_all_prefills_s"] > 0 and f[f"{c}_off_all_prefills_s"] > 0
+        for c in (f"{e}_b{b}" for e in ("colocated", "disagg") for b in f["budgets"])
+    ),
     # Every run chose a plan, and every enumerated candidate was either simulated or pruned.
     "bench_planner": lambda f: f["wall_s"] > 0 and f["num_simulated"] > 0 and f["best"] is not None and all(
         r["num_enumerated"] == r["num_candidates_simulated"] + r["num_pruned_by_bound"] + r["num_pruned_by_floor"]

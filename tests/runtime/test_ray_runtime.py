@@ -48,7 +48,12 @@ def test_prefix_aware_migration_and_streaming(ray_cluster: Any) -> None:
     with deploy(Placement.disaggregated()) as llm:
         llm.generate([shared + "Q: hi"], SP)
         streamed = list(llm.stream(shared + "Q: bye", SP))
-        assert llm.stats()["kv_migration_blocks_skipped_total"] >= 16
+        stats = llm.stats()
+        assert stats["kv_migration_blocks_skipped_total"] >= 16
+        # The second prompt's shared blocks came from the prefill instance's prefix cache, and the
+        # controller sums what each instance counted.
+        assert stats["prefix_cache_hit_tokens_total"] >= 16 * 4 and stats["prefill_tokens_computed_total"] > 0
+        assert stats["prefill_tokens_computed_total"] == sum(i["prefill_tokens_computed_total"] for i in stats["instances"])
         assert streamed[-1].finished and len(streamed[-1].token_ids) == 16
         assert "".join(o.new_text for o in streamed) == streamed[-1].text
     fresh = LLMEngine(load_model("tiny"), cache_config=CACHE).generate([shared + "Q: bye"], SP)[0]
