@@ -4,11 +4,12 @@ Parrot's release accepts any ``session_auth``; here a session is created with a 
 (``secrets.token_urlsafe``) that every later call must present, compared in constant time. An
 unknown session id is a ``SessionNotFound`` (HTTP 404), a wrong token a ``SessionForbidden``
 (403) — so one session never sees another's variables. A session is idle when no request
-touched it for ``SessionLimits.ttl_s`` and no reader is waiting on it; idle sessions are ended by
-``sweep``, which runs in the background every ``SessionLimits.sweep_interval_s`` (``sweep_forever``,
-started with the HTTP app) and on every create and access. Ending a session cancels its calls in
-flight, which aborts their requests and frees their KV, fails its waiting readers, and drops its
-variables. How many sessions a server holds, and what each may hold, is its ``SessionLimits``.
+touched it for ``SessionLimits.ttl_s`` and no reader is waiting on it. Idle sessions are ended by
+``sweep``, run in the background every ``SessionLimits.sweep_interval_s`` (``sweep_forever``,
+started with the HTTP app); an access between two sweeps finds an expired session gone too.
+Ending a session cancels its calls in flight, which aborts their requests and frees their KV,
+fails its waiting readers, and drops its variables. How many sessions a server holds, and what
+each may hold, is its ``SessionLimits``.
 """
 
 from __future__ import annotations
@@ -61,7 +62,8 @@ class SessionManager:
 
     async def create(self) -> tuple[str, str]:
         """A new session: its id and its token."""
-        await self.sweep()
+        if len(self._sessions) >= self.limits.max_sessions:
+            await self.sweep()  # expired sessions the background sweep has not reached yet free their slots
         if len(self._sessions) >= self.limits.max_sessions:
             raise LimitExceeded(f"the server holds its maximum of {self.limits.max_sessions} sessions; delete one first", "session_id")
         session_id = str(next(self._ids))
@@ -72,8 +74,10 @@ class SessionManager:
 
     async def get(self, session_id: object, token: object) -> DataflowSession:
         """The session, if ``token`` is its token; its idle clock restarts."""
-        await self.sweep()
         entry = self._sessions.get(str(session_id)) if isinstance(session_id, (str, int)) and not isinstance(session_id, bool) else None
+        if entry is not None and self._expired(entry, self._clock()):  # between two sweeps
+            await self._end(str(session_id))
+            entry = None
         if entry is None:
             raise SessionNotFound(f"no live session {session_id!r} (never created, deleted or expired)", "session_id")
         if not isinstance(token, str) or not hmac.compare_digest(token.encode(), entry.token.encode()):
@@ -89,15 +93,19 @@ class SessionManager:
     async def sweep(self) -> None:
         """End the sessions idle for longer than the TTL (a session with a reader waiting is not idle)."""
         now = self._clock()
-        expired = []
-        for sid, entry in self._sessions.items():
-            if entry.session.num_readers > 0:
-                entry.last_access = now
-            elif now - entry.last_access > self.limits.ttl_s:
-                expired.append(sid)
-        for sid in expired:
-            entry = self._sessions.pop(sid)
-            logger.info("dataflow session %s was idle for over %g s: ended", sid, self.limits.ttl_s)
+        for sid in [sid for sid, entry in self._sessions.items() if self._expired(entry, now)]:
+            await self._end(sid)
+
+    def _expired(self, entry: _Entry, now: float) -> bool:
+        if entry.session.num_readers > 0:
+            entry.last_access = now
+            return False
+        return now - entry.last_access > self.limits.ttl_s
+
+    async def _end(self, session_id: str) -> None:
+        entry = self._sessions.pop(session_id, None)
+        if entry is not None:
+            logger.info("dataflow session %s was idle for over %g s: ended", session_id, self.limits.ttl_s)
             await entry.session.close()
 
     async def sweep_forever(self) -> None:

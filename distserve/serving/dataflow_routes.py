@@ -3,7 +3,8 @@
 Routes, with Parrot's JSON fields (its clients send them as a JSON body, also on GET and DELETE;
 query parameters work too, for curl):
 
-* ``POST /v1/session`` → ``{session_id, session_auth}``; ``GET|DELETE /v1/session/{id}``
+* ``POST /v1/session`` → ``{session_id, session_auth}``; ``GET|DELETE /v1/session/{id}`` (get:
+  counts of variables, calls by state, and reads waiting)
 * ``POST /v1/semantic_call`` (``session_id``, ``session_auth``, ``template``, ``placeholders`` or
   ``parameters``, ``models``, ``model_type``, ``remove_pure_fill``, ``cache_prefix``,
   ``output_criteria``, ``fuse_fill``) → ``{request_id, session_id, param_info}`` (also as
@@ -83,6 +84,7 @@ def add_dataflow_routes(app: FastAPI, sessions: SessionManager, served_model_nam
         calls = session.graph.calls.values()
         return JSONResponse({
             "session_id": int(session_id), "num_variables": len(session.graph.variables), "num_calls": len(calls),
+            "num_readers": session.num_readers,
             "calls": {state: sum(1 for c in calls if c.state.value == state) for state in ("waiting", "running", "done", "failed")},
         })
 
