@@ -7,7 +7,11 @@ built from the call's template pieces in order, each piece encoded *on its own*:
    adds to ``Tokenizer.encode(text, add_special_tokens=False)`` in front (SmolLM2: none; the
    tiny test model: ``<s>``). Tokens a tokenizer would append *after* the text (an eos) are left
    off: the prompt is to be continued, not ended;
-2. each text piece of the template: ``encode(piece, add_special_tokens=False)``;
+2. each text piece of the template: ``encode(piece, add_special_tokens=False)`` — except that a
+   piece's trailing space goes to the start of the next piece when that piece is text (rule 3):
+   BPE tokenizers attach a space to the word after it (``"Ġbees"``), so ``" " + value`` encoded
+   together is what tokenizing the whole string gives, while the text before keeps its ids. Before
+   an output or generated ids the space is encoded on its own (as at the end of a whole string);
 3. each input: a literal or client-set value as ``encode(value, add_special_tokens=False)``; a
    generated variable read without transforms as the token ids it was generated as (rule 5);
    with transforms, ``encode(transformed text, add_special_tokens=False)`` — except that a last
@@ -19,12 +23,15 @@ built from the call's template pieces in order, each piece encoded *on its own*:
    ``stop_token_ids``; when a stop string cut its text, the longest prefix of those ids whose text
    is a prefix of the value, then the rest of the value encoded on its own.
 
-Why pieces: BPE merges across a boundary (``"Idea:" + " bees"``) make the ids of a shared
-prefix depend on what follows it, which defeats block-hash prefix caching. Encoded on its own, a
-system prompt is the same ids in every call, a reused variable the same ids wherever it is
-read, and a multi-output call's next prefill starts with exactly the ids whose KV was computed.
-(SentencePiece tokenizers that add a dummy prefix space would add one per piece; the models we
-ship — SmolLM2 and the tiny model — are byte-level and do not.)
+Why pieces: tokenizing the whole string makes the ids at a boundary depend on both sides — a
+generated output re-tokenizes differently from the ids the model produced (models emit
+non-canonical splits, and bytes that are not valid UTF-8 decode to U+FFFD), a value can merge
+with the text around it — so what a prefill sends is not what was computed before, which defeats
+block-hash prefix caching. Piece by piece, a template's text is the same ids in every call, a
+reused variable the same ids wherever it is read, and a multi-output call's next prefill starts
+with exactly the ids whose KV was computed. (SentencePiece tokenizers that add a dummy prefix
+space would add one per piece; the models we ship — SmolLM2 and the tiny model — are byte-level
+and do not.)
 
 **``model_type: "text"``**: the pieces' text (inputs through their transforms, outputs as their
 values) concatenated and sent as one string, which the engine tokenizes as a whole
@@ -83,11 +90,14 @@ class PromptBuilder:
         self.model_type = model_type
         self.ids: list[int] = list(special_prefix(tokenizer)) if model_type == "token_id" else []
         self.text = ""
+        self._space = ""  # a text piece's trailing space, held for the next piece (rule 2)
         self._encoded: dict[str, list[int]] = {}  # piece text -> ids: a value read twice is encoded once
 
     @property
     def prompt(self) -> str | list[int]:
-        return list(self.ids) if self.model_type == "token_id" else self.text
+        if self.model_type == "text":
+            return self.text
+        return self.ids + self.encode(self._space)
 
     def encode(self, text: str) -> list[int]:
         ids = self._encoded.get(text)
@@ -100,31 +110,39 @@ class PromptBuilder:
         return self.tokenizer.decode(self.encode(text)[:max_tokens])
 
     def add_text(self, text: str) -> None:
-        if self.model_type == "token_id":
-            self.ids += self.encode(text)
-        else:
+        if self.model_type == "text":
             self.text += text
+            return
+        self.ids += self.encode(self._take_space())
+        if text.endswith(" "):
+            text, self._space = text[:-1], " "
+        self.ids += self.encode(text)
 
     def add_input(self, value: str, generated_ids: Sequence[int] | None, transforms: Sequence[Transform]) -> None:
         """An input's value (``generated_ids``: the kept ids of a generated variable, else None) through its transforms (rule 3)."""
         if self.model_type == "text":
             self.text += apply_transforms(value, transforms, self.truncate_text)
             return
-        if transforms and transforms[-1].op == "truncate_tokens":
-            head = transforms[:-1]
-            base = list(generated_ids) if generated_ids is not None and not head else self.encode(apply_transforms(value, head, self.truncate_text))
-            self.ids += base[: transforms[-1].arg("max_tokens")]
-        elif transforms or generated_ids is None:
-            self.ids += self.encode(apply_transforms(value, transforms, self.truncate_text))
+        truncate = transforms[-1].arg("max_tokens") if transforms and transforms[-1].op == "truncate_tokens" else None
+        head = transforms[:-1] if truncate is not None else transforms
+        if generated_ids is not None and not head:
+            self.ids += self.encode(self._take_space())
+            ids = list(generated_ids)
         else:
-            self.ids += generated_ids
+            ids = self.encode(self._take_space() + apply_transforms(value, head, self.truncate_text))
+        self.ids += ids if truncate is None else ids[:truncate]
 
     def add_output(self, text: str, kept_ids: Sequence[int]) -> None:
         """The generated output, so the next output continues after it (rule 4)."""
-        if self.model_type == "token_id":
-            self.ids += kept_ids
-        else:
+        if self.model_type == "text":
             self.text += text
+            return
+        self.ids += self.encode(self._take_space())
+        self.ids += kept_ids
+
+    def _take_space(self) -> str:
+        space, self._space = self._space, ""
+        return space
 
 
 __all__ = ["PromptBuilder", "kept_output_ids", "special_prefix"]

@@ -51,6 +51,7 @@ from distserve.serving.streams import SSEResponse
 
 MAX_GET_TIMEOUT_S = 3600.0
 STREAM_KEEPALIVE_S = 15.0
+_READ_ERRORS = (TimeoutError, asyncio.TimeoutError, DataflowError)  # what a get or stream answers as a 4xx
 _CALL_FIELDS = {
     "session_id", "session_auth", "template", "placeholders", "parameters", "models", "model_type",
     "remove_pure_fill", "cache_prefix", "output_criteria", "fuse_fill",
@@ -146,7 +147,7 @@ def add_dataflow_routes(app: FastAPI, sessions: SessionManager, served_model_nam
         criteria, timeout = read_fields(payload)
         try:
             content = await session.get(var_id, criteria, timeout)
-        except (VariableFailed, TimeoutError, asyncio.TimeoutError, DataflowError) as exc:
+        except _READ_ERRORS as exc:
             raise read_error(exc, var_id, timeout) from None
         return JSONResponse({"content": content})
 
@@ -229,7 +230,7 @@ async def variable_events(session: DataflowSession, var_id: str, criteria: str, 
         async for delta in deltas:
             yield sse({"var_id": var_id, "delta": delta}) if delta else ": keep-alive\n\n"
         yield sse({"var_id": var_id, "content": session.graph.variable(var_id).value})
-    except (VariableFailed, TimeoutError, asyncio.TimeoutError, DataflowError) as exc:
+    except _READ_ERRORS as exc:
         err = read_error(exc, var_id, timeout)
         yield sse({**err.body(), "status": err.status_code})
     finally:

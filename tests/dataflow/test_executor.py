@@ -63,13 +63,14 @@ def test_a_chain_and_a_fan_in_match_the_calls_issued_one_by_one(tiny: LoadedMode
             ids.pop()
         return o.text, ids
 
+    # A text piece's trailing space goes with a text value after it, and is a token of its own before generated ids.
     bos = [tok.bos_token_id]
-    idea_prompt = bos + enc("Topic ") + enc("bees") + enc(". Idea: ")
+    idea_prompt = bos + enc("Topic") + enc(" bees") + enc(". Idea:") + enc(" ")
     ref_idea, idea_ids = one(idea_prompt)
-    ref_detail, detail_ids = one(idea_prompt + idea_ids + enc(" Detail: "))  # continues after the generated ids
-    ref_x, x_ids = one(bos + enc("Other: "))
+    ref_detail, detail_ids = one(idea_prompt + idea_ids + enc(" Detail:") + enc(" "))  # continues after the generated ids
+    ref_x, x_ids = one(bos + enc("Other:") + enc(" "))
     assert (idea, detail) == (ref_idea, ref_detail)
-    assert y == one(bos + detail_ids + enc(" and ") + x_ids + enc(" give "))[0]
+    assert y == one(bos + detail_ids + enc(" and") + enc(" ") + x_ids + enc(" give") + enc(" "))[0]
     # The tiny model emits arbitrary bytes: its text does not re-tokenize to its ids, so a text
     # continuation would have sent other tokens (this test tells the two apart).
     assert enc(ref_idea) != idea_ids or enc(ref_detail) != detail_ids

@@ -36,15 +36,20 @@ def build(tok: Tokenizer, *pieces: str, model_type: str = "token_id") -> PromptB
     return b
 
 
-def test_a_static_prefix_keeps_its_ids_whatever_value_follows() -> None:
+def test_a_static_prefix_keeps_its_ids_and_a_space_goes_with_the_word_after_it() -> None:
     tok = merging_tokenizer()
-    static = tok.encode(SYSTEM, add_special_tokens=False)
+    prefix = tok.encode(SYSTEM[:-1], add_special_tokens=False)  # "... User:" — its trailing space joins the value
     for question in ("hi", "bye"):
         ids = build(tok, SYSTEM, question).ids
-        assert ids == static + tok.encode(question, add_special_tokens=False)
-    # Whole-string tokenization merges the prefix's last space into the value ("Ġhi"): the prefix changes.
-    whole = [tok.encode(SYSTEM + q) for q in ("hi", "bye")]
-    assert whole[0][: len(static)] != static and whole[0][: len(static)] != whole[1][: len(static)]
+        assert ids == prefix + tok.encode(" " + question, add_special_tokens=False)
+        assert ids == tok.encode(SYSTEM + question)  # " hi" is one token (Ġhi), as in the whole string
+        assert len(ids) == len(prefix) + 1
+    # Before an output (or generated ids) the space is a token of its own, as at the end of a whole string.
+    assert build(tok, SYSTEM).prompt == tok.encode(SYSTEM)
+    with_generated = PromptBuilder(tok, "token_id")
+    with_generated.add_text(SYSTEM)
+    with_generated.add_input("hi", [42], ())
+    assert with_generated.ids == tok.encode(SYSTEM) + [42]
 
 
 def test_the_special_prefix_is_what_encode_puts_before_a_prompt() -> None:

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
+import contextlib
+from collections.abc import AsyncIterator, Iterator
 
 import pytest
 
 from distserve.config import CacheConfig
-from distserve.dataflow.executor import VariableFailed
+from distserve.dataflow.executor import DataflowSession, VariableFailed
 from distserve.dataflow.limits import LimitExceeded, SessionLimits, ValueTooLarge
 from distserve.dataflow.sessions import SessionForbidden, SessionManager, SessionNotFound
 from distserve.dataflow.template import parse_call
@@ -77,13 +78,22 @@ def test_tokens_ttl_and_limits() -> None:
         SessionLimits(ttl_s=0)
 
 
+@contextlib.asynccontextmanager
+async def swept_session(client: ThreadedEngineClient, ttl_s: float) -> AsyncIterator[tuple[SessionManager, str, str, DataflowSession]]:
+    """A manager sweeping in the background (as the app's lifespan runs it) and one new session of it."""
+    mgr = SessionManager(client, SessionLimits(ttl_s=ttl_s))
+    sweeper = asyncio.create_task(mgr.sweep_forever())
+    try:
+        sid, token = await mgr.create()
+        yield mgr, sid, token, await mgr.get(sid, token)
+    finally:
+        sweeper.cancel()
+        await mgr.close()
+
+
 def test_the_background_sweep_ends_an_idle_session_and_aborts_its_calls(client: ThreadedEngineClient) -> None:
     async def scenario() -> None:
-        mgr = SessionManager(client, SessionLimits(ttl_s=0.2))
-        sweeper = asyncio.create_task(mgr.sweep_forever())
-        try:
-            sid, token = await mgr.create()
-            session = await mgr.get(sid, token)
+        async with swept_session(client, ttl_s=0.2) as (mgr, sid, token, session):
             long = {"temperature": 0, "max_gen_length": 900, "ignore_tokenizer_eos": True}
             a = session.submit(parse_call("Go: {{x}}", [{"name": "x", "is_output": True, "sampling_config": long}]), criteria="throughput")
             doc = session.graph.new_variable("doc")  # never set: the session ending fails it
@@ -104,20 +114,13 @@ def test_the_background_sweep_ends_an_idle_session_and_aborts_its_calls(client: 
                 raise AssertionError("the aborted request still holds KV")
             with pytest.raises(SessionNotFound):
                 await mgr.get(sid, token)
-        finally:
-            sweeper.cancel()
-            await mgr.close()
 
     asyncio.run(scenario())
 
 
 def test_a_session_with_a_reader_waiting_is_not_idle_and_ending_it_releases_the_reader(client: ThreadedEngineClient) -> None:
     async def scenario() -> None:
-        mgr = SessionManager(client, SessionLimits(ttl_s=0.1))
-        sweeper = asyncio.create_task(mgr.sweep_forever())
-        try:
-            sid, token = await mgr.create()
-            session = await mgr.get(sid, token)
+        async with swept_session(client, ttl_s=0.1) as (mgr, sid, token, session):
             pending = session.graph.new_variable("never")
             with pytest.raises(TimeoutError):
                 await session.get(pending.var_id, "latency", timeout_s=0.4)  # four TTLs long
@@ -127,8 +130,5 @@ def test_a_session_with_a_reader_waiting_is_not_idle_and_ending_it_releases_the_
             await mgr.delete(sid, token)
             with pytest.raises(VariableFailed, match="the session was ended"):
                 await asyncio.wait_for(reading, 5)  # returns at once, not after its 30 s timeout
-        finally:
-            sweeper.cancel()
-            await mgr.close()
 
     asyncio.run(scenario())

@@ -6,6 +6,7 @@ from typing import Any
 
 import pytest
 
+from distserve.dataflow.limits import SessionLimits, ValueTooLarge
 from distserve.dataflow.template import DEFAULT_MAX_GEN_LENGTH, PlaceholderChunk, TextChunk, parse_call, sampling_params
 from distserve.errors import DataflowError
 
@@ -75,8 +76,6 @@ def test_parrot_sampling_fields_map_to_ours_and_no_op_defaults_are_accepted() ->
 
 
 def test_model_type_and_value_sizes_are_checked() -> None:
-    from distserve.dataflow.limits import SessionLimits, ValueTooLarge
-
     assert parse_call("Hi {{x}}", [out("x")]).model_type == "token_id"
     assert parse_call("Hi {{x}}", [out("x")], model_type="text").model_type == "text"
     with pytest.raises(DataflowError, match="model_type must be one of") as err:

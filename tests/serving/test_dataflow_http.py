@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -56,7 +55,8 @@ def test_a_parrot_style_program_runs_server_side_and_matches_one_by_one(server: 
         assert {v["var_id"] for v in listed} == {doc, summary, title}
         s_text = http.get(f"/v1/semantic_var/{summary}", params={**auth, "criteria": "throughput"}).json()["content"]
 
-    # One by one, as ``dataflow.prompts`` documents: <s>, pieces encoded alone, the summary as its generated ids.
+    # One by one, as ``dataflow.prompts`` documents: <s>, pieces encoded alone (a trailing space with the
+    # text value after it), the summary as its generated ids.
     engine = LLMEngine(load_model("tiny"), cache_config=CACHE)
     sp = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
     tok = engine.tokenizer
@@ -64,12 +64,12 @@ def test_a_parrot_style_program_runs_server_side_and_matches_one_by_one(server: 
     def enc(text: str) -> list[int]:
         return tok.encode(text, add_special_tokens=False)
 
-    ref_s = engine.generate([[tok.bos_token_id, *enc("Doc: "), *enc("bees make honey"), *enc(" Summary: ")]], sp)[0]
+    ref_s = engine.generate([[tok.bos_token_id, *enc("Doc:"), *enc(" bees make honey"), *enc(" Summary:"), *enc(" ")]], sp)[0]
     assert s_text == ref_s.text
     s_ids = list(ref_s.token_ids)
     while s_ids and s_ids[-1] in tok.skipped_token_ids:  # a trailing eos is not part of the value
         s_ids.pop()
-    assert got.json()["content"] == engine.generate([[tok.bos_token_id, *enc("Title for "), *s_ids, *enc(": ")]], sp)[0].text
+    assert got.json()["content"] == engine.generate([[tok.bos_token_id, *enc("Title for"), *enc(" "), *s_ids, *enc(":"), *enc(" ")]], sp)[0].text
 
 
 def test_sessions_are_private_and_bad_requests_name_the_problem(server: HttpServer) -> None:
