@@ -6,6 +6,7 @@ import argparse
 from typing import TYPE_CHECKING
 
 from distserve.cluster.routing import DEFAULT_ROUTER, ROUTERS
+from distserve.dataflow.limits import DEFAULT_LIMITS
 from distserve.errors import DistServeError
 from distserve.runtime.config import SERVER_MAX_QUEUED_REQUESTS
 
@@ -159,6 +160,14 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tpot-slo", type=_positive_float, default=None, metavar="S",
                    help="TPOT SLO in seconds: colocated and decode steps chunk prompts to stay within it "
                    "(the 'slo' step budget; default: the placement's, else whole prompts per step)")
+    p.add_argument("--session-ttl", type=_positive_float, default=DEFAULT_LIMITS.ttl_s, metavar="S",
+                   help="semantic-variable sessions idle this long are ended, their calls aborted")
+    p.add_argument("--max-sessions", type=_positive_int, default=DEFAULT_LIMITS.max_sessions, metavar="N", help="live sessions before 429")
+    p.add_argument("--max-variables", type=_positive_int, default=DEFAULT_LIMITS.max_variables, metavar="N", help="variables per session before 429")
+    p.add_argument("--max-pending-calls", type=_positive_int, default=DEFAULT_LIMITS.max_pending_calls, metavar="N",
+                   help="unfinished semantic calls per session before 429")
+    p.add_argument("--max-value-chars", type=_positive_int, default=DEFAULT_LIMITS.max_value_chars, metavar="N",
+                   help="characters of a variable's value, a literal input or a template before 413")
     p.add_argument("--ray-serve", action="store_true", help="run as a Ray Serve application (default: plain uvicorn)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
 

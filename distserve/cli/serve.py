@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 from distserve.cli.args import check_placement_args, placement_from_args
 
 if TYPE_CHECKING:
+    from distserve.dataflow.limits import SessionLimits
     from distserve.slo import SLO
     from distserve.placement import Placement
 
@@ -42,6 +43,16 @@ def serve_slo(args: argparse.Namespace, placement: "Placement | None") -> "SLO |
     return SLO(ttft if ttft is not None else float("inf"), tpot if tpot is not None else float("inf"))
 
 
+def session_limits(args: argparse.Namespace) -> "SessionLimits":
+    """The semantic-variable sessions' limits from --session-ttl/--max-sessions/--max-variables/..."""
+    from distserve.dataflow.limits import SessionLimits
+
+    return SessionLimits(
+        ttl_s=args.session_ttl, max_sessions=args.max_sessions, max_variables=args.max_variables,
+        max_pending_calls=args.max_pending_calls, max_value_chars=args.max_value_chars,
+    )
+
+
 def _print_ready(url: str, model: str, layout: str) -> None:
     body = json.dumps({"model": model, "messages": [{"role": "user", "content": "What is the capital of France?"}], "max_tokens": 32})
     print(f"distserve: serving {model!r} ({layout}) at {url}/v1  (metrics: {url}/metrics)")
@@ -70,6 +81,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             max_queued_requests=args.max_queued_requests,
             tpot_slo=args.tpot_slo,
             router=args.router,
+            session_limits=session_limits(args),
         )
         run_ray_serve(options, args.host, args.port, on_ready=lambda url: _print_ready(url, served, f"{layout}, Ray Serve"))
         return 0
@@ -103,9 +115,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return run_server(
             lambda: ControllerClient.create(config), served, sock,
             on_ready=lambda url: _print_ready(url, served, f"{ray_layout}, Ray runtime"), log_level=args.log_level, slo=slo,
+            session_limits=session_limits(args),
         )
 
     from distserve.runtime.threaded_client import build_local_engine_client
 
     client = build_local_engine_client(config)
-    return run_server(client, served, sock, on_ready=lambda url: _print_ready(url, served, layout), log_level=args.log_level, slo=slo)
+    return run_server(client, served, sock, on_ready=lambda url: _print_ready(url, served, layout), log_level=args.log_level, slo=slo,
+                      session_limits=session_limits(args))

@@ -1,1 +1,1 @@
-"""LLM applications as dataflow (Parrot's semantic variables): semantic-function templates, declarative output transforms, and (to come) the server-side DAG of calls."""
+"""LLM applications as dataflow (Parrot's semantic variables): semantic-function templates, declarative output transforms, prompts built piecewise as token ids, the server-side DAG of calls per session, streaming reads, and session limits."""

@@ -20,14 +20,17 @@ A semantic function's docstring is its template; its parameters annotated ``Inpu
 string, or a ``Variable`` produced by another call) and those annotated ``Output`` are generated.
 Calling it submits the call and returns its output ``Variable`` (or a tuple of them, in parameter
 order) at once. ``Variable.get(perf=...)`` states the objective (``latency`` or ``throughput``)
-and waits for the value; ``aget`` is the async form. Errors come back as ``DataflowClientError``
-with the server's status and message.
+and waits for the value; ``aget`` is the async form. ``Variable.stream(perf=...)`` (``astream``)
+yields the text as the server generates it (``GET /v1/semantic_var/{id}/stream``): the output's
+raw generation, whose pieces join into exactly the value ``get`` returns. Errors come back as
+``DataflowClientError`` with the server's status and message (also when a stream ends in one).
 """
 
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable, Mapping
+import json
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -120,13 +123,32 @@ class Variable:
         self.session._post(f"/v1/semantic_var/{self.var_id}", {**self.session.auth, "content": value})
 
     def get(self, perf: str = "latency", timeout_s: float | None = None) -> str:
-        payload = {**self.session.auth, "criteria": perf, **({"timeout": timeout_s} if timeout_s is not None else {})}
-        return str(self.session._call("GET", f"/v1/semantic_var/{self.var_id}", payload)["content"])
+        return str(self.session._call("GET", f"/v1/semantic_var/{self.var_id}", self._read(perf, timeout_s))["content"])
 
     async def aget(self, perf: str = "latency", timeout_s: float | None = None) -> str:
-        payload = {**self.session.auth, "criteria": perf, **({"timeout": timeout_s} if timeout_s is not None else {})}
         async with httpx.AsyncClient(base_url=self.session.base_url, timeout=self.session._http.timeout) as http:
-            return str(_checked(await http.request("GET", f"/v1/semantic_var/{self.var_id}", json=payload))["content"])
+            return str(_checked(await http.request("GET", f"/v1/semantic_var/{self.var_id}", json=self._read(perf, timeout_s)))["content"])
+
+    def stream(self, perf: str = "latency", timeout_s: float | None = None) -> Iterator[str]:
+        """The variable's text as it is generated, in pieces; they join into its value."""
+        with self.session._http.stream("GET", f"/v1/semantic_var/{self.var_id}/stream", json=self._read(perf, timeout_s)) as response:
+            if response.status_code >= 400:
+                response.read()
+                _checked(response)
+            yield from _deltas(response.iter_lines())
+
+    async def astream(self, perf: str = "latency", timeout_s: float | None = None) -> AsyncIterator[str]:
+        async with httpx.AsyncClient(base_url=self.session.base_url, timeout=self.session._http.timeout) as http:
+            async with http.stream("GET", f"/v1/semantic_var/{self.var_id}/stream", json=self._read(perf, timeout_s)) as response:
+                if response.status_code >= 400:
+                    await response.aread()
+                    _checked(response)
+                async for line in response.aiter_lines():
+                    for delta in _deltas((line,)):
+                        yield delta
+
+    def _read(self, perf: str, timeout_s: float | None) -> dict[str, Any]:
+        return {**self.session.auth, "criteria": perf, **({"timeout": timeout_s} if timeout_s is not None else {})}
 
 
 class SemanticFunction:
@@ -177,6 +199,19 @@ class SemanticFunction:
 def semantic_function(fn: Callable[..., Any]) -> SemanticFunction:
     """Turn a function whose docstring is a template into a ``SemanticFunction``."""
     return SemanticFunction(fn)
+
+
+def _deltas(lines: Iterable[str]) -> Iterator[str]:
+    """The text deltas of SSE ``lines``; an error event raises ``DataflowClientError``."""
+    for line in lines:
+        if not line.startswith("data: ") or line == "data: [DONE]":
+            continue
+        event = json.loads(line[len("data: "):])
+        if "error" in event:
+            error = event["error"]
+            raise DataflowClientError(int(event.get("status", 500)), error.get("message", ""), error.get("param"))
+        if event.get("delta"):
+            yield event["delta"]
 
 
 def _checked(response: httpx.Response) -> dict[str, Any]:

@@ -3,28 +3,32 @@
 Parrot's release accepts any ``session_auth``; here a session is created with a random token
 (``secrets.token_urlsafe``) that every later call must present, compared in constant time. An
 unknown session id is a ``SessionNotFound`` (HTTP 404), a wrong token a ``SessionForbidden``
-(403) — so one session never sees another's variables. A session idle for ``ttl_s`` is ended on
-the next sweep (``sweep``, run on every access): its calls in flight are cancelled, which aborts
-their requests and frees their KV.
+(403) — so one session never sees another's variables. A session is idle when no request
+touched it for ``SessionLimits.ttl_s`` and no reader is waiting on it. Idle sessions are ended by
+``sweep``, run in the background every ``SessionLimits.sweep_interval_s`` (``sweep_forever``,
+started with the HTTP app); an access between two sweeps finds an expired session gone too.
+Ending a session cancels its calls in flight, which aborts their requests and frees their KV,
+fails its waiting readers, and drops its variables. How many sessions a server holds, and what
+each may hold, is its ``SessionLimits``.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import itertools
+import logging
 import secrets
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from distserve.dataflow.executor import DataflowSession
-from distserve.dataflow.graph import CallState
+from distserve.dataflow.limits import DEFAULT_LIMITS, LimitExceeded, SessionLimits
 from distserve.errors import DataflowError
 from distserve.runtime.client import EngineClient
 
-DEFAULT_SESSION_TTL_S = 600.0
-DEFAULT_MAX_SESSIONS = 1024
-DEFAULT_MAX_PENDING_CALLS = 1024  # per session: calls submitted and not finished
+logger = logging.getLogger(__name__)
 
 
 class SessionNotFound(DataflowError):
@@ -46,16 +50,9 @@ class _Entry:
 class SessionManager:
     """The live sessions of one server, over the engine client that runs their calls."""
 
-    def __init__(
-        self, client: EngineClient, *, ttl_s: float = DEFAULT_SESSION_TTL_S, max_sessions: int = DEFAULT_MAX_SESSIONS,
-        max_pending_calls: int = DEFAULT_MAX_PENDING_CALLS, clock: Callable[[], float] = time.monotonic,
-    ) -> None:
-        if not ttl_s > 0:
-            raise DataflowError(f"session ttl must be > 0 seconds, got {ttl_s}")
+    def __init__(self, client: EngineClient, limits: SessionLimits = DEFAULT_LIMITS, *, clock: Callable[[], float] = time.monotonic) -> None:
         self.client = client
-        self.ttl_s = ttl_s
-        self.max_sessions = max_sessions
-        self.max_pending_calls = max_pending_calls
+        self.limits = limits
         self._clock = clock
         self._sessions: dict[str, _Entry] = {}
         self._ids = itertools.count(1)
@@ -65,19 +62,22 @@ class SessionManager:
 
     async def create(self) -> tuple[str, str]:
         """A new session: its id and its token."""
-        await self.sweep()
-        if len(self._sessions) >= self.max_sessions:
-            raise DataflowError(f"the server holds its maximum of {self.max_sessions} sessions; delete one first", "session_id")
+        if len(self._sessions) >= self.limits.max_sessions:
+            await self.sweep()  # expired sessions the background sweep has not reached yet free their slots
+        if len(self._sessions) >= self.limits.max_sessions:
+            raise LimitExceeded(f"the server holds its maximum of {self.limits.max_sessions} sessions; delete one first", "session_id")
         session_id = str(next(self._ids))
         token = secrets.token_urlsafe(24)
         now = self._clock()
-        self._sessions[session_id] = _Entry(DataflowSession(f"s{session_id}", self.client), token, now, now)
+        self._sessions[session_id] = _Entry(DataflowSession(f"s{session_id}", self.client, self.limits), token, now, now)
         return session_id, token
 
     async def get(self, session_id: object, token: object) -> DataflowSession:
         """The session, if ``token`` is its token; its idle clock restarts."""
-        await self.sweep()
         entry = self._sessions.get(str(session_id)) if isinstance(session_id, (str, int)) and not isinstance(session_id, bool) else None
+        if entry is not None and self._expired(entry, self._clock()):  # between two sweeps
+            await self._end(str(session_id))
+            entry = None
         if entry is None:
             raise SessionNotFound(f"no live session {session_id!r} (never created, deleted or expired)", "session_id")
         if not isinstance(token, str) or not hmac.compare_digest(token.encode(), entry.token.encode()):
@@ -85,24 +85,40 @@ class SessionManager:
         entry.last_access = self._clock()
         return entry.session
 
-    def check_pending(self, session: DataflowSession) -> None:
-        pending = sum(1 for n in session.graph.calls.values() if n.state in (CallState.WAITING, CallState.RUNNING))
-        if pending >= self.max_pending_calls:
-            raise DataflowError(f"the session has {pending} unfinished calls (max {self.max_pending_calls})", "session_id")
-
     async def delete(self, session_id: object, token: object) -> None:
         await self.get(session_id, token)
         entry = self._sessions.pop(str(session_id))
         await entry.session.close()
 
     async def sweep(self) -> None:
-        """End the sessions idle for longer than the TTL."""
+        """End the sessions idle for longer than the TTL (a session with a reader waiting is not idle)."""
         now = self._clock()
-        expired = [sid for sid, e in self._sessions.items() if now - e.last_access > self.ttl_s]
-        for sid in expired:
-            await self._sessions.pop(sid).session.close()
+        for sid in [sid for sid, entry in self._sessions.items() if self._expired(entry, now)]:
+            await self._end(sid)
+
+    def _expired(self, entry: _Entry, now: float) -> bool:
+        if entry.session.num_readers > 0:
+            entry.last_access = now
+            return False
+        return now - entry.last_access > self.limits.ttl_s
+
+    async def _end(self, session_id: str) -> None:
+        entry = self._sessions.pop(session_id, None)
+        if entry is not None:
+            logger.info("dataflow session %s was idle for over %g s: ended", session_id, self.limits.ttl_s)
+            await entry.session.close()
+
+    async def sweep_forever(self) -> None:
+        """``sweep`` every ``limits.sweep_interval_s`` until cancelled (the app's lifespan runs it)."""
+        while True:
+            await asyncio.sleep(self.limits.sweep_interval_s)
+            try:
+                await self.sweep()
+            except Exception:  # noqa: BLE001 - a failed sweep must not stop the next ones
+                logger.exception("sweeping idle dataflow sessions failed")
 
     async def close(self) -> None:
-        for entry in list(self._sessions.values()):
-            await entry.session.close()
+        entries = list(self._sessions.values())
         self._sessions.clear()
+        for entry in entries:
+            await entry.session.close()

@@ -14,6 +14,12 @@ two generated texts would be unknown); an input is given a value or a variable, 
 may carry declarative ``transforms`` (``dataflow.transforms``). Text after the last output is
 not sent (nothing reads it), as in Parrot.
 
+``model_type`` (Parrot's field) says what the engine is sent: ``token_id`` (the default) — the
+prompt as token ids built piece by piece at placeholder boundaries, so shared prefixes keep
+their ids — or ``text``, the rendered string, tokenized by the engine as a whole
+(``dataflow.prompts`` has the exact recipe). The template, and every literal value, may be at
+most ``SessionLimits.max_value_chars`` long (``ValueTooLarge``, HTTP 413).
+
 Both Parrot's field name (``placeholders``) and the name of its public API docs (``parameters``)
 are accepted. Sampling uses Parrot's ``SamplingConfig`` fields (``max_gen_length``,
 ``ignore_tokenizer_eos``, ``stop_str``, ...) or ours (``max_tokens``, ``ignore_eos``, ``stop``,
@@ -29,13 +35,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from distserve.config import SamplingParams
+from distserve.dataflow.limits import DEFAULT_LIMITS, SessionLimits
 from distserve.dataflow.transforms import Transform, parse_transforms
 from distserve.errors import DataflowError, InvalidSamplingParamsError
 
 PLACEHOLDER = re.compile(r"\{\{([A-Za-z_][A-Za-z0-9_]*)\}\}")
-MAX_TEMPLATE_CHARS = 1_000_000
 MAX_PLACEHOLDERS = 256
-MAX_VALUE_CHARS = 1_000_000
+MODEL_TYPES = ("token_id", "text")
 DEFAULT_MAX_GEN_LENGTH = 512  # Parrot's SamplingConfig default
 
 # Parrot's SamplingConfig fields -> ours (same meaning).
@@ -87,6 +93,7 @@ class SemanticCall:
 
     chunks: tuple[Chunk, ...]
     placeholders: Mapping[str, Placeholder] = field(default_factory=dict)
+    model_type: str = "token_id"  # what the engine is sent: token ids built piecewise, or the rendered text
 
     @property
     def outputs(self) -> list[Placeholder]:
@@ -103,19 +110,20 @@ class SemanticCall:
         return list(seen.values())
 
 
-def parse_call(template: object, placeholders: object) -> SemanticCall:
+def parse_call(template: object, placeholders: object, *, model_type: object = "token_id", limits: SessionLimits = DEFAULT_LIMITS) -> SemanticCall:
     """Parse and check a semantic call's ``template`` and placeholder descriptions (see the module docstring)."""
     if not isinstance(template, str) or not template:
         raise DataflowError("template must be a non-empty string", "template")
-    if len(template) > MAX_TEMPLATE_CHARS:
-        raise DataflowError(f"template may be at most {MAX_TEMPLATE_CHARS} characters, got {len(template)}", "template")
+    limits.check_chars(template, "template", "template")
+    if model_type not in MODEL_TYPES:
+        raise DataflowError(f"model_type must be one of {list(MODEL_TYPES)}, got {model_type!r}", "model_type")
     if not isinstance(placeholders, Sequence) or isinstance(placeholders, (str, bytes)):
         raise DataflowError("placeholders must be a list of objects", "placeholders")
     if len(placeholders) > MAX_PLACEHOLDERS:
         raise DataflowError(f"at most {MAX_PLACEHOLDERS} placeholders, got {len(placeholders)}", "placeholders")
     described: dict[str, Placeholder] = {}
     for i, raw in enumerate(placeholders):
-        ph = _placeholder(raw, i)
+        ph = _placeholder(raw, i, limits)
         if ph.name in described:
             raise DataflowError(f"placeholder {ph.name!r} is described twice", "placeholders")
         described[ph.name] = ph
@@ -138,7 +146,7 @@ def parse_call(template: object, placeholders: object) -> SemanticCall:
         if isinstance(prev, PlaceholderChunk) and isinstance(cur, PlaceholderChunk) and described[prev.name].is_output and described[cur.name].is_output:
             raise DataflowError(f"outputs {{{{{prev.name}}}}} and {{{{{cur.name}}}}} are adjacent: put text between them", "template")
     last = max(i for i, c in enumerate(chunks) if isinstance(c, PlaceholderChunk) and described[c.name].is_output)
-    return SemanticCall(tuple(chunks[: last + 1]), described)
+    return SemanticCall(tuple(chunks[: last + 1]), described, str(model_type))
 
 
 def _split(template: str) -> list[Chunk]:
@@ -159,7 +167,7 @@ def _split(template: str) -> list[Chunk]:
     return chunks
 
 
-def _placeholder(raw: object, index: int) -> Placeholder:
+def _placeholder(raw: object, index: int, limits: SessionLimits) -> Placeholder:
     where = f"placeholders[{index}]"
     if not isinstance(raw, Mapping):
         raise DataflowError(f"{where} must be an object", "placeholders")
@@ -176,8 +184,8 @@ def _placeholder(raw: object, index: int) -> Placeholder:
         raise DataflowError(f"{where}.var_id must be a variable id string", "placeholders")
     if value is not None and not isinstance(value, str):
         raise DataflowError(f"{where}.value must be a string", "placeholders")
-    if value is not None and len(value) > MAX_VALUE_CHARS:
-        raise DataflowError(f"{where}.value may be at most {MAX_VALUE_CHARS} characters", "placeholders")
+    if value is not None:
+        limits.check_chars(value, f"{where}.value", "placeholders")
     if is_output:
         if var_id is not None or value is not None or raw.get("transforms") is not None:
             raise DataflowError(f"output {name!r} is generated: it takes no var_id, value or transforms", "placeholders")

@@ -23,6 +23,7 @@ from distserve.config import SamplingParams
 from distserve.engine.outputs import RequestOutput
 from distserve.errors import InvalidConfigError, ServiceUnavailableError
 from distserve.runtime.client import EngineClient
+from distserve.dataflow.limits import DEFAULT_LIMITS, SessionLimits
 from distserve.dataflow.sessions import SessionManager
 from distserve.serving.dataflow_routes import add_dataflow_routes
 from distserve.serving.http_errors import (
@@ -166,14 +167,15 @@ def _chat_logprobs(pairs: list[tuple[str, float]]) -> ChatLogprobs:
 
 
 def build_fastapi_app(
-    client: EngineClient, served_model_name: str, *, metrics: ServingMetrics | None = None
+    client: EngineClient, served_model_name: str, *, metrics: ServingMetrics | None = None,
+    session_limits: SessionLimits = DEFAULT_LIMITS,
 ) -> FastAPI:
     """``/v1/completions``, ``/v1/chat/completions``, ``/v1/models``, ``/health`` and ``/metrics`` over ``client``."""
     app = FastAPI(title="distserve", description="OpenAI-compatible API of a disaggregated LLM server")
     server = _Server(client, served_model_name, metrics or ServingMetrics())
     app.state.server = server
     add_error_handlers(app)
-    app.state.sessions = SessionManager(client)
+    app.state.sessions = SessionManager(client, session_limits)
     add_dataflow_routes(app, app.state.sessions, {served_model_name, client.model_name})
 
     @app.get("/health")
@@ -317,6 +319,7 @@ def run_server(
     on_ready: Callable[[str], None] | None = None,
     log_level: str = "info",
     slo: SLO | None = None,
+    session_limits: SessionLimits = DEFAULT_LIMITS,
 ) -> int:
     """Serve on the bound ``sock`` with plain uvicorn until SIGINT/SIGTERM, then shut ``client`` down.
 
@@ -333,7 +336,7 @@ def run_server(
 
     async def main() -> int:
         engine_client = client if isinstance(client, EngineClient) else await client()
-        app = build_fastapi_app(engine_client, served_model_name, metrics=ServingMetrics(slo=slo))
+        app = build_fastapi_app(engine_client, served_model_name, metrics=ServingMetrics(slo=slo), session_limits=session_limits)
         config = uvicorn.Config(
             app, host=host, port=port, log_level=log_level, access_log=False, timeout_graceful_shutdown=5
         )

@@ -14,6 +14,7 @@ from ray.serve import Application
 
 from distserve.cluster.routing import DEFAULT_ROUTER
 from distserve.config import CacheConfig, SchedulerConfig, slo_scheduler_config
+from distserve.dataflow.limits import DEFAULT_LIMITS, SessionLimits
 from distserve.errors import InvalidConfigError
 from distserve.placement import Placement
 from distserve.runtime.config import SERVER_MAX_QUEUED_REQUESTS, DeploymentConfig
@@ -21,6 +22,13 @@ from distserve.runtime.ray_env import init_ray_local
 from distserve.runtime.threaded_client import ThreadedEngineClient, build_local_engine_client
 
 APP_NAME = "distserve"
+
+
+# ``distserve serve`` flags of the semantic-variable sessions -> their type; ``session_ttl`` is ``SessionLimits.ttl_s``.
+_SESSION_LIMIT_ARGS: dict[str, Callable[[Any], Any]] = {
+    "session_ttl": float, "max_sessions": int, "max_variables": int, "max_pending_calls": int, "max_value_chars": int,
+}
+_LIMIT_FIELD = {"session_ttl": "ttl_s"}
 
 
 @dataclass(frozen=True)
@@ -38,6 +46,7 @@ class ServeOptions:
     max_queued_requests: int = SERVER_MAX_QUEUED_REQUESTS
     tpot_slo: float | None = None  # seconds: steps of decoding instances stay within it ("slo" step budget)
     router: str = DEFAULT_ROUTER  # entry routing among the prefill instances (``cluster.routing.ROUTERS``)
+    session_limits: SessionLimits = DEFAULT_LIMITS  # semantic-variable sessions (args ``session_ttl``, ``max_sessions``, ...)
 
     @classmethod
     def from_args(cls, args: Mapping[str, Any]) -> ServeOptions:
@@ -53,6 +62,7 @@ class ServeOptions:
             "max_queued_requests": int,
             "tpot_slo": float,
             "router": str,
+            **_SESSION_LIMIT_ARGS,
         }
         unknown = sorted(set(args) - set(fields))
         if unknown:
@@ -65,7 +75,8 @@ class ServeOptions:
                 values[key] = fields[key](value)
             except (TypeError, ValueError) as exc:
                 raise InvalidConfigError(f"app arg {key}={value!r} is not a valid {fields[key].__name__}") from exc
-        return cls(**values)
+        limits = {_LIMIT_FIELD.get(key, key): values.pop(key) for key in _SESSION_LIMIT_ARGS if key in values}
+        return cls(**values, session_limits=SessionLimits(**limits))
 
     def deployment(self) -> DeploymentConfig:
         if self.colocated < 0:
@@ -96,7 +107,7 @@ class DistServeIngress:
     def __serve_build_asgi_app__(self) -> FastAPI:
         from distserve.serving.api import build_fastapi_app
 
-        return build_fastapi_app(self.client, self.options.served_model_name or self.options.model)
+        return build_fastapi_app(self.client, self.options.served_model_name or self.options.model, session_limits=self.options.session_limits)
 
     def check_health(self) -> None:
         """Serve's replica health check: a dead engine makes Serve replace this replica."""

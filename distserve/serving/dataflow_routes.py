@@ -3,7 +3,8 @@
 Routes, with Parrot's JSON fields (its clients send them as a JSON body, also on GET and DELETE;
 query parameters work too, for curl):
 
-* ``POST /v1/session`` → ``{session_id, session_auth}``; ``GET|DELETE /v1/session/{id}``
+* ``POST /v1/session`` → ``{session_id, session_auth}``; ``GET|DELETE /v1/session/{id}`` (get:
+  counts of variables, calls by state, and reads waiting)
 * ``POST /v1/semantic_call`` (``session_id``, ``session_auth``, ``template``, ``placeholders`` or
   ``parameters``, ``models``, ``model_type``, ``remove_pure_fill``, ``cache_prefix``,
   ``output_criteria``, ``fuse_fill``) → ``{request_id, session_id, param_info}`` (also as
@@ -11,32 +12,46 @@ query parameters work too, for curl):
 * ``POST /v1/semantic_var`` (``var_name``) → ``{var_id}``; ``POST /v1/semantic_var/{id}``
   (``content``) sets it; ``GET /v1/semantic_var/{id}`` (``criteria``, optional ``timeout``)
   waits for its value → ``{content}``; ``GET /v1/semantic_var`` lists the session's variables
+* ``GET /v1/semantic_var/{id}/stream`` (same fields as get; ours, not Parrot's): Server-Sent
+  Events — ``{"var_id", "delta"}`` as the producing call generates the output (a late reader
+  first gets all text so far), then ``{"var_id", "content"}`` with the value, then ``[DONE]``;
+  on failure or timeout an ``{"error": {...}, "status": 424|408}`` event before ``[DONE]``. It is
+  the output's raw generation: transforms apply where a call reads the variable, never here.
+  A reader disconnecting does not stop the call. ``: keep-alive`` comments every 15 s of silence.
 * ``POST /v1/py_native_call`` → 400: we never execute client code
 
 Errors use the OpenAI error body: 400 naming the ``param``, 403 for a wrong ``session_auth``,
-404 for an unknown session or variable, 408 when a read times out, 424 when the variable's call
-(or one upstream) failed — its message names that call. ``cache_prefix``, ``fuse_fill`` and
-``remove_pure_fill`` are accepted: prefixes are always cached, and fills are never sent alone.
+404 for an unknown session or variable (or a session ended under the request), 408 when a read
+times out, 413 for a value or template over ``max_value_chars``, 424 when the variable's call (or
+one upstream) failed — its message names that call — and 429 when a ``SessionLimits`` count is
+reached (sessions, variables per session, unfinished calls per session). ``cache_prefix``,
+``fuse_fill`` and ``remove_pure_fill`` are accepted: prefixes are always cached, and fills are
+never sent alone. Idle sessions are ended by a background sweep started with the app's lifespan.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
-from collections.abc import Mapping
+from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
-from distserve.dataflow.executor import DataflowSession, VariableFailed
+from distserve.dataflow.executor import DataflowSession, SessionEnded, VariableFailed
 from distserve.dataflow.graph import UnknownVariable, check_criteria
+from distserve.dataflow.limits import LimitExceeded, ValueTooLarge
 from distserve.dataflow.sessions import SessionForbidden, SessionManager, SessionNotFound
 from distserve.dataflow.template import parse_call
 from distserve.errors import DataflowError
-from distserve.serving.protocol import APIError
+from distserve.serving.protocol import SSE_DONE, APIError, sse
+from distserve.serving.streams import SSEResponse
 
 MAX_GET_TIMEOUT_S = 3600.0
+STREAM_KEEPALIVE_S = 15.0
+_READ_ERRORS = (TimeoutError, asyncio.TimeoutError, DataflowError)  # what a get or stream answers as a 4xx
 _CALL_FIELDS = {
     "session_id", "session_auth", "template", "placeholders", "parameters", "models", "model_type",
     "remove_pure_fill", "cache_prefix", "output_criteria", "fuse_fill",
@@ -44,7 +59,12 @@ _CALL_FIELDS = {
 
 
 def add_dataflow_routes(app: FastAPI, sessions: SessionManager, served_model_names: set[str]) -> None:
-    """Mount the semantic-variable API on ``app``; ``sessions`` run their calls on the app's engine."""
+    """Mount the semantic-variable API on ``app``; ``sessions`` run their calls on the app's engine.
+
+    The app's lifespan also runs ``sessions.sweep_forever`` (idle sessions ended in the background)
+    and ends every session at shutdown.
+    """
+    run_sweeper_with_app(app, sessions)
 
     async def session_of(payload: Mapping[str, Any]) -> DataflowSession:
         try:
@@ -65,6 +85,7 @@ def add_dataflow_routes(app: FastAPI, sessions: SessionManager, served_model_nam
         calls = session.graph.calls.values()
         return JSONResponse({
             "session_id": int(session_id), "num_variables": len(session.graph.variables), "num_calls": len(calls),
+            "num_readers": session.num_readers,
             "calls": {state: sum(1 for c in calls if c.state.value == state) for state in ("waiting", "running", "done", "failed")},
         })
 
@@ -84,8 +105,8 @@ def add_dataflow_routes(app: FastAPI, sessions: SessionManager, served_model_nam
             raise APIError(400, f"unknown fields {unknown}", param=unknown[0])
         check_metadata(payload, served_model_names)
         placeholders = payload.get("placeholders", payload.get("parameters"))
-        call = await guarded_sync(lambda: parse_call(payload.get("template"), placeholders))
-        await guarded_sync(lambda: sessions.check_pending(session))
+        call = await guarded_sync(lambda: parse_call(
+            payload.get("template"), placeholders, model_type=payload.get("model_type", "token_id"), limits=sessions.limits))
         criteria = payload.get("output_criteria")
         node = await guarded_sync(lambda: session.submit(call, criteria))
         info = [
@@ -123,25 +144,20 @@ def add_dataflow_routes(app: FastAPI, sessions: SessionManager, served_model_nam
     async def get_variable(var_id: str, request: Request) -> JSONResponse:
         payload = await body(request)
         session = await session_of(payload)
-        criteria = payload.get("criteria", "latency")
-        timeout = payload.get("timeout")
-        if timeout is not None:
-            try:
-                timeout = float(timeout)
-            except (TypeError, ValueError):
-                raise APIError(400, f"timeout must be a number of seconds, got {timeout!r}", param="timeout") from None
-            if not 0 < timeout <= MAX_GET_TIMEOUT_S:
-                raise APIError(400, f"timeout must be in (0, {MAX_GET_TIMEOUT_S:g}] seconds", param="timeout")
-        await guarded_sync(lambda: check_criteria(criteria))
+        criteria, timeout = read_fields(payload)
         try:
             content = await session.get(var_id, criteria, timeout)
-        except VariableFailed as exc:
-            raise APIError(424, str(exc), param="var_id", type="failed_dependency") from None
-        except (TimeoutError, asyncio.TimeoutError):
-            raise APIError(408, f"variable {var_id} has no value after {timeout:g} s", param="timeout") from None
-        except DataflowError as exc:
-            raise as_api_error(exc) from None
+        except _READ_ERRORS as exc:
+            raise read_error(exc, var_id, timeout) from None
         return JSONResponse({"content": content})
+
+    @app.get("/v1/semantic_var/{var_id}/stream", response_model=None)
+    async def stream_variable(var_id: str, request: Request) -> SSEResponse:
+        payload = await body(request)
+        session = await session_of(payload)
+        criteria, timeout = read_fields(payload)
+        await guarded_sync(lambda: session.graph.variable(var_id))  # an unknown variable is a 404 before the stream starts
+        return SSEResponse(variable_events(session, var_id, criteria, timeout))
 
     @app.get("/v1/semantic_var")
     async def list_variables(request: Request) -> JSONResponse:
@@ -174,8 +190,6 @@ def check_metadata(payload: Mapping[str, Any], served: set[str]) -> None:
         raise APIError(400, "models must be a list of model names", param="models")
     if models and not set(models) & served:
         raise APIError(404, f"none of the models {models} is served here (serving {sorted(served)})", param="models", type="not_found_error")
-    if payload.get("model_type", "token_id") not in ("token_id", "text"):
-        raise APIError(400, "model_type must be 'token_id' or 'text'", param="model_type")
     for flag in ("remove_pure_fill", "cache_prefix", "fuse_fill"):
         if flag in payload and not isinstance(payload[flag], bool):
             raise APIError(400, f"{flag} must be true or false", param=flag)
@@ -183,9 +197,73 @@ def check_metadata(payload: Mapping[str, Any], served: set[str]) -> None:
         raise APIError(400, "output_criteria must be 'latency', 'throughput' or null", param="output_criteria")
 
 
+def read_fields(payload: Mapping[str, Any]) -> tuple[str, float | None]:
+    """A read's ``criteria`` (default latency) and ``timeout`` in seconds (None: wait as long as it takes)."""
+    criteria = payload.get("criteria", "latency")
+    timeout = payload.get("timeout")
+    if timeout is not None:
+        try:
+            timeout = float(timeout)
+        except (TypeError, ValueError):
+            raise APIError(400, f"timeout must be a number of seconds, got {timeout!r}", param="timeout") from None
+        if not 0 < timeout <= MAX_GET_TIMEOUT_S:
+            raise APIError(400, f"timeout must be in (0, {MAX_GET_TIMEOUT_S:g}] seconds", param="timeout")
+    try:
+        return check_criteria(criteria), timeout
+    except DataflowError as exc:
+        raise as_api_error(exc) from None
+
+
+def read_error(exc: BaseException, var_id: str, timeout: float | None) -> APIError:
+    if isinstance(exc, VariableFailed):
+        return APIError(424, str(exc), param="var_id", type="failed_dependency")
+    if isinstance(exc, (TimeoutError, asyncio.TimeoutError)):
+        return APIError(408, f"variable {var_id} has no value after {timeout or 0:g} s", param="timeout", type="timeout_error")
+    assert isinstance(exc, DataflowError)
+    return as_api_error(exc)
+
+
+async def variable_events(session: DataflowSession, var_id: str, criteria: str, timeout: float | None) -> AsyncIterator[str]:
+    """The SSE events of one variable stream (see the module docstring); closing them leaves the call running."""
+    deltas = session.stream(var_id, criteria, timeout, heartbeat_s=STREAM_KEEPALIVE_S)
+    try:
+        async for delta in deltas:
+            yield sse({"var_id": var_id, "delta": delta}) if delta else ": keep-alive\n\n"
+        yield sse({"var_id": var_id, "content": session.graph.variable(var_id).value})
+    except _READ_ERRORS as exc:
+        err = read_error(exc, var_id, timeout)
+        yield sse({**err.body(), "status": err.status_code})
+    finally:
+        await deltas.aclose()
+    yield SSE_DONE
+
+
+def run_sweeper_with_app(app: FastAPI, sessions: SessionManager) -> None:
+    """Wrap ``app``'s lifespan: the idle-session sweep runs while the app does; sessions end at shutdown."""
+    inner = app.router.lifespan_context
+
+    @contextlib.asynccontextmanager
+    async def lifespan(owner: Any) -> AsyncIterator[Any]:
+        sweeper = asyncio.create_task(sessions.sweep_forever(), name="dataflow-session-sweep")
+        try:
+            async with inner(owner) as state:
+                yield state
+        finally:
+            sweeper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await sweeper
+            await sessions.close()
+
+    app.router.lifespan_context = lifespan
+
+
 def as_api_error(exc: DataflowError) -> APIError:
-    if isinstance(exc, UnknownVariable):
+    if isinstance(exc, (UnknownVariable, SessionEnded)):
         return APIError(404, str(exc), param=exc.param, type="not_found_error")
+    if isinstance(exc, LimitExceeded):
+        return APIError(429, str(exc), param=exc.param, type="rate_limit_error", code="limit_exceeded")
+    if isinstance(exc, ValueTooLarge):
+        return APIError(413, str(exc), param=exc.param, code="value_too_large")
     return APIError(400, str(exc), param=exc.param)
 
 

@@ -46,18 +46,85 @@ def test_a_chain_and_a_fan_in_match_the_calls_issued_one_by_one(tiny: LoadedMode
         return a.outputs["idea"].value or "", a.outputs["detail"].value or "", y
 
     idea, detail, y = asyncio.run(dataflow())
-    # The same prompts, one request at a time, on a fresh engine.
+    # The same calls one request at a time, on a fresh engine, sent as ``dataflow.prompts`` documents:
+    # <s> (the tiny tokenizer's encode adds it), each piece encoded alone, generated variables as their ids.
     engine = LLMEngine(tiny, cache_config=CACHE)
     sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    tok = engine.tokenizer
+    assert tok.encode("x")[0] == tok.bos_token_id
 
-    def one(prompt: str) -> str:
-        return engine.generate([prompt], sp)[0].text
+    def enc(text: str) -> list[int]:
+        return tok.encode(text, add_special_tokens=False)
 
-    ref_idea = one("Topic bees. Idea: ")
-    ref_detail = one("Topic bees. Idea: " + ref_idea + " Detail: ")
-    ref_x = one("Other: ")
+    def one(prompt: list[int]) -> tuple[str, list[int]]:
+        o = engine.generate([prompt], sp)[0]
+        ids = list(o.token_ids)
+        while ids and ids[-1] in tok.skipped_token_ids:  # trailing eos is not part of the value
+            ids.pop()
+        return o.text, ids
+
+    # A text piece's trailing space goes with a text value after it, and is a token of its own before generated ids.
+    bos = [tok.bos_token_id]
+    idea_prompt = bos + enc("Topic") + enc(" bees") + enc(". Idea:") + enc(" ")
+    ref_idea, idea_ids = one(idea_prompt)
+    ref_detail, detail_ids = one(idea_prompt + idea_ids + enc(" Detail:") + enc(" "))  # continues after the generated ids
+    ref_x, x_ids = one(bos + enc("Other:") + enc(" "))
     assert (idea, detail) == (ref_idea, ref_detail)
-    assert y == one(ref_detail + " and " + ref_x + " give ")
+    assert y == one(bos + detail_ids + enc(" and") + enc(" ") + x_ids + enc(" give") + enc(" "))[0]
+    # The tiny model emits arbitrary bytes: its text does not re-tokenize to its ids, so a text
+    # continuation would have sent other tokens (this test tells the two apart).
+    assert enc(ref_idea) != idea_ids or enc(ref_detail) != detail_ids
+
+
+def test_text_model_type_sends_the_rendered_string(tiny: LoadedModel, client: ThreadedEngineClient) -> None:
+    async def dataflow() -> tuple[str, str]:
+        s = DataflowSession("s", client)
+        a = s.submit(parse_call("Topic {{t}}. Idea: {{idea}} Detail: {{detail}}", [{"name": "t", "value": "bees"}, out("idea"), out("detail")],
+                                model_type="text"))
+        detail = await s.get(a.outputs["detail"].var_id, "latency", timeout_s=60)
+        return a.outputs["idea"].value or "", detail
+
+    idea, detail = asyncio.run(dataflow())
+    engine = LLMEngine(tiny, cache_config=CACHE)
+    sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    ref_idea = engine.generate(["Topic bees. Idea: "], sp)[0].text
+    assert (idea, detail) == (ref_idea, engine.generate(["Topic bees. Idea: " + ref_idea + " Detail: "], sp)[0].text)
+
+
+def test_a_stream_yields_the_generation_as_it_happens_and_late_readers_catch_up(client: ThreadedEngineClient) -> None:
+    long = {"temperature": 0, "max_gen_length": 48, "ignore_tokenizer_eos": True}
+
+    async def scenario() -> tuple[list[str], list[str], str]:
+        s = DataflowSession("s", client)
+        a = s.submit(parse_call("Tell {{story}}", [{"name": "story", "is_output": True, "sampling_config": long}]))
+        var_id = a.outputs["story"].var_id
+        early = [d async for d in s.stream(var_id, "latency", timeout_s=60)]
+        late = [d async for d in s.stream(var_id, "latency", timeout_s=60)]
+        return early, late, await s.get(var_id, "latency")
+
+    early, late, value = asyncio.run(scenario())
+    assert "".join(early) == value == "".join(late) and len(value) > 0
+    assert len(early) > 1  # deltas while generating, not the value at the end
+    assert late == [value]  # a reader after the end gets it all at once
+
+
+def test_a_stream_of_a_failed_variable_raises_the_failure(client: ThreadedEngineClient) -> None:
+    async def scenario() -> None:
+        s = DataflowSession("s", client)
+        a = s.submit(parse_call("Count: {{n}}", [out("n")]))
+        b = s.submit(parse_call("{{num}} then {{m}}", [
+            {"name": "num", "var_id": a.outputs["n"].var_id, "transforms": [{"op": "json_parse"}]}, out("m"),
+        ]))
+        with pytest.raises(VariableFailed, match=f"call {b.call_id} failed: json_parse"):
+            async for _ in s.stream(b.outputs["m"].var_id, "latency", timeout_s=60):
+                pass
+        pending = s.graph.new_variable("never_set")
+        with pytest.raises(TimeoutError):
+            async for _ in s.stream(pending.var_id, "latency", timeout_s=0.05):
+                pass
+        assert s.num_readers == 0
+
+    asyncio.run(scenario())
 
 
 def test_a_failed_transform_fails_the_reader_and_downstream_without_hanging(client: ThreadedEngineClient) -> None:

@@ -25,7 +25,7 @@ def test_a_call_runs_only_once_read_and_its_inputs_are_ready() -> None:
     assert g.ready_calls() == []  # activated, but x is not set
     g.set_value(x.var_id, "hi")
     assert g.ready_calls() == [a]
-    assert g.segments(a) == [("Say hi: ", a.call.placeholders["out"])]
+    assert g.input_value(a, a.call.placeholders["x"]) == ("hi", None)  # a client-set value: no generated ids
 
 
 def test_reads_deduce_objectives_and_task_groups() -> None:
@@ -74,3 +74,18 @@ def test_variables_are_set_once_by_the_client_and_are_private_to_their_graph() -
         h.add_call(call("{{i}} {{out}}", ("i", v.var_id)))
     with pytest.raises(DataflowError, match="criteria must be one of"):
         g.read(a.outputs["out"].var_id, "fast")
+
+
+def test_a_call_failing_after_one_output_keeps_that_output_and_its_readers() -> None:
+    g = DataflowGraph("s")
+    a = g.add_call(call("A: {{first}} B: {{second}}", outputs=("first", "second")))
+    on_first = g.add_call(call("{{i}} C: {{out}}", ("i", a.outputs["first"].var_id)))
+    on_second = g.add_call(call("{{i}} D: {{out}}", ("i", a.outputs["second"].var_id)))
+    g.read(on_first.outputs["out"].var_id, "latency")
+    g.start(a)
+    g.set_output(a, "first", "one", [1, 2])
+    assert g.ready_calls() == [on_first]  # readers of an output start before the rest of its call
+    assert g.input_value(on_first, on_first.call.placeholders["i"]) == ("one", [1, 2])
+    g.fail(a, "the instance died")
+    assert a.outputs["first"].state is VarState.READY and on_first.state is CallState.WAITING
+    assert a.outputs["second"].state is VarState.FAILED and on_second.state is CallState.FAILED

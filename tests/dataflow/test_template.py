@@ -6,6 +6,7 @@ from typing import Any
 
 import pytest
 
+from distserve.dataflow.limits import SessionLimits, ValueTooLarge
 from distserve.dataflow.template import DEFAULT_MAX_GEN_LENGTH, PlaceholderChunk, TextChunk, parse_call, sampling_params
 from distserve.errors import DataflowError
 
@@ -72,3 +73,16 @@ def test_parrot_sampling_fields_map_to_ours_and_no_op_defaults_are_accepted() ->
                           "stop_token_ids": [7], "stop_str": "\n", "presence_penalty": 0.0, "n": 1, "logit_bias": None})
     assert (sp.temperature, sp.top_p, sp.max_tokens, sp.ignore_eos, sp.stop_token_ids, sp.stop) == (0.5, 0.9, 20, True, (7,), ("\n",))
     assert sampling_params({"max_tokens": 3, "top_k": 5, "seed": 1}).top_k == 5
+
+
+def test_model_type_and_value_sizes_are_checked() -> None:
+    assert parse_call("Hi {{x}}", [out("x")]).model_type == "token_id"
+    assert parse_call("Hi {{x}}", [out("x")], model_type="text").model_type == "text"
+    with pytest.raises(DataflowError, match="model_type must be one of") as err:
+        parse_call("Hi {{x}}", [out("x")], model_type="tokens")
+    assert err.value.param == "model_type"
+    limits = SessionLimits(max_value_chars=11)
+    parse_call("{{a}} {{x}}", [{"name": "a", "value": "11 chars ok"}, out("x")], limits=limits)
+    with pytest.raises(ValueTooLarge, match=r"placeholders\[0\].value may be at most 11 characters, got 12") as too_big:
+        parse_call("{{a}} {{x}}", [{"name": "a", "value": "12 chars now"}, out("x")], limits=limits)
+    assert too_big.value.param == "placeholders"

@@ -2,16 +2,21 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from typing import Any
 
 import httpx
 import pytest
-from serving_util import HttpServer, colocated_tiny_server
+from fastapi.testclient import TestClient
+from serving_util import HttpServer, colocated_tiny_server, wait_until
 
 from distserve.config import CacheConfig, SamplingParams
+from distserve.dataflow.limits import SessionLimits
 from distserve.engine.llm_engine import LLMEngine
 from distserve.engine.weights import load_model
+from distserve.runtime.threaded_client import ThreadedEngineClient
+from distserve.serving.api import build_fastapi_app
 
 pytestmark = pytest.mark.timeout(300)
 CACHE = CacheConfig(num_blocks=256, block_size=16)
@@ -50,11 +55,21 @@ def test_a_parrot_style_program_runs_server_side_and_matches_one_by_one(server: 
         assert {v["var_id"] for v in listed} == {doc, summary, title}
         s_text = http.get(f"/v1/semantic_var/{summary}", params={**auth, "criteria": "throughput"}).json()["content"]
 
+    # One by one, as ``dataflow.prompts`` documents: <s>, pieces encoded alone (a trailing space with the
+    # text value after it), the summary as its generated ids.
     engine = LLMEngine(load_model("tiny"), cache_config=CACHE)
     sp = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
-    ref_s = engine.generate(["Doc: bees make honey Summary: "], sp)[0].text
-    assert s_text == ref_s
-    assert got.json()["content"] == engine.generate([f"Title for {ref_s}: "], sp)[0].text
+    tok = engine.tokenizer
+
+    def enc(text: str) -> list[int]:
+        return tok.encode(text, add_special_tokens=False)
+
+    ref_s = engine.generate([[tok.bos_token_id, *enc("Doc:"), *enc(" bees make honey"), *enc(" Summary:"), *enc(" ")]], sp)[0]
+    assert s_text == ref_s.text
+    s_ids = list(ref_s.token_ids)
+    while s_ids and s_ids[-1] in tok.skipped_token_ids:  # a trailing eos is not part of the value
+        s_ids.pop()
+    assert got.json()["content"] == engine.generate([[tok.bos_token_id, *enc("Title for"), *enc(" "), *s_ids, *enc(":"), *enc(" ")]], sp)[0].text
 
 
 def test_sessions_are_private_and_bad_requests_name_the_problem(server: HttpServer) -> None:
@@ -64,32 +79,82 @@ def test_sessions_are_private_and_bad_requests_name_the_problem(server: HttpServ
         auth_a = {"session_id": a["session_id"], "session_auth": a["session_auth"]}
         auth_b = {"session_id": b["session_id"], "session_auth": b["session_auth"]}
         var = http.post("/v1/semantic_var", json={**auth_a, "var_name": "x"}).json()["var_id"]
+        foreign = http.post("/v1/semantic_var", json={**auth_b, "var_name": "y"}).json()["var_id"]
+        generated = call(http, auth_a, "G: {{g}}", [{"name": "g", "is_output": True, "sampling_config": GREEDY}]).json()["param_info"][0]["var_id"]
         # Another session's token, another session's variable, an unknown session.
         assert http.post("/v1/semantic_var", json={"session_id": a["session_id"], "session_auth": b["session_auth"]}).status_code == 403
         assert http.post(f"/v1/semantic_var/{var}", json={**auth_b, "content": "stolen"}).status_code == 404
         assert http.post("/v1/semantic_var", json={"session_id": 99999, "session_auth": "x"}).status_code == 404
+        out = {"name": "x", "is_output": True}
         cases = [
-            ({"template": "Hi {{x}}{{y}}", "placeholders": [{"name": "x", "is_output": True}, {"name": "y", "is_output": True}]}, "adjacent", "template"),
-            ({"template": "Hi {{ x }}", "placeholders": [{"name": "x", "is_output": True}]}, "malformed", "template"),
-            ({"template": "{{a}} {{x}}", "placeholders": [{"name": "a", "var_id": "nope"}, {"name": "x", "is_output": True}]}, "no semantic variable", "var_id"),
-            ({"template": "{{x}}", "placeholders": [{"name": "x", "is_output": True}], "output_criteria": "fast"}, "output_criteria", "output_criteria"),
-            ({"template": "{{x}}", "placeholders": [{"name": "x", "is_output": True}], "colour": 1}, "unknown fields", "colour"),
+            ({"template": "Hi {{x}}{{y}}", "placeholders": [out, {"name": "y", "is_output": True}]}, 400, "adjacent", "template"),
+            ({"template": "Hi {{ x }}", "placeholders": [out]}, 400, "malformed", "template"),
+            ({"template": "{{x}} then {{x}}", "placeholders": [out]}, 400, "more than once", "template"),
+            ({"template": "{{a}} {{x}}", "placeholders": [{"name": "a", "var_id": "nope"}, out]}, 404, "no semantic variable", "var_id"),
+            ({"template": "{{a}} {{x}}", "placeholders": [{"name": "a", "var_id": foreign}, out]}, 404, "no semantic variable", "var_id"),
+            ({"template": "{{a}} {{x}}", "placeholders": [{"name": "a", "value": "v", "transforms": [{"op": "eval"}]}, out]}, 400, "unknown op", "transforms"),
+            ({"template": "{{x}}", "placeholders": [out], "output_criteria": "fast"}, 400, "output_criteria", "output_criteria"),
+            ({"template": "{{x}}", "placeholders": [out], "model_type": "tokens"}, 400, "model_type", "model_type"),
+            ({"template": "{{x}}", "placeholders": [out], "colour": 1}, 400, "unknown fields", "colour"),
         ]
-        for extra, message, param in cases:
+        for extra, status, message, param in cases:
             r = http.post("/v1/semantic_call", json={**auth_a, **extra})
-            assert r.status_code in (400, 404) and message in r.json()["error"]["message"] and r.json()["error"]["param"] == param, r.text
+            assert r.status_code == status and message in r.json()["error"]["message"] and r.json()["error"]["param"] == param, r.text
+        r = http.post(f"/v1/semantic_var/{generated}", json={**auth_a, "content": "forged"})
+        assert r.status_code == 400 and "generated by call" in r.json()["error"]["message"], r.text
         r = http.post(f"/v1/semantic_var/{var}", json={**auth_a, "content": "v"})
         assert r.status_code == 200
         assert "already set" in http.post(f"/v1/semantic_var/{var}", json={**auth_a, "content": "w"}).json()["error"]["message"]
         assert http.post("/v1/py_native_call", json=auth_a).status_code == 400
-        r = http.get(f"/v1/semantic_var/{var}", params={**auth_a, "criteria": "soon"})
-        assert r.status_code == 400 and r.json()["error"]["param"] == "criteria"
+        for path in (f"/v1/semantic_var/{var}", f"/v1/semantic_var/{var}/stream"):
+            r = http.get(path, params={**auth_a, "criteria": "soon"})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "criteria", r.text
+            assert http.get(path.replace(var, "s1-v999"), params=auth_a).status_code == 404
         pending = http.post("/v1/semantic_var", json={**auth_a, "var_name": "never"}).json()["var_id"]
         assert http.get(f"/v1/semantic_var/{pending}", params={**auth_a, "timeout": 0.05}).status_code == 408
-        # The OpenAI API on the same port still works, and a deleted session is gone.
+        # After all that the session still runs calls, and the OpenAI API on the same port still works.
+        good = call(http, auth_a, "{{v}} ok {{o}}", [{"name": "v", "var_id": var}, {"name": "o", "is_output": True, "sampling_config": GREEDY}])
+        assert good.status_code == 200, good.text
+        assert http.get(f"/v1/semantic_var/{good.json()['param_info'][1]['var_id']}", params={**auth_a, "timeout": 60}).status_code == 200
         assert http.post("/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 2}).status_code == 200
+        # A deleted session is gone.
         assert http.request("DELETE", f"/v1/session/{a['session_id']}", json=auth_a).status_code == 200
         assert http.request("GET", f"/v1/session/{a['session_id']}", json=auth_a).status_code == 404
+
+
+def sse_events(lines: Iterator[str]) -> Iterator[Any]:
+    for line in lines:
+        if line.startswith("data: "):
+            yield "[DONE]" if line == "data: [DONE]" else json.loads(line[len("data: "):])
+
+
+def test_a_variable_streams_its_generation_and_a_reader_leaving_does_not_stop_the_call(server: HttpServer) -> None:
+    long = {"temperature": 0, "max_gen_length": 900, "ignore_tokenizer_eos": True}
+    with httpx.Client(base_url=server.url, timeout=60) as http:
+        s = http.post("/v1/session").json()
+        auth = {"session_id": s["session_id"], "session_auth": s["session_auth"]}
+        info = call(http, auth, "Story: {{story}}", [{"name": "story", "is_output": True, "sampling_config": GREEDY}]).json()
+        story = info["param_info"][0]["var_id"]
+        with http.stream("GET", f"/v1/semantic_var/{story}/stream", json={**auth, "criteria": "latency"}) as r:
+            assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+            events = list(sse_events(r.iter_lines()))
+        assert events[-1] == "[DONE]" and events[-2] == {"var_id": story, "content": "".join(e["delta"] for e in events[:-2])}
+        assert events[-2]["content"] == http.get(f"/v1/semantic_var/{story}", params=auth).json()["content"]
+
+        # A long call; its only reader disconnects after the first delta.
+        long_var = call(http, auth, "Saga: {{saga}}", [{"name": "saga", "is_output": True, "sampling_config": long}]).json()["param_info"][0]["var_id"]
+        with http.stream("GET", f"/v1/semantic_var/{long_var}/stream", json=auth) as r:
+            first = next(sse_events(r.iter_lines()))
+        assert "delta" in first
+
+        def state() -> dict[str, Any]:
+            return http.get(f"/v1/session/{s['session_id']}", params=auth).json()  # type: ignore[no-any-return]
+
+        assert wait_until(lambda: state()["num_readers"] == 0), "the server did not notice the reader leaving"
+        assert state()["calls"]["running"] == 1  # the reader left while the call was generating ...
+        r = http.get(f"/v1/semantic_var/{long_var}", params={**auth, "timeout": 60})
+        assert r.status_code == 200 and r.json()["content"].startswith(first["delta"])  # ... and it ran to the end
+        assert state()["calls"] == {"waiting": 0, "running": 0, "done": 2, "failed": 0}
 
 
 def test_a_failed_call_fails_its_downstream_reads_with_424(server: HttpServer) -> None:
@@ -104,3 +169,75 @@ def test_a_failed_call_fails_its_downstream_reads_with_424(server: HttpServer) -
         m = next(p["var_id"] for p in second["param_info"] if p["placeholder_name"] == "m")
         r = http.get(f"/v1/semantic_var/{m}", params={**auth, "criteria": "latency", "timeout": 60})
         assert r.status_code == 424 and f"call {second['request_id']} failed: regex" in r.json()["error"]["message"]
+        with http.stream("GET", f"/v1/semantic_var/{m}/stream", params=auth) as streamed:
+            events = list(sse_events(streamed.iter_lines()))
+        assert events[-1] == "[DONE]" and events[-2]["status"] == 424 and f"call {second['request_id']} failed" in events[-2]["error"]["message"]
+        pending = http.post("/v1/semantic_var", json={**auth, "var_name": "never"}).json()["var_id"]
+        with http.stream("GET", f"/v1/semantic_var/{pending}/stream", params={**auth, "timeout": 0.1}) as streamed:
+            assert list(sse_events(streamed.iter_lines()))[-2]["status"] == 408
+
+
+@pytest.fixture(scope="module")
+def engine_client() -> Iterator[ThreadedEngineClient]:
+    c = ThreadedEngineClient(LLMEngine(load_model("tiny"), cache_config=CACHE))
+    yield c
+    c.close()
+
+
+def test_limits_answer_429_and_413_naming_the_limit(engine_client: ThreadedEngineClient) -> None:
+    limits = SessionLimits(max_sessions=2, max_variables=3, max_pending_calls=1, max_value_chars=40)
+    with TestClient(build_fastapi_app(engine_client, "tiny", session_limits=limits)) as http:
+        s = http.post("/v1/session").json()
+        auth = {"session_id": s["session_id"], "session_auth": s["session_auth"]}
+        http.post("/v1/session")
+        r = http.post("/v1/session")
+        assert r.status_code == 429 and "maximum of 2 sessions" in r.json()["error"]["message"] and "Retry-After" in r.headers
+        out = {"name": "x", "is_output": True}
+        assert call(http, auth, "Waits: {{x}}", [out]).status_code == 200  # not read: stays pending
+        r = call(http, auth, "More: {{x}}", [out])
+        assert r.status_code == 429 and "unfinished calls (max 1)" in r.json()["error"]["message"], r.text
+        var = http.post("/v1/semantic_var", json=auth).json()["var_id"]
+        for body, param in (({**auth, "content": "x" * 41}, "content"),):
+            r = http.post(f"/v1/semantic_var/{var}", json=body)
+            assert r.status_code == 413 and r.json()["error"]["param"] == param and "at most 40 characters" in r.json()["error"]["message"]
+        r = call(http, auth, "{{a}} {{x}}", [{"name": "a", "value": "y" * 41}, out])
+        assert r.status_code == 413 and "at most 40 characters" in r.json()["error"]["message"], r.text
+        assert http.post("/v1/semantic_var", json=auth).status_code == 200  # the third variable
+        r = http.post("/v1/semantic_var", json=auth)
+        assert r.status_code == 429 and "maximum of 3 variables" in r.json()["error"]["message"]
+        assert http.post(f"/v1/semantic_var/{var}", json={**auth, "content": "fits"}).status_code == 200  # still working
+
+
+def test_idle_sessions_end_in_the_background_and_their_calls_are_aborted(engine_client: ThreadedEngineClient) -> None:
+    long = {"temperature": 0, "max_gen_length": 900, "ignore_tokenizer_eos": True}
+    with TestClient(build_fastapi_app(engine_client, "tiny", session_limits=SessionLimits(ttl_s=0.3))) as http:
+        idle, busy = (http.post("/v1/session").json() for _ in range(2))
+        for s in (idle, busy):  # the same long call in each: left alone, they would finish together
+            r = call(http, s, "Go: {{x}}", [{"name": "x", "is_output": True, "sampling_config": long}], output_criteria="throughput")
+            assert r.status_code == 200
+        assert engine_client.num_outstanding == 2
+
+        def busy_info() -> dict[str, Any]:  # each access restarts the busy session's idle clock
+            return http.get(f"/v1/session/{busy['session_id']}", params=busy).json()  # type: ignore[no-any-return]
+
+        assert wait_until(lambda: busy_info() is not None and engine_client.num_outstanding == 1, 5), "no call was aborted"
+        assert busy_info()["calls"]["running"] == 1  # the busy session's twin call still runs: the idle one's was aborted
+        r = http.get(f"/v1/session/{idle['session_id']}", params=idle)
+        assert r.status_code == 404 and "expired" in r.json()["error"]["message"]
+        assert http.request("DELETE", f"/v1/session/{busy['session_id']}", json=busy).status_code == 200
+        assert wait_until(lambda: engine_client.num_outstanding == 0, 5)  # deleting a session aborts its calls too
+
+
+def test_serve_flags_and_ray_serve_args_set_the_session_limits() -> None:
+    from distserve.cli.args import build_parser
+    from distserve.cli.serve import session_limits
+    from distserve.serving.app import ServeOptions
+
+    flags = ["serve", "--session-ttl", "5", "--max-sessions", "3", "--max-variables", "7", "--max-pending-calls", "2", "--max-value-chars", "99"]
+    expected = SessionLimits(ttl_s=5, max_sessions=3, max_variables=7, max_pending_calls=2, max_value_chars=99)
+    assert session_limits(build_parser().parse_args(flags)) == expected
+    assert session_limits(build_parser().parse_args(["serve"])) == SessionLimits()
+    assert ServeOptions.from_args({"session_ttl": "5", "max_sessions": "3", "max_variables": "7", "max_pending_calls": "2",
+                                   "max_value_chars": "99"}).session_limits == expected
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--max-sessions", "0"])
