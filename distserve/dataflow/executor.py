@@ -29,6 +29,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncGenerator, Iterable
 
+from distserve.cluster.classes import RequestClass
 from distserve.dataflow.graph import CallNode, DataflowGraph, SemanticVariable, VarState
 from distserve.dataflow.limits import DEFAULT_LIMITS, SessionLimits
 from distserve.dataflow.prompts import PromptBuilder, kept_output_ids
@@ -190,7 +191,9 @@ class DataflowSession:
         """Generate output ``ph`` after ``prompt``, publishing its text deltas; its value and kept ids."""
         assert ph.sampling is not None
         var_id = node.outputs[ph.name].var_id
-        outputs = self.client.generate(prompt, ph.sampling, f"{node.call_id}-{ph.name}")  # the one generate call
+        outputs = self.client.generate(  # the one generate call
+            prompt, ph.sampling, f"{node.call_id}-{ph.name}", request_class=request_class_of(node)
+        )
         deltas = self._partial[var_id] = []
         last = None
         try:
@@ -220,6 +223,11 @@ class DataflowSession:
             event = self._wakeups.pop(var_id, None)
             if event is not None:
                 event.set()
+
+
+def request_class_of(node: CallNode) -> RequestClass:
+    """The scheduling class a call's requests carry: its deduced objective and task group."""
+    return RequestClass(objective=node.objective or "default", group=node.task_group)
 
 
 def _value(var: SemanticVariable) -> str:

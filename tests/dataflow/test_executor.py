@@ -177,3 +177,41 @@ def test_an_engine_outage_fails_the_call_instead_of_leaving_it_running(client: T
             await s.get(a.outputs["x"].var_id, "latency", timeout_s=10)
 
     asyncio.run(scenario())
+
+
+class _ClassRecordingClient(ThreadedEngineClient):
+    """The real in-process client, recording the scheduling class each request was sent with."""
+
+    def __init__(self, engine: LLMEngine) -> None:
+        super().__init__(engine)
+        self.classes: dict[str, object] = {}
+
+    def generate(self, prompt, sampling, request_id, priority=0, request_class=None):  # type: ignore[no-untyped-def]
+        self.classes[request_id] = request_class
+        return super().generate(prompt, sampling, request_id, priority, request_class=request_class)
+
+
+@pytest.mark.parametrize("criteria", ["latency", "throughput"])
+def test_requests_carry_the_deduced_objective_and_task_group(tiny: LoadedModel, criteria: str) -> None:
+    from distserve.cluster.classes import RequestClass
+
+    rec = _ClassRecordingClient(LLMEngine(tiny, cache_config=CACHE))
+    try:
+        async def run() -> tuple[str, str, str]:
+            s = DataflowSession("s", rec)
+            m1 = s.submit(parse_call("Part one {{a}}", [out("a")]))
+            m2 = s.submit(parse_call("Part two {{b}}", [out("b")]))
+            r = s.submit(parse_call("{{a}} {{b}} so {{c}}", [
+                {"name": "a", "var_id": m1.outputs["a"].var_id}, {"name": "b", "var_id": m2.outputs["b"].var_id}, out("c"),
+            ]))
+            await s.get(r.outputs["c"].var_id, criteria, timeout_s=60)
+            return m1.call_id, m2.call_id, r.call_id
+
+        m1, m2, r = asyncio.run(run())
+    finally:
+        rec.close()
+    # The mappers feed one consumer: a task group named after it, scheduled by the reader's objective
+    # (latency reaches the producer's immediate predecessors; throughput marks every ancestor).
+    assert rec.classes[f"{m1}-a"] == RequestClass(criteria, group=r)
+    assert rec.classes[f"{m2}-b"] == RequestClass(criteria, group=r)
+    assert rec.classes[f"{r}-c"] == RequestClass(criteria, group=None)
