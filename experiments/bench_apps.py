@@ -145,6 +145,7 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
                 runs = cell[way]
                 out[way] = {
                     "latency_s": round(statistics.median(r["latency_s"] for r in runs), 4), "num_runs": len(runs),
+                    "other_cores": round(statistics.fmean(r["other_cores"] for r in runs), 2),
                     **{k: None if any(r[k] is None for r in runs) else sum(r[k] for r in runs) for k in COUNTERS},
                     **({"jobs_s": round(statistics.median(r["jobs_s"] for r in runs), 4)} if "jobs_s" in runs[0] else {}),
                 }
@@ -158,16 +159,18 @@ def markdown(figures: dict[str, Any]) -> list[str]:
     md = [f"{figures['model']} on `distserve serve {figures['serve_flags']}`, {figures['cpu_count']} cores; median of "
           f"{figures['reps']} runs per cell; latency = end-to-end (mixed: median chat request latency); ratio = request-centric / "
           "dataflow; prefill tokens summed over the runs (computed / reused from the prefix cache; - when the server does not "
-          "export the counters).", "",
-          "| app | delay (ms) | request-centric (ms) | dataflow (ms) | ratio | prefill computed RC / DF | prefix reused RC / DF |",
-          "|---|---|---|---|---|---|---|"]
+          "export the counters); others = mean CPU the rest of this shared machine used during the runs (cores).", "",
+          "| app | delay (ms) | request-centric (ms) | dataflow (ms) | ratio | prefill computed RC / DF | prefix reused RC / DF "
+          "| others RC / DF |",
+          "|---|---|---|---|---|---|---|---|"]
     fmt = lambda v: "-" if v is None else f"{v:.0f}"  # noqa: E731
     for app, by_delay in figures["apps"].items():
         for delay, c in by_delay.items():
             rc, df, ratio = c["request_centric"], c["dataflow"], c["ratio"]
             md.append(f"| {app} | {delay} | {harness.ms(rc['latency_s'])} | {harness.ms(df['latency_s'])} | "
                       f"{'-' if ratio is None else f'{ratio:.2f}x'} | "
-                      f"{fmt(rc['prefill_computed'])} / {fmt(df['prefill_computed'])} | {fmt(rc['prefix_reused'])} / {fmt(df['prefix_reused'])} |")
+                      f"{fmt(rc['prefill_computed'])} / {fmt(df['prefill_computed'])} | {fmt(rc['prefix_reused'])} / {fmt(df['prefix_reused'])} | "
+                      f"{rc['other_cores']:.2f} / {df['other_cores']:.2f} |")
     mixed = figures["apps"].get("mixed")
     if mixed:
         md += ["", "mixed: map-reduce jobs' completion time (median, ms), request-centric / dataflow: "
@@ -183,7 +186,7 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--serve-flags", default="--prefill 1 --decode 1 --runtime ray",
                     help="`distserve serve` deployment flags (default: make serve's; --quick: --colocated 1 --runtime local)")
     ap.add_argument("--delays-ms", default="0,250", help="comma-separated simulated client<->server round-trip delays")
-    ap.add_argument("--reps", type=int, default=3, help="runs per (app, delay, way); the median is reported")
+    ap.add_argument("--reps", type=int, default=5, help="runs per (app, delay, way); the median is reported")
     ap.add_argument("--apps", default="", help="comma-separated subset of chain,map_reduce,multi_agent,copilot,mixed")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--startup-timeout", type=float, default=300.0)
