@@ -23,8 +23,9 @@ from __future__ import annotations
 import asyncio
 import inspect
 import time
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
 
 import httpx
 
@@ -32,6 +33,10 @@ from distserve.dataflow.frontend import Input, Output, SemanticFunction, Session
 from distserve.dataflow.template import PLACEHOLDER
 
 TIMEOUT_S = 600.0
+T = TypeVar("T")
+# The frontend is synchronous and a read blocks its thread until the value exists: enough threads
+# that every user, job and call of an app can wait at once (asyncio's default pool has cores + 4).
+_POOL = ThreadPoolExecutor(max_workers=128, thread_name_prefix="dataflow-client")
 
 
 def template_function(name: str, template: str, output: str, max_tokens: int) -> SemanticFunction:
@@ -82,18 +87,22 @@ class DataflowClient:
         self.delay_s = delay_s
 
     async def session(self) -> DelayedSession:
-        return await asyncio.to_thread(DelayedSession, self.base_url, self.delay_s)
+        return await _in_thread(lambda: DelayedSession(self.base_url, self.delay_s))
 
     async def close(self, session: Session) -> None:
-        await asyncio.to_thread(session.close)
+        await _in_thread(session.close)
 
     async def call(self, session: Session, fn: SemanticFunction, perf: str, **inputs: str | Variable) -> Variable:
-        out = await asyncio.to_thread(lambda: fn(session, perf=perf, **inputs))
+        out = await _in_thread(lambda: fn(session, perf=perf, **inputs))
         assert isinstance(out, Variable)
         return out
 
     async def get(self, var: Variable, perf: str) -> str:
-        return await asyncio.to_thread(var.get, perf)
+        return await _in_thread(lambda: var.get(perf))
+
+
+async def _in_thread(fn: Callable[[], T]) -> T:
+    return await asyncio.get_running_loop().run_in_executor(_POOL, fn)
 
 
 class RequestClient:
