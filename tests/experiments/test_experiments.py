@@ -57,6 +57,17 @@ CHECKS = {
         and f["servers"]["colocated"]["single"][w]["tpot_s"] > 0
         for w, spec in f["workloads"].items()
     ) and set(f["workloads"]) == {"short", "long"},
+    # Every app ran both ways at both delays, each with a latency and a ratio; the prefill counters are
+    # numbers or, where the server does not export them, null; no server process left behind.
+    "bench_apps": lambda f: f["quick"] and f["processes_left"] == 0 and f["delays_ms"] == [0, 250]
+    and set(f["apps"]) == {"chain", "map_reduce", "multi_agent", "copilot", "mixed"} and all(
+        set(by_delay) == {"0", "250"} and all(
+            c["ratio"] > 0 and all(c[w]["latency_s"] > 0 and c[w]["num_runs"] == 1 for w in ("request_centric", "dataflow"))
+            and all(c[w][k] is None or c[w][k] >= 0 for w in ("request_centric", "dataflow")
+                    for k in ("prefill_computed", "prefix_reused"))
+            for c in by_delay.values())
+        for by_delay in f["apps"].values()
+    ) and f["apps"]["chain"]["250"]["request_centric"]["latency_s"] >= 0.25 * 3,
     # Both systems at three rates, every latency measured and predicted, errors computed.
     "validate_simulator": lambda f: len(f["rows"]) == 6
     and all(r[f"{w}_{k}"] > 0 for r in f["rows"] for w in ("measured", "predicted") for k in ("ttft_p90_s", "tpot_p90_s"))

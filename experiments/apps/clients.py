@@ -1,0 +1,136 @@
+"""The two ways an application talks to one ``distserve serve``: as a dataflow program, or request by request.
+
+* ``DataflowClient``: our frontend (``distserve.dataflow.frontend``). A program submits every call
+  up front (a call's inputs may be other calls' output variables) and reads only its final
+  variables; the server runs the DAG. Submissions carry the app's objective (Parrot's
+  ``output_criteria``), so a call starts as soon as it is submitted and its inputs are ready: the
+  round trips of later submissions overlap the server's work instead of preceding it.
+* ``RequestClient``: the request-centric baseline over the OpenAI completions API (httpx). The
+  program awaits each call before issuing the calls that depend on it; independent calls go out
+  concurrently, as a good client would.
+
+Both send the same prompts: a ``SemanticFunction``'s template rendered with its inputs, cut at
+its output placeholder (``render``), with the output's sampling (``max_tokens``, greedy,
+``ignore_eos``: every output has its configured length). ``template_function`` builds such a
+function from a template string, so apps can size their prompts and outputs at run time.
+
+A simulated client↔server network delay (``delay_s``, a round-trip time) is added to EVERY HTTP
+request of both clients: half before the request is sent, half after its response arrives.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import time
+from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
+
+import httpx
+
+from distserve.dataflow.frontend import Input, Output, SemanticFunction, Session, Variable
+from distserve.dataflow.template import PLACEHOLDER
+
+TIMEOUT_S = 600.0
+T = TypeVar("T")
+# The frontend is synchronous and a read blocks its thread until the value exists: enough threads
+# that every user, job and call of an app can wait at once (asyncio's default pool has cores + 4).
+_POOL = ThreadPoolExecutor(max_workers=128, thread_name_prefix="dataflow-client")
+
+
+def template_function(name: str, template: str, output: str, max_tokens: int) -> SemanticFunction:
+    """A semantic function whose inputs are ``template``'s placeholders other than ``output``, which
+    is generated greedily, exactly ``max_tokens`` tokens long (EOS ignored)."""
+    names = list(dict.fromkeys(PLACEHOLDER.findall(template)))
+    if output not in names:
+        raise ValueError(f"{name}: output {{{{{output}}}}} is not in the template")
+
+    def fn(**_: Any) -> None:
+        pass
+
+    fn.__name__ = name
+    fn.__doc__ = template
+    fn.__annotations__ = {n: Output(max_tokens=max_tokens, temperature=0, ignore_eos=True) if n == output else Input for n in names}
+    fn.__signature__ = inspect.Signature([inspect.Parameter(n, inspect.Parameter.KEYWORD_ONLY) for n in names])  # type: ignore[attr-defined]
+    return SemanticFunction(fn)
+
+
+def render(fn: SemanticFunction, inputs: Mapping[str, str]) -> tuple[str, dict[str, Any]]:
+    """The prompt a call of ``fn`` sends (its template up to its one output, inputs filled in) and that output's sampling."""
+    (output, spec), = fn.outputs.items()
+    head = fn.template.split("{{" + output + "}}", 1)[0]
+    return PLACEHOLDER.sub(lambda m: inputs[m.group(1)], head), dict(spec.sampling)
+
+
+class DelayedSession(Session):
+    """A frontend session whose every HTTP request takes ``delay_s`` longer (half each way)."""
+
+    def __init__(self, base_url: str, delay_s: float) -> None:
+        self.delay_s = delay_s
+        super().__init__(base_url, timeout_s=TIMEOUT_S)
+
+    def _call(self, method: str, path: str, payload: Mapping[str, Any]) -> dict[str, Any]:
+        time.sleep(self.delay_s / 2)
+        try:
+            return super()._call(method, path, payload)
+        finally:
+            time.sleep(self.delay_s / 2)
+
+
+class DataflowClient:
+    """Dataflow programs: sessions, calls submitted with the app's objective, final reads. Async
+    wrappers over the (synchronous) frontend, so independent submissions and reads run concurrently."""
+
+    def __init__(self, base_url: str, delay_s: float = 0.0) -> None:
+        self.base_url = base_url.rstrip("/").removesuffix("/v1")
+        self.delay_s = delay_s
+
+    async def session(self) -> DelayedSession:
+        return await _in_thread(lambda: DelayedSession(self.base_url, self.delay_s))
+
+    async def close(self, session: Session) -> None:
+        await _in_thread(session.close)
+
+    async def call(self, session: Session, fn: SemanticFunction, perf: str, **inputs: str | Variable) -> Variable:
+        out = await _in_thread(lambda: fn(session, perf=perf, **inputs))
+        assert isinstance(out, Variable)
+        return out
+
+    async def get(self, var: Variable, perf: str) -> str:
+        return await _in_thread(lambda: var.get(perf))
+
+
+async def _in_thread(fn: Callable[[], T]) -> T:
+    return await asyncio.get_running_loop().run_in_executor(_POOL, fn)
+
+
+class RequestClient:
+    """The request-centric baseline: one ``/v1/completions`` request per call, awaited by its dependents."""
+
+    def __init__(self, base_url: str, delay_s: float = 0.0) -> None:
+        self.base_url = base_url.rstrip("/").removesuffix("/v1")
+        self.delay_s = delay_s
+        self._http = httpx.AsyncClient(base_url=self.base_url, timeout=TIMEOUT_S, trust_env=False,
+                                       limits=httpx.Limits(max_connections=256, max_keepalive_connections=64))
+        self._model: str | None = None
+
+    async def complete(self, fn: SemanticFunction, **inputs: str) -> str:
+        """One call of ``fn``: its generated text."""
+        prompt, sampling = render(fn, inputs)
+        return await self.completion(prompt, **sampling)
+
+    async def completion(self, prompt: str, **sampling: Any) -> str:
+        """A plain completions request (what a chat front end would send): the generated text."""
+        if self._model is None:
+            models = (await self._http.get("/v1/models")).json()["data"]
+            self._model = str(models[0]["id"])
+        await asyncio.sleep(self.delay_s / 2)
+        resp = await self._http.post("/v1/completions", json={"model": self._model, "prompt": prompt, **sampling})
+        await asyncio.sleep(self.delay_s / 2)
+        if resp.status_code != 200:
+            raise RuntimeError(f"/v1/completions answered {resp.status_code}: {resp.text[:500]}")
+        return str(resp.json()["choices"][0]["text"])
+
+    async def aclose(self) -> None:
+        await self._http.aclose()

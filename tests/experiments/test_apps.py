@@ -1,0 +1,84 @@
+"""The example applications of ``experiments/apps``: each app's dataflow program gives the same
+outputs as its request-centric version (same prompts, greedy, fixed lengths), on a real server of
+the tiny model, with and without a simulated client delay."""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import importlib.util
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+from serving_util import HttpServer, colocated_tiny_server
+
+from distserve.config import CacheConfig
+
+ROOT = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.timeout(300)
+CACHE = CacheConfig(num_blocks=512, block_size=16)
+
+
+def _apps() -> ModuleType:
+    """experiments/apps, imported by path as ``apps`` (the scripts import it from their own folder)."""
+    if "apps" not in sys.modules:
+        folder = ROOT / "experiments" / "apps"
+        spec = importlib.util.spec_from_file_location("apps", folder / "__init__.py", submodule_search_locations=[str(folder)])
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["apps"] = module
+        spec.loader.exec_module(module)
+    return sys.modules["apps"]
+
+
+apps = _apps()
+APP_NAMES = [a.name for a in apps.make_apps(quick=True, seed=0)]
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[HttpServer]:
+    srv = colocated_tiny_server(CACHE)
+    yield srv
+    srv.stop()
+
+
+async def _both_ways(url: str, app: object, delay_s: float) -> tuple[object, object]:
+    rc = apps.RequestClient(url, delay_s)
+    try:
+        baseline = await app.request_centric(rc)  # type: ignore[attr-defined]
+        dataflow = await app.dataflow(apps.DataflowClient(url, delay_s), rc)  # type: ignore[attr-defined]
+    finally:
+        await rc.aclose()
+    return baseline, dataflow
+
+
+@pytest.mark.parametrize("name", APP_NAMES)
+def test_dataflow_program_gives_the_request_centric_outputs(server: HttpServer, name: str) -> None:
+    app = next(a for a in apps.make_apps(quick=True, seed=7) if a.name == name)
+    baseline, dataflow = asyncio.run(_both_ways(server.url, app, 0.0))
+    assert len(baseline.outputs) == len(dataflow.outputs) >= 1
+    assert all(baseline.outputs), baseline.outputs  # every output generated (fixed length, EOS ignored)
+    assert dataflow.outputs == baseline.outputs
+    assert baseline.latency_s > 0 and dataflow.latency_s > 0
+
+
+def test_the_simulated_delay_is_paid_per_request(server: HttpServer) -> None:
+    """A chain of n calls request by request pays n round trips; the same app takes longer with a delay."""
+    chain = next(a for a in apps.make_apps(quick=True, seed=11) if a.name == "chain")
+    baseline, dataflow = asyncio.run(_both_ways(server.url, chain, 0.2))
+    assert baseline.latency_s >= 0.2 * chain.num_chunks
+    assert dataflow.latency_s >= 0.2 * 2  # at least one submission and the final read
+    assert dataflow.outputs == baseline.outputs
+
+
+def test_render_cuts_the_template_at_its_output() -> None:
+    fn = apps.template_function("f", "A {{x}}\nB {{y}}:{{out}} tail", "out", max_tokens=5)
+    prompt, sampling = apps.render(fn, {"x": "1", "y": "2"})
+    assert prompt == "A 1\nB 2:"
+    assert sampling == {"max_tokens": 5, "temperature": 0, "ignore_eos": True}
+    assert set(fn.inputs) == {"x", "y"} and set(fn.outputs) == {"out"}
+    with pytest.raises(ValueError, match="not in the template"):
+        apps.template_function("g", "no output {{x}}", "out", max_tokens=1)
