@@ -151,15 +151,15 @@ class HttpServer:
         self.sock.close()
 
 
-def colocated_tiny_server(cache: CacheConfig) -> HttpServer:
-    """The HTTP app over one in-process colocated engine of the tiny model (no Ray)."""
+def colocated_server(cache: CacheConfig, model: str = "tiny") -> HttpServer:
+    """The HTTP app over one in-process colocated engine (no Ray) of ``model`` (the tiny one by default)."""
     from distserve.engine.llm_engine import LLMEngine
     from distserve.engine.weights import load_model
     from distserve.runtime.threaded_client import ThreadedEngineClient
 
-    tiny = load_model("tiny")
+    loaded = load_model(model)
 
     async def make_client() -> ThreadedEngineClient:
-        return ThreadedEngineClient(LLMEngine(tiny, cache_config=cache))
+        return ThreadedEngineClient(LLMEngine(loaded, cache_config=cache))
 
     return HttpServer(make_client)

@@ -66,10 +66,16 @@ class Output:
 
 
 class Session:
-    """One server-side session; a context manager that deletes it on exit."""
+    """One server-side session; a context manager that deletes it on exit.
 
-    def __init__(self, base_url: str, *, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+    ``model_type`` (Parrot's field, sent with every call): ``token_id`` builds each prompt from
+    token ids at placeholder boundaries (generated variables as the ids they were generated as);
+    ``text`` sends the rendered string, exactly what a request-at-a-time client would send.
+    """
+
+    def __init__(self, base_url: str, *, timeout_s: float = DEFAULT_TIMEOUT_S, model_type: str = "token_id") -> None:
         self.base_url = base_url.rstrip("/")
+        self.model_type = model_type
         self._http = httpx.Client(base_url=self.base_url, timeout=timeout_s)
         created = self._post("/v1/session", {})
         self.session_id: int = created["session_id"]
@@ -87,7 +93,7 @@ class Session:
         return var
 
     def submit(self, template: str, placeholders: list[dict[str, Any]], output_criteria: str | None = None) -> dict[str, Any]:
-        payload = {**self.auth, "template": template, "placeholders": placeholders}
+        payload = {**self.auth, "template": template, "placeholders": placeholders, "model_type": self.model_type}
         if output_criteria is not None:
             payload["output_criteria"] = output_criteria
         return self._post("/v1/semantic_call", payload)

@@ -66,9 +66,9 @@ def render(fn: SemanticFunction, inputs: Mapping[str, str]) -> tuple[str, dict[s
 class DelayedSession(Session):
     """A frontend session whose every HTTP request takes ``delay_s`` longer (half each way)."""
 
-    def __init__(self, base_url: str, delay_s: float) -> None:
+    def __init__(self, base_url: str, delay_s: float, model_type: str = "token_id") -> None:
         self.delay_s = delay_s
-        super().__init__(base_url, timeout_s=TIMEOUT_S)
+        super().__init__(base_url, timeout_s=TIMEOUT_S, model_type=model_type)
 
     def _call(self, method: str, path: str, payload: Mapping[str, Any]) -> dict[str, Any]:
         time.sleep(self.delay_s / 2)
@@ -82,12 +82,13 @@ class DataflowClient:
     """Dataflow programs: sessions, calls submitted with the app's objective, final reads. Async
     wrappers over the (synchronous) frontend, so independent submissions and reads run concurrently."""
 
-    def __init__(self, base_url: str, delay_s: float = 0.0) -> None:
+    def __init__(self, base_url: str, delay_s: float = 0.0, model_type: str = "token_id") -> None:
         self.base_url = base_url.rstrip("/").removesuffix("/v1")
         self.delay_s = delay_s
+        self.model_type = model_type  # "text": the engine gets exactly the request-centric client's prompts
 
     async def session(self) -> DelayedSession:
-        return await _in_thread(lambda: DelayedSession(self.base_url, self.delay_s))
+        return await _in_thread(lambda: DelayedSession(self.base_url, self.delay_s, self.model_type))
 
     async def close(self, session: Session) -> None:
         await _in_thread(session.close)

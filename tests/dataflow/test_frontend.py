@@ -7,7 +7,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from serving_util import HttpServer, colocated_tiny_server
+from serving_util import HttpServer, colocated_server
 
 from distserve.config import CacheConfig, SamplingParams
 from distserve.dataflow.frontend import DataflowClientError, Input, Output, Session, semantic_function
@@ -32,7 +32,7 @@ def title(text: Input(transforms=[{"op": "strip"}]), headline: Output(max_gen_le
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[HttpServer]:
-    srv = colocated_tiny_server(CACHE)
+    srv = colocated_server(CACHE)
     yield srv
     srv.stop()
 

@@ -9,7 +9,7 @@ from typing import Any
 import httpx
 import pytest
 from fastapi.testclient import TestClient
-from serving_util import HttpServer, colocated_tiny_server, wait_until
+from serving_util import HttpServer, colocated_server, wait_until
 
 from distserve.config import CacheConfig, SamplingParams
 from distserve.dataflow.limits import SessionLimits
@@ -25,7 +25,7 @@ GREEDY = {"temperature": 0, "max_gen_length": 5, "ignore_tokenizer_eos": True}
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[HttpServer]:
-    srv = colocated_tiny_server(CACHE)
+    srv = colocated_server(CACHE)
     yield srv
     srv.stop()
 
