@@ -302,16 +302,22 @@ class Scheduler:
             i += 1
 
         # Admit waiting sequences unless we just had to preempt (memory is tight); one that would
-        # recompute a prefix being computed here right now waits (``_held``) without blocking the queue.
+        # recompute a prefix being computed here right now waits (``_held``) without blocking its
+        # class: requests of its class (or a higher one) are admitted past it, a lower class is not
+        # (a held latency request keeps its place ahead of throughput work).
         waiting = self.waiting
         share = self.config.enable_inflight_prefix_sharing
+        held_rank: int | None = None
         w = 0
         while (
             w < len(waiting) and not preempted and budget > 0
             and len(running) < self.max_running and len(decodes) + len(prefills) < max_seqs
         ):
             seq = self._scheduling = waiting[w]
+            if held_rank is not None and seq.class_rank > held_rank:
+                break
             if share and self._held(seq):
+                held_rank = seq.class_rank if held_rank is None else min(held_rank, seq.class_rank)
                 w += 1
                 continue
             if not block_manager.can_allocate(seq):

@@ -191,3 +191,20 @@ def test_decodes_and_recomputed_sampled_tokens_are_not_prefill_tokens() -> None:
     sched._preempt(seqs["x"])
     # Recompute: 8 tokens, the first block from the cache; of the 4 computed the newest sampled one is a decode.
     assert num_prefill_tokens(step(sched, seqs)) == 3
+
+
+def test_a_held_latency_request_is_not_overtaken_by_throughput_work() -> None:
+    """Held for a prefix its sibling computes, a latency request keeps its place: throughput requests
+    behind it wait too (a request of its own class is still admitted past it)."""
+    from distserve.cluster.classes import RequestClass
+
+    bm = BlockManager(num_blocks=64, block_size=4)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64), bm, max_model_len=64)
+    latency, throughput = RequestClass("latency"), RequestClass("throughput")
+    shared = list(range(100, 108))  # two full blocks
+    sched.add(Sequence("lat-0", shared + [1], SP, request_class=latency))
+    sched.add(Sequence("lat-1", shared + [2], SP, request_class=latency))  # held: its prefix is lat-0's
+    sched.add(Sequence("lat-2", [7, 8, 9], SP, request_class=latency))  # same class: admitted past it
+    sched.add(Sequence("thr-0", [4, 5, 6], SP, request_class=throughput))  # lower class: waits
+    plan = sched.schedule()
+    assert [c.seq_id for c in plan.chunks] == ["lat-0", "lat-2"]
