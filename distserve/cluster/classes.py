@@ -5,7 +5,8 @@ A ``RequestClass`` is an **objective** and an optional **task group**. The dataf
 both per call (``CallNode.objective``, ``CallNode.task_group``); a plain API request is ``default``.
 
 * ``latency``: someone waits on this output. It is admitted (prefill) before default and
-  throughput requests whatever the policy (``class_rank``), and decoded, given a choice, on a
+  throughput requests whatever the policy (``class_rank``; default requests in turn go before
+  throughput ones), and decoded, given a choice, on a
   decode instance without throughput work whose batch is kept small: other requests go elsewhere
   while it holds ``SchedulerConfig.latency_max_num_seqs`` or more (``decode_preference``).
 * ``throughput``: only the completion matters (a step of a larger job). It is kept off decode
@@ -69,9 +70,14 @@ def check_request_class(value: object) -> RequestClass:
     return value
 
 
+_RANKS = {LATENCY: 0, DEFAULT: 1, THROUGHPUT: 2}
+
+
 def class_rank(objective: str) -> int:
-    """The first element of every scheduling policy's key: latency requests (0) go before the rest (1)."""
-    return 0 if objective == LATENCY else 1
+    """The first element of every scheduling policy's key: latency requests (0) go first, then
+    default ones (1, plain API requests: someone may be waiting), then throughput work (2, only its
+    completion matters), so a job's backlog never queues interactive requests behind it."""
+    return _RANKS[objective]
 
 
 def decode_preference(objective: str, num_latency: int, num_throughput: int, num_assigned: int, latency_cap: int) -> int:

@@ -176,6 +176,6 @@ def class_workload() -> list[Arrival]:
         Arrival(2, prompt(150, 7), 8, LATENCY),
         Arrival(2, prompt(160, 20), 5, THROUGHPUT),
         Arrival(2, prompt(180, 19), 3, GROUP),
-        Arrival(3, prompt(200, 9), 4),
+        Arrival(3, prompt(220, 19), 4),
         Arrival(3, prompt(210, 6), 6, LATENCY),
     ]

@@ -235,7 +235,7 @@ def test_latency_requests_are_admitted_first_whatever_the_policy(policy: str) ->
     add(sched, seqs, "lat", 4, arrival_time=2.0, priority=5, request_class=LATENCY)
     add(sched, seqs, "lat2", 4, arrival_time=3.0, priority=0, request_class=LATENCY)
     first = ["lat2", "lat"] if policy == "priority" else ["lat", "lat2"]  # the policy orders within the class
-    assert waiting_ids(sched) == [*first, "thr", "dflt"]
+    assert waiting_ids(sched) == [*first, "dflt", "thr"]  # then default requests, then throughput work
     assert sched.schedule().chunks[0].seq_id == first[0]
 
 
@@ -243,7 +243,7 @@ def test_a_task_groups_members_stay_adjacent_keyed_by_its_first_arrival() -> Non
     sched, seqs = make(max_num_seqs=1)
     group = RequestClass("throughput", "g")
     add(sched, seqs, "g0", 4, arrival_time=0.0, request_class=group)
-    add(sched, seqs, "x1", 4, arrival_time=1.0)
+    add(sched, seqs, "x1", 4, arrival_time=1.0, request_class=THROUGHPUT)
     add(sched, seqs, "y2", 4, arrival_time=2.0, request_class=THROUGHPUT)
     add(sched, seqs, "g3", 4, arrival_time=3.0, request_class=group)
     add(sched, seqs, "h4", 4, arrival_time=4.0, request_class=RequestClass("throughput", "h"))
