@@ -168,6 +168,9 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="unfinished semantic calls per session before 429")
     p.add_argument("--max-value-chars", type=_positive_int, default=DEFAULT_LIMITS.max_value_chars, metavar="N",
                    help="characters of a variable's value, a literal input or a template before 413")
+    p.add_argument("--parrot-unauthenticated-calls", action="store_true",
+                   help="accept semantic calls that carry a session id but no session_auth, as Parrot's released "
+                   "frontend sends them (every other route still checks the token; a wrong token is still refused)")
     p.add_argument("--ray-serve", action="store_true", help="run as a Ray Serve application (default: plain uvicorn)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
 

@@ -50,6 +50,7 @@ def session_limits(args: argparse.Namespace) -> "SessionLimits":
     return SessionLimits(
         ttl_s=args.session_ttl, max_sessions=args.max_sessions, max_variables=args.max_variables,
         max_pending_calls=args.max_pending_calls, max_value_chars=args.max_value_chars,
+        require_auth_on_calls=not args.parrot_unauthenticated_calls,
     )
 
 

@@ -80,6 +80,11 @@ class CallNode:
     task_group: str | None = None  # the consumer whose inputs this call and its siblings produce
     error: str | None = None
 
+    @property
+    def number(self) -> int:
+        """The call's number within its session (``call_id`` is ``<session>-c<number>``): Parrot's integer request id."""
+        return int(self.call_id.rsplit("-c", 1)[1])
+
     def predecessors(self) -> Iterator[CallNode]:
         for v in self.inputs.values():
             if isinstance(v, SemanticVariable) and v.producer is not None:

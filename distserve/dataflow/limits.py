@@ -31,6 +31,10 @@ class SessionLimits:
     max_variables: int = 10_000  # per session, client-set and generated
     max_pending_calls: int = 1024  # per session: submitted and not finished
     max_value_chars: int = 1_000_000  # a set value, a literal input or a template
+    # False (``serve --parrot-unauthenticated-calls``): a semantic call carrying a session id but no
+    # ``session_auth`` is accepted, because Parrot's released frontend sends calls that way. Every
+    # other route still checks the token, and a wrong token is still refused.
+    require_auth_on_calls: bool = True
 
     def __post_init__(self) -> None:
         if not self.ttl_s > 0:

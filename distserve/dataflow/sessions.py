@@ -72,15 +72,18 @@ class SessionManager:
         self._sessions[session_id] = _Entry(DataflowSession(f"s{session_id}", self.client, self.limits), token, now, now)
         return session_id, token
 
-    async def get(self, session_id: object, token: object) -> DataflowSession:
-        """The session, if ``token`` is its token; its idle clock restarts."""
+    async def get(self, session_id: object, token: object, require_token: bool = True) -> DataflowSession:
+        """The session, if ``token`` is its token (or, with ``require_token`` False, no token at all);
+        its idle clock restarts."""
         entry = self._sessions.get(str(session_id)) if isinstance(session_id, (str, int)) and not isinstance(session_id, bool) else None
         if entry is not None and self._expired(entry, self._clock()):  # between two sweeps
             await self._end(str(session_id))
             entry = None
         if entry is None:
             raise SessionNotFound(f"no live session {session_id!r} (never created, deleted or expired)", "session_id")
-        if not isinstance(token, str) or not hmac.compare_digest(token.encode(), entry.token.encode()):
+        if token is None and not require_token:
+            pass  # Parrot's released frontend omits the token on semantic calls (opt-in, see SessionLimits)
+        elif not isinstance(token, str) or not hmac.compare_digest(token.encode(), entry.token.encode()):
             raise SessionForbidden(f"session_auth does not match session {session_id!r}", "session_auth")
         entry.last_access = self._clock()
         return entry.session

@@ -7,8 +7,11 @@ query parameters work too, for curl):
   counts of variables, calls by state, and reads waiting)
 * ``POST /v1/semantic_call`` (``session_id``, ``session_auth``, ``template``, ``placeholders`` or
   ``parameters``, ``models``, ``model_type``, ``remove_pure_fill``, ``cache_prefix``,
-  ``output_criteria``, ``fuse_fill``) → ``{request_id, session_id, param_info}`` (also as
-  ``placeholders_mapping``, the older name): the variable of every placeholder
+  ``output_criteria``, ``fuse_fill``, ``func_name``) → ``{request_id, call_id, session_id,
+  param_info}`` (``request_id`` an integer, as Parrot's clients parse it; ``param_info`` also as
+  ``placeholders_mapping``, the older name; each entry names its placeholder both as
+  ``placeholder_name``, Parrot's server's key, and ``parameter_name``, its frontend's): the
+  variable of every placeholder
 * ``POST /v1/semantic_var`` (``var_name``) → ``{var_id}``; ``POST /v1/semantic_var/{id}``
   (``content``) sets it; ``GET /v1/semantic_var/{id}`` (``criteria``, optional ``timeout``)
   waits for its value → ``{content}``; ``GET /v1/semantic_var`` lists the session's variables
@@ -54,7 +57,7 @@ STREAM_KEEPALIVE_S = 15.0
 _READ_ERRORS = (TimeoutError, asyncio.TimeoutError, DataflowError)  # what a get or stream answers as a 4xx
 _CALL_FIELDS = {
     "session_id", "session_auth", "template", "placeholders", "parameters", "models", "model_type",
-    "remove_pure_fill", "cache_prefix", "output_criteria", "fuse_fill",
+    "remove_pure_fill", "cache_prefix", "output_criteria", "fuse_fill", "func_name",
 }
 
 
@@ -66,13 +69,14 @@ def add_dataflow_routes(app: FastAPI, sessions: SessionManager, served_model_nam
     """
     run_sweeper_with_app(app, sessions)
 
-    async def session_of(payload: Mapping[str, Any]) -> DataflowSession:
+    async def session_of(payload: Mapping[str, Any], require_token: bool = True, hint: str = "") -> DataflowSession:
         try:
-            return await sessions.get(payload.get("session_id"), payload.get("session_auth"))
+            return await sessions.get(payload.get("session_id"), payload.get("session_auth"), require_token)
         except SessionNotFound as exc:
             raise APIError(404, str(exc), param="session_id", type="not_found_error") from None
         except SessionForbidden as exc:
-            raise APIError(403, str(exc), param="session_auth", type="permission_error") from None
+            missing = hint if payload.get("session_auth") is None else ""
+            raise APIError(403, f"{exc}{missing}", param="session_auth", type="permission_error") from None
 
     @app.post("/v1/session")
     async def register_session() -> JSONResponse:
@@ -99,7 +103,9 @@ def add_dataflow_routes(app: FastAPI, sessions: SessionManager, served_model_nam
     @app.post("/v1/semantic_call")
     async def submit_semantic_call(request: Request) -> JSONResponse:
         payload = await body(request)
-        session = await session_of(payload)
+        session = await session_of(payload, require_token=sessions.limits.require_auth_on_calls, hint=(
+            " (it is missing: Parrot's released frontend sends calls without it; a server started with"
+            " --parrot-unauthenticated-calls accepts them)"))
         unknown = sorted(set(payload) - _CALL_FIELDS)
         if unknown:
             raise APIError(400, f"unknown fields {unknown}", param=unknown[0])
@@ -110,12 +116,12 @@ def add_dataflow_routes(app: FastAPI, sessions: SessionManager, served_model_nam
         criteria = payload.get("output_criteria")
         node = await guarded_sync(lambda: session.submit(call, criteria))
         info = [
-            {"placeholder_name": name, "is_output": ph.is_output, "var_name": var.name, "var_id": var.var_id,
+            {"placeholder_name": name, "parameter_name": name, "is_output": ph.is_output, "var_name": var.name, "var_id": var.var_id,
              "var_desc": f"{'output' if ph.is_output else 'input'} {name} of call {node.call_id}", "var_scope": "session"}
             for name, ph in call.placeholders.items()
             if (var := (node.outputs.get(name) or node.inputs.get(name))) is not None and not isinstance(var, str)
         ]
-        return JSONResponse({"request_id": node.call_id, "session_id": int(payload["session_id"]),
+        return JSONResponse({"request_id": node.number, "call_id": node.call_id, "session_id": int(payload["session_id"]),
                              "param_info": info, "placeholders_mapping": info})
 
     @app.post("/v1/py_native_call")

@@ -168,10 +168,10 @@ def test_a_failed_call_fails_its_downstream_reads_with_424(server: HttpServer) -
             {"name": "m", "is_output": True, "sampling_config": GREEDY}]).json()
         m = next(p["var_id"] for p in second["param_info"] if p["placeholder_name"] == "m")
         r = http.get(f"/v1/semantic_var/{m}", params={**auth, "criteria": "latency", "timeout": 60})
-        assert r.status_code == 424 and f"call {second['request_id']} failed: regex" in r.json()["error"]["message"]
+        assert r.status_code == 424 and f"call {second['call_id']} failed: regex" in r.json()["error"]["message"]
         with http.stream("GET", f"/v1/semantic_var/{m}/stream", params=auth) as streamed:
             events = list(sse_events(streamed.iter_lines()))
-        assert events[-1] == "[DONE]" and events[-2]["status"] == 424 and f"call {second['request_id']} failed" in events[-2]["error"]["message"]
+        assert events[-1] == "[DONE]" and events[-2]["status"] == 424 and f"call {second['call_id']} failed" in events[-2]["error"]["message"]
         pending = http.post("/v1/semantic_var", json={**auth, "var_name": "never"}).json()["var_id"]
         with http.stream("GET", f"/v1/semantic_var/{pending}/stream", params={**auth, "timeout": 0.1}) as streamed:
             assert list(sse_events(streamed.iter_lines()))[-2]["status"] == 408
