@@ -8,7 +8,9 @@ query parameters work too, for curl):
 * ``POST /v1/semantic_call`` (``session_id``, ``session_auth``, ``template``, ``placeholders`` or
   ``parameters``, ``models``, ``model_type``, ``remove_pure_fill``, ``cache_prefix``,
   ``output_criteria``, ``fuse_fill``) → ``{request_id, session_id, param_info}`` (also as
-  ``placeholders_mapping``, the older name): the variable of every placeholder
+  ``placeholders_mapping``, the older name): the variable of every placeholder. An output
+  placeholder with a ``var_id`` is generated into that created variable (400 if it already has a
+  producer or a value), so calls can be submitted before the calls producing their inputs
 * ``POST /v1/semantic_var`` (``var_name``) → ``{var_id}``; ``POST /v1/semantic_var/{id}``
   (``content``) sets it; ``GET /v1/semantic_var/{id}`` (``criteria``, optional ``timeout``)
   waits for its value → ``{content}``; ``GET /v1/semantic_var`` lists the session's variables
