@@ -7,8 +7,10 @@ one long shared system prompt, chat mixed with map-reduce jobs) both ways in one
 simulated client↔server delay (``--delays-ms``, default 0 and 250 ms, a round trip added to every
 HTTP request of both clients; Parrot used 200-300 ms):
 
-* **dataflow**: our frontend; every call submitted up front with the app's objective, only the
-  final variables read; the server runs the DAG;
+* **dataflow**: our frontend; the whole DAG submitted with the app's objective in two rounds of
+  concurrent requests whatever its depth (the calls reading no other call together with the
+  creation of the variables the others pass on, then every other call with its output bound to
+  its variable), only the final variables read; the server runs the DAG;
 * **request-centric**: the OpenAI completions API; the client awaits each call before issuing its
   dependents and sends independent calls concurrently.
 
