@@ -30,9 +30,9 @@ What each ratio measures:
   it from batching the maps together with a throughput-aware scheduler).
 * ``multi_agent``: round trips on the critical path (architect → coders → reviewer: two hops) and
   prefix reuse of the shared, growing context (Parrot: 2.45x over vLLM's throughput configuration).
-* ``copilot``: no dependent calls, so no round trips to save; each user's dataflow program even
-  pays two (submit, then read) where a completion pays one, so with a delay the ratio drops below 1.
-  A ratio above 1 would be prefix reuse of the shared system prompt by one way and not the other
+* ``copilot``: no dependent calls, so no round trips to save; each user's dataflow program makes
+  two requests (submit, then read) where a completion makes one, but the read goes out while the
+  call runs, so it costs nothing extra when the call takes longer than a round trip. A ratio above 1 would be prefix reuse of the shared system prompt by one way and not the other
   (with prefix caching on both paths, ~1 at delay 0). Its runs vary most: whether the users'
   prefills find the system prompt already cached depends on how they land in prefill batches.
 * ``mixed``: the chat latency while map-reduce jobs run; what the objective (``throughput`` for the
