@@ -7,8 +7,10 @@ one long shared system prompt, chat mixed with map-reduce jobs) both ways in one
 simulated client↔server delay (``--delays-ms``, default 0 and 250 ms, a round trip added to every
 HTTP request of both clients; Parrot used 200-300 ms):
 
-* **dataflow**: our frontend; every call submitted up front with the app's objective, only the
-  final variables read; the server runs the DAG;
+* **dataflow**: our frontend; the whole DAG submitted with the app's objective in two rounds of
+  concurrent requests whatever its depth (the calls reading no other call together with the
+  creation of the variables the others pass on, then every other call with its output bound to
+  its variable), only the final variables read; the server runs the DAG;
 * **request-centric**: the OpenAI completions API; the client awaits each call before issuing its
   dependents and sends independent calls concurrently.
 
@@ -28,9 +30,9 @@ What each ratio measures:
   it from batching the maps together with a throughput-aware scheduler).
 * ``multi_agent``: round trips on the critical path (architect → coders → reviewer: two hops) and
   prefix reuse of the shared, growing context (Parrot: 2.45x over vLLM's throughput configuration).
-* ``copilot``: no dependent calls, so no round trips to save; each user's dataflow program even
-  pays two (submit, then read) where a completion pays one, so with a delay the ratio drops below 1.
-  A ratio above 1 would be prefix reuse of the shared system prompt by one way and not the other
+* ``copilot``: no dependent calls, so no round trips to save; each user's dataflow program makes
+  two requests (submit, then read) where a completion makes one, but the read goes out while the
+  call runs, so it costs nothing extra when the call takes longer than a round trip. A ratio above 1 would be prefix reuse of the shared system prompt by one way and not the other
   (with prefix caching on both paths, ~1 at delay 0). Its runs vary most: whether the users'
   prefills find the system prompt already cached depends on how they land in prefill batches.
 * ``mixed``: the chat latency while map-reduce jobs run; what the objective (``throughput`` for the

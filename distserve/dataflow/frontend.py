@@ -19,7 +19,9 @@
 A semantic function's docstring is its template; its parameters annotated ``Input`` are inputs (a
 string, or a ``Variable`` produced by another call) and those annotated ``Output`` are generated.
 Calling it submits the call and returns its output ``Variable`` (or a tuple of them, in parameter
-order) at once. ``Variable.get(perf=...)`` states the objective (``latency`` or ``throughput``)
+order) at once. An output argument given a ``Variable`` (``fn(s, text=..., summary=var)`` with
+``var = s.variable()``) is generated into it: a program that creates its variables first can
+submit a consumer before its producer, so all of a DAG's calls go out concurrently, in one round. ``Variable.get(perf=...)`` states the objective (``latency`` or ``throughput``)
 and waits for the value; ``aget`` is the async form. ``Variable.stream(perf=...)`` (``astream``)
 yields the text as the server generates it (``GET /v1/semantic_var/{id}/stream``): the output's
 raw generation, whose pieces join into exactly the value ``get`` returns. Errors come back as
@@ -178,11 +180,17 @@ class SemanticFunction:
             else:
                 raise TypeError(f"parameter {name!r} of {fn.__name__} must be annotated Input or Output")
 
-    def __call__(self, session: Session, *, perf: str | None = None, **inputs: str | Variable) -> Variable | tuple[Variable, ...]:
+    def __call__(self, session: Session, *, perf: str | None = None, **args: str | Variable) -> Variable | tuple[Variable, ...]:
+        """Submit one call: every input as a string or ``Variable``; an output given a ``Variable`` is generated into it."""
+        inputs = {name: value for name, value in args.items() if name not in self.outputs}
+        bound = {name: value for name, value in args.items() if name in self.outputs}
         missing = sorted(set(self.inputs) - set(inputs))
         extra = sorted(set(inputs) - set(self.inputs))
         if missing or extra:
             raise TypeError(f"{self.name}() needs inputs {sorted(self.inputs)}; missing {missing}, unexpected {extra}")
+        not_vars = sorted(name for name, value in bound.items() if not isinstance(value, Variable))
+        if not_vars:
+            raise TypeError(f"{self.name}(): outputs {not_vars} can only be given a Variable to generate into")
         placeholders: list[dict[str, Any]] = []
         for name, spec in self.inputs.items():
             value = inputs[name]
@@ -195,10 +203,13 @@ class SemanticFunction:
                 ph["transforms"] = [dict(t) for t in spec.transforms]
             placeholders.append(ph)
         for name, spec in self.outputs.items():
-            placeholders.append({"name": name, "is_output": True, "sampling_config": dict(spec.sampling)})
+            out: dict[str, Any] = {"name": name, "is_output": True, "sampling_config": dict(spec.sampling)}
+            if name in bound:
+                out["var_id"] = bound[name].var_id  # type: ignore[union-attr]
+            placeholders.append(out)
         info = session.submit(self.template, placeholders, perf)["param_info"]
         by_name = {p["placeholder_name"]: p["var_id"] for p in info}
-        outs = tuple(Variable(session, by_name[name], name) for name in self.outputs)
+        outs = tuple(v if isinstance(v := bound.get(name), Variable) else Variable(session, by_name[name], name) for name in self.outputs)
         return outs[0] if len(outs) == 1 else outs
 
 

@@ -6,6 +6,11 @@ literal values or variables. The graph answers the executor's questions without 
 
 * **what is ready** (``ready_calls``): calls that were *activated* — something downstream was read
   (``read``), or the call was submitted with an output criterion — and whose inputs all have values;
+* **who produces what**: an output either gets a new variable or is bound to one the client
+  created (``var_id``), so a client can create its variables, then submit every call at once in
+  any order. Deduction does not depend on that order: the roots of activation (reads, calls
+  submitted with a criterion) are recorded, and when a producer attaches upstream of existing
+  calls or reads they are applied again, so it ends as if it had been submitted first;
 * **what a read implies** (objective deduction, Parrot §5.2): reading a variable with ``latency``
   makes its producer and that producer's immediate predecessors latency-sensitive; ``throughput``
   marks every ancestor that is not latency-sensitive; calls whose outputs feed one consumer and do
@@ -23,6 +28,7 @@ most ``SessionLimits.max_variables`` variables and ``max_pending_calls`` unfinis
 from __future__ import annotations
 
 import itertools
+from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from enum import Enum
@@ -100,6 +106,9 @@ class DataflowGraph:
         self.variables: dict[str, SemanticVariable] = {}
         self.calls: dict[str, CallNode] = {}
         self._ids = itertools.count()
+        # The roots of activation, in the order first made: ("read", var_id, criteria) and ("call", call_id, criteria).
+        self._roots: dict[tuple[str, str, str], None] = {}
+        self._read_vars: set[str] = set()
 
     # ---- building ----------------------------------------------------------------------------
     def new_variable(self, name: str, producer: CallNode | None = None) -> SemanticVariable:
@@ -116,7 +125,12 @@ class DataflowGraph:
         return var
 
     def add_call(self, call: SemanticCall, criteria: str | None = None) -> CallNode:
-        """Bind ``call``'s placeholders (new variables for outputs and unset inputs); ``criteria`` activates it now."""
+        """Bind ``call``'s placeholders and add it; ``criteria`` activates it now.
+
+        Outputs without a ``var_id`` and unset inputs get new variables; an output with a
+        ``var_id`` becomes the producer of that client-created variable (see ``_bindable_outputs``).
+        Everything is checked before anything changes, so a refused call leaves the graph as it was.
+        """
         if criteria is not None:
             check_criteria(criteria)
         pending = self.num_pending_calls
@@ -128,6 +142,7 @@ class DataflowGraph:
                 bound[ph.name] = ph.value
             elif ph.var_id is not None:
                 bound[ph.name] = self.variable(ph.var_id)
+        bound_outputs = self._bindable_outputs(call, bound)
         num_new = sum(1 for ph in call.placeholders.values() if ph.needs_new_variable)
         if len(self.variables) + num_new > self.limits.max_variables:
             raise LimitExceeded(
@@ -137,7 +152,9 @@ class DataflowGraph:
             if ph.name not in bound:
                 bound[ph.name] = self.new_variable(ph.name)
         for ph in call.outputs:
-            node.outputs[ph.name] = self.new_variable(ph.name, producer=node)
+            var = bound_outputs[ph.name] if ph.name in bound_outputs else self.new_variable(ph.name)
+            var.producer = node
+            node.outputs[ph.name] = var
         for v in bound.values():
             if isinstance(v, SemanticVariable):
                 v.consumers.append(node)
@@ -145,8 +162,48 @@ class DataflowGraph:
                     self._fail_node(node, _upstream_error(v))
         self.calls[node.call_id] = node
         if criteria is not None:
+            self._roots.setdefault(("call", node.call_id, criteria), None)
+        if any(v.consumers or v.var_id in self._read_vars for v in bound_outputs.values()):
+            self._replay_roots()  # it attaches upstream of calls or reads already made
+        elif criteria is not None:
             self._activate(node, criteria, latency_depth=1)
         return node
+
+    def _bindable_outputs(self, call: SemanticCall, inputs: dict[str, SemanticVariable | str]) -> dict[str, SemanticVariable]:
+        """The existing variables ``call``'s outputs are bound to, by placeholder name, checked but not changed.
+
+        A variable can become an output if it is of this session, has no producer, no value and
+        has not failed, if no other output of the call is bound to it, and if the call does not
+        depend on it (it reads it, or reads a variable downstream of it: a cycle never runs).
+        """
+        chosen: dict[str, SemanticVariable] = {}
+        for ph in call.outputs:
+            if ph.var_id is None:
+                continue
+            var = self.variable(ph.var_id)
+            where = f"output {ph.name!r} cannot be bound to variable {var.var_id!r}"
+            if var.producer is not None:
+                raise DataflowError(f"{where}: it is already generated by call {var.producer.call_id}", "var_id")
+            if var.error is not None:
+                raise DataflowError(f"{where}: it has failed ({var.error})", "var_id")
+            if var.value is not None:
+                raise DataflowError(f"{where}: it is already set", "var_id")
+            twin = next((name for name, v in chosen.items() if v is var), None)
+            if twin is not None:
+                raise DataflowError(f"{where}: output {twin!r} of the same call is bound to it", "var_id")
+            chosen[ph.name] = var
+        read = {v.var_id for v in inputs.values() if isinstance(v, SemanticVariable)}
+        for name, var in chosen.items():
+            stack, seen = [var], set()
+            while stack:
+                cur = stack.pop()
+                if cur.var_id in read:
+                    raise DataflowError(f"output {name!r} cannot be bound to variable {var.var_id!r}: the call reads "
+                                        f"{'it' if cur is var else f'variable {cur.var_id!r}, which depends on it'} (a cycle)", "var_id")
+                if cur.var_id not in seen:
+                    seen.add(cur.var_id)
+                    stack.extend(out for consumer in cur.consumers for out in consumer.outputs.values())
+        return chosen
 
     @property
     def num_pending_calls(self) -> int:
@@ -170,16 +227,31 @@ class DataflowGraph:
         """A client reads ``var_id`` with ``criteria``: activate what produces it and deduce objectives."""
         check_criteria(criteria)
         var = self.variable(var_id)
+        self._roots.setdefault(("read", var.var_id, criteria), None)
+        self._read_vars.add(var.var_id)
         if var.producer is not None:
             self._activate(var.producer, criteria, latency_depth=1)
         return var
 
+    def _replay_roots(self) -> None:
+        """Deduce every call's activation, objective and task group again from the recorded roots, in order.
+
+        Called when a producer attaches upstream of existing calls or reads: the result is what
+        applying each root when it was made would give had every producer been submitted first.
+        """
+        for node in self.calls.values():
+            node.active, node.objective, node.task_group = False, None, None
+        for kind, target, criteria in self._roots:
+            root = self.calls[target] if kind == "call" else self.variables[target].producer
+            if root is not None:
+                self._activate(root, criteria, latency_depth=1)
+
     def _activate(self, node: CallNode, criteria: str, latency_depth: int) -> None:
         """Activate ``node`` and its ancestors; ``latency`` reaches ``latency_depth`` levels above ``node``."""
-        stack: list[tuple[CallNode, int]] = [(node, 0)]
+        queue: deque[tuple[CallNode, int]] = deque([(node, 0)])  # breadth first: a call is first reached at its least depth
         seen: set[str] = set()
-        while stack:
-            cur, depth = stack.pop()
+        while queue:
+            cur, depth = queue.popleft()
             if cur.call_id in seen:
                 continue
             seen.add(cur.call_id)
@@ -193,7 +265,7 @@ class DataflowGraph:
             if len(independent) >= 2:
                 for p in independent:
                     p.task_group = p.task_group or cur.call_id
-            stack.extend((p, depth + 1) for p in producers)
+            queue.extend((p, depth + 1) for p in producers)
 
     def _depends_on(self, node: CallNode, other: CallNode) -> bool:
         stack, seen = list(node.predecessors()), set()

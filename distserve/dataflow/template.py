@@ -3,7 +3,8 @@
 A semantic call (Parrot's ``POST /v1/semantic_call``) sends a ``template`` and one description per
 placeholder: an **input** (a literal ``value``, an existing semantic variable ``var_id``, or
 neither — a new variable the client sets later) or an **output** (generated, with its own
-sampling settings). ``parse_call`` turns that into a ``SemanticCall``: the template split into
+sampling settings, into a new variable or into the existing one its ``var_id`` names: a client
+that creates its variables first can then submit a consumer before its producer, in one round). ``parse_call`` turns that into a ``SemanticCall``: the template split into
 text and placeholder chunks, the placeholders by name, and the sampling of every output.
 
 The rules, each refused with a ``DataflowError`` naming the problem (HTTP 400 with ``param``):
@@ -72,7 +73,7 @@ Chunk = TextChunk | PlaceholderChunk
 
 @dataclass(frozen=True)
 class Placeholder:
-    """One described placeholder: an input (``value``, ``var_id`` or neither) or an output (``sampling``)."""
+    """One described placeholder: an input (``value``, ``var_id`` or neither) or an output (``sampling``, optional ``var_id``)."""
 
     name: str
     is_output: bool
@@ -83,8 +84,8 @@ class Placeholder:
 
     @property
     def needs_new_variable(self) -> bool:
-        """An output, or an input with neither value nor variable: the server creates its variable."""
-        return self.is_output or (self.var_id is None and self.value is None)
+        """No variable given and no literal value: the server creates the variable (an output's or an unset input's)."""
+        return self.var_id is None and self.value is None
 
 
 @dataclass(frozen=True)
@@ -187,9 +188,9 @@ def _placeholder(raw: object, index: int, limits: SessionLimits) -> Placeholder:
     if value is not None:
         limits.check_chars(value, f"{where}.value", "placeholders")
     if is_output:
-        if var_id is not None or value is not None or raw.get("transforms") is not None:
-            raise DataflowError(f"output {name!r} is generated: it takes no var_id, value or transforms", "placeholders")
-        return Placeholder(name, True, sampling=sampling_params(sampling, f"{where}.sampling_config"))
+        if value is not None or raw.get("transforms") is not None:
+            raise DataflowError(f"output {name!r} is generated: it takes no value or transforms", "placeholders")
+        return Placeholder(name, True, var_id=var_id, sampling=sampling_params(sampling, f"{where}.sampling_config"))
     if sampling is not None:
         raise DataflowError(f"input {name!r} is not generated: it takes no sampling_config", "placeholders")
     if var_id is not None and value is not None:

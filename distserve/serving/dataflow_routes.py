@@ -11,7 +11,9 @@ query parameters work too, for curl):
   param_info}`` (``request_id`` an integer, as Parrot's clients parse it; ``param_info`` also as
   ``placeholders_mapping``, the older name; each entry names its placeholder both as
   ``placeholder_name``, Parrot's server's key, and ``parameter_name``, its frontend's): the
-  variable of every placeholder
+  variable of every placeholder. An output placeholder with a ``var_id`` is generated into that
+  created variable (400 if it already has a producer or a value), so calls can be submitted
+  before the calls producing their inputs
 * ``POST /v1/semantic_var`` (``var_name``) → ``{var_id}``; ``POST /v1/semantic_var/{id}``
   (``content``) sets it; ``GET /v1/semantic_var/{id}`` (``criteria``, optional ``timeout``)
   waits for its value → ``{content}``; ``GET /v1/semantic_var`` lists the session's variables

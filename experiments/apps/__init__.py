@@ -10,7 +10,7 @@ API's users, not part of the server, and a script in ``experiments/`` imports it
 folder is on ``sys.path``) without any path edit; tests load it by file path.
 """
 
-from apps.clients import DataflowClient, RequestClient, render, template_function
+from apps.clients import DataflowClient, OutputOf, RequestClient, render, template_function
 from apps.programs import App, AppResult, make_apps
 
-__all__ = ["App", "AppResult", "DataflowClient", "RequestClient", "make_apps", "render", "template_function"]
+__all__ = ["App", "AppResult", "DataflowClient", "OutputOf", "RequestClient", "make_apps", "render", "template_function"]

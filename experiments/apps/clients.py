@@ -1,10 +1,12 @@
 """The two ways an application talks to one ``distserve serve``: as a dataflow program, or request by request.
 
-* ``DataflowClient``: our frontend (``distserve.dataflow.frontend``). A program submits every call
-  up front (a call's inputs may be other calls' output variables) and reads only its final
-  variables; the server runs the DAG. Submissions carry the app's objective (Parrot's
-  ``output_criteria``), so a call starts as soon as it is submitted and its inputs are ready: the
-  round trips of later submissions overlap the server's work instead of preceding it.
+* ``DataflowClient``: our frontend (``distserve.dataflow.frontend``). ``submit_dag`` submits a
+  program's whole DAG in two rounds of concurrent requests, whatever its depth: first the calls
+  that read no other call (the server starts them at once) together with the creation of the
+  variables the other calls pass on; then every other call, its output bound to its created
+  variable (so a consumer may reach the server before its producer). The program then reads only
+  its final variables; the server runs the DAG. Submissions carry the app's objective (Parrot's
+  ``output_criteria``), so a call starts as soon as it and its inputs' producers have arrived.
 * ``RequestClient``: the request-centric baseline over the OpenAI completions API (httpx). The
   program awaits each call before issuing the calls that depend on it; independent calls go out
   concurrently, as a good client would.
@@ -23,8 +25,9 @@ from __future__ import annotations
 import asyncio
 import inspect
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import httpx
@@ -93,13 +96,41 @@ class DataflowClient:
     async def close(self, session: Session) -> None:
         await _in_thread(session.close)
 
-    async def call(self, session: Session, fn: SemanticFunction, perf: str, **inputs: str | Variable) -> Variable:
-        out = await _in_thread(lambda: fn(session, perf=perf, **inputs))
+    async def submit_dag(self, session: Session, perf: str, calls: Sequence[tuple[SemanticFunction, Mapping[str, str | OutputOf]]]) -> list[Variable]:
+        """Submit ``calls`` (each a function and its inputs: strings, or ``OutputOf`` another call) in two
+        rounds (see the module docstring); every call's output variable, in order."""
+        read = {arg.index for _, inputs in calls for arg in inputs.values() if isinstance(arg, OutputOf)}
+        sources = [i for i, (_, inputs) in enumerate(calls) if not any(isinstance(a, OutputOf) for a in inputs.values())]
+        passed = sorted(read - set(sources))
+        outputs: dict[int, Variable] = {}
+        first = await asyncio.gather(*(self.call(session, calls[i][0], perf, **calls[i][1]) for i in sources),  # type: ignore[arg-type]
+                                     *(_in_thread(lambda i=i: session.variable(f"{calls[i][0].name}{i}")) for i in passed))
+        outputs.update(zip([*sources, *passed], first))
+
+        def args(i: int) -> dict[str, str | Variable]:
+            fn, inputs = calls[i]
+            bound = {name: outputs[a.index] if isinstance(a, OutputOf) else a for name, a in inputs.items()}
+            return {**bound, **({name: outputs[i] for name in fn.outputs} if i in outputs else {})}
+
+        rest = [i for i in range(len(calls)) if i not in sources]
+        outputs.update(zip(rest, await asyncio.gather(*(self.call(session, calls[i][0], perf, **args(i)) for i in rest))))
+        return [outputs[i] for i in range(len(calls))]
+
+    async def call(self, session: Session, fn: SemanticFunction, perf: str, **args: str | Variable) -> Variable:
+        """Submit one call of ``fn`` (inputs as strings or variables; its output bound to a ``Variable`` if given one)."""
+        out = await _in_thread(lambda: fn(session, perf=perf, **args))
         assert isinstance(out, Variable)
         return out
 
     async def get(self, var: Variable, perf: str) -> str:
         return await _in_thread(lambda: var.get(perf))
+
+
+@dataclass(frozen=True)
+class OutputOf:
+    """An input of a ``submit_dag`` call: the output of call ``index`` of the same DAG."""
+
+    index: int
 
 
 async def _in_thread(fn: Callable[[], T]) -> T:

@@ -9,7 +9,9 @@
 * ``Mixed``: chat requests at a steady rate through the OpenAI API while map-reduce jobs run
   (through dataflow, read for throughput, or request by request); its figure is the chat latency.
 
-``dataflow(df, rc)`` and ``request_centric(rc)`` run the app once and return an ``AppResult``: the
+A dataflow program submits its DAG in two rounds of concurrent requests whatever its depth
+(``DataflowClient.submit_dag``), then reads its final variables; a request-centric one waits for
+one round trip per level of its DAG. ``dataflow(df, rc)`` and ``request_centric(rc)`` run the app once and return an ``AppResult``: the
 final outputs (the same prompts both ways, so greedy outputs agree), the app's latency (from its
 first request to its last output, sessions opened before and closed after), and app-specific extras.
 Texts are pseudo-English drawn from ``seed``: a different seed gives prompts that share no prefix
@@ -25,7 +27,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from apps.clients import DataflowClient, RequestClient, template_function
+from apps.clients import DataflowClient, OutputOf, RequestClient, template_function
 from distserve.dataflow.frontend import SemanticFunction, Variable
 
 LATENCY, THROUGHPUT = "latency", "throughput"
@@ -90,10 +92,8 @@ class ChainSummary:
         s = await df.session()
         try:
             t0 = time.monotonic()
-            var = await df.call(s, first, LATENCY, chunk=chunks[0])
-            for chunk in chunks[1:]:
-                var = await df.call(s, refine, LATENCY, previous=var, chunk=chunk)
-            final = await df.get(var, LATENCY)
+            calls = [(first, {"chunk": chunks[0]})] + [(refine, {"previous": OutputOf(i - 1), "chunk": c}) for i, c in enumerate(chunks[1:], 1)]
+            final = await df.get((await df.submit_dag(s, LATENCY, calls))[-1], LATENCY)
             return AppResult([final], time.monotonic() - t0)
         finally:
             await df.close(s)
@@ -126,10 +126,10 @@ class MapReduceSummary:
         return chunks, mapper, reducer
 
     async def submit(self, df: DataflowClient, s: Any, perf: str) -> Variable:
-        """Submit the maps (concurrently) and the reduce; the reduce's output variable."""
+        """Submit the maps and the reduce (``submit_dag``); the reduce's output variable."""
         chunks, mapper, reducer = self._setup()
-        maps = await asyncio.gather(*(df.call(s, mapper, perf, chunk=c) for c in chunks))
-        return await df.call(s, reducer, perf, **{f"s{i}": v for i, v in enumerate(maps)})
+        calls = [(mapper, {"chunk": c}) for c in chunks] + [(reducer, {f"s{i}": OutputOf(i) for i in range(len(chunks))})]
+        return (await df.submit_dag(s, perf, calls))[-1]
 
     async def run_requests(self, rc: RequestClient) -> str:
         chunks, mapper, reducer = self._setup()
@@ -179,10 +179,9 @@ class MultiAgentCoding:
         s = await df.session()
         try:
             t0 = time.monotonic()
-            design = await df.call(s, architect, LATENCY, task=task)
-            codes = await asyncio.gather(*(df.call(s, c, LATENCY, task=task, design=design) for c in coders))
-            review = await df.call(s, reviewer, LATENCY, task=task, design=design, **{f"code{i}": v for i, v in enumerate(codes)})
-            final = await df.get(review, LATENCY)
+            calls = [(architect, {"task": task})] + [(c, {"task": task, "design": OutputOf(0)}) for c in coders]
+            calls.append((reviewer, {"task": task, "design": OutputOf(0), **{f"code{i}": OutputOf(i + 1) for i in range(len(coders))}}))
+            final = await df.get((await df.submit_dag(s, LATENCY, calls))[-1], LATENCY)
             return AppResult([final], time.monotonic() - t0)
         finally:
             await df.close(s)

@@ -215,3 +215,42 @@ def test_requests_carry_the_deduced_objective_and_task_group(tiny: LoadedModel, 
     assert rec.classes[f"{m1}-a"] == RequestClass(criteria, group=r)
     assert rec.classes[f"{m2}-b"] == RequestClass(criteria, group=r)
     assert rec.classes[f"{r}-c"] == RequestClass(criteria, group=None)
+
+
+def test_calls_submitted_consumers_first_into_client_created_variables_run_as_in_order(tiny: LoadedModel) -> None:
+    """The same DAG submitted producers first and consumers first: the same outputs, the same classes."""
+    dag = {  # name -> (template, inputs by placeholder -> the call whose output it reads)
+        "m0": ("Part one {{out}}", {}),
+        "m1": ("Part two {{out}}", {}),
+        "reduce": ("{{a}} {{b}} so {{out}}", {"a": "m0", "b": "m1"}),
+        "title": ("Title: {{r}} is {{out}}", {"r": "reduce"}),
+    }
+
+    def run(order: list[str]) -> tuple[dict[str, str], dict[str, object]]:
+        rec = _ClassRecordingClient(LLMEngine(tiny, cache_config=CACHE))
+        try:
+            async def scenario() -> tuple[dict[str, str], dict[str, object]]:
+                s = DataflowSession("s", rec)
+                var = {name: s.graph.new_variable(name).var_id for name in dag}
+                nodes = {}
+                for name in order:
+                    template, reads = dag[name]
+                    phs = [{"name": ph, "var_id": var[src]} for ph, src in reads.items()]
+                    nodes[name] = s.submit(parse_call(template, [*phs, {**out("out"), "var_id": var[name]}]), "latency" if name == "title" else None)
+                    assert nodes[name].outputs["out"].var_id == var[name]
+                await s.get(var["title"], "latency", timeout_s=60)
+                by_call = {n.call_id: name for name, n in nodes.items()}
+                values = {name: s.graph.variables[var[name]].value or "" for name in dag}
+                classes = {name: (rec.classes[f"{n.call_id}-out"].objective, by_call.get(rec.classes[f"{n.call_id}-out"].group))  # type: ignore[attr-defined]
+                           for name, n in nodes.items()}
+                return values, classes
+
+            return asyncio.run(scenario())
+        finally:
+            rec.close()
+
+    forward, backward = run(list(dag)), run(list(dag)[::-1])
+    assert forward == backward
+    values, classes = forward
+    assert all(values.values())
+    assert classes == {"m0": ("throughput", "reduce"), "m1": ("throughput", "reduce"), "reduce": ("latency", None), "title": ("latency", None)}

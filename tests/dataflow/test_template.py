@@ -50,7 +50,7 @@ def test_an_input_may_repeat_and_an_unset_input_gets_a_new_variable() -> None:
         ("{{x}} then {{x}}", [out("x")], "more than once"),
         ("Hi {{x}}{{y}}", [out("x"), out("y")], "adjacent"),
         ("Hi {{x}}", [out("x"), out("x")], "described twice"),
-        ("Hi {{x}}", [{"name": "x", "is_output": True, "var_id": "v"}], "takes no var_id"),
+        ("Hi {{x}}", [{"name": "x", "is_output": True, "value": "v"}], "takes no value or transforms"),
         ("{{a}} {{x}}", [{"name": "a", "var_id": "v", "value": "w"}, out("x")], "not both"),
         ("{{a}} {{x}}", [{"name": "a", "sampling_config": {}}, out("x")], "takes no sampling_config"),
         ("{{a}} {{x}}", [{"name": "a", "colour": "red"}, out("x")], "unknown fields"),

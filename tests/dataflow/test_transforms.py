@@ -72,5 +72,5 @@ def test_a_catastrophic_pattern_is_stopped_by_the_time_limit() -> None:
 
 
 def test_outputs_take_no_transforms() -> None:
-    with pytest.raises(DataflowError, match="takes no var_id, value or transforms"):
+    with pytest.raises(DataflowError, match="takes no value or transforms"):
         parse_call("{{x}}", [{"name": "x", "is_output": True, "transforms": [{"op": "strip"}]}])

@@ -16,9 +16,11 @@ import asyncio
 import importlib
 import importlib.util
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import pytest
 from serving_util import HttpServer, colocated_server
@@ -86,8 +88,35 @@ def test_the_simulated_delay_is_paid_per_request(server: HttpServer) -> None:
     chain = next(a for a in apps.make_apps(quick=True, seed=11) if a.name == "chain")
     baseline, dataflow = asyncio.run(_both_ways(server.url, chain, 0.2))
     assert baseline.latency_s >= 0.2 * chain.num_chunks
-    assert dataflow.latency_s >= 0.2 * 2  # at least one submission and the final read
+    assert dataflow.latency_s >= 0.2 * 3  # two rounds of submissions and the final read
     assert dataflow.outputs == baseline.outputs
+
+
+def test_a_deep_dag_is_submitted_in_two_rounds_of_concurrent_requests(server: HttpServer) -> None:
+    """submit_dag: the sources and the variable creations at once, then every other call at once (a consumer may arrive first)."""
+    spans: list[tuple[str, float, float]] = []
+
+    class Logged(apps.clients.DelayedSession):
+        def _call(self, method: str, path: str, payload: Any) -> Any:
+            start = time.monotonic()
+            try:
+                return super()._call(method, path, payload)
+            finally:
+                spans.append((path, start, time.monotonic()))
+
+    step = apps.template_function("step", "Say {{x}}:{{out}}", "out", max_tokens=2)
+    calls = [(step, {"x": "go"})] + [(step, {"x": apps.OutputOf(i)}) for i in range(5)]  # a chain six calls deep
+    with Logged(server.url, 0.2) as s:
+        spans.clear()
+        outs = asyncio.run(apps.DataflowClient(server.url, 0.2).submit_dag(s, "latency", calls))
+        assert len(outs) == 6 and len({v.var_id for v in outs}) == 6 and outs[-1].get()
+    spans.sort(key=lambda span: span[1])
+    first_end = min(end for _, _, end in spans)
+    round_a = [span for span in spans if span[1] < first_end]
+    round_b = spans[len(round_a):10]  # then the read and the session's deletion
+    assert sorted(path for path, _, _ in round_a) == ["/v1/semantic_call"] + ["/v1/semantic_var"] * 4  # the source, 4 passed variables
+    assert [path for path, _, _ in round_b] == ["/v1/semantic_call"] * 5
+    assert max(end for _, _, end in round_a) <= min(start for _, start, _ in round_b) < min(end for _, _, end in round_b)
 
 
 def test_render_cuts_the_template_at_its_output() -> None:
