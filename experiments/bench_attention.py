@@ -34,7 +34,7 @@ import harness
 from distserve.config import SamplingParams
 from distserve.engine.model import TORCH_DTYPES
 from distserve.engine.model_runner import ModelRunner
-from distserve.engine.scheduler import ScheduledChunk, StepPlan
+from distserve.engine.step_plan import ScheduledChunk, StepPlan
 from distserve.engine.weights import load_model
 from harness import LoadWatch, Outputs
 from kernels.decode_attention import default_decode_attention

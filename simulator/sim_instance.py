@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 from distserve.cluster.routing import RouteState
 from distserve.engine.instance_core import InstanceCore
-from distserve.engine.scheduler import StepPlan
+from distserve.engine.step_plan import StepPlan
 from distserve.placement import InstanceSpec
 from simulator.latency import BatchShape, LatencyModel
 

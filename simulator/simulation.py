@@ -45,7 +45,7 @@ from distserve.cluster.migration_queue import MigrationQueue
 from distserve.cluster.routing import DEFAULT_ROUTER, check_router, decode_order, entry_hashes, pick_entry
 from distserve.config import SamplingParams, SchedulerConfig
 from distserve.engine.instance_core import InstanceCore
-from distserve.engine.scheduler import SampledToken, StepPlan
+from distserve.engine.step_plan import SampledToken, StepPlan
 from distserve.engine.sequence import Sequence, SequenceStatus
 from distserve.errors import InvalidConfigError
 from distserve.placement import InstanceSpec, Placement

@@ -31,7 +31,8 @@ from typing import Any
 from distserve.config import SchedulerConfig
 from distserve.decode.scheduler import DecodeScheduler, Reservation
 from distserve.engine.block_manager import BlockManager
-from distserve.engine.scheduler import SampledToken, Scheduler, StepPlan, attributed_to
+from distserve.engine.scheduler import Scheduler
+from distserve.engine.step_plan import SampledToken, StepPlan, attributed_to
 from distserve.engine.sequence import Sequence, SequenceStatus
 from distserve.prefill.scheduler import PrefillScheduler
 

@@ -1,4 +1,4 @@
-"""Continuous-batching scheduler and the ``StepPlan`` contract shared by the real runner and the simulator.
+"""Continuous-batching scheduler: it makes the ``StepPlan`` (``distserve.engine.step_plan``) each step runs.
 
 Every step the scheduler decides how many new tokens each sequence computes (a decode is one
 token; a prefill is the uncached part of the prompt, possibly chunked) under a token budget and a
@@ -10,77 +10,17 @@ The result is a plain ``StepPlan``; whoever executes it reports sampled tokens b
 from __future__ import annotations
 
 import bisect
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass, field
+from collections.abc import Callable
 from operator import attrgetter
 
 from distserve.cluster.classes import GroupArrivals
 from distserve.cluster.recovery import solo_order
-from distserve.config import SamplingParams, SchedulerConfig
+from distserve.config import SchedulerConfig
 from distserve.engine.block_manager import BlockManager
 from distserve.engine.sequence import Sequence, SequenceStatus
 from distserve.engine.step_budget import StaticBudget, make_step_budget
+from distserve.engine.step_plan import SampledToken, ScheduledChunk, StepPlan
 from distserve.errors import StepFailedError
-
-
-@dataclass(slots=True)  # slots: one per scheduled sequence per step
-class ScheduledChunk:
-    """``token_ids`` are computed at positions ``start_pos ..``; if ``sample`` a token is sampled after."""
-
-    seq_id: str
-    token_ids: list[int]
-    start_pos: int
-    block_table: list[int]
-    sample: bool
-    sampling: SamplingParams
-    num_output_tokens: int
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.token_ids)
-
-    @property
-    def is_decode(self) -> bool:
-        """One query token: batched with the decodes (a chunked prefill's 1-token tail included)."""
-        return len(self.token_ids) == 1
-
-
-@dataclass(slots=True)
-class StepPlan:
-    """One engine step: decodes first, then prefill chunks (the attention kernel relies on the order)."""
-
-    chunks: list[ScheduledChunk] = field(default_factory=list)
-    block_copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) before running
-    preempted_seq_ids: list[str] = field(default_factory=list)
-    finished_seq_ids: list[str] = field(default_factory=list)  # freed since the last plan
-
-    @property
-    def num_batched_tokens(self) -> int:
-        return sum(len(c.token_ids) for c in self.chunks)
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.chunks
-
-
-@contextmanager
-def attributed_to(plan: StepPlan) -> Iterator[None]:
-    """Re-raise a failure inside as a ``StepFailedError`` naming the requests ``plan`` computes."""
-    try:
-        yield
-    except StepFailedError:
-        raise
-    except Exception as exc:
-        raise StepFailedError(f"{type(exc).__name__}: {exc}", [c.seq_id for c in plan.chunks]) from exc
-
-
-@dataclass(slots=True)
-class SampledToken:
-    seq_id: str
-    token_id: int
-    logprob: float | None = None
-    error: str | None = None  # sampling this request failed: it fails alone, with this message
 
 
 # ---- policies: a sort key over sequences; the largest key is preempted first --------------------

@@ -17,7 +17,7 @@ import torch
 from distserve.config import SamplingParams
 from distserve.engine.model import resolve_dtype
 from distserve.engine.model_runner import ModelRunner
-from distserve.engine.scheduler import ScheduledChunk, StepPlan
+from distserve.engine.step_plan import ScheduledChunk, StepPlan
 from distserve.engine.weights import load_model
 from distserve.measure.machine import QUIET_MAX_OTHER_CORES, QUIET_RETRIES, QuietGuard
 from distserve.measure.step_times import SEED, WORKER_TIMEOUT_S, check_positive, random_tokens

@@ -42,7 +42,7 @@ from distserve.config import SamplingParams, SchedulerConfig
 from distserve.engine.instance_core import InstanceCore
 from distserve.engine.model_runner import ModelRunner
 from distserve.engine.parallel import ParallelState, ShardSpec, build_parallel_state
-from distserve.engine.scheduler import SampledToken, StepPlan
+from distserve.engine.step_plan import SampledToken, StepPlan
 from distserve.engine.sequence import Sequence
 from distserve.engine.weights import LoadedModel, load_model
 from distserve.errors import InvalidConfigError

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from distserve.engine.scheduler import SampledToken, Scheduler, StepPlan
+from distserve.engine.scheduler import Scheduler
+from distserve.engine.step_plan import SampledToken, StepPlan
 from distserve.engine.sequence import Sequence, SequenceStatus
 
 

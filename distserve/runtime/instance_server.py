@@ -45,7 +45,7 @@ from distserve.config import CacheConfig, SchedulerConfig
 from distserve.decode.scheduler import Reservation
 from distserve.engine.instance_core import SCHEDULERS, InstanceCore, PlanInFlight, SeqUpdate
 from distserve.engine.parallel import ShardSpec
-from distserve.engine.scheduler import attributed_to
+from distserve.engine.step_plan import attributed_to
 from distserve.engine.sequence import Sequence
 from distserve.kvtransfer.layout import KVLayout
 from distserve.runtime.worker import TransferResult, Worker, WorkerSpec

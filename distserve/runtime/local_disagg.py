@@ -31,7 +31,7 @@ from distserve.engine.instance_core import InstanceCore
 from distserve.engine.model import resolve_dtype
 from distserve.engine.model_runner import ModelRunner
 from distserve.engine.outputs import EngineBase, RequestOutput
-from distserve.engine.scheduler import SampledToken, StepPlan
+from distserve.engine.step_plan import SampledToken, StepPlan
 from distserve.engine.sequence import Sequence, SequenceStatus
 from distserve.engine.weights import LoadedModel, load_model
 from distserve.errors import InvalidConfigError

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from distserve.engine.compute_thread import compute_executor
 from distserve.engine.model_runner import ModelRunner
 from distserve.engine.parallel import ShardSpec, build_parallel_state
-from distserve.engine.scheduler import SampledToken, StepPlan
+from distserve.engine.step_plan import SampledToken, StepPlan
 from distserve.engine.weights import load_model
 from distserve.kvtransfer.layout import KVLayout
 from distserve.kvtransfer.migration import MigrationStats, StagingBuffers, recv_kv, send_kv

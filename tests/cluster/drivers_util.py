@@ -16,7 +16,7 @@ from distserve.cluster.classes import DEFAULT_CLASS, RequestClass
 from distserve.cluster.counters import ClusterCounters
 from distserve.cluster.routing import DEFAULT_ROUTER
 from distserve.config import CacheConfig, SamplingParams, SchedulerConfig
-from distserve.engine.scheduler import SampledToken, StepPlan
+from distserve.engine.step_plan import SampledToken, StepPlan
 from distserve.engine.weights import LoadedModel
 from distserve.placement import InstanceSpec, Placement
 from distserve.runtime.local_disagg import LocalDisaggEngine, StepRunner

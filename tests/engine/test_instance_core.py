@@ -8,7 +8,7 @@ import pytest
 
 from distserve.config import SamplingParams, SchedulerConfig
 from distserve.engine.instance_core import InstanceCore
-from distserve.engine.scheduler import SampledToken, StepPlan
+from distserve.engine.step_plan import SampledToken, StepPlan
 from distserve.engine.sequence import Sequence
 
 TOKEN = 7

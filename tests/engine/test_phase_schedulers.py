@@ -5,7 +5,7 @@ from __future__ import annotations
 from distserve.config import SamplingParams, SchedulerConfig
 from distserve.decode.scheduler import DecodeScheduler
 from distserve.engine.block_manager import BlockManager
-from distserve.engine.scheduler import SampledToken, StepPlan
+from distserve.engine.step_plan import SampledToken, StepPlan
 from distserve.engine.sequence import Sequence, SequenceStatus
 from distserve.prefill.scheduler import PrefillScheduler
 

@@ -12,7 +12,8 @@ from distserve.decode.scheduler import DecodeScheduler
 from distserve.engine import block_manager as bm_module
 from distserve.engine.block_manager import BlockManager, prefix_block_hashes, seq_block_hashes
 from distserve.engine.instance_core import InstanceCore
-from distserve.engine.scheduler import SampledToken, Scheduler, StepPlan
+from distserve.engine.scheduler import Scheduler
+from distserve.engine.step_plan import SampledToken, StepPlan
 from distserve.engine.sequence import Sequence
 
 BS = 4

@@ -7,7 +7,8 @@ from __future__ import annotations
 from distserve.config import SamplingParams, SchedulerConfig
 from distserve.engine.block_manager import BlockManager
 from distserve.engine.instance_core import InstanceCore, num_prefill_tokens
-from distserve.engine.scheduler import SampledToken, Scheduler, StepPlan
+from distserve.engine.scheduler import Scheduler
+from distserve.engine.step_plan import SampledToken, StepPlan
 from distserve.engine.sequence import Sequence
 
 BS = 4

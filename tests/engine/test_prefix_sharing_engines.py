@@ -8,7 +8,7 @@ import pytest
 
 from distserve.config import CacheConfig, SamplingParams, SchedulerConfig
 from distserve.engine.llm_engine import LLMEngine
-from distserve.engine.scheduler import StepPlan
+from distserve.engine.step_plan import StepPlan
 from distserve.engine.weights import LoadedModel, load_model
 from distserve.runtime.local_disagg import LocalDisaggEngine
 from distserve.runtime.stats import normalize_stats

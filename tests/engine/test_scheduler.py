@@ -5,7 +5,8 @@ import pytest
 from distserve.cluster.classes import MAX_REMEMBERED_GROUPS, GroupArrivals, RequestClass
 from distserve.config import SamplingParams, SchedulerConfig
 from distserve.engine.block_manager import BlockManager
-from distserve.engine.scheduler import SampledToken, Scheduler, StepPlan
+from distserve.engine.scheduler import Scheduler
+from distserve.engine.step_plan import SampledToken, StepPlan
 from distserve.engine.sequence import Sequence, SequenceStatus
 from distserve.errors import InvalidConfigError
 

@@ -7,7 +7,8 @@ import pytest
 
 from distserve.config import SchedulerConfig, slo_scheduler_config
 from distserve.engine.block_manager import BlockManager
-from distserve.engine.scheduler import SampledToken, Scheduler, StepPlan
+from distserve.engine.scheduler import Scheduler
+from distserve.engine.step_plan import SampledToken, StepPlan
 from distserve.engine.sequence import Sequence
 from distserve.engine.step_budget import SLOBudget, StaticBudget, make_step_budget
 from distserve.config import SamplingParams

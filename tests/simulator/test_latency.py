@@ -333,7 +333,7 @@ def test_padded_decode_attention_reads_batch_times_longest_context(tmp_path) -> 
     from simulator.latency import FittedLatencyModel
     from simulator.profiles import TpCoefficients
     from simulator.sim_instance import batch_shape
-    from distserve.engine.scheduler import ScheduledChunk, StepPlan
+    from distserve.engine.step_plan import ScheduledChunk, StepPlan
     from distserve.config import SamplingParams
 
     coeffs = {1: TpCoefficients((10.0, 0.1, 0.0), (5.0, 0.01, 1.0), (5.0, 0.01, 1.0), 95)}

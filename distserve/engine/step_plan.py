@@ -1,0 +1,75 @@
+"""The ``StepPlan`` contract between a scheduler and whoever executes its plans (the model runner,
+the simulator's latency model): what one step computes (``ScheduledChunk``), the block copies to
+do first, who was preempted or finished, and what comes back (``SampledToken``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+from distserve.config import SamplingParams
+from distserve.errors import StepFailedError
+
+
+@dataclass(slots=True)  # slots: one per scheduled sequence per step
+class ScheduledChunk:
+    """``token_ids`` are computed at positions ``start_pos ..``; if ``sample`` a token is sampled after."""
+
+    seq_id: str
+    token_ids: list[int]
+    start_pos: int
+    block_table: list[int]
+    sample: bool
+    sampling: SamplingParams
+    num_output_tokens: int
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def is_decode(self) -> bool:
+        """One query token: batched with the decodes (a chunked prefill's 1-token tail included)."""
+        return len(self.token_ids) == 1
+
+
+@dataclass(slots=True)
+class StepPlan:
+    """One engine step: decodes first, then prefill chunks (the attention kernel relies on the order)."""
+
+    chunks: list[ScheduledChunk] = field(default_factory=list)
+    block_copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) before running
+    preempted_seq_ids: list[str] = field(default_factory=list)
+    finished_seq_ids: list[str] = field(default_factory=list)  # freed since the last plan
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(len(c.token_ids) for c in self.chunks)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.chunks
+
+
+@contextmanager
+def attributed_to(plan: StepPlan) -> Iterator[None]:
+    """Re-raise a failure inside as a ``StepFailedError`` naming the requests ``plan`` computes."""
+    try:
+        yield
+    except StepFailedError:
+        raise
+    except Exception as exc:
+        raise StepFailedError(f"{type(exc).__name__}: {exc}", [c.seq_id for c in plan.chunks]) from exc
+
+
+@dataclass(slots=True)
+class SampledToken:
+    seq_id: str
+    token_id: int
+    logprob: float | None = None
+    error: str | None = None  # sampling this request failed: it fails alone, with this message
+
+
+__all__ = ["SampledToken", "ScheduledChunk", "StepPlan", "attributed_to"]
