@@ -52,6 +52,7 @@ SYSTEM_FLAGS = {
 ATTAINMENT_TARGET = 0.9
 SENSITIVITY_FACTORS = (2.0, 2.5, 3.0, 4.0)  # TPOT SLO as multiples of the colocated single-request TPOT
 NUM_SINGLE_REQUESTS = 3
+MIN_BASE_TPOT_S = 1e-4  # a single-request TPOT below this means the tokens arrived together
 
 
 def serve_argv(system: str, model: str, dtype: str) -> list[str]:
@@ -153,7 +154,7 @@ def write_outputs(out: Outputs, rows: list[dict[str, Any]], figures: dict[str, A
     for i, factor in enumerate(sens["tpot_slo_factor"]):
         r = sens["goodput_ratio"][i]
         md.append(
-            f"| {factor:g} | {factor * figures[f'{labels[0]}_single_tpot_s'] * 1000:.0f} | "
+            f"| {factor:g} | {factor * figures[f'{labels[0]}_single_tpot_s'] * 1000:.3g} | "
             + " | ".join(f"{sens[f'{s}_goodput_rps'][i]:.2f}" for s in labels)
             + f" | {'-' if r is None else f'{r:.2f}x'} |"
         )
@@ -232,7 +233,10 @@ def measure_system(
         # Also probes this server's tokenizer.
         single = single_stream(url, args.request_model, args.input_len, args.output_len, NUM_SINGLE_REQUESTS)
         figures[f"{label}_single_ttft_s"] = round(single.ttft_s, 4)
-        figures[f"{label}_single_tpot_s"] = round(single.tpot_s, 4)
+        # A tiny model's tokens can reach the client in one burst (TPOT ~0): the SLO then scales from
+        # MIN_BASE_TPOT_S, never from 0 (significant digits, not decimals, for the same reason).
+        base_tpot_s = max(single.tpot_s, MIN_BASE_TPOT_S)
+        figures[f"{label}_single_tpot_s"] = float(f"{base_tpot_s:.4g}")
         print(
             f"{label}: one request at a time: TTFT {single.ttft_s * 1000:.0f} ms, TPOT {single.tpot_s * 1000:.1f} ms "
             f"({single.num_prompt_tokens} prompt tokens)",
@@ -241,7 +245,7 @@ def measure_system(
         if slo is None:
             slo = SLO(
                 ttft_s=args.ttft_slo if args.ttft_slo is not None else args.ttft_slo_factor * single.ttft_s,
-                tpot_s=args.tpot_slo if args.tpot_slo is not None else args.tpot_slo_factor * single.tpot_s,
+                tpot_s=args.tpot_slo if args.tpot_slo is not None else args.tpot_slo_factor * base_tpot_s,
             )
             figures["ttft_slo_s"] = round(slo.ttft_s or 0.0, 4)
             figures["tpot_slo_s"] = round(slo.tpot_s or 0.0, 4)
