@@ -33,6 +33,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from kernels.merge_attention import merge_attention_states
+
 # The CPU flash kernel behind SDPA; returns (out, logsumexp), which the public SDPA does not.
 _flash_attention_with_lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 
@@ -240,6 +242,12 @@ class ExactDecodeAttention(DecodeAttention):
     def forward(
         self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: DecodePlan, scale: float
     ) -> torch.Tensor:
+        return self.forward_with_lse(query, k_cache, v_cache, plan, scale)[0]
+
+    def forward_with_lse(
+        self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: DecodePlan, scale: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # ([nd, H, D], [nd, H] fp32 natural-log LSE)
+        """``forward`` and each decode's log-sum-exp, to merge with attention over other keys (cascade)."""
         nd, num_heads, head_dim = query.shape
         num_kv_heads = k_cache.shape[2]
         group = num_heads // num_kv_heads
@@ -250,17 +258,19 @@ class ExactDecodeAttention(DecodeAttention):
             q = q.index_select(0, plan.unit_seq)  # [R, KVH, G, D]
         o, lse = _flash_attention_with_lse(q, k, v, attn_mask=plan.bias(query.dtype), scale=scale)
         if plan.merge_slot is None:
-            return o.reshape(nd, num_heads, head_dim)
-        # o: [R, KVH, G, D], lse: [R, KVH, G] fp32. Lay the chunks out on a [nd, max_chunks] grid
-        # (absent chunks weigh exp(-inf) = 0) and take the lse-softmax-weighted sum.
+            return o.reshape(nd, num_heads, head_dim), lse.reshape(nd, num_heads)
+        # o: [R, KVH, G, D], lse: [R, KVH, G] fp32. Lay the chunks out on a [max_chunks, nd] grid
+        # (absent chunks have lse = -inf and weigh 0) and merge them by log-sum-exp.
         cells = nd * plan.max_chunks
         lse_grid = torch.full((cells, num_kv_heads, group), float("-inf"), dtype=torch.float32, device=query.device)
         lse_grid.index_copy_(0, plan.merge_slot, lse)
-        weights = torch.softmax(lse_grid.view(nd, plan.max_chunks, num_kv_heads, group, 1), dim=1)
-        o_grid = torch.zeros((cells, num_kv_heads, group, head_dim), dtype=torch.float32, device=query.device)
-        o_grid.index_copy_(0, plan.merge_slot, o.float())
-        out = (o_grid.view(nd, plan.max_chunks, num_kv_heads, group, head_dim) * weights).sum(1)
-        return out.to(query.dtype).view(nd, num_heads, head_dim)
+        o_grid = torch.zeros((cells, num_kv_heads, group, head_dim), dtype=o.dtype, device=query.device)
+        o_grid.index_copy_(0, plan.merge_slot, o)
+        out, lse = merge_attention_states(
+            o_grid.view(nd, plan.max_chunks, num_kv_heads, group, head_dim).transpose(0, 1),
+            lse_grid.view(nd, plan.max_chunks, num_kv_heads, group).transpose(0, 1),
+        )
+        return out.view(nd, num_heads, head_dim), lse.view(nd, num_heads)
 
 
 DECODE_ATTENTION_BACKENDS: dict[str, DecodeAttention] = {

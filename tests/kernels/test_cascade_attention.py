@@ -1,0 +1,203 @@
+"""Cascade (shared-prefix) decode attention: the log-sum-exp merge on its own, prefix-tree detection
+from block tables on random trees, and cascade equal to reference attention and the padded backend."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from kernels.cascade_attention import CascadeDecodeAttention, PrefixTree, find_prefix_tree
+from kernels.decode_attention import _flash_attention_with_lse, get_decode_attention
+from kernels.merge_attention import lse_from_base2, lse_to_base2, merge_attention_states
+from kernels.paged_attention import reference_attention, write_kv
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [H, D] over k, v [L, H, D] → ([H, D], [H]) by the CPU flash kernel."""
+    o, lse = _flash_attention_with_lse(q[None, :, None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], scale=0.25)
+    return o[0, :, 0], lse[0, :, 0]
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_merging_parts_equals_attention_over_the_whole(dtype: torch.dtype, tol: float) -> None:
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(4, 16, generator=gen).to(dtype)
+    k = (torch.randn(50, 4, 16, generator=gen) * 3).to(dtype)
+    v = torch.randn(50, 4, 16, generator=gen).to(dtype)
+    whole, whole_lse = attend(q, k, v)
+    for cuts in ([20], [7, 33], [1, 2, 49]):
+        bounds = [0, *cuts, 50]
+        parts = [attend(q, k[a:b], v[a:b]) for a, b in zip(bounds, bounds[1:])]
+        out, lse = merge_attention_states([o for o, _ in parts], [s for _, s in parts])
+        assert out.dtype == dtype and lse.dtype == torch.float32
+        torch.testing.assert_close(out.float(), whole.float(), atol=tol, rtol=tol)
+        torch.testing.assert_close(lse, whole_lse.float(), atol=1e-5, rtol=1e-5)
+
+
+def test_empty_parts_weigh_nothing() -> None:
+    gen = torch.Generator().manual_seed(1)
+    o = torch.randn(3, 5, 8, generator=gen)
+    lse = torch.randn(3, 5, generator=gen)
+    o_empty = torch.full((5, 8), float("nan"))  # an empty part's output is garbage
+    empty = torch.full((5,), float("-inf"))
+    out, merged_lse = merge_attention_states([o[0], o_empty, o[1]], [lse[0], empty, lse[1]])
+    ref, ref_lse = merge_attention_states(o[:2], lse[:2])
+    torch.testing.assert_close(out, ref)
+    torch.testing.assert_close(merged_lse, ref_lse)
+    alone, alone_lse = merge_attention_states([o[2], o_empty], [lse[2], empty])
+    torch.testing.assert_close(alone, o[2])
+    torch.testing.assert_close(alone_lse, lse[2])
+    nothing, nothing_lse = merge_attention_states([o_empty, o_empty], [empty, empty])
+    assert (nothing == 0).all() and torch.isneginf(nothing_lse).all()
+    with pytest.raises(ValueError, match="do not match"):
+        merge_attention_states(o, lse[:, :4])
+
+
+def test_base2_lse_conversion() -> None:
+    s = torch.randn(7, 30)
+    lse2 = torch.log2(torch.exp(s).sum(-1))  # FlashInfer's convention
+    torch.testing.assert_close(lse_from_base2(lse2), torch.logsumexp(s, -1))
+    torch.testing.assert_close(lse_to_base2(torch.logsumexp(s, -1)), lse2)
+
+
+def random_tree_tables(rng: random.Random, block_size: int) -> tuple[list[list[int]], list[int], list[list[int]]]:
+    """Sequences on a random prefix tree: (block tables, context lengths, the true shared groups as
+    sorted member lists). Each tree level is a segment of 1-3 fresh blocks shared by a random subset."""
+    next_block = iter(rng.sample(range(10_000), 10_000))
+    n = rng.randint(2, 14)
+    tables: list[list[int]] = [[] for _ in range(n)]
+    groups: list[list[int]] = []
+
+    def grow(members: list[int]) -> None:
+        rng.shuffle(members)
+        while len(members) >= 2 and rng.random() < 0.8:
+            size = rng.randint(2, len(members))
+            sub, members = sorted(members[:size]), members[size:]
+            segment = [next(next_block) for _ in range(rng.randint(1, 3))]
+            for i in sub:
+                tables[i] += segment
+            groups.append(list(sub))
+            if rng.random() < 0.6:
+                grow(sub)
+
+    grow(list(range(n)))
+    lens = []
+    for t in tables:
+        own = rng.randint(0, 4 * block_size)  # 0: the context ends exactly on a shared block
+        t += [next(next_block) for _ in range(-(-own // block_size))]
+        lens.append(len(t) * block_size - (-own % block_size) if own else len(t) * block_size)
+        if not t:  # every sequence has at least one token
+            t.append(next(next_block))
+            lens[-1] = rng.randint(1, block_size)
+    return tables, lens, groups
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_prefix_tree_finds_the_shared_groups(seed: int) -> None:
+    rng = random.Random(seed)
+    tables, lens, groups = random_tree_tables(rng, 16)
+    tree = find_prefix_tree(tables, lens, 16)
+    nodes = tree.nodes()
+    assert sorted(n.members for n in nodes) == _merged(groups)
+    for node in nodes:
+        assert len(node.members) >= 2
+        for i in node.members:
+            assert tables[i][node.start_block : node.end_block] == node.block_ids
+            assert node.end_block * 16 <= lens[i]  # only full blocks
+        for child in node.children:
+            assert set(child.members) < set(node.members)
+            assert child.start_block == node.end_block
+    for i, start in enumerate(tree.suffix_start):
+        path = [n for n in nodes if i in n.members]
+        assert start == max((n.end_block for n in path), default=0)
+        # No other sequence shares this sequence's block at its suffix start (the segment is maximal).
+        if start < lens[i] // 16:
+            assert all(tables[j][: start + 1] != tables[i][: start + 1] for j in range(len(tables)) if j != i)
+
+
+def _merged(groups: list[list[int]]) -> list[list[int]]:
+    """The true groups, a group with its parent's very members folded into it (their segments are
+    contiguous, so they are one node)."""
+    seen: list[list[int]] = []
+    for g in groups:
+        if g not in seen:
+            seen.append(g)
+    return sorted(seen)
+
+
+def test_prefix_tree_partial_blocks_are_not_shared() -> None:
+    tree = find_prefix_tree([[5, 6], [5, 6], [5, 7]], [20, 32, 17], 16)  # block 6 full only in seq 1
+    assert [(n.block_ids, n.members) for n in tree.nodes()] == [([5], [0, 1, 2])]
+    assert tree.suffix_start == [1, 1, 1] and tree.levels == [tree.roots]
+    two_level = find_prefix_tree([[1, 2, 3], [1, 2, 4], [1, 9, 8], [7]], [48, 48, 48, 3], 16)
+    assert [[(n.block_ids, n.members) for n in level] for level in two_level.levels] == [
+        [([1], [0, 1, 2])], [([2], [0, 1])]
+    ]
+    assert two_level.suffix_start == [2, 2, 1, 0]
+    assert find_prefix_tree([], [], 16) == PrefixTree([], [])
+    with pytest.raises(ValueError, match="block tables"):
+        find_prefix_tree([[1]], [3, 4], 16)
+
+
+def make_cache(gen: torch.Generator, tables: list[list[int]], lens: list[int], block_size: int, kvh: int, d: int, dtype: torch.dtype):
+    """A cache holding each table's blocks (physical ids remapped densely), garbage elsewhere; the
+    contiguous keys/values of every sequence."""
+    ids = sorted({b for t in tables for b in t})
+    remap = {b: i for i, b in enumerate(ids)}
+    nb = len(ids) + 3
+    k_cache = (torch.randn(nb, block_size, kvh, d, generator=gen) * 100).to(dtype)
+    v_cache = (torch.randn(nb, block_size, kvh, d, generator=gen) * 100).to(dtype)
+    written: set[int] = set()
+    for t, c in zip(tables, lens):  # a shared block is written once, by whoever reaches it first
+        for b in t:
+            if remap[b] not in written:
+                written.add(remap[b])
+                write_kv(torch.randn(block_size, kvh, d, generator=gen).to(dtype), torch.randn(block_size, kvh, d, generator=gen).to(dtype),
+                         k_cache, v_cache, torch.arange(remap[b] * block_size, (remap[b] + 1) * block_size))
+    dense = [[remap[b] for b in t] for t in tables]
+    full_k = [k_cache[t].flatten(0, 1)[:c] for t, c in zip(dense, lens)]  # [ctx, KVH, D]
+    full_v = [v_cache[t].flatten(0, 1)[:c] for t, c in zip(dense, lens)]
+    width = max(len(t) for t in dense)
+    table = torch.tensor([t + [0] * (width - len(t)) for t in dense], dtype=torch.int64)
+    return k_cache, v_cache, table, full_k, full_v
+
+
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (8, 2), (9, 3)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cascade_equals_reference_on_random_trees(block_size: int, num_heads: int, num_kv_heads: int, dtype: torch.dtype) -> None:
+    rng, gen = random.Random(block_size + num_heads), torch.Generator().manual_seed(block_size + num_heads)
+    cascade, padded = CascadeDecodeAttention(), get_decode_attention("padded")
+    num_shared, depth = 0, 0
+    for _ in range(8):
+        tables, lens, _ = random_tree_tables(rng, block_size)
+        k_cache, v_cache, table, full_k, full_v = make_cache(gen, tables, lens, block_size, num_kv_heads, 16, dtype)
+        query = torch.randn(len(lens), num_heads, 16, generator=gen).to(dtype)
+        plan = cascade.plan(lens, table, block_size)
+        num_shared += len(plan.node_blocks)
+        depth = max(depth, len(plan.tree.levels))
+        out = cascade.forward(query, k_cache, v_cache, plan, 0.25)
+        truth = torch.cat([reference_attention(query[i : i + 1].float(), k.float(), v.float(), 0.25) for i, (k, v) in enumerate(zip(full_k, full_v))])
+        pad = padded.forward(query, k_cache, v_cache, padded.plan(lens, table, block_size), 0.25)
+        if dtype == torch.float32:
+            torch.testing.assert_close(out, truth, atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(out, pad, atol=1e-5, rtol=1e-5)
+        else:  # as the exact backend's bf16 tests: no worse than padded, which rounds too
+            err, err_pad = (out.float() - truth).abs(), (pad.float() - truth).abs()
+            assert err.max() <= 2 * err_pad.max() + 2e-2, (err.max(), err_pad.max())
+            assert err.mean() <= 2 * err_pad.mean() + 1e-3, (err.mean(), err_pad.mean())
+        shared = [b for n in plan.tree.nodes() for b in n.block_ids]
+        assert len(shared) == len(set(shared))  # every shared block is read once per step
+    assert num_shared >= 4 and depth >= 2  # the shared path ran, on a multi-level tree
+
+
+def test_cascade_reads_a_shared_prefix_once() -> None:
+    block_size, n = 16, 8
+    tables = [list(range(8)) + [100 + i] for i in range(n)]  # 128 shared tokens, 1-16 own
+    lens = [128 + 1 + i for i in range(n)]
+    table = torch.tensor(tables)
+    plan = CascadeDecodeAttention().plan(lens, table, block_size)
+    assert [n.members for n in plan.tree.nodes()] == [list(range(n))]
+    assert plan.kv_tokens_read() == 128 + n * block_size
