@@ -21,6 +21,7 @@ import torch
 from kernels.decode_attention import DecodePlan, ExactDecodeAttention, _flash_attention_with_lse, gather_blocks
 from kernels.merge_attention import merge_attention_states
 
+
 @dataclass
 class PrefixNode:
     """A run of full blocks that every member sequence holds at the same table positions."""
@@ -121,9 +122,9 @@ class CascadePlan:
 
 
 class CascadeDecodeAttention:
-    """Cascade decode: shared segments once per group, suffixes by ``exact``, merged by log-sum-exp."""
-
-    kv_read = "shared"
+    """Cascade decode: shared segments once per group, suffixes by ``exact``, merged by log-sum-exp.
+    The same plan/forward halves as a ``DecodeAttention`` backend; not yet in its registry (the
+    engine, the cost rule and the simulator's latency term come with wiring it in)."""
 
     def __init__(self, suffix_chunk_len: int | None = None) -> None:
         self.suffix = ExactDecodeAttention(chunk_len=suffix_chunk_len)

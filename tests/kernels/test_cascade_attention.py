@@ -201,3 +201,17 @@ def test_cascade_reads_a_shared_prefix_once() -> None:
     plan = CascadeDecodeAttention().plan(lens, table, block_size)
     assert [n.members for n in plan.tree.nodes()] == [list(range(n))]
     assert plan.kv_tokens_read() == 128 + n * block_size
+
+
+def test_cascade_without_any_suffix() -> None:
+    """Contexts that end exactly on shared blocks: the shared parts alone, no suffix call."""
+    gen = torch.Generator().manual_seed(3)
+    tables, lens = [[4, 5], [4, 5], [4, 6], [4, 6]], [32] * 4
+    k_cache, v_cache, table, full_k, full_v = make_cache(gen, tables, lens, 16, 3, 16, torch.float32)
+    query = torch.randn(4, 9, 16, generator=gen)
+    cascade = CascadeDecodeAttention()
+    plan = cascade.plan(lens, table, 16)
+    assert plan.suffix_plan is None and plan.tree.suffix_start == [2, 2, 2, 2] and len(plan.tree.levels) == 2
+    out = cascade.forward(query, k_cache, v_cache, plan, 0.25)
+    truth = torch.cat([reference_attention(query[i : i + 1], k, v, 0.25) for i, (k, v) in enumerate(zip(full_k, full_v))])
+    torch.testing.assert_close(out, truth, atol=1e-5, rtol=1e-5)
