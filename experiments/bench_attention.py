@@ -37,7 +37,7 @@ from distserve.engine.model_runner import ModelRunner
 from distserve.engine.step_plan import ScheduledChunk, StepPlan
 from distserve.engine.weights import load_model
 from harness import LoadWatch, Outputs
-from kernels.decode_attention import default_decode_attention
+from kernels.backends import default_decode_attention
 from kernels.paged_attention import AttentionMetadata, paged_attention
 
 BACKENDS = ("padded", "exact")

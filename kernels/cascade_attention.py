@@ -1,14 +1,20 @@
 """Shared-prefix (cascade) decode attention: read a shared prompt's KV once for every sequence sharing it.
 
 Sequences that share leading *physical* blocks (prefix caching hands the same block to every
-sequence with the same leading tokens) form a tree: a system prompt shared by all, a document
-shared by a sub-group, then each sequence's own suffix. ``find_prefix_tree`` reads that tree off
-the block tables. ``CascadeDecodeAttention`` then attends, for every tree node, the queries of all
-its member sequences to the node's KV in one flash call (the ``G = H / KVH`` query heads of every
-member as rows of a ``[KVH, members × G, D]`` query, so the shared KV is read once for the group),
-each sequence's suffix by the ``exact`` split-K backend, and merges each sequence's parts with
-``merge_attention_states`` by their log-sum-exp. Only full blocks are shared: a partly filled block
-is still being written by one sequence.
+sequence with the same leading tokens; prefix-aware migration does the same on a decode instance)
+form a tree: a system prompt shared by all, a document shared by a sub-group, then each sequence's
+own suffix. ``find_prefix_tree`` reads that tree off the block tables. ``CascadeDecodeAttention``
+keeps the tree's nodes that pay by its ``CascadeRule``, attends, for every kept node, the queries of
+all its member sequences to the node's KV in one flash call (the ``G = H / KVH`` query heads of
+every member as rows of a ``[KVH, members × G, D]`` query, so the shared KV is read once for the
+group), each sequence's remaining blocks by the ``exact`` split-K backend, and merges each
+sequence's parts with ``merge_attention_states`` by their log-sum-exp. When no node pays, the step
+runs the ``exact`` backend unchanged. Only full blocks are shared: a partly filled block is still
+being written by one sequence.
+
+The plan (tree, kept nodes, each sequence's remaining blocks) is the same for every backend that
+runs a cascade (``kernels.triton_attention``, ``kernels.flashinfer_attention``); only ``forward``
+differs.
 """
 
 from __future__ import annotations
@@ -18,7 +24,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kernels.decode_attention import DecodePlan, ExactDecodeAttention, _flash_attention_with_lse, gather_blocks
+from kernels.decode_attention import (
+    DecodeAttention,
+    DecodePlan,
+    ExactDecodeAttention,
+    _flash_attention_with_lse,
+    gather_blocks,
+)
 from kernels.merge_attention import merge_attention_states
 
 
@@ -30,10 +42,15 @@ class PrefixNode:
     block_ids: list[int]  # the segment's physical blocks
     members: list[int]  # sequence indices (in the batch) that share it, ascending
     children: list[PrefixNode] = field(default_factory=list)
+    depth: int = 0  # 0 for a root
 
     @property
     def end_block(self) -> int:
         return self.start_block + len(self.block_ids)
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.block_ids)
 
 
 @dataclass
@@ -65,11 +82,11 @@ def find_prefix_tree(block_tables: Sequence[Sequence[int]], context_lens: Sequen
     full = [min(c // block_size, len(t)) for t, c in zip(block_tables, context_lens)]  # shareable blocks
     suffix_start = [0] * len(context_lens)
 
-    def split(members: list[int], depth: int) -> list[PrefixNode]:
+    def split(members: list[int], start: int, depth: int) -> list[PrefixNode]:
         groups: dict[int, list[int]] = {}
         for i in members:
-            if full[i] > depth:
-                groups.setdefault(block_tables[i][depth], []).append(i)
+            if full[i] > start:
+                groups.setdefault(block_tables[i][start], []).append(i)
         nodes = []
         for group in groups.values():
             if len(group) < 2:
@@ -77,15 +94,15 @@ def find_prefix_tree(block_tables: Sequence[Sequence[int]], context_lens: Sequen
             ref = block_tables[group[0]]
             end = min(full[i] for i in group)
             for i in group[1:]:
-                end = _common_prefix_end(ref, block_tables[i], depth + 1, end)
+                end = _common_prefix_end(ref, block_tables[i], start + 1, end)
             for i in group:
                 suffix_start[i] = end
-            node = PrefixNode(depth, [block_tables[group[0]][b] for b in range(depth, end)], group)
-            node.children = split(group, end)
+            node = PrefixNode(start, [ref[b] for b in range(start, end)], group, depth=depth)
+            node.children = split(group, end, depth + 1)
             nodes.append(node)
         return nodes
 
-    roots = split(list(range(len(context_lens))), 0)
+    roots = split(list(range(len(context_lens))), 0, 0)
     return PrefixTree(roots, suffix_start)
 
 
@@ -101,67 +118,124 @@ def _common_prefix_end(a: Sequence[int], b: Sequence[int], lo: int, hi: int) -> 
     return lo
 
 
+@dataclass(frozen=True)
+class CascadeRule:
+    """Whether attending a shared segment once for its group pays this step.
+
+    A kept node saves reading ``(members - 1) × tokens`` KV token slots per layer and costs one more
+    attention call plus a merge part for its members; it is kept when the saving is at least
+    ``min_saved_tokens``. Measured on this machine by ``experiments/bench_attention.py``, which
+    prints the rule (vLLM's fixed rule for one level: >= 256 shared tokens and >= 8 requests).
+    """
+
+    min_saved_tokens: int = 1024
+
+    def pays(self, tokens: int, members: int) -> bool:
+        return (members - 1) * tokens >= self.min_saved_tokens
+
+
+ALWAYS = CascadeRule(min_saved_tokens=0)  # every shared node (tests, benchmarks)
+
+
 @dataclass
 class CascadePlan:
-    """A step's cascade: the tree, each node's index tensors, and the suffixes' ``exact`` plan."""
+    """A step's cascade: the kept shared nodes' index tensors and each sequence's remaining blocks.
+
+    Sequence ``i`` reads the blocks of every kept node it is a member of, and its *rest*: the
+    blocks of its table no kept node covers, in table order (the partly filled last block last).
+    """
 
     num_decodes: int
     block_size: int
-    tree: PrefixTree
-    node_blocks: list[torch.Tensor]  # per node (tree.nodes() order): [nb] int64
-    node_members: list[torch.Tensor]  # per node: [m] int64
-    node_part: list[int]  # per node: its merge slot (its depth)
-    num_parts: int  # tree depth + 1 (the last slot holds the suffix)
-    suffix_seqs: torch.Tensor  # [ns] int64 sequences with a non-empty suffix
-    suffix_plan: DecodePlan | None  # exact plan over those suffixes; None if none
+    tree: PrefixTree  # every shared node found, kept or not
+    nodes: list[PrefixNode]  # the kept ones, by depth
+    node_blocks: list[torch.Tensor]  # per kept node: [nb] int64
+    node_members: list[torch.Tensor]  # per kept node: [m] int64
+    node_part: list[int]  # per kept node: its merge slot (its rank among the kept depths)
+    num_parts: int  # kept depths + 1 (the last slot holds the rest)
+    rest_seqs: torch.Tensor  # [ns] int64 sequences with blocks left to read on their own
+    rest_lens: list[int]  # [ns] their token counts
+    rest_tables: torch.Tensor  # [ns, w] int64 their blocks, padded with 0
+    rest_plan: DecodePlan | None  # the exact plan over them; None if none
 
     def kv_tokens_read(self) -> int:
-        """Token slots each layer reads from the K cache: every shared segment once, plus the suffixes."""
+        """Token slots each layer reads from the K cache: every kept segment once, plus the rests."""
         shared = sum(b.numel() for b in self.node_blocks) * self.block_size
-        return shared + (self.suffix_plan.kv_tokens_read() if self.suffix_plan is not None else 0)
+        return shared + (self.rest_plan.kv_tokens_read() if self.rest_plan is not None else 0)
 
 
-class CascadeDecodeAttention:
-    """Cascade decode: shared segments once per group, suffixes by ``exact``, merged by log-sum-exp.
-    The same plan/forward halves as a ``DecodeAttention`` backend; not yet in its registry (the
-    engine, the cost rule and the simulator's latency term come with wiring it in)."""
+def plan_cascade(
+    context_lens: list[int],
+    block_tables: torch.Tensor,  # [>= nd, max_blocks] int64
+    block_size: int,
+    rule: CascadeRule,
+    rest: ExactDecodeAttention | None,
+) -> CascadePlan | None:
+    """The cascade of a step's decodes under ``rule``; None when no shared node pays. ``rest``
+    plans the remaining blocks (None: leave ``rest_plan`` unset, for backends of their own)."""
+    nd = len(context_lens)
+    # One tolist of the table: a per-row copy costs ~5 µs a sequence.
+    rows = [r[: -(-c // block_size)] for r, c in zip(block_tables[:nd].tolist(), context_lens)]
+    tree = find_prefix_tree(rows, context_lens, block_size)
+    kept = [n for n in tree.nodes() if rule.pays(n.num_blocks * block_size, len(n.members))]
+    if not kept:
+        return None
+    depths = sorted({n.depth for n in kept})
+    part_of = {d: p for p, d in enumerate(depths)}
+    covered: list[list[tuple[int, int]]] = [[] for _ in range(nd)]
+    for n in kept:
+        for i in n.members:
+            covered[i].append((n.start_block, n.end_block))
+    seqs, lens, own_rows = [], [], []
+    for i, (row, ctx) in enumerate(zip(rows, context_lens)):
+        spans = sorted(covered[i])
+        own, at, shared = [], 0, 0
+        for s, e in spans:
+            own += row[at:s]
+            at, shared = e, shared + (e - s) * block_size
+        own += row[at:]
+        if ctx > shared:
+            seqs.append(i)
+            lens.append(ctx - shared)
+            own_rows.append(own)
+    device = block_tables.device
+    width = max((len(r) for r in own_rows), default=1)
+    rest_tables = torch.tensor([r + [0] * (width - len(r)) for r in own_rows] or [[0]], dtype=torch.int64, device=device)
+    rest_tables = rest_tables[: len(own_rows)]
+    return CascadePlan(
+        nd, block_size, tree, kept,
+        node_blocks=[torch.tensor(n.block_ids, dtype=torch.int64, device=device) for n in kept],
+        node_members=[torch.tensor(n.members, dtype=torch.int64, device=device) for n in kept],
+        node_part=[part_of[n.depth] for n in kept], num_parts=len(depths) + 1,
+        rest_seqs=torch.tensor(seqs, dtype=torch.int64, device=device), rest_lens=lens, rest_tables=rest_tables,
+        rest_plan=rest.plan(lens, rest_tables, block_size) if rest is not None and seqs else None,
+    )
 
-    def __init__(self, suffix_chunk_len: int | None = None) -> None:
-        self.suffix = ExactDecodeAttention(chunk_len=suffix_chunk_len)
 
-    def plan(self, context_lens: list[int], block_tables: torch.Tensor, block_size: int) -> CascadePlan:
-        nd = len(context_lens)
-        # One tolist of the table: a per-row copy costs ~5 µs a sequence.
-        rows = [r[: -(-c // block_size)] for r, c in zip(block_tables[:nd].tolist(), context_lens)]
-        tree = find_prefix_tree(rows, context_lens, block_size)
-        device = block_tables.device
-        levels = tree.levels
-        nodes = [n for level in levels for n in level]
-        parts = [d for d, level in enumerate(levels) for _ in level]
-        suffix_lens = [c - s * block_size for c, s in zip(context_lens, tree.suffix_start)]
-        seqs = [i for i, n in enumerate(suffix_lens) if n > 0]
-        suffix_plan = None
-        if seqs:
-            width = max(-(-suffix_lens[i] // block_size) for i in seqs)
-            own = [rows[i][tree.suffix_start[i] :] for i in seqs]
-            suffix_table = torch.tensor([r + [0] * (width - len(r)) for r in own], dtype=torch.int64, device=device)
-            suffix_plan = self.suffix.plan([suffix_lens[i] for i in seqs], suffix_table, block_size)
-        return CascadePlan(
-            nd, block_size, tree,
-            node_blocks=[torch.tensor(n.block_ids, dtype=torch.int64, device=device) for n in nodes],
-            node_members=[torch.tensor(n.members, dtype=torch.int64, device=device) for n in nodes],
-            node_part=parts, num_parts=len(levels) + 1,
-            suffix_seqs=torch.tensor(seqs, dtype=torch.int64, device=device), suffix_plan=suffix_plan,
-        )
+class CascadeDecodeAttention(DecodeAttention):
+    """Cascade decode in torch: kept shared segments once per group, the rest by ``exact``, merged
+    by log-sum-exp; a step where no shared segment pays is an ``exact`` step."""
+
+    kv_read = "cascade"
+
+    def __init__(self, rule: CascadeRule | None = None, rest_chunk_len: int | None = None) -> None:
+        self.rule = rule or CascadeRule()
+        self.rest = ExactDecodeAttention(chunk_len=rest_chunk_len)
+
+    def plan(self, context_lens: list[int], block_tables: torch.Tensor, block_size: int) -> CascadePlan | DecodePlan:
+        plan = plan_cascade(context_lens, block_tables, block_size, self.rule, self.rest)
+        return plan if plan is not None else self.rest.plan(context_lens, block_tables, block_size)
 
     def forward(
         self,
         query: torch.Tensor,  # [nd, H, D]
         k_cache: torch.Tensor,  # [NB, BS, KVH, D]
         v_cache: torch.Tensor,  # [NB, BS, KVH, D]
-        plan: CascadePlan,
+        plan: CascadePlan | DecodePlan,
         scale: float,
     ) -> torch.Tensor:  # [nd, H, D]
+        if isinstance(plan, DecodePlan):
+            return self.rest.forward(query, k_cache, v_cache, plan, scale)
         nd, num_heads, head_dim = query.shape
         num_kv_heads = k_cache.shape[2]
         group = num_heads // num_kv_heads
@@ -177,9 +251,9 @@ class CascadeDecodeAttention:
             o, lse = _flash_attention_with_lse(rows, k, v, scale=scale)  # [1, KVH, m*G, D], [1, KVH, m*G]
             o_grid[part].index_copy_(0, members, o.view(num_kv_heads, m, group, head_dim).transpose(0, 1).float())
             lse_grid[part].index_copy_(0, members, lse.view(num_kv_heads, m, group).transpose(0, 1))
-        if plan.suffix_plan is not None:
-            o, lse = self.suffix.forward_with_lse(query.index_select(0, plan.suffix_seqs), k_cache, v_cache, plan.suffix_plan, scale)
-            o_grid[-1].index_copy_(0, plan.suffix_seqs, o.view(-1, num_kv_heads, group, head_dim).float())
-            lse_grid[-1].index_copy_(0, plan.suffix_seqs, lse.view(-1, num_kv_heads, group))
+        if plan.rest_plan is not None:
+            o, lse = self.rest.forward_with_lse(query.index_select(0, plan.rest_seqs), k_cache, v_cache, plan.rest_plan, scale)
+            o_grid[-1].index_copy_(0, plan.rest_seqs, o.view(-1, num_kv_heads, group, head_dim).float())
+            lse_grid[-1].index_copy_(0, plan.rest_seqs, lse.view(-1, num_kv_heads, group))
         out, _ = merge_attention_states(o_grid, lse_grid)  # [nd, KVH, G, D] fp32
         return out.to(query.dtype).view(nd, num_heads, head_dim)

@@ -271,21 +271,3 @@ class ExactDecodeAttention(DecodeAttention):
             lse_grid.view(nd, plan.max_chunks, num_kv_heads, group).transpose(0, 1),
         )
         return out.view(nd, num_heads, head_dim), lse.view(nd, num_heads)
-
-
-DECODE_ATTENTION_BACKENDS: dict[str, DecodeAttention] = {
-    "padded": PaddedDecodeAttention(),
-    "exact": ExactDecodeAttention(),
-}
-
-
-def default_decode_attention(device: torch.device | str = "cpu") -> str:
-    """``exact`` on CPU (its log-sum-exp comes from the CPU flash kernel), ``padded`` elsewhere."""
-    return "exact" if torch.device(device).type == "cpu" else "padded"
-
-
-def get_decode_attention(name: str) -> DecodeAttention:
-    try:
-        return DECODE_ATTENTION_BACKENDS[name]
-    except KeyError:
-        raise ValueError(f"unknown decode attention {name!r}; choose one of {sorted(DECODE_ATTENTION_BACKENDS)}") from None

@@ -19,13 +19,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kernels.decode_attention import (
-    DecodeAttention,
-    DecodePlan,
-    default_decode_attention,
-    gather_blocks,
-    get_decode_attention,
-)
+from kernels.backends import default_decode_attention, get_decode_attention
+from kernels.cascade_attention import CascadePlan
+from kernels.decode_attention import DecodeAttention, DecodePlan, gather_blocks
 
 
 @dataclass
@@ -40,7 +36,7 @@ class AttentionMetadata:
     block_tables: torch.Tensor  # [N, max_blocks] int64, padded with 0
     block_size: int
     decode_attention: DecodeAttention  # the backend that runs the decodes
-    decode_plan: DecodePlan | None = None  # its index tensors for this step; None without decodes
+    decode_plan: DecodePlan | CascadePlan | None = None  # its index tensors for this step; None without decodes
 
     @classmethod
     def build(
@@ -53,7 +49,7 @@ class AttentionMetadata:
         device: torch.device | str = "cpu",
         decode_attention: str | None = None,
     ) -> "AttentionMetadata":
-        """``decode_attention`` names a backend of ``DECODE_ATTENTION_BACKENDS`` (default: the
+        """``decode_attention`` names a backend of ``kernels.backends`` (default: the
         device's, ``default_decode_attention``)."""
         backend = get_decode_attention(decode_attention or default_decode_attention(device))
         num_decodes = 0

@@ -16,7 +16,7 @@ from distserve.engine.model import TORCH_DTYPES, LlamaForCausalLM, prepack_linea
 from distserve.engine.parallel import ParallelState, ShardSpec
 from distserve.engine.sampler import Sampler
 from distserve.engine.step_plan import SampledToken, ScheduledChunk, StepPlan
-from kernels.decode_attention import default_decode_attention, get_decode_attention
+from kernels.backends import default_decode_attention, get_decode_attention
 from kernels.paged_attention import AttentionMetadata
 
 

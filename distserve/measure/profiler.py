@@ -41,7 +41,7 @@ from distserve.measure.step_times import (
     measure_in_process,
     measure_tp,
 )
-from kernels.decode_attention import default_decode_attention, get_decode_attention
+from kernels.backends import default_decode_attention, get_decode_attention
 
 HARDWARE = "cpu"
 

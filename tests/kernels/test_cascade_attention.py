@@ -8,8 +8,9 @@ import random
 import pytest
 import torch
 
-from kernels.cascade_attention import CascadeDecodeAttention, PrefixTree, find_prefix_tree
-from kernels.decode_attention import _flash_attention_with_lse, get_decode_attention
+from kernels.backends import get_decode_attention
+from kernels.cascade_attention import ALWAYS, CascadeDecodeAttention, CascadePlan, CascadeRule, PrefixTree, find_prefix_tree
+from kernels.decode_attention import DecodePlan, _flash_attention_with_lse
 from kernels.merge_attention import lse_from_base2, lse_to_base2, merge_attention_states
 from kernels.paged_attention import reference_attention, write_kv
 
@@ -169,13 +170,16 @@ def make_cache(gen: torch.Generator, tables: list[list[int]], lens: list[int], b
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cascade_equals_reference_on_random_trees(block_size: int, num_heads: int, num_kv_heads: int, dtype: torch.dtype) -> None:
     rng, gen = random.Random(block_size + num_heads), torch.Generator().manual_seed(block_size + num_heads)
-    cascade, padded = CascadeDecodeAttention(), get_decode_attention("padded")
+    cascade, padded = CascadeDecodeAttention(ALWAYS), get_decode_attention("padded")
     num_shared, depth = 0, 0
     for _ in range(8):
         tables, lens, _ = random_tree_tables(rng, block_size)
         k_cache, v_cache, table, full_k, full_v = make_cache(gen, tables, lens, block_size, num_kv_heads, 16, dtype)
         query = torch.randn(len(lens), num_heads, 16, generator=gen).to(dtype)
         plan = cascade.plan(lens, table, block_size)
+        if isinstance(plan, DecodePlan):  # no shared block in this batch: an exact step
+            assert not find_prefix_tree(tables, lens, block_size).roots
+            continue
         num_shared += len(plan.node_blocks)
         depth = max(depth, len(plan.tree.levels))
         out = cascade.forward(query, k_cache, v_cache, plan, 0.25)
@@ -198,8 +202,8 @@ def test_cascade_reads_a_shared_prefix_once() -> None:
     tables = [list(range(8)) + [100 + i] for i in range(n)]  # 128 shared tokens, 1-16 own
     lens = [128 + 1 + i for i in range(n)]
     table = torch.tensor(tables)
-    plan = CascadeDecodeAttention().plan(lens, table, block_size)
-    assert [n.members for n in plan.tree.nodes()] == [list(range(n))]
+    plan = CascadeDecodeAttention(ALWAYS).plan(lens, table, block_size)
+    assert isinstance(plan, CascadePlan) and [n.members for n in plan.tree.nodes()] == [list(range(n))]
     assert plan.kv_tokens_read() == 128 + n * block_size
 
 
@@ -209,9 +213,39 @@ def test_cascade_without_any_suffix() -> None:
     tables, lens = [[4, 5], [4, 5], [4, 6], [4, 6]], [32] * 4
     k_cache, v_cache, table, full_k, full_v = make_cache(gen, tables, lens, 16, 3, 16, torch.float32)
     query = torch.randn(4, 9, 16, generator=gen)
-    cascade = CascadeDecodeAttention()
+    cascade = CascadeDecodeAttention(ALWAYS)
     plan = cascade.plan(lens, table, 16)
-    assert plan.suffix_plan is None and plan.tree.suffix_start == [2, 2, 2, 2] and len(plan.tree.levels) == 2
+    assert isinstance(plan, CascadePlan) and plan.rest_plan is None and plan.tree.suffix_start == [2, 2, 2, 2] and len(plan.tree.levels) == 2
     out = cascade.forward(query, k_cache, v_cache, plan, 0.25)
     truth = torch.cat([reference_attention(query[i : i + 1], k, v, 0.25) for i, (k, v) in enumerate(zip(full_k, full_v))])
     torch.testing.assert_close(out, truth, atol=1e-5, rtol=1e-5)
+
+
+def test_cost_rule_keeps_only_nodes_that_pay_and_reads_the_rest_per_sequence() -> None:
+    """A 2-level tree where only the sub-group's long document pays: the short root header is read
+    per sequence, with its own blocks, and the result still equals reference attention."""
+    gen, bs = torch.Generator().manual_seed(4), 16
+    header, doc = [1], list(range(10, 18))  # 16 shared by all four; 128 by the first three
+    tables = [header + doc + [40 + i] for i in range(3)] + [header + [50, 51]]
+    lens = [16 + 128 + 5 + i for i in range(3)] + [16 + 20]
+    k_cache, v_cache, table, full_k, full_v = make_cache(gen, tables, lens, bs, 3, 16, torch.float32)
+    query = torch.randn(4, 9, 16, generator=gen)
+    rule = CascadeRule(min_saved_tokens=2 * 128)  # (3 - 1) × 128 pays; (4 - 1) × 16 does not
+    assert rule.pays(128, 3) and not rule.pays(16, 4) and not rule.pays(128, 1)
+    cascade = CascadeDecodeAttention(rule)
+    plan = cascade.plan(lens, table, bs)
+    assert isinstance(plan, CascadePlan)
+    assert [len(n.members) for n in plan.tree.nodes()] == [4, 3]  # both found
+    assert [n.members for n in plan.nodes] == [[0, 1, 2]] and plan.node_part == [0] and plan.num_parts == 2
+    assert plan.rest_seqs.tolist() == [0, 1, 2, 3] and plan.rest_lens == [16 + 5, 16 + 6, 16 + 7, 36]
+    remap = {b: i for i, b in enumerate(sorted({b for t in tables for b in t}))}
+    assert plan.rest_tables[0, :2].tolist() == [remap[1], remap[40]]  # the header, then its own block
+    assert plan.kv_tokens_read() == 128 + plan.rest_plan.kv_tokens_read()
+    out = cascade.forward(query, k_cache, v_cache, plan, 0.25)
+    truth = torch.cat([reference_attention(query[i : i + 1], k, v, 0.25) for i, (k, v) in enumerate(zip(full_k, full_v))])
+    torch.testing.assert_close(out, truth, atol=1e-5, rtol=1e-5)
+    # Nothing pays: an exact step, same result.
+    none = CascadeDecodeAttention(CascadeRule(min_saved_tokens=10**9))
+    exact_plan = none.plan(lens, table, bs)
+    assert isinstance(exact_plan, DecodePlan)
+    torch.testing.assert_close(none.forward(query, k_cache, v_cache, exact_plan, 0.25), truth, atol=1e-5, rtol=1e-5)

@@ -9,14 +9,18 @@ from dataclasses import dataclass
 import pytest
 import torch
 
+from kernels.backends import (
+    available_decode_attentions,
+    default_decode_attention,
+    get_decode_attention,
+    register_decode_attention,
+    unregister_decode_attention,
+)
 from kernels.decode_attention import (
-    DECODE_ATTENTION_BACKENDS,
     MAX_CHUNK_TOKENS,
     MAX_PADDING_FRACTION,
     ExactDecodeAttention,
     choose_chunk_len,
-    default_decode_attention,
-    get_decode_attention,
 )
 from kernels.paged_attention import AttentionMetadata, paged_attention, reference_attention, write_kv
 
@@ -130,7 +134,7 @@ def test_exact_is_as_close_to_fp32_attention_as_padded_in_bf16(num_heads: int, n
 def test_forced_splits_merge_exactly(chunk_blocks: int, dtype: torch.dtype) -> None:
     """Every sequence split into many chunks (the merge path) still equals the padded path."""
     rng, gen = random.Random(chunk_blocks), torch.Generator().manual_seed(chunk_blocks)
-    DECODE_ATTENTION_BACKENDS["_test_split"] = ExactDecodeAttention(chunk_len=4 * chunk_blocks)
+    register_decode_attention("_test_split", ExactDecodeAttention(chunk_len=4 * chunk_blocks))
     try:
         for _ in range(6):
             batch = make_batch(gen, random_shapes(rng, 60), 9, 3, dtype)
@@ -141,7 +145,7 @@ def test_forced_splits_merge_exactly(chunk_blocks: int, dtype: torch.dtype) -> N
             else:
                 torch.testing.assert_close(batch.run("_test_split").float(), batch.reference(), atol=3e-2, rtol=3e-2)
     finally:
-        del DECODE_ATTENTION_BACKENDS["_test_split"]
+        unregister_decode_attention("_test_split")
 
 
 def test_exact_plan_reads_sum_of_contexts_padded_reads_batch_times_longest() -> None:
@@ -199,9 +203,11 @@ def test_gather_buffers_are_reused_across_calls_and_inference_mode() -> None:
 
 
 def test_backends_by_name() -> None:
-    assert default_decode_attention("cpu") == "exact"
-    assert AttentionMetadata.build([1], [3], [2], [[0]], 4).decode_attention is DECODE_ATTENTION_BACKENDS["exact"]
-    assert {n: b.kv_read for n, b in DECODE_ATTENTION_BACKENDS.items()} == {"padded": "padded", "exact": "sum"}
+    assert default_decode_attention("cpu") == "cascade"
+    assert AttentionMetadata.build([1], [3], [2], [[0]], 4).decode_attention is get_decode_attention("cascade")
+    cpu = available_decode_attentions("cpu")
+    assert cpu[:3] == ["padded", "exact", "cascade"] and "flashinfer" not in cpu
+    assert {n: get_decode_attention(n).kv_read for n in cpu[:3]} == {"padded": "padded", "exact": "sum", "cascade": "cascade"}
     with pytest.raises(ValueError, match="unknown decode attention"):
         get_decode_attention("flash9")
     with pytest.raises(ValueError, match="multiple of the block size"):

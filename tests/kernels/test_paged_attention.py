@@ -3,11 +3,11 @@
 import pytest
 import torch
 
-from kernels.decode_attention import DECODE_ATTENTION_BACKENDS
+from kernels.backends import available_decode_attentions
 from kernels.paged_attention import AttentionMetadata, paged_attention, reference_attention, write_kv
 
 
-@pytest.mark.parametrize("decode_attention", sorted(DECODE_ATTENTION_BACKENDS))
+@pytest.mark.parametrize("decode_attention", available_decode_attentions("cpu"))
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (8, 2), (9, 3)])
 def test_mixed_batch_matches_reference(num_heads: int, num_kv_heads: int, decode_attention: str) -> None:
     torch.manual_seed(0)
