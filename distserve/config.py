@@ -101,13 +101,16 @@ class ModelConfig:
 class CacheConfig:
     """Paged KV cache: ``num_blocks`` blocks of ``block_size`` tokens each.
 
-    If ``num_blocks`` is None it is derived from ``kv_cache_memory_gb``.
+    If ``num_blocks`` is None it is derived from ``kv_cache_memory_gb``. ``decode_attention`` names
+    the decode-attention backend that reads the cache (``kernels.backends``: padded, exact, cascade,
+    triton, flashinfer); None takes the device's default (``cascade`` on CPU).
     """
 
     block_size: int = 16
     num_blocks: int | None = None
     kv_cache_memory_gb: float = 1.0
     enable_prefix_caching: bool = True
+    decode_attention: str | None = None
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
@@ -116,6 +119,13 @@ class CacheConfig:
             raise InvalidConfigError(f"num_blocks must be >= 1, got {self.num_blocks}")
         if self.kv_cache_memory_gb <= 0:
             raise InvalidConfigError("kv_cache_memory_gb must be > 0")
+        if self.decode_attention is not None:
+            from kernels.backends import DECODE_ATTENTION_BACKENDS  # imported only when a backend is named
+
+            if self.decode_attention not in DECODE_ATTENTION_BACKENDS:
+                raise InvalidConfigError(
+                    f"decode_attention must be one of {sorted(DECODE_ATTENTION_BACKENDS)}, got {self.decode_attention!r}"
+                )
 
     def resolve_num_blocks(self, model: ModelConfig) -> int:
         if self.num_blocks is not None:

@@ -24,6 +24,12 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--kv-cache-gb", type=float, default=0.5, help="memory for the paged KV cache")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    p.add_argument(
+        "--decode-attention",
+        default=None,
+        choices=["padded", "exact", "cascade", "triton", "flashinfer"],
+        help="decode-attention backend (default: cascade on CPU — shared prompt prefixes read once per batch when it pays)",
+    )
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:

@@ -28,7 +28,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     engine = LLMEngine(
         args.model,
         dtype=args.dtype,
-        cache_config=CacheConfig(block_size=args.block_size, kv_cache_memory_gb=args.kv_cache_gb),
+        cache_config=CacheConfig(block_size=args.block_size, kv_cache_memory_gb=args.kv_cache_gb, decode_attention=args.decode_attention),
     )
     prompt: str | list[int] = args.prompt
     if args.chat:

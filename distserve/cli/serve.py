@@ -79,6 +79,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             dtype=args.dtype,
             kv_cache_gb=args.kv_cache_gb,
             block_size=args.block_size,
+            decode_attention=args.decode_attention,
             max_queued_requests=args.max_queued_requests,
             tpot_slo=args.tpot_slo,
             router=args.router,
@@ -99,7 +100,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     sock = open_listen_socket(args.host, args.port)
     config = DeploymentConfig(
         args.model, placement, dtype=args.dtype,
-        cache_config=CacheConfig(block_size=args.block_size, kv_cache_memory_gb=args.kv_cache_gb),
+        cache_config=CacheConfig(block_size=args.block_size, kv_cache_memory_gb=args.kv_cache_gb, decode_attention=args.decode_attention),
         # Prefill steps hold no decodes whose TPOT a step budget would protect.
         scheduler_config=slo_scheduler_config(slo.tpot_s if slo else None), prefill_scheduler_config=SchedulerConfig(),
         max_queued_requests=args.max_queued_requests, num_threads_per_worker=args.threads, router=args.router,

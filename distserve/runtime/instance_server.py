@@ -104,7 +104,7 @@ class InstanceServer:
             shard = ShardSpec(tp=spec.tp, pp=spec.pp, tp_rank=rank % spec.tp, pp_rank=rank // spec.tp)
             return WorkerSpec(
                 spec.model, spec.dtype, spec.num_blocks, spec.cache.block_size, spec.eos_token_ids, shard,
-                list(spec.global_ranks), spec.num_threads, spec.kv_transfer_timeout_s,
+                list(spec.global_ranks), spec.num_threads, spec.kv_transfer_timeout_s, spec.cache.decode_attention,
             )
 
         world = spec.tp * spec.pp

@@ -47,15 +47,16 @@ class StepRunner(Protocol):
     def execute(self, plan: StepPlan) -> list[SampledToken]: ...
 
 
-# (model, num_blocks, block_size, eos_token_ids) -> the runner of one instance
-RunnerFactory = Callable[[LoadedModel, int, int, tuple[int, ...]], StepRunner]
+# (model, num_blocks, cache config, eos_token_ids) -> the runner of one instance
+RunnerFactory = Callable[[LoadedModel, int, CacheConfig, tuple[int, ...]], StepRunner]
 PlanListener = Callable[[str, StepPlan], None]  # (instance id, plan), as each plan is launched
 MigrationListener = Callable[[str, str, str], None]  # (request id, source id, destination id), once the KV arrived
 
 
-def model_runner(loaded: LoadedModel, num_blocks: int, block_size: int, eos_token_ids: tuple[int, ...]) -> StepRunner:
+def model_runner(loaded: LoadedModel, num_blocks: int, cache: CacheConfig, eos_token_ids: tuple[int, ...]) -> StepRunner:
     """The default ``RunnerFactory``: a torch ``ModelRunner`` over the loaded weights."""
-    return ModelRunner(loaded.config, loaded.state_dict, num_blocks, block_size, eos_token_ids)
+    return ModelRunner(loaded.config, loaded.state_dict, num_blocks, cache.block_size, eos_token_ids,
+                       decode_attention=cache.decode_attention)
 
 
 @dataclass
@@ -115,7 +116,7 @@ class LocalDisaggEngine(EngineBase):
         def instance(phase: str, i: int, config: SchedulerConfig) -> LocalInstance:
             core = InstanceCore(phase, config, self.num_blocks, cc.block_size, self.max_model_len, self.eos_token_ids,
                                 enable_prefix_caching=cc.enable_prefix_caching)
-            return LocalInstance(f"{phase}-{i}", core, runner_factory(loaded, self.num_blocks, cc.block_size, self.eos_token_ids))
+            return LocalInstance(f"{phase}-{i}", core, runner_factory(loaded, self.num_blocks, cc, self.eos_token_ids))
 
         self.prefill = [instance("prefill", i, prefill_cfg) for i in range(num_prefill)]
         self.decode = [instance("decode", i, self.scheduler_config) for i in range(num_decode)]

@@ -44,6 +44,7 @@ class WorkerSpec:
     instance_ranks: list[int]  # global rank of each instance-local rank
     num_threads: int = 1
     kv_transfer_timeout_s: float = 30.0  # one side of one transfer, from when this worker starts it
+    decode_attention: str | None = None  # a kernels.backends name; None: the device's default
 
 
 @dataclass
@@ -87,7 +88,8 @@ class Worker:
         def build() -> ModelRunner:
             loaded = load_model(spec.model, spec.dtype)
             return ModelRunner(
-                loaded.config, loaded.state_dict, spec.num_blocks, spec.block_size, spec.eos_token_ids, parallel=parallel
+                loaded.config, loaded.state_dict, spec.num_blocks, spec.block_size, spec.eos_token_ids, parallel=parallel,
+                decode_attention=spec.decode_attention,
             )
 
         self.runner = self._compute.submit(build).result()

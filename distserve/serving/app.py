@@ -43,6 +43,7 @@ class ServeOptions:
     dtype: str = "auto"
     kv_cache_gb: float = 0.5
     block_size: int = 16
+    decode_attention: str | None = None  # a kernels.backends name; None: the device's default (cascade on CPU)
     max_queued_requests: int = SERVER_MAX_QUEUED_REQUESTS
     tpot_slo: float | None = None  # seconds: steps of decoding instances stay within it ("slo" step budget)
     router: str = DEFAULT_ROUTER  # entry routing among the prefill instances (``cluster.routing.ROUTERS``)
@@ -59,6 +60,7 @@ class ServeOptions:
             "dtype": str,
             "kv_cache_gb": float,
             "block_size": int,
+            "decode_attention": str,
             "max_queued_requests": int,
             "tpot_slo": float,
             "router": str,
@@ -86,7 +88,7 @@ class ServeOptions:
         )
         return DeploymentConfig(
             self.model, placement, dtype=self.dtype,
-            cache_config=CacheConfig(block_size=self.block_size, kv_cache_memory_gb=self.kv_cache_gb),
+            cache_config=CacheConfig(block_size=self.block_size, kv_cache_memory_gb=self.kv_cache_gb, decode_attention=self.decode_attention),
             scheduler_config=slo_scheduler_config(self.tpot_slo), prefill_scheduler_config=SchedulerConfig(),
             max_queued_requests=self.max_queued_requests, router=self.router,
         )

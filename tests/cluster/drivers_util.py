@@ -44,8 +44,8 @@ class FakeRunner:
         return [SampledToken(c.seq_id, SAMPLED_TOKEN) for c in plan.chunks if c.sample]
 
 
-def fake_runner(loaded: LoadedModel, num_blocks: int, block_size: int, eos: tuple[int, ...]) -> StepRunner:
-    return FakeRunner(num_blocks, block_size)
+def fake_runner(loaded: LoadedModel, num_blocks: int, cache: CacheConfig, eos: tuple[int, ...]) -> StepRunner:
+    return FakeRunner(num_blocks, cache.block_size)
 
 
 class ConstantStepTime(LatencyModel):
