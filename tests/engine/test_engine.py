@@ -86,9 +86,9 @@ def test_batch_invariance_mixed_lengths(tiny: LoadedModel) -> None:
 
 
 def test_decode_attention_backends_same_tokens_and_logits(tiny: LoadedModel) -> None:
-    """The default (exact, split-K) decode attention and the padded reference agree on a mixed batch."""
+    """The split-K (exact) and default (cascade) decode attentions and the padded reference agree on a mixed batch."""
     results = {}
-    for backend in ("padded", "exact"):
+    for backend in ("padded", "exact", "cascade"):
         engine = make_engine(tiny)
         engine.runner.decode_attention = backend
         captured: list[torch.Tensor] = []
@@ -96,8 +96,9 @@ def test_decode_attention_backends_same_tokens_and_logits(tiny: LoadedModel) -> 
         engine.runner.model.compute_logits = lambda h: captured.append(original(h)) or captured[-1]  # type: ignore[method-assign]
         tokens = [o.token_ids for o in engine.generate(PROMPTS, GREEDY32)]
         results[backend] = (tokens, torch.cat(captured))
-    assert results["exact"][0] == results["padded"][0]
-    torch.testing.assert_close(results["exact"][1], results["padded"][1], atol=1e-4, rtol=1e-4)
+    for backend in ("exact", "cascade"):
+        assert results[backend][0] == results["padded"][0]
+        torch.testing.assert_close(results[backend][1], results["padded"][1], atol=1e-4, rtol=1e-4)
 
 
 def test_chunked_prefill_same_output(tiny: LoadedModel) -> None:

@@ -45,8 +45,9 @@ def test_fit_predicts_measured_samples(tiny_profile: dict[str, Any]) -> None:
     assert large > 2 * small
 
     meta = tiny_profile["meta"]
-    # The default decode attention (kernels.decode_attention "exact") reads Σctx; the simulator is told so.
-    assert meta["decode_attention_backend"] == "exact" and meta["decode_attention"] == "sum"
+    # The default decode attention (kernels.backends "cascade") reads Σctx less what shared prefixes
+    # save; the simulator is told so (the profile's batches share nothing: they time exact steps).
+    assert meta["decode_attention_backend"] == "cascade" and meta["decode_attention"] == "cascade"
     assert meta["threads"] == 1 and meta["quick"] is True and meta["block_size"] == 16 and meta["dtype"] == "float32"
     assert meta["torch"] and meta["cpu"] and meta["date"]
     assert isinstance(meta["prefill_first_use_extra_s"]["1"], float) and 0 <= meta["cpu_steal_fraction"] <= 1
