@@ -39,13 +39,21 @@ class DecodeScheduler(Scheduler):
     def __init__(self, *args: object, **kwargs: object) -> None:
         super().__init__(*args, **kwargs)  # type: ignore[arg-type]
         self.migrating: dict[str, Sequence] = {}
+        self.num_held_reservations = 0  # reserve calls answered "wait for the shared prefix in flight"
 
     def can_reserve(self, seq: Sequence) -> bool:
         return len(self.running) + len(self.migrating) < self.max_running and self.block_manager.can_allocate(seq)
 
     def reserve(self, seq: Sequence) -> Reservation | None:
-        """Allocate blocks for a sequence whose ``token_ids`` are prompt + first token; None if no room."""
+        """Allocate blocks for a sequence whose ``token_ids`` are prompt + first token; None if no room,
+        or while most of its prompt is arriving here for another request right now (``_held``, as
+        prefill admission does): it reserves once that KV is committed, takes the shared blocks from
+        the prefix cache and receives only the rest — the shared prompt lands once, where cascade
+        attention reads it once for all."""
         if not self.can_reserve(seq):
+            return None
+        if self.config.enable_inflight_prefix_sharing and self._held(seq):
+            self.num_held_reservations += 1
             return None
         self._stamp(seq)
         self.block_manager.allocate(seq)

@@ -340,6 +340,7 @@ class InstanceCore:
             out["num_requests_awaiting_migration"] = s.num_awaiting_migration
         if isinstance(s, DecodeScheduler):
             out["num_requests_migrating"] = len(s.migrating)
+            out["reservations_held_total"] = s.num_held_reservations  # waits for a shared prefix arriving here
         return out
 
 

@@ -47,3 +47,20 @@ def test_siblings_arriving_together_compute_the_prefix_once(placement: Placement
     assert (summary["prefill_tokens_computed_total"], summary["prefix_cache_hit_tokens_total"]) == expected
     entry = "prefill0" if placement.prefill else "colocated0"
     assert result.instances[entry]["prefill_tokens_computed"] == expected[0]
+
+
+def test_siblings_migrating_together_receive_the_shared_prefix_once() -> None:
+    """Transfers slower than a prefill step: the siblings' reservations on the decode instance come
+    while the first one's prompt KV is still arriving. With sharing they wait for it (the decode
+    scheduler's held reservation) and receive only their own blocks; without, each receives all."""
+    moved = {}
+    for share in (True, False):
+        sched = SchedulerConfig(enable_inflight_prefix_sharing=share)
+        config = SimConfig(block_size=BS, num_blocks=256, enable_prefix_caching=True, scheduler=sched,
+                           prefill_scheduler=sched, decode_scheduler=sched, migration_overhead_s=0.2)
+        result = simulate(Placement.disaggregated(1, 1), constant_model(50.0, 5.0), siblings(), config)
+        assert all(r.completed for r in result.records) and result.num_migrations == len(SUFFIX_LENS)
+        moved[share] = result.migration_bytes
+    all_blocks = sum(-(-(len(PREFIX) + n) // BS) for n in SUFFIX_LENS)  # the prompt's KV of every sibling
+    shared_blocks = (len(SUFFIX_LENS) - 1) * (len(PREFIX) // BS)  # the prefix, received once instead of six times
+    assert moved[True] * all_blocks == moved[False] * (all_blocks - shared_blocks)
