@@ -60,6 +60,22 @@ def test_prefix_aware_migration_and_streaming(ray_cluster: Any) -> None:
     assert streamed[-1].token_ids == fresh.token_ids
 
 
+def test_siblings_migrating_together_receive_a_shared_prompt_once(ray_cluster: Any) -> None:
+    """Siblings submitted at once: prefill computes their shared prompt once, and the decode
+    instance receives it once (from its prefix cache, or — when a sibling's reservation comes while
+    that KV is still arriving — by waiting for it: tests/simulator/test_prefix_sharing_sim.py makes
+    that case happen), so cascade attention finds it shared there."""
+    shared = "Background: " + "the quick brown fox jumps over the lazy dog; " * 4  # 192 tokens = 48 blocks
+    prompts = [shared + f"Q{i}: what next?" for i in range(4)]
+    prefix_blocks = len(load_model("tiny").tokenizer.encode(shared)) // CACHE.block_size
+    with deploy(Placement.disaggregated()) as llm:
+        outs = llm.generate(prompts, SP)
+        stats = llm.stats()
+    assert stats["kv_migration_blocks_skipped_total"] >= 3 * prefix_blocks
+    expected = LLMEngine(load_model("tiny"), cache_config=CACHE).generate(prompts, SP)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in expected]
+
+
 def test_workers_land_on_the_named_nodes_and_flow_across(ray_cluster: Any, reference: list[list[int]]) -> None:
     import ray
 
