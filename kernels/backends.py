@@ -54,10 +54,10 @@ def get_decode_attention(name: str) -> DecodeAttention:
         raise ValueError(f"unknown decode attention {name!r}; choose one of {sorted(DECODE_ATTENTION_BACKENDS)}")
     module_name, cls_name = target.split(":")
     try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
+        backend = getattr(importlib.import_module(module_name), cls_name)()
+    except ImportError as exc:  # the module's library, or one its constructor needs
         raise ValueError(f"decode attention {name!r} needs a library that is not installed: {exc}") from exc
-    backend = _BUILT[name] = getattr(module, cls_name)()
+    _BUILT[name] = backend
     return backend
 
 
