@@ -18,8 +18,9 @@ log-sum-exp into a ``[num_parts, nd]`` grid of slots. Kernel 2 (``_merge_kernel`
 output in the query's dtype; ``triton_merge_attention_states`` exposes it with the signature of
 ``merge_attention_states``. With one part (no shared node) kernel 1 writes the output directly.
 
-``tl.arange`` sizes must be powers of two: head dim, group and block size are padded to the next
-power of two (at least 16, ``tl.dot``'s minimum on GPUs) and masked. Scores and products are fp32
+``tl.arange`` sizes must be powers of two: head dim, block size and group are padded to the next
+power of two and masked (head dim, block size and a tile's rows to at least 16, ``tl.dot``'s
+minimum on GPUs). Scores and products are fp32
 (``input_precision="ieee"``; 16-bit K/V are widened on load), which is exact but leaves tensor cores
 unused on GPUs. On CUDA the kernels compile natively, but they are untested there (no GPU here). On
 CPU they run only under Triton's interpreter, ``TRITON_INTERPRET=1`` set before ``triton`` is first
