@@ -20,9 +20,12 @@ from __future__ import annotations
 
 from operator import attrgetter
 
+from distserve.engine.block_manager import BlockManager
 from distserve.engine.sequence import Sequence
 
 _block_table = attrgetter("block_table")
+_token_ids = attrgetter("token_ids")
+_num_computed = attrgetter("num_computed_tokens")
 
 
 def group_by_prefix(running: list[Sequence]) -> list[Sequence] | None:
@@ -57,3 +60,53 @@ def group_by_prefix(running: list[Sequence]) -> list[Sequence] | None:
             order.extend(group)
             group.clear()
     return order
+
+
+class PrefixGrouping:
+    """The scheduler's selection order, and the grouping it keeps while ``running`` is unchanged."""
+
+    def __init__(self) -> None:
+        self._made_for: list[Sequence] = []  # the running list the grouping was made for
+        self._order: list[Sequence] | None = None
+        self._excess = 0  # Σ(tokens to compute - 1) over that running list then
+
+    def invalidate(self) -> None:
+        """A sequence joined or was preempted: make the grouping anew when next needed."""
+        self._made_for = []
+
+    def selection_order(
+        self, running: list[Sequence], num_in_flight: int, budget: int, max_seqs: int, bm: BlockManager
+    ) -> list[Sequence]:
+        """The order this step offers running sequences: prefix groups together (``group_by_prefix``)
+        once more of them could decode than one plan takes, else ``running`` (the policy order).
+
+        The grouping is kept while ``running`` holds the same sequences (so a pipeline's
+        micro-batches keep their groups and the loop finds each one's members together); it is
+        made anew only when more sequences are not in flight than one plan takes, counted in O(1):
+        ``len(running) - num_in_flight`` (at most their number: an id in flight may belong to one
+        finished since), one token each (a running prefill chunk takes more, so a budget it
+        exhausts keeps the policy order). Everything fitting, the order changes only the chunks'
+        order in the plan.
+
+        Preemption takes victims from the tail of the *policy* order, which is only safe while the
+        selection follows it too (a victim is then never one already in this plan). So groups are
+        used only when no preemption can happen this step. A chunk of n tokens needs at most
+        ceil((n - 1) / block_size) + 1 new blocks (a decode one: a new block or a copy-on-write,
+        never both), so the step needs at most max_seqs + e // block_size + min(e, max_seqs),
+        e = Σ(n - 1) over running (capped by the budget); e only falls while ``running`` holds the
+        same sequences (a preempted one leaves it and drops the grouping). With fewer blocks free,
+        the policy order stays.
+        """
+        if self._made_for != running:  # list !=: identity of each element, in C
+            if len(running) - num_in_flight <= (max_seqs if max_seqs < budget else budget):
+                return running
+            self._made_for = running[:]
+            self._order = group_by_prefix(running)
+            self._excess = sum(map(len, map(_token_ids, running))) - sum(map(_num_computed, running)) - len(running)
+        order = self._order
+        if order is None:
+            return running
+        excess = self._excess if self._excess < budget else budget
+        needed = max_seqs + excess // bm.block_size + (excess if excess < max_seqs else max_seqs)
+        return order if bm.num_free_blocks >= needed else running
+

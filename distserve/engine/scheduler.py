@@ -17,7 +17,7 @@ from distserve.cluster.classes import GroupArrivals
 from distserve.cluster.recovery import solo_order
 from distserve.config import SchedulerConfig
 from distserve.engine.block_manager import BlockManager
-from distserve.engine.prefix_grouping import group_by_prefix
+from distserve.engine.prefix_grouping import PrefixGrouping
 from distserve.engine.sequence import Sequence, SequenceStatus
 from distserve.engine.step_budget import StaticBudget, make_step_budget
 from distserve.engine.step_plan import SampledToken, ScheduledChunk, StepPlan
@@ -86,9 +86,7 @@ class Scheduler:
         self._running_sorted = True  # False once an append broke the order; schedule() re-sorts then
         self._finished_since_plan: list[str] = []
         self._scheduling: Sequence | None = None  # the sequence being decided on (crash attribution)
-        # The last prefix grouping (``_selection_order``) and the running list it was made for.
-        self._grouped_for: list[Sequence] = []
-        self._grouped: list[Sequence] | None = None
+        self.prefix_grouping = PrefixGrouping()  # the order the running loop offers sequences
         self._order = 0
         self._groups = GroupArrivals()
         self.num_preemptions = 0
@@ -121,6 +119,7 @@ class Scheduler:
         self.waiting.insert(i, seq)
 
     def _append_running(self, seq: Sequence) -> None:
+        self.prefix_grouping.invalidate()  # a sequence that comes back may need more tokens than when grouped
         running = self.running
         if running and self._running_sorted and self.policy(seq) < self.policy(running[-1]):
             self._running_sorted = False
@@ -163,6 +162,7 @@ class Scheduler:
     def _preempt(self, seq: Sequence) -> None:
         """Recompute later: drop its KV and put it back in the waiting queue."""
         self.running.remove(seq)
+        self.prefix_grouping.invalidate()
         self.block_manager.free(seq)
         seq.num_computed_tokens = 0
         seq.num_preemptions += 1
@@ -209,7 +209,8 @@ class Scheduler:
         i = 0
         in_flight = self.in_flight
         max_seqs = self.config.max_num_seqs  # per plan: with pp > 1, each micro-batch gets its share
-        order = self._selection_order(running, budget, max_seqs)  # ``running`` itself, or prefix groups together
+        # ``running`` itself, or prefix groups together when the step cannot take them all and cannot preempt.
+        order = self.prefix_grouping.selection_order(running, len(in_flight), budget, max_seqs, block_manager)
         while i < len(order) and budget > 0 and len(decodes) + len(prefills) < max_seqs:
             seq = self._scheduling = order[i]
             token_ids = seq.token_ids
@@ -290,34 +291,6 @@ class Scheduler:
         if self.pipeline_depth > 1:
             in_flight.update(c.seq_id for c in decodes)
         return plan
-
-    def _selection_order(self, running: list[Sequence], budget: int, max_seqs: int) -> list[Sequence]:
-        """The order this step offers running sequences: prefix groups together (``group_by_prefix``)
-        once more of them could decode than one plan takes, else ``running`` (the policy order).
-
-        The grouping is kept while ``running`` is unchanged (so a pipeline's micro-batches keep
-        their groups, and the loop finds each one's members together); it is made anew only when
-        more sequences are not in flight than one plan takes: ``len(running) - len(in_flight)``
-        (at most their number: an id in flight may belong to one finished since), one token each
-        (a running prefill chunk takes more, so a budget it exhausts keeps the policy order).
-        Everything fitting, the order changes nothing but the chunks' order in the plan.
-
-        Preemption takes victims from the tail of the *policy* order, which is only safe while the
-        selection follows it too (a victim is then never one already in this plan). So groups are
-        used only when no preemption can happen this step: a chunk of n tokens needs at most
-        ceil(n / block_size) new blocks plus one copy-on-write, so the step's running sequences need
-        at most budget / block_size + 1 + 2 × max_seqs blocks; with fewer free, the policy order stays.
-        """
-        if self._grouped_for != running:  # list !=: identity of each element, in C
-            if len(running) - len(self.in_flight) <= (max_seqs if max_seqs < budget else budget):
-                return running
-            self._grouped_for = running[:]
-            self._grouped = group_by_prefix(running)
-        grouped = self._grouped
-        if grouped is None:
-            return running
-        bm = self.block_manager
-        return grouped if bm.num_free_blocks >= budget // bm.block_size + 1 + 2 * max_seqs else running
 
     def _held(self, seq: Sequence) -> bool:
         """Whether ``seq`` waits for prefix blocks another sequence here is computing now, to take them
