@@ -47,6 +47,7 @@ class SimInstance:
         self.busy_s = 0.0
         self.step_time = step_time_fn
         self.cascade = cascade
+        self._savings: dict[tuple, tuple[int, int]] = {}  # batch_shape's memo of shared-prefix savings
         # Shared compute: the step in flight's solo seconds still to run, its current speed, when
         # those were last brought up to date, and a version that invalidates superseded completions.
         self.work_left = 0.0
@@ -72,12 +73,22 @@ class SimInstance:
 
     def batch_shape(self, plan: StepPlan) -> BatchShape:
         """The aggregates of ``plan`` this instance's latency model times."""
-        return batch_shape(plan, self.cascade, self.core.block_manager.block_size)
+        if len(self._savings) > 256:
+            self._savings.clear()
+        return batch_shape(plan, self.cascade, self.core.block_manager.block_size, self._savings)
 
 
-def batch_shape(plan: StepPlan, cascade: CascadeRule | None = None, block_size: int = 16) -> BatchShape:
+def batch_shape(
+    plan: StepPlan, cascade: CascadeRule | None = None, block_size: int = 16, memo: dict[tuple, tuple[int, int]] | None = None
+) -> BatchShape:
     """The aggregates of ``plan`` a latency model times; with ``cascade`` (the instance's cascade
-    rule) also the KV reads its shared prefixes save (``shared_prefix_savings``)."""
+    rule) also the KV reads its shared prefixes save (``shared_prefix_savings``).
+
+    ``memo`` keeps the savings by the decodes' (id, first block): a shared node is made of full
+    committed blocks, so while the same sequences decode together their tree is the same however
+    far their own suffixes grow (new blocks are never shared). It spares the tree on every step of
+    an unchanged batch.
+    """
     num_prefill = prefill_tokens = prefill_sq = num_decode = decode_ctx = max_ctx = 0
     firsts: set[int] | None = set() if cascade is not None else None
     shared = False
@@ -101,9 +112,15 @@ def batch_shape(plan: StepPlan, cascade: CascadeRule | None = None, block_size: 
     if not shared:  # no two decodes start on one block: nothing to read once (and no tree to build)
         return BatchShape(num_prefill, prefill_tokens, prefill_sq, num_decode, decode_ctx, max_ctx)
     decodes = [c for c in plan.chunks if len(c.token_ids) == 1]
-    saved, nodes = shared_prefix_savings(
-        [c.block_table for c in decodes], [c.start_pos + 1 for c in decodes], block_size, cascade  # type: ignore[arg-type]
-    )
+    key = tuple((c.seq_id, c.block_table[0]) for c in decodes) if memo is not None else ()
+    found = memo.get(key) if memo is not None else None
+    if found is None:
+        found = shared_prefix_savings(
+            [c.block_table for c in decodes], [c.start_pos + 1 for c in decodes], block_size, cascade  # type: ignore[arg-type]
+        )
+        if memo is not None:
+            memo[key] = found
+    saved, nodes = found
     return BatchShape(num_prefill, prefill_tokens, prefill_sq, num_decode, decode_ctx, max_ctx, saved, nodes)
 
 
