@@ -360,6 +360,7 @@ class FittedLatencyModel(LatencyModel):
         profile: str | os.PathLike[str] | dict[str, Any],
         model: str | ModelSpec | None = None,
         hardware: HardwareSpec | str | None = None,
+        decode_attention: str | None = None,
     ) -> FittedLatencyModel:
         """Load DistServe's profile file (``{model_id: {tp: {...}}}``, ms) or ours (``build_profile``).
 
@@ -368,13 +369,17 @@ class FittedLatencyModel(LatencyModel):
             model: which model of a DistServe file (needed if it holds several); for our format it
                 overrides the profile's ``model`` for the architecture numbers.
             hardware: defaults to a100-80g for DistServe's file and to the profile's ``hardware`` for ours.
+            decode_attention: what the simulated instances' decode attention reads ("sum", "padded",
+                "cascade": a backend's ``kv_read``); default the profile's ``meta.decode_attention``.
+                A profile of unshared contexts fits the same coefficients for "sum" and "cascade".
 
         Raises:
             InvalidConfigError: unreadable or malformed profile (the message names the key and file),
                 or ``model`` not in it.
         """
         p = read_profile(profile, model, hardware)
-        return cls(p.model, p.coeffs, hardware=p.hardware, source=p.source, decode_attention=p.decode_attention,
+        attention = p.decode_attention if decode_attention is None else decode_attention
+        return cls(p.model, p.coeffs, hardware=p.hardware, source=p.source, decode_attention=attention,
                    threads=p.threads, cascade_node_ms=p.cascade_node_ms, cascade_shared_fraction=p.cascade_shared_fraction)
 
     def to_profile(self) -> dict[str, Any]:
@@ -392,12 +397,14 @@ def get_latency_model(
     model: str | ModelSpec,
     hardware: str | HardwareSpec | None = None,
     profile: str | os.PathLike[str] | dict[str, Any] | None = None,
+    decode_attention: str | None = None,
 ) -> LatencyModel:
     """A fitted model if ``profile`` is given, else the roofline model.
 
     ``hardware`` defaults to a100-80g for the roofline, and to the profile's own hardware (a100-80g
-    for DistServe's file) for a fitted model.
+    for DistServe's file) for a fitted model; ``decode_attention`` (what the decode backend reads)
+    to the profile's, "sum" for the roofline.
     """
     if profile is not None:
-        return FittedLatencyModel.from_profile(profile, model=model, hardware=hardware)
-    return RooflineLatencyModel(model, hardware if hardware is not None else DEFAULT_HARDWARE)
+        return FittedLatencyModel.from_profile(profile, model=model, hardware=hardware, decode_attention=decode_attention)
+    return RooflineLatencyModel(model, hardware if hardware is not None else DEFAULT_HARDWARE, decode_attention=decode_attention or "sum")

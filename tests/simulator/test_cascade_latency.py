@@ -16,7 +16,7 @@ from distserve.placement import Placement
 from kernels.cascade_attention import ALWAYS, CascadeRule
 from simulator import DISTSERVE_A100_PROFILE
 from simulator.fitting import build_profile
-from simulator.latency import BatchShape, FittedLatencyModel, RooflineLatencyModel
+from simulator.latency import BatchShape, FittedLatencyModel, RooflineLatencyModel, get_latency_model
 from simulator.profiles import TpCoefficients
 from simulator.sim_instance import batch_shape, cascade_rule_of
 from simulator.simulation import SimConfig, Simulation
@@ -55,6 +55,17 @@ def test_batch_shape_counts_what_a_shared_prefix_saves() -> None:
     # No two decodes on one first block: nothing saved, and the same shape as without a rule.
     apart = StepPlan([decode("a", [1, 2], 30), decode("b", [3, 4], 30)])
     assert batch_shape(apart, ALWAYS, BS) == batch_shape(apart)
+
+
+def test_the_memo_gives_the_tree_of_the_same_batch_as_its_suffixes_grow() -> None:
+    memo: dict = {}
+    plan = shared_plan(4, 64, 10)
+    first = batch_shape(plan, CascadeRule(), BS, memo)
+    grown = StepPlan([decode(c.seq_id, c.block_table + [5000 + i], c.start_pos + 1 + BS) for i, c in enumerate(plan.chunks)])
+    assert batch_shape(grown, CascadeRule(), BS, memo).decode_shared_saved == first.decode_shared_saved == 3 * 1024
+    assert batch_shape(grown, CascadeRule(), BS) == batch_shape(grown, CascadeRule(), BS, memo) and len(memo) == 1
+    other = StepPlan(plan.chunks[:3])  # another batch: its own entry
+    assert batch_shape(other, CascadeRule(), BS, memo).decode_shared_saved == 2 * 1024 and len(memo) == 2
 
 
 def test_batch_shape_counts_every_level_of_a_tree() -> None:
@@ -114,6 +125,11 @@ def test_profiles_say_what_their_backend_read() -> None:
     assert FittedLatencyModel.from_profile(profile_dict("cascade", cascade_node_ms=0.3)).cascade_node_s == pytest.approx(0.3e-3)
     assert FittedLatencyModel.from_profile(profile_dict("cascade", cascade_shared_fraction=0.1)).cascade_unread == pytest.approx(0.9)
     assert FittedLatencyModel.from_profile(profile_dict(None)).decode_attention == "sum"
+    # An instance running another backend than the profiled one: say what it reads.
+    assert FittedLatencyModel.from_profile(profile_dict("sum"), decode_attention="cascade").decode_attention == "cascade"
+    assert get_latency_model("facebook/opt-13b", decode_attention="cascade").decode_attention == "cascade"
+    with pytest.raises(InvalidConfigError, match="decode_attention"):
+        get_latency_model("facebook/opt-13b", profile=profile_dict("sum"), decode_attention="wide")
     for bad in ({"decode_attention": "flat"}, {"decode_attention": "cascade", "cascade_node_ms": "x"},
                 {"decode_attention": "cascade", "cascade_node_ms": -2}, {"decode_attention": "cascade", "cascade_shared_fraction": 2}):
         with pytest.raises(InvalidConfigError, match="meta"):
