@@ -18,7 +18,7 @@ from typing import Any
 from distserve.errors import InvalidConfigError
 from simulator.hardware import HardwareSpec, get_hardware
 from simulator.models import ModelSpec, get_model_spec
-from simulator.profiles import DEFAULT_HARDWARE, TpCoefficients, profile_json, read_profile
+from simulator.profiles import DECODE_ATTENTION_READS, DEFAULT_HARDWARE, TpCoefficients, profile_json, read_profile
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,6 +31,11 @@ class BatchShape:
     num_decode: int = 0
     decode_ctx: int = 0  # Σ context length of decodes (including the new token)
     decode_max_ctx: int = 0  # the longest of them (a kernel that pads every decode to it reads num_decode × this)
+    # Cascade attention (``kernels.cascade_attention``) reads each kept shared-prefix node once for its
+    # members: the KV tokens it does NOT read, Σ over kept nodes of (members - 1) × node tokens, and
+    # the number of kept nodes (``simulator.sim_instance.batch_shape`` with a ``CascadeRule``).
+    decode_shared_saved: int = 0
+    decode_shared_nodes: int = 0
 
     @classmethod
     def of(
@@ -53,11 +58,22 @@ class BatchShape:
                    max(decode_ctx_lens, default=0))
 
 
+def check_decode_attention(value: object, where: str = "decode_attention") -> str:
+    """``value`` if it names what a decode backend reads (``kv_read``), else ``InvalidConfigError``."""
+    if value not in DECODE_ATTENTION_READS:
+        raise InvalidConfigError(f"{where} must be one of {', '.join(map(repr, DECODE_ATTENTION_READS))}, got {value!r}")
+    return value  # type: ignore[return-value]
+
+
 class LatencyModel(ABC):
     """Step times of one model on one hardware type, for any (tp, pp) it supports."""
 
     model: ModelSpec
     hardware: HardwareSpec
+    # What the modelled decode attention reads (``DecodeAttention.kv_read``): "sum" (Σctx),
+    # "padded" (batch × max ctx) or "cascade" (Σctx less what shared prefixes save: the simulator
+    # then computes ``BatchShape.decode_shared_saved`` from each plan's block tables).
+    decode_attention: str = "sum"
     # Torch threads per worker the step times were measured with (profiles of a CPU); None otherwise.
     threads: int | None = None
 
@@ -151,8 +167,14 @@ class RooflineLatencyModel(LatencyModel):
     overhead. Logits are computed for one token per sequence (the one that is sampled).
     """
 
-    def __init__(self, model: ModelSpec | str, hardware: HardwareSpec | str, pp_same_node: bool = True) -> None:
-        """``pp_same_node``: whether pipeline stages send activations over the intra-node link."""
+    def __init__(
+        self, model: ModelSpec | str, hardware: HardwareSpec | str, pp_same_node: bool = True, decode_attention: str = "sum"
+    ) -> None:
+        """``pp_same_node``: whether pipeline stages send activations over the intra-node link;
+        ``decode_attention`` "cascade": KV memory traffic leaves out ``decode_shared_saved`` tokens
+        (attention FLOPs stay: every query still meets every key)."""
+        self.decode_attention = check_decode_attention(decode_attention)
+        self._cascade = decode_attention == "cascade"
         self.model = _as_model(model)
         self.hardware = _as_hardware(hardware)
         self.pp_same_node = pp_same_node
@@ -222,7 +244,8 @@ class RooflineLatencyModel(LatencyModel):
             + shape.prefill_sq * per_sq
             + shape.decode_ctx * per_ctx
         )
-        memory = weights + (shape.decode_ctx + num_tokens) * per_kv
+        kv_read = shape.decode_ctx - shape.decode_shared_saved if self._cascade else shape.decode_ctx
+        memory = weights + (kv_read + num_tokens) * per_kv
         return (compute if compute > memory else memory) + num_tokens * comm_per_token + fixed
 
 
@@ -242,6 +265,13 @@ class FittedLatencyModel(LatencyModel):
     coefficients either way; with padding, batches of mixed contexts cost up to several times
     Σctx (median 2.8× in a loaded SmolLM2 run here). Our profiler records what its backend reads
     in the profile's ``meta.decode_attention``.
+
+    ``decode_attention="cascade"``: the decode term reads ``Σctx - (1 - f) · decode_shared_saved``
+    (each kept shared prefix once for its members; ``f = cascade_shared_fraction`` is what a shared
+    token still costs each further member, relative to reading it: the group's queries still meet
+    every key) plus ``cascade_node_ms`` per kept node (one more attention call and merge part).
+    ``experiments/validate_cascade_latency.py`` measures both. Without sharing it is the "sum"
+    model, so a profile of uniform, unshared contexts fits the same coefficients for both.
     """
 
     def __init__(
@@ -253,12 +283,20 @@ class FittedLatencyModel(LatencyModel):
         source: str = "",
         decode_attention: str = "sum",
         threads: int | None = None,
+        cascade_node_ms: float = 0.0,
+        cascade_shared_fraction: float = 0.0,
     ) -> None:
         """``hardware`` (default a100-80g) is used for memory capacity and migration times only;
         ``threads``: torch threads per worker of the profiled runs (the profile's ``meta.threads``)."""
-        if decode_attention not in ("sum", "padded"):
-            raise InvalidConfigError(f"decode_attention must be 'sum' or 'padded', got {decode_attention!r}")
+        self.decode_attention = check_decode_attention(decode_attention)
         self.padded_decode = decode_attention == "padded"
+        self.cascade_decode = decode_attention == "cascade"
+        if not cascade_node_ms >= 0:
+            raise InvalidConfigError(f"cascade_node_ms must be >= 0, got {cascade_node_ms!r}")
+        self.cascade_node_s = cascade_node_ms / 1e3
+        if not 0 <= cascade_shared_fraction <= 1:
+            raise InvalidConfigError(f"cascade_shared_fraction must be in [0, 1], got {cascade_shared_fraction!r}")
+        self.cascade_unread = 1.0 - cascade_shared_fraction  # of a saved token's read cost
         if threads is not None and (not isinstance(threads, int) or threads < 1):
             raise InvalidConfigError(f"threads must be an integer >= 1, got {threads!r}")
         self.threads = threads
@@ -302,8 +340,12 @@ class FittedLatencyModel(LatencyModel):
                 decode_a, b, k = c[3], c[4], c[5]
             else:
                 decode_a, b, k = c[6], c[7], c[8]
-            ctx = batch * shape.decode_max_ctx if self.padded_decode and shape.decode_max_ctx else shape.decode_ctx
-            time_s += decode_a + b * ctx + k * batch
+            if self.cascade_decode:
+                time_s += decode_a + b * (shape.decode_ctx - self.cascade_unread * shape.decode_shared_saved) + k * batch \
+                    + self.cascade_node_s * shape.decode_shared_nodes
+            else:
+                ctx = batch * shape.decode_max_ctx if self.padded_decode and shape.decode_max_ctx else shape.decode_ctx
+                time_s += decode_a + b * ctx + k * batch
             if shape.num_prefill:  # one launch overhead for a mixed batch, not two
                 time_s -= prefill_a if prefill_a < decode_a else decode_a
         elif not shape.num_prefill:
@@ -318,6 +360,7 @@ class FittedLatencyModel(LatencyModel):
         profile: str | os.PathLike[str] | dict[str, Any],
         model: str | ModelSpec | None = None,
         hardware: HardwareSpec | str | None = None,
+        decode_attention: str | None = None,
     ) -> FittedLatencyModel:
         """Load DistServe's profile file (``{model_id: {tp: {...}}}``, ms) or ours (``build_profile``).
 
@@ -326,14 +369,18 @@ class FittedLatencyModel(LatencyModel):
             model: which model of a DistServe file (needed if it holds several); for our format it
                 overrides the profile's ``model`` for the architecture numbers.
             hardware: defaults to a100-80g for DistServe's file and to the profile's ``hardware`` for ours.
+            decode_attention: what the simulated instances' decode attention reads ("sum", "padded",
+                "cascade": a backend's ``kv_read``); default the profile's ``meta.decode_attention``.
+                A profile of unshared contexts fits the same coefficients for "sum" and "cascade".
 
         Raises:
             InvalidConfigError: unreadable or malformed profile (the message names the key and file),
                 or ``model`` not in it.
         """
         p = read_profile(profile, model, hardware)
-        return cls(p.model, p.coeffs, hardware=p.hardware, source=p.source, decode_attention=p.decode_attention,
-                   threads=p.threads)
+        attention = p.decode_attention if decode_attention is None else decode_attention
+        return cls(p.model, p.coeffs, hardware=p.hardware, source=p.source, decode_attention=attention,
+                   threads=p.threads, cascade_node_ms=p.cascade_node_ms, cascade_shared_fraction=p.cascade_shared_fraction)
 
     def to_profile(self) -> dict[str, Any]:
         """This model's coefficients in our profile format (no samples)."""
@@ -350,12 +397,14 @@ def get_latency_model(
     model: str | ModelSpec,
     hardware: str | HardwareSpec | None = None,
     profile: str | os.PathLike[str] | dict[str, Any] | None = None,
+    decode_attention: str | None = None,
 ) -> LatencyModel:
     """A fitted model if ``profile`` is given, else the roofline model.
 
     ``hardware`` defaults to a100-80g for the roofline, and to the profile's own hardware (a100-80g
-    for DistServe's file) for a fitted model.
+    for DistServe's file) for a fitted model; ``decode_attention`` (what the decode backend reads)
+    to the profile's, "sum" for the roofline.
     """
     if profile is not None:
-        return FittedLatencyModel.from_profile(profile, model=model, hardware=hardware)
-    return RooflineLatencyModel(model, hardware if hardware is not None else DEFAULT_HARDWARE)
+        return FittedLatencyModel.from_profile(profile, model=model, hardware=hardware, decode_attention=decode_attention)
+    return RooflineLatencyModel(model, hardware if hardware is not None else DEFAULT_HARDWARE, decode_attention=decode_attention or "sum")

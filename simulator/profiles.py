@@ -16,6 +16,7 @@ from simulator.hardware import HardwareSpec
 from simulator.models import ModelSpec, get_model_spec, known_model
 
 PROFILE_FORMAT = "distserve-profile/1"
+DECODE_ATTENTION_READS = ("sum", "padded", "cascade")  # meta.decode_attention: what the profiled backend read
 DEFAULT_HARDWARE = "a100-80g"  # DistServe's published coefficients were measured on A100-80G
 
 
@@ -51,8 +52,10 @@ class ProfileContents:
     coeffs: dict[int, TpCoefficients]
     hardware: HardwareSpec | str
     source: str
-    decode_attention: str = "sum"
+    decode_attention: str = "sum"  # what the profiled backend reads: "sum" | "padded" | "cascade"
     threads: int | None = None
+    cascade_node_ms: float = 0.0  # per kept shared-prefix node of a cascade step (meta.cascade_node_ms)
+    cascade_shared_fraction: float = 0.0  # a shared token's cost per further member (meta.cascade_shared_fraction)
 
 
 def read_profile(
@@ -103,12 +106,24 @@ def _from_our_profile(
     table = _profile_key(data, "tp", source)
     coeffs = _parse_tp_table(table, f"profile {source!r}", scale)
     attention = (data.get("meta") or {}).get("decode_attention", "sum")
-    if attention not in ("sum", "padded"):
-        raise InvalidConfigError(f"profile {source!r}: meta.decode_attention must be 'sum' or 'padded', got {attention!r}")
+    if attention not in DECODE_ATTENTION_READS:
+        raise InvalidConfigError(
+            f"profile {source!r}: meta.decode_attention must be one of {', '.join(map(repr, DECODE_ATTENTION_READS))}, got {attention!r}"
+        )
+    node_ms = _meta_number(data, "cascade_node_ms", source, 0.0, float("inf"))
+    shared_fraction = _meta_number(data, "cascade_shared_fraction", source, 0.0, 1.0)
     threads = (data.get("meta") or {}).get("threads")
     if threads is not None and (not isinstance(threads, int) or isinstance(threads, bool) or threads < 1):
         raise InvalidConfigError(f"profile {source!r}: meta.threads must be an integer >= 1, got {threads!r}")
-    return ProfileContents(_resolve_model(model, source), coeffs, hardware, source, attention, threads)
+    return ProfileContents(_resolve_model(model, source), coeffs, hardware, source, attention, threads, node_ms, shared_fraction)
+
+
+def _meta_number(data: dict[str, Any], key: str, source: str, lo: float, hi: float) -> float:
+    """``meta[key]`` (0 if absent), a number in [lo, hi]; ``InvalidConfigError`` naming it otherwise."""
+    value = (data.get("meta") or {}).get(key, 0.0)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not lo <= value <= hi:
+        raise InvalidConfigError(f"profile {source!r}: meta.{key} must be a number in [{lo}, {hi}], got {value!r}")
+    return float(value)
 
 
 def _from_distserve_profile(

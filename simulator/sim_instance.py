@@ -8,13 +8,17 @@ with ``SharedCompute`` the steps in flight on a node finish later while others c
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 from distserve.cluster.routing import RouteState
 from distserve.engine.instance_core import InstanceCore
 from distserve.engine.step_plan import StepPlan
 from distserve.placement import InstanceSpec
 from simulator.latency import BatchShape, LatencyModel
+
+if TYPE_CHECKING:
+    from kernels.cascade_attention import CascadeRule
 
 StepTimeFn = Callable[[BatchShape], float]
 
@@ -23,8 +27,11 @@ class SimInstance:
     """One instance: the runtime's ``InstanceCore``, a clock for each of its ``pp`` stages, a link."""
 
     def __init__(
-        self, kind: str, index: int, spec: InstanceSpec, core: InstanceCore, step_time_fn: StepTimeFn, position: int = 0
+        self, kind: str, index: int, spec: InstanceSpec, core: InstanceCore, step_time_fn: StepTimeFn, position: int = 0,
+        cascade: CascadeRule | None = None,
     ) -> None:
+        """``cascade``: the rule of the instance's cascade decode attention (``cascade_rule_of``), so
+        its step shapes carry what shared prefixes save; None for a backend without one."""
         self.kind = kind  # "colocated" | "prefill" | "decode"
         self.index = index
         self.position = position  # in ``Simulation.instances``: instances due at one instant launch in this order
@@ -39,6 +46,8 @@ class SimInstance:
         self.rx_free = 0.0
         self.busy_s = 0.0
         self.step_time = step_time_fn
+        self.cascade = cascade
+        self._savings: dict[tuple, tuple[int, int]] = {}  # batch_shape's memo of shared-prefix savings
         # Shared compute: the step in flight's solo seconds still to run, its current speed, when
         # those were last brought up to date, and a version that invalidates superseded completions.
         self.work_left = 0.0
@@ -62,10 +71,27 @@ class SimInstance:
     def num_gpus(self) -> int:
         return self.tp * self.pp
 
+    def batch_shape(self, plan: StepPlan) -> BatchShape:
+        """The aggregates of ``plan`` this instance's latency model times."""
+        if len(self._savings) > 256:
+            self._savings.clear()
+        return batch_shape(plan, self.cascade, self.core.block_manager.block_size, self._savings)
 
-def batch_shape(plan: StepPlan) -> BatchShape:
-    """The aggregates of ``plan`` a latency model times."""
+
+def batch_shape(
+    plan: StepPlan, cascade: CascadeRule | None = None, block_size: int = 16, memo: dict[tuple, tuple[int, int]] | None = None
+) -> BatchShape:
+    """The aggregates of ``plan`` a latency model times; with ``cascade`` (the instance's cascade
+    rule) also the KV reads its shared prefixes save (``shared_prefix_savings``).
+
+    ``memo`` keeps the savings by the decodes' (id, first block): a shared node is made of full
+    committed blocks, so while the same sequences decode together their tree is the same however
+    far their own suffixes grow (new blocks are never shared). It spares the tree on every step of
+    an unchanged batch.
+    """
     num_prefill = prefill_tokens = prefill_sq = num_decode = decode_ctx = max_ctx = 0
+    firsts: set[int] | None = set() if cascade is not None else None
+    shared = False
     for c in plan.chunks:
         n = len(c.token_ids)
         if n == 1:
@@ -73,12 +99,60 @@ def batch_shape(plan: StepPlan) -> BatchShape:
             decode_ctx += c.start_pos + 1
             if c.start_pos >= max_ctx:
                 max_ctx = c.start_pos + 1
+            if firsts is not None and c.start_pos >= block_size - 1:  # a full first block: shareable
+                first = c.block_table[0]
+                if first in firsts:
+                    shared = True
+                firsts.add(first)
         else:
             s = c.start_pos
             num_prefill += 1
             prefill_tokens += n
             prefill_sq += (s + n) * (s + n) - s * s
-    return BatchShape(num_prefill, prefill_tokens, prefill_sq, num_decode, decode_ctx, max_ctx)
+    if not shared:  # no two decodes start on one block: nothing to read once (and no tree to build)
+        return BatchShape(num_prefill, prefill_tokens, prefill_sq, num_decode, decode_ctx, max_ctx)
+    decodes = [c for c in plan.chunks if len(c.token_ids) == 1]
+    key = tuple((c.seq_id, c.block_table[0]) for c in decodes) if memo is not None else ()
+    found = memo.get(key) if memo is not None else None
+    if found is None:
+        found = shared_prefix_savings(
+            [c.block_table for c in decodes], [c.start_pos + 1 for c in decodes], block_size, cascade  # type: ignore[arg-type]
+        )
+        if memo is not None:
+            memo[key] = found
+    saved, nodes = found
+    return BatchShape(num_prefill, prefill_tokens, prefill_sq, num_decode, decode_ctx, max_ctx, saved, nodes)
+
+
+def shared_prefix_savings(
+    block_tables: Sequence[Sequence[int]], context_lens: Sequence[int], block_size: int, rule: CascadeRule
+) -> tuple[int, int]:
+    """(KV tokens a cascade step does not read, kept nodes): the shared-prefix tree of these
+    decodes (``find_prefix_tree``), its nodes that pay by ``rule``, each read once for its members."""
+    from kernels.cascade_attention import find_prefix_tree  # torch: only for a cascade instance
+
+    saved = nodes = 0
+    for node in find_prefix_tree(block_tables, context_lens, block_size).nodes():
+        tokens, members = node.num_blocks * block_size, len(node.members)
+        if rule.pays(tokens, members):
+            saved += (members - 1) * tokens
+            nodes += 1
+    return saved, nodes
+
+
+def cascade_rule_of(latency: LatencyModel) -> CascadeRule | None:
+    """The rule of the cascade backend a latency model with ``decode_attention == "cascade"`` models
+    (the registered ``cascade`` backend's, as the runner uses it), else None."""
+    if latency.decode_attention != "cascade":
+        return None
+    from kernels.backends import get_decode_attention
+
+    rule = getattr(get_decode_attention("cascade"), "rule", None)
+    if rule is None:
+        from kernels.cascade_attention import CascadeRule
+
+        rule = CascadeRule()
+    return rule
 
 
 def route_of(inst: SimInstance) -> RouteState:

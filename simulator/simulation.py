@@ -51,7 +51,7 @@ from distserve.errors import InvalidConfigError
 from distserve.placement import InstanceSpec, Placement
 from simulator.latency import LatencyModel
 from simulator.metrics import RequestRecord, SimResult
-from simulator.sim_instance import SharedCompute, SimInstance, batch_shape, route_of, step_time_fn
+from simulator.sim_instance import SharedCompute, SimInstance, cascade_rule_of, route_of, step_time_fn
 
 if TYPE_CHECKING:
     from collections.abc import Sequence as Seq
@@ -141,6 +141,7 @@ class Simulation:
             + [("decode", s, cfg.decode_scheduler) for s in placement.decode]
         )
         counters: dict[str, int] = {}
+        cascade = cascade_rule_of(latency)  # the modelled decode attention reads shared prefixes once
         for kind, spec, sched_cfg in groups:
             core = InstanceCore(kind, sched_cfg, self._num_blocks(spec), cfg.block_size, self.max_model_len,
                                 enable_prefix_caching=cfg.enable_prefix_caching, pipeline_depth=spec.pp)
@@ -148,7 +149,7 @@ class Simulation:
             counters[kind] = idx + 1
             fn = step_time_fn(latency, spec.tp, spec.pp, cfg.step_overhead_s, cfg.step_time_scale,
                                cfg.prefill_scale, instant=cfg.instant_prefill and kind == "prefill")
-            self.instances.append(SimInstance(kind, idx, spec, core, fn, len(self.instances)))
+            self.instances.append(SimInstance(kind, idx, spec, core, fn, len(self.instances), cascade=cascade))
         self.entry = [i for i in self.instances if i.kind in ("colocated", "prefill")]
         self.decodes = [i for i in self.instances if i.kind == "decode"]
         self.shared = SharedCompute(cfg.concurrent_slowdown) if cfg.concurrent_slowdown != 1.0 else None
@@ -345,7 +346,7 @@ class Simulation:
         plan = launched.plan
         if self.on_plan is not None:
             self.on_plan(inst.instance_id, plan)
-        t = inst.step_time(batch_shape(plan))
+        t = inst.step_time(inst.batch_shape(plan))
         core.observe(plan, t)  # what the runtime measures: the SLO budget learns from it
         inst.busy_s += t
         if self.shared and t > 0 and inst.pp == 1:

@@ -17,6 +17,7 @@ from distserve.cluster.classes import GroupArrivals
 from distserve.cluster.recovery import solo_order
 from distserve.config import SchedulerConfig
 from distserve.engine.block_manager import BlockManager
+from distserve.engine.prefix_grouping import PrefixGrouping
 from distserve.engine.sequence import Sequence, SequenceStatus
 from distserve.engine.step_budget import StaticBudget, make_step_budget
 from distserve.engine.step_plan import SampledToken, ScheduledChunk, StepPlan
@@ -85,6 +86,7 @@ class Scheduler:
         self._running_sorted = True  # False once an append broke the order; schedule() re-sorts then
         self._finished_since_plan: list[str] = []
         self._scheduling: Sequence | None = None  # the sequence being decided on (crash attribution)
+        self.prefix_grouping = PrefixGrouping()  # the order the running loop offers sequences
         self._order = 0
         self._groups = GroupArrivals()
         self.num_preemptions = 0
@@ -117,6 +119,7 @@ class Scheduler:
         self.waiting.insert(i, seq)
 
     def _append_running(self, seq: Sequence) -> None:
+        self.prefix_grouping.invalidate()  # a sequence that comes back may need more tokens than when grouped
         running = self.running
         if running and self._running_sorted and self.policy(seq) < self.policy(running[-1]):
             self._running_sorted = False
@@ -159,6 +162,7 @@ class Scheduler:
     def _preempt(self, seq: Sequence) -> None:
         """Recompute later: drop its KV and put it back in the waiting queue."""
         self.running.remove(seq)
+        self.prefix_grouping.invalidate()
         self.block_manager.free(seq)
         seq.num_computed_tokens = 0
         seq.num_preemptions += 1
@@ -205,8 +209,10 @@ class Scheduler:
         i = 0
         in_flight = self.in_flight
         max_seqs = self.config.max_num_seqs  # per plan: with pp > 1, each micro-batch gets its share
-        while i < len(running) and budget > 0 and len(decodes) + len(prefills) < max_seqs:
-            seq = self._scheduling = running[i]
+        # ``running`` itself, or prefix groups together when the step cannot take them all and cannot preempt.
+        order = self.prefix_grouping.selection_order(running, len(in_flight), budget, max_seqs, block_manager)
+        while i < len(order) and budget > 0 and len(decodes) + len(prefills) < max_seqs:
+            seq = self._scheduling = order[i]
             token_ids = seq.token_ids
             start = seq.num_computed_tokens
             n = len(token_ids) - start

@@ -152,3 +152,24 @@ def test_quick_run_prints_json_last(script: Path, tmp_path: Path) -> None:
     assert isinstance(figures, dict) and figures
     check = CHECKS.get(script.stem)
     assert check is None or check(figures), figures
+
+
+def test_validate_cascade_latency_quick(tmp_path: Path) -> None:
+    """Measured cascade and exact steps of shared-prefix batches, each with a prediction with and
+    without the shared term; the term removes the KV a cascade does not read, so it predicts less."""
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "experiments" / "validate_cascade_latency.py"), "--quick", "--out-dir", str(tmp_path)],
+        cwd=ROOT, capture_output=True, text=True, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    f = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert f["cases"] == [[4, 512], [8, 512]] and f["profile_decode_attention"] == "sum"
+    for key in ("cascade_error_with_term", "cascade_error_without_term", "cascade_error_with_fitted_fraction", "exact_error"):
+        assert 0 <= f[key]["median"] <= f[key]["max"], key
+    assert 0 <= f["cascade_shared_fraction_fit"] <= 1 and all(s > 0 for s in f["speedup"].values())
+    rows = json.loads((tmp_path / "validate_cascade_latency_quick.json").read_text())["rows"]
+    assert len(rows) == 2 and all(
+        r["shared_saved"] == (r["num_requests"] - 1) * r["prefix_len"] and r["shared_nodes"] == 1
+        and r["predicted_cascade_ms"] < r["predicted_sum_ms"] and r["cascade_ms"] > 0 and r["exact_ms"] > 0
+        for r in rows
+    )
