@@ -1,0 +1,237 @@
+"""The cascade part of ``bench_attention.py``: shared-prefix batches, cascade vs per-request decode
+attention on them, the cost rule derived from where cascade stops paying, and the plot.
+
+A batch is a prefix tree laid out on a shuffled block cache: named shared segments (a system
+prompt, a document) whose blocks every request naming them holds at the same table positions, as
+prefix caching and prefix-aware migration leave them, then each request's own suffix (seeded
+ragged lengths). Backends run on one layer's cache (SmolLM2 shapes) through their own ``plan`` and
+``forward``, alternating call by call; a backend's *per-layer* time is its ``forward`` plus its
+``plan`` divided by the model's layers (a plan is built once per step and shared by every layer).
+
+The rule: for every configuration of the rule sweep (one group of ``members`` requests sharing a
+``prefix``) the saving is ``(members - 1) × prefix`` KV tokens; the derived ``min_saved_tokens``
+is the threshold that loses the least time over the sweep when the rule picks cascade at or above
+it and ``exact`` below (the loss of a configuration: the chosen backend's time over the faster's,
+minus 1). Rules with a second term (a minimum of members or of shared tokens) are scored the same
+way, so the benchmark shows whether one would decide better.
+"""
+
+from __future__ import annotations
+
+import random
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from kernels.cascade_attention import ALWAYS, CascadeDecodeAttention, CascadePlan, CascadeRule
+from kernels.decode_attention import DecodeAttention, ExactDecodeAttention, PaddedDecodeAttention
+
+SMOLLM2 = dict(num_heads=9, num_kv_heads=3, head_dim=64, block_size=16, num_layers=30)
+
+
+def alternate(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str, float]:
+    """Median seconds of each function, calls alternating (order flipped every round) after a warm-up."""
+    for fn in fns.values():
+        fn()
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    names = list(fns)
+    for r in range(repeats):
+        for name in names if r % 2 == 0 else reversed(names):
+            t0 = time.perf_counter()
+            fns[name]()
+            times[name].append(time.perf_counter() - t0)
+    return {name: statistics.median(ts) for name, ts in times.items()}
+
+
+@dataclass
+class SharedBatch:
+    """A decode batch whose block tables share segments; context ``i`` ends in its own suffix."""
+
+    name: str
+    contexts: list[int]  # [n]
+    tables: list[list[int]]  # [n][blocks] physical block ids
+    num_blocks: int  # blocks in the cache
+    num_unique_tokens: int  # tokens of the distinct blocks' contents (shared segments once)
+
+    def table(self) -> torch.Tensor:  # [n, max blocks] int64, padded with 0
+        width = max(len(t) for t in self.tables)
+        return torch.tensor([t + [0] * (width - len(t)) for t in self.tables], dtype=torch.int64)
+
+
+def tree_batch(name: str, segments: dict[str, int], paths: Sequence[Sequence[str]], own_tokens: Sequence[int],
+               block_size: int, gen: torch.Generator) -> SharedBatch:
+    """Request ``i`` holds the blocks of ``paths[i]``'s segments (same name, same physical blocks;
+    each a whole number of blocks long) in order, then ``own_tokens[i]`` tokens of its own."""
+    for seg, tokens in segments.items():
+        if tokens % block_size:
+            raise ValueError(f"segment {seg!r} has {tokens} tokens, not a multiple of the block size {block_size}")
+    own_blocks = [-(-t // block_size) for t in own_tokens]
+    num_blocks = sum(t // block_size for t in segments.values()) + sum(own_blocks) + 16
+    perm = torch.randperm(num_blocks, generator=gen).tolist()
+    seg_blocks = {seg: [perm.pop() for _ in range(tokens // block_size)] for seg, tokens in segments.items()}
+    tables = [[b for seg in path for b in seg_blocks[seg]] + [perm.pop() for _ in range(nb)] for path, nb in zip(paths, own_blocks)]
+    contexts = [sum(segments[s] for s in path) + own for path, own in zip(paths, own_tokens)]
+    return SharedBatch(name, contexts, tables, num_blocks, sum(segments.values()) + sum(own_tokens))
+
+
+def one_level(num_requests: int, prefix: int, suffix: tuple[int, int], block_size: int, rng: random.Random,
+              gen: torch.Generator) -> SharedBatch:
+    """``num_requests`` sharing one ``prefix``-token prompt, own suffixes uniform in ``suffix``."""
+    own = [rng.randint(*suffix) for _ in range(num_requests)]
+    return tree_batch(f"{num_requests} x {prefix}", {"prompt": prefix}, [("prompt",)] * num_requests, own, block_size, gen)
+
+
+def two_level(num_requests: int, root: int, num_docs: int, doc: int, suffix: tuple[int, int], block_size: int,
+              rng: random.Random, gen: torch.Generator) -> SharedBatch:
+    """A ``root``-token system prompt shared by all, then one of ``num_docs`` ``doc``-token documents
+    (each shared by ``num_requests / num_docs``), then own suffixes."""
+    segments = {"system": root, **{f"doc{d}": doc for d in range(num_docs)}}
+    paths = [("system", f"doc{i * num_docs // num_requests}") for i in range(num_requests)]
+    own = [rng.randint(*suffix) for _ in range(num_requests)]
+    return tree_batch(f"{num_requests}: {root} + {num_docs} docs x {doc}", segments, paths, own, block_size, gen)
+
+
+def compare(batch: SharedBatch, backends: dict[str, DecodeAttention], dtype: torch.dtype, repeats: int,
+            seed: int) -> dict[str, Any]:
+    """Every backend's plan and forward on ``batch`` over one layer's random cache: times (median of
+    alternating calls), KV read, and each output's largest difference from ``exact``'s."""
+    h, kvh, d, bs = (SMOLLM2[k] for k in ("num_heads", "num_kv_heads", "head_dim", "block_size"))
+    gen = torch.Generator().manual_seed(seed)
+    k_cache = torch.randn(batch.num_blocks, bs, kvh, d, generator=gen).to(dtype)  # [NB, BS, KVH, D]
+    v_cache = torch.randn(batch.num_blocks, bs, kvh, d, generator=gen).to(dtype)
+    n = len(batch.contexts)
+    query = torch.randn(n, h, d, generator=gen).to(dtype)  # [n, H, D]
+    table = batch.table()
+    plans = {b: be.plan(batch.contexts, table, bs) for b, be in backends.items()}
+    plan_s = alternate({b: (lambda be=be: be.plan(batch.contexts, table, bs)) for b, be in backends.items()}, repeats)
+    run = {b: (lambda be=be, p=plans[b]: be.forward(query, k_cache, v_cache, p, d**-0.5)) for b, be in backends.items()}
+    outs = {b: fn().float() for b, fn in run.items()}  # type: ignore[union-attr]
+    fwd_s = alternate(run, repeats)
+    token_bytes = 2 * kvh * d * torch.finfo(dtype).bits // 8  # K and V of one token in one layer
+    row: dict[str, Any] = {
+        "case": batch.name, "dtype": str(dtype).removeprefix("torch."), "requests": n, "sum_ctx": sum(batch.contexts),
+        "unique_kv_mb": batch.num_unique_tokens * token_bytes / 1e6,
+    }
+    for b, plan in plans.items():
+        row[f"{b}_ms"] = fwd_s[b] * 1e3
+        row[f"{b}_plan_us"] = plan_s[b] * 1e6
+        row[f"{b}_layer_ms"] = (fwd_s[b] + plan_s[b] / SMOLLM2["num_layers"]) * 1e3  # the plan is shared by all layers
+        row[f"{b}_kv_mb_read"] = plan.kv_tokens_read() * token_bytes / 1e6
+        row[f"{b}_is_cascade"] = isinstance(plan, CascadePlan)
+        if b != "exact":
+            row[f"{b}_max_abs_diff"] = (outs[b] - outs["exact"]).abs().max().item()
+    return row
+
+
+def kernel_backends() -> dict[str, DecodeAttention]:
+    """What the sweep compares: per-request ``exact`` and ``padded``, and cascade forced on every shared node."""
+    return {"exact": ExactDecodeAttention(), "cascade": CascadeDecodeAttention(ALWAYS), "padded": PaddedDecodeAttention()}
+
+
+def cascade_grid(requests: Sequence[int], prefixes: Sequence[int], trees: Sequence[tuple[int, int, int, int]],
+                 suffix: tuple[int, int], dtype: torch.dtype, rule: CascadeRule, repeats: int, seed: int,
+                 padded: bool = True) -> list[dict[str, Any]]:
+    """Cascade vs exact (and padded) on one-level batches (``requests`` × ``prefixes``) and two-level
+    trees (``(requests, root, docs, doc)``), each marked with ``rule``'s decision."""
+    rng, gen = random.Random(seed), torch.Generator().manual_seed(seed)
+    bs = SMOLLM2["block_size"]
+    backends = kernel_backends()
+    if not padded:
+        del backends["padded"]
+    rows = []
+    batches = [(one_level(n, p, suffix, bs, rng, gen), p) for p in prefixes for n in requests]
+    batches += [(two_level(n, root, docs, doc, suffix, bs, rng, gen), root + doc) for n, root, docs, doc in trees]
+    for batch, shared in batches:
+        row = compare(batch, backends, dtype, repeats, seed)
+        row["prefix"], row["tree"] = shared, len(batch.name.split("+")) > 1
+        row["speedup"] = row["exact_layer_ms"] / row["cascade_layer_ms"]
+        row["kv_read_ratio"] = row["exact_kv_mb_read"] / row["cascade_kv_mb_read"]
+        mark(row, isinstance(CascadeDecodeAttention(rule).plan(batch.contexts, batch.table(), bs), CascadePlan))
+        rows.append(row)
+    return rows
+
+
+# ---- the cost rule ---------------------------------------------------------------------------------------
+def rule_sweep(members: Sequence[int], prefixes: Sequence[int], suffix: tuple[int, int], dtype: torch.dtype,
+               repeats: int, seed: int) -> list[dict[str, Any]]:
+    """Cascade (forced) vs exact on one group of ``members`` sharing ``prefix`` tokens, per configuration."""
+    rng, gen = random.Random(seed), torch.Generator().manual_seed(seed)
+    backends = {"exact": ExactDecodeAttention(), "cascade": CascadeDecodeAttention(ALWAYS)}
+    rows = []
+    for p in prefixes:
+        for m in members:
+            row = compare(one_level(m, p, suffix, SMOLLM2["block_size"], rng, gen), backends, dtype, repeats, seed)
+            row.update(members=m, prefix=p, saved_tokens=(m - 1) * p, speedup=row["exact_layer_ms"] / row["cascade_layer_ms"])
+            rows.append(row)
+    return rows
+
+
+def rule_loss(rows: list[dict[str, Any]], rule: CascadeRule) -> float:
+    """Σ over configurations of (time of the backend ``rule`` picks / the faster one's) - 1."""
+    loss = 0.0
+    for r in rows:
+        chosen = r["cascade_layer_ms"] if rule.pays(r["prefix"], r["members"]) else r["exact_layer_ms"]
+        loss += chosen / min(r["cascade_layer_ms"], r["exact_layer_ms"]) - 1
+    return loss
+
+
+def derive_rule(rows: list[dict[str, Any]]) -> tuple[CascadeRule, list[dict[str, Any]]]:
+    """The ``min_saved_tokens`` that loses least over the sweep (the smallest such), and the scores of
+    that rule with a second term added (min members 3/4, min shared tokens 128/256) for comparison."""
+    candidates = sorted({r["saved_tokens"] for r in rows}) + [max(r["saved_tokens"] for r in rows) + 1]
+    best = min(candidates, key=lambda t: (rule_loss(rows, CascadeRule(min_saved_tokens=t)), t))
+    rule = CascadeRule(min_saved_tokens=best)
+    scored = [{"rule": _describe(rule), "loss": rule_loss(rows, rule)}]
+    for extra in ({"min_members": 3}, {"min_members": 4}, {"min_tokens": 128}, {"min_tokens": 256}):
+        loss, t = min((_two_term_loss(rows, t, **extra), t) for t in candidates)
+        scored.append({"rule": f"saved >= {t} and {next(iter(extra))} >= {next(iter(extra.values()))}", "loss": loss})
+    return rule, scored
+
+
+def _two_term_loss(rows: list[dict[str, Any]], saved: int, min_members: int = 2, min_tokens: int = 0) -> float:
+    loss = 0.0
+    for r in rows:
+        pays = (r["members"] - 1) * r["prefix"] >= saved and r["members"] >= min_members and r["prefix"] >= min_tokens
+        chosen = r["cascade_layer_ms"] if pays else r["exact_layer_ms"]
+        loss += chosen / min(r["cascade_layer_ms"], r["exact_layer_ms"]) - 1
+    return loss
+
+
+def _describe(rule: CascadeRule) -> str:
+    return f"(members - 1) x shared tokens >= {rule.min_saved_tokens}"
+
+
+def mark(row: dict[str, Any], pays: bool) -> None:
+    """Record what the rule decides for the row's batch (a cascade plan or an exact step) and
+    whether that was the faster backend."""
+    row["rule"] = "cascade" if pays else "exact"
+    row["rule_right"] = (row["cascade_layer_ms"] <= row["exact_layer_ms"]) == pays
+
+
+# ---- the plot --------------------------------------------------------------------------------------------
+def plot(rows: list[dict[str, Any]], pyplot: Any, title: str) -> Any:
+    """Attention time per layer vs requests, a line per prefix (exact dashed, cascade solid), one panel per dtype."""
+    plt = pyplot
+    dtypes = sorted({r["dtype"] for r in rows}, key=lambda d: d != "bfloat16")
+    fig, axes = plt.subplots(1, len(dtypes), figsize=(6 * len(dtypes), 4.5), squeeze=False)
+    for ax, dtype in zip(axes[0], dtypes):
+        one = [r for r in rows if r["dtype"] == dtype and not r["tree"]]
+        for i, prefix in enumerate(sorted({r["prefix"] for r in one})):
+            pts = sorted((r["requests"], r["exact_layer_ms"], r["cascade_layer_ms"]) for r in one if r["prefix"] == prefix)
+            color = f"C{i}"
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], "--o", color=color, label=f"exact, {prefix} prefix")
+            ax.plot([p[0] for p in pts], [p[2] for p in pts], "-s", color=color, label=f"cascade, {prefix} prefix")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("requests sharing the prefix (128±64-token own suffixes)")
+        ax.set_ylabel("attention ms per layer (plan amortized)")
+        ax.set_title(dtype)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    return fig
