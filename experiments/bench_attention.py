@@ -163,9 +163,9 @@ def cascade_markdown(grid: list[dict[str, Any]], sweep: list[dict[str, Any]], ru
            f"| {'yes' if r['rule_right'] else 'NO'} |" for r in grid]
     md += ["", "### Where cascade stops paying: one group of `members` requests sharing `prefix` tokens", "",
            f"Derived rule (least time lost over this sweep, {rules['dtype']}): **{rules['derived']}**; "
-           f"vLLM's: >= 256 shared tokens and >= 8 requests. Rules with a second term, scored the same way "
-           f"(Σ chosen/faster - 1 over the {rules['dtype']} sweep): "
-           + "; ".join(f"{s['rule']}: {s['loss']:.2f}" for s in rules["scored"]) + ".", "",
+           f"rules scored over the {rules['dtype']} sweep (loss = Σ chosen/faster - 1; wrong = configurations where the "
+           f"rule picked the slower backend):", "", "| rule | loss | wrong |", "|---|---|---|",
+           *[f"| {s['rule']} | {s['loss']:.2f} | {s['wrong']} |" for s in rules["scored"]], "",
            "| members | prefix | saved tokens | dtype | exact ms | cascade ms | cascade speedup | rule | right |",
            "|---|---|---|---|---|---|---|---|---|"]
     md += [f"| {r['members']} | {r['prefix']} | {r['saved_tokens']} | {r['dtype']} | {r['exact_layer_ms']:.3f} "
@@ -231,7 +231,7 @@ def main() -> None:
         args.batch, args.min_ctx, args.max_ctx, args.repeats = 4, 16, 256, 3
         args.requests, args.prefixes, args.suffix, args.trees, args.headline = "2,4", "32,64", "8,24", "4:16:2:32", "4:64"
         args.rule_members, args.rule_prefixes, args.rule_repeats = "2,4", "16,64", 3
-        args.model, args.model_dtype, args.step_contexts, args.step_cascade, args.step_repeats = "tiny", "float32", "40,120", "4:64", 3
+        args.model, args.model_dtype, args.step_contexts, args.step_cascade, args.step_repeats = "tiny", "float32", "40,120", "6:768", 3
     torch.set_num_threads(args.threads)
     rng = random.Random(args.seed)
     spread = spread_contexts(args.batch, args.min_ctx, args.max_ctx, args.spread, rng)
@@ -249,7 +249,8 @@ def main() -> None:
         sweeps = {str(dt).removeprefix("torch."): rule_sweep(ints(args.rule_members), ints(args.rule_prefixes), (lo, hi), dt,
                                                              args.rule_repeats, args.seed) for dt in dtypes}
         derived = {dt: derive_rule(rows) for dt, rows in sweeps.items()}
-        rule, scored = derived[str(dtypes[0]).removeprefix("torch.")]  # the headline dtype's
+        rules_dtype = str(dtypes[0]).removeprefix("torch.")
+        rule, scored = derived[rules_dtype]  # the headline dtype's
         grid = [r for dt in dtypes for r in cascade_grid(ints(args.requests), ints(args.prefixes), trees, (lo, hi), dt, rule,
                                                          args.repeats, args.seed)]
         gen = torch.Generator().manual_seed(args.seed)
@@ -293,8 +294,9 @@ def main() -> None:
                          ("exact_layer_ms", "cascade_layer_ms", "padded_layer_ms", "speedup", "kv_read_ratio", "rule", "rule_right")}
                          for r in grid},
         "cascade_rule_min_saved_tokens": rule.min_saved_tokens,
-        "cascade_rule_min_saved_tokens_by_dtype": {dt: r.min_saved_tokens for dt, (r, _) in derived.items()},
-        "cascade_rule_default_min_saved_tokens": CascadeRule().min_saved_tokens,
+        "cascade_rule_member_cost_tokens": rule.member_cost_tokens,
+        "cascade_rule_by_dtype": {dt: [r.min_saved_tokens, r.member_cost_tokens] for dt, (r, _) in derived.items()},
+        "cascade_rule_default": [CascadeRule().min_saved_tokens, CascadeRule().member_cost_tokens],
         "cascade_rule_scored": scored,
         "cascade_rule_right": round(sum(r["rule_right"] for r in grid + sweep) / len(grid + sweep), 3),
         "step_cascade_case": None if step is None else f"{step['model']} {step['dtype']} {step['case']}",
@@ -312,8 +314,11 @@ def main() -> None:
         print(f"cascade {r['case']:>28} {r['dtype']:>8}: exact {r['exact_layer_ms']:7.2f} ms  cascade {r['cascade_layer_ms']:6.2f} ms"
               f"  padded {r['padded_layer_ms']:7.2f} ms  speedup {r['speedup']:5.2f}x  KV read {r['kv_read_ratio']:5.1f}x less"
               f"  rule: {r['rule']} ({'right' if r['rule_right'] else 'WRONG'})")
-    print(f"cost rule (derived, {'; '.join(f'{dt}: {r.min_saved_tokens}' for dt, (r, _) in derived.items())}): "
-          f"cascade a shared node when (members - 1) x shared tokens >= {rule.min_saved_tokens}; vLLM: >= 256 tokens and >= 8 requests")
+    print(f"cost rule (derived per dtype, min_saved_tokens + member_cost_tokens x members: "
+          f"{'; '.join(f'{dt}: {r.min_saved_tokens} + {r.member_cost_tokens}' for dt, (r, _) in derived.items())}): cascade a shared "
+          f"node when (members - 1) x shared tokens >= {rule.min_saved_tokens} + {rule.member_cost_tokens} x members")
+    for s in scored:
+        print(f"  {s['rule']}: loss {s['loss']:.2f}, wrong {s['wrong']} of {len(sweeps[rules_dtype])}")
     for r in model:
         print(f"model step {r['model']} {r['dtype']} {r['case']:>16}: {r['base']} {r[r['base'] + '_ms']:7.1f} ms"
               f"  {r['new']} {r[r['new'] + '_ms']:7.1f} ms  speedup {r['speedup']:.2f}x  argmax same {r['greedy_same']:.0%} (random KV)"
@@ -322,8 +327,8 @@ def main() -> None:
              f"median of {args.repeats} alternating calls\n\nPadded vs exact on batch {args.batch}. KV MB read: from the cache, "
              f"per layer, padding included (each backend also writes them to a copy and reads that back).")
     out = Outputs.for_run(args, "bench_attention")
-    rules = {"dtype": str(dtypes[0]).removeprefix("torch."), "derived": f"cascade a shared node when {rule.min_saved_tokens} <= "
-             "(members - 1) x shared tokens", "scored": scored}
+    rules = {"dtype": rules_dtype, "scored": scored, "derived": f"cascade a shared node when (members - 1) x shared tokens >= "
+             f"{rule.min_saved_tokens} + {rule.member_cost_tokens} x members"}
     write_outputs(out, kernel, model, cascade_markdown(grid, sweep, rules), {"cascade_grid": grid, "rule_sweep": sweep}, figures, title)
     out.png(plot(grid, harness.pyplot(), f"Decode attention per layer, SmolLM2 shapes, {args.threads} threads: cascade vs exact"))
     harness.finish(figures)

@@ -8,12 +8,11 @@ ragged lengths). Backends run on one layer's cache (SmolLM2 shapes) through thei
 ``forward``, alternating call by call; a backend's *per-layer* time is its ``forward`` plus its
 ``plan`` divided by the model's layers (a plan is built once per step and shared by every layer).
 
-The rule: for every configuration of the rule sweep (one group of ``members`` requests sharing a
-``prefix``) the saving is ``(members - 1) × prefix`` KV tokens; the derived ``min_saved_tokens``
-is the threshold that loses the least time over the sweep when the rule picks cascade at or above
-it and ``exact`` below (the loss of a configuration: the chosen backend's time over the faster's,
-minus 1). Rules with a second term (a minimum of members or of shared tokens) are scored the same
-way, so the benchmark shows whether one would decide better.
+The rule: every configuration of the rule sweep is one group of ``members`` requests sharing a
+``prefix``; ``CascadeRule`` keeps such a node when ``(members - 1) × prefix >= min_saved_tokens +
+member_cost_tokens × members``. The derived pair is the one that loses the least time over the
+sweep (the loss of a configuration: the chosen backend's time over the faster's, minus 1). The
+rule without the per-member term, vLLM's and the one ``kernels`` holds are scored the same way.
 """
 
 from __future__ import annotations
@@ -170,39 +169,37 @@ def rule_sweep(members: Sequence[int], prefixes: Sequence[int], suffix: tuple[in
     return rows
 
 
-def rule_loss(rows: list[dict[str, Any]], rule: CascadeRule) -> float:
-    """Σ over configurations of (time of the backend ``rule`` picks / the faster one's) - 1."""
-    loss = 0.0
+def rule_loss(rows: list[dict[str, Any]], pays: Callable[[int, int], bool]) -> tuple[float, int]:
+    """Σ over configurations of (time of the backend ``pays(tokens, members)`` picks / the faster
+    one's) - 1, and the number of configurations where it picked the slower."""
+    loss, wrong = 0.0, 0
     for r in rows:
-        chosen = r["cascade_layer_ms"] if rule.pays(r["prefix"], r["members"]) else r["exact_layer_ms"]
-        loss += chosen / min(r["cascade_layer_ms"], r["exact_layer_ms"]) - 1
-    return loss
+        chosen = r["cascade_layer_ms"] if pays(r["prefix"], r["members"]) else r["exact_layer_ms"]
+        best = min(r["cascade_layer_ms"], r["exact_layer_ms"])
+        loss, wrong = loss + chosen / best - 1, wrong + (chosen > best)
+    return loss, wrong
 
 
 def derive_rule(rows: list[dict[str, Any]]) -> tuple[CascadeRule, list[dict[str, Any]]]:
-    """The ``min_saved_tokens`` that loses least over the sweep (the smallest such), and the scores of
-    that rule with a second term added (min members 3/4, min shared tokens 128/256) for comparison."""
-    candidates = sorted({r["saved_tokens"] for r in rows}) + [max(r["saved_tokens"] for r in rows) + 1]
-    best = min(candidates, key=lambda t: (rule_loss(rows, CascadeRule(min_saved_tokens=t)), t))
-    rule = CascadeRule(min_saved_tokens=best)
-    scored = [{"rule": _describe(rule), "loss": rule_loss(rows, rule)}]
-    for extra in ({"min_members": 3}, {"min_members": 4}, {"min_tokens": 128}, {"min_tokens": 256}):
-        loss, t = min((_two_term_loss(rows, t, **extra), t) for t in candidates)
-        scored.append({"rule": f"saved >= {t} and {next(iter(extra))} >= {next(iter(extra.values()))}", "loss": loss})
-    return rule, scored
-
-
-def _two_term_loss(rows: list[dict[str, Any]], saved: int, min_members: int = 2, min_tokens: int = 0) -> float:
-    loss = 0.0
-    for r in rows:
-        pays = (r["members"] - 1) * r["prefix"] >= saved and r["members"] >= min_members and r["prefix"] >= min_tokens
-        chosen = r["cascade_layer_ms"] if pays else r["exact_layer_ms"]
-        loss += chosen / min(r["cascade_layer_ms"], r["exact_layer_ms"]) - 1
-    return loss
-
-
-def _describe(rule: CascadeRule) -> str:
-    return f"(members - 1) x shared tokens >= {rule.min_saved_tokens}"
+    """The ``CascadeRule`` that loses least over the sweep (``min_saved_tokens`` in steps of 128,
+    ``member_cost_tokens`` of 32; of the pairs that tie, the one nearest their centroid, so the
+    rule sits inside the region that decides as well, not on its edge), and how it and other rules
+    score: the best without a per-member term, vLLM's, and the one in ``kernels`` now."""
+    top = max(r["saved_tokens"] for r in rows) + 128
+    grid = [(t, m) for t in range(0, top, 128) for m in range(0, 1024, 32)]
+    losses = {tm: rule_loss(rows, CascadeRule(*tm).pays)[0] for tm in grid}
+    least = min(losses.values())
+    ties = [tm for tm, v in losses.items() if v <= least + 1e-9]
+    mid_t, mid_m = (statistics.fmean(x[i] for x in ties) for i in (0, 1))
+    rule = CascadeRule(*min(ties, key=lambda tm: ((tm[0] - mid_t) / 128) ** 2 + ((tm[1] - mid_m) / 32) ** 2))
+    one_term = min((t for t, m in grid if m == 0), key=lambda t: (losses[(t, 0)], t))
+    rules: list[tuple[str, Callable[[int, int], bool]]] = [
+        (f"derived: (members - 1) x tokens >= {rule.min_saved_tokens} + {rule.member_cost_tokens} x members", rule.pays),
+        (f"saving only: (members - 1) x tokens >= {one_term}", CascadeRule(one_term, 0).pays),
+        ("vLLM: tokens >= 256 and members >= 8", lambda tokens, members: tokens >= 256 and members >= 8),
+        (f"kernels' default now: >= {CascadeRule().min_saved_tokens} + {CascadeRule().member_cost_tokens} x members", CascadeRule().pays),
+    ]
+    return rule, [{"rule": name, **dict(zip(("loss", "wrong"), rule_loss(rows, pays)))} for name, pays in rules]
 
 
 def mark(row: dict[str, Any], pays: bool) -> None:

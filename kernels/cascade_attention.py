@@ -122,19 +122,31 @@ def _common_prefix_end(a: Sequence[int], b: Sequence[int], lo: int, hi: int) -> 
 class CascadeRule:
     """Whether attending a shared segment once for its group pays this step.
 
-    A kept node saves reading ``(members - 1) × tokens`` KV token slots per layer and costs one more
-    attention call plus a merge part for its members; it is kept when the saving is at least
-    ``min_saved_tokens``. Measured on this machine by ``experiments/bench_attention.py``, which
-    prints the rule (vLLM's fixed rule for one level: >= 256 shared tokens and >= 8 requests).
+    A kept node of ``tokens`` shared tokens and ``members`` sequences saves reading
+    ``(members - 1) × tokens`` KV token slots per layer; it costs one more attention call, and each
+    member costs its rows in that call, its slot in the merge and the copies in and out. The node is
+    kept when ``(members - 1) × tokens >= min_saved_tokens + member_cost_tokens × members``: both
+    costs in the token slots they take as long as to read.
+
+    The defaults are measured on this machine (2-core EPYC, SmolLM2 shapes, bf16) by
+    ``experiments/bench_attention.py``, which times cascade against ``exact`` on one group of 2-16
+    members sharing 64-2048 tokens, picks the two values that lose the least time over that sweep,
+    and prints the rule (results in ``experiments/results/bench_attention.md``). The per-member term
+    is what a saving threshold alone misses: 16 members on 256 shared tokens (3840 saved) still lost
+    to ``exact`` there, while 3 on 1024 (2048 saved) won. So a node needs more than
+    ``member_cost_tokens`` shared tokens whatever its group, and small groups need long segments:
+    2 members >= ~1.6k tokens, 4 >= ~750, 8 >= ~540. vLLM's fixed rule for its one level is
+    >= 256 shared tokens and >= 8 requests: it would cascade 8 × 256, which was ~3% slower here.
     """
 
-    min_saved_tokens: int = 1024
+    min_saved_tokens: int = 640
+    member_cost_tokens: int = 384
 
     def pays(self, tokens: int, members: int) -> bool:
-        return (members - 1) * tokens >= self.min_saved_tokens
+        return (members - 1) * tokens >= self.min_saved_tokens + self.member_cost_tokens * members
 
 
-ALWAYS = CascadeRule(min_saved_tokens=0)  # every shared node (tests, benchmarks)
+ALWAYS = CascadeRule(min_saved_tokens=0, member_cost_tokens=0)  # every shared node (tests, benchmarks)
 
 
 @dataclass

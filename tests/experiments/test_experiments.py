@@ -35,7 +35,7 @@ CHECKS = {
     and f["cascade_kv_read_ratio_headline"] > 1 and f["cascade_speedup_tree"] > 0 and f["cascade_max_abs_diff"] < 1e-2
     and len(f["cascade_grid"]) == 10 and all(g["rule"] in ("cascade", "exact") and g["kv_read_ratio"] > 1
                                              for g in f["cascade_grid"].values())
-    and f["cascade_rule_min_saved_tokens"] > 0 and 0 <= f["cascade_rule_right"] <= 1 and f["step_speedup_cascade"] > 0
+    and f["cascade_rule_min_saved_tokens"] > 0 and 0 <= f["cascade_rule_right"] <= 1 and f["step_speedup_cascade"] > 0 and f["step_cascade_planned"]
     and len(f["model_step"]) == 4 and all(r["greedy_same"] == 1.0 for r in f["model_step"].values()),
     "bench_engine": lambda f: f["greedy_same_as_hf_float32"] == 1.0 and f["ours_tok_s_batch_float32"] > 0,
     # Every deployment simulated every request to the end and measured a speed; the JSON says which latency model.
