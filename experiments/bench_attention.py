@@ -33,13 +33,14 @@ from distserve.engine.model import TORCH_DTYPES
 from distserve.engine.model_runner import ModelRunner
 from distserve.engine.step_plan import ScheduledChunk, StepPlan
 from distserve.engine.weights import load_model
-from cascade_sweep import SMOLLM2, SharedBatch, alternate, cascade_grid, derive_rule, mark, one_level, plot, rule_sweep
+from cascade_sweep import MAX_OTHER_CORES, RETRIES, SMOLLM2, SharedBatch, alternate, cascade_grid, derive_rule, mark, one_level, plot, rule_sweep
 from harness import LoadWatch, Outputs
 from kernels.backends import default_decode_attention, get_decode_attention
 from kernels.cascade_attention import CascadePlan, CascadeRule
 from kernels.paged_attention import AttentionMetadata, paged_attention
 
 BACKENDS = ("padded", "exact")
+DISTURBED = " (disturbed)"
 
 
 def spread_contexts(batch: int, lo: int, hi: int, spread: str, rng: random.Random) -> list[int]:
@@ -152,7 +153,8 @@ def cascade_markdown(grid: list[dict[str, Any]], sweep: list[dict[str, Any]], ru
     """The cascade tables: the grid (with the rule's decision) and the rule sweep."""
     md = ["", "## Cascade vs per-request decode attention (shared prefixes)", "",
           "Per-layer ms = forward + plan / 30 layers. Cascade forced on every shared node (`CascadeRule(0)`); "
-          "`rule` = what the derived rule decides for the batch, `right` = whether that was the faster backend.", "",
+          "`rule` = what the derived rule decides for the batch (cascade: some shared node pays, and only those are kept; "
+          "exact: none does), `right` = whether that was the faster backend.", "",
           "| case | dtype | Σctx | exact ms | cascade ms | padded ms | cascade speedup vs exact | vs padded "
           "| KV MB read exact | cascade | padded | distinct KV MB | plan µs exact | cascade | max abs diff | rule | right |",
           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -160,17 +162,20 @@ def cascade_markdown(grid: list[dict[str, Any]], sweep: list[dict[str, Any]], ru
            f"| {r['padded_layer_ms']:.2f} | **{r['speedup']:.2f}x** | {r['padded_layer_ms'] / r['cascade_layer_ms']:.1f}x "
            f"| {r['exact_kv_mb_read']:.1f} | {r['cascade_kv_mb_read']:.1f} | {r['padded_kv_mb_read']:.1f} | {r['unique_kv_mb']:.1f} "
            f"| {r['exact_plan_us']:.0f} | {r['cascade_plan_us']:.0f} | {r['cascade_max_abs_diff']:.1e} | {r['rule']} "
-           f"| {'yes' if r['rule_right'] else 'NO'} |" for r in grid]
+           f"| {'yes' if r['rule_right'] else 'NO'}{DISTURBED if r['disturbed'] else ''} |" for r in grid]
     md += ["", "### Where cascade stops paying: one group of `members` requests sharing `prefix` tokens", "",
-           f"Derived rule (least time lost over this sweep, {rules['dtype']}): **{rules['derived']}**; "
-           f"rules scored over the {rules['dtype']} sweep (loss = Σ chosen/faster - 1; wrong = configurations where the "
+           f"Derived rule (least time lost, {rules['dtype']}): **{rules['derived']}**; "
+           f"rules scored over the {rules['dtype']} one-level batches, this sweep's and the grid's (loss = Σ chosen/faster - 1; "
+           f"wrong = configurations where the "
            f"rule picked the slower backend):", "", "| rule | loss | wrong |", "|---|---|---|",
            *[f"| {s['rule']} | {s['loss']:.2f} | {s['wrong']} |" for s in rules["scored"]], "",
            "| members | prefix | saved tokens | dtype | exact ms | cascade ms | cascade speedup | rule | right |",
            "|---|---|---|---|---|---|---|---|---|"]
     md += [f"| {r['members']} | {r['prefix']} | {r['saved_tokens']} | {r['dtype']} | {r['exact_layer_ms']:.3f} "
-           f"| {r['cascade_layer_ms']:.3f} | {r['speedup']:.2f}x | {r['rule']} | {'yes' if r['rule_right'] else 'NO'} |"
-           for r in sweep]
+           f"| {r['cascade_layer_ms']:.3f} | {r['speedup']:.2f}x | {r['rule']} | {'yes' if r['rule_right'] else 'NO'}"
+           f"{DISTURBED if r['disturbed'] else ''} |" for r in sweep]
+    if any(r["disturbed"] for r in grid + sweep):
+        md += ["", f"{DISTURBED}: other processes used > {MAX_OTHER_CORES} cores during every attempt ({RETRIES + 1})."]
     return md
 
 
@@ -243,16 +248,18 @@ def main() -> None:
     lo, hi = ints(args.suffix)
     trees = [tuple(ints(t)) for t in args.trees.split(",") if t]
     head_n, head_p = ints(args.headline)
+    retries = 0 if args.quick else RETRIES  # the quick run only checks that everything runs
 
     with LoadWatch(period=None) as watch:  # no polling thread: it would disturb the timings
         kernel = [bench_kernel(name, ctx, dtype, args.repeats, args.seed) for dtype in dtypes for name, ctx in kernel_cases.items()]
         sweeps = {str(dt).removeprefix("torch."): rule_sweep(ints(args.rule_members), ints(args.rule_prefixes), (lo, hi), dt,
-                                                             args.rule_repeats, args.seed) for dt in dtypes}
-        derived = {dt: derive_rule(rows) for dt, rows in sweeps.items()}
+                                                             args.rule_repeats, args.seed, retries) for dt in dtypes}
+        grid = [r for dt in dtypes for r in cascade_grid(ints(args.requests), ints(args.prefixes), trees, (lo, hi), dt,
+                                                         args.repeats, args.seed, retries)]
+        # The rule is fit on every one-level batch of a dtype: the sweep's small groups and the grid's large ones.
+        derived = {dt: derive_rule(rows + [r for r in grid if r["dtype"] == dt and not r["tree"]]) for dt, rows in sweeps.items()}
         rules_dtype = str(dtypes[0]).removeprefix("torch.")
         rule, scored = derived[rules_dtype]  # the headline dtype's
-        grid = [r for dt in dtypes for r in cascade_grid(ints(args.requests), ints(args.prefixes), trees, (lo, hi), dt, rule,
-                                                         args.repeats, args.seed)]
         gen = torch.Generator().manual_seed(args.seed)
         step_cases = [(shuffled_batch(f"~{c}", around(args.batch, int(c), rng), gen), BACKENDS) for c in args.step_contexts.split(",") if c]
         if step_cases:
@@ -262,8 +269,8 @@ def main() -> None:
             step_cases.append((one_level(n, p, (lo, hi), SMOLLM2["block_size"], rng, gen), ("exact", "cascade")))
         model = bench_model_step(args.model, args.model_dtype, step_cases, args.step_repeats, args.seed) if step_cases else []
     sweep = [r for rows in sweeps.values() for r in rows]
-    for r in sweep:
-        mark(r, rule.pays(r["prefix"], r["members"]))
+    for r in sweep + grid:
+        mark(r, rule)
 
     head = kernel[0]
     casc = next(r for r in grid if r["requests"] == head_n and r["prefix"] == head_p and not r["tree"])
@@ -298,6 +305,7 @@ def main() -> None:
         "cascade_rule_by_dtype": {dt: [r.min_saved_tokens, r.member_cost_tokens] for dt, (r, _) in derived.items()},
         "cascade_rule_default": [CascadeRule().min_saved_tokens, CascadeRule().member_cost_tokens],
         "cascade_rule_scored": scored,
+        "cascade_disturbed": sum(r["disturbed"] for r in grid + sweep),
         "cascade_rule_right": round(sum(r["rule_right"] for r in grid + sweep) / len(grid + sweep), 3),
         "step_cascade_case": None if step is None else f"{step['model']} {step['dtype']} {step['case']}",
         "step_speedup_cascade": None if step is None else round(step["speedup"], 2),
@@ -318,7 +326,7 @@ def main() -> None:
           f"{'; '.join(f'{dt}: {r.min_saved_tokens} + {r.member_cost_tokens}' for dt, (r, _) in derived.items())}): cascade a shared "
           f"node when (members - 1) x shared tokens >= {rule.min_saved_tokens} + {rule.member_cost_tokens} x members")
     for s in scored:
-        print(f"  {s['rule']}: loss {s['loss']:.2f}, wrong {s['wrong']} of {len(sweeps[rules_dtype])}")
+        print(f"  {s['rule']}: loss {s['loss']:.2f}, wrong {s['wrong']}")
     for r in model:
         print(f"model step {r['model']} {r['dtype']} {r['case']:>16}: {r['base']} {r[r['base'] + '_ms']:7.1f} ms"
               f"  {r['new']} {r[r['new'] + '_ms']:7.1f} ms  speedup {r['speedup']:.2f}x  argmax same {r['greedy_same']:.0%} (random KV)"
