@@ -33,7 +33,7 @@ from distserve.engine.model import TORCH_DTYPES
 from distserve.engine.model_runner import ModelRunner
 from distserve.engine.step_plan import ScheduledChunk, StepPlan
 from distserve.engine.weights import load_model
-from cascade_sweep import MAX_OTHER_CORES, RETRIES, SMOLLM2, SharedBatch, alternate, cascade_grid, derive_rule, mark, one_level, plot, rule_sweep
+from cascade_sweep import MAX_OTHER_CORES, RETRIES, SMOLLM2, SharedBatch, alternate, measure_quietly, cascade_grid, derive_rule, mark, one_level, plot, rule_sweep
 from harness import LoadWatch, Outputs
 from kernels.backends import default_decode_attention, get_decode_attention
 from kernels.cascade_attention import CascadePlan, CascadeRule
@@ -108,7 +108,7 @@ def bench_kernel(name: str, contexts: list[int], dtype: torch.dtype, repeats: in
 
 
 def bench_model_step(model: str, dtype: str, cases: list[tuple[SharedBatch, tuple[str, str]]], repeats: int,
-                     seed: int) -> list[dict[str, Any]]:
+                     seed: int, retries: int) -> list[dict[str, Any]]:
     """One decode step of the whole model (``ModelRunner.execute``) per case, with each of its two
     backends (the baseline first)."""
     loaded = load_model(model, dtype)
@@ -129,12 +129,14 @@ def bench_model_step(model: str, dtype: str, cases: list[tuple[SharedBatch, tupl
             runner.decode_attention = backend
             tokens[backend] = [s.token_id for s in runner.execute(plan)]
 
-        seconds = alternate({b: (lambda b=b: step(b)) for b in backends}, repeats)
+        seconds, others, disturbed = measure_quietly(f"model step {batch.name}", retries,
+                                                     lambda: alternate({b: (lambda b=b: step(b)) for b in backends}, repeats))
         base, new = backends
         rows.append({
             "case": batch.name, "model": model, "dtype": dtype, "batch": len(batch.contexts),
             "mean_ctx": sum(batch.contexts) / len(batch.contexts), "max_ctx": max(batch.contexts),
             "base": base, "new": new, **{f"{b}_ms": seconds[b] * 1e3 for b in backends}, "speedup": seconds[base] / seconds[new],
+            "others_cores": others, "disturbed": disturbed,
             "greedy_same": sum(a == b for a, b in zip(tokens[base], tokens[new])) / len(batch.contexts),  # see the docstring
             # Whether the registered cascade backend (the default rule) ran a cascade, not an exact step.
             "cascade_planned": "cascade" in backends and isinstance(
@@ -198,7 +200,7 @@ def write_outputs(out: Outputs, kernel: list[dict[str, Any]], model: list[dict[s
                "|---|---|---|---|---|---|---|---|---|---|---|---|"]
         md += [f"| {r['model']} | {r['dtype']} | {r['case']} | {r['batch']} | {r['mean_ctx']:.0f} | {r['max_ctx']} "
                f"| {r['base']} | {r[r['base'] + '_ms']:.1f} | {r['new']} | {r[r['new'] + '_ms']:.1f} | {r['speedup']:.2f}x "
-               f"| {r['greedy_same']:.0%} |" for r in model]
+               f"| {r['greedy_same']:.0%}{DISTURBED if r['disturbed'] else ''} |" for r in model]
     md += ["", f"Cores kept busy by other processes meanwhile: {figures['other_processes_busy_cores']}"]
     out.markdown(md)
 
@@ -236,7 +238,7 @@ def main() -> None:
         args.batch, args.min_ctx, args.max_ctx, args.repeats = 4, 16, 256, 3
         args.requests, args.prefixes, args.suffix, args.trees, args.headline = "2,4", "32,64", "8,24", "4:16:2:32", "4:64"
         args.rule_members, args.rule_prefixes, args.rule_repeats = "2,4", "16,64", 3
-        args.model, args.model_dtype, args.step_contexts, args.step_cascade, args.step_repeats = "tiny", "float32", "40,120", "6:768", 3
+        args.model, args.model_dtype, args.step_contexts, args.step_cascade, args.step_repeats = "tiny", "float32", "40,120", "8:960", 3
     torch.set_num_threads(args.threads)
     rng = random.Random(args.seed)
     spread = spread_contexts(args.batch, args.min_ctx, args.max_ctx, args.spread, rng)
@@ -267,7 +269,7 @@ def main() -> None:
         if args.step_cascade:
             n, p = ints(args.step_cascade)
             step_cases.append((one_level(n, p, (lo, hi), SMOLLM2["block_size"], rng, gen), ("exact", "cascade")))
-        model = bench_model_step(args.model, args.model_dtype, step_cases, args.step_repeats, args.seed) if step_cases else []
+        model = bench_model_step(args.model, args.model_dtype, step_cases, args.step_repeats, args.seed, retries) if step_cases else []
     sweep = [r for rows in sweeps.values() for r in rows]
     for r in sweep + grid:
         mark(r, rule)

@@ -23,7 +23,7 @@ import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -37,6 +37,7 @@ SMOLLM2 = dict(num_heads=9, num_kv_heads=3, head_dim=64, block_size=16, num_laye
 MAX_OTHER_CORES = 0.3
 SLACK_S = 0.03
 RETRIES = 3
+T = TypeVar("T")
 
 
 def alternate(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str, float]:
@@ -51,6 +52,22 @@ def alternate(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str, f
             fns[name]()
             times[name].append(time.perf_counter() - t0)
     return {name: statistics.median(ts) for name, ts in times.items()}
+
+
+def measure_quietly(what: str, retries: int, fn: Callable[[], T]) -> tuple[T, float, bool]:
+    """``fn()``, redone (up to ``retries`` times, after a pause) while the rest of this shared machine
+    used more than ``MAX_OTHER_CORES`` meanwhile. Returns the result, the cores others used during
+    the one kept, and whether it was still disturbed."""
+    for attempt in range(retries + 1):
+        with LoadWatch(period=None) as watch:  # no polling thread: it would disturb the timings
+            result = fn()
+        disturbed = watch.other_cores * watch.seconds > MAX_OTHER_CORES * watch.seconds + SLACK_S
+        if not disturbed:
+            break
+        print(f"  {what}: others used {watch.other_cores:.2f} cores meanwhile"
+              + ("; measuring again" if attempt < retries else "; keeping it, marked disturbed"), flush=True)
+        time.sleep(2.0 * (attempt + 1))
+    return result, watch.other_cores, disturbed
 
 
 @dataclass
@@ -115,20 +132,14 @@ def compare(batch: SharedBatch, backends: dict[str, DecodeAttention], dtype: tor
     plans = {b: be.plan(batch.contexts, table, bs) for b, be in backends.items()}
     run = {b: (lambda be=be, p=plans[b]: be.forward(query, k_cache, v_cache, p, d**-0.5)) for b, be in backends.items()}
     outs = {b: fn().float() for b, fn in run.items()}  # type: ignore[union-attr]
-    for attempt in range(retries + 1):  # this machine is shared: redo a measurement others disturbed
-        with LoadWatch(period=None) as watch:  # no polling thread: it would disturb the timings
-            plan_s = alternate({b: (lambda be=be: be.plan(batch.contexts, table, bs)) for b, be in backends.items()}, repeats)
-            fwd_s = alternate(run, repeats)
-        disturbed = watch.other_cores * watch.seconds > MAX_OTHER_CORES * watch.seconds + SLACK_S
-        if not disturbed:
-            break
-        print(f"  {batch.name} {str(dtype).removeprefix('torch.')}: others used {watch.other_cores:.2f} cores meanwhile"
-              + ("; measuring again" if attempt < retries else "; keeping it, marked disturbed"), flush=True)
-        time.sleep(2.0 * (attempt + 1))
+    (plan_s, fwd_s), others, disturbed = measure_quietly(
+        f"{batch.name} {str(dtype).removeprefix('torch.')}", retries,
+        lambda: (alternate({b: (lambda be=be: be.plan(batch.contexts, table, bs)) for b, be in backends.items()}, repeats),
+                 alternate(run, repeats)))
     token_bytes = 2 * kvh * d * torch.finfo(dtype).bits // 8  # K and V of one token in one layer
     row: dict[str, Any] = {
         "case": batch.name, "dtype": str(dtype).removeprefix("torch."), "requests": n, "sum_ctx": sum(batch.contexts),
-        "unique_kv_mb": batch.num_unique_tokens * token_bytes / 1e6, "others_cores": watch.other_cores,
+        "unique_kv_mb": batch.num_unique_tokens * token_bytes / 1e6, "others_cores": others,
         "disturbed": disturbed,
     }
     for b, plan in plans.items():

@@ -128,19 +128,21 @@ class CascadeRule:
     kept when ``(members - 1) × tokens >= min_saved_tokens + member_cost_tokens × members``: both
     costs in the token slots they take as long as to read.
 
-    The defaults are measured on this machine (2-core EPYC, SmolLM2 shapes, bf16) by
-    ``experiments/bench_attention.py``, which times cascade against ``exact`` on one group of 2-16
-    members sharing 64-2048 tokens, picks the two values that lose the least time over that sweep,
-    and prints the rule (results in ``experiments/results/bench_attention.md``). The per-member term
-    is what a saving threshold alone misses: 16 members on 256 shared tokens (3840 saved) still lost
-    to ``exact`` there, while 3 on 1024 (2048 saved) won. So a node needs more than
-    ``member_cost_tokens`` shared tokens whatever its group, and small groups need long segments:
-    2 members >= ~1.6k tokens, 4 >= ~750, 8 >= ~540. vLLM's fixed rule for its one level is
-    >= 256 shared tokens and >= 8 requests: it would cascade 8 × 256, which was ~3% slower here.
+    The defaults are measured on this machine (2-core EPYC, SmolLM2 shapes, bf16, 64-192 own tokens a
+    sequence) by ``experiments/bench_attention.py``: it times cascade against ``exact`` on one group of
+    2-16 members sharing 64-2048 tokens and of 8-64 sharing 512-4096, and prints the pair that loses
+    the least time over them (results in ``experiments/results/bench_attention.md``); these are the
+    pair that lost least over three full runs (cascade's speed varied by up to ~30% between runs on
+    this shared VM; fp32 gave the same pair). The per-member term is what a saving threshold alone
+    misses: 16 members on 256 shared tokens (3840 saved) lost to ``exact`` in every run, while 3
+    members on 2048 (4096 saved) won. So no segment of ``member_cost_tokens`` tokens or fewer pays,
+    and small groups need long ones: 2 members >= 3264 tokens, 3 >= 1776, 4 >= 1280, 8 >= 713,
+    16 >= 486, 32 >= 384. vLLM's fixed rule for its one level is >= 256 shared tokens and >= 8
+    requests; 8 members on 256 tokens ran 0.8-0.95x of ``exact`` here.
     """
 
-    min_saved_tokens: int = 640
-    member_cost_tokens: int = 384
+    min_saved_tokens: int = 2688
+    member_cost_tokens: int = 288
 
     def pays(self, tokens: int, members: int) -> bool:
         return (members - 1) * tokens >= self.min_saved_tokens + self.member_cost_tokens * members
