@@ -1,23 +1,39 @@
-"""Decode attention over a paged KV cache: the padded path (the default before) vs the exact (split-K) kernel.
+"""Decode attention over a paged KV cache: padded vs exact (split-K) vs cascade (shared prefixes read once).
 
-Kernel: a batch of 16 decodes with contexts spread over 128-4096 tokens (evenly; seeded uniform
-with --spread random), SmolLM2-135M's attention shapes (9 heads, 3 KV heads, head_dim 64, block
-size 16), one layer's KV cache on shuffled blocks; also batches at ~300 and ~1000 tokens and one
-sequence of 4096. Both backends (``kernels.decode_attention``) run in this process on the same inputs, alternating
-call by call; a time is the median over --repeats calls. KV bytes read are counted from the block
-ids each backend's plan gathers (padding included): padded reads batch x longest context, exact
-Σ over its chunks; the Σctx bytes are the floor. Both backends also write the gathered blocks to
-a copy and read that back, so the bytes they move are 3x those they read from the cache.
+Kernel, padded vs exact: a batch of 16 decodes with contexts spread over 128-4096 tokens (evenly;
+seeded uniform with --spread random), SmolLM2-135M's attention shapes (9 heads, 3 KV heads,
+head_dim 64, block size 16), one layer's KV cache on shuffled blocks; also batches at ~300 and
+~1000 tokens and one sequence of 4096. Both backends (``kernels.decode_attention``) run in this
+process on the same inputs, alternating call by call; a time is the median over --repeats calls.
+KV bytes read are counted from the block ids each backend's plan gathers (padding included):
+padded reads batch x longest context, exact Σ over its chunks; the Σctx bytes are the floor. Both
+backends also write the gathered blocks to a copy and read that back, so the bytes they move are
+3x those they read from the cache.
+
+Kernel, cascade (``experiments/cascade_sweep.py``): cascade forced on every shared node vs exact
+and padded on --requests x --prefixes batches sharing one prompt and on two-level trees (--trees:
+a system prompt for all, then one of two documents per half), each request with its own ragged
+suffix (--suffix), in bf16 and fp32; per-layer time = forward + plan / 30 layers. The headline
+(--headline) is 32 requests on a 4096-token prompt. Then the cost rule: one group of
+--rule-members sharing --rule-prefixes tokens; ``CascadeRule(min_saved_tokens, member_cost_tokens)``
+is fit to where cascade stops paying (over the sweep and the grid's one-level batches), printed,
+scored against the rule without a per-member term, vLLM's (>= 256 tokens and >= 8 requests) and
+the one ``kernels`` holds, and every batch is marked with its decision and whether it was the
+faster one. A configuration that other processes disturbed is measured again (marked if it stays
+disturbed). The plot (PNG): attention time vs requests per prefix length, exact vs cascade.
 
 Model: one decode step (``ModelRunner.execute``, sampling included) of a real model at batch 16
-with contexts ~300 and ~1000 (±5%, seeded) and spread 128-4096, with each backend, over a KV cache
-of random values (prefilling real prompts that long would dominate the run). On such a cache the
-model amplifies any rounding difference: in bf16 the two backends' logits differ by up to ~20
-(one attention-kernel ulp, 30 layers; the padded path against itself on a reordered batch: 0), so
-"argmax same" is only a sanity figure there; greedy parity on real prompts is tested in
-tests/engine and measured by bench_engine.py.
+with contexts ~300 and ~1000 (±5%, seeded) and spread 128-4096, padded vs exact; and 32 requests
+on a 2048-token shared prompt (--step-cascade), exact vs cascade (the registered backend with the
+default rule; the JSON says whether it planned a cascade). All over a KV cache of random values
+(prefilling real prompts that long would dominate the run). On such a cache the model amplifies
+any rounding difference: in bf16 two backends' logits differ by up to ~20 (one attention-kernel
+ulp, 30 layers; the padded path against itself on a reordered batch: 0), so "argmax same" is only
+a sanity figure there; greedy parity on real prompts is tested in tests/engine and measured by
+bench_engine.py.
 
-Writes JSON + markdown under --out-dir; the last stdout line is one JSON object of the figures.
+Writes JSON + markdown + PNG under --out-dir; the last stdout line is one JSON object of the
+figures (``cascade_speedup_headline``, ``cascade_rule_min_saved_tokens``, ``step_speedup_cascade``, ...).
 """
 
 from __future__ import annotations
@@ -171,6 +187,8 @@ def cascade_markdown(grid: list[dict[str, Any]], sweep: list[dict[str, Any]], ru
            f"wrong = configurations where the "
            f"rule picked the slower backend):", "", "| rule | loss | wrong |", "|---|---|---|",
            *[f"| {s['rule']} | {s['loss']:.2f} | {s['wrong']} |" for s in rules["scored"]], "",
+           "A run derives its own pair; the one in `kernels` (`CascadeRule`'s defaults) lost least over several full runs "
+           "together (cascade's speed varies between runs on this shared machine; see its docstring).", "",
            "| members | prefix | saved tokens | dtype | exact ms | cascade ms | cascade speedup | rule | right |",
            "|---|---|---|---|---|---|---|---|---|"]
     md += [f"| {r['members']} | {r['prefix']} | {r['saved_tokens']} | {r['dtype']} | {r['exact_layer_ms']:.3f} "

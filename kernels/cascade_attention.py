@@ -134,13 +134,13 @@ class CascadeRule:
     the least time over them (results in ``experiments/results/bench_attention.md``). Cascade's speed
     varied by up to ~30% between runs on this shared VM, and single runs derived pairs from
     640 + 384 to 2688 + 288; the defaults are the pair that lost least over five full runs together
-    (at most 5 of 42 configurations decided wrong in any run, each costing at most 14%). The per-member term
-    is what a saving threshold alone misses: 16 members on 256 shared tokens (3840 saved) ran
-    0.82-0.94x of ``exact`` in every run, while 3 members on 2048 (4096 saved) ran 1.14-1.28x. So no
-    segment of ``member_cost_tokens`` tokens or fewer pays, and small groups need long ones:
-    2 members >= 1792 tokens, 3 >= 1056, 4 >= 811, 8 >= 531, 16 >= 419, 32 >= 368. vLLM's fixed
-    rule for its one level is >= 256 shared tokens and >= 8 requests; 8 members on 256 tokens ran
-    0.79-0.96x of ``exact`` here.
+    (at most 5 of 42 configurations decided wrong in any run, each costing at most 14%). The
+    per-member term is what a saving threshold alone misses: 16 members on 256 shared tokens (3840
+    saved) ran 0.82-0.94x of ``exact`` in every run, while 3 members on 2048 (4096 saved) ran
+    1.14-1.28x. So no segment of ``member_cost_tokens`` tokens or fewer pays, and small groups need
+    long ones: 2 members >= 1792 tokens, 3 >= 1056, 4 >= 811, 8 >= 531, 16 >= 419, 32 >= 368.
+    vLLM's fixed rule for its one level is >= 256 shared tokens and >= 8 requests; 8 members on 256
+    tokens ran 0.79-0.96x of ``exact`` here.
     """
 
     min_saved_tokens: int = 1152
