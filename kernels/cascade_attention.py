@@ -122,19 +122,35 @@ def _common_prefix_end(a: Sequence[int], b: Sequence[int], lo: int, hi: int) -> 
 class CascadeRule:
     """Whether attending a shared segment once for its group pays this step.
 
-    A kept node saves reading ``(members - 1) × tokens`` KV token slots per layer and costs one more
-    attention call plus a merge part for its members; it is kept when the saving is at least
-    ``min_saved_tokens``. Measured on this machine by ``experiments/bench_attention.py``, which
-    prints the rule (vLLM's fixed rule for one level: >= 256 shared tokens and >= 8 requests).
+    A kept node of ``tokens`` shared tokens and ``members`` sequences saves reading
+    ``(members - 1) × tokens`` KV token slots per layer; it costs one more attention call, and each
+    member costs its rows in that call, its slot in the merge and the copies in and out. The node is
+    kept when ``(members - 1) × tokens >= min_saved_tokens + member_cost_tokens × members``: both
+    costs in the token slots they take as long as to read.
+
+    The defaults are measured on this machine (2-core EPYC, SmolLM2 shapes, bf16, 64-192 own tokens a
+    sequence) by ``experiments/bench_attention.py``: it times cascade against ``exact`` on one group of
+    2-16 members sharing 64-2048 tokens and of 8-64 sharing 512-4096, and prints the pair that loses
+    the least time over them (results in ``experiments/results/bench_attention.md``). Cascade's speed
+    varied by up to ~30% between runs on this shared VM, and single runs derived pairs from
+    640 + 384 to 2688 + 288; the defaults are the pair that lost least over five full runs together
+    (at most 5 of 42 configurations decided wrong in any run, each costing at most 14%). The
+    per-member term is what a saving threshold alone misses: 16 members on 256 shared tokens (3840
+    saved) ran 0.82-0.94x of ``exact`` in every run, while 3 members on 2048 (4096 saved) ran
+    1.14-1.28x. So no segment of ``member_cost_tokens`` tokens or fewer pays, and small groups need
+    long ones: 2 members >= 1792 tokens, 3 >= 1056, 4 >= 811, 8 >= 531, 16 >= 419, 32 >= 368.
+    vLLM's fixed rule for its one level is >= 256 shared tokens and >= 8 requests; 8 members on 256
+    tokens ran 0.79-0.96x of ``exact`` here.
     """
 
-    min_saved_tokens: int = 1024
+    min_saved_tokens: int = 1152
+    member_cost_tokens: int = 320
 
     def pays(self, tokens: int, members: int) -> bool:
-        return (members - 1) * tokens >= self.min_saved_tokens
+        return (members - 1) * tokens >= self.min_saved_tokens + self.member_cost_tokens * members
 
 
-ALWAYS = CascadeRule(min_saved_tokens=0)  # every shared node (tests, benchmarks)
+ALWAYS = CascadeRule(min_saved_tokens=0, member_cost_tokens=0)  # every shared node (tests, benchmarks)
 
 
 @dataclass

@@ -14,11 +14,11 @@ from distserve.engine.llm_engine import LLMEngine
 from distserve.engine.weights import LoadedModel, load_model
 from distserve.runtime.local_disagg import LocalDisaggEngine
 from kernels.backends import get_decode_attention
-from kernels.cascade_attention import CascadeDecodeAttention, CascadePlan
+from kernels.cascade_attention import ALWAYS, CascadeDecodeAttention, CascadePlan
 
 BS = 16
 SYSTEM = [(11 * i) % 240 + 3 for i in range(20 * BS)]  # 320 tokens shared by all eight
-DOCS = [[(13 * i + 5 * d) % 240 + 3 for i in range(22 * BS)] for d in range(2)]  # 352 more per half (pays: 3 × 352 ≥ 1024)
+DOCS = [[(13 * i + 5 * d) % 240 + 3 for i in range(22 * BS)] for d in range(2)]  # 352 more per half
 PROMPTS = [SYSTEM + DOCS[i % 2] + [200 + i, 30 + 7 * i, 99] for i in range(8)]
 GREEDY = SamplingParams(max_tokens=12, min_tokens=12, temperature=0.0)
 
@@ -30,9 +30,11 @@ def tiny() -> LoadedModel:
 
 @pytest.fixture
 def cascade_steps(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[CascadePlan]]:
-    """The cascade plans the shared ``cascade`` backend runs (one per layer per step)."""
+    """The cascade plans the shared ``cascade`` backend runs (one per layer per step), every shared
+    node kept: parity is the point here, not whether these short prompts pay (``CascadeRule``)."""
     backend = get_decode_attention("cascade")
     assert isinstance(backend, CascadeDecodeAttention)
+    monkeypatch.setattr(backend, "rule", ALWAYS)
     seen: list[CascadePlan] = []
     forward = backend.forward
 

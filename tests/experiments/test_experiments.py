@@ -25,10 +25,18 @@ SHARED = {p.stem for p in MODULES} - {p.stem for p in SCRIPTS}
 # Figures a quick run must get right regardless of machine speed.
 CHECKS = {
     # Both decode-attention backends timed on the same batch and agreeing; exact reads no more than
-    # padded; whole-model steps at three context mixes give the same greedy tokens either way.
+    # padded; whole-model steps at three context mixes give the same greedy tokens either way. Cascade
+    # timed against exact and padded on every grid batch (one-level and a two-level tree), agreeing with
+    # exact and reading less KV, each batch marked with the derived rule's decision; the exact/cascade
+    # whole-model step gives the same greedy tokens as exact.
     "bench_attention": lambda f: f["padded_ms"] > 0 and f["exact_ms"] > 0 and f["max_abs_diff"] < 1e-2
-    and 1.0 <= f["bytes_ratio_exact"] <= f["bytes_ratio_padded"] and f["default_decode_attention"] == "exact"
-    and len(f["model_step"]) == 3 and all(r["greedy_same"] == 1.0 and r["exact_ms"] > 0 for r in f["model_step"].values()),
+    and 1.0 <= f["bytes_ratio_exact"] <= f["bytes_ratio_padded"] and f["default_decode_attention"] == "cascade"
+    and f["cascade_ms_headline"] > 0 and f["exact_ms_headline"] > 0 and f["cascade_speedup_headline"] > 0
+    and f["cascade_kv_read_ratio_headline"] > 1 and f["cascade_speedup_tree"] > 0 and f["cascade_max_abs_diff"] < 1e-2
+    and len(f["cascade_grid"]) == 10 and all(g["rule"] in ("cascade", "exact") and g["kv_read_ratio"] > 1
+                                             for g in f["cascade_grid"].values())
+    and f["cascade_rule_min_saved_tokens"] > 0 and 0 <= f["cascade_rule_right"] <= 1 and f["step_speedup_cascade"] > 0 and f["step_cascade_planned"]
+    and len(f["model_step"]) == 4 and all(r["greedy_same"] == 1.0 for r in f["model_step"].values()),
     "bench_engine": lambda f: f["greedy_same_as_hf_float32"] == 1.0 and f["ours_tok_s_batch_float32"] > 0,
     # Every deployment simulated every request to the end and measured a speed; the JSON says which latency model.
     "bench_simulator": lambda f: f["target_requests_per_s"] == 100_000 and all(

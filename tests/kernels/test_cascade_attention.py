@@ -230,7 +230,7 @@ def test_cost_rule_keeps_only_nodes_that_pay_and_reads_the_rest_per_sequence() -
     lens = [16 + 128 + 5 + i for i in range(3)] + [16 + 20]
     k_cache, v_cache, table, full_k, full_v = make_cache(gen, tables, lens, bs, 3, 16, torch.float32)
     query = torch.randn(4, 9, 16, generator=gen)
-    rule = CascadeRule(min_saved_tokens=2 * 128)  # (3 - 1) × 128 pays; (4 - 1) × 16 does not
+    rule = CascadeRule(min_saved_tokens=2 * 128, member_cost_tokens=0)  # (3 - 1) × 128 pays; (4 - 1) × 16 does not
     assert rule.pays(128, 3) and not rule.pays(16, 4) and not rule.pays(128, 1)
     cascade = CascadeDecodeAttention(rule)
     plan = cascade.plan(lens, table, bs)
@@ -249,3 +249,22 @@ def test_cost_rule_keeps_only_nodes_that_pay_and_reads_the_rest_per_sequence() -
     exact_plan = none.plan(lens, table, bs)
     assert isinstance(exact_plan, DecodePlan)
     torch.testing.assert_close(none.forward(query, k_cache, v_cache, exact_plan, 0.25), truth, atol=1e-5, rtol=1e-5)
+
+
+def test_cost_rule_charges_every_member() -> None:
+    """The per-member term: a segment no longer than it never pays however many share it, and of two
+    groups saving about as much the one with fewer members on a longer segment is the one kept."""
+    rule = CascadeRule(min_saved_tokens=640, member_cost_tokens=384)
+    assert not rule.pays(384, 10_000) and not rule.pays(256, 16)
+    assert not rule.pays(1024, 2) and rule.pays(1024, 3) and rule.pays(2048, 2)  # 1024 < 640 + 768; 2048 >= 640 + 1152
+    assert not rule.pays(512, 8) and rule.pays(512, 12)  # 3584 < 640 + 3072; 5632 >= 640 + 4608
+    assert CascadeRule().pays(4096, 32) and not CascadeRule().pays(64, 2) and ALWAYS.pays(16, 2)
+    bs = 16
+    small = [list(range(16)) + [500 + i] for i in range(16)]  # 16 members on 256 tokens: 3840 saved
+    large = [list(range(100, 164)) + [600 + i] for i in range(3)]  # 3 members on 1024 tokens: 2048 saved
+    lens = [256 + 5] * 16 + [1024 + 5] * 3
+    table = torch.tensor([t + [0] * (65 - len(t)) for t in small + large])
+    plan = CascadeDecodeAttention(rule).plan(lens, table, bs)
+    assert isinstance(plan, CascadePlan) and [n.members for n in plan.nodes] == [[16, 17, 18]]
+    saving_only = CascadeDecodeAttention(CascadeRule(min_saved_tokens=2048, member_cost_tokens=0)).plan(lens, table, bs)
+    assert isinstance(saving_only, CascadePlan) and sorted(len(n.members) for n in saving_only.nodes) == [3, 16]
