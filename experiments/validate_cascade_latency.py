@@ -83,7 +83,7 @@ def relative_errors(rows: list[dict[str, Any]], predicted: str, measured: str) -
 
 
 def main() -> None:
-    ap = harness.parser(__doc__, "N in {4, 8}, P = 512, 32-token suffixes, 2 repeats")
+    ap = harness.parser(__doc__, "N in {4, 8}, P = 1024, 32-token suffixes, 2 repeats")
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--profile", default=str(PROFILE), help="the fitted latency profile to validate")
     ap.add_argument("--requests", default="8,16,32", help="N: requests sharing the prefix")
@@ -95,7 +95,7 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
     if args.quick:
-        args.requests, args.prefixes, args.suffix, args.repeats = "4,8", "512", 32, 2
+        args.requests, args.prefixes, args.suffix, args.repeats = "4,8", "1024", 32, 2
     contents = read_profile(args.profile)
     profile_meta = json.loads(Path(args.profile).read_text()).get("meta") or {}
     threads = args.threads or contents.threads or 1
@@ -139,7 +139,7 @@ def main() -> None:
     node_ms = statistics.median(per_node) if per_node else 0.0
     figures: dict[str, Any] = {
         "model": args.model, "dtype": dtype, "threads": threads, "profile": Path(args.profile).name,
-        "profile_decode_attention": contents.decode_attention, "cascade_min_saved_tokens": rule.min_saved_tokens,
+        "profile_decode_attention": contents.decode_attention, "cascade_min_saved_tokens": rule.min_saved_tokens, "cascade_member_cost_tokens": rule.member_cost_tokens,
         "cases": [[r["num_requests"], r["prefix_len"]] for r in rows],
         "cascade_error_with_term": relative_errors(rows, "predicted_cascade_ms", "cascade_ms"),
         "cascade_error_without_term": relative_errors(rows, "predicted_sum_ms", "cascade_ms"),
@@ -154,7 +154,8 @@ def main() -> None:
     out.json({"figures": figures, "rows": rows})
     md = [f"Decode step of {args.model} ({dtype}, {threads} thread(s)) with N requests sharing a P-token prefix "
           f"(+{args.suffix} own tokens each), median of {args.repeats}, vs the fitted model of {Path(args.profile).name} "
-          f"(relative error; cascade rule: >= {rule.min_saved_tokens} saved tokens).", "",
+          f"(relative error; cascade rule: (members - 1) x tokens >= {rule.min_saved_tokens} + {rule.member_cost_tokens} x members; "
+          "a batch below it runs exact, saved = 0).", "",
           "| N | P | Σctx | saved | exact ms | cascade ms | predicted Σctx | with term | with term, fitted f | err without | err with | err fitted f |",
           "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     md += [f"| {r['num_requests']} | {r['prefix_len']} | {r['decode_ctx']} | {r['shared_saved']} | {r['exact_ms']:.1f} | {r['cascade_ms']:.1f} "

@@ -171,7 +171,7 @@ def test_validate_cascade_latency_quick(tmp_path: Path) -> None:
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     f = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert f["cases"] == [[4, 512], [8, 512]] and f["profile_decode_attention"] == "sum"
+    assert f["cases"] == [[4, 1024], [8, 1024]] and f["profile_decode_attention"] == "sum"
     for key in ("cascade_error_with_term", "cascade_error_without_term", "cascade_error_with_fitted_fraction", "exact_error"):
         assert 0 <= f[key]["median"] <= f[key]["max"], key
     assert 0 <= f["cascade_shared_fraction_fit"] <= 1 and all(s > 0 for s in f["speedup"].values())

@@ -105,7 +105,7 @@ def test_arrays_equal_reference_on_random_trees(block_size: int, num_heads: int,
         k_cache, v_cache, table, full_k, full_v = make_cache(gen, tables, lens, block_size, num_kv_heads, 16, torch.float32)
         query = torch.randn(len(lens), num_heads, 16, generator=gen)
         # Every shared node, or a cost rule that keeps only some of them.
-        rule = CascadeRule(min_saved_tokens=[0, 4, 8, 16][trial % 4] * block_size)
+        rule = CascadeRule(min_saved_tokens=[0, 4, 8, 16][trial % 4] * block_size, member_cost_tokens=0)
         arrays = flashinfer_cascade_arrays(lens, table, block_size, rule)
         check_against_reference(arrays, query, k_cache, v_cache, full_k, full_v)
         check_reads(arrays, lens, block_size)
@@ -124,7 +124,7 @@ def test_cost_rule_keeps_the_document_and_reads_the_header_with_the_rest() -> No
     tables = [header + doc + [40 + i] for i in range(3)] + [header + [50, 51]]
     lens = [16 + 128 + 5 + i for i in range(3)] + [16 + 20]
     k_cache, v_cache, table, full_k, full_v = make_cache(gen, tables, lens, bs, 3, 16, torch.float32)
-    arrays = flashinfer_cascade_arrays(lens, table, bs, CascadeRule(min_saved_tokens=2 * 128))
+    arrays = flashinfer_cascade_arrays(lens, table, bs, CascadeRule(min_saved_tokens=2 * 128, member_cost_tokens=0))
     assert arrays.num_levels == 2 and arrays.order.tolist() == [3, 0, 1, 2]  # no document first
     assert arrays.qo_indptr[0].tolist() == [0, 1, 4] and arrays.kv_indptr[0].tolist() == [0, 0, 8]
     assert arrays.kv_last_page_len[0].tolist() == [0, 16]

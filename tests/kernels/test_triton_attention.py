@@ -127,7 +127,7 @@ def test_cost_rule_keeps_only_the_nodes_that_pay() -> None:
     header, doc = [1], list(range(10, 18))  # 16 tokens shared by all four; 128 by the first three
     tables = [header + doc + [40 + i] for i in range(3)] + [header + [50, 51]]
     lens = [16 + 128 + 5 + i for i in range(3)] + [16 + 20]
-    backend = TritonCascadeDecodeAttention(CascadeRule(min_saved_tokens=2 * 128))
+    backend = TritonCascadeDecodeAttention(CascadeRule(min_saved_tokens=2 * 128, member_cost_tokens=0))
     plan = run_case(backend, torch.Generator().manual_seed(4), tables, lens, 16, 9, 3, 16, torch.float32)
     assert [n.members for n in plan.cascade.nodes] == [[0, 1, 2]] and plan.num_parts == 2
     shared, rest = plan.batches

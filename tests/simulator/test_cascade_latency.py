@@ -59,13 +59,14 @@ def test_batch_shape_counts_what_a_shared_prefix_saves() -> None:
 
 def test_the_memo_gives_the_tree_of_the_same_batch_as_its_suffixes_grow() -> None:
     memo: dict = {}
+    rule = CascadeRule(min_saved_tokens=1024, member_cost_tokens=0)  # every group here pays
     plan = shared_plan(4, 64, 10)
-    first = batch_shape(plan, CascadeRule(), BS, memo)
+    first = batch_shape(plan, rule, BS, memo)
     grown = StepPlan([decode(c.seq_id, c.block_table + [5000 + i], c.start_pos + 1 + BS) for i, c in enumerate(plan.chunks)])
-    assert batch_shape(grown, CascadeRule(), BS, memo).decode_shared_saved == first.decode_shared_saved == 3 * 1024
-    assert batch_shape(grown, CascadeRule(), BS) == batch_shape(grown, CascadeRule(), BS, memo) and len(memo) == 1
+    assert batch_shape(grown, rule, BS, memo).decode_shared_saved == first.decode_shared_saved == 3 * 1024
+    assert batch_shape(grown, rule, BS) == batch_shape(grown, rule, BS, memo) and len(memo) == 1
     other = StepPlan(plan.chunks[:3])  # another batch: its own entry
-    assert batch_shape(other, CascadeRule(), BS, memo).decode_shared_saved == 2 * 1024 and len(memo) == 2
+    assert batch_shape(other, rule, BS, memo).decode_shared_saved == 2 * 1024 and len(memo) == 2
 
 
 def test_batch_shape_counts_every_level_of_a_tree() -> None:
