@@ -39,7 +39,19 @@ class InvalidConfigError(DistServeError):
 
 
 class QueueFullError(DistServeError):
-    """Admission refused: the request queue is at its bound (HTTP 429)."""
+    """Admission refused: the request queue (or the tenant's share of it, or its token rate) is at
+    its bound (HTTP 429). ``retry_after_s``: when to retry, from the measured drain rate (None: unknown)."""
+
+    def __init__(self, message: str, param: str | None = None, retry_after_s: float | None = None) -> None:
+        super().__init__(message, param)
+        self.retry_after_s = retry_after_s
+
+    def __reduce__(self) -> tuple[type, tuple[str, str | None, float | None]]:  # type: ignore[override]
+        return (type(self), (str(self), self.param, self.retry_after_s))
+
+
+class RequestTimeoutError(DistServeError):
+    """The request waited in the admission queue longer than its ``timeout`` and was dropped (HTTP 408)."""
 
 
 class ServiceUnavailableError(RuntimeError):

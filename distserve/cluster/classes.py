@@ -3,6 +3,8 @@ every driver (the in-process engines, the Ray controller, the simulator) applies
 
 A ``RequestClass`` is an **objective** and an optional **task group**. The dataflow layer deduces
 both per call (``CallNode.objective``, ``CallNode.task_group``); a plain API request is ``default``.
+It also names the request's **tenant** and priority **tier** (``distserve.cluster.tenants``), which
+admission (fair queueing across tenants, tiers) reads.
 
 * ``latency``: someone waits on this output. It is admitted (prefill) before default and
   throughput requests whatever the policy (``class_rank``; default requests in turn go before
@@ -25,6 +27,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass
 
+from distserve.cluster.tenants import ANONYMOUS, DEFAULT_TIER, InvalidTenantError, check_tenant_name, check_tier, tier_rank
 from distserve.errors import DistServeError
 
 DEFAULT, LATENCY, THROUGHPUT = "default", "latency", "throughput"
@@ -39,10 +42,13 @@ class InvalidRequestClassError(DistServeError):
 
 @dataclass(frozen=True, slots=True)
 class RequestClass:
-    """How a request is to be served: its ``objective`` and the task ``group`` it belongs to (None: none)."""
+    """How a request is to be served: its ``objective``, the task ``group`` it belongs to (None:
+    none), and whose it is: its ``tenant`` and priority ``tier`` (``distserve.cluster.tenants``)."""
 
     objective: str = DEFAULT
     group: str | None = None
+    tenant: str = ANONYMOUS
+    tier: str = DEFAULT_TIER
 
     def __post_init__(self) -> None:
         if self.objective not in OBJECTIVES:
@@ -51,10 +57,19 @@ class RequestClass:
             raise InvalidRequestClassError(
                 f"group must be null or a non-empty string of at most {MAX_GROUP_CHARS} characters, got {self.group!r:.80}", "group"
             )
+        try:
+            check_tenant_name(self.tenant)
+            check_tier(self.tier)
+        except InvalidTenantError as exc:
+            raise InvalidRequestClassError(str(exc), exc.param) from None
 
     @property
     def rank(self) -> int:
         return class_rank(self.objective)
+
+    @property
+    def tier_rank(self) -> int:
+        return tier_rank(self.tier)
 
 
 DEFAULT_CLASS = RequestClass()
