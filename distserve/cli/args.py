@@ -177,6 +177,9 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--parrot-unauthenticated-calls", action="store_true",
                    help="accept semantic calls that carry a session id but no session_auth, as Parrot's released "
                    "frontend sends them (every other route still checks the token; a wrong token is still refused)")
+    p.add_argument("--api-keys", default=None, metavar="FILE",
+                   help="YAML/JSON key file (tenants: weight, tier, limits; keys: key -> tenant): every route but /health and "
+                   "/metrics then needs `Authorization: Bearer <key>` (401 otherwise) and a tenant sees only its own sessions")
     p.add_argument("--ray-serve", action="store_true", help="run as a Ray Serve application (default: plain uvicorn)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
 

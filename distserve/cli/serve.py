@@ -10,6 +10,7 @@ from distserve.cli.args import check_placement_args, placement_from_args
 
 if TYPE_CHECKING:
     from distserve.dataflow.limits import SessionLimits
+    from distserve.serving.api_keys import ApiKeys
     from distserve.slo import SLO
     from distserve.placement import Placement
 
@@ -54,6 +55,19 @@ def session_limits(args: argparse.Namespace) -> "SessionLimits":
     )
 
 
+def api_keys_of(args: argparse.Namespace) -> "ApiKeys | None":
+    """The tenants and keys of --api-keys (None without it); a bad file is an error naming the flag and the line."""
+    if args.api_keys is None:
+        return None
+    from distserve.errors import DistServeError
+    from distserve.serving.api_keys import load_api_keys
+
+    try:
+        return load_api_keys(args.api_keys)
+    except DistServeError as exc:
+        raise type(exc)(f"--api-keys {exc}") from None
+
+
 def _print_ready(url: str, model: str, layout: str) -> None:
     body = json.dumps({"model": model, "messages": [{"role": "user", "content": "What is the capital of France?"}], "max_tokens": 32})
     print(f"distserve: serving {model!r} ({layout}) at {url}/v1  (metrics: {url}/metrics)")
@@ -62,6 +76,7 @@ def _print_ready(url: str, model: str, layout: str) -> None:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     _check_serve_args(args)
+    api_keys = api_keys_of(args)  # before any model loads: a bad key file fails at once
     served = args.served_model_name or args.model
     if args.colocated is not None:
         layout = f"{args.colocated} colocated engine{'s' if args.colocated > 1 else ''}"
@@ -84,6 +99,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             tpot_slo=args.tpot_slo,
             router=args.router,
             session_limits=session_limits(args),
+            api_keys=api_keys,
         )
         run_ray_serve(options, args.host, args.port, on_ready=lambda url: _print_ready(url, served, f"{layout}, Ray Serve"))
         return 0
@@ -117,11 +133,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return run_server(
             lambda: ControllerClient.create(config), served, sock,
             on_ready=lambda url: _print_ready(url, served, f"{ray_layout}, Ray runtime"), log_level=args.log_level, slo=slo,
-            session_limits=session_limits(args),
+            session_limits=session_limits(args), api_keys=api_keys,
         )
 
     from distserve.runtime.threaded_client import build_local_engine_client
 
     client = build_local_engine_client(config)
     return run_server(client, served, sock, on_ready=lambda url: _print_ready(url, served, layout), log_level=args.log_level, slo=slo,
-                      session_limits=session_limits(args))
+                      session_limits=session_limits(args), api_keys=api_keys)

@@ -30,6 +30,7 @@ import asyncio
 from collections.abc import AsyncGenerator, Iterable
 
 from distserve.cluster.classes import RequestClass
+from distserve.cluster.tenants import ANONYMOUS_TENANT, TenantSpec
 from distserve.dataflow.graph import CallNode, DataflowGraph, SemanticVariable, VarState
 from distserve.dataflow.limits import DEFAULT_LIMITS, SessionLimits
 from distserve.dataflow.prompts import PromptBuilder, kept_output_ids
@@ -50,11 +51,14 @@ class SessionEnded(DataflowError):
 
 
 class DataflowSession:
-    """One session: its graph, bound to the engine that runs its calls."""
+    """One session: its graph, bound to the engine that runs its calls for ``tenant``."""
 
-    def __init__(self, session_id: str, client: EngineClient, limits: SessionLimits = DEFAULT_LIMITS) -> None:
+    def __init__(
+        self, session_id: str, client: EngineClient, limits: SessionLimits = DEFAULT_LIMITS, tenant: TenantSpec = ANONYMOUS_TENANT
+    ) -> None:
         self.graph = DataflowGraph(session_id, limits)
         self.client = client
+        self.tenant = tenant  # whose calls these are: their requests carry its name and tier
         self.closed = False
         self.num_readers = 0  # gets and streams waiting now: a session being read is not idle
         self._tasks: set[asyncio.Task[None]] = set()
@@ -192,7 +196,7 @@ class DataflowSession:
         assert ph.sampling is not None
         var_id = node.outputs[ph.name].var_id
         outputs = self.client.generate(  # the one generate call
-            prompt, ph.sampling, f"{node.call_id}-{ph.name}", request_class=request_class_of(node)
+            prompt, ph.sampling, f"{node.call_id}-{ph.name}", request_class=request_class_of(node, self.tenant)
         )
         deltas = self._partial[var_id] = []
         last = None
@@ -225,9 +229,10 @@ class DataflowSession:
                 event.set()
 
 
-def request_class_of(node: CallNode) -> RequestClass:
-    """The scheduling class a call's requests carry: its deduced objective and task group."""
-    return RequestClass(objective=node.objective or "default", group=node.task_group)
+def request_class_of(node: CallNode, tenant: TenantSpec = ANONYMOUS_TENANT) -> RequestClass:
+    """The scheduling class a call's requests carry: its deduced objective and task group, and the
+    session's tenant and its tier."""
+    return RequestClass(objective=node.objective or "default", group=node.task_group, tenant=tenant.name, tier=tenant.tier)
 
 
 def _value(var: SemanticVariable) -> str:

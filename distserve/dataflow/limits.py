@@ -1,8 +1,9 @@
 """What one owner of dataflow sessions may hold: ``SessionLimits``, and the two refusals a limit gives.
 
-Today one ``SessionLimits`` belongs to the server (``distserve serve --max-sessions
---session-ttl --max-variables --max-pending-calls --max-value-chars``); when tenants exist, each
-will own one, and ``max_sessions`` will count that tenant's sessions. A count reached is a
+One ``SessionLimits`` belongs to the server (``distserve serve --max-sessions --session-ttl
+--max-variables --max-pending-calls --max-value-chars``): ``max_sessions`` counts every tenant's
+sessions, the other limits hold per session. A tenant's own share of the sessions is its
+``TenantSpec.max_sessions`` (``serve --api-keys``), checked by the ``SessionManager``. A count reached is a
 ``LimitExceeded`` (HTTP 429: retry once something finished or was deleted); a value, literal or
 template longer than ``max_value_chars`` is a ``ValueTooLarge`` (HTTP 413: retrying cannot help).
 """
@@ -24,7 +25,7 @@ class ValueTooLarge(DataflowError):
 
 @dataclass(frozen=True)
 class SessionLimits:
-    """Bounds on the sessions of one owner (the server today, a tenant later)."""
+    """Bounds on the sessions of one server."""
 
     ttl_s: float = 600.0  # a session idle this long (no request, no reader waiting) is ended
     max_sessions: int = 1024  # live sessions at once

@@ -3,7 +3,14 @@
 Parrot's release accepts any ``session_auth``; here a session is created with a random token
 (``secrets.token_urlsafe``) that every later call must present, compared in constant time. An
 unknown session id is a ``SessionNotFound`` (HTTP 404), a wrong token a ``SessionForbidden``
-(403) — so one session never sees another's variables. A session is idle when no request
+(403) — so one session never sees another's variables.
+
+A session belongs to the tenant that created it (``TenantSpec``; the anonymous tenant without API
+keys): another tenant's request for it is a ``SessionNotFound``, exactly as for an id never
+created — never a 403, which would tell it the session exists — so a tenant can neither read nor
+end (which cancels the calls of) another tenant's sessions. A tenant holds at most its
+``max_sessions`` sessions at once, and the server at most ``SessionLimits.max_sessions`` in all.
+Its calls' requests carry the tenant and its tier (``DataflowSession.tenant``). A session is idle when no request
 touched it for ``SessionLimits.ttl_s`` and no reader is waiting on it. Idle sessions are ended by
 ``sweep``, run in the background every ``SessionLimits.sweep_interval_s`` (``sweep_forever``,
 started with the HTTP app); an access between two sweeps finds an expired session gone too.
@@ -23,6 +30,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from distserve.cluster.tenants import ANONYMOUS_TENANT, TenantSpec
 from distserve.dataflow.executor import DataflowSession
 from distserve.dataflow.limits import DEFAULT_LIMITS, LimitExceeded, SessionLimits
 from distserve.errors import DataflowError
@@ -46,6 +54,10 @@ class _Entry:
     last_access: float
     created: float = field(default_factory=time.monotonic)
 
+    @property
+    def tenant(self) -> str:
+        return self.session.tenant.name
+
 
 class SessionManager:
     """The live sessions of one server, over the engine client that runs their calls."""
@@ -60,22 +72,30 @@ class SessionManager:
     def __len__(self) -> int:
         return len(self._sessions)
 
-    async def create(self) -> tuple[str, str]:
-        """A new session: its id and its token."""
-        if len(self._sessions) >= self.limits.max_sessions:
+    def num_sessions_of(self, tenant: str) -> int:
+        return sum(1 for entry in self._sessions.values() if entry.tenant == tenant)
+
+    async def create(self, tenant: TenantSpec = ANONYMOUS_TENANT) -> tuple[str, str]:
+        """A new session of ``tenant``: its id and its token."""
+        tenant_max = tenant.max_sessions
+        if len(self._sessions) >= self.limits.max_sessions or (tenant_max is not None and self.num_sessions_of(tenant.name) >= tenant_max):
             await self.sweep()  # expired sessions the background sweep has not reached yet free their slots
         if len(self._sessions) >= self.limits.max_sessions:
             raise LimitExceeded(f"the server holds its maximum of {self.limits.max_sessions} sessions; delete one first", "session_id")
+        if tenant_max is not None and self.num_sessions_of(tenant.name) >= tenant_max:
+            raise LimitExceeded(f"tenant {tenant.name!r} holds its maximum of {tenant_max} sessions; delete one first", "session_id")
         session_id = str(next(self._ids))
         token = secrets.token_urlsafe(24)
         now = self._clock()
-        self._sessions[session_id] = _Entry(DataflowSession(f"s{session_id}", self.client, self.limits), token, now, now)
+        self._sessions[session_id] = _Entry(DataflowSession(f"s{session_id}", self.client, self.limits, tenant), token, now, now)
         return session_id, token
 
-    async def get(self, session_id: object, token: object, require_token: bool = True) -> DataflowSession:
-        """The session, if ``token`` is its token (or, with ``require_token`` False, no token at all);
-        its idle clock restarts."""
+    async def get(self, session_id: object, token: object, require_token: bool = True, tenant: str = ANONYMOUS_TENANT.name) -> DataflowSession:
+        """The session, if it is ``tenant``'s and ``token`` is its token (or, with ``require_token``
+        False, no token at all); its idle clock restarts."""
         entry = self._sessions.get(str(session_id)) if isinstance(session_id, (str, int)) and not isinstance(session_id, bool) else None
+        if entry is not None and entry.tenant != tenant:
+            entry = None  # another tenant's session: answered as if it did not exist (its idle clock untouched)
         if entry is not None and self._expired(entry, self._clock()):  # between two sweeps
             await self._end(str(session_id))
             entry = None
@@ -88,8 +108,8 @@ class SessionManager:
         entry.last_access = self._clock()
         return entry.session
 
-    async def delete(self, session_id: object, token: object) -> None:
-        await self.get(session_id, token)
+    async def delete(self, session_id: object, token: object, tenant: str = ANONYMOUS_TENANT.name) -> None:
+        await self.get(session_id, token, tenant=tenant)
         entry = self._sessions.pop(str(session_id))
         await entry.session.close()
 

@@ -2,7 +2,8 @@
 
 How engine failures become HTTP errors is in ``serving.http_errors``; how outputs stream to the client
 (SSE, aborting on disconnect) in ``serving.streams``; request bodies and their ``SamplingParams`` in
-``serving.protocol``.
+``serving.protocol``; API keys and the tenant of a request in ``serving.auth`` (each request reaches
+the engine with its tenant and tier in its ``RequestClass``).
 """
 
 from __future__ import annotations
@@ -19,12 +20,15 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
+from distserve.cluster.classes import RequestClass
 from distserve.config import SamplingParams
 from distserve.engine.outputs import RequestOutput
 from distserve.errors import InvalidConfigError, ServiceUnavailableError
 from distserve.runtime.client import EngineClient
 from distserve.dataflow.limits import DEFAULT_LIMITS, SessionLimits
 from distserve.dataflow.sessions import SessionManager
+from distserve.serving.api_keys import ApiKeys
+from distserve.serving.auth import ApiKeyAuth, tenant_of
 from distserve.serving.dataflow_routes import add_dataflow_routes
 from distserve.serving.http_errors import (
     ClientDisconnected,
@@ -34,7 +38,7 @@ from distserve.serving.http_errors import (
     error_response,
     unavailable,
 )
-from distserve.serving.metrics import CONTENT_TYPE, RequestTimer, ServingMetrics
+from distserve.serving.metrics import CONTENT_TYPE, RequestTimer, ServingMetrics, rejection_reason
 from distserve.serving.protocol import (
     APIError,
     ChatChoice,
@@ -93,9 +97,11 @@ class _Server:
         prompt_param: str,
         param_names: dict[str, str] | None = None,
     ) -> tuple[AsyncIterator[RequestOutput], RequestOutput, RequestTimer]:
-        """Submit and wait for the first output, so bad input and a full queue become HTTP errors."""
-        timer = self.metrics.request_timer()
-        stream = self.client.generate(prompt, sampling, request_id, priority)
+        """Submit for the request's tenant and wait for the first output, so bad input and a full
+        queue become HTTP errors."""
+        tenant = tenant_of(request)
+        timer = self.metrics.request_timer(tenant=tenant.name)
+        stream = self.client.generate(prompt, sampling, request_id, priority, request_class=RequestClass(tenant=tenant.name, tier=tenant.tier))
         try:
             first = check_output(await unless_disconnected(request, anext(stream)))
         except ClientDisconnected:
@@ -103,7 +109,10 @@ class _Server:
             raise
         except Exception as exc:
             await aclose_stream(stream)
-            raise engine_error(exc, prompt_param, param_names) from exc
+            error = engine_error(exc, prompt_param, param_names)
+            timer.reject(rejection_reason(error.status_code))
+            raise error from exc
+        timer.admitted()
         timer.observe(first)
         return stream, first, timer
 
@@ -126,6 +135,7 @@ class _Server:
             timer.finish("abort")
             raise
         except Exception as exc:
+            timer.fail()
             raise engine_error(exc, "prompt") from exc
 
     def token_text(self, token_id: int) -> str:
@@ -168,15 +178,19 @@ def _chat_logprobs(pairs: list[tuple[str, float]]) -> ChatLogprobs:
 
 def build_fastapi_app(
     client: EngineClient, served_model_name: str, *, metrics: ServingMetrics | None = None,
-    session_limits: SessionLimits = DEFAULT_LIMITS,
+    session_limits: SessionLimits = DEFAULT_LIMITS, api_keys: ApiKeys | None = None,
 ) -> FastAPI:
-    """``/v1/completions``, ``/v1/chat/completions``, ``/v1/models``, ``/health`` and ``/metrics`` over ``client``."""
+    """``/v1/completions``, ``/v1/chat/completions``, ``/v1/models``, ``/health`` and ``/metrics`` over ``client``,
+    and the semantic-variable routes. With ``api_keys`` every route but ``/health`` and ``/metrics``
+    needs a tenant's key (``serving.auth``); without, every request is the anonymous tenant's."""
     app = FastAPI(title="distserve", description="OpenAI-compatible API of a disaggregated LLM server")
-    server = _Server(client, served_model_name, metrics or ServingMetrics())
+    server = _Server(client, served_model_name, metrics or ServingMetrics(tenants=api_keys.tenant_names if api_keys else ()))
     app.state.server = server
     add_error_handlers(app)
+    if api_keys is not None:
+        app.add_middleware(ApiKeyAuth, keys=api_keys, metrics=server.metrics)
     app.state.sessions = SessionManager(client, session_limits)
-    add_dataflow_routes(app, app.state.sessions, {served_model_name, client.model_name})
+    add_dataflow_routes(app, app.state.sessions, {served_model_name, client.model_name}, server.metrics)
 
     @app.get("/health")
     async def health() -> Response:
@@ -320,6 +334,7 @@ def run_server(
     log_level: str = "info",
     slo: SLO | None = None,
     session_limits: SessionLimits = DEFAULT_LIMITS,
+    api_keys: ApiKeys | None = None,
 ) -> int:
     """Serve on the bound ``sock`` with plain uvicorn until SIGINT/SIGTERM, then shut ``client`` down.
 
@@ -336,7 +351,8 @@ def run_server(
 
     async def main() -> int:
         engine_client = client if isinstance(client, EngineClient) else await client()
-        app = build_fastapi_app(engine_client, served_model_name, metrics=ServingMetrics(slo=slo), session_limits=session_limits)
+        metrics = ServingMetrics(slo=slo, tenants=api_keys.tenant_names if api_keys else ())
+        app = build_fastapi_app(engine_client, served_model_name, metrics=metrics, session_limits=session_limits, api_keys=api_keys)
         config = uvicorn.Config(
             app, host=host, port=port, log_level=log_level, access_log=False, timeout_graceful_shutdown=5
         )

@@ -1,4 +1,8 @@
-"""Ray Serve application: the OpenAI API as a Serve ingress deployment (``serve run distserve.serving.app:build_app model=tiny``)."""
+"""Ray Serve application: the OpenAI API as a Serve ingress deployment (``serve run distserve.serving.app:build_app model=tiny``).
+
+``api_keys=FILE`` turns on API keys (``distserve.serving.api_keys``): the file is read and checked
+when the application is built, and only the keys' digests travel to the replicas.
+"""
 
 from __future__ import annotations
 
@@ -15,11 +19,12 @@ from ray.serve import Application
 from distserve.cluster.routing import DEFAULT_ROUTER
 from distserve.config import CacheConfig, SchedulerConfig, slo_scheduler_config
 from distserve.dataflow.limits import DEFAULT_LIMITS, SessionLimits
-from distserve.errors import InvalidConfigError
+from distserve.errors import DistServeError, InvalidConfigError
 from distserve.placement import Placement
 from distserve.runtime.config import SERVER_MAX_QUEUED_REQUESTS, DeploymentConfig
 from distserve.runtime.ray_env import init_ray_local
 from distserve.runtime.threaded_client import ThreadedEngineClient, build_local_engine_client
+from distserve.serving.api_keys import ApiKeys, load_api_keys
 
 APP_NAME = "distserve"
 
@@ -48,6 +53,7 @@ class ServeOptions:
     tpot_slo: float | None = None  # seconds: steps of decoding instances stay within it ("slo" step budget)
     router: str = DEFAULT_ROUTER  # entry routing among the prefill instances (``cluster.routing.ROUTERS``)
     session_limits: SessionLimits = DEFAULT_LIMITS  # semantic-variable sessions (args ``session_ttl``, ``max_sessions``, ...)
+    api_keys: ApiKeys | None = None  # tenants and their keys (arg ``api_keys``: the key file); None: no keys, one anonymous tenant
 
     @classmethod
     def from_args(cls, args: Mapping[str, Any]) -> ServeOptions:
@@ -64,6 +70,7 @@ class ServeOptions:
             "max_queued_requests": int,
             "tpot_slo": float,
             "router": str,
+            "api_keys": load_api_keys,
             **_SESSION_LIMIT_ARGS,
         }
         unknown = sorted(set(args) - set(fields))
@@ -75,6 +82,8 @@ class ServeOptions:
                 continue
             try:
                 values[key] = fields[key](value)
+            except DistServeError as exc:
+                raise InvalidConfigError(f"app arg {key}: {exc}") from None
             except (TypeError, ValueError) as exc:
                 raise InvalidConfigError(f"app arg {key}={value!r} is not a valid {fields[key].__name__}") from exc
         limits = {_LIMIT_FIELD.get(key, key): values.pop(key) for key in _SESSION_LIMIT_ARGS if key in values}
@@ -109,7 +118,10 @@ class DistServeIngress:
     def __serve_build_asgi_app__(self) -> FastAPI:
         from distserve.serving.api import build_fastapi_app
 
-        return build_fastapi_app(self.client, self.options.served_model_name or self.options.model, session_limits=self.options.session_limits)
+        return build_fastapi_app(
+            self.client, self.options.served_model_name or self.options.model, session_limits=self.options.session_limits,
+            api_keys=self.options.api_keys,
+        )
 
     def check_health(self) -> None:
         """Serve's replica health check: a dead engine makes Serve replace this replica."""

@@ -26,10 +26,12 @@ query parameters work too, for curl):
 * ``POST /v1/py_native_call`` → 400: we never execute client code
 
 Errors use the OpenAI error body: 400 naming the ``param``, 403 for a wrong ``session_auth``,
-404 for an unknown session or variable (or a session ended under the request), 408 when a read
+404 for an unknown session or variable (or a session ended under the request, or another tenant's
+session: with API keys a tenant sees only its own sessions and their variables), 408 when a read
 times out, 413 for a value or template over ``max_value_chars``, 424 when the variable's call (or
 one upstream) failed — its message names that call — and 429 when a ``SessionLimits`` count is
-reached (sessions, variables per session, unfinished calls per session). ``cache_prefix``,
+reached (sessions of the server or of the tenant, variables per session, unfinished calls per
+session). ``cache_prefix``,
 ``fuse_fill`` and ``remove_pure_fill`` are accepted: prefixes are always cached, and fills are
 never sent alone. Idle sessions are ended by a background sweep started with the app's lifespan.
 """
@@ -51,6 +53,8 @@ from distserve.dataflow.limits import LimitExceeded, ValueTooLarge
 from distserve.dataflow.sessions import SessionForbidden, SessionManager, SessionNotFound
 from distserve.dataflow.template import parse_call
 from distserve.errors import DataflowError
+from distserve.serving.auth import tenant_of
+from distserve.serving.metrics import ServingMetrics
 from distserve.serving.protocol import SSE_DONE, APIError, sse
 from distserve.serving.streams import SSEResponse
 
@@ -63,17 +67,20 @@ _CALL_FIELDS = {
 }
 
 
-def add_dataflow_routes(app: FastAPI, sessions: SessionManager, served_model_names: set[str]) -> None:
-    """Mount the semantic-variable API on ``app``; ``sessions`` run their calls on the app's engine.
+def add_dataflow_routes(
+    app: FastAPI, sessions: SessionManager, served_model_names: set[str], metrics: ServingMetrics | None = None
+) -> None:
+    """Mount the semantic-variable API on ``app``; ``sessions`` run their calls on the app's engine
+    for the tenant of the request (``serving.auth``). ``metrics`` count sessions refused by a limit.
 
     The app's lifespan also runs ``sessions.sweep_forever`` (idle sessions ended in the background)
     and ends every session at shutdown.
     """
     run_sweeper_with_app(app, sessions)
 
-    async def session_of(payload: Mapping[str, Any], require_token: bool = True, hint: str = "") -> DataflowSession:
+    async def session_of(request: Request, payload: Mapping[str, Any], require_token: bool = True, hint: str = "") -> DataflowSession:
         try:
-            return await sessions.get(payload.get("session_id"), payload.get("session_auth"), require_token)
+            return await sessions.get(payload.get("session_id"), payload.get("session_auth"), require_token, tenant_of(request).name)
         except SessionNotFound as exc:
             raise APIError(404, str(exc), param="session_id", type="not_found_error") from None
         except SessionForbidden as exc:
@@ -81,13 +88,19 @@ def add_dataflow_routes(app: FastAPI, sessions: SessionManager, served_model_nam
             raise APIError(403, f"{exc}{missing}", param="session_auth", type="permission_error") from None
 
     @app.post("/v1/session")
-    async def register_session() -> JSONResponse:
-        session_id, token = await guarded(sessions.create())
+    async def register_session(request: Request) -> JSONResponse:
+        tenant = tenant_of(request)
+        try:
+            session_id, token = await sessions.create(tenant)
+        except LimitExceeded as exc:
+            if metrics is not None:
+                metrics.reject(tenant.name, "session_limit")
+            raise as_api_error(exc) from None
         return JSONResponse({"session_id": int(session_id), "session_auth": token})
 
     @app.get("/v1/session/{session_id}")
     async def session_info(session_id: str, request: Request) -> JSONResponse:
-        session = await session_of({**await body(request), "session_id": session_id})
+        session = await session_of(request, {**await body(request), "session_id": session_id})
         calls = session.graph.calls.values()
         return JSONResponse({
             "session_id": int(session_id), "num_variables": len(session.graph.variables), "num_calls": len(calls),
@@ -98,14 +111,14 @@ def add_dataflow_routes(app: FastAPI, sessions: SessionManager, served_model_nam
     @app.delete("/v1/session/{session_id}")
     async def remove_session(session_id: str, request: Request) -> JSONResponse:
         payload = {**await body(request), "session_id": session_id}
-        await session_of(payload)  # 404/403 first
-        await sessions.delete(session_id, payload.get("session_auth"))
+        await session_of(request, payload)  # 404/403 first
+        await sessions.delete(session_id, payload.get("session_auth"), tenant_of(request).name)
         return JSONResponse({})
 
     @app.post("/v1/semantic_call")
     async def submit_semantic_call(request: Request) -> JSONResponse:
         payload = await body(request)
-        session = await session_of(payload, require_token=sessions.limits.require_auth_on_calls, hint=(
+        session = await session_of(request, payload, require_token=sessions.limits.require_auth_on_calls, hint=(
             " (it is missing: Parrot's released frontend sends calls without it; a server started with"
             " --parrot-unauthenticated-calls accepts them)"))
         unknown = sorted(set(payload) - _CALL_FIELDS)
@@ -134,7 +147,7 @@ def add_dataflow_routes(app: FastAPI, sessions: SessionManager, served_model_nam
     @app.post("/v1/semantic_var")
     async def register_variable(request: Request) -> JSONResponse:
         payload = await body(request)
-        session = await session_of(payload)
+        session = await session_of(request, payload)
         name = payload.get("var_name", "var")
         if not isinstance(name, str) or not name or len(name) > 256:
             raise APIError(400, "var_name must be a non-empty string of at most 256 characters", param="var_name")
@@ -144,14 +157,14 @@ def add_dataflow_routes(app: FastAPI, sessions: SessionManager, served_model_nam
     @app.post("/v1/semantic_var/{var_id}")
     async def set_variable(var_id: str, request: Request) -> JSONResponse:
         payload = await body(request)
-        session = await session_of(payload)
+        session = await session_of(request, payload)
         await guarded(session.set(var_id, payload.get("content")))
         return JSONResponse({})
 
     @app.get("/v1/semantic_var/{var_id}")
     async def get_variable(var_id: str, request: Request) -> JSONResponse:
         payload = await body(request)
-        session = await session_of(payload)
+        session = await session_of(request, payload)
         criteria, timeout = read_fields(payload)
         try:
             content = await session.get(var_id, criteria, timeout)
@@ -162,14 +175,14 @@ def add_dataflow_routes(app: FastAPI, sessions: SessionManager, served_model_nam
     @app.get("/v1/semantic_var/{var_id}/stream", response_model=None)
     async def stream_variable(var_id: str, request: Request) -> SSEResponse:
         payload = await body(request)
-        session = await session_of(payload)
+        session = await session_of(request, payload)
         criteria, timeout = read_fields(payload)
         await guarded_sync(lambda: session.graph.variable(var_id))  # an unknown variable is a 404 before the stream starts
         return SSEResponse(variable_events(session, var_id, criteria, timeout))
 
     @app.get("/v1/semantic_var")
     async def list_variables(request: Request) -> JSONResponse:
-        session = await session_of(await body(request))
+        session = await session_of(request, await body(request))
         return JSONResponse({"variables": [
             {"var_id": v.var_id, "var_name": v.name, "state": v.state.value,
              "producer": v.producer.call_id if v.producer is not None else None}

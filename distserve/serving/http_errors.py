@@ -1,9 +1,14 @@
 """How failures become OpenAI-style HTTP errors: engine exceptions and failed outputs as 4xx/5xx
-``APIError``s, validation errors naming the field, and a client that left as 499."""
+``APIError``s, validation errors naming the field, and a client that left as 499.
+
+Every 429 and 503 carries ``Retry-After`` (whole seconds, at least 1): the engine's estimate when a
+``QueueFullError`` has one (``retry_after_s``, from the measured drain rate), else 1 s.
+"""
 
 from __future__ import annotations
 
 import logging
+import math
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -12,7 +17,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from distserve.engine.outputs import RequestOutput
-from distserve.errors import DistServeError, PromptTooLongError, QueueFullError, ServiceUnavailableError
+from distserve.errors import DistServeError, PromptTooLongError, QueueFullError, RequestTimeoutError, ServiceUnavailableError
 from distserve.serving.protocol import APIError
 
 logger = logging.getLogger(__name__)
@@ -26,8 +31,21 @@ class ClientDisconnected(Exception):
 
 
 def error_response(exc: APIError) -> JSONResponse:
-    headers = {"Retry-After": RETRY_AFTER_S} if exc.status_code in (429, 503) else None
-    return JSONResponse(exc.body(), status_code=exc.status_code, headers=headers)
+    headers = {"Retry-After": RETRY_AFTER_S} if exc.status_code in (429, 503) else {}
+    headers.update(exc.headers or {})
+    return JSONResponse(exc.body(), status_code=exc.status_code, headers=headers or None)
+
+
+def retry_after(seconds: float | None) -> str:
+    """A ``Retry-After`` value: whole seconds, rounded up, at least 1 (unknown: 1)."""
+    if seconds is None or not math.isfinite(seconds):
+        return RETRY_AFTER_S
+    return str(max(1, math.ceil(seconds)))
+
+
+def queue_full(exc: QueueFullError) -> APIError:
+    """429 in OpenAI's shape, with ``Retry-After`` from the engine's estimate."""
+    return APIError(429, str(exc), type="rate_limit_error", code="queue_full", headers={"Retry-After": retry_after(exc.retry_after_s)})
 
 
 def unavailable(message: str) -> APIError:
@@ -44,7 +62,10 @@ def engine_error(exc: BaseException, prompt_param: str, param_names: dict[str, s
     if isinstance(exc, APIError):
         return exc
     if isinstance(exc, QueueFullError):
-        return APIError(429, str(exc), type="rate_limit_error", code="queue_full")
+        return queue_full(exc)
+    if isinstance(exc, RequestTimeoutError):
+        return APIError(408, f"the request timed out before it was served: {exc}", param=exc.param or "timeout",
+                        type="timeout_error", code="request_timeout")
     if isinstance(exc, DistServeError):
         param = exc.param or prompt_param
         param = (param_names or {}).get(param, param)

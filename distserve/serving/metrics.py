@@ -1,7 +1,13 @@
-"""Prometheus metrics of the HTTP layer: request latency histograms and per-instance engine gauges.
+"""Prometheus metrics of the HTTP layer: request latency histograms, per-tenant series and
+per-instance engine gauges.
 
 Names follow vLLM's with the prefix ``distserve:``. Each ``ServingMetrics`` owns its own
 ``CollectorRegistry`` so several apps (tests) can live in one process.
+
+Per-tenant series (label ``tenant``): requests in flight at the server, ``queued`` (submitted, no
+token yet) and ``running`` (streaming), ``admitted`` and ``rejected`` counts (by ``reason``) and
+a TTFT histogram. The label set is bounded: the tenants of the key file plus ``anonymous``;
+any other name is counted as ``other``, so no client input can grow the series.
 
 The engine figures it exports come from ``EngineClient.stats()``, whose shape is
 ``distserve.runtime.stats.ClientStats``.
@@ -10,16 +16,18 @@ The engine figures it exports come from ``EngineClient.stats()``, whose shape is
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from distserve.engine.outputs import RequestOutput
 from distserve.runtime.stats import AGGREGATE_INSTANCE, ClientStats, normalize_stats
 from distserve.cluster.classes import DEFAULT, OBJECTIVES
+from distserve.cluster.tenants import ANONYMOUS
+from distserve.serving.api_keys import OTHER_TENANT
 from distserve.slo import SLO, slo_for_objective, tpot
 
 PREFIX = "distserve:"
@@ -30,6 +38,13 @@ ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0
 E2E_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
 TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
 MIGRATION_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+# Why a request was refused (label ``reason``): by HTTP status, and the session-count limits.
+REJECT_REASONS = ("queue_full", "timeout", "invalid", "unavailable", "error", "session_limit")
+
+
+def rejection_reason(status_code: int) -> str:
+    """The ``reason`` label of a request refused with ``status_code``."""
+    return {429: "queue_full", 408: "timeout", 503: "unavailable"}.get(status_code, "error" if status_code >= 500 else "invalid")
 
 
 _GAUGES = (
@@ -92,11 +107,14 @@ class RequestTimer:
     """Observes one request's stream: TTFT, inter-token latency and, at the end, E2E, token counts
     and whether it met the SLO its scheduling-class ``objective`` is judged by."""
 
-    def __init__(self, metrics: ServingMetrics, start: float | None = None, objective: str = DEFAULT) -> None:
+    def __init__(self, metrics: ServingMetrics, start: float | None = None, objective: str = DEFAULT, tenant: str = ANONYMOUS) -> None:
         if objective not in OBJECTIVES:  # a label value: the set stays bounded
             raise ValueError(f"objective must be one of {OBJECTIVES}, got {objective!r}")
         self.metrics = metrics
         self.objective = objective
+        self.tenant = metrics.tenant_label(tenant)
+        self._in_flight: Gauge | None = metrics.tenant_queued.labels(tenant=self.tenant)  # queued until its first token
+        self._in_flight.inc()
         self.start = time.perf_counter() if start is None else start
         self.first_token_time: float | None = None
         self.last_token_time: float | None = None
@@ -112,6 +130,11 @@ class RequestTimer:
             if self.last_token_time is None:
                 self.first_token_time = now
                 m.ttft.observe(now - self.start)
+                m.tenant_ttft.labels(tenant=self.tenant).observe(now - self.start)
+                if self._in_flight is not None:
+                    self._in_flight.dec()
+                    self._in_flight = m.tenant_running.labels(tenant=self.tenant)
+                    self._in_flight.inc()
                 self.num_prompt_tokens = len(out.prompt_token_ids)
                 m.prompt_tokens_total.inc(self.num_prompt_tokens)
             else:
@@ -124,11 +147,31 @@ class RequestTimer:
         if out.finished:
             self.finish(out.finish_reason or "stop", len(out.prompt_token_ids))
 
+    def admitted(self) -> None:
+        """The engine accepted the request (its first output came without an error)."""
+        self.metrics.tenant_admitted.labels(tenant=self.tenant).inc()
+
+    def reject(self, reason: str) -> None:
+        """The engine refused the request (``REJECT_REASONS``): it leaves the in-flight gauges, uncounted as finished."""
+        self.metrics.reject(self.tenant, reason)
+        self.fail()
+
+    def fail(self) -> None:
+        """The request failed after admission: it leaves the in-flight gauges, uncounted as finished."""
+        self.done = True
+        self._leave()
+
+    def _leave(self) -> None:
+        if self._in_flight is not None:
+            self._in_flight.dec()
+            self._in_flight = None
+
     def finish(self, reason: str, num_prompt_tokens: int | None = None) -> None:
         """Record the end of the request (``abort`` when the client went away)."""
         if self.done:
             return
         self.done = True
+        self._leave()
         m = self.metrics
         m.e2e.observe(time.perf_counter() - self.start)
         m.request_success.labels(finish_reason=reason).inc()
@@ -144,9 +187,10 @@ class RequestTimer:
 class ServingMetrics:
     """All metrics of one app, in their own registry."""
 
-    def __init__(self, registry: CollectorRegistry | None = None, slo: SLO | None = None) -> None:
+    def __init__(self, registry: CollectorRegistry | None = None, slo: SLO | None = None, tenants: Iterable[str] = ()) -> None:
         self.registry = registry if registry is not None else CollectorRegistry()
         self.slo = slo  # the deployment's SLO: finished requests are counted as meeting it or not
+        self.tenants = frozenset((ANONYMOUS, *tenants))  # the tenant label's values, with OTHER_TENANT
         r = self.registry
         self.ttft = Histogram(PREFIX + "time_to_first_token_seconds", "Time to first token, measured at the API server.", buckets=TTFT_BUCKETS, registry=r)
         self.itl = Histogram(PREFIX + "inter_token_latency_seconds", "Time between consecutive output tokens.", buckets=ITL_BUCKETS, registry=r)
@@ -165,11 +209,36 @@ class ServingMetrics:
         self.kv_migration_seconds = Histogram(
             PREFIX + "kv_migration_seconds", "Duration of one request's KV migration.", ["instance", "phase"], buckets=MIGRATION_BUCKETS, registry=r
         )
+        self.tenant_queued = Gauge(
+            PREFIX + "tenant_requests_queued", "Requests submitted to the engine without a token yet, by tenant.", ["tenant"], registry=r)
+        self.tenant_running = Gauge(PREFIX + "tenant_requests_running", "Requests streaming their output, by tenant.", ["tenant"], registry=r)
+        self.tenant_admitted = Counter(PREFIX + "tenant_requests_admitted", "Requests the engine accepted, by tenant.", ["tenant"], registry=r)
+        self.tenant_rejected = Counter(
+            PREFIX + "tenant_requests_rejected", "Requests refused, by tenant and reason (queue_full: HTTP 429, timeout: 408, "
+            "invalid: other 4xx, unavailable: 503, error: 5xx, session_limit: a session limit reached).", ["tenant", "reason"], registry=r)
+        self.tenant_ttft = Histogram(
+            PREFIX + "tenant_time_to_first_token_seconds", "Time to first token at the API server, by tenant.", ["tenant"],
+            buckets=TTFT_BUCKETS, registry=r)
+        self.requests_unauthenticated = Counter(
+            PREFIX + "requests_unauthenticated", "Requests refused with 401: no or a wrong API key.", registry=r)
+        for tenant in sorted(self.tenants | {OTHER_TENANT}):  # these series exist from the start, at 0; rejections once counted
+            for family in (self.tenant_queued, self.tenant_running, self.tenant_admitted, self.tenant_ttft):
+                family.labels(tenant=tenant)
         self._engine = _EngineCollector()
         r.register(self._engine)
 
-    def request_timer(self, objective: str = DEFAULT) -> RequestTimer:
-        return RequestTimer(self, objective=objective)
+    def tenant_label(self, tenant: str) -> str:
+        """``tenant`` if it is one of the configured tenants (or anonymous), else ``other``."""
+        return tenant if tenant in self.tenants else OTHER_TENANT
+
+    def reject(self, tenant: str, reason: str) -> None:
+        """Count a refused request of ``tenant``; ``reason`` is one of ``REJECT_REASONS`` (a bounded label)."""
+        if reason not in REJECT_REASONS:
+            raise ValueError(f"reason must be one of {REJECT_REASONS}, got {reason!r}")
+        self.tenant_rejected.labels(tenant=self.tenant_label(tenant), reason=reason).inc()
+
+    def request_timer(self, objective: str = DEFAULT, tenant: str = ANONYMOUS) -> RequestTimer:
+        return RequestTimer(self, objective=objective, tenant=tenant)
 
     def update_engine_stats(self, raw: Mapping[str, Any]) -> None:
         """Take a fresh ``EngineClient.stats()`` snapshot: gauges, migration totals, new migration durations."""

@@ -18,7 +18,8 @@ SSE_DONE = "data: [DONE]\n\n"
 
 
 class APIError(Exception):
-    """An error answered with OpenAI's body ``{"error": {"message", "type", "param", "code"}}``."""
+    """An error answered with OpenAI's body ``{"error": {"message", "type", "param", "code"}}``
+    and, if given, response ``headers`` (``Retry-After``, ``WWW-Authenticate``)."""
 
     def __init__(
         self,
@@ -28,6 +29,7 @@ class APIError(Exception):
         param: str | None = None,
         type: str = "invalid_request_error",
         code: str | None = None,
+        headers: dict[str, str] | None = None,
     ) -> None:
         super().__init__(message)
         self.status_code = status_code
@@ -35,6 +37,7 @@ class APIError(Exception):
         self.param = param
         self.type = type
         self.code = code
+        self.headers = headers
 
     def body(self) -> dict[str, Any]:
         return ErrorResponse(error=ErrorInfo(message=self.message, type=self.type, param=self.param, code=self.code)).model_dump()

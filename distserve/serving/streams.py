@@ -114,6 +114,7 @@ async def sse_events(
         yield SSE_DONE
     except Exception as exc:  # noqa: BLE001 - the status line is sent: the error becomes the last event
         failed = True  # not counted as a finished request
+        timer.fail()
         yield sse(engine_error(exc, "prompt").body())
         yield SSE_DONE
     finally:
