@@ -151,6 +151,19 @@ def _from_json(text: str) -> object:
     return value
 
 
+def _fields(mapping: _Map, allowed: tuple[str, ...], where: str) -> dict[str, tuple[object, int]]:
+    """``mapping``'s entries as field -> (value, line), each field one of ``allowed`` and given once."""
+    fields: dict[str, tuple[object, int]] = {}
+    for key, line, value in mapping.entries:
+        if key not in allowed:
+            raise ApiKeyFileError(f"{where}unknown field {str(key)!r:.80} (expected some of {', '.join(allowed)})", line)
+        assert isinstance(key, str)
+        if key in fields:
+            raise ApiKeyFileError(f"{where}{key} given twice (first at line {fields[key][1]})", line)
+        fields[key] = (value, line)
+    return fields
+
+
 def _tenant(name: object, line: int, value: object) -> TenantSpec:
     if not isinstance(name, str):
         raise ApiKeyFileError(f"a tenant name must be a string, got {type(name).__name__}", line)
@@ -160,13 +173,7 @@ def _tenant(name: object, line: int, value: object) -> TenantSpec:
         value = _Map(line, [])
     if not isinstance(value, _Map):
         raise ApiKeyFileError(f"tenant {name!r:.80} must map to its fields ({', '.join(TENANT_FIELDS)}), got {type(value).__name__}", line)
-    fields: dict[str, tuple[object, int]] = {}
-    for key, key_line, item in value.entries:
-        if key not in TENANT_FIELDS:
-            raise ApiKeyFileError(f"tenant {name!r:.80}: unknown field {str(key)!r:.80} (expected some of {', '.join(TENANT_FIELDS)})", key_line)
-        if key in fields:
-            raise ApiKeyFileError(f"tenant {name!r:.80}: {key} given twice (first at line {fields[key][1]})", key_line)
-        fields[key] = (item, key_line)
+    fields = _fields(value, TENANT_FIELDS, f"tenant {name!r:.80}: ")
     try:
         return TenantSpec(name=name, **{k: v for k, (v, _) in fields.items()})  # type: ignore[arg-type]
     except InvalidTenantError as exc:
@@ -191,13 +198,7 @@ def parse_api_keys(tree: object) -> ApiKeys:
         raise ApiKeyFileError("the file is empty: expected `keys:` (key -> tenant) and optionally `tenants:`")
     if not isinstance(tree, _Map):
         raise ApiKeyFileError(f"the file must be a mapping with `tenants:` and `keys:`, got {type(tree).__name__}", 1)
-    sections: dict[object, tuple[object, int]] = {}
-    for key, line, value in tree.entries:
-        if key not in _TOP_FIELDS:
-            raise ApiKeyFileError(f"unknown section {str(key)!r:.80} (expected {' and '.join(_TOP_FIELDS)})", line)
-        if key in sections:
-            raise ApiKeyFileError(f"section {key} given twice (first at line {sections[key][1]})", line)
-        sections[key] = (value, line)
+    sections = _fields(tree, _TOP_FIELDS, "")
     tenants: dict[str, TenantSpec] = {}
     tenant_lines: dict[str, int] = {}
     tenants_map, tenants_line = sections.get("tenants", (None, tree.line))
