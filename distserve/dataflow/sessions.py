@@ -10,10 +10,12 @@ keys): another tenant's request for it is a ``SessionNotFound``, exactly as for 
 created — never a 403, which would tell it the session exists — so a tenant can neither read nor
 end (which cancels the calls of) another tenant's sessions. A tenant holds at most its
 ``max_sessions`` sessions at once, and the server at most ``SessionLimits.max_sessions`` in all.
-Its calls' requests carry the tenant and its tier (``DataflowSession.tenant``). A session is idle when no request
-touched it for ``SessionLimits.ttl_s`` and no reader is waiting on it. Idle sessions are ended by
-``sweep``, run in the background every ``SessionLimits.sweep_interval_s`` (``sweep_forever``,
-started with the HTTP app); an access between two sweeps finds an expired session gone too.
+Its calls' requests carry the tenant and its tier (``DataflowSession.tenant``).
+
+A session is idle when no request touched it for ``SessionLimits.ttl_s`` and no reader is
+waiting on it. Idle sessions are ended by ``sweep``, run in the background every
+``SessionLimits.sweep_interval_s`` (``sweep_forever``, started with the HTTP app); an access
+between two sweeps finds an expired session gone too.
 Ending a session cancels its calls in flight, which aborts their requests and frees their KV,
 fails its waiting readers, and drops its variables. How many sessions a server holds, and what
 each may hold, is its ``SessionLimits``.
