@@ -53,6 +53,7 @@ def flood_workload(
     seed: int = 0,
     max_total_len: int | None = None,
     arrival: str = "poisson",
+    cv: float = 1.0,
     flood_lengths: str = "summarization",
     light_lengths: str = "chatbot",
 ) -> list[Request]:
@@ -65,7 +66,7 @@ def flood_workload(
     merged: list[Request] = []
     for k, (tenant, tenant_rate, lengths) in enumerate(tenants):
         n = max(1, round(num_requests * tenant_rate / rate))
-        reqs = generate_requests(lengths, tenant_rate, n, arrival=arrival, seed=seed * 7919 + k, max_total_len=max_total_len)
+        reqs = generate_requests(lengths, tenant_rate, n, arrival=arrival, cv=cv, seed=seed * 7919 + k, max_total_len=max_total_len)
         merged.extend(replace(r, tenant=tenant) for r in reqs)
     merged.sort(key=lambda r: (r.arrival_s, r.tenant))
     return [replace(r, req_id=i) for i, r in enumerate(merged)]

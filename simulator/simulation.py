@@ -273,6 +273,7 @@ class Simulation:
 
         def place(item: AdmissionItem, accepting: list[SimInstance]) -> SimInstance:
             seq: Sequence = item.payload
+            seq.dispatch_time = now  # the entry scheduler keeps the admission order
             hashes = entry_hashes(seq, block_size, prefix_caching)
             return pick_entry(accepting, route_of, hashes, router, seq.seq_id, seq.request_class)
 

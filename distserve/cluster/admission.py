@@ -33,7 +33,7 @@ from typing import Any, Generic, TypeVar
 
 from distserve.cluster.classes import RequestClass
 from distserve.cluster.fair_queue import ADMISSION_POLICIES, DEFAULT_ADMISSION_POLICY, DEFAULT_QUANTUM_TOKENS, check_admission_policy
-from distserve.cluster.tenants import BATCH, TenantSpec, tier_rank
+from distserve.cluster.tenants import BATCH, DEFAULT_TIER, TenantSpec, tier_rank
 from distserve.errors import InvalidConfigError, QueueFullError, RequestTimeoutError
 
 DEFAULT_MAX_WAITING = 3  # TNG: dispatch to an instance while fewer than this many requests wait in it
@@ -218,11 +218,14 @@ class AdmissionQueue(Generic[T]):
         return spec.weight if spec is not None else 1.0
 
     def tier_of(self, request_class: RequestClass) -> str:
-        """A configured tenant's requests run at its tier, or a lower one the request asks for (a
-        tenant may demote its own work to ``batch``, never promote it); others at the request's."""
+        """A configured tenant's requests run at its tier (a request's ``default`` tier means "my
+        tenant's"), or at a lower one the request asks for: a tenant may demote its own work to
+        ``batch``, never promote it. Other tenants' requests run at the request's tier."""
         spec = self.tenants.get(request_class.tenant)
         if spec is None:
             return request_class.tier
+        if request_class.tier == DEFAULT_TIER:
+            return spec.tier
         return max(spec.tier, request_class.tier, key=tier_rank)
 
     def counters_of(self, tenant: str) -> TenantCounters:

@@ -206,7 +206,11 @@ class LocalDisaggEngine(EngineBase):
         def load(inst: LocalInstance) -> EntryLoad:
             return EntryLoad(inst.core.scheduler.num_waiting, tpot)
 
-        self.admission.dispatch(now, self.prefill, load, lambda item, accepting: self._place(item.payload, accepting))
+        def place(item: AdmissionItem, accepting: list[LocalInstance]) -> LocalInstance:
+            item.payload.dispatch_time = now  # the prefill scheduler keeps the admission order
+            return self._place(item.payload, accepting)
+
+        self.admission.dispatch(now, self.prefill, load, place)
         return outputs
 
     def abort_request(self, request_id: str) -> None:
@@ -329,6 +333,5 @@ class LocalDisaggEngine(EngineBase):
             "kv_migration_seconds_total": self.counters.migration_s,
             **self.counters.migration_stats(),
             "num_requests_awaiting_migration": len(self._pending),
-            "admission": self.admission.stats(),
             **prefill_totals([*prefill.values(), *decode.values()]),
         }

@@ -94,9 +94,11 @@ def test_tiers_are_strict_across_tenants() -> None:
 
 
 def test_a_request_may_demote_itself_to_batch_but_not_promote_its_tenant() -> None:
-    q = AdmissionQueue("fair", {"t": TenantSpec("t", tier="default")})
+    q = AdmissionQueue("fair", {"t": TenantSpec("t", tier="default"), "vip": TenantSpec("vip", tier="interactive")})
     assert q.tier_of(RequestClass(tenant="t", tier="batch")) == "batch"
     assert q.tier_of(RequestClass(tenant="t", tier="interactive")) == "default"
+    assert q.tier_of(RequestClass(tenant="vip")) == "interactive"  # the request's "default": its tenant's tier
+    assert q.tier_of(RequestClass(tenant="vip", tier="batch")) == "batch"
     assert q.tier_of(RequestClass(tenant="unknown", tier="interactive")) == "interactive"
 
 

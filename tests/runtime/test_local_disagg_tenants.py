@@ -58,8 +58,10 @@ def test_a_light_tenant_does_not_wait_behind_a_heavy_one(tiny: LoadedModel, poli
     if policy == "fcfs":
         assert positions == [10, 11, 12]  # behind the whole backlog
     else:
-        assert max(positions) <= 6  # tokens shared by turns (cost 200, quantum 512): light interleaves
-    stats = e.stats()["admission"]
+        # Deficit round robin, cost 200 tokens, quantum 512: heavy sends 2 (112 left), light 2, heavy 3
+        # (624 of deficit), light its third; the prefill scheduler keeps that order.
+        assert positions == [2, 3, 7]
+    stats = e.admission.stats()
     assert stats["tenants"]["light"]["num_dispatched"] == 3 and stats["num_queued"] == 0
     assert all(inst.core.block_manager.usage == 0.0 for inst in e.prefill + e.decode)
 
