@@ -135,8 +135,8 @@ def render(out: dict[str, Any]) -> list[Table]:
             tables.append(_tenant_table(res, target))
     g = out.get("goodput")
     if g is not None:
-        t = Table(title=f"goodput of {layout}: {g['rate']:.3g} req/s = {g['per_gpu']:.3g} req/s per GPU "
-                        f"(binding SLO above it: {g['binding_slo']})",
+        t = Table(title=f"goodput of {layout}: {g['per_gpu']:.3g} req/s per GPU ({g['rate']:.3g} req/s in all; "
+                        f"binding SLO above it: {g['binding_slo']})",
                   caption=f"SLO: {target}" + ("; ≤: the probe stopped once it could not pass (a lower bound)"
                                               if any(p["stopped_early"] for p in g["probes"]) else ""))
         for col in ("rate (req/s)", "joint", "TTFT", "TPOT", "meets"):
