@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from distserve.cluster.admission import DEFAULT_MAX_WAITING, AdmissionQueue, Backpressure
-from distserve.cluster.fair_queue import DEFAULT_ADMISSION_POLICY, check_admission_policy
+from distserve.cluster.fair_queue import DEFAULT_ADMISSION_POLICY, DEFAULT_QUANTUM_TOKENS, check_admission_policy
 from distserve.cluster.routing import DEFAULT_ROUTER, check_router
 from distserve.cluster.tenants import TenantSpec
 from distserve.config import SchedulerConfig
@@ -49,6 +49,7 @@ class SimConfig:
     # takes requests while fewer than ``max_waiting`` wait in it (None: at once, as before
     # admission existed) and, with ``backpressure_tpot_slo_s``, while decoding is within it.
     admission_policy: str = DEFAULT_ADMISSION_POLICY
+    admission_quantum: int = DEFAULT_QUANTUM_TOKENS  # tokens per round of a weight-1 tenant under ``fair``
     tenants: tuple[TenantSpec, ...] = ()
     max_queued_requests: int | None = None
     max_waiting: int | None = DEFAULT_MAX_WAITING
@@ -84,7 +85,8 @@ class SimConfig:
     def admission_queue(self) -> AdmissionQueue:
         """A fresh admission queue with these settings (one per run)."""
         return AdmissionQueue(self.admission_policy, {t.name: t for t in self.tenants},
-                              max_queued_requests=self.max_queued_requests, backpressure=self.backpressure)
+                              max_queued_requests=self.max_queued_requests, backpressure=self.backpressure,
+                              quantum=self.admission_quantum)
 
     @property
     def prefill_scale(self) -> float:

@@ -30,7 +30,7 @@ import torch
 from distserve.cluster.admission import AdmissionItem, AdmissionQueue, Backpressure, EntryLoad, check_timeout, measured_tpot_s, timeout_error
 from distserve.cluster.classes import RequestClass
 from distserve.cluster.counters import ClusterCounters
-from distserve.cluster.fair_queue import DEFAULT_ADMISSION_POLICY
+from distserve.cluster.fair_queue import DEFAULT_ADMISSION_POLICY, DEFAULT_QUANTUM_TOKENS
 from distserve.cluster.tenants import TenantSpec
 from distserve.cluster.migration_queue import MigrationQueue
 from distserve.cluster.routing import DEFAULT_ROUTER, RouteState, check_router, decode_order, entry_hashes, pick_entry
@@ -115,9 +115,10 @@ class LocalDisaggEngine(EngineBase):
         tenants: Mapping[str, TenantSpec] | None = None,
         max_queued_requests: int | None = None,
         backpressure: Backpressure = Backpressure(),
+        admission_quantum: int = DEFAULT_QUANTUM_TOKENS,
     ) -> None:
-        """``admission_policy``, ``tenants``, ``max_queued_requests`` and ``backpressure`` configure
-        the admission queue (``AdmissionQueue``); the other arguments the instances."""
+        """``admission_policy``, ``tenants``, ``max_queued_requests``, ``backpressure`` and
+        ``admission_quantum`` configure the admission queue (``AdmissionQueue``); the rest the instances."""
         if not (kv_transfer_timeout_s > 0 and math.isfinite(kv_transfer_timeout_s)):
             raise InvalidConfigError(f"kv_transfer_timeout_s must be a positive number of seconds, got {kv_transfer_timeout_s}")
         self.router = check_router(router)
@@ -141,7 +142,7 @@ class LocalDisaggEngine(EngineBase):
         self._pending: MigrationQueue[tuple[LocalInstance, Sequence]] = MigrationQueue()  # prompts done, KV not yet pulled
         self._owner: dict[str, LocalInstance] = {}
         self.admission: AdmissionQueue[LocalInstance] = AdmissionQueue(
-            admission_policy, tenants, max_queued_requests=max_queued_requests, backpressure=backpressure)
+            admission_policy, tenants, max_queued_requests=max_queued_requests, backpressure=backpressure, quantum=admission_quantum)
         self._dispatched: set[str] = set()  # requests that left the admission queue and are not finished
         self._timeout_s: float | None = None  # of the request ``add_request`` is adding
         self.on_plan: PlanListener | None = None

@@ -14,7 +14,7 @@ import torch
 
 from distserve.cluster.admission import DEFAULT_MAX_WAITING, Backpressure
 from distserve.cluster.classes import DEFAULT_CLASS, RequestClass
-from distserve.cluster.fair_queue import DEFAULT_ADMISSION_POLICY
+from distserve.cluster.fair_queue import DEFAULT_ADMISSION_POLICY, DEFAULT_QUANTUM_TOKENS
 from distserve.cluster.tenants import TenantSpec
 from distserve.cluster.counters import ClusterCounters
 from distserve.cluster.routing import DEFAULT_ROUTER
@@ -101,6 +101,7 @@ class Admission:
     policy: str = DEFAULT_ADMISSION_POLICY
     tenants: tuple[TenantSpec, ...] = ()
     max_waiting: int | None = DEFAULT_MAX_WAITING  # None: no backpressure, every request dispatched at once
+    quantum: int = DEFAULT_QUANTUM_TOKENS
 
 
 @dataclass(frozen=True)
@@ -120,6 +121,7 @@ def run_engine(
         cache_config=CacheConfig(num_blocks=setup.num_blocks, block_size=BLOCK_SIZE, enable_prefix_caching=True),
         prefill_scheduler_config=setup.prefill, decode_scheduler_config=setup.decode, runner_factory=fake_runner, router=router,
         admission_policy=admission.policy, tenants={t.name: t for t in admission.tenants}, backpressure=Backpressure(admission.max_waiting),
+        admission_quantum=admission.quantum,
     )
     trace = Trace()
     engine.on_plan, engine.on_migration = trace.on_plan, trace.on_migration
@@ -152,6 +154,7 @@ def run_simulator(
         block_size=BLOCK_SIZE, num_blocks=setup.num_blocks, max_model_len=engine.max_model_len,
         prefill_scheduler=setup.prefill, decode_scheduler=setup.decode, enable_prefix_caching=True, router=router,
         admission_policy=admission.policy, tenants=admission.tenants, max_waiting=admission.max_waiting,
+        admission_quantum=admission.quantum,
     )
     sim = Simulation(placement, ConstantStepTime(spec), config)
     trace = Trace()
