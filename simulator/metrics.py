@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from distserve.cluster.tenants import ANONYMOUS
 from distserve.slo import SLOSpec, TimedRequest, attainment, latency_summary, meets
 
 
@@ -27,6 +28,9 @@ class RequestRecord(TimedRequest):
     finish_s: float | None = None
     num_output_tokens: int = 0
     num_preemptions: int = 0
+    tenant: str = ANONYMOUS
+    dropped: str | None = None  # "rejected" (the admission queue was full) or "expired" (waited past its timeout)
+    admission_wait_s: float | None = None  # time in the admission queue before dispatch (the first part of TTFT)
 
     @property
     def start_s(self) -> float:
@@ -56,6 +60,32 @@ class SimResult:
     num_prefill_tokens_computed: int = 0  # prompt (and recomputed) tokens computed, decodes excluded
     num_prefix_cache_hit_tokens: int = 0  # prompt tokens admissions took from the prefix cache
     stopped_early: bool = False  # ``Simulation.run``'s ``stop_when`` ended it: some records are open
+    admission: dict[str, object] = field(default_factory=dict)  # ``AdmissionQueue.stats()`` at the end
+
+    @property
+    def tenants(self) -> list[str]:
+        return sorted({r.tenant for r in self.records})
+
+    def per_tenant(self, slo: SLOSpec | None = None) -> dict[str, dict[str, object]]:
+        """Each tenant's latencies (over its completed requests), attainment, admission wait and drops."""
+        out: dict[str, dict[str, object]] = {}
+        for tenant in self.tenants:
+            records = [r for r in self.records if r.tenant == tenant]
+            waits = [r.admission_wait_s for r in records if r.admission_wait_s is not None]
+            done = [r for r in records if r.completed]
+            row: dict[str, object] = {
+                "num_requests": len(records),
+                "num_completed": len(done),
+                "num_rejected": sum(r.dropped == "rejected" for r in records),
+                "num_expired": sum(r.dropped == "expired" for r in records),
+                "output_tokens": sum(r.num_output_tokens for r in done),
+                "admission_wait_mean_s": sum(waits) / len(waits) if waits else math.nan,
+                **latency_summary(records),
+            }
+            if slo is not None:
+                row["attainment"] = attainment(records, slo)
+            out[tenant] = row
+        return out
 
     @property
     def num_requests(self) -> int:
@@ -86,4 +116,8 @@ class SimResult:
             att = attainment(self.records, slo)
             out["attainment"] = att
             out["meets_slo"] = meets(att, slo)
+        if self.admission:
+            out["admission"] = self.admission
+        if len(self.tenants) > 1:
+            out["tenants"] = self.per_tenant(slo)
         return out

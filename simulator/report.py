@@ -16,6 +16,7 @@ from distserve.slo import SLO, SLOSpec
 from simulator.goodput import GoodputResult, find_goodput
 from simulator.latency import LatencyModel, get_latency_model
 from simulator.simulation import SimConfig, simulate
+from simulator.multi_tenant import flood_workload, is_flood_spec, parse_flood_spec
 from simulator.workload import Request, describe, generate_requests, load_trace, rescale
 
 
@@ -56,6 +57,10 @@ def build_requests(req: SimulateRequest, max_total_len: int, unit_rate: bool = F
     if req.rate is None and not unit_rate:
         raise InvalidConfigError("--rate is required for a synthetic workload (or pass --goodput to search it)")
     rate = 1.0 if unit_rate else req.rate
+    if is_flood_spec(req.workload):
+        num_light, factor = parse_flood_spec(req.workload)
+        return flood_workload(rate, req.num_requests, num_light=num_light, factor=factor, seed=req.seed,  # type: ignore[arg-type]
+                              max_total_len=max_total_len, arrival=req.arrival, cv=req.cv)
     return generate_requests(
         req.workload, rate, req.num_requests, arrival=req.arrival, cv=req.cv, seed=req.seed, max_total_len=max_total_len  # type: ignore[arg-type]
     )
@@ -126,10 +131,12 @@ def render(out: dict[str, Any]) -> list[Table]:
         t.add_row("throughput", f"{res['throughput_rps']:.3g} req/s", f"{res['num_gpus']} GPUs",
                   f"{res['num_preemptions']} preempt.", f"{res['num_migrations']} migr.")
         tables.append(t)
+        if "tenants" in res:
+            tables.append(_tenant_table(res, target))
     g = out.get("goodput")
     if g is not None:
-        t = Table(title=f"goodput of {layout}: {g['rate']:.3g} req/s = {g['per_gpu']:.3g} req/s per GPU "
-                        f"(binding SLO above it: {g['binding_slo']})",
+        t = Table(title=f"goodput of {layout}: {g['per_gpu']:.3g} req/s per GPU ({g['rate']:.3g} req/s in all; "
+                        f"binding SLO above it: {g['binding_slo']})",
                   caption=f"SLO: {target}" + ("; ≤: the probe stopped once it could not pass (a lower bound)"
                                               if any(p["stopped_early"] for p in g["probes"]) else ""))
         for col in ("rate (req/s)", "joint", "TTFT", "TPOT", "meets"):
@@ -139,6 +146,21 @@ def render(out: dict[str, Any]) -> list[Table]:
             t.add_row(f"{p['rate']:.4g}", *(f"{le}{a[k]:.1%}" for k in ("joint", "ttft", "tpot")), "yes" if p["meets"] else "no")
         tables.append(t)
     return tables
+
+
+def _tenant_table(res: dict[str, Any], target: str) -> Table:
+    """One row per tenant: its requests, latencies, attainment and admission wait."""
+    adm = res.get("admission", {})
+    t = Table(title=f"per tenant (admission policy: {adm.get('policy', '-')})",
+              caption=f"SLO: {target}; wait: mean time in the admission queue; dropped: rejected + expired")
+    for col in ("tenant", "requests", "TTFT P50", "TTFT P99", "TPOT P99", "wait (ms)", "attainment", "dropped"):
+        t.add_column(col, justify="left" if col == "tenant" else "right")
+    for name, row in res["tenants"].items():
+        att = row.get("attainment", {}).get("joint")
+        t.add_row(name, str(row["num_requests"]), *(_ms(row[k]) for k in ("ttft_p50_s", "ttft_p99_s", "tpot_p99_s")),
+                  _ms(row["admission_wait_mean_s"]), "-" if att is None else f"{att:.1%}",
+                  str(row["num_rejected"] + row["num_expired"]))
+    return t
 
 
 def scheduler_configs(

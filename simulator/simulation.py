@@ -3,8 +3,11 @@
 Each simulated instance is the runtime's own ``InstanceCore`` (the real ``BlockManager`` and the
 real ``Scheduler`` of its phase: ``Scheduler`` colocated, ``PrefillScheduler``, ``DecodeScheduler``)
 and executes the ``StepPlan``s it launches by advancing a clock by the latency model's step time
-instead of running a model. Routing is the runtime's too (``distserve.cluster.routing``): new
-requests go to the least assigned prefill (or colocated) instance, by prefix affinity where prompts
+instead of running a model. Admission is the runtime's (``distserve.cluster.admission``): new
+requests wait in the admission queue (``SimConfig.admission_policy``, fair queueing across tenants
+by default, bounds, token rates, deadlines) until an entry instance accepts them under
+backpressure. Routing is the runtime's too (``distserve.cluster.routing``): an admitted request
+goes to the least assigned accepting prefill (or colocated) instance, by prefix affinity where prompts
 carry their tokens and ``enable_prefix_caching`` is set (synthetic prompts share no prefixes);
 finished prefills wait, KV held, in one FCFS queue until a decode instance (fewest assigned first)
 can ``reserve`` room for them (pull-based); the KV then moves over the link (one transfer at a time
@@ -14,7 +17,8 @@ class (``Request.objective``, ``Request.group``) goes with it into the same poli
 same class- and group-aware routing (``distserve.cluster.classes``).
 
 Events at one instant are handled in phases: steps ending then are applied, finished prefills
-migrate, migrations completing then are delivered, arrivals are routed, and only then do instances
+migrate, migrations completing then are delivered, arrivals are queued, the admission queue drops
+what is past its deadline and dispatches what the entry instances accept, and only then do instances
 launch — a step sees everything that happened before it starts, as the runtime's step collects
 finished transfers and new requests before it schedules. ``tests/cluster/test_equivalence.py``
 checks that this makes the plans and migrations of ``LocalDisaggEngine``'s rounds.
@@ -36,21 +40,23 @@ from __future__ import annotations
 import heapq
 import itertools
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from distserve.cluster.admission import AdmissionItem, EntryLoad, measured_tpot_s
 from distserve.cluster.counters import ClusterCounters
 from distserve.cluster.migration_queue import MigrationQueue
-from distserve.cluster.routing import DEFAULT_ROUTER, check_router, decode_order, entry_hashes, pick_entry
-from distserve.config import SamplingParams, SchedulerConfig
+from distserve.cluster.routing import decode_order, entry_hashes, pick_entry
+from distserve.config import SamplingParams
 from distserve.engine.instance_core import InstanceCore
 from distserve.engine.step_plan import SampledToken, StepPlan
 from distserve.engine.sequence import Sequence, SequenceStatus
-from distserve.errors import InvalidConfigError
+from distserve.errors import InvalidConfigError, QueueFullError
 from distserve.placement import InstanceSpec, Placement
 from simulator.latency import LatencyModel
 from simulator.metrics import RequestRecord, SimResult
+from simulator.sim_config import SimConfig
 from simulator.sim_instance import SharedCompute, SimInstance, cascade_rule_of, route_of, step_time_fn
 
 if TYPE_CHECKING:
@@ -64,63 +70,6 @@ SAMPLED_TOKEN = 1  # the token every simulated step "samples"; never an EOS (ign
 # finished prefills migrate, then migrations that complete then are delivered, then arrivals are
 # routed; instances launch their next step only after all of that (``Simulation.run``).
 _STEP_DONE, _MIGRATE, _MIGRATED, _LAUNCH, _ARRIVE = 0, 1, 2, 3, 4
-
-
-@dataclass(frozen=True)
-class SimConfig:
-    """Knobs of the simulated runtime; the defaults are those of ``distserve serve``."""
-
-    block_size: int = 16
-    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)  # colocated instances
-    prefill_scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
-    decode_scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
-    num_blocks: int | None = None  # KV blocks per instance; None: what fits in memory (latency model)
-    mem_utilization: float = 0.9
-    step_overhead_s: float = 0.0  # extra fixed cost per step (e.g. the runtime's controller round trip)
-    max_model_len: int | None = None  # default: the model's context length
-    # Phase-isolated search (DistServe's per-phase goodput): prefill instances take no time, so
-    # the decode phase is measured alone.
-    instant_prefill: bool = False
-    # How many times longer a step takes while another instance on the same node computes (1:
-    # independent devices). distserve.measure.profiler.measure_concurrent_slowdown measures it (~2 for two
-    # one-thread workers on a VM whose two vCPUs share a core). pp > 1 instances are left out.
-    concurrent_slowdown: float = 1.0
-    # A deployment's runtime constants, measured on it (validate_simulator's solo-request calibration):
-    # how many times the latency model's step time a step takes in the serving process (steps with
-    # prompt tokens: ``prefill_time_scale``, default the same), and the fixed cost of a KV
-    # migration on top of the link time (the controller's reserve round trip, the decode instance
-    # noticing the arrival).
-    step_time_scale: float = 1.0
-    prefill_time_scale: float | None = None
-    migration_overhead_s: float = 0.0
-    # The runtime's prefix cache (``CacheConfig.enable_prefix_caching``) and, with it, prefix
-    # affinity in entry routing; it matters only for requests that carry ``prompt_token_ids``.
-    enable_prefix_caching: bool = False
-    router: str = DEFAULT_ROUTER  # the entry rule, by name (``distserve.cluster.routing.ROUTERS``), as ``serve --router``
-
-    def __post_init__(self) -> None:
-        check_router(self.router)
-        if self.block_size < 1:
-            raise InvalidConfigError(f"block_size must be >= 1, got {self.block_size}")
-        if self.num_blocks is not None and self.num_blocks < 1:
-            raise InvalidConfigError(f"num_blocks must be >= 1, got {self.num_blocks}")
-        if not 0 < self.mem_utilization <= 1:
-            raise InvalidConfigError(f"mem_utilization must be in (0, 1], got {self.mem_utilization}")
-        if self.step_overhead_s < 0:
-            raise InvalidConfigError(f"step_overhead_s must be >= 0, got {self.step_overhead_s}")
-        if not self.step_time_scale > 0:
-            raise InvalidConfigError(f"step_time_scale must be > 0, got {self.step_time_scale}")
-        if self.prefill_time_scale is not None and not self.prefill_time_scale > 0:
-            raise InvalidConfigError(f"prefill_time_scale must be > 0, got {self.prefill_time_scale}")
-        if self.migration_overhead_s < 0:
-            raise InvalidConfigError(f"migration_overhead_s must be >= 0, got {self.migration_overhead_s}")
-        if self.concurrent_slowdown < 1:
-            raise InvalidConfigError(f"concurrent_slowdown must be >= 1, got {self.concurrent_slowdown}")
-
-    @property
-    def prefill_scale(self) -> float:
-        """The step-time scale of steps with prompt tokens."""
-        return self.step_time_scale if self.prefill_time_scale is None else self.prefill_time_scale
 
 
 class Simulation:
@@ -197,7 +146,8 @@ class Simulation:
         records: dict[str, RequestRecord] = {}
         for r in requests:
             sid = str(r.req_id)
-            records[sid] = RequestRecord(r.req_id, r.arrival_s, r.prompt_len, r.output_len, r.slo_class, objective=r.objective)
+            records[sid] = RequestRecord(r.req_id, r.arrival_s, r.prompt_len, r.output_len, r.slo_class, objective=r.objective,
+                                         tenant=r.tenant)
             push(events, (r.arrival_s, _ARRIVE, next(seq_no), r))
         self.records = records
         self._stop_when = stop_when
@@ -210,10 +160,11 @@ class Simulation:
         # One SampledToken per live request, reused every step: update_from_output only reads it.
         self._sampled: dict[str, SampledToken] = {}
         self.counters = ClusterCounters()
+        self.admission = self.config.admission_queue()
+        self._admit_due = False  # something arrived or a step ended: try to dispatch at the end of the instant
         unfinished = len(requests)
         now = 0.0
         prompts: dict[int, list[int]] = {}
-        block_size, prefix_caching = self.config.block_size, self.config.enable_prefix_caching
         pop = heapq.heappop
         while events:
             now, kind, _, payload = pop(events)
@@ -224,6 +175,7 @@ class Simulation:
                 if inst.plan_in_flight is not None:
                     self._push_completions(self.shared.stop(inst, now))  # type: ignore[union-attr]
                 unfinished -= self._step_done(inst, plan, now)
+                self._admit_due = True
                 if self._stop:
                     break
                 if self.pending:
@@ -231,22 +183,7 @@ class Simulation:
             elif kind == _MIGRATE:
                 self._migrate_pending(now)
             elif kind == _ARRIVE:
-                r: Request = payload  # type: ignore[assignment]
-                if r.prompt_token_ids is not None:
-                    prompt = list(r.prompt_token_ids)
-                else:
-                    prompt = prompts.get(r.prompt_len)
-                    if prompt is None:
-                        prompt = prompts[r.prompt_len] = [SAMPLED_TOKEN] * r.prompt_len
-                seq = Sequence(
-                    str(r.req_id), prompt, SamplingParams(max_tokens=r.output_len, ignore_eos=True), arrival_time=r.arrival_s,
-                    request_class=r.request_class,
-                )
-                self._sampled[seq.seq_id] = SampledToken(seq.seq_id, SAMPLED_TOKEN)
-                hashes = entry_hashes(seq, block_size, prefix_caching)
-                inst = pick_entry(self.entry, route_of, hashes, self.config.router, seq.seq_id, seq.request_class)
-                inst.core.add(seq)
-                self._launch_at_end(inst)
+                unfinished -= self._arrive(payload, now, prompts)  # type: ignore[arg-type]
             elif kind == _MIGRATED:
                 src, dst, seq_id = payload  # type: ignore[misc]
                 src.core.release(seq_id)
@@ -262,11 +199,15 @@ class Simulation:
                 inst = payload  # type: ignore[assignment]
                 inst.launch_pending = False
                 self._launch_at_end(inst)
-            if self._due and (not events or events[0][0] > now):
+            if (self._due or self._admit_due) and (not events or events[0][0] > now):
+                if self._admit_due and self.admission:
+                    unfinished -= self._admit(now)
+                self._admit_due = False
                 self._launch_due(now)
         if unfinished and not self._stop:
             stuck = {i.name: (i.core.scheduler.num_waiting, i.core.scheduler.num_running) for i in self.instances}
-            raise RuntimeError(f"simulation stalled with {unfinished} unfinished requests; (waiting, running): {stuck}")
+            raise RuntimeError(f"simulation stalled with {unfinished} unfinished requests ({len(self.admission)} in the "
+                               f"admission queue); (waiting, running): {stuck}")
         return SimResult(
             records=list(records.values()),
             num_gpus=self.num_gpus,
@@ -291,7 +232,58 @@ class Simulation:
             migration_bytes=self.counters.num_bytes_migrated,
             mean_migration_s=self.counters.migration_s / self.counters.num_migrations if self.counters.num_migrations else 0.0,
             stopped_early=self._stop,
+            admission=self.admission.stats(),
         )
+
+    # ---- admission ------------------------------------------------------------------------------
+    def _arrive(self, r: Request, now: float, prompts: dict[int, list[int]]) -> int:
+        """Queue an arriving request for admission; returns 1 if it was refused (it ends here)."""
+        if r.prompt_token_ids is not None:
+            prompt = list(r.prompt_token_ids)
+        else:
+            prompt = prompts.get(r.prompt_len)
+            if prompt is None:
+                prompt = prompts[r.prompt_len] = [SAMPLED_TOKEN] * r.prompt_len
+        seq = Sequence(
+            str(r.req_id), prompt, SamplingParams(max_tokens=r.output_len, ignore_eos=True), arrival_time=r.arrival_s,
+            priority=r.priority, request_class=r.request_class,
+        )
+        item = AdmissionItem(seq.seq_id, r.request_class, r.prompt_len + r.output_len, r.arrival_s, r.priority, r.timeout_s, seq)
+        try:
+            self.admission.push(item, now)
+        except QueueFullError:
+            self.records[seq.seq_id].dropped = "rejected"
+            return 1
+        self._admit_due = True
+        return 0
+
+    def _admit(self, now: float) -> int:
+        """Drop the requests past their deadline, then dispatch while entry instances accept
+        (``AdmissionQueue.dispatch``); returns how many were dropped."""
+        expired = self.admission.expire(now)
+        for item in expired:
+            rec = self.records[item.request_id]
+            rec.dropped, rec.admission_wait_s = "expired", item.wait_s
+        tpot = measured_tpot_s((i.core.scheduler.num_running, i.core.last_step_s) for i in self.decodes or self.entry) \
+            if self.config.backpressure_tpot_slo_s is not None else None
+        block_size, prefix_caching, router = self.config.block_size, self.config.enable_prefix_caching, self.config.router
+
+        def load(inst: SimInstance) -> EntryLoad:
+            return EntryLoad(inst.core.scheduler.num_waiting, tpot)
+
+        def place(item: AdmissionItem, accepting: list[SimInstance]) -> SimInstance:
+            seq: Sequence = item.payload
+            seq.dispatch_time = now  # the entry scheduler keeps the admission order
+            hashes = entry_hashes(seq, block_size, prefix_caching)
+            return pick_entry(accepting, route_of, hashes, router, seq.seq_id, seq.request_class)
+
+        for item, inst in self.admission.dispatch(now, self.entry, load, place):
+            seq = item.payload
+            self._sampled[seq.seq_id] = SampledToken(seq.seq_id, SAMPLED_TOKEN)
+            self.records[seq.seq_id].admission_wait_s = item.wait_s
+            inst.core.add(seq)
+            self._launch_at_end(inst)
+        return len(expired)
 
     def _check_fits(self, requests: Seq[Request]) -> None:
         longest = max(r.prompt_len + r.output_len for r in requests)
@@ -347,7 +339,8 @@ class Simulation:
         if self.on_plan is not None:
             self.on_plan(inst.instance_id, plan)
         t = inst.step_time(inst.batch_shape(plan))
-        core.observe(plan, t)  # what the runtime measures: the SLO budget learns from it
+        core.observe(plan, t)
+        core.last_step_s = t  # what the runtime measures: the SLO budget learns from it
         inst.busy_s += t
         if self.shared and t > 0 and inst.pp == 1:
             self._push_completions(self.shared.start(inst, plan, t, now))

@@ -19,7 +19,10 @@ from typing import Any
 
 import numpy as np
 
+from distserve.cluster.admission import check_timeout
 from distserve.cluster.classes import DEFAULT, DEFAULT_CLASS, RequestClass
+from distserve.cluster.tenants import ANONYMOUS, DEFAULT_TIER
+from distserve.config import PRIORITY_MAX, PRIORITY_MIN
 from distserve.errors import DistServeError, InvalidConfigError
 from simulator.lengths import FixedLengths, LengthDistribution, chatbot_lengths, check_int, code_lengths, summarization_lengths
 
@@ -43,10 +46,16 @@ class Request:
     prompt_token_ids: tuple[int, ...] | None = None
     objective: str = DEFAULT  # the scheduling class: default | latency | throughput
     group: str | None = None  # its task group, if any
+    tenant: str = ANONYMOUS  # whose it is (``distserve.cluster.tenants``): fair queueing shares by tenant
+    tier: str = DEFAULT_TIER  # interactive | default | batch
+    priority: int = 0  # within its tenant, lower first (vLLM's convention)
+    timeout_s: float | None = None  # longest wait in the admission queue before it is dropped
 
     def __post_init__(self) -> None:
         try:
             self.request_class
+            check_priority(self.priority)
+            check_timeout(self.timeout_s)
         except DistServeError as exc:
             raise InvalidConfigError(f"request {self.req_id}: {exc}", exc.param) from None
         if self.prompt_len < 1 or self.output_len < 1:
@@ -60,10 +69,16 @@ class Request:
 
     @property
     def request_class(self) -> RequestClass:
-        """What the runtime's schedulers and routing see of ``objective`` and ``group``."""
-        if self.objective == DEFAULT and self.group is None:
+        """What the runtime's admission, schedulers and routing see of its class and tenant."""
+        if self.objective == DEFAULT and self.group is None and self.tenant == ANONYMOUS and self.tier == DEFAULT_TIER:
             return DEFAULT_CLASS
-        return RequestClass(self.objective, self.group)
+        return RequestClass(self.objective, self.group, self.tenant, self.tier)
+
+
+def check_priority(value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not PRIORITY_MIN <= value <= PRIORITY_MAX:
+        raise DistServeError(f"priority must be a 64-bit signed integer, got {value!r:.80}", "priority")
+    return value
 
 
 # ---- length distributions by name ----------------------------------------------------------
@@ -236,7 +251,11 @@ def _length_field(record: Mapping[str, Any], key: str, where: str) -> int:
     return int(value)
 
 
-def _parse_record(record: Any, where: str) -> tuple[float, int, int, str | None, None, str, str | None]:
+_CLASS_FIELDS = (("objective", DEFAULT), ("group", None), ("tenant", ANONYMOUS), ("tier", DEFAULT_TIER), ("priority", 0))
+
+
+def _parse_record(record: Any, where: str) -> dict[str, Any]:
+    """A trace line's ``Request`` fields (all but ``req_id``); errors name the line and the field."""
     if not isinstance(record, dict):
         raise InvalidConfigError(f"{where}: expected a JSON object, got {type(record).__name__}")
     if "arrival_s" not in record:
@@ -247,21 +266,24 @@ def _parse_record(record: Any, where: str) -> tuple[float, int, int, str | None,
     slo_class = record.get("slo_class")
     if slo_class is not None and not isinstance(slo_class, str):
         raise InvalidConfigError(f"{where}: slo_class must be a string or null, got {slo_class!r}")
-    objective, group = record.get("objective", DEFAULT), record.get("group")
+    fields = {name: record.get(name, default) for name, default in _CLASS_FIELDS}
     try:
-        RequestClass(objective, group)
+        RequestClass(fields["objective"], fields["group"], fields["tenant"], fields["tier"])
+        check_priority(fields["priority"])
+        timeout_s = check_timeout(record.get("timeout"))
     except DistServeError as exc:
         raise InvalidConfigError(f"{where}: {exc}", exc.param) from None
-    prompt_len, output_len = _length_field(record, "prompt_len", where), _length_field(record, "output_len", where)
-    return float(arrival), prompt_len, output_len, slo_class, None, objective, group
+    return {"arrival_s": float(arrival), "prompt_len": _length_field(record, "prompt_len", where),
+            "output_len": _length_field(record, "output_len", where), "slo_class": slo_class, "timeout_s": timeout_s, **fields}
 
 
 def load_trace(path: str | os.PathLike[str]) -> list[Request]:
     """Requests from a JSONL trace, sorted by arrival (stable), ``req_id`` in that order.
 
     One object per line: ``{"arrival_s": float, "prompt_len": int, "output_len": int,
-    "slo_class": str, "objective": "default" | "latency" | "throughput", "group": str}`` (the last
-    three optional); other keys are ignored, blank lines skipped.
+    "slo_class": str, "objective": "default" | "latency" | "throughput", "group": str, "tenant": str,
+    "tier": "interactive" | "default" | "batch", "priority": int, "timeout": seconds}`` (all but the
+    first three optional); other keys are ignored, blank lines skipped.
 
     Raises:
         InvalidConfigError: missing/unreadable file, empty trace, or a bad line (the message
@@ -287,8 +309,8 @@ def load_trace(path: str | os.PathLike[str]) -> list[Request]:
         rows.append(_parse_record(record, where))
     if not rows:
         raise InvalidConfigError(f"trace file {path} has no requests")
-    rows.sort(key=lambda row: row[0])
-    return [Request(i, *row) for i, row in enumerate(rows)]
+    rows.sort(key=lambda row: row["arrival_s"])
+    return [Request(i, **row) for i, row in enumerate(rows)]
 
 
 def write_trace(path: str | os.PathLike[str], requests: Sequence[Request]) -> None:
@@ -298,10 +320,11 @@ def write_trace(path: str | os.PathLike[str], requests: Sequence[Request]) -> No
             record: dict[str, Any] = {"arrival_s": r.arrival_s, "prompt_len": r.prompt_len, "output_len": r.output_len}
             if r.slo_class is not None:
                 record["slo_class"] = r.slo_class
-            if r.objective != DEFAULT:
-                record["objective"] = r.objective
-            if r.group is not None:
-                record["group"] = r.group
+            for name, default in _CLASS_FIELDS:
+                if getattr(r, name) != default:
+                    record[name] = getattr(r, name)
+            if r.timeout_s is not None:
+                record["timeout"] = r.timeout_s
             f.write(json.dumps(record) + "\n")
 
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 from typing import TYPE_CHECKING
 
+from distserve.cluster.admission import DEFAULT_MAX_WAITING
+from distserve.cluster.fair_queue import ADMISSION_POLICIES, DEFAULT_ADMISSION_POLICY
 from distserve.cluster.routing import DEFAULT_ROUTER, ROUTERS
 from distserve.dataflow.limits import DEFAULT_LIMITS
 from distserve.errors import DistServeError
@@ -93,9 +95,19 @@ def _add_simulate_args(p: argparse.ArgumentParser) -> None:
                    help="latency profile JSON (`distserve profile`, or DistServe's coefficients); default: roofline model")
     p.add_argument("--hardware", default=None, help="a100-80g | h100-sxm | h200 | l40s | cpu (default: the profile's, else a100-80g)")
     _add_placement_args(p)
-    p.add_argument("--workload", default="chatbot", help="chatbot | code | summarization | fixed:P:O | trace.jsonl")
+    p.add_argument("--workload", default="chatbot",
+                   help="chatbot | code | summarization | fixed:P:O | flood[:N[:FACTOR]] (one tenant flooding at FACTOR x the "
+                   "rate of each of N chat tenants, default 3 and 10) | trace.jsonl (with a \"tenant\" field: several tenants)")
     p.add_argument("--rate", type=_positive_float, default=None, help="arrival rate, requests/s (a trace is rescaled to it)")
     p.add_argument("--num-requests", type=_positive_int, default=1000, help="requests of a synthetic workload")
+    p.add_argument("--admission-policy", default=DEFAULT_ADMISSION_POLICY, choices=sorted(ADMISSION_POLICIES),
+                   help="order of the admission queue: fair (weighted fair queueing by tokens across tenants, strict tiers), "
+                   "fcfs (arrival order), priority (tier, objective, priority, arrival)")
+    p.add_argument("--max-waiting", type=_positive_int, default=DEFAULT_MAX_WAITING,
+                   help="backpressure: an entry instance takes requests while fewer than this wait in it")
+    p.add_argument("--no-backpressure", action="store_true", help="dispatch every request at once (no admission queueing)")
+    p.add_argument("--tpot-backpressure", action="store_true",
+                   help="backpressure also holds requests while the measured decode TPOT exceeds --tpot")
     p.add_argument("--arrival", default="poisson", choices=["poisson", "gamma", "fixed"], help="arrival process")
     p.add_argument("--cv", type=_positive_float, default=1.0, help="coefficient of variation of gamma inter-arrivals")
     p.add_argument("--seed", type=int, default=0)

@@ -98,10 +98,11 @@ class Scheduler:
         seq.order = order = self._order
         self._order += 1
         group = seq.request_class.group
+        arrival = seq.arrival_time if seq.dispatch_time is None else seq.dispatch_time  # behind an admission queue: its order
         if group is None:
-            seq.group_arrival, seq.group_order = seq.arrival_time, order
+            seq.group_arrival, seq.group_order = arrival, order
         else:
-            seq.group_arrival, seq.group_order = self._groups.first(group, seq.arrival_time, order)
+            seq.group_arrival, seq.group_order = self._groups.first(group, arrival, order)
 
     def add(self, seq: Sequence) -> None:
         self._stamp(seq)

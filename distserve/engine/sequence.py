@@ -50,6 +50,10 @@ class Sequence:
     class_rank: int = 1
     group_arrival: float = 0.0
     group_order: int = 0
+    # When an admission queue (``distserve.cluster.admission``) dispatched it: the instance's
+    # schedulers order it by this instead of ``arrival_time``, so its fair-queueing order holds
+    # there (None: no admission queue in front, ``arrival_time``). On the driver's clock.
+    dispatch_time: float | None = None
 
     def __post_init__(self) -> None:
         if not self.token_ids:
@@ -63,6 +67,7 @@ class Sequence:
             prompt_token_ids=list(self.prompt_token_ids),
             sampling=self.sampling,
             arrival_time=self.arrival_time,
+            dispatch_time=self.dispatch_time,
             priority=self.priority,
             token_ids=list(self.token_ids),
             prefix_hashes=list(self.prefix_hashes),

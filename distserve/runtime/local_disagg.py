@@ -2,8 +2,12 @@
 
 The Ray runtime runs the same instances as actors; this executor keeps them in-process, which
 makes it the reference for correctness tests and the fastest way to try a placement on one core.
-One ``step`` runs a prefill step on every prefill instance with work, migrates every request
-whose KV a decode instance has room for, then runs a decode step on every busy decode instance.
+New requests wait in the cluster core's admission queue (``distserve.cluster.admission``: fair
+queueing across tenants by default, bounds, token rates, deadlines); each ``step`` first drops the
+requests past their deadline, dispatches what the prefill instances accept under backpressure (to
+the one ``pick_entry`` chooses among them), then runs a prefill step on every prefill instance with
+work, migrates every request whose KV a decode instance has room for, then runs a decode step on
+every busy decode instance.
 A failed migration (only ever injected here: the copy is synchronous and cannot time out) takes
 the Ray runtime's path: the decode side cancels its reservation and the request is prefilled again.
 
@@ -17,24 +21,29 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence as Seq
 from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
 
+from distserve.cluster.admission import AdmissionItem, AdmissionQueue, Backpressure, EntryLoad, check_timeout, measured_tpot_s, timeout_error
+from distserve.cluster.classes import RequestClass
 from distserve.cluster.counters import ClusterCounters
+from distserve.cluster.fair_queue import DEFAULT_ADMISSION_POLICY, DEFAULT_QUANTUM_TOKENS
+from distserve.cluster.tenants import TenantSpec
 from distserve.cluster.migration_queue import MigrationQueue
 from distserve.cluster.routing import DEFAULT_ROUTER, RouteState, check_router, decode_order, entry_hashes, pick_entry
 from distserve.config import CacheConfig, SchedulerConfig
 from distserve.engine.instance_core import InstanceCore
 from distserve.engine.model import resolve_dtype
 from distserve.engine.model_runner import ModelRunner
+from distserve.config import SamplingParams
 from distserve.engine.outputs import EngineBase, RequestOutput
 from distserve.engine.step_plan import SampledToken, StepPlan
 from distserve.engine.sequence import Sequence, SequenceStatus
 from distserve.engine.weights import LoadedModel, load_model
-from distserve.errors import InvalidConfigError
+from distserve.errors import DistServeError, InvalidConfigError
 from distserve.kvtransfer.migration import pack_blocks, unpack_blocks
 from distserve.runtime.stats import prefill_totals
 
@@ -102,7 +111,14 @@ class LocalDisaggEngine(EngineBase):
         kv_transfer_timeout_s: float = 30.0,
         runner_factory: RunnerFactory = model_runner,
         router: str = DEFAULT_ROUTER,
+        admission_policy: str = DEFAULT_ADMISSION_POLICY,
+        tenants: Mapping[str, TenantSpec] | None = None,
+        max_queued_requests: int | None = None,
+        backpressure: Backpressure = Backpressure(),
+        admission_quantum: int = DEFAULT_QUANTUM_TOKENS,
     ) -> None:
+        """``admission_policy``, ``tenants``, ``max_queued_requests``, ``backpressure`` and
+        ``admission_quantum`` configure the admission queue (``AdmissionQueue``); the rest the instances."""
         if not (kv_transfer_timeout_s > 0 and math.isfinite(kv_transfer_timeout_s)):
             raise InvalidConfigError(f"kv_transfer_timeout_s must be a positive number of seconds, got {kv_transfer_timeout_s}")
         self.router = check_router(router)
@@ -125,20 +141,84 @@ class LocalDisaggEngine(EngineBase):
         self._fault: str | None = None
         self._pending: MigrationQueue[tuple[LocalInstance, Sequence]] = MigrationQueue()  # prompts done, KV not yet pulled
         self._owner: dict[str, LocalInstance] = {}
+        self.admission: AdmissionQueue[LocalInstance] = AdmissionQueue(
+            admission_policy, tenants, max_queued_requests=max_queued_requests, backpressure=backpressure, quantum=admission_quantum)
+        self._dispatched: set[str] = set()  # requests that left the admission queue and are not finished
+        self._timeout_s: float | None = None  # of the request ``add_request`` is adding
         self.on_plan: PlanListener | None = None
         self.on_migration: MigrationListener | None = None
 
     # ---- requests ----------------------------------------------------------------------------
+    def add_request(
+        self,
+        prompt: str | Seq[int],
+        sampling: SamplingParams | None = None,
+        request_id: str | None = None,
+        priority: int = 0,
+        arrival_time: float | None = None,
+        request_class: RequestClass | None = None,
+        timeout_s: float | None = None,
+    ) -> str:
+        """Queue a request for admission; ``timeout_s``: the longest it may wait there before it
+        fails with a ``RequestTimeoutError`` message. Raises ``QueueFullError`` when its tenant's
+        queue, the whole queue or its tenant's token rate is at its bound."""
+        self._timeout_s = check_timeout(timeout_s)
+        try:
+            return super().add_request(prompt, sampling, request_id, priority, arrival_time, request_class)
+        finally:
+            self._timeout_s = None
+
     def _submit(self, seq: Sequence) -> None:
+        if seq.seq_id in self.admission:  # re-run after a failed step while still queued: it keeps its place
+            return
+        if seq.seq_id in self._dispatched:  # re-run after a failed step: it was admitted already
+            self._place(seq, self.prefill)
+            return
+        item = AdmissionItem(seq.seq_id, seq.request_class, seq.num_prompt_tokens + seq.sampling.max_tokens,
+                             seq.arrival_time, seq.priority, self._timeout_s, seq)
+        try:
+            self.admission.push(item, time.monotonic())
+        except DistServeError:  # refused (QueueFullError) or malformed: it never entered
+            self._forget(seq.seq_id)
+            raise
+
+    def _place(self, seq: Sequence, candidates: list[LocalInstance]) -> LocalInstance:
         cc = self.cache_config
         hashes = entry_hashes(seq, cc.block_size, cc.enable_prefix_caching)
-        inst = pick_entry(self.prefill, _route, hashes, self.router, seq.seq_id, seq.request_class)
+        inst = pick_entry(candidates, _route, hashes, self.router, seq.seq_id, seq.request_class)
         inst.core.add(seq)
         self._owner[seq.seq_id] = inst
+        self._dispatched.add(seq.seq_id)
+        return inst
+
+    def _admit(self) -> list[RequestOutput]:
+        """Fail the requests past their deadline, then dispatch what the prefill instances accept."""
+        now = time.monotonic()
+        outputs = []
+        for item in self.admission.expire(now):
+            seq = self._seqs.get(item.request_id)
+            if seq is not None:
+                outputs.append(self._fail(seq, str(timeout_error(item, now)), now))
+        if not self.admission:
+            return outputs
+        tpot = measured_tpot_s((i.core.scheduler.num_running, i.core.last_step_s) for i in self.decode) \
+            if self.admission.backpressure.tpot_slo_s is not None else None
+
+        def load(inst: LocalInstance) -> EntryLoad:
+            return EntryLoad(inst.core.scheduler.num_waiting, tpot)
+
+        def place(item: AdmissionItem, accepting: list[LocalInstance]) -> LocalInstance:
+            item.payload.dispatch_time = now  # the prefill scheduler keeps the admission order
+            return self._place(item.payload, accepting)
+
+        self.admission.dispatch(now, self.prefill, load, place)
+        return outputs
 
     def abort_request(self, request_id: str) -> None:
         """Abort wherever the request is: queued, prefilling, awaiting migration or decoding."""
         seq = self._forget(request_id)
+        self.admission.remove(request_id)
+        self._dispatched.discard(request_id)
         owner = self._owner.pop(request_id, None)
         self._pending.drop(lambda e: e[1].seq_id == request_id)
         if owner is not None:
@@ -156,10 +236,12 @@ class LocalDisaggEngine(EngineBase):
             inst.route = RouteState()
         self._pending = MigrationQueue()
         self._owner = {}
+        self._dispatched &= self._seqs.keys()
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         """Finish on the side that holds the request (a stop string matched)."""
         owner = self._owner.pop(seq.seq_id, None)
+        self._dispatched.discard(seq.seq_id)
         self._pending.drop(lambda e: e[1] is seq)
         if owner is not None:
             owner.route.release(seq.seq_id)
@@ -167,7 +249,7 @@ class LocalDisaggEngine(EngineBase):
 
     # ---- the step ----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        outputs: list[RequestOutput] = []
+        outputs = self._admit()
         for inst in self.prefill:
             if not inst.core.has_work():
                 continue
@@ -184,6 +266,7 @@ class LocalDisaggEngine(EngineBase):
     def _emit(self, seq: Sequence) -> RequestOutput:
         out = self._output(seq, time.monotonic(), self._finish)
         if out.finished:
+            self._dispatched.discard(seq.seq_id)
             owner = self._owner.pop(seq.seq_id, None)
             if owner is not None:
                 owner.route.release(seq.seq_id)

@@ -12,7 +12,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from distserve.cluster.admission import DEFAULT_MAX_WAITING, Backpressure
 from distserve.cluster.classes import DEFAULT_CLASS, RequestClass
+from distserve.cluster.fair_queue import DEFAULT_ADMISSION_POLICY, DEFAULT_QUANTUM_TOKENS
+from distserve.cluster.tenants import TenantSpec
 from distserve.cluster.counters import ClusterCounters
 from distserve.cluster.routing import DEFAULT_ROUTER
 from distserve.config import CacheConfig, SamplingParams, SchedulerConfig
@@ -88,6 +91,17 @@ class Arrival:
     prompt: tuple[int, ...]
     output_len: int
     request_class: RequestClass = DEFAULT_CLASS
+    priority: int = 0
+
+
+@dataclass(frozen=True)
+class Admission:
+    """The admission queue both drivers run (``distserve.cluster.admission``); defaults: the product's."""
+
+    policy: str = DEFAULT_ADMISSION_POLICY
+    tenants: tuple[TenantSpec, ...] = ()
+    max_waiting: int | None = DEFAULT_MAX_WAITING  # None: no backpressure, every request dispatched at once
+    quantum: int = DEFAULT_QUANTUM_TOKENS
 
 
 @dataclass(frozen=True)
@@ -99,11 +113,15 @@ class Setup:
     decode: SchedulerConfig
 
 
-def run_engine(tiny: LoadedModel, setup: Setup, arrivals: list[Arrival], router: str = DEFAULT_ROUTER) -> tuple[Trace, LocalDisaggEngine]:
+def run_engine(
+    tiny: LoadedModel, setup: Setup, arrivals: list[Arrival], router: str = DEFAULT_ROUTER, admission: Admission = Admission()
+) -> tuple[Trace, LocalDisaggEngine]:
     engine = LocalDisaggEngine(
         tiny, num_prefill=setup.num_prefill, num_decode=setup.num_decode,
         cache_config=CacheConfig(num_blocks=setup.num_blocks, block_size=BLOCK_SIZE, enable_prefix_caching=True),
         prefill_scheduler_config=setup.prefill, decode_scheduler_config=setup.decode, runner_factory=fake_runner, router=router,
+        admission_policy=admission.policy, tenants={t.name: t for t in admission.tenants}, backpressure=Backpressure(admission.max_waiting),
+        admission_quantum=admission.quantum,
     )
     trace = Trace()
     engine.on_plan, engine.on_migration = trace.on_plan, trace.on_migration
@@ -116,7 +134,8 @@ def run_engine(tiny: LoadedModel, setup: Setup, arrivals: list[Arrival], router:
         for i, a in by_round.get(k, []):
             sampling = SamplingParams(max_tokens=a.output_len, ignore_eos=True)
             # The simulator's arrival time: the FCFS order of requests arriving together is then their admission order in both.
-            engine.add_request(list(a.prompt), sampling, request_id=str(i), arrival_time=a.round * STEP_S, request_class=a.request_class)
+            engine.add_request(list(a.prompt), sampling, request_id=str(i), arrival_time=a.round * STEP_S, request_class=a.request_class,
+                               priority=a.priority)
         engine.step()
         trace.max_awaiting_migration = max(trace.max_awaiting_migration, engine.stats()["num_requests_awaiting_migration"])
         k += 1
@@ -124,7 +143,9 @@ def run_engine(tiny: LoadedModel, setup: Setup, arrivals: list[Arrival], router:
     return trace, engine
 
 
-def run_simulator(engine: LocalDisaggEngine, setup: Setup, arrivals: list[Arrival], router: str = DEFAULT_ROUTER) -> Trace:
+def run_simulator(
+    engine: LocalDisaggEngine, setup: Setup, arrivals: list[Arrival], router: str = DEFAULT_ROUTER, admission: Admission = Admission()
+) -> Trace:
     cfg = engine.model_config
     spec = ModelSpec(cfg.name, cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
                      cfg.intermediate_size, cfg.vocab_size, gated_mlp=True, max_position_embeddings=engine.max_model_len)
@@ -132,13 +153,16 @@ def run_simulator(engine: LocalDisaggEngine, setup: Setup, arrivals: list[Arriva
     config = SimConfig(
         block_size=BLOCK_SIZE, num_blocks=setup.num_blocks, max_model_len=engine.max_model_len,
         prefill_scheduler=setup.prefill, decode_scheduler=setup.decode, enable_prefix_caching=True, router=router,
+        admission_policy=admission.policy, tenants=admission.tenants, max_waiting=admission.max_waiting,
+        admission_quantum=admission.quantum,
     )
     sim = Simulation(placement, ConstantStepTime(spec), config)
     trace = Trace()
     sim.on_plan, sim.on_migration = trace.on_plan, trace.on_migration
     requests = [
         Request(i, a.round * STEP_S, len(a.prompt), a.output_len, prompt_token_ids=a.prompt,
-                objective=a.request_class.objective, group=a.request_class.group)
+                objective=a.request_class.objective, group=a.request_class.group, tenant=a.request_class.tenant,
+                tier=a.request_class.tier, priority=a.priority)
         for i, a in enumerate(arrivals)
     ]
     result = sim.run(requests)

@@ -35,7 +35,9 @@ def siblings() -> list[Request]:
 @pytest.mark.parametrize("share", [True, False], ids=["sharing", "no-sharing"])
 def test_siblings_arriving_together_compute_the_prefix_once(placement: Placement, share: bool) -> None:
     sched = SchedulerConfig(enable_inflight_prefix_sharing=share)
-    config = SimConfig(block_size=BS, num_blocks=256, enable_prefix_caching=True, scheduler=sched, prefill_scheduler=sched, decode_scheduler=sched)
+    # No backpressure: the siblings reach the scheduler together (with it, later ones find the prefix cached).
+    config = SimConfig(block_size=BS, num_blocks=256, enable_prefix_caching=True, scheduler=sched, prefill_scheduler=sched, decode_scheduler=sched,
+                       max_waiting=None)
     result = simulate(placement, constant_model(50.0, 5.0), siblings(), config)
     assert all(r.completed for r in result.records)
     if share:

@@ -1,0 +1,375 @@
+"""The admission queue: where requests wait between their arrival and their dispatch to an entry
+(prefill or colocated) instance, and the rules that decide when and in which order they leave.
+
+Every driver (``LocalDisaggEngine``, the simulator, the Ray controller, the threaded client) holds
+one ``AdmissionQueue`` and drives it with plain calls and its own clock (``now``), no threads:
+
+* ``push(item, now)`` on arrival: refused with ``QueueFullError`` (HTTP 429) when the tenant's
+  queue (``TenantSpec.max_queued_requests``) or the whole queue (``max_queued_requests``) is at its
+  bound — ``retry_after_s`` is the time one slot takes to drain at the measured dispatch rate — or
+  when the tenant's tokens per minute (``TenantSpec.tokens_per_minute``, a token bucket charged
+  prompt + max output tokens) are spent: ``retry_after_s`` is the time until they refill.
+* ``expire(now)``: removes the items past their deadline (``timeout``); the driver fails them with
+  ``timeout_error`` (a ``RequestTimeoutError``, HTTP 408).
+* ``dispatch(now, instances, load, place)``: releases items in the policy's order
+  (``distserve.cluster.fair_queue``: ``fair`` by default, ``fcfs``, ``priority``) while some entry
+  instance accepts one under ``Backpressure``, and returns (item, instance) pairs; ``place`` (the
+  driver's ``pick_entry`` among the accepting instances) chooses where each goes.
+
+Backpressure is TNG's rule: an instance takes a request only while its scheduler's waiting queue is
+below ``max_waiting`` (3) and, when a decode TPOT SLO is set, the measured TPOT of where its
+requests decode is within it; batch-tier requests go only to an instance with nothing waiting. A
+request held back stays in the fair queues, where a later, more urgent one can still overtake it —
+whereas a request in an instance's scheduler queue competes there by its scheduling key alone.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Generic, TypeVar
+
+from distserve.cluster.classes import RequestClass
+from distserve.cluster.fair_queue import ADMISSION_POLICIES, DEFAULT_ADMISSION_POLICY, DEFAULT_QUANTUM_TOKENS, check_admission_policy
+from distserve.cluster.tenants import BATCH, DEFAULT_TIER, TenantSpec, tier_rank
+from distserve.errors import InvalidConfigError, QueueFullError, RequestTimeoutError
+
+DEFAULT_MAX_WAITING = 3  # TNG: dispatch to an instance while fewer than this many requests wait in it
+DEFAULT_RETRY_AFTER_S = 1.0  # before any dispatch rate is measured
+MIN_RETRY_AFTER_S, MAX_RETRY_AFTER_S = 0.05, 60.0
+RATE_SMOOTHING = 0.2  # EWMA weight of the newest gap between dispatches
+
+T = TypeVar("T")
+
+
+@dataclass(eq=False, slots=True)
+class AdmissionItem:
+    """One request waiting for dispatch; ``payload`` is the driver's (its ``Sequence``)."""
+
+    request_id: str
+    request_class: RequestClass
+    cost: int  # prompt + max output tokens: what fair queueing and the token bucket charge
+    arrival: float  # the policies' arrival order (the request's arrival time)
+    priority: int = 0  # vLLM's convention: lower first, within a tenant
+    timeout_s: float | None = None  # longest wait in the queue before it is dropped
+    payload: Any = None
+    tier: str = ""  # set by ``push``: the effective tier (``AdmissionQueue.tier_of``)
+    tier_rank: int = 0
+    order: int = 0  # push order: the last tie-breaker of every policy
+    enqueued_at: float = 0.0  # the driver's clock at push
+    deadline: float = math.inf
+    wait_s: float | None = None  # time queued, set at dispatch (a TTFT breakdown's first term)
+
+    @property
+    def tenant(self) -> str:
+        return self.request_class.tenant
+
+
+@dataclass(frozen=True, slots=True)
+class EntryLoad:
+    """What backpressure reads of an entry instance."""
+
+    num_waiting: int  # requests in its scheduler's waiting queue (not yet in a batch)
+    tpot_s: float | None = None  # measured recent TPOT where its requests decode (None: unknown or idle)
+
+
+@dataclass(frozen=True)
+class Backpressure:
+    """Whether an entry instance may take one more request of a tier now (TNG's rule).
+
+    ``max_waiting`` None disables the queue rule (every request is dispatched at once, as before
+    admission existed); ``tpot_slo_s`` None disables the TPOT rule.
+    """
+
+    max_waiting: int | None = DEFAULT_MAX_WAITING
+    tpot_slo_s: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_waiting is not None and not (isinstance(self.max_waiting, int) and self.max_waiting >= 1):
+            raise InvalidConfigError(f"backpressure max_waiting must be null or an integer >= 1, got {self.max_waiting!r}", "max_waiting")
+        if self.tpot_slo_s is not None and not (self.tpot_slo_s > 0 and math.isfinite(self.tpot_slo_s)):
+            raise InvalidConfigError(f"backpressure tpot_slo_s must be null or a positive number, got {self.tpot_slo_s!r}", "tpot_slo_s")
+
+    def accepts(self, load: EntryLoad, tier: str) -> bool:
+        if self.tpot_slo_s is not None and load.tpot_s is not None and load.tpot_s > self.tpot_slo_s:
+            return False
+        if self.max_waiting is None:
+            return True
+        return load.num_waiting == 0 if tier == BATCH else load.num_waiting < self.max_waiting
+
+
+NO_BACKPRESSURE = Backpressure(max_waiting=None)
+
+
+class DrainRate:
+    """Dispatches per second, an EWMA of the gaps between them; a gap still open counts once it
+    is longer than the average (a stalled queue drains slowly)."""
+
+    def __init__(self) -> None:
+        self.last: float | None = None
+        self.mean_gap_s: float | None = None
+
+    def record(self, now: float) -> None:
+        if self.last is not None:
+            gap = max(0.0, now - self.last)
+            self.mean_gap_s = gap if self.mean_gap_s is None else RATE_SMOOTHING * gap + (1 - RATE_SMOOTHING) * self.mean_gap_s
+        self.last = now
+
+    def per_s(self, now: float) -> float | None:
+        """The rate at ``now`` (None: fewer than two dispatches seen)."""
+        if self.mean_gap_s is None or self.last is None:
+            return None
+        gap = max(self.mean_gap_s, now - self.last)
+        return 1.0 / gap if gap > 0 else math.inf
+
+    def retry_after_s(self, now: float, num_ahead: int = 1) -> float:
+        """Seconds until ``num_ahead`` more dispatches at the measured rate (a default before any)."""
+        rate = self.per_s(now)
+        seconds = DEFAULT_RETRY_AFTER_S if rate is None else num_ahead / rate
+        return min(MAX_RETRY_AFTER_S, max(MIN_RETRY_AFTER_S, seconds))
+
+
+class TokenBucket:
+    """``tokens_per_minute`` admitted per minute, bursts up to a minute's worth. A request larger
+    than the bucket is admitted when the bucket is full and leaves it in debt."""
+
+    def __init__(self, tokens_per_minute: int, now: float) -> None:
+        self.capacity = float(tokens_per_minute)
+        self.per_s = tokens_per_minute / 60.0
+        self.level, self.at = self.capacity, now
+
+    def _refill(self, now: float) -> None:
+        self.level = min(self.capacity, self.level + max(0.0, now - self.at) * self.per_s)
+        self.at = max(self.at, now)
+
+    def wait_s(self, cost: int, now: float) -> float:
+        """Seconds until ``cost`` tokens may be taken (0: now)."""
+        self._refill(now)
+        need = min(float(cost), self.capacity)
+        return 0.0 if self.level >= need else (need - self.level) / self.per_s
+
+    def take(self, cost: int) -> None:
+        self.level -= cost
+
+
+@dataclass
+class TenantCounters:
+    """One tenant's admission figures (``AdmissionQueue.counters``)."""
+
+    num_queued: int = 0  # in the queue now
+    num_admitted: int = 0  # pushed (accepted into the queue)
+    num_dispatched: int = 0
+    num_rejected_full: int = 0  # 429: its queue or the whole queue at its bound
+    num_rejected_rate: int = 0  # 429: its tokens per minute spent
+    num_expired: int = 0  # waited past its timeout
+    wait_s_total: float = 0.0  # of the dispatched requests
+    drain: DrainRate = field(default_factory=DrainRate, repr=False)
+
+    def as_dict(self) -> dict[str, float]:
+        return {k: getattr(self, k) for k in (
+            "num_queued", "num_admitted", "num_dispatched", "num_rejected_full", "num_rejected_rate", "num_expired", "wait_s_total")}
+
+
+class AdmissionQueue(Generic[T]):
+    """Requests between arrival and dispatch, per tenant, released by a policy under backpressure.
+
+    Args:
+        policy: ``fair`` (default), ``fcfs`` or ``priority`` (``fair_queue.ADMISSION_POLICIES``).
+        tenants: the configured tenants by name; others get ``TenantSpec(name)`` (weight 1, no limits).
+        max_queued_requests: bound of the whole queue (None: unbounded).
+        backpressure: when an entry instance takes a request (``NO_BACKPRESSURE``: always).
+        quantum: tokens a weight-1 tenant may send per round under ``fair``.
+    """
+
+    def __init__(
+        self,
+        policy: str = DEFAULT_ADMISSION_POLICY,
+        tenants: Mapping[str, TenantSpec] | None = None,
+        *,
+        max_queued_requests: int | None = None,
+        backpressure: Backpressure = Backpressure(),
+        quantum: int = DEFAULT_QUANTUM_TOKENS,
+    ) -> None:
+        self.policy_name = check_admission_policy(policy)
+        self.tenants: dict[str, TenantSpec] = dict(tenants or {})
+        for name, spec in self.tenants.items():
+            if not isinstance(spec, TenantSpec) or spec.name != name:
+                raise InvalidConfigError(f"tenants must map each name to its TenantSpec, got {name!r}: {spec!r:.80}", "tenants")
+        if max_queued_requests is not None and not (isinstance(max_queued_requests, int) and max_queued_requests >= 1):
+            raise InvalidConfigError(f"max_queued_requests must be null or an integer >= 1, got {max_queued_requests!r}", "max_queued_requests")
+        self.max_queued_requests = max_queued_requests
+        self.backpressure = backpressure
+        self.policy = ADMISSION_POLICIES[policy](self.weight_of, quantum)
+        self.counters: dict[str, TenantCounters] = {}
+        self.drain = DrainRate()
+        self._buckets: dict[str, TokenBucket] = {}
+        self._items: dict[str, AdmissionItem] = {}
+        self._order = itertools.count()
+
+    # ---- tenants -------------------------------------------------------------------------------
+    def spec(self, tenant: str) -> TenantSpec:
+        spec = self.tenants.get(tenant)
+        return spec if spec is not None else TenantSpec(tenant)
+
+    def weight_of(self, tenant: str) -> float:
+        spec = self.tenants.get(tenant)
+        return spec.weight if spec is not None else 1.0
+
+    def tier_of(self, request_class: RequestClass) -> str:
+        """A configured tenant's requests run at its tier (a request's ``default`` tier means "my
+        tenant's"), or at a lower one the request asks for: a tenant may demote its own work to
+        ``batch``, never promote it. Other tenants' requests run at the request's tier."""
+        spec = self.tenants.get(request_class.tenant)
+        if spec is None:
+            return request_class.tier
+        if request_class.tier == DEFAULT_TIER:
+            return spec.tier
+        return max(spec.tier, request_class.tier, key=tier_rank)
+
+    def counters_of(self, tenant: str) -> TenantCounters:
+        c = self.counters.get(tenant)
+        if c is None:
+            c = self.counters[tenant] = TenantCounters()
+        return c
+
+    # ---- arrival -------------------------------------------------------------------------------
+    def push(self, item: AdmissionItem, now: float) -> None:
+        """Queue ``item`` at ``now``, or raise ``QueueFullError`` (with ``retry_after_s``)."""
+        if item.request_id in self._items:
+            raise InvalidConfigError(f"request {item.request_id!r} is already queued for admission", "request_id")
+        check_timeout(item.timeout_s)
+        tenant = item.tenant
+        spec, c = self.spec(tenant), self.counters_of(tenant)
+        if spec.max_queued_requests is not None and c.num_queued >= spec.max_queued_requests:
+            c.num_rejected_full += 1
+            raise QueueFullError(
+                f"tenant {tenant!r} has {c.num_queued} requests queued, its limit", None, c.drain.retry_after_s(now))
+        if self.max_queued_requests is not None and len(self._items) >= self.max_queued_requests:
+            c.num_rejected_full += 1
+            raise QueueFullError(
+                f"the admission queue holds {len(self._items)} requests, its limit", None, self.drain.retry_after_s(now))
+        bucket = self._bucket(spec, now)
+        if bucket is not None:
+            wait = bucket.wait_s(item.cost, now)
+            if wait > 0:
+                c.num_rejected_rate += 1
+                raise QueueFullError(
+                    f"tenant {tenant!r} is over its {spec.tokens_per_minute} tokens per minute (this request: {item.cost})",
+                    None, max(MIN_RETRY_AFTER_S, wait))
+            bucket.take(item.cost)
+        item.tier = self.tier_of(item.request_class)
+        item.tier_rank = tier_rank(item.tier)
+        item.order = next(self._order)
+        item.enqueued_at = now
+        item.deadline = now + item.timeout_s if item.timeout_s is not None else math.inf
+        self.policy.push(item)
+        self._items[item.request_id] = item
+        c.num_queued += 1
+        c.num_admitted += 1
+
+    def _bucket(self, spec: TenantSpec, now: float) -> TokenBucket | None:
+        if spec.tokens_per_minute is None:
+            return None
+        bucket = self._buckets.get(spec.name)
+        if bucket is None:
+            bucket = self._buckets[spec.name] = TokenBucket(spec.tokens_per_minute, now)
+        return bucket
+
+    # ---- leaving without dispatch ---------------------------------------------------------------
+    def remove(self, request_id: str) -> AdmissionItem | None:
+        """Take a queued request out (aborted); None if it is not queued."""
+        item = self._items.pop(request_id, None)
+        if item is not None:
+            self.policy.remove(item)
+            self.counters_of(item.tenant).num_queued -= 1
+        return item
+
+    def expire(self, now: float) -> list[AdmissionItem]:
+        """Remove and return the items whose deadline passed (counted as expired)."""
+        expired = [item for item in self._items.values() if item.deadline <= now]
+        for item in expired:
+            self.remove(item.request_id)
+            self.counters_of(item.tenant).num_expired += 1
+            item.wait_s = now - item.enqueued_at
+        return expired
+
+    # ---- dispatch ------------------------------------------------------------------------------
+    def dispatch(
+        self,
+        now: float,
+        instances: Sequence[T],
+        load: Callable[[T], EntryLoad],
+        place: Callable[[AdmissionItem, list[T]], T],
+    ) -> list[tuple[AdmissionItem, T]]:
+        """Release items in policy order while some instance accepts the next one.
+
+        ``load`` is read once per instance (a snapshot; each item dispatched here counts as one
+        more waiting there), ``place(item, accepting)`` returns the instance the item goes to, one
+        of ``accepting`` (the driver's ``pick_entry`` among them). Stops at the first item no
+        instance accepts: the policy's order is kept (a later item of a lower tier never overtakes).
+        """
+        if not self._items or not instances:
+            return []
+        loads = {id(inst): load(inst) for inst in instances}
+        out: list[tuple[AdmissionItem, T]] = []
+        while (item := self.policy.peek()) is not None:
+            accepting = [inst for inst in instances if self.backpressure.accepts(loads[id(inst)], item.tier)]
+            if not accepting:
+                break
+            self.policy.pop()
+            del self._items[item.request_id]
+            chosen = place(item, accepting)
+            before = loads[id(chosen)]
+            loads[id(chosen)] = EntryLoad(before.num_waiting + 1, before.tpot_s)
+            item.wait_s = now - item.enqueued_at
+            c = self.counters_of(item.tenant)
+            c.num_queued -= 1
+            c.num_dispatched += 1
+            c.wait_s_total += item.wait_s
+            c.drain.record(now)
+            self.drain.record(now)
+            out.append((item, chosen))
+        return out
+
+    # ---- state -------------------------------------------------------------------------------
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __contains__(self, request_id: object) -> bool:
+        return request_id in self._items
+
+    def stats(self) -> dict[str, Any]:
+        """Per-tenant counters and the queue's length, for ``stats()`` and /metrics."""
+        return {"policy": self.policy_name, "num_queued": len(self._items),
+                "tenants": {t: c.as_dict() for t, c in sorted(self.counters.items())}}
+
+
+def measured_tpot_s(decoding: Iterable[tuple[int, float]]) -> float | None:
+    """The TPOT backpressure reads, from (requests decoding, last step seconds) per instance where
+    requests decode: the best busy instance's last step (None: nothing decodes, so nothing to protect)."""
+    times = [step_s for num_running, step_s in decoding if num_running > 0 and step_s > 0]
+    return min(times) if times else None
+
+
+def timeout_error(item: AdmissionItem, now: float) -> RequestTimeoutError:
+    """The error a driver fails an expired item with."""
+    return RequestTimeoutError(
+        f"request {item.request_id} waited {now - item.enqueued_at:.3f} s in the admission queue, longer than its "
+        f"timeout of {item.timeout_s} s", "timeout")
+
+
+def check_timeout(value: object) -> float | None:
+    """``value`` as a timeout in seconds (None: none), else an ``InvalidConfigError`` naming ``timeout``."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (value > 0 and math.isfinite(value)):
+        raise InvalidConfigError(f"timeout must be null or a positive number of seconds, got {value!r:.80}", "timeout")
+    return float(value)
+
+
+__all__ = [
+    "AdmissionItem", "AdmissionQueue", "Backpressure", "DEFAULT_MAX_WAITING", "DrainRate", "EntryLoad", "NO_BACKPRESSURE",
+    "TenantCounters", "TokenBucket", "check_timeout", "measured_tpot_s", "timeout_error",
+]

@@ -1,0 +1,215 @@
+"""The order in which the admission queue releases requests: one plug-in per policy, chosen by name.
+
+A policy holds ``AdmissionItem``s (``distserve.cluster.admission``) and answers two questions:
+which item goes next (``peek``, without taking it: backpressure may hold it back) and ``pop`` it.
+Every policy breaks ties by arrival, then by push order, so its order is deterministic.
+
+* ``fcfs``: arrival order (what every driver did before there was an admission queue).
+* ``priority``: (tier, objective class rank, request priority, arrival) over all tenants.
+* ``fair`` (the default): tiers are strict across tenants (interactive > default > batch); within a
+  tier, tenants share by **deficit round robin on tokens** (Shreedhar & Varghese): each tenant's
+  turn adds ``quantum × weight`` tokens to its deficit, and it sends its head request while the
+  request's cost (prompt + max output tokens) fits the deficit. A tenant's share of the tokens is
+  then its weight's share whatever the number or length of its requests; a tenant whose queue
+  empties loses its deficit (no banking of idle time). Within a tenant, requests go by (objective
+  class rank, priority, arrival): a latency-class call never waits behind its tenant's throughput
+  backlog.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from abc import ABC, abstractmethod
+from collections import deque
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from distserve.errors import InvalidConfigError
+
+if TYPE_CHECKING:
+    from distserve.cluster.admission import AdmissionItem
+
+DEFAULT_QUANTUM_TOKENS = 512  # tokens a weight-1 tenant may send per round under ``fair``
+
+WeightOf = Callable[[str], float]  # tenant name -> its weight
+
+
+class QueuePolicy(ABC):
+    """The items waiting for dispatch, in one policy's order."""
+
+    @abstractmethod
+    def push(self, item: AdmissionItem) -> None: ...
+
+    @abstractmethod
+    def peek(self) -> AdmissionItem | None:
+        """The item that goes next (None: empty); the same one until ``pop`` or a ``push``/``remove``."""
+
+    @abstractmethod
+    def pop(self) -> AdmissionItem:
+        """Take the item ``peek`` returns."""
+
+    @abstractmethod
+    def remove(self, item: AdmissionItem) -> None:
+        """Take ``item`` out wherever it is (expired or aborted)."""
+
+    @abstractmethod
+    def __len__(self) -> int: ...
+
+
+class SortedQueue(QueuePolicy):
+    """A list kept sorted by a key of the item (``key``), ties by push order."""
+
+    def __init__(self, key: Callable[[AdmissionItem], tuple]) -> None:
+        self._key = key
+        self._keys: list[tuple] = []
+        self._items: list[AdmissionItem] = []
+
+    def push(self, item: AdmissionItem) -> None:
+        key = (*self._key(item), item.order)
+        i = bisect.bisect_right(self._keys, key)
+        self._keys.insert(i, key)
+        self._items.insert(i, item)
+
+    def peek(self) -> AdmissionItem | None:
+        return self._items[0] if self._items else None
+
+    def pop(self) -> AdmissionItem:
+        self._keys.pop(0)
+        return self._items.pop(0)
+
+    def remove(self, item: AdmissionItem) -> None:
+        i = bisect.bisect_left(self._keys, (*self._key(item), item.order))
+        assert self._items[i] is item
+        del self._keys[i], self._items[i]
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+
+def tenant_key(item: AdmissionItem) -> tuple:
+    """The order within one tenant: objective class rank, then priority (lower first), then arrival."""
+    return (item.request_class.rank, item.priority, item.arrival)
+
+
+class FcfsQueue(SortedQueue):
+    def __init__(self, weight_of: WeightOf, quantum: int = DEFAULT_QUANTUM_TOKENS) -> None:
+        super().__init__(lambda item: (item.arrival,))
+
+
+class PriorityQueue(SortedQueue):
+    def __init__(self, weight_of: WeightOf, quantum: int = DEFAULT_QUANTUM_TOKENS) -> None:
+        super().__init__(lambda item: (item.tier_rank, *tenant_key(item)))
+
+
+class _Tier:
+    """Deficit round robin across the tenants of one tier."""
+
+    def __init__(self) -> None:
+        self.queues: dict[str, SortedQueue] = {}  # tenant -> its items, in ``tenant_key`` order
+        self.active: deque[str] = deque()  # tenants with items, in round-robin order; [0] has the turn
+        self.deficit: dict[str, float] = {}
+        self.in_turn = False  # whether active[0]'s turn began (its quantum was added)
+        self.size = 0
+
+
+class FairQueue(QueuePolicy):
+    """Strict tiers; deficit round robin by tokens across a tier's tenants; ``tenant_key`` within a tenant."""
+
+    def __init__(self, weight_of: WeightOf, quantum: int = DEFAULT_QUANTUM_TOKENS) -> None:
+        if not (isinstance(quantum, int) and quantum >= 1):
+            raise InvalidConfigError(f"quantum must be an integer number of tokens >= 1, got {quantum!r}")
+        self.weight_of, self.quantum = weight_of, quantum
+        self._tiers: dict[int, _Tier] = {}
+
+    def push(self, item: AdmissionItem) -> None:
+        tier = self._tiers.setdefault(item.tier_rank, _Tier())
+        queue = tier.queues.get(item.tenant)
+        if queue is None:
+            queue = tier.queues[item.tenant] = SortedQueue(tenant_key)
+        if not queue:
+            tier.active.append(item.tenant)
+            tier.deficit[item.tenant] = 0.0
+        queue.push(item)
+        tier.size += 1
+
+    def _top(self) -> _Tier | None:
+        ranks = [r for r, t in self._tiers.items() if t.size]
+        return self._tiers[min(ranks)] if ranks else None
+
+    def _quantum(self, tenant: str) -> float:
+        return self.quantum * self.weight_of(tenant)
+
+    def peek(self) -> AdmissionItem | None:
+        tier = self._top()
+        if tier is None:
+            return None
+        while True:
+            tenant = tier.active[0]
+            head = tier.queues[tenant].peek()
+            assert head is not None
+            if not tier.in_turn:
+                if head.cost > tier.deficit[tenant] + self._quantum(tenant):
+                    self._skip_idle_rounds(tier)
+                tier.deficit[tenant] += self._quantum(tenant)
+                tier.in_turn = True
+            if head.cost <= tier.deficit[tenant]:
+                return head
+            tier.active.rotate(-1)  # the turn ends; the deficit carries over to the next round
+            tier.in_turn = False
+
+    def _skip_idle_rounds(self, tier: _Tier) -> None:
+        """Add at once the quanta of the rounds in which no tenant of ``tier`` could send anything
+        (requests much longer than the quantum), instead of looping through them."""
+        rounds = min(
+            math.ceil((q.peek().cost - tier.deficit[t]) / self._quantum(t))  # type: ignore[union-attr]
+            for t, q in ((t, tier.queues[t]) for t in tier.active)
+        )
+        if rounds > 1:
+            for t in tier.active:
+                tier.deficit[t] += (rounds - 1) * self._quantum(t)
+
+    def pop(self) -> AdmissionItem:
+        head = self.peek()
+        assert head is not None
+        tier = self._tiers[head.tier_rank]
+        tier.queues[head.tenant].pop()
+        tier.deficit[head.tenant] -= head.cost
+        tier.size -= 1
+        self._drop_if_empty(tier, head.tenant)
+        return head
+
+    def remove(self, item: AdmissionItem) -> None:
+        tier = self._tiers[item.tier_rank]
+        tier.queues[item.tenant].remove(item)
+        tier.size -= 1
+        self._drop_if_empty(tier, item.tenant)
+
+    def _drop_if_empty(self, tier: _Tier, tenant: str) -> None:
+        if tier.queues[tenant]:
+            return
+        if tier.active[0] == tenant:
+            tier.in_turn = False
+        tier.active.remove(tenant)
+        del tier.deficit[tenant], tier.queues[tenant]
+
+    def __len__(self) -> int:
+        return sum(t.size for t in self._tiers.values())
+
+
+PolicyFactory = Callable[[WeightOf, int], QueuePolicy]
+ADMISSION_POLICIES: dict[str, PolicyFactory] = {"fcfs": FcfsQueue, "fair": FairQueue, "priority": PriorityQueue}
+DEFAULT_ADMISSION_POLICY = "fair"
+
+
+def check_admission_policy(name: object) -> str:
+    """``name`` if it names an admission policy, else an ``InvalidConfigError`` listing them."""
+    if name not in ADMISSION_POLICIES:
+        raise InvalidConfigError(f"unknown admission policy {name!r}; known: {', '.join(sorted(ADMISSION_POLICIES))}", "admission_policy")
+    return name  # type: ignore[return-value]
+
+
+__all__ = [
+    "ADMISSION_POLICIES", "DEFAULT_ADMISSION_POLICY", "DEFAULT_QUANTUM_TOKENS", "FairQueue", "FcfsQueue", "PriorityQueue",
+    "QueuePolicy", "SortedQueue", "check_admission_policy", "tenant_key",
+]

@@ -1,0 +1,241 @@
+"""The admission queue (``distserve.cluster.admission``) and its policies (``cluster.fair_queue``):
+shares by tokens, tiers, priorities, classes, backpressure, bounds, token rates and deadlines."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+
+from distserve.cluster.admission import (
+    NO_BACKPRESSURE, AdmissionItem, AdmissionQueue, Backpressure, DrainRate, EntryLoad, measured_tpot_s, timeout_error,
+)
+from distserve.cluster.classes import RequestClass
+from distserve.cluster.fair_queue import ADMISSION_POLICIES
+from distserve.cluster.tenants import TenantSpec
+from distserve.errors import InvalidConfigError, QueueFullError, RequestTimeoutError
+
+
+class Feeder:
+    """Pushes items with unique ids and increasing arrival times."""
+
+    def __init__(self, queue: AdmissionQueue) -> None:
+        self.queue, self.n = queue, 0
+
+    def push(self, tenant: str = "anonymous", cost: int = 100, k: int = 1, *, objective: str = "default", tier: str = "default",
+             priority: int = 0, timeout_s: float | None = None, now: float = 0.0) -> list[str]:
+        ids = []
+        for _ in range(k):
+            rid = f"r{self.n}"
+            item = AdmissionItem(rid, RequestClass(objective, tenant=tenant, tier=tier), cost, float(self.n), priority, timeout_s)
+            self.queue.push(item, now)
+            ids.append(rid)
+            self.n += 1
+        return ids
+
+
+def drain(queue: AdmissionQueue, n: int | None = None, now: float = 1.0) -> list[AdmissionItem]:
+    """Dispatch to one instance that always accepts; the first ``n`` items (all by default)."""
+    out = queue.dispatch(now, ["i0"], lambda inst: EntryLoad(0), lambda item, ok: ok[0])
+    return [item for item, _ in out][:n]
+
+
+def token_shares(items: list[AdmissionItem]) -> dict[str, float]:
+    tokens = Counter()
+    for item in items:
+        tokens[item.tenant] += item.cost
+    total = sum(tokens.values())
+    return {t: v / total for t, v in tokens.items()}
+
+
+def test_fair_shares_tokens_equally_whatever_the_number_and_length_of_requests() -> None:
+    q = AdmissionQueue("fair", backpressure=NO_BACKPRESSURE)
+    f = Feeder(q)
+    f.push("many-short", 40, 500)  # many short requests
+    f.push("few-long", 2000, 10)  # few long ones
+    f.push("medium", 300, 70)
+    # While every tenant still has work queued, each has had a third of the tokens.
+    shares = token_shares(drain(q, 400))
+    for share in shares.values():
+        assert share == pytest.approx(1 / 3, abs=0.05)
+    fcfs = AdmissionQueue("fcfs", backpressure=NO_BACKPRESSURE)
+    g = Feeder(fcfs)
+    g.push("many-short", 40, 500)
+    g.push("few-long", 2000, 10)
+    assert set(token_shares(drain(fcfs, 60))) == {"many-short"}  # fcfs: the first comer's backlog goes first
+
+
+def test_fair_shares_follow_the_weights() -> None:
+    q = AdmissionQueue("fair", {"gold": TenantSpec("gold", weight=3.0)}, backpressure=NO_BACKPRESSURE)
+    f = Feeder(q)
+    f.push("gold", 100, 300)
+    f.push("plain", 250, 120)
+    shares = token_shares(drain(q, 100))
+    assert shares["gold"] == pytest.approx(0.75, abs=0.05)
+
+
+def test_a_request_much_longer_than_the_quantum_is_served_in_its_turn() -> None:
+    q = AdmissionQueue("fair", backpressure=NO_BACKPRESSURE, quantum=16)
+    f = Feeder(q)
+    f.push("a", 100_000, 2)
+    f.push("b", 100_000, 2)
+    assert [i.tenant for i in drain(q)] == ["a", "b", "a", "b"]
+
+
+def test_tiers_are_strict_across_tenants() -> None:
+    q = AdmissionQueue("fair", {"vip": TenantSpec("vip", tier="interactive"), "bulk": TenantSpec("bulk", tier="batch")},
+                       backpressure=NO_BACKPRESSURE)
+    f = Feeder(q)
+    f.push("bulk", 10, 5)
+    f.push("someone", 10, 5)
+    f.push("vip", 1000, 5)
+    order = [i.tenant for i in drain(q)]
+    assert order == ["vip"] * 5 + ["someone"] * 5 + ["bulk"] * 5
+
+
+def test_a_request_may_demote_itself_to_batch_but_not_promote_its_tenant() -> None:
+    q = AdmissionQueue("fair", {"t": TenantSpec("t", tier="default"), "vip": TenantSpec("vip", tier="interactive")})
+    assert q.tier_of(RequestClass(tenant="t", tier="batch")) == "batch"
+    assert q.tier_of(RequestClass(tenant="t", tier="interactive")) == "default"
+    assert q.tier_of(RequestClass(tenant="vip")) == "interactive"  # the request's "default": its tenant's tier
+    assert q.tier_of(RequestClass(tenant="vip", tier="batch")) == "batch"
+    assert q.tier_of(RequestClass(tenant="unknown", tier="interactive")) == "interactive"
+
+
+def test_within_a_tenant_latency_class_then_priority_then_arrival() -> None:
+    q = AdmissionQueue("fair", backpressure=NO_BACKPRESSURE)
+    f = Feeder(q)
+    backlog = f.push("t", 100, 5, objective="throughput")
+    low = f.push("t", 100, priority=5)
+    high = f.push("t", 100, priority=-1)
+    call = f.push("t", 100, objective="latency", priority=9)
+    assert [i.request_id for i in drain(q)] == call + high + low + backlog
+
+
+def test_priority_policy_orders_globally_and_fcfs_by_arrival() -> None:
+    for policy, expect in (("priority", ["r2", "r1", "r0"]), ("fcfs", ["r0", "r1", "r2"])):
+        q = AdmissionQueue(policy, backpressure=NO_BACKPRESSURE)
+        f = Feeder(q)
+        f.push("a", 10, priority=3)
+        f.push("b", 10_000, priority=1)
+        f.push("c", 10, objective="latency")
+        assert [i.request_id for i in drain(q)] == expect, policy
+
+
+def test_unknown_policy_is_a_clear_error() -> None:
+    with pytest.raises(InvalidConfigError, match="unknown admission policy 'wfq'.*fair") as info:
+        AdmissionQueue("wfq")
+    assert info.value.param == "admission_policy"
+    assert set(ADMISSION_POLICIES) == {"fcfs", "fair", "priority"}
+
+
+def test_backpressure_holds_requests_while_instances_have_a_queue() -> None:
+    q = AdmissionQueue("fair")  # default: fewer than 3 waiting
+    f = Feeder(q)
+    f.push("t", 10, 10)
+    waiting = {"p0": 1, "p1": 3}
+    out = q.dispatch(0.0, ["p0", "p1"], lambda i: EntryLoad(waiting[i]), lambda item, ok: ok[0])
+    assert [inst for _, inst in out] == ["p0", "p0"]  # p1 is at the threshold; p0 takes two
+    assert len(q) == 8 and q.counters["t"].num_queued == 8
+    # A latency request arriving now overtakes the held-back backlog.
+    call = f.push("t", 10, objective="latency")
+    out = q.dispatch(0.5, ["p0"], lambda i: EntryLoad(0), lambda item, ok: ok[0])
+    assert out[0][0].request_id == call[0]
+
+
+def test_batch_goes_only_to_an_instance_with_nothing_waiting() -> None:
+    bp = Backpressure()
+    assert bp.accepts(EntryLoad(2), "default") and not bp.accepts(EntryLoad(3), "default")
+    assert bp.accepts(EntryLoad(0), "batch") and not bp.accepts(EntryLoad(1), "batch")
+    q = AdmissionQueue("fair")
+    f = Feeder(q)
+    f.push("t", 10, 3, tier="batch")
+    out = q.dispatch(0.0, ["busy", "idle"], lambda i: EntryLoad(1 if i == "busy" else 0), lambda item, ok: ok[0])
+    assert [inst for _, inst in out] == ["idle"]  # then "idle" has one waiting: the rest stay queued
+    assert len(q) == 2
+
+
+def test_tpot_backpressure() -> None:
+    bp = Backpressure(tpot_slo_s=0.15)
+    assert not bp.accepts(EntryLoad(0, tpot_s=0.2), "interactive")
+    assert bp.accepts(EntryLoad(0, tpot_s=0.1), "interactive") and bp.accepts(EntryLoad(0, None), "default")
+    assert measured_tpot_s([(0, 0.9), (4, 0.2), (2, 0.1)]) == 0.1  # the best busy instance; idle ones do not count
+    assert measured_tpot_s([(0, 0.9)]) is None
+    with pytest.raises(InvalidConfigError):
+        Backpressure(max_waiting=0)
+
+
+def test_bounds_raise_queue_full_with_retry_after_from_the_drain_rate() -> None:
+    q = AdmissionQueue("fair", {"small": TenantSpec("small", max_queued_requests=2)}, max_queued_requests=5, backpressure=NO_BACKPRESSURE)
+    f = Feeder(q)
+    f.push("small", 10, 2)
+    with pytest.raises(QueueFullError, match="tenant 'small' has 2 requests queued") as info:
+        f.push("small", 10)
+    assert info.value.retry_after_s == 1.0  # nothing dispatched yet: the default
+    f.push("other", 10, 3)
+    with pytest.raises(QueueFullError, match="admission queue holds 5"):
+        f.push("other", 10)
+    # One request dispatched every 0.25 s: the measured rate (4/s) sets Retry-After.
+    q2 = AdmissionQueue("fcfs", {"s": TenantSpec("s", max_queued_requests=1)}, backpressure=NO_BACKPRESSURE)
+    g = Feeder(q2)
+    for k in range(6):
+        g.push("s", 10, now=0.25 * k)
+        drain(q2, now=0.25 * k)
+    g.push("s", 10, now=1.5)
+    with pytest.raises(QueueFullError) as info:
+        g.push("s", 10, now=1.5)
+    assert info.value.retry_after_s == pytest.approx(0.25)
+    counters = q2.counters["s"]
+    assert (counters.num_admitted, counters.num_dispatched, counters.num_rejected_full, counters.num_queued) == (7, 6, 1, 1)
+    assert q.counters["small"].num_rejected_full == 1 and q.counters["other"].num_rejected_full == 1
+
+
+def test_a_stalled_queue_drains_slowly() -> None:
+    rate = DrainRate()
+    for t in (0.0, 0.1, 0.2):
+        rate.record(t)
+    assert rate.per_s(0.2) == pytest.approx(10.0)
+    assert rate.per_s(5.2) == pytest.approx(0.2)  # nothing for 5 s: at most one per 5 s
+
+
+def test_token_bucket_limits_tokens_per_minute() -> None:
+    q = AdmissionQueue("fair", {"t": TenantSpec("t", tokens_per_minute=600)}, backpressure=NO_BACKPRESSURE)
+    f = Feeder(q)
+    f.push("t", 400, now=0.0)
+    f.push("t", 200, now=0.0)
+    with pytest.raises(QueueFullError, match="600 tokens per minute") as info:
+        f.push("t", 100, now=0.0)
+    assert info.value.retry_after_s == pytest.approx(10.0)  # 100 tokens at 10 tokens/s
+    f.push("t", 100, now=10.0)
+    f.push("t", 5000, now=70.0)  # larger than the bucket: admitted when it is full, leaving a debt
+    with pytest.raises(QueueFullError):
+        f.push("t", 1, now=100.0)
+    assert q.counters["t"].num_rejected_rate == 2
+    f.push("other", 10_000)  # other tenants are not limited
+
+
+def test_deadlines_expire_items_and_count_them() -> None:
+    q = AdmissionQueue("fair", backpressure=NO_BACKPRESSURE)
+    f = Feeder(q)
+    short = f.push("t", 10, timeout_s=1.0, now=0.0)
+    f.push("t", 10, now=0.0)
+    f.push("u", 10, timeout_s=5.0, now=0.5)
+    assert q.expire(0.9) == []
+    expired = q.expire(1.2)
+    assert [i.request_id for i in expired] == short and expired[0].wait_s == pytest.approx(1.2)
+    assert len(q) == 2 and q.counters["t"].num_expired == 1 and q.counters["t"].num_queued == 1
+    err = timeout_error(expired[0], 1.2)
+    assert isinstance(err, RequestTimeoutError) and err.param == "timeout" and "waited 1.200 s" in str(err)
+    with pytest.raises(InvalidConfigError, match="timeout"):
+        f.push("t", 10, timeout_s=-1.0)
+
+
+def test_remove_and_wait_times() -> None:
+    q = AdmissionQueue("fair", backpressure=NO_BACKPRESSURE)
+    f = Feeder(q)
+    a, b = f.push("t", 10, 2, now=1.0)
+    assert q.remove(a) is not None and q.remove(a) is None
+    (item,) = drain(q, now=3.5)
+    assert item.request_id == b and item.wait_s == pytest.approx(2.5)
+    assert q.counters["t"].wait_s_total == pytest.approx(2.5)
+    assert q.stats()["tenants"]["t"]["num_dispatched"] == 1
