@@ -52,7 +52,8 @@ class SimConfig:
     admission_quantum: int = DEFAULT_QUANTUM_TOKENS  # tokens per round of a weight-1 tenant under ``fair``
     tenants: tuple[TenantSpec, ...] = ()
     max_queued_requests: int | None = None
-    max_waiting: int | None = DEFAULT_MAX_WAITING
+    # None until the Ray runtime and the threaded client hold requests too: the simulator predicts what `serve` runs.
+    max_waiting: int | None = None
     backpressure_tpot_slo_s: float | None = None
 
     def __post_init__(self) -> None:

@@ -103,8 +103,9 @@ def _add_simulate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--admission-policy", default=DEFAULT_ADMISSION_POLICY, choices=sorted(ADMISSION_POLICIES),
                    help="order of the admission queue: fair (weighted fair queueing by tokens across tenants, strict tiers), "
                    "fcfs (arrival order), priority (tier, objective, priority, arrival)")
-    p.add_argument("--max-waiting", type=_positive_int, default=DEFAULT_MAX_WAITING,
-                   help="backpressure: an entry instance takes requests while fewer than this wait in it")
+    p.add_argument("--max-waiting", type=_positive_int, default=None,
+                   help=f"backpressure: an entry instance takes requests while fewer than this wait in it (TNG uses {DEFAULT_MAX_WAITING}; "
+                   "default: none, as `serve` runs today)")
     p.add_argument("--no-backpressure", action="store_true", help="dispatch every request at once (no admission queueing)")
     p.add_argument("--tpot-backpressure", action="store_true",
                    help="backpressure also holds requests while the measured decode TPOT exceeds --tpot")

@@ -27,7 +27,16 @@ from typing import Protocol
 
 import torch
 
-from distserve.cluster.admission import AdmissionItem, AdmissionQueue, Backpressure, EntryLoad, check_timeout, measured_tpot_s, timeout_error
+from distserve.cluster.admission import (
+    NO_BACKPRESSURE,
+    AdmissionItem,
+    AdmissionQueue,
+    Backpressure,
+    EntryLoad,
+    check_timeout,
+    measured_tpot_s,
+    timeout_error,
+)
 from distserve.cluster.classes import RequestClass
 from distserve.cluster.counters import ClusterCounters
 from distserve.cluster.fair_queue import DEFAULT_ADMISSION_POLICY, DEFAULT_QUANTUM_TOKENS
@@ -114,7 +123,7 @@ class LocalDisaggEngine(EngineBase):
         admission_policy: str = DEFAULT_ADMISSION_POLICY,
         tenants: Mapping[str, TenantSpec] | None = None,
         max_queued_requests: int | None = None,
-        backpressure: Backpressure = Backpressure(),
+        backpressure: Backpressure = NO_BACKPRESSURE,
         admission_quantum: int = DEFAULT_QUANTUM_TOKENS,
     ) -> None:
         """``admission_policy``, ``tenants``, ``max_queued_requests``, ``backpressure`` and

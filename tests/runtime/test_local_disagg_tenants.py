@@ -7,6 +7,7 @@ import pytest
 
 from distserve.cluster.classes import RequestClass
 from distserve.cluster.tenants import TenantSpec
+from distserve.cluster.admission import Backpressure
 from distserve.config import CacheConfig, SamplingParams, SchedulerConfig
 from distserve.engine.step_plan import StepPlan
 from distserve.engine.weights import LoadedModel, load_model
@@ -24,6 +25,7 @@ def tiny() -> LoadedModel:
 
 def engine(tiny: LoadedModel, policy: str, **kwargs: object) -> LocalDisaggEngine:
     # One prompt per prefill step: requests queue, and the admission order shows in the plans.
+    kwargs.setdefault("backpressure", Backpressure())  # TNG's: held while 3 wait in an instance
     return LocalDisaggEngine(tiny, cache_config=CacheConfig(num_blocks=1024, block_size=4), admission_policy=policy,
                              prefill_scheduler_config=SchedulerConfig(max_num_seqs=1), **kwargs)  # type: ignore[arg-type]
 
