@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from distserve.cluster.admission import DEFAULT_MAX_WAITING, AdmissionQueue, Backpressure
+from distserve.cluster.admission import AdmissionQueue, Backpressure
 from distserve.cluster.fair_queue import DEFAULT_ADMISSION_POLICY, DEFAULT_QUANTUM_TOKENS, check_admission_policy
 from distserve.cluster.routing import DEFAULT_ROUTER, check_router
 from distserve.cluster.tenants import TenantSpec
