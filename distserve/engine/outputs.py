@@ -12,6 +12,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Sequence as Seq
 from dataclasses import dataclass
 
+from distserve.cluster.admission import check_timeout
 from distserve.cluster.classes import RequestClass, check_request_class
 from distserve.cluster.recovery import blame, poison_message
 from distserve.config import PRIORITY_MAX, PRIORITY_MIN, CacheConfig, SamplingParams, SchedulerConfig
@@ -278,13 +279,17 @@ class RequestFrontend(ABC):
         priority: int = 0,
         arrival_time: float | None = None,
         request_class: RequestClass | None = None,
+        timeout_s: float | None = None,
     ) -> str:
         """Queue a request (of scheduling class ``request_class``, default: none); raises a
-        ``DistServeError`` (a ValueError) for bad input."""
+        ``DistServeError`` (a ValueError) for bad input. ``timeout_s``: the longest it may wait in
+        the driver's admission queue before it fails with a ``RequestTimeoutError`` (a driver
+        without one dispatches every request on arrival, so it never waits there)."""
         sampling = sampling or SamplingParams()
         ids = self.encode_prompt(prompt)
         self.check_request(ids, sampling, priority)
         request_class = check_request_class(request_class)
+        timeout_s = check_timeout(timeout_s)
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if request_id in self._seqs:
             raise DistServeError(f"request id {request_id!r} is already in flight")
@@ -295,6 +300,7 @@ class RequestFrontend(ABC):
             arrival_time=time.monotonic() if arrival_time is None else arrival_time,
             priority=priority,
             request_class=request_class,
+            timeout_s=timeout_s,
         )
         self._seqs[request_id] = seq
         self.outputs.add(seq)

@@ -24,6 +24,7 @@ class Sequence:
     sampling: SamplingParams
     arrival_time: float = 0.0
     priority: int = 0  # lower runs first under the "priority" policy
+    timeout_s: float | None = None  # the longest it may wait in an admission queue (None: no limit)
     token_ids: list[int] = field(default_factory=list)
     status: SequenceStatus = SequenceStatus.WAITING
     block_table: list[int] = field(default_factory=list)

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Mapping, Sequence as Seq
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -33,11 +33,9 @@ from distserve.cluster.admission import (
     AdmissionQueue,
     Backpressure,
     EntryLoad,
-    check_timeout,
     measured_tpot_s,
     timeout_error,
 )
-from distserve.cluster.classes import RequestClass
 from distserve.cluster.counters import ClusterCounters
 from distserve.cluster.fair_queue import DEFAULT_ADMISSION_POLICY, DEFAULT_QUANTUM_TOKENS
 from distserve.cluster.tenants import TenantSpec
@@ -47,7 +45,6 @@ from distserve.config import CacheConfig, SchedulerConfig
 from distserve.engine.instance_core import InstanceCore
 from distserve.engine.model import resolve_dtype
 from distserve.engine.model_runner import ModelRunner
-from distserve.config import SamplingParams
 from distserve.engine.outputs import EngineBase, RequestOutput
 from distserve.engine.step_plan import SampledToken, StepPlan
 from distserve.engine.sequence import Sequence, SequenceStatus
@@ -153,30 +150,10 @@ class LocalDisaggEngine(EngineBase):
         self.admission: AdmissionQueue[LocalInstance] = AdmissionQueue(
             admission_policy, tenants, max_queued_requests=max_queued_requests, backpressure=backpressure, quantum=admission_quantum)
         self._dispatched: set[str] = set()  # requests that left the admission queue and are not finished
-        self._timeout_s: float | None = None  # of the request ``add_request`` is adding
         self.on_plan: PlanListener | None = None
         self.on_migration: MigrationListener | None = None
 
     # ---- requests ----------------------------------------------------------------------------
-    def add_request(
-        self,
-        prompt: str | Seq[int],
-        sampling: SamplingParams | None = None,
-        request_id: str | None = None,
-        priority: int = 0,
-        arrival_time: float | None = None,
-        request_class: RequestClass | None = None,
-        timeout_s: float | None = None,
-    ) -> str:
-        """Queue a request for admission; ``timeout_s``: the longest it may wait there before it
-        fails with a ``RequestTimeoutError`` message. Raises ``QueueFullError`` when its tenant's
-        queue, the whole queue or its tenant's token rate is at its bound."""
-        self._timeout_s = check_timeout(timeout_s)
-        try:
-            return super().add_request(prompt, sampling, request_id, priority, arrival_time, request_class)
-        finally:
-            self._timeout_s = None
-
     def _submit(self, seq: Sequence) -> None:
         if seq.seq_id in self.admission:  # re-run after a failed step while still queued: it keeps its place
             return
@@ -184,7 +161,7 @@ class LocalDisaggEngine(EngineBase):
             self._place(seq, self.prefill)
             return
         item = AdmissionItem(seq.seq_id, seq.request_class, seq.num_prompt_tokens + seq.sampling.max_tokens,
-                             seq.arrival_time, seq.priority, self._timeout_s, seq)
+                             seq.arrival_time, seq.priority, seq.timeout_s, seq)
         try:
             self.admission.push(item, time.monotonic())
         except DistServeError:  # refused (QueueFullError) or malformed: it never entered
