@@ -149,6 +149,10 @@ class CascadeRule:
     def pays(self, tokens: int, members: int) -> bool:
         return (members - 1) * tokens >= self.min_saved_tokens + self.member_cost_tokens * members
 
+    def kept(self, tree: PrefixTree, block_size: int) -> list[PrefixNode]:
+        """The nodes of ``tree`` that pay, by depth: what a cascade step reads once per group."""
+        return [n for n in tree.nodes() if self.pays(n.num_blocks * block_size, len(n.members))]
+
 
 ALWAYS = CascadeRule(min_saved_tokens=0, member_cost_tokens=0)  # every shared node (tests, benchmarks)
 
@@ -193,7 +197,7 @@ def plan_cascade(
     # One tolist of the table: a per-row copy costs ~5 µs a sequence.
     rows = [r[: -(-c // block_size)] for r, c in zip(block_tables[:nd].tolist(), context_lens)]
     tree = find_prefix_tree(rows, context_lens, block_size)
-    kept = [n for n in tree.nodes() if rule.pays(n.num_blocks * block_size, len(n.members))]
+    kept = rule.kept(tree, block_size)
     if not kept:
         return None
     depths = sorted({n.depth for n in kept})

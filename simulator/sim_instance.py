@@ -131,13 +131,8 @@ def shared_prefix_savings(
     decodes (``find_prefix_tree``), its nodes that pay by ``rule``, each read once for its members."""
     from kernels.cascade_attention import find_prefix_tree  # torch: only for a cascade instance
 
-    saved = nodes = 0
-    for node in find_prefix_tree(block_tables, context_lens, block_size).nodes():
-        tokens, members = node.num_blocks * block_size, len(node.members)
-        if rule.pays(tokens, members):
-            saved += (members - 1) * tokens
-            nodes += 1
-    return saved, nodes
+    kept = rule.kept(find_prefix_tree(block_tables, context_lens, block_size), block_size)
+    return sum((len(n.members) - 1) * n.num_blocks * block_size for n in kept), len(kept)
 
 
 def cascade_rule_of(latency: LatencyModel) -> CascadeRule | None:

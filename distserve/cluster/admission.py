@@ -25,6 +25,7 @@ whereas a request in an instance's scheduler queue competes there by its schedul
 
 from __future__ import annotations
 
+import heapq
 import itertools
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -206,6 +207,7 @@ class AdmissionQueue(Generic[T]):
         self.drain = DrainRate()
         self._buckets: dict[str, TokenBucket] = {}
         self._items: dict[str, AdmissionItem] = {}
+        self._deadlines: list[tuple[float, int, AdmissionItem]] = []  # heap of the items with a timeout
         self._order = itertools.count()
 
     # ---- tenants -------------------------------------------------------------------------------
@@ -266,6 +268,8 @@ class AdmissionQueue(Generic[T]):
         item.deadline = now + item.timeout_s if item.timeout_s is not None else math.inf
         self.policy.push(item)
         self._items[item.request_id] = item
+        if item.timeout_s is not None:
+            heapq.heappush(self._deadlines, (item.deadline, item.order, item))
         c.num_queued += 1
         c.num_admitted += 1
 
@@ -288,8 +292,13 @@ class AdmissionQueue(Generic[T]):
 
     def expire(self, now: float) -> list[AdmissionItem]:
         """Remove and return the items whose deadline passed (counted as expired)."""
-        expired = [item for item in self._items.values() if item.deadline <= now]
-        for item in expired:
+        expired: list[AdmissionItem] = []
+        heap = self._deadlines
+        while heap and heap[0][0] <= now:
+            item = heapq.heappop(heap)[2]
+            if self._items.get(item.request_id) is not item:  # dispatched or removed meanwhile
+                continue
+            expired.append(item)
             self.remove(item.request_id)
             self.counters_of(item.tenant).num_expired += 1
             item.wait_s = now - item.enqueued_at

@@ -25,6 +25,7 @@ printable ASCII without spaces, at least ``MIN_KEY_CHARS`` long: a short key is 
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import hashlib
 import hmac
 import json
@@ -43,7 +44,7 @@ from distserve.errors import InvalidConfigError
 MIN_KEY_CHARS = 16
 OTHER_TENANT = "other"  # the metrics label every tenant outside the key file folds into
 RESERVED_TENANTS = (ANONYMOUS, OTHER_TENANT)
-TENANT_FIELDS = ("weight", "tier", "max_queued_requests", "max_sessions", "tokens_per_minute")
+TENANT_FIELDS = tuple(f.name for f in dataclasses.fields(TenantSpec) if f.name != "name")  # a tenant's fields in the file
 _TOP_FIELDS = ("tenants", "keys")
 
 
