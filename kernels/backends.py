@@ -19,6 +19,7 @@ import os
 
 import torch
 
+from distserve.errors import InvalidConfigError
 from kernels.decode_attention import DecodeAttention
 
 # name -> "module:class"; imported on first use, so optional backends cost nothing until chosen.
@@ -44,19 +45,19 @@ def default_decode_attention(device: torch.device | str = "cpu") -> str:
 
 
 def get_decode_attention(name: str) -> DecodeAttention:
-    """The backend called ``name``. Raises ValueError for an unknown name or one whose library is
-    missing (naming what to install)."""
+    """The backend called ``name``. Raises ``InvalidConfigError`` (a ValueError naming
+    ``decode_attention``) for an unknown name or one whose library is missing (naming what to install)."""
     backend = _BUILT.get(name)
     if backend is not None:
         return backend
     target = DECODE_ATTENTION_BACKENDS.get(name)
     if target is None:
-        raise ValueError(f"unknown decode attention {name!r}; choose one of {sorted(DECODE_ATTENTION_BACKENDS)}")
+        raise InvalidConfigError(f"unknown decode attention {name!r}; choose one of {sorted(DECODE_ATTENTION_BACKENDS)}", "decode_attention")
     module_name, cls_name = target.split(":")
     try:
         backend = getattr(importlib.import_module(module_name), cls_name)()
     except ImportError as exc:  # the module's library, or one its constructor needs
-        raise ValueError(f"decode attention {name!r} needs a library that is not installed: {exc}") from exc
+        raise InvalidConfigError(f"decode attention {name!r} needs a library that is not installed: {exc}", "decode_attention") from exc
     _BUILT[name] = backend
     return backend
 
@@ -82,3 +83,22 @@ def register_decode_attention(name: str, backend: DecodeAttention) -> None:
 def unregister_decode_attention(name: str) -> None:
     DECODE_ATTENTION_BACKENDS.pop(name, None)
     _BUILT.pop(name, None)
+
+
+# Built-in backends bound to a device (``available_decode_attentions`` says where each runs).
+_DEVICE_BOUND = {
+    "triton": "runs on CUDA, or on CPU only under TRITON_INTERPRET=1 (Triton's interpreter, for tests)",
+    "flashinfer": "runs on CUDA only",
+}
+
+
+def decode_attention_for(name: str, device: torch.device | str) -> DecodeAttention:
+    """``get_decode_attention(name)``, refused up front (``InvalidConfigError``) where a built-in
+    backend cannot run on ``device`` — rather than failing every step."""
+    backend = get_decode_attention(name)
+    if name in _DEVICE_BOUND and name not in available_decode_attentions(device):
+        raise InvalidConfigError(
+            f"decode attention {name!r} {_DEVICE_BOUND[name]}; on {torch.device(device).type} use 'cascade' (the default)",
+            "decode_attention",
+        )
+    return backend

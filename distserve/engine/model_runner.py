@@ -16,7 +16,7 @@ from distserve.engine.model import TORCH_DTYPES, LlamaForCausalLM, prepack_linea
 from distserve.engine.parallel import ParallelState, ShardSpec
 from distserve.engine.sampler import Sampler
 from distserve.engine.step_plan import SampledToken, ScheduledChunk, StepPlan
-from kernels.backends import default_decode_attention, get_decode_attention
+from kernels.backends import decode_attention_for, default_decode_attention
 from kernels.paged_attention import AttentionMetadata
 
 
@@ -44,7 +44,7 @@ class ModelRunner:
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.decode_attention = decode_attention or default_decode_attention(self.device)
-        get_decode_attention(self.decode_attention)  # fail here, not at the first step, on an unknown name
+        decode_attention_for(self.decode_attention, self.device)  # fail here, not at every step: unknown, or not for this device
         self.eos_token_ids = eos_token_ids
         model = LlamaForCausalLM(config, shard, self.parallel.all_reduce)
         model.load_hf_state_dict(state_dict)

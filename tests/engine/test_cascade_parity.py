@@ -120,3 +120,16 @@ def test_backend_names_are_checked_where_configured() -> None:
         CacheConfig(decode_attention="flash9")
     options = ServeOptions.from_args({"decode_attention": "exact", "model": "tiny"})
     assert options.deployment().cache_config.decode_attention == "exact"
+
+
+def test_a_backend_that_cannot_run_here_is_refused_at_start(tiny: LoadedModel, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On CPU: flashinfer (CUDA only) and triton without its interpreter fail when the engine is
+    built, as a DistServeError naming ``decode_attention`` (the CLI prints it, exit code 2) — not at
+    every step."""
+    from distserve.errors import InvalidConfigError
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    for backend in ("flashinfer", "triton"):
+        with pytest.raises(InvalidConfigError, match=f"decode attention '{backend}'") as err:
+            LLMEngine(tiny, cache_config=CacheConfig(num_blocks=16, block_size=BS, decode_attention=backend))
+        assert err.value.param == "decode_attention"
