@@ -5,10 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from distserve.cluster.admission import AdmissionQueue, Backpressure
-from distserve.cluster.fair_queue import DEFAULT_ADMISSION_POLICY, DEFAULT_QUANTUM_TOKENS, check_admission_policy
+from distserve.cluster.admission import AdmissionConfig
 from distserve.cluster.routing import DEFAULT_ROUTER, check_router
-from distserve.cluster.tenants import TenantSpec
 from distserve.config import SchedulerConfig
 from distserve.errors import InvalidConfigError
 
@@ -44,24 +42,13 @@ class SimConfig:
     # affinity in entry routing; it matters only for requests that carry ``prompt_token_ids``.
     enable_prefix_caching: bool = False
     router: str = DEFAULT_ROUTER  # the entry rule, by name (``distserve.cluster.routing.ROUTERS``), as ``serve --router``
-    # Admission (``distserve.cluster.admission``): the policy by name, the configured tenants
-    # (others get weight 1), the bound of the whole queue, and backpressure — an entry instance
-    # takes requests while fewer than ``max_waiting`` wait in it (None: at once, as before
-    # admission existed) and, with ``backpressure_tpot_slo_s``, while decoding is within it.
-    admission_policy: str = DEFAULT_ADMISSION_POLICY
-    admission_quantum: int = DEFAULT_QUANTUM_TOKENS  # tokens per round of a weight-1 tenant under ``fair``
-    tenants: tuple[TenantSpec, ...] = ()
-    max_queued_requests: int | None = None
-    # None until the Ray runtime and the threaded client hold requests too: the simulator predicts what `serve` runs.
-    max_waiting: int | None = None
-    backpressure_tpot_slo_s: float | None = None
+    # Admission (``distserve.cluster.admission``): policy, tenants, backpressure — the runtime's defaults.
+    admission: AdmissionConfig = AdmissionConfig()
 
     def __post_init__(self) -> None:
         check_router(self.router)
-        check_admission_policy(self.admission_policy)
-        self.backpressure  # validates max_waiting and backpressure_tpot_slo_s
-        if len({t.name for t in self.tenants}) != len(self.tenants):
-            raise InvalidConfigError(f"tenants must have distinct names, got {[t.name for t in self.tenants]}", "tenants")
+        if not isinstance(self.admission, AdmissionConfig):
+            raise InvalidConfigError(f"admission must be an AdmissionConfig, got {type(self.admission).__name__}", "admission")
         if self.block_size < 1:
             raise InvalidConfigError(f"block_size must be >= 1, got {self.block_size}")
         if self.num_blocks is not None and self.num_blocks < 1:
@@ -78,16 +65,6 @@ class SimConfig:
             raise InvalidConfigError(f"migration_overhead_s must be >= 0, got {self.migration_overhead_s}")
         if self.concurrent_slowdown < 1:
             raise InvalidConfigError(f"concurrent_slowdown must be >= 1, got {self.concurrent_slowdown}")
-
-    @property
-    def backpressure(self) -> Backpressure:
-        return Backpressure(self.max_waiting, self.backpressure_tpot_slo_s)
-
-    def admission_queue(self) -> AdmissionQueue:
-        """A fresh admission queue with these settings (one per run)."""
-        return AdmissionQueue(self.admission_policy, {t.name: t for t in self.tenants},
-                              max_queued_requests=self.max_queued_requests, backpressure=self.backpressure,
-                              quantum=self.admission_quantum)
 
     @property
     def prefill_scale(self) -> float:

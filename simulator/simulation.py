@@ -4,7 +4,7 @@ Each simulated instance is the runtime's own ``InstanceCore`` (the real ``BlockM
 real ``Scheduler`` of its phase: ``Scheduler`` colocated, ``PrefillScheduler``, ``DecodeScheduler``)
 and executes the ``StepPlan``s it launches by advancing a clock by the latency model's step time
 instead of running a model. Admission is the runtime's (``distserve.cluster.admission``): new
-requests wait in the admission queue (``SimConfig.admission_policy``, fair queueing across tenants
+requests wait in the admission queue (``SimConfig.admission``, fair queueing across tenants
 by default, bounds, token rates, deadlines) until an entry instance accepts them under
 backpressure. Routing is the runtime's too (``distserve.cluster.routing``): an admitted request
 goes to the least assigned accepting prefill (or colocated) instance, by prefix affinity where prompts
@@ -160,7 +160,7 @@ class Simulation:
         # One SampledToken per live request, reused every step: update_from_output only reads it.
         self._sampled: dict[str, SampledToken] = {}
         self.counters = ClusterCounters()
-        self.admission = self.config.admission_queue()
+        self.admission = self.config.admission.queue()
         self._admit_due = False  # something arrived or a step ended: try to dispatch at the end of the instant
         unfinished = len(requests)
         now = 0.0
@@ -265,7 +265,7 @@ class Simulation:
             rec = self.records[item.request_id]
             rec.dropped, rec.admission_wait_s = "expired", item.wait_s
         tpot = measured_tpot_s((i.core.scheduler.num_running, i.core.last_step_s) for i in self.decodes or self.entry) \
-            if self.config.backpressure_tpot_slo_s is not None else None
+            if self.config.admission.tpot_slo_s is not None else None
         block_size, prefix_caching, router = self.config.block_size, self.config.enable_prefix_caching, self.config.router
 
         def load(inst: SimInstance) -> EntryLoad:

@@ -13,6 +13,8 @@ from distserve.errors import DistServeError
 from distserve.runtime.config import SERVER_MAX_QUEUED_REQUESTS
 
 if TYPE_CHECKING:
+    from distserve.cluster.admission import AdmissionConfig
+    from distserve.cluster.tenants import TenantSpec
     from distserve.placement import Placement
 
 
@@ -89,6 +91,30 @@ def _fraction(text: str) -> float:
     return value
 
 
+def _add_admission_args(p: argparse.ArgumentParser, tpot_flag: str) -> None:
+    p.add_argument("--admission-policy", default=DEFAULT_ADMISSION_POLICY, choices=sorted(ADMISSION_POLICIES),
+                   help="order of the admission queue: fair (weighted fair queueing by tokens across tenants, strict tiers; "
+                   "default), fcfs (arrival order), priority (tier, objective, priority, arrival)")
+    p.add_argument("--max-waiting", type=_positive_int, default=DEFAULT_MAX_WAITING, metavar="N",
+                   help="backpressure: an entry instance takes requests while fewer than N wait in its scheduler; the rest wait "
+                   f"in the fair queues (default {DEFAULT_MAX_WAITING}, as TNG's gateway)")
+    p.add_argument("--no-backpressure", action="store_true", help="dispatch every request on arrival (no admission queueing)")
+    p.add_argument("--tpot-backpressure", action="store_true",
+                   help=f"backpressure also holds requests while the measured decode TPOT exceeds {tpot_flag}")
+
+
+def admission_config_of(args: argparse.Namespace, tpot_slo_s: float | None, tenants: tuple["TenantSpec", ...] = ()) -> "AdmissionConfig":
+    """The ``AdmissionConfig`` of the admission flags (``tpot_slo_s``: the SLO --tpot-backpressure holds to)."""
+    from distserve.cluster.admission import AdmissionConfig
+    from distserve.errors import InvalidConfigError
+
+    if args.tpot_backpressure and tpot_slo_s is None and not args.no_backpressure:
+        raise InvalidConfigError("--tpot-backpressure needs a TPOT SLO (--tpot-slo, or a placement that carries one)")
+    return AdmissionConfig(
+        args.admission_policy, tenants, max_waiting=None if args.no_backpressure else args.max_waiting,
+        tpot_slo_s=tpot_slo_s if args.tpot_backpressure and not args.no_backpressure else None)
+
+
 def _add_simulate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, help="a known HF id (facebook/opt-13b, ...), alias, or config.json path")
     p.add_argument("--profile", default=None, metavar="FILE",
@@ -100,15 +126,7 @@ def _add_simulate_args(p: argparse.ArgumentParser) -> None:
                    "rate of each of N chat tenants, default 3 and 10) | trace.jsonl (with a \"tenant\" field: several tenants)")
     p.add_argument("--rate", type=_positive_float, default=None, help="arrival rate, requests/s (a trace is rescaled to it)")
     p.add_argument("--num-requests", type=_positive_int, default=1000, help="requests of a synthetic workload")
-    p.add_argument("--admission-policy", default=DEFAULT_ADMISSION_POLICY, choices=sorted(ADMISSION_POLICIES),
-                   help="order of the admission queue: fair (weighted fair queueing by tokens across tenants, strict tiers), "
-                   "fcfs (arrival order), priority (tier, objective, priority, arrival)")
-    p.add_argument("--max-waiting", type=_positive_int, default=None,
-                   help=f"backpressure: an entry instance takes requests while fewer than this wait in it (TNG uses {DEFAULT_MAX_WAITING}; "
-                   "default: none, as `serve` runs today)")
-    p.add_argument("--no-backpressure", action="store_true", help="dispatch every request at once (no admission queueing)")
-    p.add_argument("--tpot-backpressure", action="store_true",
-                   help="backpressure also holds requests while the measured decode TPOT exceeds --tpot")
+    _add_admission_args(p, "--tpot")
     p.add_argument("--arrival", default="poisson", choices=["poisson", "gamma", "fixed"], help="arrival process")
     p.add_argument("--cv", type=_positive_float, default=1.0, help="coefficient of variation of gamma inter-arrivals")
     p.add_argument("--seed", type=int, default=0)
@@ -193,6 +211,7 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--api-keys", default=None, metavar="FILE",
                    help="YAML/JSON key file (tenants: weight, tier, limits; keys: key -> tenant): every route but /health and "
                    "/metrics then needs `Authorization: Bearer <key>` (401 otherwise) and a tenant sees only its own sessions")
+    _add_admission_args(p, "--tpot-slo")
     p.add_argument("--ray-serve", action="store_true", help="run as a Ray Serve application (default: plain uvicorn)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
 

@@ -7,7 +7,7 @@ import json
 import sys
 from collections.abc import Sequence as Seq
 
-from distserve.cli.args import check_placement_args, placement_from_args
+from distserve.cli.args import admission_config_of, check_placement_args, placement_from_args
 from distserve.errors import DistServeError
 
 
@@ -76,8 +76,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     placement = placement_from_args(args)
     config = SimConfig(
         num_blocks=args.num_blocks, step_overhead_s=args.step_overhead_ms / 1e3, router=args.router,
-        admission_policy=args.admission_policy, max_waiting=None if args.no_backpressure else args.max_waiting,
-        backpressure_tpot_slo_s=args.tpot if args.tpot_backpressure and not args.no_backpressure else None,
+        admission=admission_config_of(args, args.tpot),
         **report.scheduler_configs(args.max_num_seqs, args.max_batched_tokens, args.tpot if args.step_budget == "slo" else None),
     )
     request = report.SimulateRequest(

@@ -6,7 +6,7 @@ import argparse
 import json
 from typing import TYPE_CHECKING
 
-from distserve.cli.args import check_placement_args, placement_from_args
+from distserve.cli.args import admission_config_of, check_placement_args, placement_from_args
 
 if TYPE_CHECKING:
     from distserve.dataflow.limits import SessionLimits
@@ -28,6 +28,8 @@ def _check_serve_args(args: argparse.Namespace) -> None:
         raise InvalidConfigError("--kv-transfer-timeout applies to the Ray runtime; --runtime local copies KV in-process")
     if args.ray_serve and args.threads is not None:
         raise InvalidConfigError("--threads applies to plain `distserve serve` (local or Ray runtime), not --ray-serve")
+    if args.ray_serve and args.tpot_backpressure:
+        raise InvalidConfigError("--tpot-backpressure applies to plain `distserve serve`, not --ray-serve")
     if args.ray_serve and (parallel or args.placement is not None or args.runtime == "ray"):
         raise InvalidConfigError("--ray-serve serves in-process engines; use plain `distserve serve --runtime ray` for placements")
 
@@ -100,6 +102,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
             router=args.router,
             session_limits=session_limits(args),
             api_keys=api_keys,
+            admission_policy=args.admission_policy,
+            max_waiting=None if args.no_backpressure else args.max_waiting,
         )
         run_ray_serve(options, args.host, args.port, on_ready=lambda url: _print_ready(url, served, f"{layout}, Ray Serve"))
         return 0
@@ -120,6 +124,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         # Prefill steps hold no decodes whose TPOT a step budget would protect.
         scheduler_config=slo_scheduler_config(slo.tpot_s if slo else None), prefill_scheduler_config=SchedulerConfig(),
         max_queued_requests=args.max_queued_requests, num_threads_per_worker=args.threads, router=args.router,
+        admission=admission_config_of(args, slo.tpot_s if slo else None, tuple(api_keys.tenants.values()) if api_keys else ()),
         **({} if args.kv_transfer_timeout is None else {"kv_transfer_timeout_s": args.kv_transfer_timeout}),
     )
     if on_ray:

@@ -37,6 +37,7 @@ from distserve.cluster.fair_queue import ADMISSION_POLICIES, DEFAULT_ADMISSION_P
 from distserve.cluster.tenants import BATCH, DEFAULT_TIER, TenantSpec, tier_rank
 from distserve.errors import InvalidConfigError, QueueFullError, RequestTimeoutError
 
+TIMED_OUT = "timeout"  # ``RequestOutput.error_kind`` of a request failed by ``timeout_error`` (HTTP 408)
 DEFAULT_MAX_WAITING = 3  # TNG: dispatch to an instance while fewer than this many requests wait in it
 DEFAULT_RETRY_AFTER_S = 1.0  # before any dispatch rate is measured
 MIN_RETRY_AFTER_S, MAX_RETRY_AFTER_S = 0.05, 60.0
@@ -102,6 +103,54 @@ class Backpressure:
 
 
 NO_BACKPRESSURE = Backpressure(max_waiting=None)
+
+
+def _check_bound(max_queued_requests: object) -> int | None:
+    if max_queued_requests is not None and not (
+            isinstance(max_queued_requests, int) and not isinstance(max_queued_requests, bool) and max_queued_requests >= 1):
+        raise InvalidConfigError(f"max_queued_requests must be null or an integer >= 1, got {max_queued_requests!r}", "max_queued_requests")
+    return max_queued_requests
+
+
+@dataclass(frozen=True)
+class AdmissionConfig:
+    """How a deployment admits requests: one value shared by ``DeploymentConfig`` (both runtimes),
+    ``LocalDisaggEngine`` and the simulator's ``SimConfig``, so they queue alike.
+
+    ``policy`` by name (``fair``, ``fcfs``, ``priority``); ``tenants`` the configured ones (others
+    get weight 1 and no limits); backpressure holds requests in the fair queues while an entry
+    instance has ``max_waiting`` requests waiting (None: dispatch every request at once) or, with
+    ``tpot_slo_s``, while decoding is slower than it; ``quantum`` the tokens a weight-1 tenant
+    sends per round under ``fair``; ``max_queued_requests`` bounds the whole queue (None: only
+    the tenants' bounds and the server's in-flight bound apply).
+    """
+
+    policy: str = DEFAULT_ADMISSION_POLICY
+    tenants: tuple[TenantSpec, ...] = ()
+    max_waiting: int | None = DEFAULT_MAX_WAITING
+    tpot_slo_s: float | None = None
+    quantum: int = DEFAULT_QUANTUM_TOKENS
+    max_queued_requests: int | None = None
+
+    def __post_init__(self) -> None:
+        check_admission_policy(self.policy)
+        object.__setattr__(self, "tenants", tuple(self.tenants))
+        names = [t.name if isinstance(t, TenantSpec) else t for t in self.tenants]
+        if not all(isinstance(t, TenantSpec) for t in self.tenants) or len(set(names)) != len(names):
+            raise InvalidConfigError(f"tenants must be TenantSpecs with distinct names, got {names!r:.200}", "tenants")
+        if isinstance(self.quantum, bool) or not isinstance(self.quantum, int) or self.quantum < 1:
+            raise InvalidConfigError(f"admission quantum must be an integer >= 1, got {self.quantum!r}", "quantum")
+        self.backpressure  # validates max_waiting and tpot_slo_s
+        _check_bound(self.max_queued_requests)
+
+    @property
+    def backpressure(self) -> Backpressure:
+        return Backpressure(self.max_waiting, self.tpot_slo_s)
+
+    def queue(self) -> AdmissionQueue[Any]:
+        """A fresh, empty admission queue with these settings (one per driver, or per run)."""
+        return AdmissionQueue(self.policy, {t.name: t for t in self.tenants}, max_queued_requests=self.max_queued_requests,
+                              backpressure=self.backpressure, quantum=self.quantum)
 
 
 class DrainRate:
@@ -198,9 +247,7 @@ class AdmissionQueue(Generic[T]):
         for name, spec in self.tenants.items():
             if not isinstance(spec, TenantSpec) or spec.name != name:
                 raise InvalidConfigError(f"tenants must map each name to its TenantSpec, got {name!r}: {spec!r:.80}", "tenants")
-        if max_queued_requests is not None and not (isinstance(max_queued_requests, int) and max_queued_requests >= 1):
-            raise InvalidConfigError(f"max_queued_requests must be null or an integer >= 1, got {max_queued_requests!r}", "max_queued_requests")
-        self.max_queued_requests = max_queued_requests
+        self.max_queued_requests = _check_bound(max_queued_requests)
         self.backpressure = backpressure
         self.policy = ADMISSION_POLICIES[policy](self.weight_of, quantum)
         self.counters: dict[str, TenantCounters] = {}
@@ -355,6 +402,9 @@ class AdmissionQueue(Generic[T]):
                 "tenants": {t: c.as_dict() for t, c in sorted(self.counters.items())}}
 
 
+AT_ONCE = AdmissionConfig(max_waiting=None)  # every request dispatched on arrival (no backpressure)
+
+
 def measured_tpot_s(decoding: Iterable[tuple[int, float]]) -> float | None:
     """The TPOT backpressure reads, from (requests decoding, last step seconds) per instance where
     requests decode: the best busy instance's last step (None: nothing decodes, so nothing to protect)."""
@@ -379,6 +429,6 @@ def check_timeout(value: object) -> float | None:
 
 
 __all__ = [
-    "AdmissionItem", "AdmissionQueue", "Backpressure", "DEFAULT_MAX_WAITING", "DrainRate", "EntryLoad", "NO_BACKPRESSURE",
+    "AT_ONCE", "TIMED_OUT", "AdmissionConfig", "AdmissionItem", "AdmissionQueue", "Backpressure", "DEFAULT_MAX_WAITING", "DrainRate", "EntryLoad", "NO_BACKPRESSURE",
     "TenantCounters", "TokenBucket", "check_timeout", "measured_tpot_s", "timeout_error",
 ]

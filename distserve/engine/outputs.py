@@ -70,6 +70,7 @@ class RequestOutput:
     metrics: RequestMetrics
     logprobs: list[float] | None = None
     error: str | None = None  # set with finish_reason "error": why this request failed
+    error_kind: str | None = None  # with ``error``: "timeout" when it waited past its ``timeout`` (HTTP 408), else None
 
 
 @dataclass
@@ -151,7 +152,7 @@ class OutputProcessor:
             self._text.pop(seq.seq_id, None)
         return out
 
-    def failed(self, seq: Sequence, now: float) -> RequestOutput:
+    def failed(self, seq: Sequence, now: float, kind: str | None = None) -> RequestOutput:
         """The last output of a request that failed (``seq.error``): the text already sent, nothing new."""
         state = self._text.pop(seq.seq_id, None)
         text = state.text[: state.text_reported] if state is not None else ""
@@ -169,6 +170,7 @@ class OutputProcessor:
                 seq.num_prompt_tokens, seq.num_cached_tokens, seq.num_output_tokens,
             ),
             error=seq.error,
+            error_kind=kind,
         )
 
 
@@ -324,9 +326,10 @@ class RequestFrontend(ABC):
         return out
 
     def _fail(
-        self, seq: Sequence, error: str, now: float, finish: Callable[[Sequence, str], None] | None = None
+        self, seq: Sequence, error: str, now: float, finish: Callable[[Sequence, str], None] | None = None, kind: str | None = None,
     ) -> RequestOutput:
-        """End ``seq`` with ``error`` (``finish`` frees its KV where it runs) and return its last output."""
+        """End ``seq`` with ``error`` (``finish`` frees its KV where it runs) and return its last output
+        (``kind``: its ``RequestOutput.error_kind``)."""
         seq.error = error
         if not seq.is_finished:
             seq.finish_time = now
@@ -335,7 +338,7 @@ class RequestFrontend(ABC):
             seq.status = SequenceStatus.FINISHED
             seq.finish_reason = "error"
         self._seqs.pop(seq.seq_id, None)
-        return self.outputs.failed(seq, now)
+        return self.outputs.failed(seq, now, kind)
 
 
 def _already_finished(seq: Sequence, reason: str) -> None:

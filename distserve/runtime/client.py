@@ -31,9 +31,12 @@ class EngineClient(ABC):
         request_id: str,
         priority: int = 0,
         request_class: RequestClass | None = None,
+        timeout_s: float | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Stream this request's outputs until one has ``finished``. ``request_class`` is its
-        scheduling class (objective and task group, ``distserve.cluster.classes``; None: default).
+        scheduling class (objective, task group, tenant and tier, ``distserve.cluster.classes``;
+        None: default). ``timeout_s``: the longest it may wait in the admission queue; past it the
+        request ends with an output whose ``error_kind`` is "timeout" (None: no limit).
 
         Bad input raises a ``DistServeError`` from the first ``__anext__``; a full queue raises
         ``QueueFullError``. Closing the iterator early (client gone) aborts the request.

@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from distserve.cluster.admission import AdmissionConfig
 from distserve.cluster.routing import DEFAULT_ROUTER, check_router
 from distserve.config import CacheConfig, SchedulerConfig
 from distserve.errors import InvalidConfigError
@@ -33,7 +34,8 @@ class DeploymentConfig:
     instance does not say (``InstanceSpec.threads``); ``None`` means 1 per Ray worker, and torch's
     default for the in-process engine thread. ``kv_transfer_timeout_s`` and ``max_instance_restarts``
     apply to the Ray runtime (the in-process engines copy KV in memory and do not restart).
-    ``router`` names the rule that picks a new request's entry instance on both runtimes.
+    ``router`` names the rule that picks a new request's entry instance on both runtimes, and
+    ``admission`` how requests wait before it (policy, tenants, backpressure), on both runtimes too.
     """
 
     model: str
@@ -47,6 +49,7 @@ class DeploymentConfig:
     kv_transfer_timeout_s: float = DEFAULT_KV_TRANSFER_TIMEOUT_S
     max_instance_restarts: int = DEFAULT_MAX_INSTANCE_RESTARTS
     router: str = DEFAULT_ROUTER  # the entry rule, by name (``cluster.routing.ROUTERS``)
+    admission: AdmissionConfig = AdmissionConfig()  # fair queueing, tenants and backpressure before the entry instances
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
@@ -61,6 +64,8 @@ class DeploymentConfig:
         if not (isinstance(timeout, (int, float)) and timeout > 0 and math.isfinite(timeout)):
             raise InvalidConfigError(f"kv_transfer_timeout_s must be a positive number of seconds, got {timeout}")
         check_router(self.router)
+        if not isinstance(self.admission, AdmissionConfig):
+            raise InvalidConfigError(f"admission must be an AdmissionConfig, got {type(self.admission).__name__}", "admission")
         if not (_is_int(self.max_instance_restarts) and self.max_instance_restarts >= 0):
             raise InvalidConfigError(f"max_instance_restarts must be an integer >= 0, got {self.max_instance_restarts!r}")
 

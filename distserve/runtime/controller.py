@@ -193,7 +193,7 @@ class Controller(RequestFrontend, KVMigrations, InstanceRecovery):
 
     async def generate(
         self, prompt: str | Seq[int], sampling: SamplingParams, request_id: str, priority: int = 0,
-        request_class: RequestClass | None = None,
+        request_class: RequestClass | None = None, timeout_s: float | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Stream one request's outputs; closing the iterator early aborts the request."""
         if len(self._queues) >= self.max_queued_requests:
@@ -203,7 +203,8 @@ class Controller(RequestFrontend, KVMigrations, InstanceRecovery):
         queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self._queues[request_id] = queue
         try:
-            self.add_request(prompt, sampling, request_id=request_id, priority=priority, request_class=request_class)
+            self.add_request(prompt, sampling, request_id=request_id, priority=priority, request_class=request_class,
+                             timeout_s=timeout_s)
         except BaseException:
             self._queues.pop(request_id, None)
             raise

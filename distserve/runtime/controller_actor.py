@@ -103,7 +103,7 @@ class ControllerActor:
 
     async def submit(
         self, proxy_id: str, prompt_ids: list[int], sampling: SamplingParams, request_id: str, priority: int = 0,
-        request_class: RequestClass | None = None,
+        request_class: RequestClass | None = None, timeout_s: float | None = None,
     ) -> None:
         """Start a request whose outputs go to ``proxy_id``'s stream; raises if the Controller refuses it."""
         controller = self._started()
@@ -112,7 +112,7 @@ class ControllerActor:
             del self._early_aborts[request_id]
             box.put(request_id, None)  # its caller left before it was submitted
             return
-        stream = controller.generate(prompt_ids, sampling, request_id, priority, request_class)
+        stream = controller.generate(prompt_ids, sampling, request_id, priority, request_class, timeout_s)
         first = asyncio.ensure_future(anext(stream))
         # One loop turn runs the Controller's admission (queue bound, duplicate id, routing), which
         # is synchronous: a refusal is raised to the caller here. Should it ever come later, it

@@ -21,24 +21,14 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
 
-from distserve.cluster.admission import (
-    NO_BACKPRESSURE,
-    AdmissionItem,
-    AdmissionQueue,
-    Backpressure,
-    EntryLoad,
-    measured_tpot_s,
-    timeout_error,
-)
+from distserve.cluster.admission import TIMED_OUT, AdmissionConfig, AdmissionItem, AdmissionQueue, EntryLoad, measured_tpot_s, timeout_error
 from distserve.cluster.counters import ClusterCounters
-from distserve.cluster.fair_queue import DEFAULT_ADMISSION_POLICY, DEFAULT_QUANTUM_TOKENS
-from distserve.cluster.tenants import TenantSpec
 from distserve.cluster.migration_queue import MigrationQueue
 from distserve.cluster.routing import DEFAULT_ROUTER, RouteState, check_router, decode_order, entry_hashes, pick_entry
 from distserve.config import CacheConfig, SchedulerConfig
@@ -117,14 +107,10 @@ class LocalDisaggEngine(EngineBase):
         kv_transfer_timeout_s: float = 30.0,
         runner_factory: RunnerFactory = model_runner,
         router: str = DEFAULT_ROUTER,
-        admission_policy: str = DEFAULT_ADMISSION_POLICY,
-        tenants: Mapping[str, TenantSpec] | None = None,
-        max_queued_requests: int | None = None,
-        backpressure: Backpressure = NO_BACKPRESSURE,
-        admission_quantum: int = DEFAULT_QUANTUM_TOKENS,
+        admission: AdmissionConfig = AdmissionConfig(),
     ) -> None:
-        """``admission_policy``, ``tenants``, ``max_queued_requests``, ``backpressure`` and
-        ``admission_quantum`` configure the admission queue (``AdmissionQueue``); the rest the instances."""
+        """``admission`` configures the admission queue in front of the prefill instances (the
+        product's default: fair queueing, TNG's backpressure); the rest the instances."""
         if not (kv_transfer_timeout_s > 0 and math.isfinite(kv_transfer_timeout_s)):
             raise InvalidConfigError(f"kv_transfer_timeout_s must be a positive number of seconds, got {kv_transfer_timeout_s}")
         self.router = check_router(router)
@@ -147,8 +133,7 @@ class LocalDisaggEngine(EngineBase):
         self._fault: str | None = None
         self._pending: MigrationQueue[tuple[LocalInstance, Sequence]] = MigrationQueue()  # prompts done, KV not yet pulled
         self._owner: dict[str, LocalInstance] = {}
-        self.admission: AdmissionQueue[LocalInstance] = AdmissionQueue(
-            admission_policy, tenants, max_queued_requests=max_queued_requests, backpressure=backpressure, quantum=admission_quantum)
+        self.admission: AdmissionQueue[LocalInstance] = admission.queue()
         self._dispatched: set[str] = set()  # requests that left the admission queue and are not finished
         self.on_plan: PlanListener | None = None
         self.on_migration: MigrationListener | None = None
@@ -184,7 +169,7 @@ class LocalDisaggEngine(EngineBase):
         for item in self.admission.expire(now):
             seq = self._seqs.get(item.request_id)
             if seq is not None:
-                outputs.append(self._fail(seq, str(timeout_error(item, now)), now))
+                outputs.append(self._fail(seq, str(timeout_error(item, now)), now, kind=TIMED_OUT))
         if not self.admission:
             return outputs
         tpot = measured_tpot_s((i.core.scheduler.num_running, i.core.last_step_s) for i in self.decode) \

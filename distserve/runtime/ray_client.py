@@ -40,9 +40,9 @@ class ControllerClient(EngineClient):
 
     def generate(
         self, prompt: str | Seq[int], sampling: SamplingParams, request_id: str, priority: int = 0,
-        request_class: RequestClass | None = None,
+        request_class: RequestClass | None = None, timeout_s: float | None = None,
     ) -> AsyncIterator[RequestOutput]:
-        return self.controller.generate(prompt, sampling, request_id, priority, request_class)
+        return self.controller.generate(prompt, sampling, request_id, priority, request_class, timeout_s)
 
     async def abort(self, request_id: str) -> None:
         await self.controller.abort(request_id)

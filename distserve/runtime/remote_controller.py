@@ -15,6 +15,7 @@ import uuid
 from collections.abc import AsyncIterator, Sequence as Seq
 from typing import Any, NoReturn
 
+from distserve.cluster.admission import check_timeout
 from distserve.cluster.classes import RequestClass, check_request_class
 from distserve.config import SamplingParams
 from distserve.engine.model import resolve_dtype
@@ -91,12 +92,13 @@ class RemoteController:
 
     async def generate(
         self, prompt: str | Seq[int], sampling: SamplingParams, request_id: str, priority: int = 0,
-        request_class: RequestClass | None = None,
+        request_class: RequestClass | None = None, timeout_s: float | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Stream one request's outputs; closing the iterator early aborts the request."""
         ids = self.encode_prompt(prompt)
         self._frontend.check_request(ids, sampling, priority)  # refused here, without a trip to the actor
         request_class = check_request_class(request_class)
+        timeout_s = check_timeout(timeout_s)
         if request_id in self._requests:
             raise DistServeError(f"request id {request_id!r} is already in flight")
         proxy_id = self._open_stream()
@@ -106,7 +108,7 @@ class RemoteController:
         over = False  # the actor's side of the request has ended: nothing to abort
         try:
             try:
-                await _call(self.actor.submit.remote(proxy_id, ids, sampling, request_id, priority, request_class))
+                await _call(self.actor.submit.remote(proxy_id, ids, sampling, request_id, priority, request_class, timeout_s))
             except Exception:
                 over = True
                 raise

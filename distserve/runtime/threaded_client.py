@@ -44,6 +44,7 @@ class _Add:
     sampling: SamplingParams
     priority: int
     request_class: RequestClass | None = None
+    timeout_s: float | None = None
 
 
 @dataclass
@@ -148,6 +149,7 @@ class ThreadedEngineClient(EngineClient):
         request_id: str,
         priority: int = 0,
         request_class: RequestClass | None = None,
+        timeout_s: float | None = None,
     ) -> AsyncGenerator[RequestOutput, None]:
         if self._dead is not None:
             raise EngineDeadError(str(self._dead))
@@ -160,7 +162,7 @@ class ThreadedEngineClient(EngineClient):
         stream = _Stream(request_id, asyncio.get_running_loop(), asyncio.Queue())
         finished = False
         try:
-            self._commands.put(_Add(stream, prompt, sampling, priority, request_class))
+            self._commands.put(_Add(stream, prompt, sampling, priority, request_class, timeout_s))
             if self._dead is not None:  # died before it could see the command
                 finished = True
                 raise EngineDeadError(str(self._dead))
@@ -276,7 +278,8 @@ class ThreadedEngineClient(EngineClient):
             return
         slot = pick_entry(self._slots, _slot_route, (), self._router, rid, request_class)
         try:
-            slot.engine.add_request(cmd.prompt, cmd.sampling, request_id=rid, priority=cmd.priority, request_class=request_class)
+            slot.engine.add_request(cmd.prompt, cmd.sampling, request_id=rid, priority=cmd.priority, request_class=request_class,
+                                    timeout_s=cmd.timeout_s)
         except Exception as exc:  # noqa: BLE001 - validation errors go to this request only
             slot.route.release(rid)
             self._deliver([(cmd.stream, exc)])
@@ -407,7 +410,7 @@ def build_local_engine_client(config: DeploymentConfig) -> ThreadedEngineClient:
             LocalDisaggEngine(
                 loaded, num_prefill=len(placement.prefill), num_decode=len(placement.decode), cache_config=config.cache_config,
                 prefill_scheduler_config=config.prefill_scheduler_config, decode_scheduler_config=config.scheduler_config,
-                router=config.router,
+                router=config.router, admission=config.admission,
             )
         ]
 

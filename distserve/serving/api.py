@@ -94,6 +94,7 @@ class _Server:
         sampling: SamplingParams,
         request_id: str,
         priority: int,
+        timeout_s: float | None,
         prompt_param: str,
         param_names: dict[str, str] | None = None,
     ) -> tuple[AsyncIterator[RequestOutput], RequestOutput, RequestTimer]:
@@ -101,7 +102,8 @@ class _Server:
         queue become HTTP errors."""
         tenant = tenant_of(request)
         timer = self.metrics.request_timer(tenant=tenant.name)
-        stream = self.client.generate(prompt, sampling, request_id, priority, request_class=RequestClass(tenant=tenant.name, tier=tenant.tier))
+        stream = self.client.generate(prompt, sampling, request_id, priority,
+                                      request_class=RequestClass(tenant=tenant.name, tier=tenant.tier), timeout_s=timeout_s)
         try:
             first = check_output(await unless_disconnected(request, anext(stream)))
         except ClientDisconnected:
@@ -223,7 +225,7 @@ def build_fastapi_app(
         num_prompt_tokens = None if body.max_tokens is not None else len(_prompt_ids(client, prompt))
         sampling = body.to_sampling_params(client.max_model_len, num_prompt_tokens)
         request_id = f"cmpl-{uuid.uuid4().hex}"
-        stream, first, timer = await server.start(request, prompt, sampling, request_id, body.priority, "prompt")
+        stream, first, timer = await server.start(request, prompt, sampling, request_id, body.priority, body.timeout, "prompt")
         want_logprobs = body.logprobs is not None
         top = bool(body.logprobs)
         if not body.stream:
@@ -271,7 +273,7 @@ def build_fastapi_app(
         sampling = body.to_sampling_params(len(prompt), client.max_model_len)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         names = {"max_tokens": "max_completion_tokens"} if body.max_completion_tokens is not None else None
-        stream, first, timer = await server.start(request, prompt, sampling, request_id, body.priority, "messages", names)
+        stream, first, timer = await server.start(request, prompt, sampling, request_id, body.priority, body.timeout, "messages", names)
         if not body.stream:
             out = await server.collect(request, stream, first, timer)
             return ChatCompletionResponse(

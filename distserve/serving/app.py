@@ -16,6 +16,8 @@ from fastapi import FastAPI
 from ray import serve
 from ray.serve import Application
 
+from distserve.cluster.admission import DEFAULT_MAX_WAITING, AdmissionConfig
+from distserve.cluster.fair_queue import DEFAULT_ADMISSION_POLICY
 from distserve.cluster.routing import DEFAULT_ROUTER
 from distserve.config import CacheConfig, SchedulerConfig, slo_scheduler_config
 from distserve.dataflow.limits import DEFAULT_LIMITS, SessionLimits
@@ -36,6 +38,10 @@ _SESSION_LIMIT_ARGS: dict[str, Callable[[Any], Any]] = {
 _LIMIT_FIELD = {"session_ttl": "ttl_s"}
 
 
+def _optional_int(value: Any) -> int | None:
+    return None if str(value).strip().lower() in ("none", "null") else int(value)
+
+
 @dataclass(frozen=True)
 class ServeOptions:
     """What the ingress deployment runs, from ``key=value`` args (all strings on the ``serve run`` command line)."""
@@ -54,6 +60,8 @@ class ServeOptions:
     router: str = DEFAULT_ROUTER  # entry routing among the prefill instances (``cluster.routing.ROUTERS``)
     session_limits: SessionLimits = DEFAULT_LIMITS  # semantic-variable sessions (args ``session_ttl``, ``max_sessions``, ...)
     api_keys: ApiKeys | None = None  # tenants and their keys (arg ``api_keys``: the key file); None: no keys, one anonymous tenant
+    admission_policy: str = DEFAULT_ADMISSION_POLICY  # fair | fcfs | priority (``cluster.fair_queue``)
+    max_waiting: int | None = DEFAULT_MAX_WAITING  # backpressure (``cluster.admission``); arg ``max_waiting=none``: dispatch at once
 
     @classmethod
     def from_args(cls, args: Mapping[str, Any]) -> ServeOptions:
@@ -71,6 +79,8 @@ class ServeOptions:
             "tpot_slo": float,
             "router": str,
             "api_keys": load_api_keys,
+            "admission_policy": str,
+            "max_waiting": _optional_int,
             **_SESSION_LIMIT_ARGS,
         }
         unknown = sorted(set(args) - set(fields))
@@ -100,6 +110,8 @@ class ServeOptions:
             cache_config=CacheConfig(block_size=self.block_size, kv_cache_memory_gb=self.kv_cache_gb, decode_attention=self.decode_attention),
             scheduler_config=slo_scheduler_config(self.tpot_slo), prefill_scheduler_config=SchedulerConfig(),
             max_queued_requests=self.max_queued_requests, router=self.router,
+            admission=AdmissionConfig(self.admission_policy, tuple(self.api_keys.tenants.values()) if self.api_keys else (),
+                                      max_waiting=self.max_waiting),
         )
 
     def build_client(self) -> ThreadedEngineClient:

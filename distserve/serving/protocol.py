@@ -88,7 +88,8 @@ class _SamplingRequest(_Request):
     min_tokens: int | None = None  # extension
     ignore_eos: bool = False  # extension
     include_stop_str_in_output: bool = False  # extension
-    priority: int = 0  # extension: lower runs first under the priority policy
+    priority: int = 0  # extension: lower runs first (vLLM's convention), within a tenant
+    timeout: float | None = None  # extension: seconds it may wait in the admission queue before a 408
     user: str | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None

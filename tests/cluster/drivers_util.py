@@ -12,10 +12,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from distserve.cluster.admission import DEFAULT_MAX_WAITING, Backpressure
+from distserve.cluster.admission import AdmissionConfig
 from distserve.cluster.classes import DEFAULT_CLASS, RequestClass
-from distserve.cluster.fair_queue import DEFAULT_ADMISSION_POLICY, DEFAULT_QUANTUM_TOKENS
-from distserve.cluster.tenants import TenantSpec
 from distserve.cluster.counters import ClusterCounters
 from distserve.cluster.routing import DEFAULT_ROUTER
 from distserve.config import CacheConfig, SamplingParams, SchedulerConfig
@@ -95,16 +93,6 @@ class Arrival:
 
 
 @dataclass(frozen=True)
-class Admission:
-    """The admission queue both drivers run (``distserve.cluster.admission``); defaults: the product's."""
-
-    policy: str = DEFAULT_ADMISSION_POLICY
-    tenants: tuple[TenantSpec, ...] = ()
-    max_waiting: int | None = DEFAULT_MAX_WAITING  # None: no backpressure, every request dispatched at once
-    quantum: int = DEFAULT_QUANTUM_TOKENS
-
-
-@dataclass(frozen=True)
 class Setup:
     num_prefill: int
     num_decode: int
@@ -114,14 +102,13 @@ class Setup:
 
 
 def run_engine(
-    tiny: LoadedModel, setup: Setup, arrivals: list[Arrival], router: str = DEFAULT_ROUTER, admission: Admission = Admission()
+    tiny: LoadedModel, setup: Setup, arrivals: list[Arrival], router: str = DEFAULT_ROUTER, admission: AdmissionConfig = AdmissionConfig()
 ) -> tuple[Trace, LocalDisaggEngine]:
     engine = LocalDisaggEngine(
         tiny, num_prefill=setup.num_prefill, num_decode=setup.num_decode,
         cache_config=CacheConfig(num_blocks=setup.num_blocks, block_size=BLOCK_SIZE, enable_prefix_caching=True),
         prefill_scheduler_config=setup.prefill, decode_scheduler_config=setup.decode, runner_factory=fake_runner, router=router,
-        admission_policy=admission.policy, tenants={t.name: t for t in admission.tenants}, backpressure=Backpressure(admission.max_waiting),
-        admission_quantum=admission.quantum,
+        admission=admission,
     )
     trace = Trace()
     engine.on_plan, engine.on_migration = trace.on_plan, trace.on_migration
@@ -144,7 +131,7 @@ def run_engine(
 
 
 def run_simulator(
-    engine: LocalDisaggEngine, setup: Setup, arrivals: list[Arrival], router: str = DEFAULT_ROUTER, admission: Admission = Admission()
+    engine: LocalDisaggEngine, setup: Setup, arrivals: list[Arrival], router: str = DEFAULT_ROUTER, admission: AdmissionConfig = AdmissionConfig()
 ) -> Trace:
     cfg = engine.model_config
     spec = ModelSpec(cfg.name, cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
@@ -153,8 +140,7 @@ def run_simulator(
     config = SimConfig(
         block_size=BLOCK_SIZE, num_blocks=setup.num_blocks, max_model_len=engine.max_model_len,
         prefill_scheduler=setup.prefill, decode_scheduler=setup.decode, enable_prefix_caching=True, router=router,
-        admission_policy=admission.policy, tenants=admission.tenants, max_waiting=admission.max_waiting,
-        admission_quantum=admission.quantum,
+        admission=admission,
     )
     sim = Simulation(placement, ConstantStepTime(spec), config)
     trace = Trace()

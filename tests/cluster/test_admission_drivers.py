@@ -11,7 +11,8 @@ from distserve.cluster.classes import RequestClass
 from distserve.cluster.tenants import TenantSpec
 from distserve.config import SchedulerConfig
 from distserve.engine.weights import LoadedModel, load_model
-from drivers_util import Admission, Arrival, Setup, run_engine, run_simulator
+from distserve.cluster.admission import AdmissionConfig as Admission
+from drivers_util import Arrival, Setup, run_engine, run_simulator
 
 HEAVY, LIGHT = RequestClass(tenant="heavy"), RequestClass(tenant="light")
 BULK = RequestClass("throughput", tenant="bulk")

@@ -27,7 +27,8 @@ from distserve.engine.llm_engine import LLMEngine
 from distserve.engine.weights import LoadedModel, load_model
 from distserve.placement import Placement
 from distserve.slo import SLO, attainment, slo_for_objective
-from drivers_util import CLASS_SETUP, Admission, GROUP, LATENCY, THROUGHPUT, Arrival, Trace, class_workload, run_engine, run_simulator
+from distserve.cluster.admission import AT_ONCE
+from drivers_util import CLASS_SETUP, GROUP, LATENCY, THROUGHPUT, Arrival, Trace, class_workload, run_engine, run_simulator
 from simulator.latency import get_latency_model
 from simulator.metrics import RequestRecord
 from simulator.simulation import SimConfig, simulate
@@ -200,7 +201,7 @@ def test_local_engine_and_simulator_show_the_same_class_behaviour(tiny: LoadedMo
     # two hold as many requests; the first wins; without backpressure every request reaches the
     # prefill queues on arrival), and without the group a member enters on the other prefill instance.
     uncapped = replace(CLASS_SETUP, decode=replace(CLASS_SETUP.decode, latency_max_num_seqs=16))
-    at_once = Admission(max_waiting=None)
+    at_once = AT_ONCE
     for trace in (run_engine(tiny, uncapped, arrivals, admission=at_once)[0], run_simulator(engine, uncapped, arrivals, admission=at_once)):
         assert next(dst for sid, _, dst in trace.migrations if sid == "11") == next(dst for sid, _, dst in trace.migrations if sid == "0")
     ungrouped = [replace(a, request_class=THROUGHPUT) if a.request_class == GROUP else a for a in arrivals]

@@ -186,7 +186,7 @@ class _ClassRecordingClient(ThreadedEngineClient):
         super().__init__(engine)
         self.classes: dict[str, object] = {}
 
-    def generate(self, prompt, sampling, request_id, priority=0, request_class=None):  # type: ignore[no-untyped-def]
+    def generate(self, prompt, sampling, request_id, priority=0, request_class=None, timeout_s=None):  # type: ignore[no-untyped-def]
         self.classes[request_id] = request_class
         return super().generate(prompt, sampling, request_id, priority, request_class=request_class)
 

@@ -184,7 +184,7 @@ class _ScriptedController:
         self.classes: dict[str, object] = {}
 
     async def generate(self, prompt_ids: list[int], sampling: SamplingParams, request_id: str, priority: int = 0,
-                       request_class: RequestClass | None = None) -> AsyncIterator[RequestOutput]:
+                       request_class: RequestClass | None = None, timeout_s: float | None = None) -> AsyncIterator[RequestOutput]:
         self.classes[request_id] = request_class
         if request_id == "refused":
             raise QueueFullError("1 requests in flight (max 1)")

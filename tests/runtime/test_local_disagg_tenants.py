@@ -7,7 +7,7 @@ import pytest
 
 from distserve.cluster.classes import RequestClass
 from distserve.cluster.tenants import TenantSpec
-from distserve.cluster.admission import Backpressure
+from distserve.cluster.admission import AdmissionConfig
 from distserve.config import CacheConfig, SamplingParams, SchedulerConfig
 from distserve.engine.step_plan import StepPlan
 from distserve.engine.weights import LoadedModel, load_model
@@ -25,9 +25,9 @@ def tiny() -> LoadedModel:
 
 def engine(tiny: LoadedModel, policy: str, **kwargs: object) -> LocalDisaggEngine:
     # One prompt per prefill step: requests queue, and the admission order shows in the plans.
-    kwargs.setdefault("backpressure", Backpressure())  # TNG's: held while 3 wait in an instance
-    return LocalDisaggEngine(tiny, cache_config=CacheConfig(num_blocks=1024, block_size=4), admission_policy=policy,
-                             prefill_scheduler_config=SchedulerConfig(max_num_seqs=1), **kwargs)  # type: ignore[arg-type]
+    # The default backpressure (TNG's): held while 3 wait in an instance.
+    return LocalDisaggEngine(tiny, cache_config=CacheConfig(num_blocks=1024, block_size=4), admission=AdmissionConfig(policy, **kwargs),  # type: ignore[arg-type]
+                             prefill_scheduler_config=SchedulerConfig(max_num_seqs=1))
 
 
 def prefill_order(e: LocalDisaggEngine) -> list[str]:
@@ -69,7 +69,7 @@ def test_a_light_tenant_does_not_wait_behind_a_heavy_one(tiny: LoadedModel, poli
 
 
 def test_bounds_refuse_and_leave_nothing_behind(tiny: LoadedModel) -> None:
-    e = engine(tiny, "fair", tenants={"heavy": TenantSpec("heavy", max_queued_requests=4)})
+    e = engine(tiny, "fair", tenants=(TenantSpec("heavy", max_queued_requests=4),))
     add(e, HEAVY, 4, "h")
     with pytest.raises(QueueFullError, match="tenant 'heavy'") as info:
         e.add_request([1, 2, 3], SP, request_id="h-over", request_class=HEAVY)

@@ -65,9 +65,9 @@ class RecordingClient(ThreadedEngineClient):
         super().__init__(SlowEngine(load_model("tiny"), cache_config=CACHE), max_queued_requests=MAX_IN_FLIGHT)
         self.classes: dict[str, RequestClass | None] = {}
 
-    def generate(self, prompt, sampling, request_id, priority=0, request_class=None):  # type: ignore[no-untyped-def]
+    def generate(self, prompt, sampling, request_id, priority=0, request_class=None, timeout_s=None):  # type: ignore[no-untyped-def]
         self.classes[request_id] = request_class
-        return super().generate(prompt, sampling, request_id, priority, request_class=request_class)
+        return super().generate(prompt, sampling, request_id, priority, request_class=request_class, timeout_s=timeout_s)
 
 
 class Server:

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from distserve.cli import main
-from distserve.cluster.admission import DEFAULT_MAX_WAITING
+from distserve.cluster.admission import AdmissionConfig
 from distserve.cluster.tenants import TenantSpec
 from distserve.errors import InvalidConfigError
 from distserve.placement import Placement
@@ -39,7 +39,7 @@ RATE, NUM_REQUESTS = 7.0, 1200
 
 
 def run(policy: str, requests: list[Request]) -> SimResult:
-    return simulate(Placement.disaggregated(1, 2), opt13b(), requests, SimConfig(admission_policy=policy, max_waiting=DEFAULT_MAX_WAITING))
+    return simulate(Placement.disaggregated(1, 2), opt13b(), requests, SimConfig(admission=AdmissionConfig(policy)))
 
 
 def light_p99_ttft(res: SimResult) -> float:
@@ -80,7 +80,7 @@ def test_flood_workload_shape() -> None:
 
 def test_bounds_and_deadlines_in_the_simulator() -> None:
     burst = [Request(i, 0.0, 1500, 50, tenant="a", timeout_s=0.5 if i % 2 else None) for i in range(20)]
-    cfg = SimConfig(tenants=(TenantSpec("a", max_queued_requests=10),), max_waiting=DEFAULT_MAX_WAITING)
+    cfg = SimConfig(admission=AdmissionConfig(tenants=(TenantSpec("a", max_queued_requests=10),)))
     res = simulate(Placement.disaggregated(1, 1), opt13b(), burst, cfg)
     dropped = [r.dropped for r in res.records]
     assert dropped.count("rejected") == 10  # the queue held 10; the instant's dispatch came after every arrival

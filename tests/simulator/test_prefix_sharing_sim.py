@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from distserve.cluster.admission import AT_ONCE
 from distserve.config import SchedulerConfig
 from distserve.placement import Placement
 from simulator.latency import FittedLatencyModel
@@ -37,7 +38,7 @@ def test_siblings_arriving_together_compute_the_prefix_once(placement: Placement
     sched = SchedulerConfig(enable_inflight_prefix_sharing=share)
     # No backpressure: the siblings reach the scheduler together (with it, later ones find the prefix cached).
     config = SimConfig(block_size=BS, num_blocks=256, enable_prefix_caching=True, scheduler=sched, prefill_scheduler=sched, decode_scheduler=sched,
-                       max_waiting=None)
+                       admission=AT_ONCE)
     result = simulate(placement, constant_model(50.0, 5.0), siblings(), config)
     assert all(r.completed for r in result.records)
     if share:
