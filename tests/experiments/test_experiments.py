@@ -95,6 +95,12 @@ CHECKS = {
         and f[f"{c}_greedy_same"] and f[f"{c}_on_all_prefills_s"] > 0 and f[f"{c}_off_all_prefills_s"] > 0
         for c in (f"{e}_b{b}" for e in ("colocated", "disagg") for b in f["budgets"])
     ),
+    # Every scenario ran against both policies' servers with no failed request, every ratio was
+    # measured, the simulator predicted both flood scenarios, and no server process was left.
+    "bench_fairness": lambda f: f["quick"] and f["num_errors"] == 0 and f["processes_left"] == 0
+    and all(f[k] is not None and f[k] > 0 for k in ("light_fcfs_over_alone", "light_fair_over_alone", "throughput_fair_over_fcfs",
+                                                    "interactive_with_batch_over_alone"))
+    and f["sim_light_p99_ttft_fcfs_s"] > 0 and f["sim_light_p99_ttft_fair_s"] > 0,
     # Every run chose a plan, and every enumerated candidate was either simulated or pruned.
     "bench_planner": lambda f: f["wall_s"] > 0 and f["num_simulated"] > 0 and f["best"] is not None and all(
         r["num_enumerated"] == r["num_candidates_simulated"] + r["num_pruned_by_bound"] + r["num_pruned_by_floor"]

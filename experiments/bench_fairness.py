@@ -1,0 +1,319 @@
+"""Fair queueing under a flood, measured: one tenant floods, light tenants chat (issue 17).
+
+One run, real engine on CPU, the same client for every scenario (``distserve.measure.loadgen``,
+streaming, one ``Authorization: Bearer`` key per tenant, tenants from an ``--api-keys`` file):
+
+* ``light alone``: three light tenants (chat: short prompts) at ``--light-rate`` each;
+* ``flood + light``: the same light requests (same seeds) while ``flood`` sends long prompts at
+  ``--flood-factor`` (10) times a light tenant's rate — once against a server with
+  ``--admission-policy fcfs``, once with ``fair`` (the default);
+* ``interactive alone`` and ``interactive + batch``: an interactive-tier tenant alone, then next
+  to a batch-tier tenant flooding (``fair``: batch work is dispatched only when no other waits).
+
+It reports each tenant's P99 TTFT, the light tenants' P99 TTFT under each policy over their P99
+alone (target: fair <= 1.5x, goal 1.2x), total throughput fair vs fcfs (target: drop < 5%),
+interactive P99 TTFT with batch over alone (target <= 1.2x), per-tenant TTFT CDFs (PNG), and the
+simulator's per-tenant prediction for the flood scenarios: the measured requests (send times,
+prompt and output tokens, tenants) simulated on the same placement with the same admission
+settings and the CPU latency profile (``--profile``, default the committed SmolLM2 profile of
+this machine). ``--quick``: the tiny model, a few seconds per scenario, no verdicts (its simulated
+figures use the SmolLM2 profile, so only the code path is meaningful).
+
+The last stdout line is one JSON object of the measured figures.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import secrets
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+import harness
+from distserve.measure.benchserve import ServerProcess, distserve_serve_argv, wait_until_idle
+from distserve.measure.loadgen import run_load_async
+from distserve.measure.stream_client import RequestResult, calibrate_tokens_per_word
+from distserve.measure.workload import Workload
+from harness import Outputs, ms
+
+LIGHT = ("light-1", "light-2", "light-3")
+FLOOD, VIP, NIGHTLY = "flood", "vip", "nightly"
+TIERS = {VIP: "interactive", NIGHTLY: "batch"}
+DEFAULT_PROFILE = harness.RESULTS_DIR / "validate_simulator_profile.json"
+
+
+@dataclass(frozen=True)
+class Load:
+    """What one tenant sends in a scenario."""
+
+    tenant: str
+    rate: float  # requests/s
+    input_len: int
+    seed: int
+
+
+def parse_args() -> Any:
+    p = harness.parser(__doc__, "tiny model, a few seconds per scenario (the test suite's run)")
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--runtime", default="local", choices=["local", "ray"], help="`distserve serve --runtime`")
+    p.add_argument("--serve-flag", action="append", default=[], help="extra `distserve serve` flag (repeatable), e.g. --colocated=1")
+    p.add_argument("--duration", type=float, default=120.0, help="seconds each scenario sends for")
+    p.add_argument("--light-rate", type=float, default=0.1, help="requests/s of each light tenant (and of the interactive one)")
+    p.add_argument("--flood-factor", type=float, default=10.0, help="the flooding (and batch) tenant's rate over a light tenant's")
+    p.add_argument("--light-input", type=int, default=64, help="prompt tokens of a light (chat) request")
+    p.add_argument("--flood-input", type=int, default=512, help="prompt tokens of a flood (and batch) request")
+    p.add_argument("--output-len", type=int, default=32)
+    p.add_argument("--profile", default=str(DEFAULT_PROFILE), help="latency profile for the simulator's prediction ('' : none)")
+    args = p.parse_args()
+    if args.quick:
+        args.model, args.dtype, args.duration, args.light_rate = "tiny", "float32", 4.0, 1.0
+        args.flood_factor, args.light_input, args.flood_input, args.output_len = 4.0, 16, 96, 8
+        # The simulator's prediction still runs (on the committed SmolLM2 profile): the code path, not the figure, is checked.
+    return args
+
+
+def key_file(path: Path) -> dict[str, str]:
+    """Write the tenants' key file; returns tenant -> key."""
+    keys = {t: f"sk-{t}-{secrets.token_hex(12)}" for t in (*LIGHT, FLOOD, VIP, NIGHTLY)}
+    tenants = {t: ({"tier": TIERS[t]} if t in TIERS else {}) for t in keys}
+    path.write_text(json.dumps({"tenants": tenants, "keys": {k: t for t, k in keys.items()}}))
+    return keys
+
+
+def start_server(args: Any, policy: str, keys_path: Path) -> ServerProcess:
+    flags = ["--api-keys", str(keys_path), "--admission-policy", policy, "--runtime", args.runtime, *args.serve_flag]
+    server = ServerProcess(f"distserve-{policy}", distserve_serve_argv(args.model, args.dtype, flags), startup_timeout_s=600)
+    server.start()
+    print(f"{server.name}: up at {server.base_url} in {server.startup_s:.0f} s", flush=True)
+    return server
+
+
+async def run_scenario(base_url: str, model: str, loads: list[Load], keys: dict[str, str], args: Any,
+                       calibration: tuple[float, float]) -> dict[str, list[RequestResult]]:
+    """Every tenant's load at once, each through its own key; results per tenant (times from each load's start)."""
+
+    async def one(load: Load) -> tuple[str, list[RequestResult]]:
+        n = max(1, round(load.rate * args.duration))
+        workload = Workload(n, load.rate, load.input_len, args.output_len, input_len_dist="uniform", input_len_spread=0.25,
+                            seed=load.seed, ignore_eos=True)
+        result = await run_load_async(base_url, model, workload, api_key=keys[load.tenant], tokens_per_word=calibration,
+                                      request_timeout_s=max(600.0, 4 * args.duration))
+        return load.tenant, result.requests
+
+    t0 = time.perf_counter()
+    out = dict(await asyncio.gather(*(one(load) for load in loads)))
+    print(f"  {', '.join(f'{t}:{len(r)}' for t, r in out.items())} requests in {time.perf_counter() - t0:.0f} s", flush=True)
+    return out
+
+
+def p99(values: list[float]) -> float:
+    return float(np.percentile(values, 99)) if values else math.nan
+
+
+def ttfts(results: list[RequestResult]) -> list[float]:
+    return [r.ttft_s for r in results if r.completed and r.ttft_s is not None]
+
+
+def scenario_figures(results: dict[str, list[RequestResult]]) -> dict[str, Any]:
+    """Per tenant P50/P99 TTFT and counts; overall throughput over the scenario's span."""
+    every = [r for rs in results.values() for r in rs]
+    done = [r for r in every if r.completed]
+    start = min((r.sent_s for r in every if r.sent_s is not None), default=0.0)
+    end = max((r.finish_s for r in done if r.finish_s is not None), default=start)
+    span = max(end - start, 1e-9)
+    tokens = sum((r.num_prompt_tokens or 0) + r.num_output_tokens for r in done)
+    return {
+        "tenants": {t: {"num_requests": len(rs), "num_completed": sum(r.completed for r in rs),
+                        "num_errors": sum(r.error is not None for r in rs),
+                        "errors": sorted({(r.error or "")[:120] for r in rs if r.error})[:3],
+                        "ttft_p50_s": float(np.percentile(ttfts(rs), 50)) if ttfts(rs) else math.nan,
+                        "ttft_p99_s": p99(ttfts(rs))} for t, rs in results.items()},
+        "span_s": span,
+        "throughput_tokens_per_s": tokens / span,
+        "throughput_requests_per_s": len(done) / span,
+        "output_tokens_per_s": sum(r.num_output_tokens for r in done) / span,
+    }
+
+
+def pooled_p99(results: dict[str, list[RequestResult]], tenants: tuple[str, ...]) -> float:
+    return p99([x for t in tenants for x in ttfts(results.get(t, []))])
+
+
+def simulate_prediction(args: Any, policy: str, results: dict[str, list[RequestResult]]) -> dict[str, Any] | None:
+    """Per-tenant P99 TTFT the simulator predicts for these very requests (None: no profile)."""
+    if not args.profile or not Path(args.profile).exists():
+        return None
+    from distserve.cluster.admission import AdmissionConfig
+    from distserve.cluster.tenants import TenantSpec
+    from distserve.placement import Placement
+    from simulator.latency import FittedLatencyModel
+    from simulator.simulation import SimConfig, simulate
+    from simulator.workload import Request
+
+    requests: list[Request] = []
+    owner: list[str] = []
+    for tenant, rs in results.items():
+        for r in rs:
+            if r.sent_s is None or not r.completed:
+                continue
+            requests.append(Request(len(requests), r.sent_s, int(r.num_prompt_tokens or r.input_len), max(1, r.num_output_tokens),
+                                    tenant=tenant, tier=TIERS.get(tenant, "default")))
+            owner.append(tenant)
+    order = sorted(range(len(requests)), key=lambda i: requests[i].arrival_s)
+    requests = [Request(k, requests[i].arrival_s, requests[i].prompt_len, requests[i].output_len, tenant=requests[i].tenant,
+                        tier=requests[i].tier) for k, i in enumerate(order)]
+    owner = [owner[i] for i in order]
+    placement = Placement.colocated_instances(1) if any("colocated" in f for f in args.serve_flag) else Placement.disaggregated(1, 1)
+    tenants = tuple(TenantSpec(t, tier=TIERS.get(t, "default")) for t in results)
+    config = SimConfig(block_size=16, admission=AdmissionConfig(policy, tenants))
+    sim = simulate(placement, FittedLatencyModel.from_profile(args.profile), requests, config)
+    by_tenant: dict[str, list[float]] = {}
+    for rec in sim.records:
+        if rec.ttft_s is not None:
+            by_tenant.setdefault(owner[rec.req_id], []).append(rec.ttft_s)
+    return {t: p99(v) for t, v in by_tenant.items()}
+
+
+def plot(out: Outputs, runs: dict[str, dict[str, list[RequestResult]]]) -> None:
+    plt = harness.pyplot()
+    panels = [("fcfs: flood + light", "flood+light fcfs"), ("fair: flood + light", "flood+light fair"),
+              ("light alone", "light alone"), ("interactive vs batch (fair)", "interactive+batch")]
+    panels = [(title, key) for title, key in panels if key in runs]
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.6), sharey=True)
+    for ax, (title, key) in zip(np.atleast_1d(axes), panels):
+        for tenant, rs in runs[key].items():
+            xs = sorted(ttfts(rs))
+            if xs:
+                ax.step(xs, np.arange(1, len(xs) + 1) / len(xs), where="post", label=tenant)
+        ax.set_xscale("log")
+        ax.set_title(title, fontsize=10)
+        ax.set_xlabel("TTFT (s)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    np.atleast_1d(axes)[0].set_ylabel("fraction of requests")
+    fig.tight_layout()
+    out.png(fig)
+
+
+def ratio(a: float, b: float) -> float | None:
+    return a / b if b and math.isfinite(a) and math.isfinite(b) and b > 0 else None
+
+
+def main() -> None:
+    args = parse_args()
+    out = Outputs.for_run(args, "bench_fairness")
+    keys_path = out.out_dir / f"{out.stem}_keys.json"
+    keys = key_file(keys_path)
+    light = [Load(t, args.light_rate, args.light_input, 100 + i) for i, t in enumerate(LIGHT)]
+    flood = Load(FLOOD, args.light_rate * args.flood_factor, args.flood_input, 200)
+    vip = Load(VIP, args.light_rate, args.light_input, 300)
+    nightly = Load(NIGHTLY, args.light_rate * args.flood_factor, args.flood_input, 400)
+    scenarios = {"fcfs": [("flood+light fcfs", [flood, *light])],
+                 "fair": [("light alone", light), ("flood+light fair", [flood, *light]), ("interactive alone", [vip]),
+                          ("interactive+batch", [vip, nightly])]}
+    runs: dict[str, dict[str, list[RequestResult]]] = {}
+    servers: dict[str, Any] = {}
+    calibration: tuple[float, float] | None = None
+    watch = harness.LoadWatch()
+    with watch:
+        for policy in ("fcfs", "fair"):
+            server = start_server(args, policy, keys_path)
+            try:
+                model = args.model
+
+                async def calibrate() -> tuple[float, float]:
+                    import httpx
+
+                    async with httpx.AsyncClient(trust_env=False, timeout=120) as client:
+                        return await calibrate_tokens_per_word(client, server.base_url + "/completions", model,
+                                                               {"Authorization": f"Bearer {keys[VIP]}"})
+
+                calibration = calibration or asyncio.run(calibrate())
+                # Warm-up: one uncounted light round so one-off costs land in no scenario.
+                asyncio.run(run_scenario(server.base_url, model, [Load(VIP, 2.0, args.light_input, 1)], keys,
+                                         _with(args, duration=2.0), calibration))
+                for name, loads in scenarios[policy]:
+                    wait_until_idle(server.base_url.removesuffix("/v1"), timeout_s=600)
+                    print(f"{name} ...", flush=True)
+                    runs[name] = asyncio.run(run_scenario(server.base_url, model, loads, keys, args, calibration))
+            finally:
+                servers[policy] = harness.stop_server(server)
+    figures = {name: scenario_figures(rs) for name, rs in runs.items()}
+    alone = pooled_p99(runs["light alone"], LIGHT)
+    fcfs, fair = pooled_p99(runs["flood+light fcfs"], LIGHT), pooled_p99(runs["flood+light fair"], LIGHT)
+    vip_alone, vip_batch = pooled_p99(runs["interactive alone"], (VIP,)), pooled_p99(runs["interactive+batch"], (VIP,))
+    thr_fcfs = figures["flood+light fcfs"]["throughput_tokens_per_s"]
+    thr_fair = figures["flood+light fair"]["throughput_tokens_per_s"]
+    predicted = {name: simulate_prediction(args, name.split()[-1], runs[name]) for name in ("flood+light fcfs", "flood+light fair")}
+    summary = {
+        "model": args.model, "runtime": args.runtime, "serve_flags": args.serve_flag, "duration_s": args.duration,
+        "light_rate": args.light_rate, "flood_factor": args.flood_factor, "quick": args.quick,
+        "light_p99_ttft_alone_s": alone, "light_p99_ttft_fcfs_s": fcfs, "light_p99_ttft_fair_s": fair,
+        "light_fcfs_over_alone": ratio(fcfs, alone), "light_fair_over_alone": ratio(fair, alone),
+        "throughput_fair_over_fcfs": ratio(thr_fair, thr_fcfs),
+        "interactive_p99_ttft_alone_s": vip_alone, "interactive_p99_ttft_with_batch_s": vip_batch,
+        "interactive_with_batch_over_alone": ratio(vip_batch, vip_alone),
+        "num_errors": sum(t["num_errors"] for f in figures.values() for t in f["tenants"].values()),
+        "processes_left": sum(s["processes_left"] for s in servers.values()),
+        "other_cores": round(watch.other_cores, 2),
+    }
+    if predicted["flood+light fair"] is not None:
+        for name, pred in predicted.items():
+            light_pred = [pred[t] for t in LIGHT if t in pred]
+            summary[f"sim_light_p99_ttft_{name.split()[-1]}_s"] = max(light_pred) if light_pred else None
+    if not args.quick:
+        summary["verdicts"] = {
+            "light_fair_within_1.5x_alone": (summary["light_fair_over_alone"] or math.inf) <= 1.5,
+            "throughput_drop_below_5pct": (summary["throughput_fair_over_fcfs"] or 0) >= 0.95,
+            "interactive_within_1.2x_alone": (summary["interactive_with_batch_over_alone"] or math.inf) <= 1.2,
+        }
+    out.json({"summary": summary, "scenarios": figures, "predicted_p99_ttft_s": predicted})
+    write_markdown(out, summary, figures, predicted)
+    plot(out, runs)
+    harness.finish(summary)
+
+
+def _with(args: Any, **changes: Any) -> Any:
+    import argparse
+
+    return argparse.Namespace(**{**vars(args), **changes})
+
+
+def write_markdown(out: Outputs, summary: dict[str, Any], figures: dict[str, Any], predicted: dict[str, Any]) -> None:
+    def x(v: float | None) -> str:
+        return "-" if v is None else f"{v:.2f}x"
+
+    lines = [
+        f"{summary['model']} on this machine ({summary['runtime']} runtime{', ' + ' '.join(summary['serve_flags']) if summary['serve_flags'] else ''}); "
+        f"light tenants {summary['light_rate']:g} req/s each, flood and batch {summary['flood_factor']:g}x that; "
+        f"{summary['duration_s']:g} s per scenario.", "",
+        "| figure | value | target |", "|---|---|---|",
+        f"| light P99 TTFT alone / fcfs / fair (ms) | {ms(summary['light_p99_ttft_alone_s'])} / {ms(summary['light_p99_ttft_fcfs_s'])} / "
+        f"{ms(summary['light_p99_ttft_fair_s'])} | |",
+        f"| light P99 TTFT fcfs / alone | {x(summary['light_fcfs_over_alone'])} | |",
+        f"| light P99 TTFT fair / alone | {x(summary['light_fair_over_alone'])} | <= 1.5x (goal 1.2x) |",
+        f"| throughput (tokens/s) fair / fcfs | {x(summary['throughput_fair_over_fcfs'])} | >= 0.95x |",
+        f"| interactive P99 TTFT with batch / alone | {x(summary['interactive_with_batch_over_alone'])} | <= 1.2x |",
+        "", "| scenario | tenant | requests | completed | errors | TTFT P50 (ms) | TTFT P99 (ms) | simulated P99 (ms) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for name, f in figures.items():
+        pred = predicted.get(name) or {}
+        for tenant, t in f["tenants"].items():
+            lines.append(f"| {name} | {tenant} | {t['num_requests']} | {t['num_completed']} | {t['num_errors']} | {ms(t['ttft_p50_s'])} "
+                         f"| {ms(t['ttft_p99_s'])} | {ms(pred.get(tenant))} |")
+    lines += ["", "| scenario | span (s) | throughput (tokens/s) | requests/s |", "|---|---|---|---|"]
+    lines += [f"| {name} | {f['span_s']:.1f} | {f['throughput_tokens_per_s']:.0f} | {f['throughput_requests_per_s']:.2f} |"
+              for name, f in figures.items()]
+    out.markdown(lines)
+
+
+if __name__ == "__main__":
+    main()
