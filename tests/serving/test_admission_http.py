@@ -1,0 +1,111 @@
+"""Admission over HTTP: a request's ``timeout`` (seconds it may wait in the admission queue) ends it
+with a 408 in OpenAI's shape once it waited too long, a bad ``timeout`` is a 400 naming it, the
+other requests are unharmed; and the serve/simulate admission flags build the ``AdmissionConfig``
+the runtimes and the simulator share (tiny model, in-process 1P1D engine, 127.0.0.1)."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+import time
+from collections.abc import Iterator
+
+import httpx
+import pytest
+import uvicorn
+from serving_util import wait_until
+
+from distserve.cli.args import admission_config_of, build_parser
+from distserve.cluster.admission import AdmissionConfig
+from distserve.config import CacheConfig, SchedulerConfig
+from distserve.engine.outputs import RequestOutput
+from distserve.engine.weights import load_model
+from distserve.errors import InvalidConfigError
+from distserve.runtime.local_disagg import LocalDisaggEngine
+from distserve.runtime.threaded_client import ThreadedEngineClient
+from distserve.serving.api import build_fastapi_app
+
+pytestmark = pytest.mark.timeout(300)
+STEP_S = 0.01
+
+
+class SlowDisagg(LocalDisaggEngine):
+    """The real 1P1D engine, each step at least ``STEP_S``, so requests queue for a while."""
+
+    def step(self) -> list[RequestOutput]:
+        time.sleep(STEP_S)
+        return super().step()
+
+
+@pytest.fixture(scope="module")
+def url() -> Iterator[str]:
+    def build() -> LocalDisaggEngine:
+        # One prompt per prefill step and one request waiting in the prefill scheduler: the rest wait in admission.
+        return SlowDisagg(load_model("tiny"), cache_config=CacheConfig(num_blocks=512, block_size=16),
+                          prefill_scheduler_config=SchedulerConfig(max_num_seqs=1), admission=AdmissionConfig(max_waiting=1))
+
+    client = ThreadedEngineClient(build, max_queued_requests=64)
+    app = build_fastapi_app(client, "tiny")
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=1))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    assert wait_until(lambda: server.started, 30), "server did not start"
+    yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    server.should_exit = True
+    thread.join(15)
+    client.close()
+    sock.close()
+
+
+def body(prompt: str, **extra: object) -> dict[str, object]:
+    return {"model": "tiny", "prompt": prompt, "max_tokens": 4, "ignore_eos": True, "temperature": 0, **extra}
+
+
+def test_a_request_that_waits_past_its_timeout_gets_408_and_the_others_complete(url: str) -> None:
+    async def run() -> tuple[list[httpx.Response], httpx.Response]:
+        async with httpx.AsyncClient(base_url=url, timeout=120) as http:
+            ahead = [asyncio.create_task(http.post("/v1/completions", json=body(f"request number {i} of the queue")))
+                     for i in range(20)]
+            await asyncio.sleep(0.1)  # they are queued (one is dispatched per >= 10 ms step: 200 ms for all)
+            late = await http.post("/v1/completions", json=body("the impatient one", timeout=0.02))
+            return list(await asyncio.gather(*ahead)), late
+
+    ahead, late = asyncio.run(run())
+    assert late.status_code == 408, late.text
+    err = late.json()["error"]
+    assert err["param"] == "timeout" and err["type"] == "timeout_error" and err["code"] == "request_timeout"
+    assert "admission queue" in err["message"]
+    assert [r.status_code for r in ahead] == [200] * 20
+    assert all(r.json()["usage"]["completion_tokens"] == 4 for r in ahead)
+    # A generous timeout changes nothing for a request served at once.
+    ok = httpx.post(f"{url}/v1/completions", json=body("patient", timeout=60), timeout=60)
+    assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 4
+
+
+@pytest.mark.parametrize("timeout", [-1, 0, "soon", float("inf")])
+def test_a_bad_timeout_is_a_400_naming_it(url: str, timeout: object) -> None:
+    payload = body("x", timeout=timeout) if timeout != float("inf") else None
+    if payload is None:  # JSON has no infinity: send the literal a lenient client would
+        r = httpx.post(f"{url}/v1/completions", content=b'{"model": "tiny", "prompt": "x", "max_tokens": 2, "timeout": 1e999}',
+                       headers={"Content-Type": "application/json"}, timeout=30)
+    else:
+        r = httpx.post(f"{url}/v1/completions", json=payload, timeout=30)
+    assert r.status_code in (400, 422), r.text
+    assert r.json()["error"]["param"] == "timeout"
+
+
+def test_admission_flags_build_the_shared_config() -> None:
+    parser = build_parser()
+    serve = parser.parse_args(["serve", "--model", "tiny"])
+    assert admission_config_of(serve, None) == AdmissionConfig()  # fair, TNG's backpressure: the product's defaults
+    serve = parser.parse_args(["serve", "--model", "tiny", "--admission-policy", "fcfs", "--no-backpressure"])
+    assert admission_config_of(serve, 0.1) == AdmissionConfig("fcfs", max_waiting=None)
+    serve = parser.parse_args(["serve", "--model", "tiny", "--max-waiting", "5", "--tpot-backpressure"])
+    assert admission_config_of(serve, 0.1) == AdmissionConfig(max_waiting=5, tpot_slo_s=0.1)
+    with pytest.raises(InvalidConfigError, match="--tpot-backpressure needs a TPOT SLO"):
+        admission_config_of(serve, None)
+    sim = parser.parse_args(["simulate", "--model", "facebook/opt-13b", "--ttft", "1", "--tpot", "0.1", "--admission-policy", "priority"])
+    assert admission_config_of(sim, sim.tpot) == AdmissionConfig("priority")
