@@ -74,11 +74,9 @@ class ColocatedAdmission(Generic[S]):
         ``DistServeError`` for bad input and ``QueueFullError`` when a bound or token rate refuses it."""
         ids = engine.encode_prompt(request.prompt)
         engine.check_request(ids, request.sampling, request.priority)
-        request = replace(request, prompt=ids, request_class=check_request_class(request.request_class),
-                          timeout_s=check_timeout(request.timeout_s), arrival_time=now)
-        cls = request.request_class
-        assert cls is not None
-        item = AdmissionItem(request_id, cls, len(ids) + request.sampling.max_tokens, now, request.priority, request.timeout_s, request)
+        request_class = check_request_class(request.request_class)
+        request = replace(request, prompt=ids, request_class=request_class, timeout_s=check_timeout(request.timeout_s), arrival_time=now)
+        item = AdmissionItem(request_id, request_class, len(ids) + request.sampling.max_tokens, now, request.priority, request.timeout_s, request)
         self.queue.push(item, now)
         self._items[request_id] = item
 

@@ -77,17 +77,13 @@ class ThreadedEngineClient(EngineClient):
     One background thread owns the engines and is the only thread that calls them; commands
     (add, abort, stats, stop) arrive through a thread-safe queue, and outputs go back to each
     request's ``asyncio.Queue`` with ``loop.call_soon_threadsafe``. The thread steps while any
-    engine has work and blocks on the command queue otherwise (waking for the next admission
-    deadline while requests are queued). With several engines, a new request goes where the
-    cluster's entry rule (``cluster.routing.pick_entry``) sends it; routing reads no prompt
-    hashes, so these engines get no prefix affinity (with no prefix to go by, every router picks
-    the engine with the fewest requests in flight).
-
-    Admission: a ``LocalDisaggEngine`` queues its requests itself (fair queueing, backpressure,
-    timeouts: its ``admission``), so requests go to it on arrival. Colocated engines
-    (``LLMEngine``) get the same queue here (``runtime.colocated_admission``), driven before each
-    step: a request waits in it until a slot accepts it under backpressure, then goes to the slot
-    the entry rule picks among the accepting ones.
+    engine has work and blocks on the command queue otherwise (or until the next admission
+    deadline). A ``LocalDisaggEngine`` queues its requests itself (its ``admission``), so they go
+    to it on arrival; colocated engines (``LLMEngine``) get the same queue here
+    (``runtime.colocated_admission``): a request waits in it until a slot accepts it under
+    backpressure, then goes where the cluster's entry rule (``cluster.routing.pick_entry``) sends
+    it among the accepting slots. Routing reads no prompt hashes, so these engines get no prefix
+    affinity (every router picks the engine with the fewest requests in flight).
 
     **Build the engines on the engine thread** (pass a factory) when serving: the engine thread is
     the process's compute thread, and a model loaded on another thread makes every step slower
@@ -228,10 +224,8 @@ class ThreadedEngineClient(EngineClient):
         engine_list = [made] if isinstance(made, EngineBase) else list(made)
         if not engine_list:
             raise InvalidConfigError("ThreadedEngineClient needs at least one engine")
-        num_self_queueing = sum(isinstance(e, LocalDisaggEngine) for e in engine_list)
-        if 0 < num_self_queueing < len(engine_list):
-            raise InvalidConfigError("ThreadedEngineClient drives LocalDisaggEngines (each with its own admission queue) or "
-                                     "colocated engines (behind the client's), not both")
+        if 0 < sum(isinstance(e, LocalDisaggEngine) for e in engine_list) < len(engine_list):
+            raise InvalidConfigError("ThreadedEngineClient drives LocalDisaggEngines (each queues itself) or colocated engines, not both")
         return engine_list
 
     def _run(
@@ -324,7 +318,7 @@ class ThreadedEngineClient(EngineClient):
         def place(item: AdmissionItem, accepting: list[_EngineSlot]) -> _EngineSlot:
             return pick_entry(accepting, _slot_route, (), self._router, item.request_id, item.request_class)
 
-        for rid, request, slot in self._admission.dispatch(now, self._slots, _slot_engine, place):
+        for rid, request, slot in self._admission.dispatch(now, self._slots, lambda slot: slot.engine, place):
             self._start(rid, slot, request, dispatch_time=now)
 
     def _step(self) -> None:
@@ -415,10 +409,6 @@ class ThreadedEngineClient(EngineClient):
 
 def _slot_route(slot: _EngineSlot) -> RouteState:
     return slot.route
-
-
-def _slot_engine(slot: _EngineSlot) -> EngineBase:
-    return slot.engine
 
 
 def _qualified(instance_id: str, slot: _EngineSlot) -> str:

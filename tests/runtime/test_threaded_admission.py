@@ -32,7 +32,7 @@ CACHE = CacheConfig(num_blocks=1024, block_size=4)
 PROMPT = list(range(1, 181))  # 180 tokens: with 20 output tokens each request costs 200 in fair queueing
 SP = SamplingParams(max_tokens=20, min_tokens=20, temperature=0.0, ignore_eos=True)
 SHORT = SamplingParams(max_tokens=4, min_tokens=4, temperature=0.0, ignore_eos=True)
-LONG = SamplingParams(max_tokens=400, min_tokens=400, temperature=0.0, ignore_eos=True)
+LONG = SamplingParams(max_tokens=800, min_tokens=800, temperature=0.0, ignore_eos=True)
 HEAVY, LIGHT, OTHER = RequestClass(tenant="heavy"), RequestClass(tenant="light"), RequestClass(tenant="other")
 
 
