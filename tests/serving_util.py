@@ -15,6 +15,7 @@ from distserve.engine.outputs import RequestOutput
 from distserve.runtime.config import DeploymentConfig
 from distserve.placement import Placement
 from distserve.serving.api import build_fastapi_app
+from distserve.serving.api_keys import ApiKeys
 from distserve.runtime.client import EngineClient
 from distserve.runtime.controller import Controller
 
@@ -105,7 +106,7 @@ class HttpServer:
     """The HTTP app over the client ``make_client`` builds, on uvicorn on a free loopback port, in a
     thread with its own event loop (where the client lives, as in ``distserve serve``)."""
 
-    def __init__(self, make_client: Callable[[], Awaitable[EngineClient]], start_timeout_s: float = 180.0) -> None:
+    def __init__(self, make_client: Callable[[], Awaitable[EngineClient]], start_timeout_s: float = 180.0, api_keys: ApiKeys | None = None) -> None:
         import uvicorn
 
         self.sock = socket.socket()
@@ -123,7 +124,7 @@ class HttpServer:
             except BaseException as exc:  # noqa: BLE001 - reported by the constructor
                 self.failure = exc
                 return
-            app = build_fastapi_app(self.client, "tiny")
+            app = build_fastapi_app(self.client, "tiny", api_keys=api_keys)
             self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=1))
             try:
                 await self.server.serve(sockets=[self.sock])

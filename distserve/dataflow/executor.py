@@ -27,7 +27,7 @@ waiting readers return at once.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncGenerator, Iterable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterable
 
 from distserve.cluster.classes import RequestClass
 from distserve.cluster.tenants import ANONYMOUS_TENANT, TenantSpec
@@ -36,10 +36,14 @@ from distserve.dataflow.limits import DEFAULT_LIMITS, SessionLimits
 from distserve.dataflow.prompts import PromptBuilder, kept_output_ids
 from distserve.dataflow.template import Placeholder, SemanticCall, TextChunk
 from distserve.dataflow.transforms import TransformFailed
+from distserve.engine.outputs import RequestOutput
 from distserve.errors import DataflowError, DistServeError
 from distserve.runtime.client import EngineClient
 
 SESSION_ENDED = "the session was ended"
+# Wraps one call's request stream, seeing every output (the server's per-tenant metrics); closing
+# the wrapper must close the stream it wraps.
+CallMeter = Callable[[AsyncIterator[RequestOutput], RequestClass], AsyncIterator[RequestOutput]]
 
 
 class VariableFailed(DataflowError):
@@ -59,6 +63,7 @@ class DataflowSession:
         self.graph = DataflowGraph(session_id, limits)
         self.client = client
         self.tenant = tenant  # whose calls these are: their requests carry its name and tier
+        self.meter: CallMeter | None = None  # set by the server: its calls' requests are counted as the tenant's
         self.closed = False
         self.num_readers = 0  # gets and streams waiting now: a session being read is not idle
         self._tasks: set[asyncio.Task[None]] = set()
@@ -195,9 +200,10 @@ class DataflowSession:
         """Generate output ``ph`` after ``prompt``, publishing its text deltas; its value and kept ids."""
         assert ph.sampling is not None
         var_id = node.outputs[ph.name].var_id
-        outputs = self.client.generate(  # the one generate call
-            prompt, ph.sampling, f"{node.call_id}-{ph.name}", request_class=request_class_of(node, self.tenant)
-        )
+        request_class = request_class_of(node, self.tenant)
+        outputs = self.client.generate(prompt, ph.sampling, f"{node.call_id}-{ph.name}", request_class=request_class)  # the one generate call
+        if self.meter is not None:
+            outputs = self.meter(outputs, request_class)
         deltas = self._partial[var_id] = []
         last = None
         try:

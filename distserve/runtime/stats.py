@@ -19,6 +19,11 @@
         "failed_steps_total": 0,                               # cumulative: engine steps that failed and were recovered from (optional)
         "prefill_tokens_computed_total": 4096,                 # cumulative: prompt tokens computed, all instances (optional)
         "prefix_cache_hit_tokens_total": 7680,                 # cumulative: prompt tokens taken from the prefix cache (optional)
+        "admission": {                                         # the admission queue(s) (optional): AdmissionQueue.stats()
+            "policy": "fair", "num_queued": 2,
+            "tenants": {"acme": {"num_queued": 2, "num_admitted": 9, "num_dispatched": 7, "num_rejected_full": 1,
+                                 "num_rejected_rate": 0, "num_expired": 0, "wait_s_total": 0.8}},  # counts cumulative
+        },
     }
 
 Each instance's dict may carry its own ``prefill_tokens_computed_total`` and
@@ -32,6 +37,11 @@ prompt blocks shared by prefix-aware migration are ``kv_migration_blocks_skipped
 figures are exported with ``instance="all", phase="decode"`` (the pulling side); a runtime that
 knows which decode instance pulled may instead put the same keys in that instance's dict.
 ``normalize_stats`` also accepts what ``LLMEngine.stats()`` and ``LocalDisaggEngine.stats()`` return.
+
+``admission`` is ``distserve.cluster.admission.AdmissionQueue.stats()``, from wherever requests
+queue: a ``LocalDisaggEngine``'s own queue, the threaded client's queue in front of colocated
+engines, or the Ray controller's; a runtime with several queues reports their sum
+(``merge_admission_stats``). Its per-tenant figures are exported by ``serving.metrics``.
 """
 
 from __future__ import annotations
@@ -57,8 +67,30 @@ class InstanceStats(TypedDict):
     prefix_cache_hit_tokens_total: NotRequired[float]
 
 
+class TenantAdmissionStats(TypedDict):
+    """One tenant's admission figures (``cluster.admission.TenantCounters``); all but ``num_queued`` cumulative."""
+
+    num_queued: float
+    num_admitted: float
+    num_dispatched: float
+    num_rejected_full: float
+    num_rejected_rate: float
+    num_expired: float
+    wait_s_total: float
+
+
+class AdmissionStats(TypedDict):
+    policy: str
+    num_queued: float
+    tenants: dict[str, TenantAdmissionStats]
+
+
+TENANT_ADMISSION_KEYS = tuple(TenantAdmissionStats.__annotations__)
+
+
 class ClientStats(TypedDict):
     instances: list[InstanceStats]
+    admission: NotRequired[AdmissionStats | None]
     kv_migration_bytes_total: float
     kv_migration_blocks_skipped_total: float
     kv_migration_failures_total: NotRequired[float]
@@ -96,6 +128,21 @@ def prefill_totals(instances: Iterable[Mapping[str, Any]]) -> dict[str, float]:
     return {key: float(sum(i.get(key, 0) for i in instances)) for key in PREFILL_COUNTER_KEYS}
 
 
+def merge_admission_stats(parts: Iterable[Mapping[str, Any]]) -> AdmissionStats | None:
+    """The sum of several admission queues' ``stats()`` (None: no queue); tenants' figures added key by key."""
+    parts = [p for p in parts if isinstance(p, Mapping)]
+    if not parts:
+        return None
+    tenants: dict[str, TenantAdmissionStats] = {}
+    for part in parts:
+        for name, figures in dict(part.get("tenants") or {}).items():
+            into = tenants.setdefault(str(name), cast(TenantAdmissionStats, {k: 0.0 for k in TENANT_ADMISSION_KEYS}))
+            for key in TENANT_ADMISSION_KEYS:
+                into[key] += float(figures.get(key, 0))  # type: ignore[literal-required]
+    policies = sorted({str(p.get("policy", "")) for p in parts})
+    return {"policy": ",".join(policies), "num_queued": float(sum(p.get("num_queued", 0) for p in parts)), "tenants": tenants}
+
+
 def normalize_stats(raw: Mapping[str, Any]) -> ClientStats:
     """The ``ClientStats`` shape from itself, ``LocalDisaggEngine.stats()`` or ``LLMEngine.stats()``."""
     instances: list[InstanceStats]
@@ -126,4 +173,6 @@ def normalize_stats(raw: Mapping[str, Any]) -> ClientStats:
     }
     for key, total in prefill_totals(instances).items():
         out[key] = float(raw.get(key, total))  # type: ignore[literal-required]
+    admission = raw.get("admission")
+    out["admission"] = merge_admission_stats([admission]) if isinstance(admission, Mapping) else None
     return out

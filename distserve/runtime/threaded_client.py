@@ -7,11 +7,13 @@ import concurrent.futures
 import logging
 import queue
 import threading
+import time
 from collections.abc import AsyncGenerator, Callable, Sequence as Seq
 from dataclasses import dataclass, field
 from typing import Any
 
 from distserve.config import SamplingParams
+from distserve.cluster.admission import AdmissionConfig, AdmissionItem
 from distserve.cluster.classes import RequestClass, check_request_class
 from distserve.cluster.routing import DEFAULT_ROUTER, RouteState, check_router, pick_entry
 from distserve.engine.compute_thread import use_compute_threads
@@ -19,9 +21,10 @@ from distserve.engine.llm_engine import LLMEngine
 from distserve.engine.outputs import EngineBase, RequestOutput
 from distserve.errors import DistServeError, EngineDeadError, InvalidConfigError, QueueFullError
 from distserve.runtime.client import EngineClient
+from distserve.runtime.colocated_admission import ColocatedAdmission, QueuedRequest
 from distserve.runtime.config import SERVER_MAX_QUEUED_REQUESTS, DeploymentConfig
 from distserve.runtime.local_disagg import LocalDisaggEngine
-from distserve.runtime.stats import ClientStats, InstanceStats, instance_stats, prefill_totals
+from distserve.runtime.stats import ClientStats, InstanceStats, instance_stats, merge_admission_stats, prefill_totals
 
 logger = logging.getLogger(__name__)
 
@@ -37,14 +40,7 @@ class _Stream:
     queue: asyncio.Queue[RequestOutput | BaseException]
 
 
-@dataclass
-class _Add:
-    stream: _Stream
-    prompt: str | Seq[int]
-    sampling: SamplingParams
-    priority: int
-    request_class: RequestClass | None = None
-    timeout_s: float | None = None
+_Add = QueuedRequest  # a new request: its stream, prompt, sampling, priority, class and timeout
 
 
 @dataclass
@@ -81,10 +77,13 @@ class ThreadedEngineClient(EngineClient):
     One background thread owns the engines and is the only thread that calls them; commands
     (add, abort, stats, stop) arrive through a thread-safe queue, and outputs go back to each
     request's ``asyncio.Queue`` with ``loop.call_soon_threadsafe``. The thread steps while any
-    engine has work and blocks on the command queue otherwise. With several engines, a new
-    request goes where the cluster's entry rule (``cluster.routing.pick_entry``) sends it; the
-    prompt is tokenized by the engine after routing, so these engines get no prefix affinity
-    (with no prefix to go by, every router picks the engine with the fewest requests in flight).
+    engine has work and blocks on the command queue otherwise (or until the next admission
+    deadline). A ``LocalDisaggEngine`` queues its requests itself (its ``admission``), so they go
+    to it on arrival; colocated engines (``LLMEngine``) get the same queue here
+    (``runtime.colocated_admission``): a request waits in it until a slot accepts it under
+    backpressure, then goes where the cluster's entry rule (``cluster.routing.pick_entry``) sends
+    it among the accepting slots. Routing reads no prompt hashes, so these engines get no prefix
+    affinity (every router picks the engine with the fewest requests in flight).
 
     **Build the engines on the engine thread** (pass a factory) when serving: the engine thread is
     the process's compute thread, and a model loaded on another thread makes every step slower
@@ -97,6 +96,9 @@ class ThreadedEngineClient(EngineClient):
         model_name: defaults to the first engine's model name.
         num_threads: torch threads for the engine thread's compute (default: torch's, all cores).
         router: the entry rule by name (``cluster.routing.ROUTERS``).
+        admission: the admission queue in front of colocated engines (policy, tenants,
+            backpressure, bounds; ``cluster.admission.AT_ONCE``: every request to an engine on
+            arrival). Engines that queue themselves (``LocalDisaggEngine``) are built with their own.
     """
 
     _slots: list[_EngineSlot]  # set on the engine thread before the constructor returns
@@ -109,8 +111,10 @@ class ThreadedEngineClient(EngineClient):
         model_name: str | None = None,
         num_threads: int | None = None,
         router: str = DEFAULT_ROUTER,
+        admission: AdmissionConfig = AdmissionConfig(),
     ) -> None:
         self._router = check_router(router)
+        self._admission_config = admission
         if max_queued_requests < 1:
             raise InvalidConfigError(f"max_queued_requests must be >= 1, got {max_queued_requests}")
         if num_threads is not None and num_threads < 1:
@@ -129,7 +133,7 @@ class ThreadedEngineClient(EngineClient):
         self.tokenizer = first.tokenizer
         self.max_model_len = min(e.max_model_len for e in engine_list)
         self.max_queued_requests = max_queued_requests
-        self._streams: dict[str, tuple[_Stream, _EngineSlot]] = {}  # engine thread only
+        self._streams: dict[str, tuple[_Stream, _EngineSlot]] = {}  # engine thread only: dispatched to an engine
         self._num_outstanding = 0
         self._count_lock = threading.Lock()
 
@@ -220,6 +224,8 @@ class ThreadedEngineClient(EngineClient):
         engine_list = [made] if isinstance(made, EngineBase) else list(made)
         if not engine_list:
             raise InvalidConfigError("ThreadedEngineClient needs at least one engine")
+        if 0 < sum(isinstance(e, LocalDisaggEngine) for e in engine_list) < len(engine_list):
+            raise InvalidConfigError("ThreadedEngineClient drives LocalDisaggEngines (each queues itself) or colocated engines, not both")
         return engine_list
 
     def _run(
@@ -234,16 +240,19 @@ class ThreadedEngineClient(EngineClient):
             built.set_exception(exc)
             return
         self._slots = [_EngineSlot(e, i) for i, e in enumerate(engine_list)]
+        self._admission: ColocatedAdmission[_EngineSlot] | None = (
+            None if isinstance(engine_list[0], LocalDisaggEngine) else ColocatedAdmission(self._admission_config))
         built.set_result(engine_list)
         try:
             while True:
-                cmd: _Command | None = self._commands.get() if not self._has_work() else self._next_command()
+                cmd: _Command | None = self._next_command() if self._has_work() else self._wait_command()
                 while cmd is not None:
                     if isinstance(cmd, _Stop):
                         self._fail_all(EngineDeadError(cmd.reason))
                         return
                     self._handle(cmd)
                     cmd = self._next_command()
+                self._admit()
                 self._step()
         except BaseException as exc:  # noqa: BLE001 - any engine failure must reach every waiting stream
             logger.exception("engine thread crashed")
@@ -252,6 +261,15 @@ class ThreadedEngineClient(EngineClient):
     def _next_command(self) -> _Command | None:
         try:
             return self._commands.get_nowait()
+        except queue.Empty:
+            return None
+
+    def _wait_command(self) -> _Command | None:
+        """The next command, blocking while no engine has work: until one arrives, or (requests
+        queued for admission) until the next admission deadline, polling at most ``IDLE_POLL_S``."""
+        timeout = self._admission.wait_s(time.monotonic()) if self._admission is not None else None
+        try:
+            return self._commands.get(timeout=timeout)
         except queue.Empty:
             return None
 
@@ -268,23 +286,40 @@ class ThreadedEngineClient(EngineClient):
 
     def _add(self, cmd: _Add) -> None:
         rid = cmd.stream.request_id
-        if rid in self._streams:
+        if rid in self._streams or (self._admission is not None and rid in self._admission):
             self._deliver([(cmd.stream, DistServeError(f"request id {rid!r} is already in flight"))])
             return
-        try:
+        try:  # validation errors and QueueFullError go to this request only
+            if self._admission is not None:
+                return self._admission.push(self._slots[0].engine, rid, cmd, time.monotonic())
             request_class = check_request_class(cmd.request_class)
-        except Exception as exc:  # noqa: BLE001 - validation errors go to this request only
-            self._deliver([(cmd.stream, exc)])
-            return
-        slot = pick_entry(self._slots, _slot_route, (), self._router, rid, request_class)
+        except Exception as exc:  # noqa: BLE001
+            return self._deliver([(cmd.stream, exc)])
+        self._start(rid, pick_entry(self._slots, _slot_route, (), self._router, rid, request_class), cmd)
+
+    def _start(self, rid: str, slot: _EngineSlot, cmd: QueuedRequest, dispatch_time: float | None = None) -> None:
+        """Hand the request to ``slot``'s engine (the entry rule has assigned it there)."""
         try:
-            slot.engine.add_request(cmd.prompt, cmd.sampling, request_id=rid, priority=cmd.priority, request_class=request_class,
-                                    timeout_s=cmd.timeout_s)
+            slot.engine.add_request(cmd.prompt, cmd.sampling, request_id=rid, priority=cmd.priority, arrival_time=cmd.arrival_time,
+                                    request_class=cmd.request_class, timeout_s=cmd.timeout_s, dispatch_time=dispatch_time)
         except Exception as exc:  # noqa: BLE001 - validation errors go to this request only
             slot.route.release(rid)
             self._deliver([(cmd.stream, exc)])
             return
         self._streams[rid] = (cmd.stream, slot)
+
+    def _admit(self) -> None:
+        """Fail the queued requests past their deadline, then start what the colocated slots accept."""
+        if self._admission is None or not self._admission:
+            return
+        now = time.monotonic()
+        self._deliver([(request.stream, out) for request, out in self._admission.expire(now)])
+
+        def place(item: AdmissionItem, accepting: list[_EngineSlot]) -> _EngineSlot:
+            return pick_entry(accepting, _slot_route, (), self._router, item.request_id, item.request_class)
+
+        for rid, request, slot in self._admission.dispatch(now, self._slots, lambda slot: slot.engine, place):
+            self._start(rid, slot, request, dispatch_time=now)
 
     def _step(self) -> None:
         for slot in self._slots:
@@ -314,6 +349,8 @@ class ThreadedEngineClient(EngineClient):
                     self._drop(stream.request_id)
 
     def _drop(self, request_id: str) -> None:
+        if self._admission is not None and self._admission.remove(request_id) is not None:
+            return  # still queued: no engine holds it
         entry = self._streams.pop(request_id, None)
         if entry is not None:
             entry[1].route.release(request_id)
@@ -328,7 +365,8 @@ class ThreadedEngineClient(EngineClient):
             except Exception:  # noqa: BLE001 - the engine may be broken; the streams must still fail
                 pass
         self._streams.clear()
-        self._deliver([(s, exc) for s in streams])
+        queued: list[QueuedRequest] = self._admission.remove_all() if self._admission is not None else []
+        self._deliver([(s, exc) for s in streams] + [(request.stream, exc) for request in queued])
         while (cmd := self._next_command()) is not None:
             if isinstance(cmd, _Add):
                 self._deliver([(cmd.stream, exc)])
@@ -355,8 +393,11 @@ class ThreadedEngineClient(EngineClient):
                 raw: Callable[[], Any] | None = getattr(engine, "stats", None)
                 stats = raw() if callable(raw) else {}
                 instances.append(instance_stats(stats, f"engine-{slot.index}", "colocated"))
+        queues = [slot.engine.admission for slot in self._slots if isinstance(slot.engine, LocalDisaggEngine)]
+        queues += [self._admission.queue] if self._admission is not None else []
         return {
             "instances": instances,
+            "admission": merge_admission_stats(q.stats() for q in queues),
             "kv_migration_bytes_total": total_bytes,
             "kv_migration_blocks_skipped_total": total_skipped,
             "kv_migration_seconds": durations,
@@ -414,4 +455,5 @@ def build_local_engine_client(config: DeploymentConfig) -> ThreadedEngineClient:
             )
         ]
 
-    return ThreadedEngineClient(build, max_queued_requests=config.max_queued_requests, num_threads=num_threads, router=config.router)
+    return ThreadedEngineClient(build, max_queued_requests=config.max_queued_requests, num_threads=num_threads, router=config.router,
+                                admission=config.admission)

@@ -47,16 +47,19 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
-from distserve.dataflow.executor import DataflowSession, SessionEnded, VariableFailed
+from distserve.cluster.classes import RequestClass
+from distserve.dataflow.executor import CallMeter, DataflowSession, SessionEnded, VariableFailed
 from distserve.dataflow.graph import UnknownVariable, check_criteria
 from distserve.dataflow.limits import LimitExceeded, ValueTooLarge
 from distserve.dataflow.sessions import SessionForbidden, SessionManager, SessionNotFound
 from distserve.dataflow.template import parse_call
+from distserve.engine.outputs import RequestOutput
 from distserve.errors import DataflowError
 from distserve.serving.auth import tenant_of
-from distserve.serving.metrics import ServingMetrics
+from distserve.serving.http_errors import check_output, engine_error
+from distserve.serving.metrics import ServingMetrics, rejection_reason
 from distserve.serving.protocol import SSE_DONE, APIError, sse
-from distserve.serving.streams import SSEResponse
+from distserve.serving.streams import SSEResponse, aclose_stream
 
 MAX_GET_TIMEOUT_S = 3600.0
 STREAM_KEEPALIVE_S = 15.0
@@ -71,7 +74,8 @@ def add_dataflow_routes(
     app: FastAPI, sessions: SessionManager, served_model_names: set[str], metrics: ServingMetrics | None = None
 ) -> None:
     """Mount the semantic-variable API on ``app``; ``sessions`` run their calls on the app's engine
-    for the tenant of the request (``serving.auth``). ``metrics`` count sessions refused by a limit.
+    for the tenant of the request (``serving.auth``). ``metrics`` count sessions refused by a limit
+    and, in the per-tenant series, the requests of the sessions' calls (``call_meter``).
 
     The app's lifespan also runs ``sessions.sweep_forever`` (idle sessions ended in the background)
     and ends every session at shutdown.
@@ -96,6 +100,8 @@ def add_dataflow_routes(
             if metrics is not None:
                 metrics.reject(tenant.name, "session_limit")
             raise as_api_error(exc) from None
+        if metrics is not None:
+            (await sessions.get(session_id, token, tenant=tenant.name)).meter = call_meter(metrics)
         return JSONResponse({"session_id": int(session_id), "session_auth": token})
 
     @app.get("/v1/session/{session_id}")
@@ -188,6 +194,44 @@ def add_dataflow_routes(
              "producer": v.producer.call_id if v.producer is not None else None}
             for v in session.graph.variables.values()
         ]})
+
+
+def call_meter(metrics: ServingMetrics) -> CallMeter:
+    """Counts a semantic call's request in ``metrics`` as an OpenAI route counts its own: admitted or
+    rejected (by the status its error would have), TTFT, tokens and end, under its tenant and objective."""
+
+    async def meter(stream: AsyncIterator[RequestOutput], request_class: RequestClass) -> AsyncIterator[RequestOutput]:
+        timer = metrics.request_timer(objective=request_class.objective, tenant=request_class.tenant)
+        started = False
+
+        def failed(status_code: int) -> None:
+            if started:
+                timer.fail()
+            else:
+                timer.reject(rejection_reason(status_code))
+
+        try:
+            async for out in stream:
+                try:
+                    check_output(out)
+                except APIError as exc:
+                    failed(exc.status_code)
+                    yield out
+                    return
+                if not started:
+                    started = True
+                    timer.admitted()
+                timer.observe(out)
+                yield out
+        except Exception as exc:  # refused or failed: counted, then the call sees it as before
+            failed(engine_error(exc, "template").status_code)
+            raise
+        finally:
+            if not timer.done:
+                timer.finish("abort")  # the session ended under it
+            await aclose_stream(stream)
+
+    return meter
 
 
 async def body(request: Request) -> dict[str, Any]:

@@ -6,8 +6,18 @@ Names follow vLLM's with the prefix ``distserve:``. Each ``ServingMetrics`` owns
 
 Per-tenant series (label ``tenant``): requests in flight at the server, ``queued`` (submitted, no
 token yet) and ``running`` (streaming), ``admitted`` and ``rejected`` counts (by ``reason``) and
-a TTFT histogram. The label set is bounded: the tenants of the key file plus ``anonymous``;
-any other name is counted as ``other``, so no client input can grow the series.
+a TTFT histogram — for the OpenAI routes and the semantic-variable calls alike. The label set is
+bounded: the tenants of the key file plus ``anonymous``; any other name is counted as ``other``,
+so no client input can grow the series.
+
+Per-tenant admission series (``tenant_admission_*``), from the engine's admission queue
+(``ClientStats["admission"]``, whichever runtime holds it): requests ``queued`` there now,
+``dispatched`` to an instance, ``expired`` (waited past their timeout), ``refused`` by a bound
+(``reason="queue_bound"``) or a token rate (``"token_rate"``), and the seconds the dispatched ones
+waited (``wait_seconds``: divided by ``dispatched``, the mean wait). Expired and refused requests
+are also in ``tenant_requests_rejected`` (reasons ``timeout`` and ``queue_full``, as the HTTP
+layer saw them, which also counts the server's own in-flight bound): those are a breakdown, not
+more requests.
 
 The engine figures it exports come from ``EngineClient.stats()``, whose shape is
 ``distserve.runtime.stats.ClientStats``.
@@ -16,7 +26,7 @@ The engine figures it exports come from ``EngineClient.stats()``, whose shape is
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -24,7 +34,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from distserve.engine.outputs import RequestOutput
-from distserve.runtime.stats import AGGREGATE_INSTANCE, ClientStats, normalize_stats
+from distserve.runtime.stats import AGGREGATE_INSTANCE, AdmissionStats, ClientStats, normalize_stats
 from distserve.cluster.classes import DEFAULT, OBJECTIVES
 from distserve.cluster.tenants import ANONYMOUS
 from distserve.serving.api_keys import OTHER_TENANT
@@ -73,11 +83,25 @@ _RUNTIME_COUNTERS = (
 )
 
 
-class _EngineCollector(Collector):
-    """Exports the latest ``ClientStats`` snapshot: per-instance gauges, cumulative migration and prefill-token counters."""
+# (stats key, metric name, help); all but the first counters. Tenants' figures from ``AdmissionQueue.stats()``.
+_ADMISSION_QUEUED = ("num_queued", "tenant_admission_queued", "Requests waiting in the admission queue for an instance, by tenant.")
+_ADMISSION_COUNTERS = (
+    ("num_dispatched", "tenant_admission_dispatched", "Requests the admission queue released to an instance, by tenant."),
+    ("num_expired", "tenant_admission_expired",
+     "Requests that waited in the admission queue past their timeout, by tenant (also in tenant_requests_rejected{reason=\"timeout\"})."),
+    ("wait_s_total", "tenant_admission_wait_seconds", "Seconds the dispatched requests waited in the admission queue, by tenant."),
+)
+_ADMISSION_REFUSALS = (("num_rejected_full", "queue_bound"), ("num_rejected_rate", "token_rate"))
 
-    def __init__(self) -> None:
+
+class _EngineCollector(Collector):
+    """Exports the latest ``ClientStats`` snapshot: per-instance gauges, cumulative migration and
+    prefill-token counters, per-tenant admission figures (tenants mapped by ``tenant_label``)."""
+
+    def __init__(self, tenant_label: Callable[[str], str], tenant_labels: Iterable[str]) -> None:
         self.snapshot: ClientStats | None = None
+        self.tenant_label = tenant_label
+        self.tenant_labels = sorted(tenant_labels)  # each series exists from the start, at 0
 
     def collect(self) -> Iterator[Metric]:
         labels = ["instance", "phase"]
@@ -101,6 +125,32 @@ class _EngineCollector(Collector):
             if snap is not None:
                 family_r.add_metric([], float(snap.get(f"{key}_total", 0.0)))  # type: ignore[misc]
             yield family_r
+        yield from self._admission(snap.get("admission") if snap else None)
+
+    def _admission(self, stats: AdmissionStats | None) -> Iterator[Metric]:
+        by_label: dict[str, dict[str, float]] = {t: {} for t in self.tenant_labels}
+        for tenant, figures in (stats["tenants"] if stats else {}).items():
+            into = by_label.setdefault(self.tenant_label(tenant), {})
+            for key, value in figures.items():
+                into[key] = into.get(key, 0.0) + float(value)
+        key, name, doc = _ADMISSION_QUEUED
+        gauge = GaugeMetricFamily(PREFIX + name, doc, labels=["tenant"])
+        for tenant, figures in by_label.items():
+            gauge.add_metric([tenant], figures.get(key, 0.0))
+        yield gauge
+        for key, name, doc in _ADMISSION_COUNTERS:
+            counter = CounterMetricFamily(PREFIX + name, doc, labels=["tenant"])
+            for tenant, figures in by_label.items():
+                counter.add_metric([tenant], figures.get(key, 0.0))
+            yield counter
+        refused = CounterMetricFamily(
+            PREFIX + "tenant_admission_refused", "Requests the admission queue refused (HTTP 429), by tenant and the limit reached "
+            "(queue_bound: its or the whole queue's bound, token_rate: its tokens per minute); also in "
+            "tenant_requests_rejected{reason=\"queue_full\"}.", labels=["tenant", "reason"])
+        for tenant, figures in by_label.items():
+            for key, reason in _ADMISSION_REFUSALS:
+                refused.add_metric([tenant, reason], figures.get(key, 0.0))
+        yield refused
 
 
 class RequestTimer:
@@ -224,7 +274,7 @@ class ServingMetrics:
         for tenant in sorted(self.tenants | {OTHER_TENANT}):  # these series exist from the start, at 0; rejections once counted
             for family in (self.tenant_queued, self.tenant_running, self.tenant_admitted, self.tenant_ttft):
                 family.labels(tenant=tenant)
-        self._engine = _EngineCollector()
+        self._engine = _EngineCollector(self.tenant_label, self.tenants | {OTHER_TENANT})
         r.register(self._engine)
 
     def tenant_label(self, tenant: str) -> str:
