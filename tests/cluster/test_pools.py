@@ -124,3 +124,37 @@ def test_local_engine_decodes_each_class_on_its_pool_with_its_cap() -> None:
     assert "decode-2" in lat and "decode-0" not in lat
     with pytest.raises(InvalidConfigError, match="TP/PP"):
         LocalDisaggEngine(load_model("tiny"), placement=Placement.disaggregated(1, 1, decode_tp=2))
+
+
+def test_ray_deployment_decodes_each_class_on_its_pool_with_its_cap(ray_cluster: object) -> None:
+    """``serve --placement`` on Ray: each decode instance's scheduler gets its spec's cap, its
+    RouteState its pool, and the controller's migrations route by class."""
+    from serving_util import ControllerRuntime
+
+    from distserve.config import CacheConfig, SamplingParams
+    from distserve.runtime.controller import StepEvent
+
+    placement = Placement(prefill=(InstanceSpec(),), decode=(InstanceSpec(pool="throughput", max_num_seqs=3), InstanceSpec(pool="latency", max_num_seqs=2)))
+    rt = ControllerRuntime(placement, CacheConfig(num_blocks=128, block_size=4), SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
+    try:
+        decodes = [i for i in rt.controller.instances if i.phase == "decode"]
+        assert [(i.spec.scheduler.max_num_seqs, i.route.pool) for i in decodes] == [(3, "throughput"), (2, "latency")]
+        decoded_on: dict[str, str] = {}
+
+        def listen(event: StepEvent) -> None:
+            for rid in event.result.received:
+                decoded_on[rid] = event.instance_id
+
+        rt.controller.add_step_listener(listen)
+
+        async def one(request_id: str, request_class: RequestClass) -> None:
+            async for _ in rt.controller.generate([1, 2, 3, len(decoded_on) + 4], rt.sampling, request_id, request_class=request_class):
+                pass
+
+        async def all_of() -> None:
+            await asyncio.gather(*(one(f"{kind}-{i}", cls) for i in range(3) for kind, cls in (("lat", LAT), ("thr", THR))))
+
+        rt.run(all_of(), timeout_s=120.0)
+        assert decoded_on == {**{f"lat-{i}": "decode-1" for i in range(3)}, **{f"thr-{i}": "decode-0" for i in range(3)}}
+    finally:
+        rt.close()
