@@ -19,8 +19,8 @@ lets an overloaded deployment meet a loose SLO for ever), each pool's from its o
 is at least the shared pool's at every cap weighed and one class's is higher by more than the
 search's tolerance; of those, the highest worst-class gain wins. Every variant is searched in full,
 so the table shows each trade-off (a split that serves the latency class more and the throughput
-class less is not chosen, but shown). The planner does not change the batch cap of a shared plan; when a larger cap alone
-serves every class more, it says so (a note).
+class less is not chosen, but shown). The planner does not change the batch cap of a shared plan;
+when a larger cap alone serves every class more, it says so (a note).
 
 A class's SLO here is the one given for it, checked as given: an explicit throughput SLO is
 checked (unlike the default scoring, where throughput requests need only complete).
