@@ -5,6 +5,11 @@ shorthand flags (``--prefill 1 --decode 1 --prefill-tp 1 ...``, ``--colocated N`
 
     {"prefill": [{"tp": 2, "pp": 1, "node": 0}], "decode": [{"tp": 1, "pp": 1, "node": 0}],
      "colocated": [], "predicted": {...optional planner figures...}}
+
+A decode instance may belong to a **class pool** (``"pool": "latency"``, an objective of
+``distserve.cluster.classes``) and cap its batch (``"max_num_seqs": 8``): requests of that
+objective are decoded there first, the others only when nothing else is alive
+(``distserve.cluster.routing.decode_order``). No pool (the default) is the shared pool.
 """
 
 from __future__ import annotations
@@ -14,21 +19,31 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from distserve.config import ParallelConfig
+from distserve.cluster.classes import OBJECTIVES
+from distserve.config import ParallelConfig, SchedulerConfig
 from distserve.errors import InvalidConfigError
 from distserve.slo import SLO
+
+
+_OPTIONAL_KEYS = ("threads", "pool", "max_num_seqs")  # written only when set
 
 
 @dataclass(frozen=True)
 class InstanceSpec:
     """One instance: its parallelism, optionally the node (index) its workers must use, and
     optionally the torch threads each of its workers computes with (CPU; the planner writes the
-    thread count its profile was measured with; ``serve --threads`` overrides it; default 1)."""
+    thread count its profile was measured with; ``serve --threads`` overrides it; default 1).
+
+    Decode instances may also name the class ``pool`` they serve (an objective: ``latency``,
+    ``throughput``, ``default``; None: shared, any class) and their batch cap ``max_num_seqs``
+    (None: the deployment's ``SchedulerConfig``)."""
 
     tp: int = 1
     pp: int = 1
     node: int | None = None
     threads: int | None = None
+    pool: str | None = None
+    max_num_seqs: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("tp", "pp"):
@@ -39,6 +54,16 @@ class InstanceSpec:
             raise InvalidConfigError(f"instance threads must be an integer >= 1, got {self.threads!r}")
         if self.node is not None and (not isinstance(self.node, int) or self.node < 0):
             raise InvalidConfigError(f"instance node must be an integer >= 0, got {self.node!r}")
+        if self.pool is not None and self.pool not in OBJECTIVES:
+            raise InvalidConfigError(f"instance pool must be null or one of {', '.join(OBJECTIVES)}, got {self.pool!r:.80}", "pool")
+        if self.max_num_seqs is not None and (
+            not isinstance(self.max_num_seqs, int) or isinstance(self.max_num_seqs, bool) or self.max_num_seqs < 1
+        ):
+            raise InvalidConfigError(f"instance max_num_seqs must be an integer >= 1, got {self.max_num_seqs!r}", "max_num_seqs")
+
+    def scheduler_config(self, base: SchedulerConfig) -> SchedulerConfig:
+        """``base`` with this instance's batch cap, if it has one."""
+        return base if self.max_num_seqs is None else replace(base, max_num_seqs=self.max_num_seqs)
 
     @property
     def parallel(self) -> ParallelConfig:
@@ -72,6 +97,8 @@ class Placement:
             raise InvalidConfigError("a placement is either disaggregated (prefill/decode) or colocated, not both")
         if not disagg and not self.colocated:
             raise InvalidConfigError("a placement needs prefill+decode instances or colocated instances")
+        if any(s.pool is not None for s in self.prefill + self.colocated):
+            raise InvalidConfigError("only decode instances belong to a class pool", "pool")
 
     @property
     def is_disaggregated(self) -> bool:
@@ -80,6 +107,14 @@ class Placement:
     @property
     def num_workers(self) -> int:
         return sum(i.num_workers for i in self.prefill + self.decode + self.colocated)
+
+    @property
+    def pools(self) -> dict[str | None, int]:
+        """Decode instances per class pool (None: shared)."""
+        out: dict[str | None, int] = {}
+        for s in self.decode:
+            out[s.pool] = out.get(s.pool, 0) + 1
+        return out
 
     @classmethod
     def disaggregated(
@@ -109,7 +144,7 @@ class Placement:
 
     def to_dict(self) -> dict[str, Any]:
         def spec(i: InstanceSpec) -> dict[str, Any]:
-            return {k: v for k, v in asdict(i).items() if k != "threads" or v is not None}
+            return {k: v for k, v in asdict(i).items() if k not in _OPTIONAL_KEYS or v is not None}
 
         out: dict[str, Any] = {
             "prefill": [spec(i) for i in self.prefill],
@@ -136,9 +171,14 @@ class Placement:
                 raise InvalidConfigError(f"placement '{key}' must be a list")
             out = []
             for i, item in enumerate(items):
-                if not isinstance(item, dict) or set(item) - {"tp", "pp", "node", "threads"}:
-                    raise InvalidConfigError(f"placement {key}[{i}] must be an object with tp, pp and optional node and threads")
-                out.append(InstanceSpec(**item))
+                if not isinstance(item, dict) or set(item) - {"tp", "pp", "node", *_OPTIONAL_KEYS}:
+                    raise InvalidConfigError(f"placement {key}[{i}] must be an object with tp, pp and optional node, "
+                                             f"{', '.join(_OPTIONAL_KEYS)}")
+                try:
+                    out.append(InstanceSpec(**item))
+                except InvalidConfigError as exc:
+                    raise InvalidConfigError(f"placement {key}[{i}]: {exc}", exc.param) from None
+
             return tuple(out)
 
         slo = data.get("slo")

@@ -12,7 +12,9 @@ carry their tokens and ``enable_prefix_caching`` is set (synthetic prompts share
 finished prefills wait, KV held, in one FCFS queue until a decode instance (fewest assigned first)
 can ``reserve`` room for them (pull-based); the KV then moves over the link (one transfer at a time
 per sender and per receiver, as each worker has one transfer thread), the decode instance decodes
-the request from its next step on and the prefill instance frees its copy. A request's scheduling
+the request from its next step on and the prefill instance frees its copy. Decode instances of a
+class pool (``InstanceSpec.pool``) run with their own batch cap (``InstanceSpec.max_num_seqs``)
+and take their objective's requests first, as in the runtime (``decode_order``). A request's scheduling
 class (``Request.objective``, ``Request.group``) goes with it into the same policy keys and the
 same class- and group-aware routing (``distserve.cluster.classes``).
 
@@ -47,7 +49,7 @@ from typing import TYPE_CHECKING
 from distserve.cluster.admission import AdmissionItem, EntryLoad, measured_tpot_s
 from distserve.cluster.counters import ClusterCounters
 from distserve.cluster.migration_queue import MigrationQueue
-from distserve.cluster.routing import decode_order, entry_hashes, pick_entry
+from distserve.cluster.routing import decode_lane, decode_order, entry_hashes, pick_entry
 from distserve.config import SamplingParams
 from distserve.engine.instance_core import InstanceCore
 from distserve.engine.step_plan import SampledToken, StepPlan
@@ -92,7 +94,7 @@ class Simulation:
         counters: dict[str, int] = {}
         cascade = cascade_rule_of(latency)  # the modelled decode attention reads shared prefixes once
         for kind, spec, sched_cfg in groups:
-            core = InstanceCore(kind, sched_cfg, self._num_blocks(spec), cfg.block_size, self.max_model_len,
+            core = InstanceCore(kind, spec.scheduler_config(sched_cfg), self._num_blocks(spec), cfg.block_size, self.max_model_len,
                                 enable_prefix_caching=cfg.enable_prefix_caching, pipeline_depth=spec.pp)
             idx = counters.get(kind, 0)
             counters[kind] = idx + 1
@@ -101,6 +103,11 @@ class Simulation:
             self.instances.append(SimInstance(kind, idx, spec, core, fn, len(self.instances), cascade=cascade))
         self.entry = [i for i in self.instances if i.kind in ("colocated", "prefill")]
         self.decodes = [i for i in self.instances if i.kind == "decode"]
+        pools = {i.spec.pool for i in self.decodes}
+        # Class pools: each pool's requests queue for migration in a lane of their own (``decode_lane``).
+        self._lane: Callable[[tuple[SimInstance, Sequence, Sequence]], object] | None = (
+            (lambda entry: decode_lane(entry[1].request_class, pools)) if pools != {None} else None
+        )
         self.shared = SharedCompute(cfg.concurrent_slowdown) if cfg.concurrent_slowdown != 1.0 else None
         # Observers, as ``LocalDisaggEngine``'s: every plan launched (instance id, plan) and every
         # migration completed (request id, source id, destination id).
@@ -393,7 +400,7 @@ class Simulation:
 
     def _migrate_pending(self, now: float) -> None:
         """Oldest first; nobody overtakes a request waiting for room (``MigrationQueue``)."""
-        self.pending.drain(lambda entry: self._migrate(entry, now))
+        self.pending.drain(lambda entry: self._migrate(entry, now), self._lane)
 
     def _migrate(self, entry: tuple[SimInstance, Sequence, Sequence], now: float) -> bool:
         src, seq, copy = entry

@@ -5,7 +5,8 @@ scheduling class — ``objective`` and task ``group``, as ``distserve.cluster.cl
 tokens). ``generate_requests`` draws one from a length distribution (``simulator.lengths``
 holds the synthetic ones and the published statistics they imitate; ``get_length_distribution``
 names them, and resamples a trace) and an arrival process; ``load_trace``/``write_trace`` read and
-write JSONL traces; ``rescale`` and ``describe`` replay and summarise them.
+write JSONL traces; ``rescale`` and ``describe`` replay and summarise them. ``mixed_workload``
+draws a mix of scheduling classes, each with its own lengths (``mix:latency=chatbot:0.3,throughput=summarization``).
 """
 
 from __future__ import annotations
@@ -27,8 +28,8 @@ from distserve.errors import DistServeError, InvalidConfigError
 from simulator.lengths import FixedLengths, LengthDistribution, chatbot_lengths, check_int, code_lengths, summarization_lengths
 
 __all__ = [
-    "ARRIVAL_PROCESSES", "LENGTH_DISTRIBUTIONS", "Request", "TraceLengths", "arrival_times", "describe",
-    "generate_requests", "get_length_distribution", "load_trace", "rescale", "write_trace",
+    "ARRIVAL_PROCESSES", "LENGTH_DISTRIBUTIONS", "MIX_PREFIX", "Request", "TraceLengths", "arrival_times", "describe",
+    "generate_requests", "get_length_distribution", "load_trace", "mixed_workload", "parse_mix_spec", "rescale", "write_trace",
 ]
 
 
@@ -237,6 +238,63 @@ def generate_requests(
     return [
         Request(i, float(arrivals[i]), int(prompt_lens[i]), int(output_lens[i]), classes[i]) for i in range(num_requests)
     ]
+
+
+# ---- a mix of scheduling classes -----------------------------------------------------------
+MIX_PREFIX = "mix:"
+_MIX_FORM = "mix:<objective>=<lengths>[:<fraction>],... e.g. mix:latency=chatbot:0.3,throughput=summarization"
+
+
+def parse_mix_spec(spec: str) -> list[tuple[str, str, float]]:
+    """(objective, length spec, fraction) of each class of ``mix:latency=chatbot:0.3,throughput=summarization``;
+    classes without a fraction share what the others leave, equally."""
+    if not spec.startswith(MIX_PREFIX):
+        raise InvalidConfigError(f"bad mix workload {spec!r}: expected {_MIX_FORM}", "workload")
+    parts: list[tuple[str, str, float | None]] = []
+    for item in spec[len(MIX_PREFIX):].split(","):
+        objective, sep, rest = item.partition("=")
+        if not sep or not rest:
+            raise InvalidConfigError(f"bad mix workload {spec!r}: {item!r} is not <objective>=<lengths>; expected {_MIX_FORM}", "workload")
+        try:
+            RequestClass(objective.strip())
+        except DistServeError as exc:
+            raise InvalidConfigError(f"bad mix workload {spec!r}: {exc}", "workload") from None
+        lengths, fraction = rest, None
+        head, colon, tail = rest.rpartition(":")
+        if colon:
+            try:
+                value = float(tail)
+                get_length_distribution(head)
+                lengths, fraction = head, value
+            except (ValueError, InvalidConfigError):
+                pass
+        if fraction is not None and not 0 < fraction <= 1:
+            raise InvalidConfigError(f"bad mix workload {spec!r}: fraction of {objective} must be in (0, 1], got {fraction}", "workload")
+        get_length_distribution(lengths)  # an unknown one is refused with the choices
+        parts.append((objective.strip(), lengths, fraction))
+    if len({o for o, _, _ in parts}) != len(parts):
+        raise InvalidConfigError(f"bad mix workload {spec!r}: an objective is named twice", "workload")
+    given = sum(f for _, _, f in parts if f is not None)
+    num_free = sum(f is None for _, _, f in parts)
+    if given > 1 + 1e-9 or (num_free == 0 and abs(given - 1) > 1e-6) or (num_free and given >= 1):
+        raise InvalidConfigError(f"bad mix workload {spec!r}: the fractions must add up to 1", "workload")
+    rest_each = (1 - given) / num_free if num_free else 0.0
+    return [(o, lengths, f if f is not None else rest_each) for o, lengths, f in parts]
+
+
+def mixed_workload(spec: str, rate: float, num_requests: int, *, arrival: str = "poisson", cv: float = 1.0, seed: int = 0,
+                   max_total_len: int | None = None) -> list[Request]:
+    """``num_requests`` requests at ``rate`` in all, of the classes of the ``mix:`` ``spec``: each
+    class its fraction of the requests and of the rate, its own lengths; ``req_id`` 0.. in arrival order."""
+    classes = parse_mix_spec(spec)
+    check_int("num_requests", num_requests, len(classes), "(one per class)")
+    merged: list[Request] = []
+    for k, (objective, lengths, fraction) in enumerate(classes):
+        n = max(1, round(num_requests * fraction))
+        reqs = generate_requests(lengths, rate * fraction, n, arrival=arrival, cv=cv, seed=seed * 7919 + k, max_total_len=max_total_len)
+        merged.extend(replace(r, objective=objective) for r in reqs)
+    merged.sort(key=lambda r: (r.arrival_s, r.objective))
+    return [replace(r, req_id=i) for i, r in enumerate(merged)]
 
 
 # ---- traces --------------------------------------------------------------------------------

@@ -153,11 +153,16 @@ def _add_plan_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gpus-per-node", type=_positive_int, default=8)
     p.add_argument("--intra-node-bandwidth", type=_positive_float, default=None, metavar="GB/s", help="override the GPU's NVLink/PCIe bandwidth")
     p.add_argument("--inter-node-bandwidth", type=_positive_float, default=None, metavar="GB/s", help="override the network bandwidth per GPU")
-    p.add_argument("--workload", default="chatbot", help="chatbot | code | summarization | fixed:P:O | trace.jsonl")
+    p.add_argument("--workload", default="chatbot",
+                   help="chatbot | code | summarization | fixed:P:O | trace.jsonl (its 'objective' field: a request's class) | "
+                   "mix:OBJECTIVE=LENGTHS[:FRACTION],... a mix of classes, e.g. mix:latency=chatbot:0.3,throughput=summarization")
     p.add_argument("--num-requests", type=_positive_int, default=300, help="requests simulated per probe")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--ttft", type=_positive_float, required=True, help="TTFT SLO, seconds")
-    p.add_argument("--tpot", type=_positive_float, required=True, help="TPOT SLO, seconds")
+    p.add_argument("--ttft", type=_positive_float, default=None, help="TTFT SLO, seconds (default: the strictest --class-slo)")
+    p.add_argument("--tpot", type=_positive_float, default=None, help="TPOT SLO, seconds (default: the strictest --class-slo)")
+    p.add_argument("--class-slo", action="append", default=None, metavar="OBJECTIVE=TTFT:TPOT",
+                   help="SLO of one request class (its objective: latency, throughput, default), seconds, repeatable; with two or "
+                   "more classes the best disaggregated plan is also weighed split into per-class decode pools, and with larger batch caps")
     p.add_argument("--attainment", type=_fraction, default=0.9)
     p.add_argument("--attainment-mode", default="joint", choices=["joint", "separate"])
     p.add_argument("--rate", type=_positive_float, default=None, help="target traffic (req/s): size the plan for it")

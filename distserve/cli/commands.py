@@ -100,6 +100,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
     from distserve.errors import InvalidConfigError
     from distserve.planner import report as plan_report
+    from distserve.planner.classes import parse_class_slo
     from simulator import report
     from simulator.simulation import SimConfig
 
@@ -108,12 +109,15 @@ def cmd_plan(args: argparse.Namespace) -> int:
     for flag, value in (("--out", args.out), ("--plot", args.plot)):
         if value is not None and not pathlib.Path(value).resolve().parent.is_dir():
             raise InvalidConfigError(f"{flag} {value}: directory {pathlib.Path(value).parent} does not exist")
+    class_slos = dict(parse_class_slo(text) for text in args.class_slo or ())
+    if len(class_slos) != len(args.class_slo or ()):
+        raise InvalidConfigError("--class-slo: an objective is given twice", "class_slo")
     plan_args = plan_report.PlanArgs(
         model=args.model, gpu=args.gpu, nodes=args.nodes, gpus_per_node=args.gpus_per_node, workload=args.workload,
         ttft_s=args.ttft, tpot_s=args.tpot, attainment=args.attainment, attainment_mode=args.attainment_mode,
         rate=args.rate, gpus=args.gpus, profile=args.profile, affinity=args.affinity, num_requests=args.num_requests,
         seed=args.seed, intra_node_gbps=args.intra_node_bandwidth, inter_node_gbps=args.inter_node_bandwidth,
-        workers=args.workers,
+        workers=args.workers, class_slos=class_slos,
         sim_config=SimConfig(step_overhead_s=args.step_overhead_ms / 1e3, **report.scheduler_configs(args.max_num_seqs, args.max_batched_tokens)),
     )
     req, result = plan_report.run_plan(plan_args, show_progress=not args.json)
@@ -135,6 +139,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
             ratio = best.per_gpu / colo.per_gpu
             verdict = f" ({ratio:.2f}x colocated)" if best is not colo else " (colocated wins for this workload)"
         print(f"best: {best.name}, {best.num_gpus} GPUs, {best.rate:.3g} req/s, {best.per_gpu:.3g} req/s per GPU{verdict}")
+        if result.classes is not None:
+            chosen = result.classes.chosen
+            print("class pools: " + (f"{chosen.name} replace the shared pool (every class's goodput/GPU >= shared, one higher)"
+                                     if chosen is not None else "the shared pool stays (no split meets the rule)"))
     if args.out is not None:
         plan_report.write_plan(result, args.out)
         if not args.json:

@@ -17,6 +17,12 @@ request prefers decode instances without throughput work and a throughput reques
 latency work, and an instance holding latency requests is kept to a small batch while another has
 room (``decode_preference``); then fewest assigned.
 
+Class pools come before all of that: a decode instance may belong to the pool of one objective
+(``InstanceSpec.pool``, kept in its ``RouteState.pool``; None is the shared pool). A request is
+decoded on its objective's pool first, then on shared instances; the pools of other objectives are
+tried only when the candidates hold neither (e.g. every one of them died), so a request is never
+stranded — a pool's batch cap (``InstanceSpec.max_num_seqs``) is what keeps its class's TPOT low.
+
 The entry rule is a plug-in chosen by name (``ROUTERS``: ``prefix-affinity``, the default, and
 ``least-loaded``, which ignores prefixes); ``pick_entry`` applies the chosen one and does the
 bookkeeping every rule shares (counting the assignment, remembering the prompt's blocks).
@@ -53,6 +59,7 @@ class RouteState:
     classed: dict[str, str] = field(default_factory=dict)
     num_latency: int = 0
     num_throughput: int = 0
+    pool: str | None = None  # the class pool of a decode instance (an objective; None: shared)
 
     def assign(self, request_id: str | None = None, request_class: RequestClass | None = None) -> None:
         """A request was routed here: count it, by class, and remember its task group."""
@@ -168,20 +175,41 @@ def pick_entry(
     return best
 
 
+def pool_rank(objective: str, pool: str | None) -> int:
+    """How a decode instance of class pool ``pool`` suits a request of ``objective``: its own pool
+    (0), the shared pool (1), another objective's pool (2: only when there is nothing else)."""
+    if pool is None:
+        return 1
+    return 0 if pool == objective else 2
+
+
+def decode_lane(request_class: RequestClass | None, pools: Iterable[str | None]) -> str | None:
+    """The migration-queue lane of a request (``MigrationQueue.drain``'s ``lane``) in a deployment
+    whose decode instances are in ``pools``: its objective's, if that has a pool, else the shared
+    lane (None). Without pools every request is in the one lane: plain FCFS."""
+    objective = request_class.objective if request_class is not None else DEFAULT
+    return objective if objective in set(pools) else None
+
+
 def decode_order(
     candidates: Sequence[T], state: Callable[[T], RouteState], request_class: RequestClass | None = None,
     latency_cap: int = DEFAULT_LATENCY_CAP,
 ) -> list[T]:
-    """The decode instances to ask for room, in order: fewest assigned first, then the earlier; for
-    a request with a class, first the instances that took its task group's earlier members, then
-    by ``decode_preference`` (latency and throughput apart, instances holding latency requests kept
-    to ``latency_cap`` requests while another has room: ``SchedulerConfig.latency_max_num_seqs``)."""
+    """The decode instances to ask for room, in order. The request's class pool first, then the
+    shared pool (other objectives' pools only if the candidates have neither: ``pool_rank``); within
+    a pool fewest assigned first, then the earlier; for a request with a class, first the instances
+    that took its task group's earlier members, then by ``decode_preference`` (latency and
+    throughput apart, instances holding latency requests kept to ``latency_cap`` requests while
+    another has room: ``SchedulerConfig.latency_max_num_seqs``)."""
     objective = request_class.objective if request_class is not None else DEFAULT
     group = request_class.group if request_class is not None else None
+    ranks = {id(c): pool_rank(objective, state(c).pool) for c in candidates}
+    if any(r < 2 for r in ranks.values()):
+        candidates = [c for c in candidates if ranks[id(c)] < 2]
 
-    def key(inst: T) -> tuple[int, int, int]:
+    def key(inst: T) -> tuple[int, int, int, int]:
         s = state(inst)
-        return (0 if group is not None and group in s.recent_groups else 1,
+        return (ranks[id(inst)], 0 if group is not None and group in s.recent_groups else 1,
                 decode_preference(objective, s.num_latency, s.num_throughput, s.num_assigned, latency_cap), s.num_assigned)
 
     return sorted(candidates, key=key)
@@ -189,5 +217,5 @@ def decode_order(
 
 __all__ = [
     "DEFAULT_LATENCY_CAP", "DEFAULT_ROUTER", "MAX_AFFINITY_IMBALANCE", "MAX_REMEMBERED_BLOCKS", "ROUTERS", "EntryRouter", "RouteState",
-    "check_router", "decode_order", "entry_hashes", "least_loaded", "pick_entry", "prefix_affinity",
+    "check_router", "decode_lane", "decode_order", "entry_hashes", "least_loaded", "pick_entry", "pool_rank", "prefix_affinity",
 ]

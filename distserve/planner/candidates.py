@@ -6,11 +6,18 @@ from __future__ import annotations
 
 import math
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
 from distserve.errors import InvalidConfigError
 from distserve.placement import InstanceSpec, Placement
-from distserve.planner.plan import Cluster
 from simulator.latency import BatchShape, LatencyModel
+from simulator.sim_config import SimConfig
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+
+    from distserve.planner.plan import Cluster
+    from simulator.workload import Request
 
 
 def parallel_configs(latency: LatencyModel, cluster: Cluster, mem_utilization: float, max_pp: int | None = None) -> list[tuple[int, int]]:
@@ -54,6 +61,40 @@ def decode_bound(latency: LatencyModel, tp: int, pp: int, prompt_mean: float, ou
     batch = max(1, min(max_seqs, int(kv_tokens // max(ctx * pp, 1))))
     t = latency.step_time(BatchShape(0, 0, 0, batch, int(batch * ctx)), tp, pp)
     return batch / t / max(output_mean, 1.0) if t > 0 else math.inf
+
+
+def placement_bound(latency: LatencyModel, placement: Placement, requests: Sequence[Request], config: SimConfig) -> float:
+    """Requests/s of ``requests``' mix a disaggregated placement sustains at most: its prefill
+    instances' bound or its decode pools', whichever is lower.
+
+    Decode is bounded class by class (each class's lengths, so a mix is not bounded at its mean
+    lengths): a pool whose instances decode class c at D(c) requests/s in all, serving the classes
+    C at mix fractions f_c, sustains a mix rate of 1 / sum_c f_c / D(c). A class pool
+    (``InstanceSpec.pool``) serves its objective, the shared pool the objectives without a pool;
+    each instance batches up to its own cap."""
+    def mean(values: list[int]) -> float:
+        return sum(values) / len(values)
+
+    pre = sum(prefill_bound(latency, s.tp, s.pp, mean([r.prompt_len for r in requests]), config.prefill_scheduler.max_num_batched_tokens)
+              for s in placement.prefill) / config.prefill_scale
+    pools = {s.pool for s in placement.decode}
+    by_class: dict[str, list[Request]] = {}
+    for r in requests:
+        by_class.setdefault(r.objective, []).append(r)
+    bounds = [pre]
+    for pool in pools:
+        seconds = 0.0  # decode seconds of the pool per request of the mix
+        for objective, reqs in by_class.items():
+            if objective != pool and (pool is not None or objective in pools):
+                continue
+            prompt, output = mean([r.prompt_len for r in reqs]), mean([r.output_len for r in reqs])
+            rate = sum(decode_bound(latency, s.tp, s.pp, prompt, output, s.scheduler_config(config.decode_scheduler).max_num_seqs,
+                                    latency.max_kv_tokens(s.tp, s.pp, config.mem_utilization))
+                       for s in placement.decode if s.pool == pool) / config.step_time_scale
+            seconds += len(reqs) / len(requests) / rate
+        if seconds > 0:
+            bounds.append(1.0 / seconds)
+    return min(bounds)
 
 
 def replicate_units(unit: Placement, k: int, pp: int) -> Placement:

@@ -4,14 +4,16 @@ candidate, and the deployable plans (``PlanOption``) of a ``PlanResult``."""
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 from distserve.errors import InvalidConfigError
 from distserve.placement import Placement
+from distserve.planner.classes import ClassComparison, check_class_slos
 from simulator.hardware import HardwareSpec
 from simulator.latency import LatencyModel
-from distserve.slo import SLOSpec
+from distserve.slo import SLO, SLOSpec
 from simulator.simulation import SimConfig
 from simulator.workload import Request
 
@@ -64,8 +66,13 @@ class PlanRequest:
     # End each simulated probe once its SLO verdict is certain (exact: the same outcome; False runs
     # every probe to its last request, bench_planner's reference).
     stop_probes: bool = True
+    # One SLO per scheduling-class objective of the workload (``planner.classes``): with two or more
+    # objectives, the best disaggregated plan is also weighed split into class pools (and with larger batch caps).
+    class_slos: Mapping[str, SLO] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        if self.class_slos:
+            check_class_slos(self.unit_requests, self.class_slos)
         if self.affinity not in AFFINITIES:
             raise InvalidConfigError(f"--affinity must be one of {AFFINITIES}, got {self.affinity!r}")
         if self.rate is not None and not (self.rate > 0 and math.isfinite(self.rate)):
@@ -133,6 +140,7 @@ class PlanResult:
     feasible: bool
     closest: str | None = None  # for impossible SLOs: the closest candidate and the binding SLO
     notes: list[str] = field(default_factory=list)  # e.g. a target rate the cluster cannot serve
+    classes: ClassComparison | None = None  # per-class goodput of the shared plan and its class-pool splits
 
     @property
     def colocated(self) -> PlanOption | None:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -12,13 +12,14 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from distserve.errors import InvalidConfigError
+from distserve.planner.classes import ClassComparison, pools_label
 from distserve.planner.plan import Cluster, PlanOption, PlanRequest, PlanResult
 from distserve.planner.search import Planner
 from distserve.slo import SLO, SLOSpec, attainment
 from simulator.hardware import get_hardware
 from simulator.latency import get_latency_model
 from simulator.simulation import SimConfig, simulate, with_rate
-from simulator.workload import generate_requests, load_trace, rescale
+from simulator.workload import MIX_PREFIX, generate_requests, load_trace, mixed_workload, rescale
 
 
 @dataclass(frozen=True)
@@ -28,8 +29,8 @@ class PlanArgs:
     nodes: int
     gpus_per_node: int
     workload: str
-    ttft_s: float
-    tpot_s: float
+    ttft_s: float | None  # None: the strictest of the class SLOs
+    tpot_s: float | None
     attainment: float = 0.9
     attainment_mode: str = "joint"
     rate: float | None = None
@@ -42,6 +43,16 @@ class PlanArgs:
     inter_node_gbps: float | None = None
     workers: int = 1
     sim_config: SimConfig = SimConfig()
+    class_slos: dict[str, SLO] = field(default_factory=dict)  # objective -> SLO (``--class-slo``)
+
+
+def default_slo(a: PlanArgs) -> SLO:
+    """``--ttft``/``--tpot``; where not given, the strictest of the class SLOs."""
+    ttft = a.ttft_s if a.ttft_s is not None else min((s.ttft_s for s in a.class_slos.values()), default=None)
+    tpot = a.tpot_s if a.tpot_s is not None else min((s.tpot_s for s in a.class_slos.values()), default=None)
+    if ttft is None or tpot is None:
+        raise InvalidConfigError("give --ttft and --tpot, or an SLO per class (--class-slo OBJECTIVE=TTFT:TPOT)", "ttft")
+    return SLO(ttft, tpot, a.attainment)
 
 
 def build_request(a: PlanArgs) -> PlanRequest:
@@ -55,11 +66,14 @@ def build_request(a: PlanArgs) -> PlanRequest:
     max_len = a.sim_config.max_model_len or latency.model.max_position_embeddings
     if a.workload.endswith(".jsonl"):
         unit = rescale(load_trace(a.workload), 1.0)
+    elif a.workload.startswith(MIX_PREFIX):
+        unit = mixed_workload(a.workload, 1.0, a.num_requests, seed=a.seed, max_total_len=max_len)
     else:
         unit = generate_requests(a.workload, 1.0, a.num_requests, seed=a.seed, max_total_len=max_len)
-    slo = SLOSpec(SLO(a.ttft_s, a.tpot_s, a.attainment), mode=a.attainment_mode)
+    slo = SLOSpec(default_slo(a), mode=a.attainment_mode)
+    class_slos = {o: replace(s, attainment=a.attainment) for o, s in a.class_slos.items()}
     return PlanRequest(latency, cluster, tuple(unit), slo, rate=a.rate, gpu_budget=a.gpus, affinity=a.affinity,
-                       sim_config=a.sim_config, max_workers=a.workers)
+                       sim_config=a.sim_config, max_workers=a.workers, class_slos=class_slos)
 
 
 def run_plan(a: PlanArgs, show_progress: bool = True) -> tuple[PlanRequest, PlanResult]:
@@ -83,7 +97,39 @@ def _layout(option: PlanOption) -> tuple[str, str, str]:
         s = p.colocated[0]
         return f"tp{s.tp} pp{s.pp}", "-", f"{len(p.colocated)}x colocated"
     sp, sd = p.prefill[0], p.decode[0]
-    return f"tp{sp.tp} pp{sp.pp}", f"tp{sd.tp} pp{sd.pp}", f"{len(p.prefill)}P{len(p.decode)}D"
+    pools = pools_label(p)
+    return f"tp{sp.tp} pp{sp.pp}", f"tp{sd.tp} pp{sd.pp}", f"{len(p.prefill)}P{len(p.decode)}D" + ("" if pools == "shared" else f" ({pools})")
+
+
+def render_classes(classes: ClassComparison) -> Table:
+    """Per-class goodput per GPU (of the rate of the whole mix) and attainment at the plan's rate, the shared plan vs each variant."""
+    slos = ", ".join(f"{o}: TTFT <= {s.ttft_s} s, TPOT <= {s.tpot_s} s" for o, s in classes.slos.items())
+    t = Table(title=f"per-class goodput of the shared plan, larger batch caps and class pools (attainment at {classes.rate:.3g} req/s)",
+              caption=f"SLO per class at {next(iter(classes.slos.values())).attainment:.0%}: {slos}. Rule: {classes.rule}")
+    t.add_column("decode instances", justify="left")
+    for o in classes.slos:
+        t.add_column(f"{o} goodput/GPU", justify="right")
+        t.add_column(f"{o} attainment", justify="right")
+    for f in classes.plans:
+        cells = []
+        for o in classes.slos:
+            cells += ["-" if o not in f.goodput else f"{f.per_gpu(o):.3g}", f"{f.attainment.get(o, math.nan):.1%}"]
+        mark = "* " if f is classes.chosen or (classes.chosen is None and f is classes.shared) else ""
+        t.add_row(mark + f.name, *cells)
+    return t
+
+
+def class_summary(classes: ClassComparison) -> dict[str, Any]:
+    return {
+        "rule": classes.rule,
+        "rate": classes.rate,
+        "slos": {o: {"ttft_s": s.ttft_s, "tpot_s": s.tpot_s, "attainment": s.attainment} for o, s in classes.slos.items()},
+        "chosen": None if classes.chosen is None else classes.chosen.name,
+        "larger_cap": None if classes.larger_cap is None else classes.larger_cap.name,
+        "plans": [{"name": f.name, "pools": pools_label(f.placement), "num_gpus": f.num_gpus, "goodput": f.goodput,
+                   "goodput_per_gpu": {o: f.per_gpu(o) for o in f.goodput}, "attainment": f.attainment}
+                  for f in classes.plans],
+    }
 
 
 def render(req: PlanRequest, result: PlanResult) -> list[Table]:
@@ -117,6 +163,8 @@ def render(req: PlanRequest, result: PlanResult) -> list[Table]:
             goodput, per_gpu, note = f"{cand.goodput:.3g}", f"{cand.per_gpu:.3g}", cand.skipped or ""
         c.add_row(cand.kind, cand.label(), str(cand.num_gpus), goodput, per_gpu, cand.binding or "-", note)
     tables.append(c)
+    if result.classes is not None:
+        tables.append(render_classes(result.classes))
     return tables
 
 
@@ -139,6 +187,7 @@ def summary(req: PlanRequest, result: PlanResult) -> dict[str, Any]:
                         "per_gpu": c.per_gpu, "bound": c.bound_rate, "binding": c.binding, "skipped": c.skipped,
                         "goodput_below": c.goodput_below}
                        for c in result.candidates],
+        "classes": None if result.classes is None else class_summary(result.classes),
     }
 
 

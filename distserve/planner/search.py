@@ -20,8 +20,12 @@ best bound first, and a candidate's search stops as soon as its outcome certainl
 best so far (``find_goodput``'s ``min_rate``): which candidates win, and their goodputs, are exactly
 those of the full search.
 
+With an SLO per scheduling class (``PlanRequest.class_slos``) and a workload of two or more
+classes, the best disaggregated plan is also weighed divided into class pools of decode instances
+(``planner.classes``), and replaced by the split the rule there chooses.
+
 This module owns the search (``Planner``); what it is asked and answers is in ``planner.plan``, the
-layouts it tries and their bounds in ``planner.candidates``.
+layouts it tries and their bounds in ``planner.candidates``, the class pools in ``planner.classes``.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ from typing import Any
 from distserve.errors import InvalidConfigError
 from distserve.placement import InstanceSpec, Placement
 from distserve.planner.candidates import assign_nodes, decode_bound, parallel_configs, prefill_bound, replicate_units
+from distserve.planner.classes import ClassComparison, compare_pools, workload_objectives
 from distserve.planner.plan import Candidate, PlanOption, PlanRequest, PlanResult
 from simulator.goodput import GoodputResult, find_goodput
 from simulator.latency import LatencyModel
@@ -362,9 +367,46 @@ class Planner:
                 else:
                     self.notes.append(f"low affinity: {k} units of {bu.label()} needed, {max_units} fit the cluster")
         options.sort(key=lambda o: -o.per_gpu)
+        best = options[0] if options else None
+        classes = self._class_pools(options) if self.req.class_slos else None
+        if classes is not None and classes.chosen is not None:
+            shared = next(o for o in options if o.placement == classes.shared.placement)
+            split = self._pools_option(shared, classes)
+            options.insert(options.index(shared), split)
+            best = split if best is shared else best
         feasible = bool(options)
         closest = None if feasible else self._closest(candidates)
-        return PlanResult(options[0] if options else None, options, candidates, self.num_simulated, feasible, closest, self.notes)
+        return PlanResult(best, options, candidates, self.num_simulated, feasible, closest, self.notes, classes)
+
+    def _class_pools(self, options: list[PlanOption]) -> ClassComparison | None:
+        """The best disaggregated plan, weighed against its variants (``planner.classes``: class pools need two decode instances)."""
+        if len(workload_objectives(self.req.unit_requests)) < 2:
+            self.notes.append("class SLOs given, but the workload has one class: no class pools weighed")
+            return None
+        shared = next((o for o in options if o.placement.is_disaggregated), None)
+        if shared is None:
+            self.notes.append("no disaggregated plan to divide into class pools")
+            return None
+        comparison = compare_pools(shared.placement, shared.rate, self.req.latency, self.req.unit_requests, self.req.sim_config,
+                                   self.req.class_slos, self.req.rel_tol)
+        self.num_simulated += comparison.num_simulated
+        if comparison.larger_cap is not None:
+            cap = comparison.larger_cap.placement.decode[0].max_num_seqs
+            self.notes.append(f"a larger decode batch cap alone ({cap}) serves every class more than the shared plan: "
+                              f"try --max-num-seqs {cap} (see the per-class table)")
+        return comparison
+
+    def _pools_option(self, shared: PlanOption, classes: ClassComparison) -> PlanOption:
+        """The chosen split as a deployable plan: the shared plan's instances and rate (it takes
+        its place; the per-class gains are in the class table), its decode instances in pools."""
+        chosen = classes.chosen
+        assert chosen is not None
+        placement, rate = chosen.placement, shared.rate
+        option = PlanOption(f"{shared.name} + class pools", placement, shared.num_gpus, rate, self._verify(placement, rate))
+        option.predicted.update({"rate": rate, "goodput_per_gpu": option.per_gpu, "num_gpus": option.num_gpus, "kind": option.name,
+                                 "class_goodput": dict(classes.chosen.goodput), "class_goodput_shared": dict(classes.shared.goodput)})
+        option.placement = replace(placement, predicted=dict(option.predicted), slo=self.req.slo.default)
+        return option
 
     def _option(self, name: str, placement: Placement, rate: float, step_budget: str | None = None) -> PlanOption:
         placement = assign_nodes(placement, self.req.cluster) if "low" not in name else placement

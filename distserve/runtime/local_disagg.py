@@ -7,7 +7,8 @@ queueing across tenants by default, bounds, token rates, deadlines); each ``step
 requests past their deadline, dispatches what the prefill instances accept under backpressure (to
 the one ``pick_entry`` chooses among them), then runs a prefill step on every prefill instance with
 work, migrates every request whose KV a decode instance has room for, then runs a decode step on
-every busy decode instance.
+every busy decode instance. Decode instances of a class pool (``Placement`` given) run with their
+own batch cap and take their objective's requests first (``cluster.routing.decode_order``).
 A failed migration (only ever injected here: the copy is synchronous and cannot time out) takes
 the Ray runtime's path: the decode side cancels its reservation and the request is prefilled again.
 
@@ -30,7 +31,7 @@ import torch
 from distserve.cluster.admission import TIMED_OUT, AdmissionConfig, AdmissionItem, AdmissionQueue, EntryLoad, measured_tpot_s, timeout_error
 from distserve.cluster.counters import ClusterCounters
 from distserve.cluster.migration_queue import MigrationQueue
-from distserve.cluster.routing import DEFAULT_ROUTER, RouteState, check_router, decode_order, entry_hashes, pick_entry
+from distserve.cluster.routing import DEFAULT_ROUTER, RouteState, check_router, decode_lane, decode_order, entry_hashes, pick_entry
 from distserve.config import CacheConfig, SchedulerConfig
 from distserve.engine.instance_core import InstanceCore
 from distserve.engine.model import resolve_dtype
@@ -41,6 +42,7 @@ from distserve.engine.sequence import Sequence, SequenceStatus
 from distserve.engine.weights import LoadedModel, load_model
 from distserve.errors import DistServeError, InvalidConfigError
 from distserve.kvtransfer.migration import pack_blocks, unpack_blocks
+from distserve.placement import InstanceSpec, Placement
 from distserve.runtime.stats import prefill_totals
 
 
@@ -91,6 +93,17 @@ def _route(inst: LocalInstance) -> RouteState:
     return inst.route
 
 
+def _decode_specs(placement: Placement | None, num_decode: int) -> tuple[InstanceSpec, ...]:
+    """The decode instances to build: the placement's (in-process: tp = pp = 1), else ``num_decode`` plain ones."""
+    if placement is None:
+        return tuple(InstanceSpec() for _ in range(max(0, num_decode)))
+    if not placement.is_disaggregated:
+        raise InvalidConfigError("LocalDisaggEngine needs a disaggregated placement (prefill and decode instances)", "placement")
+    if any(s.tp * s.pp != 1 for s in placement.prefill + placement.decode):
+        raise InvalidConfigError("in-process instances have no TP/PP: the placement asks for tp or pp > 1", "placement")
+    return placement.decode
+
+
 class LocalDisaggEngine(EngineBase):
     """``num_prefill`` prefill and ``num_decode`` decode instances of one model, all in this process."""
 
@@ -108,12 +121,18 @@ class LocalDisaggEngine(EngineBase):
         runner_factory: RunnerFactory = model_runner,
         router: str = DEFAULT_ROUTER,
         admission: AdmissionConfig = AdmissionConfig(),
+        placement: Placement | None = None,
     ) -> None:
         """``admission`` configures the admission queue in front of the prefill instances (the
-        product's default: fair queueing, TNG's backpressure); the rest the instances."""
+        product's default: fair queueing, TNG's backpressure); the rest the instances.
+        ``placement`` (tp = pp = 1 everywhere), if given, replaces ``num_prefill``/``num_decode``:
+        its decode instances keep their class pools and batch caps (``InstanceSpec.pool``/``max_num_seqs``)."""
         if not (kv_transfer_timeout_s > 0 and math.isfinite(kv_transfer_timeout_s)):
             raise InvalidConfigError(f"kv_transfer_timeout_s must be a positive number of seconds, got {kv_transfer_timeout_s}")
         self.router = check_router(router)
+        decode_specs = _decode_specs(placement, num_decode)
+        num_prefill = num_prefill if placement is None else len(placement.prefill)
+        num_decode = len(decode_specs)
         if num_prefill < 1 or num_decode < 1:
             raise InvalidConfigError(f"need at least one prefill and one decode instance, got {num_prefill}P{num_decode}D")
         loaded = load_model(model, resolve_dtype(dtype)) if isinstance(model, str) else model
@@ -121,13 +140,19 @@ class LocalDisaggEngine(EngineBase):
         prefill_cfg = prefill_scheduler_config or self.scheduler_config
         cc = self.cache_config
 
-        def instance(phase: str, i: int, config: SchedulerConfig) -> LocalInstance:
-            core = InstanceCore(phase, config, self.num_blocks, cc.block_size, self.max_model_len, self.eos_token_ids,
-                                enable_prefix_caching=cc.enable_prefix_caching)
-            return LocalInstance(f"{phase}-{i}", core, runner_factory(loaded, self.num_blocks, cc, self.eos_token_ids))
+        def instance(phase: str, i: int, config: SchedulerConfig, spec: InstanceSpec = InstanceSpec()) -> LocalInstance:
+            core = InstanceCore(phase, spec.scheduler_config(config), self.num_blocks, cc.block_size, self.max_model_len,
+                                self.eos_token_ids, enable_prefix_caching=cc.enable_prefix_caching)
+            return LocalInstance(f"{phase}-{i}", core, runner_factory(loaded, self.num_blocks, cc, self.eos_token_ids),
+                                 RouteState(pool=spec.pool))
 
         self.prefill = [instance("prefill", i, prefill_cfg) for i in range(num_prefill)]
-        self.decode = [instance("decode", i, self.scheduler_config) for i in range(num_decode)]
+        self.decode = [instance("decode", i, self.scheduler_config, spec) for i, spec in enumerate(decode_specs)]
+        pools = {spec.pool for spec in decode_specs}
+        # Class pools: each pool's requests queue for migration in a lane of their own (``decode_lane``).
+        self._lane: Callable[[tuple[LocalInstance, Sequence]], object] | None = (
+            (lambda entry: decode_lane(entry[1].request_class, pools)) if pools != {None} else None
+        )
         self.counters = ClusterCounters()
         self.kv_transfer_timeout_s = kv_transfer_timeout_s  # for parity with the Controller: copies here are synchronous
         self._fault: str | None = None
@@ -204,7 +229,7 @@ class LocalDisaggEngine(EngineBase):
     def _reset(self) -> None:
         for inst in (*self.prefill, *self.decode):
             inst.core.reset()
-            inst.route = RouteState()
+            inst.route = RouteState(pool=inst.route.pool)
         self._pending = MigrationQueue()
         self._owner = {}
         self._dispatched &= self._seqs.keys()
@@ -250,7 +275,7 @@ class LocalDisaggEngine(EngineBase):
             src, seq = entry
             return seq.is_finished or seq.seq_id not in self._seqs or self._migrate(src, seq)
 
-        self._pending.drain(move)
+        self._pending.drain(move, self._lane)
 
     def inject_transfer_fault(self, kind: str) -> None:
         """Test hook: the next migration fails (one-shot). ``drop_send`` counts as a timeout, ``fail_recv`` as an error."""

@@ -6,7 +6,8 @@ migration queue (``cluster.migration_queue``) until a decode instance — tried 
 The decode side reports when the KV arrived, and only then is the prefill side told to
 ``release`` its blocks (``Controller._apply``). A transfer that fails or does not complete within
 ``kv_transfer_timeout_s`` is decided by the decode side (it cancels its reservation): the prefill
-side prefills the request again (its prefix is cached) and it migrates anew.
+side prefills the request again (its prefix is cached) and it migrates anew. With class pools
+(``InstanceSpec.pool``) each pool's requests wait in a lane of their own (``routing.decode_lane``).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from typing import TYPE_CHECKING
 
 from distserve.cluster.counters import ClusterCounters
 from distserve.cluster.migration_queue import MigrationQueue
-from distserve.cluster.routing import decode_order
+from distserve.cluster.routing import decode_lane, decode_order
 from distserve.config import SchedulerConfig
 from distserve.engine.sequence import Sequence
 from distserve.kvtransfer.migration import num_tags
@@ -57,8 +58,14 @@ class KVMigrations:
                 return True  # finished, or its instance died: no longer waiting
             return await self._migrate(src, seq)
 
+        pools = {i.route.pool for i in self.instances if i.phase == "decode"}
+
+        def lane(entry: tuple[DeployedInstance, str]) -> object:
+            seq = self._seqs.get(entry[1])
+            return decode_lane(seq.request_class if seq is not None else None, pools)
+
         async with self._migration_lock:
-            await self._pending.drain_async(move)
+            await self._pending.drain_async(move, lane if pools != {None} else None)
 
     async def _migrate(self, src: DeployedInstance, seq: Sequence) -> bool:
         decodes = [i for i in self.instances if i.alive and i.phase == "decode"]

@@ -6,6 +6,8 @@ instances form one torch.distributed world (gloo on CPU, NCCL on GPU): TP/PP gro
 instance, point-to-point KV migration between them. ``DeployedInstance`` is what the controller
 knows about one of them; ``deploy`` creates them all, ``init_method`` names a fresh rendezvous for
 the world (formed again after a restart, see ``runtime.recovery``), and ``undeploy`` removes them.
+A decode instance of a class pool runs with its spec's batch cap and routes by its pool
+(``InstanceSpec.pool``/``max_num_seqs``, kept in its ``RouteState``).
 """
 
 from __future__ import annotations
@@ -109,14 +111,14 @@ async def deploy(config: DeploymentConfig, frontend: RequestFrontend, dtype: str
             pg = placement_group([dict(bundle) for _ in range(world)], strategy="STRICT_PACK")
             spec = InstanceServerSpec(
                 instance_id=f"{phase}-{i}", phase=phase, model=config.model, dtype=dtype,
-                cache=frontend.cache_config, scheduler=sched, num_blocks=frontend.num_blocks,
+                cache=frontend.cache_config, scheduler=placed.scheduler_config(sched), num_blocks=frontend.num_blocks,
                 max_model_len=frontend.max_model_len, eos_token_ids=frontend.eos_token_ids, tp=placed.tp, pp=placed.pp,
                 global_ranks=list(range(next_rank, next_rank + world)),
                 num_threads=placed.threads or config.num_threads_per_worker or 1,
                 kv_transfer_timeout_s=config.kv_transfer_timeout_s,
             )
             next_rank += world
-            instances.append(DeployedInstance(spec, None, pg))
+            instances.append(DeployedInstance(spec, None, pg, route=RouteState(pool=placed.pool)))
     await asyncio.gather(*(asyncio.wrap_future(_ready_future(inst.placement_group)) for inst in instances))
     for inst in instances:
         inst.actor = create_instance_actor(inst)

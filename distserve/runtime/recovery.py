@@ -199,7 +199,7 @@ class InstanceRecovery:
                 self._running.set()
             inst.restarts += 1
             self.counters.record_instance_restart()
-            inst.route = RouteState()
+            inst.route = RouteState(pool=inst.route.pool)
             inst.has_work = inst.kicked = False
             inst.restarting = False
             inst.alive = True
