@@ -17,7 +17,7 @@ from simulator.goodput import GoodputResult, find_goodput
 from simulator.latency import LatencyModel, get_latency_model
 from simulator.simulation import SimConfig, simulate
 from simulator.multi_tenant import flood_workload, is_flood_spec, parse_flood_spec
-from simulator.workload import Request, describe, generate_requests, load_trace, rescale
+from simulator.workload import MIX_PREFIX, Request, describe, generate_requests, load_trace, mixed_workload, rescale
 
 
 @dataclass(frozen=True)
@@ -61,6 +61,9 @@ def build_requests(req: SimulateRequest, max_total_len: int, unit_rate: bool = F
         num_light, factor = parse_flood_spec(req.workload)
         return flood_workload(rate, req.num_requests, num_light=num_light, factor=factor, seed=req.seed,  # type: ignore[arg-type]
                               max_total_len=max_total_len, arrival=req.arrival, cv=req.cv)
+    if req.workload.startswith(MIX_PREFIX):
+        return mixed_workload(req.workload, rate, req.num_requests, arrival=req.arrival, cv=req.cv, seed=req.seed,
+                              max_total_len=max_total_len)
     return generate_requests(
         req.workload, rate, req.num_requests, arrival=req.arrival, cv=req.cv, seed=req.seed, max_total_len=max_total_len  # type: ignore[arg-type]
     )

@@ -123,7 +123,8 @@ def _add_simulate_args(p: argparse.ArgumentParser) -> None:
     _add_placement_args(p)
     p.add_argument("--workload", default="chatbot",
                    help="chatbot | code | summarization | fixed:P:O | flood[:N[:FACTOR]] (one tenant flooding at FACTOR x the "
-                   "rate of each of N chat tenants, default 3 and 10) | trace.jsonl (with a \"tenant\" field: several tenants)")
+                   "rate of each of N chat tenants, default 3 and 10) | mix:OBJECTIVE=LENGTHS[:FRACTION],... (requests of several "
+                   "scheduling classes, e.g. mix:latency=chatbot:0.3,throughput=summarization) | trace.jsonl (with a \"tenant\" field: several tenants)")
     p.add_argument("--rate", type=_positive_float, default=None, help="arrival rate, requests/s (a trace is rescaled to it)")
     p.add_argument("--num-requests", type=_positive_int, default=1000, help="requests of a synthetic workload")
     _add_admission_args(p, "--tpot")

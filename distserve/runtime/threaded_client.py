@@ -449,7 +449,7 @@ def build_local_engine_client(config: DeploymentConfig) -> ThreadedEngineClient:
             ]
         return [
             LocalDisaggEngine(
-                loaded, num_prefill=len(placement.prefill), num_decode=len(placement.decode), cache_config=config.cache_config,
+                loaded, placement=placement, cache_config=config.cache_config,
                 prefill_scheduler_config=config.prefill_scheduler_config, decode_scheduler_config=config.scheduler_config,
                 router=config.router, admission=config.admission,
             )
