@@ -1,7 +1,8 @@
 """The Controller's admission queue on Ray (issue 17): a flooding tenant does not starve a light one
 under ``fair``, ``fcfs`` keeps arrival order, a tenant's bound refuses with a ``retry_after_s``, a
-request past its ``timeout`` fails with error_kind "timeout", a queued request can be aborted, and
-every request still gets the colocated engine's greedy tokens.
+request past its ``timeout`` fails with error_kind "timeout", a queued request can be aborted, a
+TPOT SLO holds new requests while decoding is slower, and every request still gets the colocated
+engine's greedy tokens.
 
 One 1P1D deployment of the tiny model; its prefill instance takes one prompt per step, so requests
 queue (TNG's backpressure: at most 3 waiting in it). Each test installs a fresh admission queue of
@@ -205,3 +206,24 @@ def test_a_queued_request_times_out_or_is_aborted(runtime: ControllerRuntime, re
     assert stats["tenants"]["light"]["num_dispatched"] == 0 and stats["tenants"]["heavy"]["num_dispatched"] == 3
     assert not controller._seqs and not controller._dispatched and not controller._deadline_timers
     assert wait_until(runtime.all_freed), runtime.stats()
+
+
+
+def test_a_tpot_slo_holds_new_requests_while_decoding_is_slower(runtime: ControllerRuntime, reference: dict[str, list[int]]) -> None:
+    # No queue rule, and an SLO no step meets: a request waits while anything decodes.
+    controller = use_admission(runtime, AdmissionConfig(max_waiting=None, tpot_slo_s=1e-9))
+    decode = next(i for i in controller.instances if i.phase == "decode")
+
+    async def scenario() -> tuple[list[RequestOutput], list[RequestOutput]]:
+        early = [asyncio.create_task(final(controller, n)) for n in ("h0", "h1")]
+        while decode.last_step is None or decode.last_step.num_running == 0:
+            await asyncio.sleep(0.001)
+        late = await asyncio.gather(final(controller, "l0"), final(controller, "l1"))
+        return list(await asyncio.gather(*early)), list(late)
+
+    early, late = runtime.run(scenario(), timeout_s=120)
+    check_tokens(early + late, reference)
+    # Dispatched once the decode instance reported nothing running: after the early ones finished.
+    last_finish = max(o.metrics.finish_time or 0.0 for o in early)
+    assert all((o.metrics.first_token_time or 0.0) > last_finish for o in late), (early, late)
+    assert runtime.stats()["admission"]["tenants"]["light"]["num_dispatched"] == 2
