@@ -91,6 +91,7 @@ class AdmissionDriver:
         self._admit()
 
     def _rerun(self, seq: Sequence) -> None:
+        """An admitted request run again (its instance died): to a live entry instance, or parked."""
         reason = self._outage()
         if reason is not None:
             raise ServiceUnavailableError(reason)
