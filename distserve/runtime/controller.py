@@ -1,17 +1,19 @@
-"""The Controller: runs a deployed ``Placement`` — routes requests, steps instances, streams outputs.
+"""The Controller: runs a deployed ``Placement`` — admits requests, steps instances, streams outputs.
 
 It is hosted in a Ray actor of its own by ``ControllerActor`` (``controller_actor.py``), and runs
 in-process on any event loop too (tests, instrumentation). Its parts, each in its own module:
 deploying on Ray (``ray_deployment``: placement groups, instance actors, the torch.distributed
-world), KV migration from prefill to decode instances (``migrations``) and recovery from dead
-instances (``recovery``); the policies they apply — routing, the migration queue, blame — live in
-``distserve.cluster`` and are shared with the in-process engine and the simulator.
+world), the admission queue in front of the entry instances (``admission_driver``), KV migration
+from prefill to decode instances (``migrations``) and recovery from dead instances
+(``recovery``); the policies they apply — admission, routing, the migration queue, blame — live
+in ``distserve.cluster`` and are shared with the in-process engine and the simulator.
 
 What this module keeps is the request side and the step loops. Per instance an asyncio task keeps
 calling ``step`` while it has work, so prefill and decode instances run concurrently in their own
 processes; each ``StepResult`` is applied here (tokens to streams, finished migrations acknowledged
-so the prefill side may ``release`` its KV, prefilled requests queued for migration). Step
-listeners (``add_step_listener``) see every result before it is applied.
+so the prefill side may ``release`` its KV, prefilled requests queued for migration), then the
+admission queue dispatches what the entry instances now accept. Step listeners
+(``add_step_listener``) see every result before it is applied.
 """
 
 from __future__ import annotations
@@ -27,7 +29,6 @@ from typing import Any
 from distserve.cluster.counters import ClusterCounters
 from distserve.cluster.migration_queue import MigrationQueue
 from distserve.cluster.recovery import CrashLedger
-from distserve.cluster.routing import entry_hashes, pick_entry
 from distserve.cluster.classes import RequestClass
 from distserve.config import SamplingParams
 from distserve.engine.model import resolve_dtype
@@ -35,10 +36,11 @@ from distserve.engine.outputs import RequestFrontend, RequestOutput
 from distserve.engine.sequence import Sequence, SequenceStatus
 from distserve.engine.weights import load_model
 from distserve.errors import DistServeError, InvalidConfigError, QueueFullError, ServiceUnavailableError, StepFailedError
+from distserve.runtime.admission_driver import AdmissionDriver
 from distserve.runtime.config import DeploymentConfig
 from distserve.runtime.instance_server import StepResult
 from distserve.runtime.migrations import KVMigrations
-from distserve.runtime.ray_deployment import DeployedInstance, deploy, init_method, route_of, undeploy
+from distserve.runtime.ray_deployment import DeployedInstance, deploy, init_method, undeploy
 from distserve.runtime.recovery import InstanceRecovery
 from distserve.runtime.stats import prefill_totals
 
@@ -60,7 +62,7 @@ class StepEvent:
     decode_ctx: tuple[int, ...]  # context (prompt + tokens so far, before this step's) of each other request given a token
 
 
-class Controller(RequestFrontend, KVMigrations, InstanceRecovery):
+class Controller(AdmissionDriver, RequestFrontend, KVMigrations, InstanceRecovery):
     """Owns the instances of one placement: an asyncio object, hosted by ``ControllerActor`` (its own
     Ray actor) in serving, or run on an event loop of the caller's process (tests, experiments)."""
 
@@ -78,7 +80,10 @@ class Controller(RequestFrontend, KVMigrations, InstanceRecovery):
         self._running.set()
         self._steps_in_flight = 0
         self._world_lock = asyncio.Lock()  # one restart at a time
-        self._parked: list[Sequence] = []  # requests waiting for an entry instance being restarted
+        self.admission = config.admission.queue()  # new requests wait here for an entry instance (``admission_driver``)
+        self._dispatched: set[str] = set()
+        self._deadline_timers: dict[str, asyncio.TimerHandle] = {}
+        self._parked: list[Sequence] = []  # re-runs waiting for an entry instance being restarted
         self._pins: dict[str, tuple[str | None, str | None]] = {}  # request id -> (prefill, decode) instance ids
         self._queues: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
         self._owner: dict[str, DeployedInstance] = {}
@@ -116,6 +121,7 @@ class Controller(RequestFrontend, KVMigrations, InstanceRecovery):
             task.cancel()
         await asyncio.gather(*self._tasks, *restarts, return_exceptions=True)
         await undeploy(self.instances)
+        self._close_admission()
         for q in self._queues.values():
             q.put_nowait(ServiceUnavailableError("the server is shutting down"))
 
@@ -133,9 +139,6 @@ class Controller(RequestFrontend, KVMigrations, InstanceRecovery):
         self._pins[request_id] = (prefill, decode)
 
     # ---- requests ----------------------------------------------------------------------------
-    def _submit(self, seq: Sequence) -> None:
-        self._route_new(seq)
-
     def _outage(self) -> str | None:
         """Why requests cannot be served now (no live or restarting instance of a phase they need), or None."""
         if self._closed:
@@ -156,26 +159,6 @@ class Controller(RequestFrontend, KVMigrations, InstanceRecovery):
         reason = self._outage()
         if reason is not None:
             raise ServiceUnavailableError(reason)
-
-    def _route_new(self, seq: Sequence) -> None:
-        reason = self._outage()
-        if reason is not None:
-            raise ServiceUnavailableError(reason)
-        decode_up = any((i.alive or i.restarting) and i.phase == "decode" for i in self.instances)
-        entry_phases = ("prefill", "colocated") if decode_up else ("colocated",)
-        entry = [i for i in self.instances if i.alive and i.phase in entry_phases]
-        if not entry:
-            self._parked.append(seq)  # an entry instance is restarting: routed when it is up
-            return
-        pinned = self._pins.get(seq.seq_id, (None, None))[0]
-        entry = [i for i in entry if i.spec.instance_id == pinned] or entry
-        cc = self.cache_config
-        hashes = entry_hashes(seq, cc.block_size, cc.enable_prefix_caching)
-        inst = pick_entry(entry, route_of, hashes, self.config.router, seq.seq_id, seq.request_class)
-        if seq.isolate:
-            inst.solo_pending[seq.seq_id] = seq.arrival_time
-        self._owner[seq.seq_id] = inst
-        self._spawn(self._call_then_kick(inst, inst.actor.add.remote(seq.detached_copy())))
 
     def _spawn(self, coro: Any, name: str | None = None) -> None:
         task = asyncio.get_running_loop().create_task(coro, name=name)
@@ -237,11 +220,12 @@ class Controller(RequestFrontend, KVMigrations, InstanceRecovery):
             queue.put_nowait(self._output(seq, seq.finish_time, self._finish))
         self._forget(request_id)
         self._drop(request_id, "abort")
+        self._admit()
 
     def _drop(self, request_id: str, reason: str) -> None:
         """Tell every instance holding this request's KV to free it."""
         self._pending.drop(lambda e: e[1] == request_id)
-        self._parked = [s for s in self._parked if s.seq_id != request_id]
+        self._unqueue(request_id)
         for holder in (self._owner.pop(request_id, None), self._source.pop(request_id, None)):
             if holder is not None and holder.alive:
                 holder.route.release(request_id)
@@ -277,9 +261,11 @@ class Controller(RequestFrontend, KVMigrations, InstanceRecovery):
                 return
             self._steps_in_flight -= 1
             inst.has_work = result.has_work or inst.kicked
+            inst.last_step = result
             if self._step_listeners:
                 self._notify(inst, result)
             self._apply(inst, result)
+            self._admit()
             if self._pending:
                 await self._migrate_pending()
             if inst.has_work and not inst.kicked and _only_waited(result):
@@ -347,6 +333,7 @@ class Controller(RequestFrontend, KVMigrations, InstanceRecovery):
                 seq.status = SequenceStatus.FINISHED
                 seq.finish_reason = up.finish_reason
                 seq.finish_time = now
+                self._dispatched.discard(seq.seq_id)
                 owner = self._owner.pop(seq.seq_id, None)
                 if owner is not None:
                     owner.route.release(seq.seq_id)
@@ -368,6 +355,7 @@ class Controller(RequestFrontend, KVMigrations, InstanceRecovery):
             "num_requests_awaiting_migration": len(self._pending),
             **self.counters.as_stats(),
             **prefill_totals(instances),  # of the live instances: a restarted one counts from 0 again
+            "admission": self.admission.stats(),  # per-tenant queued/admitted/dispatched/rejected/expired
         }
 
     async def worker_pids(self) -> dict[str, list[int]]:

@@ -82,6 +82,11 @@ class StepResult:
     step_seconds: float = 0.0
     execute_seconds: float = 0.0  # of step_seconds: rank 0 executing the plan launched in this step
     num_batched_tokens: int = 0
+    # The scheduler after the step (admission backpressure and TPOT read them), and the requests
+    # ``add``ed since the actor started, so the controller can tell which of its adds these counts include.
+    num_waiting: int = 0
+    num_running: int = 0
+    num_added: int = 0
 
 
 class InstanceServer:
@@ -99,6 +104,7 @@ class InstanceServer:
         self._timed_out: set[str] = set()
         self._receiving: dict[str, str] = {}  # seq_id -> key of its receive in flight
         self._after_recv: dict[str, list[Callable[[], None]]] = {}  # block-freeing ops waiting for that receive
+        self._num_added = 0  # ``add`` calls applied (``StepResult.num_added``)
 
         def worker_spec(rank: int) -> WorkerSpec:
             shard = ShardSpec(tp=spec.tp, pp=spec.pp, tp_rank=rank % spec.tp, pp_rank=rank // spec.tp)
@@ -162,6 +168,7 @@ class InstanceServer:
         """A new request, or one re-run here; after any op still queued for an earlier attempt of its id."""
         with self._lock:
             self.core.add(seq)
+            self._num_added += 1
 
     def abort(self, seq_id: str, reason: str = "abort") -> None:
         """Finish a request here (abort, or a stop string the controller matched); frees its KV."""
@@ -278,6 +285,8 @@ class InstanceServer:
             if launched is not None:
                 core.observe(launched.plan, result.execute_seconds)
             result.has_work = bool(core.has_work() or self._pending)
+            result.num_waiting, result.num_running = core.scheduler.num_waiting, core.scheduler.num_running
+            result.num_added = self._num_added
         core.last_step_s = result.step_seconds = time.perf_counter() - t0
         return result
 

@@ -25,7 +25,7 @@ from distserve.errors import InvalidConfigError
 from distserve.kvtransfer.layout import KVLayout
 from distserve.placement import InstanceSpec, Placement
 from distserve.runtime.config import DeploymentConfig
-from distserve.runtime.instance_server import InstanceServer, InstanceServerSpec
+from distserve.runtime.instance_server import InstanceServer, InstanceServerSpec, StepResult
 from distserve.runtime.worker import Worker, WorkerSpec
 
 CPUS_PER_WORKER = 0.1  # Ray bookkeeping only: on 2 cores, the OS shares the cores among workers.
@@ -68,6 +68,8 @@ class DeployedInstance:
     solo_pending: dict[str, float] = field(default_factory=dict)  # suspects here before their step alone -> arrival
     wake: asyncio.Event = field(default_factory=asyncio.Event)
     route: RouteState = field(default_factory=RouteState)  # what routing knows (``cluster.routing``)
+    last_step: StepResult | None = None  # its latest step's result (admission reads its load), None since (re)start
+    num_added: int = 0  # requests sent to its actor's ``add`` since (re)start: those beyond last_step.num_added are unseen
 
     @property
     def phase(self) -> str:

@@ -1,13 +1,14 @@
 """The controller's recovery: re-running the requests of a dead instance and restarting it.
 
 An instance whose actor or any of its workers dies (or whose step fails) is replaced: its requests
-are re-run (prompt + tokens so far) on a surviving instance of the same phase — or, when it was the
-last of its phase, parked until the replacement is up — and the controller restarts it in its
-placement group (up to ``max_instance_restarts`` times). A death is blamed on the requests it was
-computing (``cluster.recovery``, the policy): one blamed twice is poison and fails instead. The
-replacement must join the torch.distributed world, which cannot grow a member back, so the world is
-formed anew: every instance pauses between steps, cancels its KV transfers in flight (those requests
-are prefilled again) and rebuilds its process groups, keeping its model and KV cache; then all resume.
+are re-run (prompt + tokens so far) on a surviving entry instance — or, when none is alive, parked
+until the replacement is up (``admission_driver``: a re-run never queues for admission again) —
+and the controller restarts it in its placement group (up to ``max_instance_restarts`` times). A
+death is blamed on the requests it was computing (``cluster.recovery``, the policy): one blamed
+twice is poison and fails instead. The replacement must join the torch.distributed world, which
+cannot grow a member back, so the world is formed anew: every instance pauses between steps,
+cancels its KV transfers in flight (those requests are prefilled again) and rebuilds its process
+groups, keeping its model and KV cache; then all resume.
 """
 
 from __future__ import annotations
@@ -44,7 +45,6 @@ class InstanceRecovery:
     _source: dict[str, DeployedInstance]
     _queues: dict[str, asyncio.Queue[RequestOutput | BaseException]]
     _pending: MigrationQueue[tuple[DeployedInstance, str]]
-    _parked: list[Sequence]
     _crashes: CrashLedger
     _closed: bool
     _running: asyncio.Event
@@ -60,7 +60,8 @@ class InstanceRecovery:
         def _spawn(self, coro: object, name: str | None = None) -> None: ...
         async def _call_then_kick(self, inst: DeployedInstance, ref: object) -> None: ...
         def _outage(self) -> str | None: ...
-        def _route_new(self, seq: Sequence) -> None: ...
+        def _submit(self, seq: Sequence) -> None: ...
+        def _admit(self) -> None: ...
         def _drop(self, request_id: str, reason: str) -> None: ...
         def _forget(self, request_id: str) -> None: ...
         def _fail(self, seq: Sequence, error: str, now: float) -> RequestOutput: ...
@@ -125,6 +126,7 @@ class InstanceRecovery:
             self._spawn(self._restart(inst), name=f"restart-{inst.spec.instance_id}")
         else:
             self._fail_stranded()
+        self._admit()  # what the dead instance would have taken goes to the survivors
 
     def _fail_request(self, seq: Sequence, error: str) -> None:
         """End one request with ``error`` (finish_reason "error") and free its KV wherever it is."""
@@ -153,7 +155,7 @@ class InstanceRecovery:
 
     def _reroute(self, seq: Sequence) -> None:
         try:
-            self._route_new(seq)
+            self._submit(seq)  # admitted already: straight to an entry instance, or parked
         except (DistServeError, ServiceUnavailableError) as exc:
             queue = self._queues.get(seq.seq_id)
             if queue is not None:
@@ -192,14 +194,15 @@ class InstanceRecovery:
             except Exception as exc:  # noqa: BLE001 - the instance stays dead; survivors that broke fail their next step
                 log.error("restarting instance %s failed: %r", inst.spec.instance_id, exc)
                 inst.restarting = False
-                self._fail_parked()
+                self._admit()  # parked re-runs go to a survivor, if any
                 self._fail_stranded()
                 return
             finally:
                 self._running.set()
             inst.restarts += 1
             self.counters.record_instance_restart()
-            inst.route = RouteState(pool=inst.route.pool)
+inst.route = RouteState(pool=inst.route.pool)
+            inst.last_step, inst.num_added = None, 0  # the new actor has seen no request
             inst.has_work = inst.kicked = False
             inst.restarting = False
             inst.alive = True
@@ -207,16 +210,9 @@ class InstanceRecovery:
             for i in self.instances:
                 if i.alive:
                     i.kick()  # cancelled transfers are reported at their next step
-        parked, self._parked = self._parked, []
-        for seq in parked:
-            self._reroute(seq)
+        self._admit()  # parked re-runs first, then the admission queue
         if self._pending:
             await self._migrate_pending()
-
-    def _fail_parked(self) -> None:
-        parked, self._parked = self._parked, []
-        for seq in parked:
-            self._reroute(seq)  # to a survivor, or the error goes to its stream
 
     async def inject_step_fault(self, request_id: str, kind: str = "raise") -> None:
         """Test hook: every step computing ``request_id`` fails on every instance, replacements
