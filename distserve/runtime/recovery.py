@@ -201,7 +201,7 @@ class InstanceRecovery:
                 self._running.set()
             inst.restarts += 1
             self.counters.record_instance_restart()
-inst.route = RouteState(pool=inst.route.pool)
+            inst.route = RouteState(pool=inst.route.pool)
             inst.last_step, inst.num_added = None, 0  # the new actor has seen no request
             inst.has_work = inst.kicked = False
             inst.restarting = False
