@@ -16,8 +16,8 @@ Two rules, by ``Backpressure.waiting_unit``:
 Under both, batch-tier requests go only to an instance with nothing waiting (TNG), and with a
 decode TPOT SLO (``tpot_slo_s``) none while the measured TPOT of where requests decode exceeds it.
 Measured in the simulator (issue 17's flood: one tenant at 10x three chat tenants' rate, OPT-13B
-1P2D): the light tenants' P99 TTFT under ``fair`` is 3.4x their TTFT alone with ``tokens``, 6.0x
-with ``requests``, at the same throughput.
+1P2D, whole prompts per step): the light tenants' P99 TTFT under ``fair`` is 2.6x their TTFT alone
+with ``tokens``, 4.0x with ``requests``, at the same throughput (``tests/simulator/test_fairness_sim.py``).
 """
 
 from __future__ import annotations

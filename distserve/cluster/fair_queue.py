@@ -17,13 +17,15 @@ remaining chunks of a higher-ranked one (chunked prefill): the order chosen here
   then its weight's share whatever the number or length of its requests; a tenant whose queue
   empties loses its deficit (no banking of idle time). Within a tenant, requests go by (objective
   class rank, priority, arrival): a latency-class call never waits behind its tenant's throughput
-  backlog. **Sparse tenants first** (FQ-CoDel's sparse-flow priority): within a tier, a request
-  whose tenant has nothing else queued and is not ahead of its fair share of the tier's dispatched
-  tokens (start-time fair queueing's virtual time: each dispatch advances it by cost / the weight
-  of the tenants queued then, and a tenant's finish tag by cost / its weight) ranks before the
-  backlogged tenants' requests, here and in the instance's scheduler. A light tenant's chat then
-  waits neither behind a flooding tenant's queue nor behind its long prompts already dispatched,
-  while a tenant sending more than its share is never sparse (its finish tag runs ahead).
+  backlog. **Sparse tenants first** (FQ-CoDel's sparse-flow priority): within a tier, a tenant that
+  got less than its weight's share of the tier's recently dispatched tokens (the last
+  ``SHARE_WINDOW_QUANTA`` quanta or so, decayed per dispatched token, so the same in every driver
+  whatever its clock) ranks before the others: its requests go first here and in the instance's
+  scheduler. A tenant's queued requests share one level (its own order holds); a sparse tenant
+  whose dispatches take it past its share drops to the backlogged level with what it has queued,
+  and a tenant alone in its tier is never sparse (there is no one to go before). A light tenant's
+  chat then waits neither behind a flooding tenant's queue nor behind its prompts already
+  dispatched, while a tenant sending more than its share, however it paces its requests, is not sparse.
 """
 
 from __future__ import annotations
