@@ -46,7 +46,7 @@ from dataclasses import replace
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from distserve.cluster.admission import AdmissionItem, EntryLoad, measured_tpot_s
+from distserve.cluster.admission import AdmissionItem, EntryLoad, entry_load, measured_tpot_s
 from distserve.cluster.counters import ClusterCounters
 from distserve.cluster.migration_queue import MigrationQueue
 from distserve.cluster.routing import decode_lane, decode_order, entry_hashes, pick_entry
@@ -255,7 +255,8 @@ class Simulation:
             str(r.req_id), prompt, SamplingParams(max_tokens=r.output_len, ignore_eos=True), arrival_time=r.arrival_s,
             priority=r.priority, request_class=r.request_class,
         )
-        item = AdmissionItem(seq.seq_id, r.request_class, r.prompt_len + r.output_len, r.arrival_s, r.priority, r.timeout_s, seq)
+        item = AdmissionItem(seq.seq_id, r.request_class, r.prompt_len + r.output_len, r.arrival_s, r.priority, r.timeout_s, seq,
+                             num_prompt_tokens=r.prompt_len)
         try:
             self.admission.push(item, now)
         except QueueFullError:
@@ -276,11 +277,11 @@ class Simulation:
         block_size, prefix_caching, router = self.config.block_size, self.config.enable_prefix_caching, self.config.router
 
         def load(inst: SimInstance) -> EntryLoad:
-            return EntryLoad(inst.core.scheduler.num_waiting, tpot)
+            return entry_load(inst.core.scheduler, tpot)
 
         def place(item: AdmissionItem, accepting: list[SimInstance]) -> SimInstance:
             seq: Sequence = item.payload
-            seq.dispatch_time = now  # the entry scheduler keeps the admission order
+            seq.dispatch_time, seq.admission_rank = now, item.rank  # the entry scheduler keeps the admission order
             hashes = entry_hashes(seq, block_size, prefix_caching)
             return pick_entry(accepting, route_of, hashes, router, seq.seq_id, seq.request_class)
 

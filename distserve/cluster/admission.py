@@ -16,11 +16,14 @@ one ``AdmissionQueue`` and drives it with plain calls and its own clock (``now``
   instance accepts one under ``Backpressure``, and returns (item, instance) pairs; ``place`` (the
   driver's ``pick_entry`` among the accepting instances) chooses where each goes.
 
-Backpressure is TNG's rule: an instance takes a request only while its scheduler's waiting queue is
-below ``max_waiting`` (3) and, when a decode TPOT SLO is set, the measured TPOT of where its
-requests decode is within it; batch-tier requests go only to an instance with nothing waiting. A
-request held back stays in the fair queues, where a later, more urgent one can still overtake it —
-whereas a request in an instance's scheduler queue competes there by its scheduling key alone.
+Backpressure (``distserve.cluster.backpressure``) holds a request in the fair queues while the
+entry instances have enough waiting ahead of it: by default until the prompt tokens waiting there
+ahead of it (of its admission rank or a lower one) are fewer than a step computes; TNG's rule
+(fewer than ``max_waiting`` requests waiting) is ``waiting_unit="requests"``. A request held back
+stays in the fair queues, where a later, more urgent one can still overtake it — whereas a request
+in an instance's scheduler queue competes there by its scheduling key: its objective class, then
+its admission rank (``AdmissionItem.rank``, which the driver copies to ``Sequence.admission_rank``
+at dispatch), then its dispatch order.
 """
 
 from __future__ import annotations
@@ -28,17 +31,20 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
-from distserve.cluster.classes import RequestClass
+from distserve.cluster.classes import GroupArrivals, RequestClass
 from distserve.cluster.fair_queue import ADMISSION_POLICIES, DEFAULT_ADMISSION_POLICY, DEFAULT_QUANTUM_TOKENS, check_admission_policy
-from distserve.cluster.tenants import BATCH, DEFAULT_TIER, TenantSpec, tier_rank
+from distserve.cluster.backpressure import (
+    DEFAULT_MAX_WAITING, DEFAULT_WAITING_UNIT, NO_BACKPRESSURE, REQUESTS, TOKENS, WAITING_UNITS, Backpressure, EntryLoad, entry_load,
+    measured_tpot_s,
+)
+from distserve.cluster.tenants import DEFAULT_TIER, TenantSpec, tier_rank
 from distserve.errors import InvalidConfigError, QueueFullError, RequestTimeoutError
 
 TIMED_OUT = "timeout"  # ``RequestOutput.error_kind`` of a request failed by ``timeout_error`` (HTTP 408)
-DEFAULT_MAX_WAITING = 3  # TNG: dispatch to an instance while fewer than this many requests wait in it
 DEFAULT_RETRY_AFTER_S = 1.0  # before any dispatch rate is measured
 MIN_RETRY_AFTER_S, MAX_RETRY_AFTER_S = 0.05, 60.0
 RATE_SMOOTHING = 0.2  # EWMA weight of the newest gap between dispatches
@@ -57,9 +63,13 @@ class AdmissionItem:
     priority: int = 0  # vLLM's convention: lower first, within a tenant
     timeout_s: float | None = None  # longest wait in the queue before it is dropped
     payload: Any = None
+    num_prompt_tokens: int | None = None  # what its prefill computes (None: ``cost``); token backpressure counts it
     tier: str = ""  # set by ``push``: the effective tier (``AdmissionQueue.tier_of``)
     tier_rank: int = 0
+    rank: int = 0  # set by ``push``: the policy's level (``fair_queue``); the entry scheduler orders by it too
     order: int = 0  # push order: the last tie-breaker of every policy
+    group_arrival: float = 0.0  # set by ``push``: its task group's first (arrival, order), its own if none,
+    group_order: int = 0  # so a group's members stay adjacent in every policy's order, as in the schedulers'
     enqueued_at: float = 0.0  # the driver's clock at push
     deadline: float = math.inf
     wait_s: float | None = None  # time queued, set at dispatch (a TTFT breakdown's first term)
@@ -67,42 +77,6 @@ class AdmissionItem:
     @property
     def tenant(self) -> str:
         return self.request_class.tenant
-
-
-@dataclass(frozen=True, slots=True)
-class EntryLoad:
-    """What backpressure reads of an entry instance."""
-
-    num_waiting: int  # requests in its scheduler's waiting queue (not yet in a batch)
-    tpot_s: float | None = None  # measured recent TPOT where its requests decode (None: unknown or idle)
-
-
-@dataclass(frozen=True)
-class Backpressure:
-    """Whether an entry instance may take one more request of a tier now (TNG's rule).
-
-    ``max_waiting`` None disables the queue rule (every request is dispatched at once, as before
-    admission existed); ``tpot_slo_s`` None disables the TPOT rule.
-    """
-
-    max_waiting: int | None = DEFAULT_MAX_WAITING
-    tpot_slo_s: float | None = None
-
-    def __post_init__(self) -> None:
-        if self.max_waiting is not None and not (isinstance(self.max_waiting, int) and self.max_waiting >= 1):
-            raise InvalidConfigError(f"backpressure max_waiting must be null or an integer >= 1, got {self.max_waiting!r}", "max_waiting")
-        if self.tpot_slo_s is not None and not (self.tpot_slo_s > 0 and math.isfinite(self.tpot_slo_s)):
-            raise InvalidConfigError(f"backpressure tpot_slo_s must be null or a positive number, got {self.tpot_slo_s!r}", "tpot_slo_s")
-
-    def accepts(self, load: EntryLoad, tier: str) -> bool:
-        if self.tpot_slo_s is not None and load.tpot_s is not None and load.tpot_s > self.tpot_slo_s:
-            return False
-        if self.max_waiting is None:
-            return True
-        return load.num_waiting == 0 if tier == BATCH else load.num_waiting < self.max_waiting
-
-
-NO_BACKPRESSURE = Backpressure(max_waiting=None)
 
 
 def _check_bound(max_queued_requests: object) -> int | None:
@@ -119,10 +93,11 @@ class AdmissionConfig:
 
     ``policy`` by name (``fair``, ``fcfs``, ``priority``); ``tenants`` the configured ones (others
     get weight 1 and no limits); backpressure holds requests in the fair queues while an entry
-    instance has ``max_waiting`` requests waiting (None: dispatch every request at once) or, with
-    ``tpot_slo_s``, while decoding is slower than it; ``quantum`` the tokens a weight-1 tenant
-    sends per round under ``fair``; ``max_queued_requests`` bounds the whole queue (None: only
-    the tenants' bounds and the server's in-flight bound apply).
+    instance has a step's worth of prompt tokens waiting ahead of them (``waiting_unit`` ``tokens``)
+    or ``max_waiting`` requests waiting (``requests``; ``max_waiting`` None: dispatch every request
+    at once under either) or, with ``tpot_slo_s``, while decoding is slower than it; ``quantum`` the
+    tokens a weight-1 tenant sends per round under ``fair``; ``max_queued_requests`` bounds the whole
+    queue (None: only the tenants' bounds and the server's in-flight bound apply).
     """
 
     policy: str = DEFAULT_ADMISSION_POLICY
@@ -131,6 +106,7 @@ class AdmissionConfig:
     tpot_slo_s: float | None = None
     quantum: int = DEFAULT_QUANTUM_TOKENS
     max_queued_requests: int | None = None
+    waiting_unit: str = DEFAULT_WAITING_UNIT
 
     def __post_init__(self) -> None:
         check_admission_policy(self.policy)
@@ -145,7 +121,7 @@ class AdmissionConfig:
 
     @property
     def backpressure(self) -> Backpressure:
-        return Backpressure(self.max_waiting, self.tpot_slo_s)
+        return Backpressure(self.max_waiting, self.tpot_slo_s, self.waiting_unit)
 
     def queue(self) -> AdmissionQueue[Any]:
         """A fresh, empty admission queue with these settings (one per driver, or per run)."""
@@ -256,6 +232,7 @@ class AdmissionQueue(Generic[T]):
         self._items: dict[str, AdmissionItem] = {}
         self._deadlines: list[tuple[float, int, AdmissionItem]] = []  # heap of the items with a timeout
         self._order = itertools.count()
+        self._groups = GroupArrivals()
 
     # ---- tenants -------------------------------------------------------------------------------
     def spec(self, tenant: str) -> TenantSpec:
@@ -311,6 +288,8 @@ class AdmissionQueue(Generic[T]):
         item.tier = self.tier_of(item.request_class)
         item.tier_rank = tier_rank(item.tier)
         item.order = next(self._order)
+        group = item.request_class.group
+        item.group_arrival, item.group_order = (item.arrival, item.order) if group is None else self._groups.first(group, item.arrival, item.order)
         item.enqueued_at = now
         item.deadline = now + item.timeout_s if item.timeout_s is not None else math.inf
         self.policy.push(item)
@@ -371,14 +350,13 @@ class AdmissionQueue(Generic[T]):
         loads = {id(inst): load(inst) for inst in instances}
         out: list[tuple[AdmissionItem, T]] = []
         while (item := self.policy.peek()) is not None:
-            accepting = [inst for inst in instances if self.backpressure.accepts(loads[id(inst)], item.tier)]
+            accepting = [inst for inst in instances if self.backpressure.accepts(loads[id(inst)], item.tier, item.rank)]
             if not accepting:
                 break
             self.policy.pop()
             del self._items[item.request_id]
             chosen = place(item, accepting)
-            before = loads[id(chosen)]
-            loads[id(chosen)] = EntryLoad(before.num_waiting + 1, before.tpot_s)
+            loads[id(chosen)] = loads[id(chosen)].with_dispatched(item)
             item.wait_s = now - item.enqueued_at
             c = self.counters_of(item.tenant)
             c.num_queued -= 1
@@ -405,13 +383,6 @@ class AdmissionQueue(Generic[T]):
 AT_ONCE = AdmissionConfig(max_waiting=None)  # every request dispatched on arrival (no backpressure)
 
 
-def measured_tpot_s(decoding: Iterable[tuple[int, float]]) -> float | None:
-    """The TPOT backpressure reads, from (requests decoding, last step seconds) per instance where
-    requests decode: the best busy instance's last step (None: nothing decodes, so nothing to protect)."""
-    times = [step_s for num_running, step_s in decoding if num_running > 0 and step_s > 0]
-    return min(times) if times else None
-
-
 def timeout_error(item: AdmissionItem, now: float) -> RequestTimeoutError:
     """The error a driver fails an expired item with."""
     return RequestTimeoutError(
@@ -429,6 +400,6 @@ def check_timeout(value: object) -> float | None:
 
 
 __all__ = [
-    "AT_ONCE", "TIMED_OUT", "AdmissionConfig", "AdmissionItem", "AdmissionQueue", "Backpressure", "DEFAULT_MAX_WAITING", "DrainRate", "EntryLoad", "NO_BACKPRESSURE",
+    "AT_ONCE", "TIMED_OUT", "AdmissionConfig", "AdmissionItem", "AdmissionQueue", "Backpressure", "DEFAULT_MAX_WAITING", "DrainRate", "EntryLoad", "NO_BACKPRESSURE", "TOKENS", "REQUESTS", "WAITING_UNITS", "entry_load",
     "TenantCounters", "TokenBucket", "check_timeout", "measured_tpot_s", "timeout_error",
 ]

@@ -2,10 +2,14 @@
 
 A policy holds ``AdmissionItem``s (``distserve.cluster.admission``) and answers two questions:
 which item goes next (``peek``, without taking it: backpressure may hold it back) and ``pop`` it.
-Every policy breaks ties by arrival, then by push order, so its order is deterministic.
+Every policy breaks ties by arrival, then by push order, so its order is deterministic. Each item
+also gets a **rank** at push (``AdmissionItem.rank``, lower first): the policy's strict levels. The
+rank goes with the request to the entry instance, whose scheduler orders by it right after the
+objective class (``Sequence.admission_rank``), and a prompt of a lower rank is computed before the
+remaining chunks of a higher-ranked one (chunked prefill): the order chosen here holds there too.
 
-* ``fcfs``: arrival order (what every driver did before there was an admission queue).
-* ``priority``: (tier, objective class rank, request priority, arrival) over all tenants.
+* ``fcfs``: arrival order (what every driver did before there was an admission queue); rank 0.
+* ``priority``: (tier, objective class rank, request priority, arrival) over all tenants; rank: the tier.
 * ``fair`` (the default): tiers are strict across tenants (interactive > default > batch); within a
   tier, tenants share by **deficit round robin on tokens** (Shreedhar & Varghese): each tenant's
   turn adds ``quantum × weight`` tokens to its deficit, and it sends its head request while the
@@ -13,7 +17,15 @@ Every policy breaks ties by arrival, then by push order, so its order is determi
   then its weight's share whatever the number or length of its requests; a tenant whose queue
   empties loses its deficit (no banking of idle time). Within a tenant, requests go by (objective
   class rank, priority, arrival): a latency-class call never waits behind its tenant's throughput
-  backlog.
+  backlog. **Sparse tenants first** (FQ-CoDel's sparse-flow priority): within a tier, a tenant that
+  got less than its weight's share of the tier's recently dispatched tokens (the last
+  ``SHARE_WINDOW_QUANTA`` quanta or so, decayed per dispatched token, so the same in every driver
+  whatever its clock) ranks before the others: its requests go first here and in the instance's
+  scheduler. A tenant's queued requests share one level (its own order holds); a sparse tenant
+  whose dispatches take it past its share drops to the backlogged level with what it has queued,
+  and a tenant alone in its tier is never sparse (there is no one to go before). A light tenant's
+  chat then waits neither behind a flooding tenant's queue nor behind its prompts already
+  dispatched, while a tenant sending more than its share, however it paces its requests, is not sparse.
 """
 
 from __future__ import annotations
@@ -22,7 +34,7 @@ import bisect
 import math
 from abc import ABC, abstractmethod
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 from distserve.errors import InvalidConfigError
@@ -31,6 +43,7 @@ if TYPE_CHECKING:
     from distserve.cluster.admission import AdmissionItem
 
 DEFAULT_QUANTUM_TOKENS = 512  # tokens a weight-1 tenant may send per round under ``fair``
+SHARE_WINDOW_QUANTA = 32  # ``fair``: a tenant is sparse while under its share of the tier's last this many quanta of tokens
 
 WeightOf = Callable[[str], float]  # tenant name -> its weight
 
@@ -86,24 +99,36 @@ class SortedQueue(QueuePolicy):
     def __len__(self) -> int:
         return len(self._items)
 
+    def __iter__(self) -> Iterator[AdmissionItem]:
+        return iter(self._items)
+
 
 def tenant_key(item: AdmissionItem) -> tuple:
-    """The order within one tenant: objective class rank, then priority (lower first), then arrival."""
-    return (item.request_class.rank, item.priority, item.arrival)
+    """The order within one tenant: objective class rank, then priority (lower first), then arrival
+    (a task group's members at its first one's, so they stay adjacent)."""
+    return (item.request_class.rank, item.priority, item.group_arrival, item.group_order)
 
 
 class FcfsQueue(SortedQueue):
     def __init__(self, weight_of: WeightOf, quantum: int = DEFAULT_QUANTUM_TOKENS) -> None:
-        super().__init__(lambda item: (item.arrival,))
+        super().__init__(lambda item: (item.group_arrival, item.group_order))
+
+    def push(self, item: AdmissionItem) -> None:
+        item.rank = 0
+        super().push(item)
 
 
 class PriorityQueue(SortedQueue):
     def __init__(self, weight_of: WeightOf, quantum: int = DEFAULT_QUANTUM_TOKENS) -> None:
         super().__init__(lambda item: (item.tier_rank, *tenant_key(item)))
 
+    def push(self, item: AdmissionItem) -> None:
+        item.rank = item.tier_rank
+        super().push(item)
+
 
 class _Tier:
-    """Deficit round robin across the tenants of one tier."""
+    """Deficit round robin across the tenants of one level (a tier's sparse or backlogged requests)."""
 
     def __init__(self) -> None:
         self.queues: dict[str, SortedQueue] = {}  # tenant -> its items, in ``tenant_key`` order
@@ -113,25 +138,82 @@ class _Tier:
         self.size = 0
 
 
+class _RecentShares:
+    """A tier's recently dispatched tokens by tenant: sums decayed by ``exp(-cost / window)`` at each
+    dispatch, so they weigh the tier's last ``window`` or so tokens, whatever the time they took."""
+
+    def __init__(self, window: float) -> None:
+        self.window = window
+        self.total = 0.0
+        self.tokens: dict[str, float] = {}
+
+    def under_share(self, tenant: str, weight_of: WeightOf) -> bool:
+        """Whether ``tenant`` got less than its weight's share of the recent tokens (among the tenants
+        that got any, and it); never while no other tenant got any (there is no one to go before)."""
+        mine = self.tokens.get(tenant, 0.0)
+        if mine == 0.0:
+            return self.total > 0.0
+        weight = sum(map(weight_of, self.tokens))
+        return mine / weight_of(tenant) < self.total / weight
+
+    def charge(self, tenant: str, cost: int) -> None:
+        decay = math.exp(-cost / self.window)
+        self.total = self.total * decay + cost
+        tokens = self.tokens
+        for t in tokens:
+            tokens[t] *= decay
+        tokens[tenant] = tokens.get(tenant, 0.0) + cost
+        if len(tokens) > 1 and min(tokens.values()) < 1.0:  # forgotten: a tenant idle for many windows
+            self.tokens = {t: n for t, n in tokens.items() if n >= 1.0}
+
+
 class FairQueue(QueuePolicy):
-    """Strict tiers; deficit round robin by tokens across a tier's tenants; ``tenant_key`` within a tenant."""
+    """Strict tiers, sparse tenants first within a tier; deficit round robin by tokens across the
+    tenants of each level; ``tenant_key`` within a tenant. Level (= rank) ``2 × tier + backlogged``."""
 
     def __init__(self, weight_of: WeightOf, quantum: int = DEFAULT_QUANTUM_TOKENS) -> None:
         if not (isinstance(quantum, int) and quantum >= 1):
             raise InvalidConfigError(f"quantum must be an integer number of tokens >= 1, got {quantum!r}")
         self.weight_of, self.quantum = weight_of, quantum
-        self._tiers: dict[int, _Tier] = {}
+        self._tiers: dict[int, _Tier] = {}  # by level
+        self._shares: dict[int, _RecentShares] = {}  # by tier rank
 
     def push(self, item: AdmissionItem) -> None:
-        tier = self._tiers.setdefault(item.tier_rank, _Tier())
+        sparse_level = 2 * item.tier_rank
+        if item.tenant in self._level(sparse_level).queues:
+            item.rank = sparse_level  # a tenant's queued requests share one level: its own order holds
+        elif item.tenant in self._level(sparse_level + 1).queues:
+            item.rank = sparse_level + 1
+        else:
+            shares = self._shares.setdefault(item.tier_rank, _RecentShares(SHARE_WINDOW_QUANTA * self.quantum))
+            item.rank = sparse_level + (0 if shares.under_share(item.tenant, self.weight_of) else 1)
+        tier = self._level(item.rank)
         queue = tier.queues.get(item.tenant)
         if queue is None:
             queue = tier.queues[item.tenant] = SortedQueue(tenant_key)
-        if not queue:
             tier.active.append(item.tenant)
             tier.deficit[item.tenant] = 0.0
         queue.push(item)
         tier.size += 1
+
+    def _level(self, rank: int) -> _Tier:
+        tier = self._tiers.get(rank)
+        if tier is None:
+            tier = self._tiers[rank] = _Tier()
+        return tier
+
+    def _demote(self, tier: _Tier, tenant: str, rank: int) -> None:
+        """Move ``tenant``'s queued requests from a sparse level (``tier``) to the backlogged one (``rank``)."""
+        queue = tier.queues[tenant]
+        tier.size -= len(queue)
+        self._leave(tier, tenant)
+        target = self._level(rank)
+        for item in queue:
+            item.rank = rank
+        target.queues[tenant] = queue
+        target.active.append(tenant)
+        target.deficit[tenant] = 0.0
+        target.size += len(queue)
 
     def _top(self) -> _Tier | None:
         ranks = [r for r, t in self._tiers.items() if t.size]
@@ -172,22 +254,29 @@ class FairQueue(QueuePolicy):
     def pop(self) -> AdmissionItem:
         head = self.peek()
         assert head is not None
-        tier = self._tiers[head.tier_rank]
+        shares = self._shares[head.tier_rank]
+        shares.charge(head.tenant, head.cost)
+        tier = self._tiers[head.rank]
         tier.queues[head.tenant].pop()
         tier.deficit[head.tenant] -= head.cost
         tier.size -= 1
         self._drop_if_empty(tier, head.tenant)
+        if head.rank % 2 == 0 and head.tenant in tier.queues and not shares.under_share(head.tenant, self.weight_of):
+            self._demote(tier, head.tenant, head.rank + 1)  # its share is used up: what it still has queued waits its turn
         return head
 
     def remove(self, item: AdmissionItem) -> None:
-        tier = self._tiers[item.tier_rank]
+        tier = self._tiers[item.rank]
         tier.queues[item.tenant].remove(item)
         tier.size -= 1
         self._drop_if_empty(tier, item.tenant)
 
     def _drop_if_empty(self, tier: _Tier, tenant: str) -> None:
-        if tier.queues[tenant]:
-            return
+        if not tier.queues[tenant]:
+            self._leave(tier, tenant)
+
+    @staticmethod
+    def _leave(tier: _Tier, tenant: str) -> None:
         if tier.active[0] == tenant:
             tier.in_turn = False
         tier.active.remove(tenant)

@@ -18,6 +18,7 @@ from distserve.cluster.recovery import solo_order
 from distserve.config import SchedulerConfig
 from distserve.engine.block_manager import BlockManager
 from distserve.engine.prefix_grouping import PrefixGrouping
+from distserve.engine.rank_order import AdmissionRankOrder
 from distserve.engine.sequence import Sequence, SequenceStatus
 from distserve.engine.step_budget import StaticBudget, make_step_budget
 from distserve.engine.step_plan import SampledToken, ScheduledChunk, StepPlan
@@ -30,8 +31,8 @@ PolicyKey = Callable[[Sequence], tuple]
 
 # Keys start with the class rank (latency first, whatever the policy), then a task group's first
 # (arrival, order), so its members stay adjacent (``_stamp``). attrgetter: no Python call per sequence.
-_fcfs_key: PolicyKey = attrgetter("class_rank", "group_arrival", "group_order", "arrival_time", "order")
-_priority_key: PolicyKey = attrgetter("class_rank", "priority", "group_arrival", "group_order", "arrival_time", "order")
+_fcfs_key: PolicyKey = attrgetter("class_rank", "admission_rank", "group_arrival", "group_order", "arrival_time", "order")
+_priority_key: PolicyKey = attrgetter("class_rank", "admission_rank", "priority", "group_arrival", "group_order", "arrival_time", "order")
 
 
 SCHEDULING_POLICIES: dict[str, PolicyKey] = {"fcfs": _fcfs_key, "priority": _priority_key}
@@ -43,7 +44,7 @@ def get_policy(name: str) -> PolicyKey:
     return SCHEDULING_POLICIES[name]
 
 
-class Scheduler:
+class Scheduler(AdmissionRankOrder):
     """Colocated continuous batching: running sequences first, then admissions by policy.
 
     Crash suspects (``Sequence.isolate``, set by ``distserve.cluster.recovery``) wait in
@@ -86,6 +87,7 @@ class Scheduler:
         self._running_sorted = True  # False once an append broke the order; schedule() re-sorts then
         self._finished_since_plan: list[str] = []
         self._scheduling: Sequence | None = None  # the sequence being decided on (crash attribution)
+        self._step_rank: int | None = None  # the lowest admission rank of the prompts in the step being planned
         self.prefix_grouping = PrefixGrouping()  # the order the running loop offers sequences
         self._order = 0
         self._groups = GroupArrivals()
@@ -212,59 +214,90 @@ class Scheduler:
         max_seqs = self.config.max_num_seqs  # per plan: with pp > 1, each micro-batch gets its share
         # ``running`` itself, or prefix groups together when the step cannot take them all and cannot preempt.
         order = self.prefix_grouping.selection_order(running, len(in_flight), budget, max_seqs, block_manager)
-        while i < len(order) and budget > 0 and len(decodes) + len(prefills) < max_seqs:
-            seq = self._scheduling = order[i]
-            token_ids = seq.token_ids
-            start = seq.num_computed_tokens
-            n = len(token_ids) - start
-            if n > budget:
-                n = budget
-            if n <= 0 or (in_flight and seq.seq_id in in_flight):
-                i += 1
-                continue
-            copies = append_slots(seq, n)
-            while copies is None:
-                victim = self._preemption_victim()
-                if victim is None:
-                    break
-                self._preempt(victim)
-                plan.preempted_seq_ids.append(victim.seq_id)
-                preempted = True
-                if victim is seq:
-                    break
-                copies = append_slots(seq, n)
-            if copies is None:
-                break
-            if copies:
-                block_copies.extend(copies)
-            # _chunk inlined (this loop runs per sequence per step); a decode's one token without a slice.
-            end = start + n
-            num_tokens = len(token_ids)
-            chunk = ScheduledChunk(
-                seq.seq_id, [token_ids[start]] if n == 1 else token_ids[start:end], start, seq.block_table[:],
-                end == num_tokens, seq.sampling, num_tokens - len(seq.prompt_token_ids),
-            )
-            (decodes if n == 1 else prefills).append(chunk)
-            budget -= n
-            i += 1
-
-        # Admit waiting sequences unless we just had to preempt (memory is tight); one that would
-        # recompute a prefix being computed here right now waits (``_held``) without blocking its
-        # class: requests of its class (or a higher one) are admitted past it, a lower class is not
-        # (a held latency request keeps its place ahead of throughput work).
+        # The running sequences before the waiting ones, except partly computed prompts that rank after
+        # the first waiting one: those go after (``_overtaken``).
+        self._step_rank = None
+        split: int | None = None  # where the overtaken prompts start in ``order`` (None: none are)
+        if self._chunk_prefills and self.waiting:
+            order, split = self._overtaken(order)
         waiting = self.waiting
+        for late in (False, True):
+            # len(order) each time: preemption may shrink ``order`` (it can be ``running`` itself)
+            while i < (len(order) if late or split is None else split) and budget > 0 and len(decodes) + len(prefills) < max_seqs:
+                seq = self._scheduling = order[i]
+                token_ids = seq.token_ids
+                start = seq.num_computed_tokens
+                n = len(token_ids) - start
+                if n > budget:
+                    n = budget
+                if n <= 0 or (in_flight and seq.seq_id in in_flight) or (n > 1 and self._above_step_rank(seq)):
+                    i += 1
+                    continue
+                copies = append_slots(seq, n)
+                while copies is None and not late:  # overtaken prompts never preempt what this step computes
+                    victim = self._preemption_victim()
+                    if victim is None:
+                        break
+                    self._preempt(victim)
+                    plan.preempted_seq_ids.append(victim.seq_id)
+                    preempted = True
+                    if victim is seq:
+                        break
+                    copies = append_slots(seq, n)
+                if copies is None:
+                    break
+                if copies:
+                    block_copies.extend(copies)
+                # _chunk inlined (this loop runs per sequence per step); a decode's one token without a slice.
+                end = start + n
+                num_tokens = len(token_ids)
+                chunk = ScheduledChunk(
+                    seq.seq_id, [token_ids[start]] if n == 1 else token_ids[start:end], start, seq.block_table[:],
+                    end == num_tokens, seq.sampling, num_tokens - len(seq.prompt_token_ids),
+                )
+                (decodes if n == 1 else prefills).append(chunk)
+                budget -= n
+                i += 1
+            if not late:
+                budget = self._admit_waiting(waiting, budget, preempted, decodes, prefills, max_seqs)
+                if split is None:
+                    break
+                i = split
+        self._scheduling = None
+        if prefills:
+            decodes.extend(prefills)
+        plan.chunks = decodes
+        if self.pipeline_depth > 1:
+            in_flight.update(c.seq_id for c in decodes)
+        return plan
+
+    def _admit_waiting(
+        self, waiting: list[Sequence], budget: int, preempted: bool, decodes: list[ScheduledChunk],
+        prefills: list[ScheduledChunk], max_seqs: int,
+    ) -> int:
+        """Admit waiting sequences into this step; returns the budget left.
+
+        Not when the step just had to preempt (memory is tight); one that would recompute a prefix
+        being computed here right now waits (``_held``) without blocking its class: requests of its
+        class (or a higher one) are admitted past it, a lower class is not (a held latency request
+        keeps its place ahead of throughput work).
+        """
+        block_manager = self.block_manager
         share = self.config.enable_inflight_prefix_sharing
         held_rank: int | None = None
         w = 0
         while (
             w < len(waiting) and not preempted and budget > 0
-            and len(running) < self.max_running and len(decodes) + len(prefills) < max_seqs
+            and len(self.running) < self.max_running and len(decodes) + len(prefills) < max_seqs
         ):
             seq = self._scheduling = waiting[w]
             if held_rank is not None and seq.class_rank > held_rank:
                 break
             if share and self._held(seq):
                 held_rank = seq.class_rank if held_rank is None else min(held_rank, seq.class_rank)
+                w += 1
+                continue
+            if self._above_step_rank(seq):
                 w += 1
                 continue
             if not block_manager.can_allocate(seq):
@@ -285,13 +318,7 @@ class Scheduler:
             chunk = self._chunk(seq, n)
             (decodes if chunk.is_decode else prefills).append(chunk)
             budget -= n
-        self._scheduling = None
-        if prefills:
-            decodes.extend(prefills)
-        plan.chunks = decodes
-        if self.pipeline_depth > 1:
-            in_flight.update(c.seq_id for c in decodes)
-        return plan
+        return budget
 
     def _held(self, seq: Sequence) -> bool:
         """Whether ``seq`` waits for prefix blocks another sequence here is computing now, to take them

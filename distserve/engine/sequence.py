@@ -55,6 +55,9 @@ class Sequence:
     # schedulers order it by this instead of ``arrival_time``, so its fair-queueing order holds
     # there (None: no admission queue in front, ``arrival_time``). On the driver's clock.
     dispatch_time: float | None = None
+    # Its admission policy's strict level (``QueuePolicy.rank``: under ``fair``, its tier and whether
+    # its tenant was backlogged), set at dispatch; the policy keys order by it after the class rank.
+    admission_rank: int = 0
 
     def __post_init__(self) -> None:
         if not self.token_ids:
@@ -69,6 +72,7 @@ class Sequence:
             sampling=self.sampling,
             arrival_time=self.arrival_time,
             dispatch_time=self.dispatch_time,
+            admission_rank=self.admission_rank,
             priority=self.priority,
             token_ids=list(self.token_ids),
             prefix_hashes=list(self.prefix_hashes),

@@ -28,7 +28,7 @@ from typing import Protocol
 
 import torch
 
-from distserve.cluster.admission import TIMED_OUT, AdmissionConfig, AdmissionItem, AdmissionQueue, EntryLoad, measured_tpot_s, timeout_error
+from distserve.cluster.admission import TIMED_OUT, AdmissionConfig, AdmissionItem, AdmissionQueue, EntryLoad, entry_load, measured_tpot_s, timeout_error
 from distserve.cluster.counters import ClusterCounters
 from distserve.cluster.migration_queue import MigrationQueue
 from distserve.cluster.routing import DEFAULT_ROUTER, RouteState, check_router, decode_lane, decode_order, entry_hashes, pick_entry
@@ -171,7 +171,7 @@ class LocalDisaggEngine(EngineBase):
             self._place(seq, self.prefill)
             return
         item = AdmissionItem(seq.seq_id, seq.request_class, seq.num_prompt_tokens + seq.sampling.max_tokens,
-                             seq.arrival_time, seq.priority, seq.timeout_s, seq)
+                             seq.arrival_time, seq.priority, seq.timeout_s, seq, num_prompt_tokens=seq.num_prompt_tokens)
         try:
             self.admission.push(item, time.monotonic())
         except DistServeError:  # refused (QueueFullError) or malformed: it never entered
@@ -201,10 +201,10 @@ class LocalDisaggEngine(EngineBase):
             if self.admission.backpressure.tpot_slo_s is not None else None
 
         def load(inst: LocalInstance) -> EntryLoad:
-            return EntryLoad(inst.core.scheduler.num_waiting, tpot)
+            return entry_load(inst.core.scheduler, tpot)
 
         def place(item: AdmissionItem, accepting: list[LocalInstance]) -> LocalInstance:
-            item.payload.dispatch_time = now  # the prefill scheduler keeps the admission order
+            item.payload.dispatch_time, item.payload.admission_rank = now, item.rank  # the prefill scheduler keeps the admission order
             return self._place(item.payload, accepting)
 
         self.admission.dispatch(now, self.prefill, load, place)

@@ -8,7 +8,7 @@ from collections import Counter
 import pytest
 
 from distserve.cluster.admission import (
-    NO_BACKPRESSURE, AdmissionItem, AdmissionQueue, Backpressure, DrainRate, EntryLoad, measured_tpot_s, timeout_error,
+    NO_BACKPRESSURE, AdmissionConfig, AdmissionItem, AdmissionQueue, Backpressure, DrainRate, EntryLoad, measured_tpot_s, timeout_error,
 )
 from distserve.cluster.classes import RequestClass
 from distserve.cluster.fair_queue import ADMISSION_POLICIES
@@ -239,3 +239,74 @@ def test_remove_and_wait_times() -> None:
     assert item.request_id == b and item.wait_s == pytest.approx(2.5)
     assert q.counters["t"].wait_s_total == pytest.approx(2.5)
     assert q.stats()["tenants"]["t"]["num_dispatched"] == 1
+
+
+# ---- token backpressure and admission ranks ---------------------------------------------------
+def test_token_backpressure_counts_the_prompt_tokens_waiting_ahead_of_the_request() -> None:
+    bp = Backpressure()  # the default: tokens
+    assert bp.waiting_unit == "tokens"
+    # 3000 tokens of rank 3 (backlogged) waiting, none of rank 2: a step computes 2048.
+    load = EntryLoad(1, None, (0, 0, 0, 3000), step_tokens=2048, step_seqs=64)
+    assert bp.accepts(load, "default", rank=2)  # a sparse tenant's request goes before them
+    assert not bp.accepts(load, "default", rank=3)  # a backlogged one would wait more than a step
+    assert bp.accepts(EntryLoad(1, None, (0, 0, 0, 2047), 2048, 64), "default", rank=3)
+    assert not bp.accepts(EntryLoad(4, None, (0, 0, 0, 10), 2048, 4), "default", rank=3)  # a step takes 4 sequences
+    assert not bp.accepts(EntryLoad(1, None, (), 2048, 64), "batch")  # batch: only where nothing waits (TNG)
+    assert bp.accepts(EntryLoad(2), "default") and not bp.accepts(EntryLoad(3), "default")  # no token figures: the count rule
+    # TNG's count rule, kept: the tokens do not matter.
+    tng = Backpressure(waiting_unit="requests")
+    assert tng.accepts(EntryLoad(2, None, (0, 0, 0, 10**6), 2048, 64), "default", rank=3)
+    assert not tng.accepts(EntryLoad(3, None, (), 2048, 64), "default", rank=0)
+    with pytest.raises(InvalidConfigError) as info:
+        Backpressure(waiting_unit="bytes")
+    assert info.value.param == "waiting_unit"
+    with pytest.raises(InvalidConfigError, match="waiting_unit"):
+        AdmissionConfig(waiting_unit="seconds")
+
+
+def test_dispatch_fills_one_step_with_prompt_tokens() -> None:
+    q = AdmissionQueue("fcfs")
+    for i in range(6):
+        q.push(AdmissionItem(f"r{i}", RequestClass(), 50, float(i), num_prompt_tokens=40), 0.0)
+    load = EntryLoad(0, None, (), step_tokens=100, step_seqs=64)
+    out = q.dispatch(0.0, ["p0"], lambda inst: load, lambda item, ok: ok[0])
+    assert [item.request_id for item, _ in out] == ["r0", "r1", "r2"]  # 0, 40, 80 tokens ahead: the third fills the step
+    assert load.with_dispatched(out[0][0]).pending_tokens == (40,) and all(item.rank == 0 for item, _ in out)  # fcfs: one rank
+
+
+def test_fair_ranks_sparse_tenants_first_here_and_in_the_scheduler() -> None:
+    q = AdmissionQueue("fair", backpressure=NO_BACKPRESSURE)
+    f = Feeder(q)
+    heavy = f.push("heavy", 2000, 6)
+    first = drain(q, now=0.0)
+    # Alone, a tenant is never sparse (no one to go before): the backlogged level (default tier: rank 3).
+    assert [i.request_id for i in first] == heavy and {i.rank for i in first} == {3}
+    heavy = f.push("heavy", 2000, 4)
+    light = f.push("light", 300)
+    out = drain(q)
+    assert out[0].request_id == light[0] and out[0].rank == 2  # a sparse tenant: ahead of the backlog
+    assert [i.request_id for i in out[1:]] == heavy and {i.rank for i in out[1:]} == {3}
+    # A tenant sending more than its share is no longer sparse, whatever it does between requests.
+    ranks = []
+    for _ in range(6):
+        f.push("light", 2000)
+        ranks.extend(i.rank for i in drain(q))
+    assert ranks[0] == 2 and ranks[-1] == 3
+    # The tier comes first: an interactive request (ranks 0 and 1; alone in its tier: 1) outranks any default one.
+    f.push("other", 100, tier="interactive")
+    assert drain(q)[0].rank == 1
+    # fcfs ranks everything alike; priority by tier.
+    for policy, ranks in (("fcfs", [0, 0]), ("priority", [1, 2])):
+        p = AdmissionQueue(policy, backpressure=NO_BACKPRESSURE)
+        g = Feeder(p)
+        g.push("a", 10, tier="batch")
+        g.push("b", 10)
+        assert sorted(i.rank for i in drain(p)) == ranks
+
+
+def test_a_task_group_stays_together_in_the_admission_queue() -> None:
+    q = AdmissionQueue("fair", backpressure=NO_BACKPRESSURE)
+    group = RequestClass("throughput", "g", tenant="t")
+    for i, cls in enumerate([group, RequestClass("throughput", tenant="t"), group]):
+        q.push(AdmissionItem(f"r{i}", cls, 10, float(i)), 0.0)
+    assert [i.request_id for i in drain(q)] == ["r0", "r2", "r1"]  # the late member joins its group's first

@@ -1,0 +1,136 @@
+"""Backpressure: whether an entry (prefill or colocated) instance takes one more request from the
+admission queue now (``distserve.cluster.admission``), from what its driver reports of it (``EntryLoad``).
+
+Two rules, by ``Backpressure.waiting_unit``:
+
+* ``tokens`` (the default): an instance takes a request while the prompt tokens waiting there
+  *ahead of it* — of its admission rank or a lower one (``fair_queue``: tier, then sparse tenants
+  before backlogged ones) — are fewer than the instance's next step computes
+  (``max_num_batched_tokens``), and fewer requests wait than a step takes (``max_num_seqs``). So a
+  dispatched request is computed within about a step, and the rest of a backlog stays in the fair
+  queues, where a light tenant's request still overtakes it; a request of a lower rank is taken at
+  once, because the scheduler computes it before the pending prompts of higher ranks (even the
+  remaining chunks of a prompt under way, with chunked prefill).
+* ``requests`` (TNG's gateway rule): while fewer than ``max_waiting`` (3) requests wait there.
+
+Under both, batch-tier requests go only to an instance with nothing waiting (TNG), and with a
+decode TPOT SLO (``tpot_slo_s``) none while the measured TPOT of where requests decode exceeds it.
+Measured in the simulator (issue 17's flood: one tenant at 10x three chat tenants' rate, OPT-13B
+1P2D, whole prompts per step): the light tenants' P99 TTFT under ``fair`` is 2.6x their TTFT alone
+with ``tokens``, 4.0x with ``requests``, at the same throughput (``tests/simulator/test_fairness_sim.py``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
+
+from distserve.cluster.tenants import BATCH
+from distserve.errors import InvalidConfigError
+
+if TYPE_CHECKING:
+    from distserve.cluster.admission import AdmissionItem
+
+DEFAULT_MAX_WAITING = 3  # TNG: dispatch to an instance while fewer than this many requests wait in it
+TOKENS, REQUESTS = "tokens", "requests"  # ``Backpressure.waiting_unit``
+WAITING_UNITS = (TOKENS, REQUESTS)
+DEFAULT_WAITING_UNIT = TOKENS
+
+
+@dataclass(frozen=True, slots=True)
+class EntryLoad:
+    """What backpressure reads of an entry instance."""
+
+    num_waiting: int  # requests in its scheduler's waiting queue (not yet in a batch)
+    tpot_s: float | None = None  # measured recent TPOT where its requests decode (None: unknown or idle)
+    # Prompt tokens its scheduler holds and has not computed (waiting and partly prefilled), by
+    # admission rank (index; ``Scheduler.pending_prompt_tokens``), and what its next step may take:
+    # tokens (``SchedulerConfig.max_num_batched_tokens``) and sequences (``max_num_seqs``). None:
+    # unknown (the token rule falls back to the request count).
+    pending_tokens: tuple[int, ...] = ()
+    step_tokens: int | None = None
+    step_seqs: int | None = None
+
+    def tokens_ahead(self, rank: int) -> int:
+        """Pending prompt tokens a request of ``rank`` would be computed after."""
+        return sum(self.pending_tokens[: rank + 1])
+
+    def with_dispatched(self, item: AdmissionItem) -> EntryLoad:
+        """This load once ``item`` is added to the instance (a dispatch snapshot's update)."""
+        pending = list(self.pending_tokens) + [0] * (item.rank + 1 - len(self.pending_tokens))
+        pending[item.rank] += item.cost if item.num_prompt_tokens is None else item.num_prompt_tokens
+        return EntryLoad(self.num_waiting + 1, self.tpot_s, tuple(pending), self.step_tokens, self.step_seqs)
+
+
+@dataclass(frozen=True)
+class Backpressure:
+    """Whether an entry instance may take one more request now.
+
+    ``waiting_unit`` ``tokens``: while the prompt tokens waiting ahead of the request there (of its
+    admission rank or a lower one) are fewer than the instance's next step can compute, so a request
+    is computed at most a step after it is dispatched and what is not yet due stays in the fair
+    queues; ``requests`` (TNG's rule): while fewer than ``max_waiting`` requests wait there, and
+    batch-tier requests only where nothing waits (also the ``tokens`` rule's fallback for a load
+    without token counts). ``max_waiting`` None disables both (every request is dispatched at once,
+    as before admission existed); ``tpot_slo_s`` None disables the TPOT rule.
+    """
+
+    max_waiting: int | None = DEFAULT_MAX_WAITING
+    tpot_slo_s: float | None = None
+    waiting_unit: str = DEFAULT_WAITING_UNIT
+
+    def __post_init__(self) -> None:
+        if self.max_waiting is not None and not (isinstance(self.max_waiting, int) and self.max_waiting >= 1):
+            raise InvalidConfigError(f"backpressure max_waiting must be null or an integer >= 1, got {self.max_waiting!r}", "max_waiting")
+        if self.tpot_slo_s is not None and not (self.tpot_slo_s > 0 and math.isfinite(self.tpot_slo_s)):
+            raise InvalidConfigError(f"backpressure tpot_slo_s must be null or a positive number, got {self.tpot_slo_s!r}", "tpot_slo_s")
+        if self.waiting_unit not in WAITING_UNITS:
+            raise InvalidConfigError(f"waiting_unit must be one of {', '.join(WAITING_UNITS)}, got {self.waiting_unit!r}", "waiting_unit")
+
+    def accepts(self, load: EntryLoad, tier: str, rank: int = 0) -> bool:
+        """Whether the instance of ``load`` takes a request of ``tier`` and admission ``rank`` now."""
+        if self.tpot_slo_s is not None and load.tpot_s is not None and load.tpot_s > self.tpot_slo_s:
+            return False
+        if self.max_waiting is None:
+            return True
+        if tier == BATCH and load.num_waiting:
+            return False
+        if self.waiting_unit == TOKENS and load.step_tokens is not None:
+            return load.tokens_ahead(rank) < load.step_tokens and (load.step_seqs is None or load.num_waiting < load.step_seqs)
+        return load.num_waiting < self.max_waiting
+
+
+NO_BACKPRESSURE = Backpressure(max_waiting=None)
+
+
+def measured_tpot_s(decoding: Iterable[tuple[int, float]]) -> float | None:
+    """The TPOT backpressure reads, from (requests decoding, last step seconds) per instance where
+    requests decode: the best busy instance's last step (None: nothing decodes, so nothing to protect)."""
+    times = [step_s for num_running, step_s in decoding if num_running > 0 and step_s > 0]
+    return min(times) if times else None
+
+
+class PendingPrompts(Protocol):
+    """What ``entry_load`` reads of an entry instance's scheduler (``distserve.engine.scheduler.Scheduler``)."""
+
+    config: Any  # its ``SchedulerConfig``: ``max_num_batched_tokens`` and ``max_num_seqs``, what a step may take
+
+    @property
+    def num_waiting(self) -> int: ...
+
+    def pending_prompt_tokens(self) -> tuple[int, ...]: ...
+
+
+def entry_load(scheduler: PendingPrompts, tpot_s: float | None) -> EntryLoad:
+    """An in-process entry instance's load, from its scheduler (a driver whose instances live elsewhere
+    builds ``EntryLoad`` from the same figures in their stats)."""
+    config = scheduler.config
+    return EntryLoad(scheduler.num_waiting, tpot_s, scheduler.pending_prompt_tokens(), config.max_num_batched_tokens, config.max_num_seqs)
+
+
+__all__ = [
+    "Backpressure", "DEFAULT_MAX_WAITING", "DEFAULT_WAITING_UNIT", "EntryLoad", "NO_BACKPRESSURE", "PendingPrompts", "REQUESTS", "TOKENS",
+    "WAITING_UNITS", "entry_load", "measured_tpot_s",
+]

@@ -1,0 +1,71 @@
+"""What a request's admission rank means to the scheduler of the instance it was dispatched to.
+
+The admission queue (``distserve.cluster.admission``) gives each request a rank, its policy's
+strict level (``fair``: the tier, then sparse tenants before backlogged ones; ``priority``: the
+tier; ``fcfs``: one rank), which the driver copies to ``Sequence.admission_rank``. The scheduler
+keeps that order where the queue's order alone would be lost:
+
+* its policy keys order by the rank right after the objective class, so a request of a lower rank
+  goes before the prompts of higher ranks already waiting there;
+* with chunked prefill, the remaining chunks of a prompt under way wait for a waiting request that
+  ranks before it (``_overtaken``): a chat is not stuck behind a long prompt's chunks;
+* a step computes prompts of one rank only, the lowest (``_above_step_rank``): the chat's prompt runs
+  in a step of its own, about as fast as alone, not in one padded with the backlog's prompts;
+* ``pending_prompt_tokens`` reports the prompt tokens not yet computed by rank, which admission's
+  token backpressure reads (``cluster.backpressure``): a request is dispatched while the tokens
+  ahead of it fit a step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from distserve.engine.sequence import Sequence
+
+
+class AdmissionRankOrder:
+    """The admission-rank rules of ``Scheduler`` (a mixin: it reads the scheduler's queues and policy)."""
+
+    waiting: list[Sequence]
+    running: list[Sequence]
+    isolated: list[Sequence]
+    _step_rank: int | None  # the lowest admission rank of the prompts in the step being planned
+
+    policy: Callable[[Sequence], tuple]  # the scheduler's policy key
+
+    def pending_prompt_tokens(self) -> tuple[int, ...]:
+        """Prompt tokens held and not yet computed (waiting, isolated, partly prefilled), by admission
+        rank (index): what admission's token backpressure reads (``cluster.backpressure.EntryLoad``)."""
+        pending: list[int] = []
+        for seqs, partial_only in ((self.waiting, False), (self.isolated, False), (self.running, True)):
+            for seq in seqs:
+                n = len(seq.token_ids) - seq.num_computed_tokens
+                if partial_only and n <= 1:
+                    continue  # a decode
+                rank = seq.admission_rank
+                if rank >= len(pending):
+                    pending.extend([0] * (rank + 1 - len(pending)))
+                pending[rank] += n
+        return tuple(pending)
+
+    def _above_step_rank(self, seq: Sequence) -> bool:
+        """Whether prompt ``seq`` waits for a later step because this one computes a prompt of a lower
+        admission rank (else it sets the step's rank): a sparse tenant's or a higher tier's prompt
+        runs in a step of its own, as fast as when it is alone, not one filled with the backlog's."""
+        if self._step_rank is None:
+            self._step_rank = seq.admission_rank
+            return False
+        return seq.admission_rank > self._step_rank
+
+    def _overtaken(self, order: list[Sequence]) -> tuple[list[Sequence], int | None]:
+        """``order`` with the partly computed prompts that rank after the first waiting sequence moved to
+        its end, and where they start: with chunked prefill, a prompt dispatched ahead of another's
+        (a higher class or admission rank) does not wait for the other's remaining chunks."""
+        first_waiting = self.policy(self.waiting[0])
+        policy = self.policy
+        late = [s for s in order if len(s.token_ids) - s.num_computed_tokens > 1 and policy(s) > first_waiting]
+        if not late:
+            return order, None
+        moved = set(map(id, late))
+        return [s for s in order if id(s) not in moved] + late, len(order) - len(late)
+
