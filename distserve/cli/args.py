@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import TYPE_CHECKING
 
-from distserve.cluster.admission import DEFAULT_MAX_WAITING
+from distserve.cluster.admission import DEFAULT_MAX_WAITING, DEFAULT_WAITING_UNIT, WAITING_UNITS
 from distserve.cluster.fair_queue import ADMISSION_POLICIES, DEFAULT_ADMISSION_POLICY
 from distserve.cluster.routing import DEFAULT_ROUTER, ROUTERS
 from distserve.dataflow.limits import DEFAULT_LIMITS
@@ -95,9 +95,12 @@ def _add_admission_args(p: argparse.ArgumentParser, tpot_flag: str) -> None:
     p.add_argument("--admission-policy", default=DEFAULT_ADMISSION_POLICY, choices=sorted(ADMISSION_POLICIES),
                    help="order of the admission queue: fair (weighted fair queueing by tokens across tenants, strict tiers; "
                    "default), fcfs (arrival order), priority (tier, objective, priority, arrival)")
+    p.add_argument("--waiting-unit", default=DEFAULT_WAITING_UNIT, choices=WAITING_UNITS,
+                   help="backpressure: an entry instance takes a request while the prompt tokens waiting there ahead of it fit "
+                   "one step (tokens, the default), or while fewer than --max-waiting requests wait there (requests: TNG's rule); "
+                   "the rest wait in the fair queues, where they can still be reordered")
     p.add_argument("--max-waiting", type=_positive_int, default=DEFAULT_MAX_WAITING, metavar="N",
-                   help="backpressure: an entry instance takes requests while fewer than N wait in its scheduler; the rest wait "
-                   f"in the fair queues (default {DEFAULT_MAX_WAITING}, as TNG's gateway)")
+                   help=f"with --waiting-unit requests: requests that may wait in an entry instance (default {DEFAULT_MAX_WAITING}, TNG's)")
     p.add_argument("--no-backpressure", action="store_true", help="dispatch every request on arrival (no admission queueing)")
     p.add_argument("--tpot-backpressure", action="store_true",
                    help=f"backpressure also holds requests while the measured decode TPOT exceeds {tpot_flag}")
@@ -112,7 +115,7 @@ def admission_config_of(args: argparse.Namespace, tpot_slo_s: float | None, tena
         raise InvalidConfigError("--tpot-backpressure needs a TPOT SLO (--tpot-slo, or a placement that carries one)")
     return AdmissionConfig(
         args.admission_policy, tenants, max_waiting=None if args.no_backpressure else args.max_waiting,
-        tpot_slo_s=tpot_slo_s if args.tpot_backpressure and not args.no_backpressure else None)
+        tpot_slo_s=tpot_slo_s if args.tpot_backpressure and not args.no_backpressure else None, waiting_unit=args.waiting_unit)
 
 
 def _add_simulate_args(p: argparse.ArgumentParser) -> None:

@@ -104,6 +104,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             api_keys=api_keys,
             admission_policy=args.admission_policy,
             max_waiting=None if args.no_backpressure else args.max_waiting,
+            waiting_unit=args.waiting_unit,
         )
         run_ray_serve(options, args.host, args.port, on_ready=lambda url: _print_ready(url, served, f"{layout}, Ray Serve"))
         return 0

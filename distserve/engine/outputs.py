@@ -283,13 +283,15 @@ class RequestFrontend(ABC):
         request_class: RequestClass | None = None,
         timeout_s: float | None = None,
         dispatch_time: float | None = None,
+        admission_rank: int = 0,
     ) -> str:
         """Queue a request (of scheduling class ``request_class``, default: none); raises a
         ``DistServeError`` (a ValueError) for bad input. ``timeout_s``: the longest it may wait in
         the driver's admission queue before it fails with a ``RequestTimeoutError`` (a driver
         without one dispatches every request on arrival, so it never waits there).
         ``dispatch_time``: when an admission queue in front of this engine released it (its
-        scheduler orders it by this, ``Sequence.dispatch_time``; None: by ``arrival_time``)."""
+        scheduler orders it by this, ``Sequence.dispatch_time``; None: by ``arrival_time``), and
+        ``admission_rank`` the level it left that queue at (``Sequence.admission_rank``)."""
         sampling = sampling or SamplingParams()
         ids = self.encode_prompt(prompt)
         self.check_request(ids, sampling, priority)
@@ -307,6 +309,7 @@ class RequestFrontend(ABC):
             request_class=request_class,
             timeout_s=timeout_s,
             dispatch_time=dispatch_time,
+            admission_rank=admission_rank,
         )
         self._seqs[request_id] = seq
         self.outputs.add(seq)

@@ -36,13 +36,20 @@ from distserve.runtime.ray_deployment import DeployedInstance, route_of
 DEADLINE_SLACK_S = 1e-3
 
 
-def num_waiting(inst: DeployedInstance) -> int:
-    """Requests waiting in an entry instance's scheduler: as its latest step reported, plus those
-    sent to it that the step had not received yet."""
+def instance_load(inst: DeployedInstance, tpot: float | None) -> EntryLoad:
+    """What backpressure reads of an entry instance: the waiting requests and pending prompt tokens
+    (by admission rank) its latest step reported, plus those sent to it that the step had not
+    received yet, and what a step of its scheduler takes."""
     last = inst.last_step
-    if last is None:
-        return inst.num_added
-    return last.num_waiting + inst.num_added - last.num_added
+    seen = last.num_added if last is not None else 0
+    inst.unseen = [u for u in inst.unseen if u[0] > seen]
+    pending = list(last.pending_prompt_tokens) if last is not None else []
+    for _, rank, tokens in inst.unseen:
+        pending += [0] * (rank + 1 - len(pending))
+        pending[rank] += tokens
+    waiting = (last.num_waiting if last is not None else 0) + inst.num_added - seen
+    config = inst.spec.scheduler
+    return EntryLoad(waiting, tpot, tuple(pending), config.max_num_batched_tokens, config.max_num_seqs)
 
 
 class AdmissionDriver:
@@ -80,7 +87,7 @@ class AdmissionDriver:
             if reason is not None:
                 raise ServiceUnavailableError(reason)
             item = AdmissionItem(seq.seq_id, seq.request_class, seq.num_prompt_tokens + seq.sampling.max_tokens,
-                                 seq.arrival_time, seq.priority, seq.timeout_s, seq)
+                                 seq.arrival_time, seq.priority, seq.timeout_s, seq, num_prompt_tokens=seq.num_prompt_tokens)
             self.admission.push(item, time.monotonic())
         except BaseException:  # it never entered
             self._forget(seq.seq_id)
@@ -120,6 +127,7 @@ class AdmissionDriver:
         self._owner[seq.seq_id] = inst
         self._dispatched.add(seq.seq_id)
         inst.num_added += 1
+        inst.unseen.append((inst.num_added, seq.admission_rank, seq.num_prompt_tokens))
         self._spawn(self._call_then_kick(inst, inst.actor.add.remote(seq.detached_copy())))
         return inst
 
@@ -150,11 +158,12 @@ class AdmissionDriver:
         tpot = self._measured_tpot()
 
         def load(inst: DeployedInstance) -> EntryLoad:
-            return EntryLoad(num_waiting(inst), tpot)
+            return instance_load(inst, tpot)
 
         def place(item: AdmissionItem, accepting: list[DeployedInstance]) -> DeployedInstance:
             self._cancel_deadline(item.request_id)
-            item.payload.dispatch_time = now  # before the copy is sent: the instance scheduler keeps the admission order
+            # Before the copy is sent: the instance scheduler keeps the admission order and rank.
+            item.payload.dispatch_time, item.payload.admission_rank = now, item.rank
             return self._place(item.payload, accepting, entry)
 
         self.admission.dispatch(now, entry, load, place)

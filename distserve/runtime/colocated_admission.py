@@ -22,7 +22,9 @@ from collections.abc import Callable, Sequence as Seq
 from dataclasses import dataclass, replace
 from typing import Any, Generic, TypeVar
 
-from distserve.cluster.admission import TIMED_OUT, AdmissionConfig, AdmissionItem, EntryLoad, check_timeout, measured_tpot_s, timeout_error
+from distserve.cluster.admission import (
+    TIMED_OUT, AdmissionConfig, AdmissionItem, EntryLoad, check_timeout, entry_load, measured_tpot_s, timeout_error,
+)
 from distserve.cluster.classes import RequestClass, check_request_class
 from distserve.config import SamplingParams
 from distserve.engine.llm_engine import LLMEngine
@@ -46,14 +48,15 @@ class QueuedRequest:
     arrival_time: float | None = None  # None: when an engine takes it
 
 
-def entry_load(engine: EngineBase, with_tpot: bool) -> EntryLoad:
-    """What backpressure reads of a colocated engine: its scheduler's waiting queue and, when a TPOT
-    SLO is set, its last step time while it decodes (an engine it cannot read takes every request)."""
+def colocated_load(engine: EngineBase, with_tpot: bool) -> EntryLoad:
+    """What backpressure reads of a colocated engine: its scheduler's pending prompts and step size
+    (``entry_load``) and, when a TPOT SLO is set, its last step time while it decodes (an engine it
+    cannot read takes every request)."""
     if not isinstance(engine, LLMEngine):
         return EntryLoad(0)
     scheduler = engine.scheduler
     tpot = measured_tpot_s([(scheduler.num_running, engine.core.last_step_s)]) if with_tpot else None
-    return EntryLoad(scheduler.num_waiting, tpot)
+    return entry_load(scheduler, tpot)
 
 
 class ColocatedAdmission(Generic[S]):
@@ -76,7 +79,8 @@ class ColocatedAdmission(Generic[S]):
         engine.check_request(ids, request.sampling, request.priority)
         request_class = check_request_class(request.request_class)
         request = replace(request, prompt=ids, request_class=request_class, timeout_s=check_timeout(request.timeout_s), arrival_time=now)
-        item = AdmissionItem(request_id, request_class, len(ids) + request.sampling.max_tokens, now, request.priority, request.timeout_s, request)
+        item = AdmissionItem(request_id, request_class, len(ids) + request.sampling.max_tokens, now, request.priority, request.timeout_s, request,
+                             num_prompt_tokens=len(ids))
         self.queue.push(item, now)
         self._items[request_id] = item
 
@@ -101,13 +105,14 @@ class ColocatedAdmission(Generic[S]):
 
     def dispatch(
         self, now: float, slots: Seq[S], engine_of: Callable[[S], EngineBase], place: Callable[[AdmissionItem, list[S]], S],
-    ) -> list[tuple[str, QueuedRequest, S]]:
-        """Release what the slots accept under backpressure: (request id, request, slot) in policy order."""
+    ) -> list[tuple[str, QueuedRequest, S, int]]:
+        """Release what the slots accept under backpressure: (request id, request, slot, admission
+        rank) in policy order."""
         if not self._items:
             return []
         with_tpot = self.queue.backpressure.tpot_slo_s is not None
-        released = self.queue.dispatch(now, slots, lambda slot: entry_load(engine_of(slot), with_tpot), place)
-        return [(item.request_id, self._items.pop(item.request_id).payload, slot) for item, slot in released]
+        released = self.queue.dispatch(now, slots, lambda slot: colocated_load(engine_of(slot), with_tpot), place)
+        return [(item.request_id, self._items.pop(item.request_id).payload, slot, item.rank) for item, slot in released]
 
     def wait_s(self, now: float) -> float | None:
         """How long the idle engine thread may block on its commands: until the next deadline, at
@@ -135,4 +140,4 @@ def timed_out_output(item: AdmissionItem, request: QueuedRequest, now: float) ->
     )
 
 
-__all__ = ["ColocatedAdmission", "IDLE_POLL_S", "QueuedRequest", "entry_load", "timed_out_output"]
+__all__ = ["ColocatedAdmission", "IDLE_POLL_S", "QueuedRequest", "colocated_load", "timed_out_output"]

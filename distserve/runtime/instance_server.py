@@ -87,6 +87,7 @@ class StepResult:
     num_waiting: int = 0
     num_running: int = 0
     num_added: int = 0
+    pending_prompt_tokens: tuple[int, ...] = ()  # prompt tokens not yet computed, by admission rank (``Scheduler.pending_prompt_tokens``)
 
 
 class InstanceServer:
@@ -287,6 +288,7 @@ class InstanceServer:
             result.has_work = bool(core.has_work() or self._pending)
             result.num_waiting, result.num_running = core.scheduler.num_waiting, core.scheduler.num_running
             result.num_added = self._num_added
+            result.pending_prompt_tokens = core.scheduler.pending_prompt_tokens()
         core.last_step_s = result.step_seconds = time.perf_counter() - t0
         return result
 

@@ -70,6 +70,7 @@ class DeployedInstance:
     route: RouteState = field(default_factory=RouteState)  # what routing knows (``cluster.routing``)
     last_step: StepResult | None = None  # its latest step's result (admission reads its load), None since (re)start
     num_added: int = 0  # requests sent to its actor's ``add`` since (re)start: those beyond last_step.num_added are unseen
+    unseen: list[tuple[int, int, int]] = field(default_factory=list)  # (add number, admission rank, prompt tokens) not yet in a step result
 
     @property
     def phase(self) -> str:

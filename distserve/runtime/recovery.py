@@ -202,7 +202,7 @@ class InstanceRecovery:
             inst.restarts += 1
             self.counters.record_instance_restart()
             inst.route = RouteState(pool=inst.route.pool)
-            inst.last_step, inst.num_added = None, 0  # the new actor has seen no request
+            inst.last_step, inst.num_added, inst.unseen = None, 0, []  # the new actor has seen no request
             inst.has_work = inst.kicked = False
             inst.restarting = False
             inst.alive = True

@@ -297,11 +297,12 @@ class ThreadedEngineClient(EngineClient):
             return self._deliver([(cmd.stream, exc)])
         self._start(rid, pick_entry(self._slots, _slot_route, (), self._router, rid, request_class), cmd)
 
-    def _start(self, rid: str, slot: _EngineSlot, cmd: QueuedRequest, dispatch_time: float | None = None) -> None:
+    def _start(self, rid: str, slot: _EngineSlot, cmd: QueuedRequest, dispatch_time: float | None = None, rank: int = 0) -> None:
         """Hand the request to ``slot``'s engine (the entry rule has assigned it there)."""
         try:
             slot.engine.add_request(cmd.prompt, cmd.sampling, request_id=rid, priority=cmd.priority, arrival_time=cmd.arrival_time,
-                                    request_class=cmd.request_class, timeout_s=cmd.timeout_s, dispatch_time=dispatch_time)
+                                    request_class=cmd.request_class, timeout_s=cmd.timeout_s, dispatch_time=dispatch_time,
+                                    admission_rank=rank)
         except Exception as exc:  # noqa: BLE001 - validation errors go to this request only
             slot.route.release(rid)
             self._deliver([(cmd.stream, exc)])
@@ -318,8 +319,8 @@ class ThreadedEngineClient(EngineClient):
         def place(item: AdmissionItem, accepting: list[_EngineSlot]) -> _EngineSlot:
             return pick_entry(accepting, _slot_route, (), self._router, item.request_id, item.request_class)
 
-        for rid, request, slot in self._admission.dispatch(now, self._slots, lambda slot: slot.engine, place):
-            self._start(rid, slot, request, dispatch_time=now)
+        for rid, request, slot, rank in self._admission.dispatch(now, self._slots, lambda slot: slot.engine, place):
+            self._start(rid, slot, request, dispatch_time=now, rank=rank)
 
     def _step(self) -> None:
         for slot in self._slots:

@@ -16,7 +16,7 @@ from fastapi import FastAPI
 from ray import serve
 from ray.serve import Application
 
-from distserve.cluster.admission import DEFAULT_MAX_WAITING, AdmissionConfig
+from distserve.cluster.admission import DEFAULT_MAX_WAITING, DEFAULT_WAITING_UNIT, AdmissionConfig
 from distserve.cluster.fair_queue import DEFAULT_ADMISSION_POLICY
 from distserve.cluster.routing import DEFAULT_ROUTER
 from distserve.config import CacheConfig, SchedulerConfig, slo_scheduler_config
@@ -62,6 +62,7 @@ class ServeOptions:
     api_keys: ApiKeys | None = None  # tenants and their keys (arg ``api_keys``: the key file); None: no keys, one anonymous tenant
     admission_policy: str = DEFAULT_ADMISSION_POLICY  # fair | fcfs | priority (``cluster.fair_queue``)
     max_waiting: int | None = DEFAULT_MAX_WAITING  # backpressure (``cluster.admission``); arg ``max_waiting=none``: dispatch at once
+    waiting_unit: str = DEFAULT_WAITING_UNIT  # tokens | requests (``cluster.backpressure``)
 
     @classmethod
     def from_args(cls, args: Mapping[str, Any]) -> ServeOptions:
@@ -81,6 +82,7 @@ class ServeOptions:
             "api_keys": load_api_keys,
             "admission_policy": str,
             "max_waiting": _optional_int,
+            "waiting_unit": str,
             **_SESSION_LIMIT_ARGS,
         }
         unknown = sorted(set(args) - set(fields))
@@ -111,7 +113,7 @@ class ServeOptions:
             scheduler_config=slo_scheduler_config(self.tpot_slo), prefill_scheduler_config=SchedulerConfig(),
             max_queued_requests=self.max_queued_requests, router=self.router,
             admission=AdmissionConfig(self.admission_policy, tuple(self.api_keys.tenants.values()) if self.api_keys else (),
-                                      max_waiting=self.max_waiting),
+                                      max_waiting=self.max_waiting, waiting_unit=self.waiting_unit),
         )
 
     def build_client(self) -> ThreadedEngineClient:

@@ -110,10 +110,10 @@ def check_tokens(outs: list[RequestOutput], reference: dict[str, list[int]]) -> 
         assert list(out.token_ids) == reference[out.request_id], out.request_id
 
 
-@pytest.mark.parametrize("policy", ["fair", "fcfs"])
+@pytest.mark.parametrize("policy, unit", [("fair", "requests"), ("fcfs", "requests"), ("fair", "tokens")])
 def test_a_flooding_tenant_does_not_starve_a_light_one_under_fair(
-        runtime: ControllerRuntime, reference: dict[str, list[int]], policy: str) -> None:
-    controller = use_admission(runtime, AdmissionConfig(policy, quantum=QUANTUM))
+        runtime: ControllerRuntime, reference: dict[str, list[int]], policy: str, unit: str) -> None:
+    controller = use_admission(runtime, AdmissionConfig(policy, quantum=QUANTUM, waiting_unit=unit))
     prefill_order: list[str] = []
 
     def listen(event: StepEvent) -> None:
@@ -136,11 +136,18 @@ def test_a_flooding_tenant_does_not_starve_a_light_one_under_fair(
         outs, at_arrival = runtime.run(scenario(), timeout_s=120)
     finally:
         remove()
-    # Three fill the prefill instance's waiting queue; the rest wait in the admission queue.
-    assert at_arrival["tenants"]["heavy"]["num_dispatched"] == 3 and at_arrival["num_queued"] == NUM_HEAVY + NUM_LIGHT - 3
+    # TNG's rule: three fill the prefill instance's waiting queue. The token rule: one, what its next
+    # step takes (max_num_seqs 1; the instance's step size comes from its scheduler config, the
+    # pending prompt tokens from its step results). The rest wait in the admission queue.
+    num_first = 3 if unit == "requests" else 1
+    assert at_arrival["tenants"]["heavy"]["num_dispatched"] == num_first
+    assert at_arrival["num_queued"] == NUM_HEAVY + NUM_LIGHT - num_first
     assert sorted(prefill_order) == sorted(heavy + light)
     positions = [prefill_order.index(n) for n in light]
-    if policy == "fair":
+    if unit == "tokens":
+        # The light tenant is sparse (under its share): its requests go next, one per step.
+        assert max(positions) <= 4, prefill_order
+    elif policy == "fair":
         # Deficit round robin: h3 (the heavy tenant's turn), then the light tenant's three, then the
         # rest of the flood. (Requests dispatched in one batch may swap in the instance: hence <=.)
         assert max(positions) <= 7, prefill_order
@@ -154,7 +161,7 @@ def test_a_flooding_tenant_does_not_starve_a_light_one_under_fair(
 
 
 def test_a_tenant_over_its_bound_gets_queue_full_with_retry_after(runtime: ControllerRuntime, reference: dict[str, list[int]]) -> None:
-    controller = use_admission(runtime, AdmissionConfig(tenants=(TenantSpec("heavy", max_queued_requests=2),)))
+    controller = use_admission(runtime, AdmissionConfig(tenants=(TenantSpec("heavy", max_queued_requests=2),), waiting_unit="requests"))
     first = [f"h{i}" for i in range(5)] + ["l0"]  # h0-h2 dispatched, h3 and h4 queued: the bound
 
     async def scenario() -> tuple[list[RequestOutput], QueueFullError | None]:
@@ -179,8 +186,8 @@ def test_a_tenant_over_its_bound_gets_queue_full_with_retry_after(runtime: Contr
 
 
 def test_a_queued_request_times_out_or_is_aborted(runtime: ControllerRuntime, reference: dict[str, list[int]]) -> None:
-    controller = use_admission(runtime, AdmissionConfig())
-    running = ["h0", "h1", "h2"]  # fill the prefill instance's waiting queue
+    controller = use_admission(runtime, AdmissionConfig(waiting_unit="requests"))
+    running = ["h0", "h1", "h2"]  # fill the prefill instance's waiting queue (TNG's rule: 3)
 
     async def scenario() -> tuple[list[RequestOutput], RequestOutput, RequestOutput, int]:
         async with held(controller):  # nothing steps: only the deadline timer can fail "l0"

@@ -87,12 +87,12 @@ async def admission(client: ThreadedEngineClient) -> dict[str, Any]:
     return stats["admission"]
 
 
-@pytest.mark.parametrize("policy", ["fcfs", "fair"])
-def test_a_light_tenant_is_dispatched_among_a_flood_with_the_engines_own_tokens(tiny: LoadedModel, policy: str) -> None:
+@pytest.mark.parametrize("policy, unit", [("fcfs", "requests"), ("fair", "requests"), ("fair", "tokens")])
+def test_a_light_tenant_is_dispatched_among_a_flood_with_the_engines_own_tokens(tiny: LoadedModel, policy: str, unit: str) -> None:
     log: list[str] = []  # dispatch order over both engines
     gate = threading.Event()
     engines = [RecordingEngine(tiny, cache_config=CACHE, log=log, gate=gate) for _ in range(2)]
-    client = ThreadedEngineClient(engines, admission=AdmissionConfig(policy))
+    client = ThreadedEngineClient(engines, admission=AdmissionConfig(policy, waiting_unit=unit))
     light_prompt = [p + 1 for p in PROMPT]
     reference = LLMEngine(tiny, cache_config=CACHE).generate([PROMPT, light_prompt], SP)
     rids = [f"h{i}" for i in range(10)] + [f"l{i}" for i in range(3)]
@@ -120,13 +120,13 @@ def test_a_light_tenant_is_dispatched_among_a_flood_with_the_engines_own_tokens(
     if policy == "fcfs":
         assert positions == [10, 11, 12]  # behind the whole backlog
     else:
-        # Deficit round robin, cost 200 tokens, quantum 512: heavy sends 2 (112 left), light 2, heavy 3
-        # (624 of deficit), light its third (as in LocalDisaggEngine's admission queue).
-        assert positions == [2, 3, 7]
+        # Fair: the light tenant, under its share of the recent tokens (sparse), goes ahead of the
+        # backlogged flood: no later than deficit round robin would send it (positions 2, 3, 7).
+        assert positions[0] <= 2 and max(positions) <= 7, log
 
 
 def busy_engine(tiny: LoadedModel) -> RecordingEngine:
-    # One running request at a time: behind a long one, three wait in the scheduler and the rest in the client.
+    # One running request at a time: behind a long one, three wait in the scheduler (TNG's rule) and the rest in the client.
     return RecordingEngine(tiny, cache_config=CACHE, scheduler_config=SchedulerConfig(max_num_seqs=1))
 
 
@@ -141,7 +141,7 @@ async def fill(client: ThreadedEngineClient, engine: RecordingEngine) -> tuple[A
 
 def test_bounds_refuse_with_queue_full_and_the_refusal_is_that_requests_alone(tiny: LoadedModel) -> None:
     engine = busy_engine(tiny)
-    client = ThreadedEngineClient(engine, admission=AdmissionConfig(tenants=(TenantSpec("heavy", max_queued_requests=2),)))
+    client = ThreadedEngineClient(engine, admission=AdmissionConfig(tenants=(TenantSpec("heavy", max_queued_requests=2),), waiting_unit="requests"))
 
     async def body() -> None:
         long, fillers = await fill(client, engine)
@@ -163,7 +163,7 @@ def test_bounds_refuse_with_queue_full_and_the_refusal_is_that_requests_alone(ti
 
 def test_a_request_past_its_timeout_ends_with_error_kind_timeout(tiny: LoadedModel) -> None:
     engine = busy_engine(tiny)
-    client = ThreadedEngineClient(engine)
+    client = ThreadedEngineClient(engine, admission=AdmissionConfig(waiting_unit="requests"))
 
     async def body() -> None:
         long, fillers = await fill(client, engine)
@@ -182,7 +182,7 @@ def test_a_request_past_its_timeout_ends_with_error_kind_timeout(tiny: LoadedMod
 
 def test_an_aborted_queued_request_never_reaches_an_engine(tiny: LoadedModel) -> None:
     engine = busy_engine(tiny)
-    client = ThreadedEngineClient(engine)
+    client = ThreadedEngineClient(engine, admission=AdmissionConfig(waiting_unit="requests"))
 
     async def body() -> None:
         long, fillers = await fill(client, engine)

@@ -105,6 +105,9 @@ def test_admission_flags_build_the_shared_config() -> None:
     assert admission_config_of(serve, 0.1) == AdmissionConfig("fcfs", max_waiting=None)
     serve = parser.parse_args(["serve", "--model", "tiny", "--max-waiting", "5", "--tpot-backpressure"])
     assert admission_config_of(serve, 0.1) == AdmissionConfig(max_waiting=5, tpot_slo_s=0.1)
+    serve = parser.parse_args(["serve", "--model", "tiny", "--waiting-unit", "requests", "--max-waiting", "2"])
+    assert admission_config_of(serve, None) == AdmissionConfig(max_waiting=2, waiting_unit="requests")  # TNG's rule
+    serve = parser.parse_args(["serve", "--model", "tiny", "--max-waiting", "5", "--tpot-backpressure"])
     with pytest.raises(InvalidConfigError, match="--tpot-backpressure needs a TPOT SLO"):
         admission_config_of(serve, None)
     sim = parser.parse_args(["simulate", "--model", "facebook/opt-13b", "--ttft", "1", "--tpot", "0.1", "--admission-policy", "priority"])
