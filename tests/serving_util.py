@@ -7,7 +7,7 @@ import itertools
 import socket
 import threading
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from distserve.config import CacheConfig, SamplingParams
@@ -18,6 +18,15 @@ from distserve.serving.api import build_fastapi_app
 from distserve.serving.api_keys import ApiKeys
 from distserve.runtime.client import EngineClient
 from distserve.runtime.controller import Controller
+
+
+async def drain(stream: AsyncIterator[RequestOutput]) -> RequestOutput:
+    """A stream's last output (it must finish)."""
+    last = None
+    async for out in stream:
+        last = out
+    assert last is not None and last.finished
+    return last
 
 
 def wait_until(predicate: Callable[[], bool], timeout_s: float = 10.0) -> bool:

@@ -25,6 +25,7 @@ from distserve.engine.weights import LoadedModel, load_model
 from distserve.errors import InvalidConfigError, QueueFullError
 from distserve.runtime.local_disagg import LocalDisaggEngine
 from distserve.runtime.threaded_client import ThreadedEngineClient
+from serving_util import drain
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -64,14 +65,6 @@ def run(client: ThreadedEngineClient, body: Callable[[], Coroutine[Any, Any, Non
         asyncio.run(body())
     finally:
         client.close()
-
-
-async def drain(stream: AsyncIterator[RequestOutput]) -> RequestOutput:
-    last = None
-    async for out in stream:
-        last = out
-    assert last is not None and last.finished
-    return last
 
 
 async def eventually(predicate: Callable[[], bool], timeout_s: float = 20.0) -> None:

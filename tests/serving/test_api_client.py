@@ -23,6 +23,7 @@ from distserve.runtime.stats import normalize_stats
 from distserve.serving.metrics import ServingMetrics
 from distserve.serving.streams import SSEResponse
 from distserve.runtime.threaded_client import EngineDeadError, ThreadedEngineClient
+from serving_util import drain
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -34,14 +35,6 @@ SHORT = SamplingParams(max_tokens=4, temperature=0)
 @pytest.fixture(scope="module")
 def tiny() -> LoadedModel:
     return load_model("tiny")
-
-
-async def drain(stream: AsyncIterator[RequestOutput]) -> RequestOutput:
-    last = None
-    async for out in stream:
-        last = out
-    assert last is not None and last.finished
-    return last
 
 
 def test_outputs_match_engine_and_validation_errors_surface(tiny: LoadedModel) -> None:
