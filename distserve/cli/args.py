@@ -221,6 +221,9 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="YAML/JSON key file (tenants: weight, tier, limits; keys: key -> tenant): every route but /health and "
                    "/metrics then needs `Authorization: Bearer <key>` (401 otherwise) and a tenant sees only its own sessions")
     _add_admission_args(p, "--tpot-slo")
+    p.add_argument("--prefill-chunk", type=_positive_int, default=None, metavar="TOKENS",
+                   help="prefill instances compute prompts in chunks of at most TOKENS per step (chunked prefill), so a light "
+                   "tenant's prompt waits for one chunk rather than a whole long prompt (default: whole prompts, 2048 tokens per step)")
     p.add_argument("--ray-serve", action="store_true", help="run as a Ray Serve application (default: plain uvicorn)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
 

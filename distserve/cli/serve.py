@@ -12,6 +12,7 @@ if TYPE_CHECKING:
     from distserve.dataflow.limits import SessionLimits
     from distserve.serving.api_keys import ApiKeys
     from distserve.slo import SLO
+    from distserve.config import SchedulerConfig
     from distserve.placement import Placement
 
 
@@ -28,6 +29,8 @@ def _check_serve_args(args: argparse.Namespace) -> None:
         raise InvalidConfigError("--kv-transfer-timeout applies to the Ray runtime; --runtime local copies KV in-process")
     if args.ray_serve and args.threads is not None:
         raise InvalidConfigError("--threads applies to plain `distserve serve` (local or Ray runtime), not --ray-serve")
+    if args.prefill_chunk is not None and (args.colocated is not None or args.ray_serve):
+        raise InvalidConfigError("--prefill-chunk applies to prefill instances (a disaggregated placement of plain `distserve serve`)")
     if args.ray_serve and args.tpot_backpressure:
         raise InvalidConfigError("--tpot-backpressure applies to plain `distserve serve`, not --ray-serve")
     if args.ray_serve and (parallel or args.placement is not None or args.runtime == "ray"):
@@ -70,6 +73,15 @@ def api_keys_of(args: argparse.Namespace) -> "ApiKeys | None":
         raise type(exc)(f"--api-keys {exc}") from None
 
 
+def prefill_scheduler_config(args: argparse.Namespace) -> "SchedulerConfig":
+    """Prefill instances' scheduler: whole prompts, or chunks of --prefill-chunk tokens per step."""
+    from distserve.config import SchedulerConfig
+
+    if args.prefill_chunk is None:
+        return SchedulerConfig()
+    return SchedulerConfig(enable_chunked_prefill=True, max_num_batched_tokens=args.prefill_chunk)
+
+
 def _print_ready(url: str, model: str, layout: str) -> None:
     body = json.dumps({"model": model, "messages": [{"role": "user", "content": "What is the capital of France?"}], "max_tokens": 32})
     print(f"distserve: serving {model!r} ({layout}) at {url}/v1  (metrics: {url}/metrics)")
@@ -108,7 +120,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         )
         run_ray_serve(options, args.host, args.port, on_ready=lambda url: _print_ready(url, served, f"{layout}, Ray Serve"))
         return 0
-    from distserve.config import CacheConfig, SchedulerConfig, slo_scheduler_config
+    from distserve.config import CacheConfig, slo_scheduler_config
     from distserve.runtime.config import DeploymentConfig
     from distserve.serving.api import open_listen_socket, run_server
 
@@ -123,7 +135,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         args.model, placement, dtype=args.dtype,
         cache_config=CacheConfig(block_size=args.block_size, kv_cache_memory_gb=args.kv_cache_gb, decode_attention=args.decode_attention),
         # Prefill steps hold no decodes whose TPOT a step budget would protect.
-        scheduler_config=slo_scheduler_config(slo.tpot_s if slo else None), prefill_scheduler_config=SchedulerConfig(),
+        scheduler_config=slo_scheduler_config(slo.tpot_s if slo else None), prefill_scheduler_config=prefill_scheduler_config(args),
         max_queued_requests=args.max_queued_requests, num_threads_per_worker=args.threads, router=args.router,
         admission=admission_config_of(args, slo.tpot_s if slo else None, tuple(api_keys.tenants.values()) if api_keys else ()),
         **({} if args.kv_transfer_timeout is None else {"kv_transfer_timeout_s": args.kv_transfer_timeout}),

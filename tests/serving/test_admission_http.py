@@ -17,6 +17,7 @@ import uvicorn
 from serving_util import wait_until
 
 from distserve.cli.args import admission_config_of, build_parser
+from distserve.cli.serve import prefill_scheduler_config
 from distserve.cluster.admission import AdmissionConfig
 from distserve.config import CacheConfig, SchedulerConfig
 from distserve.engine.outputs import RequestOutput
@@ -110,5 +111,8 @@ def test_admission_flags_build_the_shared_config() -> None:
     serve = parser.parse_args(["serve", "--model", "tiny", "--max-waiting", "5", "--tpot-backpressure"])
     with pytest.raises(InvalidConfigError, match="--tpot-backpressure needs a TPOT SLO"):
         admission_config_of(serve, None)
+    serve = parser.parse_args(["serve", "--model", "tiny", "--prefill-chunk", "256"])
+    assert prefill_scheduler_config(serve) == SchedulerConfig(enable_chunked_prefill=True, max_num_batched_tokens=256)
+    assert prefill_scheduler_config(parser.parse_args(["serve", "--model", "tiny"])) == SchedulerConfig()
     sim = parser.parse_args(["simulate", "--model", "facebook/opt-13b", "--ttft", "1", "--tpot", "0.1", "--admission-policy", "priority"])
     assert admission_config_of(sim, sim.tpot) == AdmissionConfig("priority")
