@@ -63,7 +63,8 @@ def parse_args() -> Any:
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--runtime", default="local", choices=["local", "ray"], help="`distserve serve --runtime`")
-    p.add_argument("--serve-flag", action="append", default=[], help="extra `distserve serve` flag (repeatable), e.g. --colocated=1")
+    p.add_argument("--serve-flag", action="append", default=[],
+                   help="extra `distserve serve` flag (repeatable, FLAG=VALUE form), e.g. --prefill-chunk=128 (the simulator's prediction follows it)")
     p.add_argument("--duration", type=float, default=120.0, help="seconds each scenario sends for")
     p.add_argument("--light-rate", type=float, default=0.1, help="requests/s of each light tenant (and of the interactive one)")
     p.add_argument("--flood-factor", type=float, default=10.0, help="the flooding (and batch) tenant's rate over a light tenant's")
@@ -152,6 +153,7 @@ def simulate_prediction(args: Any, policy: str, results: dict[str, list[RequestR
         return None
     from distserve.cluster.admission import AdmissionConfig
     from distserve.cluster.tenants import TenantSpec
+    from distserve.config import SchedulerConfig
     from distserve.placement import Placement
     from simulator.latency import FittedLatencyModel
     from simulator.simulation import SimConfig, simulate
@@ -172,7 +174,9 @@ def simulate_prediction(args: Any, policy: str, results: dict[str, list[RequestR
     owner = [owner[i] for i in order]
     placement = Placement.colocated_instances(1) if any("colocated" in f for f in args.serve_flag) else Placement.disaggregated(1, 1)
     tenants = tuple(TenantSpec(t, tier=TIERS.get(t, "default")) for t in results)
-    config = SimConfig(block_size=16, admission=AdmissionConfig(policy, tenants))
+    chunk = next((int(f.split("=", 1)[1]) for f in args.serve_flag if f.startswith("--prefill-chunk=")), None)
+    prefill = SchedulerConfig() if chunk is None else SchedulerConfig(enable_chunked_prefill=True, max_num_batched_tokens=chunk)
+    config = SimConfig(block_size=16, admission=AdmissionConfig(policy, tenants), prefill_scheduler=prefill)
     sim = simulate(placement, FittedLatencyModel.from_profile(args.profile), requests, config)
     by_tenant: dict[str, list[float]] = {}
     for rec in sim.records:
