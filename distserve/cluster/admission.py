@@ -374,6 +374,17 @@ class AdmissionQueue(Generic[T]):
     def __contains__(self, request_id: object) -> bool:
         return request_id in self._items
 
+    def request_ids(self) -> list[str]:
+        """The queued requests' ids, in push order."""
+        return list(self._items)
+
+    def next_deadline(self) -> float:
+        """The earliest deadline of a queued request (inf: none has a timeout)."""
+        heap = self._deadlines
+        while heap and self._items.get(heap[0][2].request_id) is not heap[0][2]:
+            heapq.heappop(heap)  # dispatched or removed since it was pushed
+        return heap[0][0] if heap else math.inf
+
     def stats(self) -> dict[str, Any]:
         """Per-tenant counters and the queue's length, for ``stats()`` and /metrics."""
         return {"policy": self.policy_name, "num_queued": len(self._items),

@@ -17,13 +17,12 @@ for its colocated slots and drives it on its engine thread, as ``LocalDisaggEngi
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence as Seq
 from dataclasses import dataclass, replace
 from typing import Any, Generic, TypeVar
 
 from distserve.cluster.admission import (
-    TIMED_OUT, AdmissionConfig, AdmissionItem, EntryLoad, check_timeout, entry_load, measured_tpot_s, timeout_error,
+    TIMED_OUT, AdmissionConfig, AdmissionItem, AdmissionQueue, EntryLoad, check_timeout, entry_load, measured_tpot_s, timeout_error,
 )
 from distserve.cluster.classes import RequestClass, check_request_class
 from distserve.config import SamplingParams
@@ -63,14 +62,13 @@ class ColocatedAdmission(Generic[S]):
     """Requests between arrival and dispatch to one of the client's colocated slots."""
 
     def __init__(self, config: AdmissionConfig) -> None:
-        self.queue = config.queue()
-        self._items: dict[str, AdmissionItem] = {}  # payload: QueuedRequest
+        self.queue: AdmissionQueue[Any] = config.queue()  # items' payload: their QueuedRequest
 
     def __contains__(self, request_id: object) -> bool:
-        return request_id in self._items
+        return request_id in self.queue
 
     def __len__(self) -> int:
-        return len(self._items)
+        return len(self.queue)
 
     def push(self, engine: EngineBase, request_id: str, request: QueuedRequest, now: float) -> None:
         """Validate against ``engine``'s limits (all slots serve one model) and queue; raises a
@@ -82,45 +80,36 @@ class ColocatedAdmission(Generic[S]):
         item = AdmissionItem(request_id, request_class, len(ids) + request.sampling.max_tokens, now, request.priority, request.timeout_s, request,
                              num_prompt_tokens=len(ids))
         self.queue.push(item, now)
-        self._items[request_id] = item
 
     def remove(self, request_id: str) -> QueuedRequest | None:
         """Take a queued request out (aborted); None if it is not queued here."""
-        item = self._items.pop(request_id, None)
-        if item is None:
-            return None
-        self.queue.remove(request_id)
-        return item.payload
+        item = self.queue.remove(request_id)
+        return item.payload if item is not None else None
 
     def remove_all(self) -> list[QueuedRequest]:
-        return [r for r in (self.remove(rid) for rid in list(self._items)) if r is not None]
+        return [r for r in (self.remove(rid) for rid in self.queue.request_ids()) if r is not None]
 
     def expire(self, now: float) -> list[tuple[QueuedRequest, RequestOutput]]:
         """The requests past their deadline, each with its last output (``error_kind`` TIMED_OUT)."""
-        out = []
-        for item in self.queue.expire(now):
-            request: QueuedRequest = self._items.pop(item.request_id).payload
-            out.append((request, timed_out_output(item, request, now)))
-        return out
+        return [(item.payload, timed_out_output(item, item.payload, now)) for item in self.queue.expire(now)]
 
     def dispatch(
         self, now: float, slots: Seq[S], engine_of: Callable[[S], EngineBase], place: Callable[[AdmissionItem, list[S]], S],
     ) -> list[tuple[str, QueuedRequest, S, int]]:
         """Release what the slots accept under backpressure: (request id, request, slot, admission
         rank) in policy order."""
-        if not self._items:
+        if not self.queue:
             return []
         with_tpot = self.queue.backpressure.tpot_slo_s is not None
         released = self.queue.dispatch(now, slots, lambda slot: colocated_load(engine_of(slot), with_tpot), place)
-        return [(item.request_id, self._items.pop(item.request_id).payload, slot, item.rank) for item, slot in released]
+        return [(item.request_id, item.payload, slot, item.rank) for item, slot in released]
 
     def wait_s(self, now: float) -> float | None:
         """How long the idle engine thread may block on its commands: until the next deadline, at
         most ``IDLE_POLL_S`` while anything is queued (None: nothing is queued)."""
-        if not self._items:
+        if not self.queue:
             return None
-        deadline = min((item.deadline for item in self._items.values()), default=math.inf)
-        return max(0.0, min(IDLE_POLL_S, deadline - now))
+        return max(0.0, min(IDLE_POLL_S, self.queue.next_deadline() - now))
 
 
 def timed_out_output(item: AdmissionItem, request: QueuedRequest, now: float) -> RequestOutput:
