@@ -59,9 +59,15 @@ class EntryLoad:
 
     def with_dispatched(self, item: AdmissionItem) -> EntryLoad:
         """This load once ``item`` is added to the instance (a dispatch snapshot's update)."""
-        pending = list(self.pending_tokens) + [0] * (item.rank + 1 - len(self.pending_tokens))
-        pending[item.rank] += item.cost if item.num_prompt_tokens is None else item.num_prompt_tokens
-        return EntryLoad(self.num_waiting + 1, self.tpot_s, tuple(pending), self.step_tokens, self.step_seqs)
+        tokens = item.cost if item.num_prompt_tokens is None else item.num_prompt_tokens
+        return EntryLoad(self.num_waiting + 1, self.tpot_s, add_pending(self.pending_tokens, item.rank, tokens), self.step_tokens, self.step_seqs)
+
+
+def add_pending(pending: tuple[int, ...], rank: int, tokens: int) -> tuple[int, ...]:
+    """Pending prompt tokens by rank (``EntryLoad.pending_tokens``) with ``tokens`` more at ``rank``."""
+    out = list(pending) + [0] * (rank + 1 - len(pending))
+    out[rank] += tokens
+    return tuple(out)
 
 
 @dataclass(frozen=True)
@@ -131,6 +137,6 @@ def entry_load(scheduler: PendingPrompts, tpot_s: float | None) -> EntryLoad:
 
 
 __all__ = [
-    "Backpressure", "DEFAULT_MAX_WAITING", "DEFAULT_WAITING_UNIT", "EntryLoad", "NO_BACKPRESSURE", "PendingPrompts", "REQUESTS", "TOKENS",
+    "Backpressure", "DEFAULT_MAX_WAITING", "add_pending", "DEFAULT_WAITING_UNIT", "EntryLoad", "NO_BACKPRESSURE", "PendingPrompts", "REQUESTS", "TOKENS",
     "WAITING_UNITS", "entry_load", "measured_tpot_s",
 ]

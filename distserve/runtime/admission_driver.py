@@ -22,6 +22,7 @@ import asyncio
 import time
 from typing import TYPE_CHECKING
 
+from distserve.cluster.backpressure import add_pending
 from distserve.cluster.admission import TIMED_OUT, AdmissionItem, AdmissionQueue, EntryLoad, measured_tpot_s, timeout_error
 from distserve.cluster.routing import entry_hashes, pick_entry
 from distserve.config import CacheConfig
@@ -43,13 +44,12 @@ def instance_load(inst: DeployedInstance, tpot: float | None) -> EntryLoad:
     last = inst.last_step
     seen = last.num_added if last is not None else 0
     inst.unseen = [u for u in inst.unseen if u[0] > seen]
-    pending = list(last.pending_prompt_tokens) if last is not None else []
+    pending = last.pending_prompt_tokens if last is not None else ()
     for _, rank, tokens in inst.unseen:
-        pending += [0] * (rank + 1 - len(pending))
-        pending[rank] += tokens
+        pending = add_pending(pending, rank, tokens)
     waiting = (last.num_waiting if last is not None else 0) + inst.num_added - seen
     config = inst.spec.scheduler
-    return EntryLoad(waiting, tpot, tuple(pending), config.max_num_batched_tokens, config.max_num_seqs)
+    return EntryLoad(waiting, tpot, pending, config.max_num_batched_tokens, config.max_num_seqs)
 
 
 class AdmissionDriver:
