@@ -29,8 +29,9 @@ def _check_serve_args(args: argparse.Namespace) -> None:
         raise InvalidConfigError("--kv-transfer-timeout applies to the Ray runtime; --runtime local copies KV in-process")
     if args.ray_serve and args.threads is not None:
         raise InvalidConfigError("--threads applies to plain `distserve serve` (local or Ray runtime), not --ray-serve")
-    if args.prefill_chunk is not None and (args.colocated is not None or args.ray_serve):
-        raise InvalidConfigError("--prefill-chunk applies to prefill instances (a disaggregated placement of plain `distserve serve`)")
+    for flag, given in (("--prefill-chunk", args.prefill_chunk is not None), ("--no-prefill-preemption", args.no_prefill_preemption)):
+        if given and (args.colocated is not None or args.ray_serve):
+            raise InvalidConfigError(f"{flag} applies to prefill instances (a disaggregated placement of plain `distserve serve`)")
     if args.ray_serve and args.tpot_backpressure:
         raise InvalidConfigError("--tpot-backpressure applies to plain `distserve serve`, not --ray-serve")
     if args.ray_serve and (parallel or args.placement is not None or args.runtime == "ray"):
@@ -74,12 +75,14 @@ def api_keys_of(args: argparse.Namespace) -> "ApiKeys | None":
 
 
 def prefill_scheduler_config(args: argparse.Namespace) -> "SchedulerConfig":
-    """Prefill instances' scheduler: whole prompts, or chunks of --prefill-chunk tokens per step."""
+    """Prefill instances' scheduler: whole prompts, or chunks of --prefill-chunk tokens per step;
+    plans that yield between layers unless --no-prefill-preemption."""
     from distserve.config import SchedulerConfig
 
+    preempt = not args.no_prefill_preemption
     if args.prefill_chunk is None:
-        return SchedulerConfig()
-    return SchedulerConfig(enable_chunked_prefill=True, max_num_batched_tokens=args.prefill_chunk)
+        return SchedulerConfig(preempt_prefill=preempt)
+    return SchedulerConfig(enable_chunked_prefill=True, max_num_batched_tokens=args.prefill_chunk, preempt_prefill=preempt)
 
 
 def _print_ready(url: str, model: str, layout: str) -> None:

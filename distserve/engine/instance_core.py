@@ -236,13 +236,15 @@ class InstanceCore:
         self._deferred = waiting
 
     # ---- the step ------------------------------------------------------------------------------
-    def launch(self, send_finished: bool = True) -> PlanInFlight | None:
+    def launch(self, send_finished: bool = True, *, preempting: bool = False) -> PlanInFlight | None:
         """The next plan, numbered and in flight, if the pipeline has room and there is something
         to send: tokens to compute, or (``send_finished``) finished ids whose per-request state the
-        workers drop; else None. A driver without such state (the simulator) passes False."""
+        workers drop; else None. A driver without such state (the simulator) passes False.
+        ``preempting``: one plan more than the pipeline holds, to run while a suspended one waits
+        (``engine.preemptible``)."""
         if self._deferred:
             self.run_deferred()
-        if len(self.in_flight) >= self.pipeline_depth:
+        if len(self.in_flight) >= self.pipeline_depth + preempting:
             return None
         plan = self.scheduler.schedule()
         if plan.is_empty and not (send_finished and plan.finished_seq_ids):
@@ -259,6 +261,11 @@ class InstanceCore:
         self.in_flight.append(launched)
         return launched
 
+    def plan_around(self, p: PlanInFlight) -> None:
+        """The scheduler skips ``p``'s sequences until ``p`` is applied (as it does with pp > 1): a
+        plan launched while ``p`` is suspended must not compute them again (``engine.preemptible``)."""
+        self.scheduler.in_flight.update(c.seq_id for c in p.plan.chunks)
+
     def observe(self, plan: StepPlan, seconds: float) -> None:
         """How long ``plan`` took (measured, or modelled in the simulator): the step budget learns from it."""
         self.scheduler.observe_step(plan, seconds)
@@ -267,7 +274,15 @@ class InstanceCore:
     def apply_oldest(self, sampled: Seq[SampledToken], now: float) -> list[Sequence]:
         """Apply the oldest plan in flight: its sampled tokens, stop rules, the ops that waited for
         it. Returns the sequences that received a token (finished ones are forgotten here)."""
-        p = self.in_flight.popleft()
+        return self.apply(self.in_flight[0], sampled, now)
+
+    def apply(self, p: PlanInFlight, sampled: Seq[SampledToken], now: float) -> list[Sequence]:
+        """``apply_oldest`` for plan ``p``, which may be younger than others in flight (a plan that
+        ran while an older one was suspended: ``engine.preemptible``)."""
+        if self.in_flight[0] is p:
+            self.in_flight.popleft()
+        else:
+            self.in_flight.remove(p)
         self.num_prefill_tokens_computed += num_prefill_tokens(p.plan)
         if self._deferred:
             self.run_deferred()  # first: an aborted request gets no token from its last plan

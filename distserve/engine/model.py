@@ -265,6 +265,16 @@ class LlamaForCausalLM(nn.Module):
         input_ids: torch.Tensor | None = None,  # [T] on the first stage
         hidden: torch.Tensor | None = None,  # [T, hidden] from the previous stage otherwise
     ) -> torch.Tensor:  # [T, hidden]; normalised on the last stage
+        x, cos, sin = self.start(positions, input_ids, hidden)
+        for layer, kv in zip(self.layers, kv_caches):
+            x = layer(x, cos, sin, kv, meta)
+        return self.finish(x)
+
+    # One layer at a time (``ModelRunner.begin``/``run``: a plan that yields between layers).
+    def start(
+        self, positions: torch.Tensor, input_ids: torch.Tensor | None = None, hidden: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The first layer's input ``[T, hidden]`` and the rope tables for ``positions`` ``[T]``."""
         if self.embed_tokens is not None:
             assert input_ids is not None
             x = self.embed_tokens(input_ids)
@@ -272,8 +282,10 @@ class LlamaForCausalLM(nn.Module):
             assert hidden is not None
             x = hidden
         cos, sin = self.rotary(positions, x.dtype)
-        for layer, kv in zip(self.layers, kv_caches):
-            x = layer(x, cos, sin, kv, meta)
+        return x, cos, sin
+
+    def finish(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] after the last local layer
+        """The final norm on the last stage; as is on the others."""
         return self.norm(x) if self.norm is not None else x
 
     @torch.inference_mode()

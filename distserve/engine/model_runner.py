@@ -8,6 +8,9 @@ driver (TP rank 0 of the last stage) samples and returns tokens.
 from __future__ import annotations
 
 import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 
@@ -18,6 +21,23 @@ from distserve.engine.sampler import Sampler
 from distserve.engine.step_plan import SampledToken, ScheduledChunk, StepPlan
 from kernels.backends import decode_attention_for, default_decode_attention
 from kernels.paged_attention import AttentionMetadata
+
+
+SLOW_LAYER_S = 0.3  # a ``slow`` step fault's extra time per layer
+
+
+@dataclass(eq=False)
+class LayerPass:
+    """A plan part-way through the model's layers (``ModelRunner.begin``, resumed by ``run``)."""
+
+    plan: StepPlan
+    x: torch.Tensor | None = None  # [T, hidden]: the next layer's input; None once done (or nothing to compute)
+    cos: torch.Tensor | None = None  # rope tables for the plan's positions
+    sin: torch.Tensor | None = None
+    meta: AttentionMetadata | None = None
+    sample_rows: list[int] = field(default_factory=list)
+    next_layer: int = 0
+    slow_s: float = 0.0  # test hook (``inject_step_fault(..., "slow")``): extra seconds per layer
 
 
 class ModelRunner:
@@ -67,18 +87,24 @@ class ModelRunner:
 
     def inject_step_fault(self, seq_id: str, kind: str = "raise") -> None:
         """Test hook: every plan computing ``seq_id`` fails — ``raise`` an exception, or ``exit`` the
-        process at once (a hard crash) — as a request that trips a bug in the model would."""
-        if kind not in ("raise", "exit"):
-            raise ValueError(f"unknown step fault {kind!r}; choose raise or exit")
+        process at once (a hard crash) — as a request that trips a bug in the model would; or is
+        ``slow``: run a layer at a time (``run``), each of its layers takes ``SLOW_LAYER_S`` more."""
+        if kind not in ("raise", "exit", "slow"):
+            raise ValueError(f"unknown step fault {kind!r}; choose raise, exit or slow")
         self.step_faults[seq_id] = kind
 
-    def _trip_step_faults(self, plan: StepPlan) -> None:
+    def _trip_step_faults(self, plan: StepPlan) -> float:
+        """Raise or exit for a faulty request of ``plan``; else the extra seconds per layer (``slow``)."""
+        extra = 0.0
         for chunk in plan.chunks:
             kind = self.step_faults.get(chunk.seq_id)
+            if kind == "slow":
+                extra = SLOW_LAYER_S
             if kind == "exit":
                 os._exit(70)
             if kind == "raise":
                 raise RuntimeError(f"injected step fault computing {chunk.seq_id}")
+        return extra
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         if copies:
@@ -116,6 +142,11 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> list[SampledToken]:
+        shard = self.parallel.shard
+        if shard.is_first_stage and shard.is_last_stage:
+            done = self.run(self.begin(plan))
+            assert done is not None
+            return done
         for seq_id in plan.finished_seq_ids:
             self._generators.pop(seq_id, None)
         self.copy_blocks(plan.block_copies)
@@ -124,7 +155,6 @@ class ModelRunner:
         if self.step_faults:
             self._trip_step_faults(plan)
         ids, positions, meta, sample_rows = self.prepare(plan)
-        shard = self.parallel.shard
         prev = None
         if not shard.is_first_stage:
             prev = self.parallel.recv_from_prev_stage((ids.shape[0], self.config.hidden_size), self.dtype)
@@ -132,7 +162,46 @@ class ModelRunner:
         if not shard.is_last_stage:
             self.parallel.send_to_next_stage(hidden)
             return []
-        if not sample_rows or not shard.is_driver:
+        return self._sample_rows(plan, hidden, sample_rows)
+
+    # ---- a plan one layer at a time (one pipeline stage: pp = 1) ---------------------------------
+    @torch.inference_mode()
+    def begin(self, plan: StepPlan) -> LayerPass:
+        """Start ``plan``: its block copies, inputs and embeddings; ``run`` computes its layers."""
+        shard = self.parallel.shard
+        assert shard.is_first_stage and shard.is_last_stage, "a plan runs layer by layer with pp = 1 only"
+        for seq_id in plan.finished_seq_ids:
+            self._generators.pop(seq_id, None)
+        self.copy_blocks(plan.block_copies)
+        if not plan.chunks:
+            return LayerPass(plan)
+        slow_s = self._trip_step_faults(plan) if self.step_faults else 0.0
+        ids, positions, meta, sample_rows = self.prepare(plan)
+        x, cos, sin = self.model.start(positions, input_ids=ids)
+        return LayerPass(plan, x, cos, sin, meta, sample_rows, slow_s=slow_s)
+
+    @torch.inference_mode()
+    def run(self, p: LayerPass, should_yield: Callable[[], bool] | None = None) -> list[SampledToken] | None:
+        """Compute ``p``'s remaining layers; its sampled tokens, or None if ``should_yield`` (asked
+        after each layer but the last) said to stop, with ``p`` ready to resume where it stopped."""
+        if p.x is None:
+            return []
+        layers, kv_caches = self.model.layers, self.kv_caches
+        while p.next_layer < len(layers):
+            i = p.next_layer
+            p.x = layers[i](p.x, p.cos, p.sin, kv_caches[i], p.meta)
+            p.next_layer = i + 1
+            if p.slow_s:
+                time.sleep(p.slow_s)
+            if should_yield is not None and p.next_layer < len(layers) and should_yield():
+                return None
+        hidden = self.model.finish(p.x)  # [T, hidden]
+        p.x = None
+        return self._sample_rows(p.plan, hidden, p.sample_rows)
+
+    def _sample_rows(self, plan: StepPlan, hidden: torch.Tensor, sample_rows: list[int]) -> list[SampledToken]:
+        """The tokens of ``plan``'s sampling chunks from their rows of ``hidden`` (``[T, hidden]``), on the driver."""
+        if not sample_rows or not self.parallel.shard.is_driver:
             return []
         logits = self.model.compute_logits(hidden[sample_rows])  # [N, V]
         chunks = [c for c in plan.chunks if c.sample]

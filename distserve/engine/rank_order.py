@@ -11,6 +11,8 @@ keeps that order where the queue's order alone would be lost:
   ranks before it (``_overtaken``): a chat is not stuck behind a long prompt's chunks;
 * a step computes prompts of one rank only, the lowest (``_above_step_rank``): the chat's prompt runs
   in a step of its own, about as fast as alone, not in one padded with the backlog's prompts;
+* ``waits_before`` tells a prefill plan of a backlogged rank, suspended between layers
+  (``engine.preemptible``), that a prompt of a lower rank waits: it runs before the plan resumes;
 * ``pending_prompt_tokens`` reports the prompt tokens not yet computed by rank, which admission's
   token backpressure reads (``cluster.backpressure``): a request is dispatched while the tokens
   ahead of it fit a step.
@@ -47,6 +49,11 @@ class AdmissionRankOrder:
                     pending.extend([0] * (rank + 1 - len(pending)))
                 pending[rank] += n
         return tuple(pending)
+
+    def waits_before(self, rank: int) -> bool:
+        """Whether a waiting prompt has an admission rank below ``rank``: one a running prompt of
+        ``rank`` yields to between layers (``engine.preemptible``)."""
+        return any(seq.admission_rank < rank for seq in self.waiting)
 
     def _above_step_rank(self, seq: Sequence) -> bool:
         """Whether prompt ``seq`` waits for a later step because this one computes a prompt of a lower

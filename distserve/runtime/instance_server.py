@@ -45,6 +45,7 @@ from distserve.config import CacheConfig, SchedulerConfig
 from distserve.decode.scheduler import Reservation
 from distserve.engine.instance_core import SCHEDULERS, InstanceCore, PlanInFlight, SeqUpdate
 from distserve.engine.parallel import ShardSpec
+from distserve.engine.preemptible import PreemptibleSteps
 from distserve.engine.step_plan import attributed_to
 from distserve.engine.sequence import Sequence
 from distserve.kvtransfer.layout import KVLayout
@@ -119,6 +120,12 @@ class InstanceServer:
             raise ValueError("an instance with tp * pp > 1 needs create_remote_worker")
         self.local = Worker(worker_spec(0))
         self.remote = [create_remote_worker(worker_spec(r)) for r in range(1, world)] if world > 1 else []
+        # One worker's prefill plans run a layer at a time; ``add`` of a request that ranks below the
+        # running plan sets ``_yield`` and the plan stops at the next layer (``engine.preemptible``).
+        self._yield = threading.Event()
+        self.preemptible: PreemptibleSteps | None = None
+        if spec.phase == "prefill" and spec.scheduler.preempt_prefill and world == 1:
+            self.preemptible = PreemptibleSteps(self.core, self.local.begin, self.local.run_layers, time.monotonic, self._lock)
 
     # ---- set-up --------------------------------------------------------------------------------
     def init(self, init_method: str, world_size: int) -> str:
@@ -170,6 +177,9 @@ class InstanceServer:
         with self._lock:
             self.core.add(seq)
             self._num_added += 1
+            running = self.preemptible.running_rank if self.preemptible is not None else None
+            if running is not None and seq.admission_rank < running:
+                self._yield.set()
 
     def abort(self, seq_id: str, reason: str = "abort") -> None:
         """Finish a request here (abort, or a stop string the controller matched); frees its KV."""
@@ -255,6 +265,8 @@ class InstanceServer:
     def step(self) -> StepResult:
         """Launch a plan if the pipeline has room; then, oldest first, apply the earlier plans that
         are done, waiting for the oldest if the pipeline is full or nothing was launched."""
+        if self.preemptible is not None:
+            return self._step_preemptible()
         t0 = time.perf_counter()
         result = StepResult()
         core = self.core
@@ -285,12 +297,37 @@ class InstanceServer:
         with self._lock:
             if launched is not None:
                 core.observe(launched.plan, result.execute_seconds)
-            result.has_work = bool(core.has_work() or self._pending)
-            result.num_waiting, result.num_running = core.scheduler.num_waiting, core.scheduler.num_running
-            result.num_added = self._num_added
-            result.pending_prompt_tokens = core.scheduler.pending_prompt_tokens()
+            self._report(result)
         core.last_step_s = result.step_seconds = time.perf_counter() - t0
         return result
+
+    def _step_preemptible(self) -> StepResult:
+        """``step`` for one worker's prefill: (part of) one plan, which may stop between layers for
+        a request of a lower rank (``add`` sets ``_yield``; the next step runs that request first)."""
+        t0 = time.perf_counter()
+        result = StepResult()
+        core = self.core
+        assert self.preemptible is not None
+        with self._lock:
+            core.run_deferred()
+            self._collect_transfers(result)
+            self._yield.clear()  # what arrived before now is in the scheduler's queue already
+        updated = self.preemptible.step(self._yield.is_set)
+        result.execute_seconds = time.perf_counter() - t0
+        result.num_batched_tokens = self.preemptible.last_num_batched_tokens
+        with self._lock:
+            result.updates.extend(core.delta(seq) for seq in updated)
+            self._report(result)
+        result.step_seconds = time.perf_counter() - t0
+        return result
+
+    def _report(self, result: StepResult) -> None:
+        """The scheduler's state after a step (the caller holds the lock)."""
+        core = self.core
+        result.has_work = bool(core.has_work() or self._pending)
+        result.num_waiting, result.num_running = core.scheduler.num_waiting, core.scheduler.num_running
+        result.num_added = self._num_added
+        result.pending_prompt_tokens = core.scheduler.pending_prompt_tokens()
 
     def _is_done(self, p: PlanInFlight) -> bool:
         if not p.refs:
@@ -368,6 +405,7 @@ class InstanceServer:
                 "num_plans_in_flight": len(core.in_flight),
                 "max_plans_in_flight": core.max_plans_in_flight,
                 "num_overlapped_launches": core.num_overlapped_launches,
+                **(self.preemptible.stats() if self.preemptible is not None else {}),
             }
 
     def node_id(self) -> str:

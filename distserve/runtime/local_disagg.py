@@ -35,7 +35,8 @@ from distserve.cluster.routing import DEFAULT_ROUTER, RouteState, check_router, 
 from distserve.config import CacheConfig, SchedulerConfig
 from distserve.engine.instance_core import InstanceCore
 from distserve.engine.model import resolve_dtype
-from distserve.engine.model_runner import ModelRunner
+from distserve.engine.model_runner import LayerPass, ModelRunner
+from distserve.engine.preemptible import PreemptibleSteps
 from distserve.engine.outputs import EngineBase, RequestOutput
 from distserve.engine.step_plan import SampledToken, StepPlan
 from distserve.engine.sequence import Sequence, SequenceStatus
@@ -68,14 +69,36 @@ def model_runner(loaded: LoadedModel, num_blocks: int, cache: CacheConfig, eos_t
 
 @dataclass
 class LocalInstance:
-    """An instance in this process (tp = pp = 1): its core and the runner that executes its plans."""
+    """An instance in this process (tp = pp = 1): its core and the runner that executes its plans.
+
+    A prefill instance on a ``ModelRunner`` runs its plans a layer at a time when
+    ``SchedulerConfig.preempt_prefill`` (``engine.preemptible``): a backlogged rank's plan yields
+    whenever ``should_yield`` says a command waits, and a waiting prompt of a lower rank runs first.
+    """
 
     instance_id: str
     core: InstanceCore
     runner: StepRunner
     route: RouteState = field(default_factory=RouteState)  # what routing knows (``cluster.routing``)
+    should_yield: Callable[[], bool] | None = None
+    preemptible: PreemptibleSteps | None = field(init=False, default=None)
+    _on_plan: PlanListener | None = field(init=False, default=None)
+
+    def __post_init__(self) -> None:
+        runner = self.runner
+        if self.core.phase == "prefill" and self.core.config.preempt_prefill and isinstance(runner, ModelRunner):
+            self.preemptible = PreemptibleSteps(self.core, self._begin, runner.run, time.monotonic)
+
+    def _begin(self, plan: StepPlan) -> LayerPass:
+        if self._on_plan is not None:
+            self._on_plan(self.instance_id, plan)
+        assert isinstance(self.runner, ModelRunner)
+        return self.runner.begin(plan)
 
     def step(self, on_plan: PlanListener | None = None) -> list[Sequence]:
+        if self.preemptible is not None:
+            self._on_plan = on_plan
+            return self.preemptible.step(self.should_yield)
         if on_plan is None:
             return self.core.step(self.runner.execute, time.monotonic)
 
@@ -85,8 +108,16 @@ class LocalInstance:
 
         return self.core.step(execute, time.monotonic)
 
+    @property
+    def suspended(self) -> bool:
+        """A plan stopped between layers and waits to resume."""
+        return self.preemptible is not None and self.preemptible.suspended
+
     def stats(self) -> dict[str, float]:
-        return self.core.stats()
+        out = self.core.stats()
+        if self.preemptible is not None:
+            out.update(self.preemptible.stats())
+        return out
 
 
 def _route(inst: LocalInstance) -> RouteState:
@@ -162,6 +193,7 @@ class LocalDisaggEngine(EngineBase):
         self._dispatched: set[str] = set()  # requests that left the admission queue and are not finished
         self.on_plan: PlanListener | None = None
         self.on_migration: MigrationListener | None = None
+        self._skipped_decode = False
 
     # ---- requests ----------------------------------------------------------------------------
     def _submit(self, seq: Sequence) -> None:
@@ -246,6 +278,7 @@ class LocalDisaggEngine(EngineBase):
     # ---- the step ----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         outputs = self._admit()
+        yielded = False
         for inst in self.prefill:
             if not inst.core.has_work():
                 continue
@@ -253,11 +286,24 @@ class LocalDisaggEngine(EngineBase):
                 if seq.status is not SequenceStatus.FINISHED:
                     self._pending.push((inst, seq))
                 outputs.append(self._emit(seq))
+            yielded |= inst.suspended
         self._migrate_pending()
+        # A prefill plan that yielded did so for a waiting command: the caller handles it before the
+        # decode steps (at most one step in a row, so decodes are never starved by a stream of them).
+        if yielded and not self._skipped_decode:
+            self._skipped_decode = True
+            return outputs
+        self._skipped_decode = False
         for inst in self.decode:
             if inst.core.has_work():
                 outputs.extend(self._emit(seq) for seq in inst.step(self.on_plan))
         return outputs
+
+    def set_should_yield(self, should_yield: Callable[[], bool] | None) -> None:
+        """What the prefill instances ask between layers of a backlogged plan: whether something waits
+        to be handled first (``ThreadedEngineClient``: a command for its thread)."""
+        for inst in self.prefill:
+            inst.should_yield = should_yield
 
     def _emit(self, seq: Sequence) -> RequestOutput:
         out = self._output(seq, time.monotonic(), self._finish)

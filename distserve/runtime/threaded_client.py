@@ -242,6 +242,9 @@ class ThreadedEngineClient(EngineClient):
         self._slots = [_EngineSlot(e, i) for i, e in enumerate(engine_list)]
         self._admission: ColocatedAdmission[_EngineSlot] | None = (
             None if isinstance(engine_list[0], LocalDisaggEngine) else ColocatedAdmission(self._admission_config))
+        for engine in engine_list:
+            if isinstance(engine, LocalDisaggEngine):  # a backlogged prefill yields to a waiting command
+                engine.set_should_yield(lambda: not self._commands.empty())
         built.set_result(engine_list)
         try:
             while True:

@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import os
 import threading
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch.distributed as dist
 
 from distserve.engine.compute_thread import compute_executor
-from distserve.engine.model_runner import ModelRunner
+from distserve.engine.model_runner import LayerPass, ModelRunner
 from distserve.engine.parallel import ShardSpec, build_parallel_state
 from distserve.engine.step_plan import SampledToken, StepPlan
 from distserve.engine.weights import load_model
@@ -151,6 +152,16 @@ class Worker:
             with self._plan_turn:
                 self._next_plan_seq += 1  # also after a failure, so later plans are not stuck behind it
                 self._plan_turn.notify_all()
+
+    def begin(self, plan: StepPlan) -> LayerPass:
+        """Start ``plan`` to run a layer at a time (``run_layers``): one worker only (tp = pp = 1)."""
+        assert self.runner is not None, "init() first"
+        return self._compute.submit(self.runner.begin, plan).result()
+
+    def run_layers(self, p: LayerPass, should_yield: Callable[[], bool] | None) -> list[SampledToken] | None:
+        """``ModelRunner.run`` on the compute thread: the rest of ``p``'s layers, or None if it yielded."""
+        assert self.runner is not None, "init() first"
+        return self._compute.submit(self.runner.run, p, should_yield).result()
 
     # ---- KV transfers ------------------------------------------------------------------------
     def start_send(

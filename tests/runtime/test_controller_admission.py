@@ -234,3 +234,57 @@ def test_a_tpot_slo_holds_new_requests_while_decoding_is_slower(runtime: Control
     last_finish = max(o.metrics.finish_time or 0.0 for o in early)
     assert all((o.metrics.first_token_time or 0.0) > last_finish for o in late), (early, late)
     assert runtime.stats()["admission"]["tenants"]["light"]["num_dispatched"] == 2
+
+
+@pytest.fixture(scope="module")
+def roomy_runtime(ray_cluster: Any) -> Iterator[ControllerRuntime]:
+    """1P1D whose prefill steps take one heavy prompt (64 tokens) but up to four sequences: a
+    preempting plan runs next to a suspended one (each counts against ``max_num_seqs``)."""
+    rt = ControllerRuntime(Placement.disaggregated(), CACHE, HEAVY_SP,
+                           prefill_scheduler_config=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64))
+    try:
+        yield rt
+    finally:
+        rt.close()
+
+
+def test_a_light_request_preempts_a_backlogged_prefill_between_layers(roomy_runtime: ControllerRuntime, reference: dict[str, list[int]]) -> None:
+    """The prefill instance (one worker) runs a backlogged tenant's plan a layer at a time: a light
+    request added while it runs stops it at the next layer, goes first, and nothing changes a token
+    (``engine.preemptible``). The test hook makes h11's prefill slow (0.3 s per layer) so the light
+    request surely arrives while it runs."""
+    import ray
+
+    runtime = roomy_runtime
+    controller = use_admission(runtime, AdmissionConfig("fair", quantum=QUANTUM))
+    prefill = next(i for i in controller.instances if i.phase == "prefill")
+    ray.get(prefill.actor.inject_step_fault.remote("h11", "slow"))
+    order: list[str] = []
+
+    def listen(event: StepEvent) -> None:
+        for up in event.result.updates:
+            if event.phase == "prefill" and up.new_token_ids and up.seq_id not in order:
+                order.append(up.seq_id)
+
+    remove = controller.add_step_listener(listen)
+    first = ["h8", "h9", "h10", "h11", "l1"]  # both tenants active: the heavy one is backlogged
+
+    async def scenario() -> list[RequestOutput]:
+        async with held(controller):
+            tasks = [asyncio.create_task(final(controller, n)) for n in first]
+            await submitted(controller, first)
+        while "h10" not in order:  # h11 is dispatched next and starts its slow prefill
+            await asyncio.sleep(0.005)
+        await asyncio.sleep(0.2)
+        light = await final(controller, "l0")
+        return [*await asyncio.gather(*tasks), light]
+
+    try:
+        outs = runtime.run(scenario(), timeout_s=120)
+    finally:
+        remove()
+    assert order.index("l0") < order.index("h11"), order
+    check_tokens(outs, reference)
+    stats = next(i for i in runtime.stats()["instances"] if i["phase"] == "prefill")
+    assert stats["prefill_preemptions_total"] >= 1 and stats["prefill_yields_total"] >= 1, stats
+    assert wait_until(runtime.all_freed), runtime.stats()

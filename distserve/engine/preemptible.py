@@ -1,0 +1,135 @@
+"""Prefill that yields between layers: a backlogged tenant's long prompt does not hold up a sparse one's.
+
+Fair queueing (``cluster.fair_queue``) gives a sparse tenant's request a lower admission rank than a
+backlogged tenant's, and the scheduler puts it first (``engine.rank_order``) — but only from the next
+step on. On a CPU a step that prefills a long prompt, or even one chunk of it, takes as long as the
+chat request's whole time to first token, so waiting for the step in flight doubles it.
+
+``PreemptibleSteps`` drives one prefill instance's plans a layer at a time (``ModelRunner.begin`` /
+``run``). A plan whose prompts rank above 0 asks, after each layer, whether to yield
+(``should_yield``: the Ray instance sets it when a request of a lower rank arrives; the in-process
+engine when a command waits for its thread). Then the step returns with the plan suspended; the
+next step runs a plan of the waiting prompts that rank lower, whole, if there are any (the
+scheduler plans around the suspended plan's sequences as it does around a pipeline's micro-batches),
+and otherwise resumes the suspended plan where it stopped. Nothing is computed twice: the suspended
+plan's KV and hidden states stay as they are. The preempting plan's sequences count against
+``max_num_seqs`` with the suspended plan's. Plans of rank 0 (every plan under ``fcfs``, a sparse
+tenant's, an interactive tier's) run whole and never yield.
+
+Used by ``runtime.local_disagg.LocalInstance`` and, for an instance of one worker (tp = pp = 1),
+by the Ray ``InstanceServer``; ``SchedulerConfig.preempt_prefill`` turns it off. The simulator does
+not model it (its prefill steps run whole).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass
+from typing import Any
+
+from distserve.engine.instance_core import InstanceCore, PlanInFlight
+from distserve.engine.model_runner import LayerPass
+from distserve.engine.sequence import Sequence
+from distserve.engine.step_plan import SampledToken, StepPlan, attributed_to
+
+Begin = Callable[[StepPlan], LayerPass]
+Run = Callable[[LayerPass, "Callable[[], bool] | None"], "list[SampledToken] | None"]
+
+
+@dataclass
+class _Suspended:
+    launched: PlanInFlight
+    layers: LayerPass
+    rank: int  # the lowest admission rank of the plan's prompts: a waiting prompt below it preempts
+    seconds: float = 0.0  # computing so far (the step budget learns the plan's whole time)
+
+
+def plan_rank(core: InstanceCore, plan: StepPlan) -> int:
+    """The lowest admission rank of the requests ``plan`` computes (0 for an empty plan)."""
+    seqs = core.seqs
+    ranks = [seqs[c.seq_id].admission_rank for c in plan.chunks if c.seq_id in seqs]
+    return min(ranks, default=0)
+
+
+class PreemptibleSteps:
+    """One instance's steps, a plan of a backlogged rank yielding between layers to lower ranks.
+
+    ``guard`` is held around every use of the core (a driver whose requests arrive on other threads
+    passes its lock), never while the model computes.
+    """
+
+    def __init__(
+        self, core: InstanceCore, begin: Begin, run: Run, clock: Callable[[], float],
+        guard: AbstractContextManager[Any] | None = None,
+    ) -> None:
+        self.core = core
+        self.begin, self.run, self.clock = begin, run, clock
+        self.guard = guard if guard is not None else nullcontext()
+        self._suspended: _Suspended | None = None
+        self.running_rank: int | None = None  # of the plan started and not finished: a lower rank arriving should make it yield
+        self.last_num_batched_tokens = 0  # tokens of the plan the last step worked on
+        self.num_yields = 0  # plans that stopped between layers
+        self.num_preemptions = 0  # plans of a lower rank that ran while another was suspended
+
+    @property
+    def suspended(self) -> bool:
+        return self._suspended is not None
+
+    def step(self, should_yield: Callable[[], bool] | None = None) -> list[Sequence]:
+        """Run (part of) one plan; the sequences that received a token, as ``InstanceCore.step``."""
+        core = self.core
+        with self.guard:
+            s = self._suspended
+            if s is not None and s.launched not in core.in_flight:
+                s = self._suspended = self.running_rank = None  # the core was reset (a failed step): the plan is gone
+            if s is not None:
+                urgent = None
+                if core.scheduler.waits_before(s.rank):
+                    core.plan_around(s.launched)
+                    urgent = core.launch(preempting=True)
+                if urgent is not None:
+                    self.num_preemptions += bool(urgent.plan.chunks)
+                    s, should_yield = _Suspended(urgent, LayerPass(urgent.plan), 0), None  # runs whole
+                    fresh = True
+                else:
+                    fresh = False
+            else:
+                launched = core.launch()
+                if launched is None:
+                    self.last_num_batched_tokens = 0
+                    return []
+                rank = plan_rank(core, launched.plan)
+                s = self._suspended = _Suspended(launched, LayerPass(launched.plan), rank)
+                self.running_rank = rank
+                fresh = True
+                if rank == 0:
+                    should_yield = None  # nothing ranks lower
+        plan = s.launched.plan
+        self.last_num_batched_tokens = plan.num_batched_tokens
+        t0 = self.clock()
+        try:
+            with attributed_to(plan):
+                if fresh:
+                    s.layers = self.begin(plan)
+                sampled = self.run(s.layers, should_yield)
+        except BaseException:
+            self._suspended = self.running_rank = None  # the driver resets the core after a failed step
+            raise
+        now = self.clock()
+        s.seconds += now - t0
+        if sampled is None:
+            self.num_yields += 1
+            return []
+        with self.guard:
+            if s is self._suspended:
+                self._suspended = self.running_rank = None
+            core.last_step_s = s.seconds
+            core.observe(plan, s.seconds)
+            return core.apply(s.launched, sampled, now)
+
+    def stats(self) -> dict[str, int]:
+        return {"prefill_yields_total": self.num_yields, "prefill_preemptions_total": self.num_preemptions}
+
+
+__all__ = ["PreemptibleSteps", "plan_rank"]

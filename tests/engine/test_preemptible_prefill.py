@@ -1,0 +1,127 @@
+"""Prefill that yields between layers (``engine.preemptible``): a sparse tenant's prompt runs while a
+backlogged tenant's plan is suspended, nothing is computed twice, and every token is the same as
+without preemption (the tiny model, greedy)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from distserve.cluster.admission import AdmissionConfig
+from distserve.cluster.classes import RequestClass
+from distserve.config import CacheConfig, SamplingParams, SchedulerConfig
+from distserve.engine.instance_core import InstanceCore
+from distserve.engine.model_runner import ModelRunner
+from distserve.engine.preemptible import PreemptibleSteps
+from distserve.engine.sequence import Sequence
+from distserve.engine.step_plan import StepPlan
+from distserve.engine.weights import LoadedModel, load_model
+from distserve.runtime.local_disagg import LocalDisaggEngine
+
+SP = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+HEAVY, LIGHT = RequestClass(tenant="heavy"), RequestClass(tenant="light")
+CACHE = CacheConfig(num_blocks=1024, block_size=4)
+
+
+@pytest.fixture(scope="module")
+def tiny() -> LoadedModel:
+    return load_model("tiny")
+
+
+def heavy_prompt(i: int) -> list[int]:
+    return [(7 * k + 13 * i) % 250 + 1 for k in range(200)]
+
+
+def test_a_plan_run_a_layer_at_a_time_computes_what_execute_does(tiny: LoadedModel) -> None:
+    def runner() -> ModelRunner:
+        return ModelRunner(tiny.config, tiny.state_dict, 64, 4)
+
+    def plan_of(core: InstanceCore) -> StepPlan:
+        launched = core.launch()
+        assert launched is not None
+        return launched.plan
+
+    cores = [InstanceCore("prefill", SchedulerConfig(), 64, 4, 512) for _ in range(2)]
+    for core in cores:
+        core.add(Sequence("a", heavy_prompt(0)[:37], SP))
+        core.add(Sequence("b", heavy_prompt(1)[:21], SP))
+    whole, layered = runner(), runner()
+    expected = whole.execute(plan_of(cores[0]))
+    p = layered.begin(plan_of(cores[1]))
+    yields = 0
+    while (sampled := layered.run(p, lambda: True)) is None:
+        yields += 1
+    assert yields == tiny.config.num_layers - 1  # asked after every layer but the last
+    assert [(s.seq_id, s.token_id) for s in sampled] == [(s.seq_id, s.token_id) for s in expected]
+    assert torch.equal(layered.kv_cache, whole.kv_cache)
+
+
+def run_flood(tiny: LoadedModel, preempt: bool, yield_always: bool = True) -> tuple[LocalDisaggEngine, list[str], dict[str, list[int]]]:
+    """Four heavy prompts, then a light one, arriving while h2's plan is suspended (else once h2's
+    plan has run); the order of first tokens and every request's tokens."""
+    e = LocalDisaggEngine(tiny, cache_config=CACHE, admission=AdmissionConfig("fair"),
+                          prefill_scheduler_config=SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=200, preempt_prefill=preempt))
+    e.set_should_yield((lambda: True) if yield_always else None)
+    launched: list[str] = []
+    e.on_plan = lambda instance_id, plan: launched.extend(c.seq_id for c in plan.chunks if instance_id.startswith("prefill"))
+    for i in range(4):
+        e.add_request(heavy_prompt(i), SP, request_id=f"h{i}", request_class=HEAVY)
+    first: list[str] = []
+    tokens: dict[str, list[int]] = {}
+    while e.has_unfinished_requests():
+        if "h2" in launched and "l0" not in tokens:
+            e.add_request(list(range(200, 220)), SP, request_id="l0", request_class=LIGHT)
+            tokens["l0"] = []
+        for out in e.step():
+            if out.request_id not in first:
+                first.append(out.request_id)
+            tokens[out.request_id] = list(out.token_ids)
+    return e, first, tokens
+
+
+def test_a_sparse_tenants_prompt_overtakes_a_suspended_backlogged_one(tiny: LoadedModel) -> None:
+    e, first, tokens = run_flood(tiny, preempt=True)
+    _, first_whole, tokens_whole = run_flood(tiny, preempt=False)
+    assert first_whole.index("l0") > first_whole.index("h2")  # without preemption h2 had run whole
+    assert first.index("l0") < first.index("h2"), first
+    assert tokens == tokens_whole
+    stats = e.prefill[0].stats()
+    assert stats["prefill_preemptions_total"] == 1 and stats["prefill_yields_total"] >= 1
+    # Nothing was computed twice: 4 heavy prompts and the light one, once each.
+    assert stats["prefill_tokens_computed_total"] == 4 * 200 + 20
+    assert e.stats()["prefill"]["prefill-0"]["num_free_blocks"] == CACHE.num_blocks
+
+
+def test_without_a_yield_signal_plans_run_whole(tiny: LoadedModel) -> None:
+    e, first, _ = run_flood(tiny, preempt=True, yield_always=False)
+    stats = e.prefill[0].stats()
+    assert stats["prefill_yields_total"] == 0 and stats["prefill_preemptions_total"] == 0
+    assert first.index("l0") > first.index("h2")
+
+
+def test_rank_zero_plans_never_yield(tiny: LoadedModel) -> None:
+    """Under fcfs every request has rank 0: nothing could preempt, so no plan stops."""
+    e = LocalDisaggEngine(tiny, cache_config=CACHE, admission=AdmissionConfig("fcfs"),
+                          prefill_scheduler_config=SchedulerConfig(max_num_batched_tokens=200))
+    e.set_should_yield(lambda: True)
+    for i in range(3):
+        e.add_request(heavy_prompt(i), SP, request_id=f"h{i}", request_class=HEAVY)
+    while e.has_unfinished_requests():
+        e.step()
+    assert e.prefill[0].stats()["prefill_yields_total"] == 0
+
+
+def test_a_failed_plan_while_suspended_leaves_no_stale_state(tiny: LoadedModel) -> None:
+    """A core reset (the driver's recovery after a failed step) drops the suspended plan."""
+    core = InstanceCore("prefill", SchedulerConfig(max_num_batched_tokens=200), 256, 4, 512)
+    runner = ModelRunner(tiny.config, tiny.state_dict, 256, 4)
+    steps = PreemptibleSteps(core, runner.begin, runner.run, lambda: 0.0)
+    seq = Sequence("h", heavy_prompt(0), SP)
+    seq.admission_rank = 1
+    core.add(seq)
+    assert steps.step(lambda: True) == [] and steps.suspended
+    core.reset()
+    assert steps.step(lambda: True) == [] and not steps.suspended  # nothing left to run
+    core.add(Sequence("h", heavy_prompt(0), SP))
+    (done,) = steps.step(lambda: True)  # rank 0: runs whole
+    assert done.seq_id == "h" and len(done.output_token_ids) == 1
