@@ -24,7 +24,8 @@ Sweeps (``--sweeps rate,slo-scale``):
     mode. Simulated: ``simulator.goodput.find_goodput``'s bisection, then a grid of full simulations
     for the curve. Endpoint: ``search_rate`` (the same bracket-and-bisect) over real probes of
     ``--probe-requests`` requests each, at most ``--max-probes`` per mode (probes are shared
-    between modes; with ``joint`` alone a probe ends once its failure is certain, a lower bound).
+    between modes; with ``joint`` alone a probe ends once its failure is certain, a lower bound;
+    rates below ``--min-rate`` count as failing unprobed; an endpoint that completes nothing is an error).
     The knee is the bracket [goodput, first failing rate).
   * slo-scale: at ``--scale-rate`` req/s per GPU (default: the lowest goodput per GPU found), the
     attainment with both SLOs multiplied by each of ``--scales``, from ONE run per system re-scored.
@@ -39,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -57,7 +59,7 @@ from simulator.goodput import binding_slo, find_goodput, search_rate
 from simulator.latency import LatencyModel
 from simulator.report import SimulateRequest, build_requests, scheduler_configs
 from simulator.simulation import SimConfig, Simulation, with_rate
-from simulator.workload import Request, describe
+from simulator.workload import ARRIVAL_PROCESSES, Request, describe
 from sweep_systems import (
     MODES, EndpointTarget, SimTarget, latency_model, min_scale, name_and_spec, parse_sim, planner, scaled, scored,
     with_overrides,
@@ -91,6 +93,8 @@ class Sweeper:
         res = run_load(target.url, self.args.model_name, workload, self.slo, request_timeout_s=self.args.request_timeout,
                        stop_below=stop_below)
         s = res.summary
+        if not s.num_completed and s.num_errors:
+            raise InvalidConfigError(f"--endpoint {target.name}={target.url}: no request completed: {s.error_kinds}", "endpoint")
         print(f"  {target.name} at {rate:.3g} req/s: {s.num_completed}/{s.num_requests} done, {s.num_errors} errors, "
               f"attainment {s.slo_attainment:.0%}" + (" (stopped early)" if res.stopped_early else ""), flush=True)
         return list(res.requests), res.stopped_early
@@ -121,6 +125,8 @@ class Sweeper:
 
         def passes(rate: float) -> bool:
             rate = round(rate, 4)
+            if rate < self.args.min_rate:  # a probe there takes too long: counted as failing
+                return False
             if rate not in seen:
                 records, stopped = self.load(target, rate, self.slo.attainment if early else None)
                 seen[rate] = {"rate": rate, "per_gpu": rate / target.num_gpus, "stopped_early": stopped, **scored(records, self.slo)}
@@ -192,7 +198,8 @@ def write_outputs(out: harness.Outputs, figures: dict[str, Any], systems: dict[s
           "that still reaches the target at the SLO-scale rate.", "",
           "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     md += ["| " + " | ".join(r) + " |" for r in rows]
-    md += ["", "Systems: " + "; ".join(f"**{n}** {s['describe']}" for n, s in systems.items())]
+    md += ["", "Systems: " + "; ".join(f"**{n}** {s['describe']}" for n, s in systems.items()), "",
+           f"Command: `python experiments/slo_sweep.py {figures['command']}` ({figures['wall_s']:.0f} s)."]
     out.markdown(md)
 
     plt = harness.pyplot()
@@ -238,7 +245,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--model-name", default="tiny", help="the model name endpoints are asked for")
     ap.add_argument("--endpoint-gpus", type=int, default=1, help="accelerators behind each endpoint (for per-GPU rates)")
     ap.add_argument("--workload", default="chatbot", help="any workload `distserve simulate` takes, or a .jsonl trace")
-    ap.add_argument("--arrival", default="poisson", choices=["poisson", "gamma"])
+    ap.add_argument("--arrival", default="poisson", choices=list(ARRIVAL_PROCESSES))
     ap.add_argument("--cv", type=float, default=1.0, help="gamma arrivals: coefficient of variation")
     ap.add_argument("--num-requests", type=int, default=600)
     ap.add_argument("--max-total-len", type=int, default=None, help="prompt + output cap (default: the model's context)")
@@ -262,6 +269,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--probe-requests", type=int, default=40, help="endpoint: requests per probe")
     ap.add_argument("--max-probes", type=int, default=5, help="endpoint: probes per goodput search")
     ap.add_argument("--max-rate", type=float, default=None, help="endpoint: highest rate probed, req/s")
+    ap.add_argument("--min-rate", type=float, default=0.25, help="endpoint: lower rates count as failing, unprobed, req/s")
     ap.add_argument("--request-timeout", type=float, default=120.0, help="endpoint: seconds per request")
     args = ap.parse_args(argv)
     if args.quick:
@@ -323,12 +331,17 @@ def build(args: argparse.Namespace) -> tuple[list[SimTarget | EndpointTarget], L
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    t0 = time.monotonic()
     try:
-        targets, latency, profile, unit, slo = build(args)
+        run(args)
     except DistServeError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    return 0
+
+
+def run(args: argparse.Namespace) -> None:
+    t0 = time.monotonic()
+    targets, latency, profile, unit, slo = build(args)
     sweeper = Sweeper(args, latency, unit, slo)
     systems: dict[str, dict[str, Any]] = {}
     for t in targets:
@@ -357,7 +370,7 @@ def main(argv: list[str] | None = None) -> int:
         "workload": args.workload, "arrival": args.arrival, "num_requests": args.num_requests, "seed": args.seed,
         "workload_stats": {k: round(v, 2) for k, v in stats.items()},
         "slo": {"ttft_s": slo.ttft_s, "tpot_s": slo.tpot_s, "attainment": slo.attainment},
-        "modes": args.modes, "sweeps": args.sweeps, "scales": args.scales,
+        "modes": args.modes, "sweeps": args.sweeps, "scales": args.scales, "command": shlex.join(sys.argv[1:]),
         "systems": {n: {k: s[k] for k in ("kind", "num_gpus")}
                     | ({"per_gpu": s["rate_sweep"]["per_gpu"], "binding": s["rate_sweep"]["binding"]} if "rate_sweep" in s else {})
                     | ({"min_slo_scale": s["scale_sweep"]["min_scale"], "scale_rate_per_gpu": s["scale_sweep"]["per_gpu"]}
@@ -373,7 +386,6 @@ def main(argv: list[str] | None = None) -> int:
     figures["wall_s"] = round(time.monotonic() - t0, 1)
     write_outputs(harness.Outputs.for_run(args, "slo_sweep"), figures, systems)
     harness.finish(figures)
-    return 0
 
 
 if __name__ == "__main__":

@@ -134,6 +134,10 @@ def test_bad_command_lines_exit_2(capsys: pytest.CaptureFixture[str], tmp_path: 
     assert "--sim x: unknown scheduling policy 'nope'" in capsys.readouterr().err
     assert sweep.main(["--sim", "x=--prefill 1 --decode 1 --prefill-tp 8", *out]) == 2  # DistServe's coefficients: tp 1, 2, 4
     assert "--sim x: the latency model cannot time tp=8" in capsys.readouterr().err
+    dead = ["--endpoint", "dead=http://127.0.0.1:1/v1", "--probe-requests", "2", "--start-per-gpu", "50", *out]
+    assert sweep.main(dead) == 2
+    assert "--endpoint dead=http://127.0.0.1:1/v1: no request completed" in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())
 
 
 # ---- an endpoint: a real server of the tiny model ------------------------------------------------
