@@ -77,7 +77,8 @@ class GoodputResult:
         return self.rate / self.num_gpus
 
 
-def _binding(att: dict[str, float], slo: SLOSpec) -> str:
+def binding_slo(att: dict[str, float], slo: SLOSpec) -> str:
+    """Which SLO keeps ``att`` from (or is closest to keeping it from) the target: "ttft", "tpot" or "both"."""
     target = slo.default.attainment
     ttft_short, tpot_short = att["ttft"] < target, att["tpot"] < target
     if ttft_short and tpot_short:
@@ -135,7 +136,7 @@ def find_goodput(
             outcomes[rate] = meets(att, slo)
             # Which SLO binds, from the requests that finished (all of them unless stopped early).
             done = [r for r in res.records if r.finish_s is not None] if res.stopped_early else None
-            binding_at[rate] = _binding(attainment(done, slo) if done else att, slo)
+            binding_at[rate] = binding_slo(attainment(done, slo) if done else att, slo)
             probes.append(Probe(rate, att, outcomes[rate], res.stopped_early))
             results[rate] = res
         return outcomes[rate]

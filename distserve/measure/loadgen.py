@@ -166,21 +166,22 @@ def _mean(values: Seq[float]) -> float | None:
     return float(np.mean(values)) if values else None
 
 
-def num_known_misses(results: Seq[RequestResult], slo: SLO, max_tokens: int, now_s: float) -> int:
+def num_known_misses(results: Seq[RequestResult], slo: SLO, max_tokens: int | Seq[int], now_s: float) -> int:
     """Requests certain to miss ``slo`` at time ``now_s`` (from the run's start), finished or not.
 
-    A stream has at most ``max_tokens`` tokens, so once its tokens so far span more than
-    ``tpot_s * (max_tokens - 1)`` its TPOT can only end above ``tpot_s``.
+    A stream has at most ``max_tokens`` tokens (one number for all, or each request's), so once its
+    tokens so far span more than ``tpot_s * (max_tokens - 1)`` its TPOT can only end above ``tpot_s``.
     """
     num = 0
-    for r in results:
+    limits = [max_tokens] * len(results) if isinstance(max_tokens, int) else max_tokens
+    for r, limit in zip(results, limits):
         if r.finish_s is not None:
             num += not r.meets(slo)
         elif r.sent_s is not None and r.first_token_s is None:
             num += now_s - r.sent_s > slo.ttft_s
         elif r.first_token_s is not None and r.last_token_s is not None:
             missed_ttft = not slo.ttft_met(r.ttft_s)
-            missed_tpot = max_tokens > 1 and r.last_token_s - r.first_token_s > slo.tpot_s * (max_tokens - 1)
+            missed_tpot = limit > 1 and r.last_token_s - r.first_token_s > slo.tpot_s * (limit - 1)
             num += missed_ttft or missed_tpot
     return num
 
@@ -224,7 +225,7 @@ async def run_load_async(
 
         async def fire(spec: RequestSpec, result: RequestResult) -> None:
             await asyncio.sleep(max(0.0, spec.arrival_s - (time.perf_counter() - t0)))
-            body = completion_body(model, spec.prompt, workload, workload.output_len, stream=True)
+            body = completion_body(model, spec.prompt, workload, spec.output_len, stream=True)
             await stream_completion(client, url, body, headers, result, t0, request_timeout_s)
 
         tasks = [asyncio.create_task(fire(s, r)) for s, r in zip(specs, results)]
@@ -237,7 +238,7 @@ async def run_load_async(
             while pending:
                 _, pending = await asyncio.wait(pending, timeout=0.05)
                 now = time.perf_counter() - t0
-                if pending and num_known_misses(results, slo, workload.output_len, now) > allowed:
+                if pending and num_known_misses(results, slo, [s.output_len for s in specs], now) > allowed:
                     stopped_early = True
                     for task in pending:
                         task.cancel()

@@ -34,6 +34,7 @@ class Workload:
     and sigma ``input_len_spread`` for ``"lognormal"``. Every request asks for ``output_len`` tokens.
     ``seed`` drives arrivals and lengths; ``prompt_seed`` (default: ``seed``) the prompt words, so a
     sweep can keep one arrival pattern across rates while giving each rate fresh prompts.
+    ``requests`` replaces the sampled arrivals and lengths by given ones (``replay``).
     """
 
     num_requests: int
@@ -47,6 +48,9 @@ class Workload:
     ignore_eos: bool = False  # send "ignore_eos": true (extension)
     min_tokens: bool = False  # send "min_tokens": output_len (extension)
     temperature: float = 0.0
+    # Given requests instead of sampled ones, (arrival_s, input_len, output_len) each in arrival
+    # order, e.g. a simulator workload replayed against a server (``replay``).
+    requests: tuple[tuple[float, int, int], ...] | None = None
 
     def __post_init__(self) -> None:
         if self.num_requests < 1:
@@ -59,6 +63,25 @@ class Workload:
             raise ValueError(f"input_len_dist must be one of {INPUT_LEN_DISTS}, got {self.input_len_dist!r}")
         if self.input_len_spread < 0:
             raise ValueError(f"input_len_spread must be >= 0, got {self.input_len_spread}")
+        if self.requests is not None:
+            if len(self.requests) != self.num_requests:
+                raise ValueError(f"num_requests is {self.num_requests} but {len(self.requests)} requests are given")
+            arrivals = [a for a, _, _ in self.requests]
+            if arrivals[0] < 0 or arrivals != sorted(arrivals):
+                raise ValueError("given requests must arrive at times >= 0, in order")
+            if min(min(i, o) for _, i, o in self.requests) < 1:
+                raise ValueError("given requests need input and output lengths >= 1")
+
+    @classmethod
+    def replay(cls, requests: list[tuple[float, int, int]], **kwargs: object) -> Workload:
+        """A workload of given (arrival_s, input_len, output_len) requests; ``rate``, ``input_len``
+        and ``output_len`` are set to describe them (mean rate, mean input, longest output)."""
+        if not requests:
+            raise ValueError("no requests to replay")
+        span = requests[-1][0] - requests[0][0]
+        rate = (len(requests) - 1) / span if span > 0 else math.inf
+        return cls(len(requests), rate, max(1, round(sum(i for _, i, _ in requests) / len(requests))),
+                   max(o for _, _, o in requests), requests=tuple(requests), **kwargs)  # type: ignore[arg-type]
 
 
 @dataclass(frozen=True)
@@ -69,6 +92,7 @@ class RequestSpec:
     arrival_s: float  # scheduled send time, from the start of the run
     input_len: int  # target, in the server's tokens
     prompt: str
+    output_len: int  # max_tokens
 
 
 def poisson_arrivals(num_requests: int, rate: float, rng: np.random.Generator) -> list[float]:
@@ -107,9 +131,14 @@ def build_requests(workload: Workload, tokens_per_word: float = 1.0, overhead_to
     if workload.prompt_seed is not None:
         word_ss = np.random.SeedSequence(workload.prompt_seed).spawn(3)[2]
     arrival_rng, length_rng, word_rng = (np.random.default_rng(s) for s in (arrival_ss, length_ss, word_ss))
-    arrivals = poisson_arrivals(workload.num_requests, workload.rate, arrival_rng)
-    lengths = sample_input_lengths(workload, length_rng)
+    if workload.requests is not None:
+        arrivals, lengths, outputs = (list(column) for column in zip(*workload.requests))
+    else:
+        arrivals = poisson_arrivals(workload.num_requests, workload.rate, arrival_rng)
+        lengths = sample_input_lengths(workload, length_rng)
+        outputs = [workload.output_len] * workload.num_requests
     return [
-        RequestSpec(i, arrivals[i], lengths[i], random_words(words_for(lengths[i], tokens_per_word, overhead_tokens), word_rng))
+        RequestSpec(i, arrivals[i], lengths[i], random_words(words_for(lengths[i], tokens_per_word, overhead_tokens), word_rng),
+                    outputs[i])
         for i in range(workload.num_requests)
     ]

@@ -101,6 +101,16 @@ CHECKS = {
     and all(f[k] is not None and f[k] > 0 for k in ("light_fcfs_over_alone", "light_fair_over_alone", "throughput_fair_over_fcfs",
                                                     "interactive_with_batch_over_alone"))
     and f["sim_light_p99_ttft_fcfs_s"] > 0 and f["sim_light_p99_ttft_fair_s"] > 0,
+    # Both simulated targets found a goodput in each attainment mode with a binding SLO; the SLO-scale
+    # sweep ran at the lowest joint goodput per GPU and found each a tightest scale; ratios are to the first.
+    "slo_sweep": lambda f: f["sweeps"] == ["rate", "slo-scale"] and f["modes"] == ["joint", "separate"]
+    and set(f["systems"]) == {"colocated", "1p1d"} and all(
+        s["kind"] == "simulated" and s["num_gpus"] == 2 and all(s["per_gpu"][m] > 0 and s["binding"][m] in ("ttft", "tpot", "both")
+                                                                and 0 < s["min_slo_scale"][m] < 4 for m in f["modes"])
+        and s["scale_rate_per_gpu"] == min(x["per_gpu"]["joint"] for x in f["systems"].values())
+        for s in f["systems"].values()
+    ) and f["vs_first"]["first"] == "colocated" and f["vs_first"]["colocated"]["joint"] == 1.0
+    and f["latency_model"].startswith("FittedLatencyModel" if f["profile"] else "RooflineLatencyModel"),
     # Every run chose a plan, and every enumerated candidate was either simulated or pruned.
     "bench_planner": lambda f: f["wall_s"] > 0 and f["num_simulated"] > 0 and f["best"] is not None and all(
         r["num_enumerated"] == r["num_candidates_simulated"] + r["num_pruned_by_bound"] + r["num_pruned_by_floor"]
