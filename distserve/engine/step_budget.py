@@ -9,6 +9,10 @@ colocated instance meets TPOT while it prefills. The step time comes from a line
 online, by exponentially weighted recursive least squares, to the instance's own steps as its
 driver reports them (``observe``): measured time on the real runtime, modelled time in the
 simulator — the same policy code either way.
+
+The step *composition* policy (``SchedulerConfig.step_policy``, ``STEP_POLICIES``) says which
+tokens may share a step; the scheduler (``Scheduler._schedule``) applies it, so the real engine and
+the simulator compose steps alike.
 """
 
 from __future__ import annotations
@@ -98,6 +102,14 @@ class SLOBudget(StepBudget):
         self.num_observations += 1
         self.num_prefill_observations += num_prefill_tokens > 0
 
+
+STEP_POLICIES: dict[str, str] = {
+    "mixed": "admitted prompts join the running decodes' step (within the step budget): our default",
+    # vLLM 0.1-0.2 (2023), the baseline DistServe measured against: its scheduler tried the waiting
+    # prompts first and, if it admitted any, returned a prompt-only batch; else it decoded everything.
+    "vllm-2023": "a step that admits waiting prompts runs only them, whole (no chunking), the running decodes "
+    "pause for it; otherwise all running sequences decode",
+}
 
 STEP_BUDGETS: dict[str, type[StepBudget]] = {"static": StaticBudget, "slo": SLOBudget}
 
