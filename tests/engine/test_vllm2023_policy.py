@@ -6,8 +6,11 @@ default "mixed" policy) and in the simulator (the paused decodes cost TPOT on a 
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
+from distserve.cli import main
 from distserve.config import CacheConfig, SamplingParams, SchedulerConfig
 from distserve.engine.block_manager import BlockManager
 from distserve.engine.llm_engine import LLMEngine
@@ -124,3 +127,24 @@ def test_simulated_chat_load_has_higher_tpot_under_vllm_2023() -> None:
         tpot[policy] = result.summary()["tpot_p90_s"]
     # Measured: p90 TPOT 48 ms vs 40 ms (OPT-13B TP1, 8 req/s): each arrival's prompt step stalls every decode.
     assert tpot["vllm-2023"] > 1.1 * tpot["mixed"], tpot
+
+
+def test_simulate_and_plan_take_the_colocated_policy(capsys: pytest.CaptureFixture[str]) -> None:
+    base = ["simulate", "--model", "facebook/opt-13b", "--hardware", "a100-80g", "--colocated", "1", "--rate", "8",
+            "--num-requests", "120", "--ttft", "0.25", "--tpot", "0.1", "--seed", "1"]
+    tpot = {}
+    for policy in ("mixed", "vllm-2023"):
+        assert main([*base, "--colocated-policy", policy, "--json"]) == 0
+        tpot[policy] = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["result"]["tpot_p90_s"]
+    assert tpot["vllm-2023"] > tpot["mixed"]
+    assert main([*base, "--colocated-policy", "vllm-2023", "--step-budget", "slo"]) == 2
+    assert "step_policy 'vllm-2023' runs prompts whole" in capsys.readouterr().err
+    plan = ["plan", "--model", "facebook/opt-13b", "--nodes", "1", "--gpus-per-node", "1", "--workload", "humaneval",
+            "--ttft", "1", "--tpot", "0.2", "--num-requests", "40", "--json"]
+    for policy, label in (("vllm-2023", "(vllm-2023)"), ("mixed", "(slo budget)")):
+        assert main([*plan, "--colocated-policy", policy]) == 0
+        labels = [c["configuration"] for c in json.loads(capsys.readouterr().out.strip().splitlines()[-1])["candidates"]
+                  if c["kind"] == "colocated"]
+        # The named baseline is the only colocated policy weighed; the default also weighs the "slo" budget.
+        assert labels and any(label in x for x in labels)
+        assert policy == "mixed" or all(label in x for x in labels)
