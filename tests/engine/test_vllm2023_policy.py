@@ -100,21 +100,24 @@ PROMPTS = ["Hello, my name is", "The capital of France is Paris and the capital 
 def test_real_engine_greedy_outputs_identical_under_both_policies() -> None:
     tiny = load_model("tiny")
     greedy = SamplingParams(max_tokens=24, min_tokens=24, temperature=0.0)
-    outputs = {}
+    outputs, mixed_steps = {}, {}
     for policy in ("mixed", "vllm-2023"):
         engine = LLMEngine(tiny, cache_config=CacheConfig(num_blocks=512, block_size=4),
                            scheduler_config=SchedulerConfig(step_policy=policy))
-        for p in PROMPTS:  # staggered: each arrives while the earlier ones decode
-            engine.add_request(p, greedy, request_id=p)
-            engine.step()
-        done = {}
-        while engine.has_unfinished_requests():
-            for out in engine.step():
-                if out.finished:
-                    done[out.request_id] = out.token_ids
+        plans: list[StepPlan] = []
+        schedule = engine.scheduler.schedule
+        engine.scheduler.schedule = lambda: plans.append(schedule()) or plans[-1]  # type: ignore[method-assign]
+        pending, done = list(PROMPTS), {}
+        while pending or engine.has_unfinished_requests():
+            if pending:  # one arrival per step: each joins while the earlier ones decode
+                engine.add_request(pending[0], greedy, request_id=pending.pop(0))
+            done.update({o.request_id: o.token_ids for o in engine.step() if o.finished})
         outputs[policy] = [done[p] for p in PROMPTS]
         assert all(len(t) == 24 for t in outputs[policy])
+        # A prompt chunk has no output token yet; a decode has some.
+        mixed_steps[policy] = sum(len({c.num_output_tokens > 0 for c in plan.chunks}) == 2 for plan in plans)
     assert outputs["vllm-2023"] == outputs["mixed"]
+    assert mixed_steps["mixed"] >= 3 and mixed_steps["vllm-2023"] == 0
 
 
 def test_simulated_chat_load_has_higher_tpot_under_vllm_2023() -> None:
