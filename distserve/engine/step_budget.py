@@ -63,6 +63,7 @@ class SLOBudget(StepBudget):
     MIN_OBSERVATIONS = 6
     FORGETTING = 0.98  # weight of the past per step: the model follows load and context drift
     HEADROOM = 0.9
+    INITIAL_COVARIANCE = 1e3  # per weight: the prior's uncertainty, and the most forgetting may restore
 
     def __init__(self, config: SchedulerConfig) -> None:
         if config.tpot_slo_s is None:
@@ -71,7 +72,7 @@ class SLOBudget(StepBudget):
         self.max_tokens = config.max_num_batched_tokens
         self.min_prefill_tokens = min(config.min_prefill_chunk, config.max_num_batched_tokens)
         self.weights = np.zeros(4)  # [w0, w1, w2, w3]
-        self._p = np.eye(4) * 1e3  # inverse information matrix of the weighted least squares
+        self._p = np.eye(4) * self.INITIAL_COVARIANCE  # inverse information matrix of the weighted least squares
         self.num_observations = 0
         self.num_prefill_observations = 0
 
@@ -98,7 +99,11 @@ class SLOBudget(StepBudget):
         px = self._p @ x
         gain = px / (lam + x @ px)
         self.weights = self.weights + gain * (seconds - x @ self.weights)
-        self._p = (self._p - np.outer(gain, px)) / lam
+        p = self._p - np.outer(gain, px)
+        # Covariance windup: in a steady stretch (the same batch shape step after step) the steps carry
+        # no news along the other directions, and dividing by lam grows P there by 1/lam a step, to
+        # overflow and NaN weights after ~35k steps. Forgetting stops once P is back at the prior's size.
+        self._p = p / lam if np.trace(p) < 4 * self.INITIAL_COVARIANCE else p
         self.num_observations += 1
         self.num_prefill_observations += num_prefill_tokens > 0
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 
 from distserve.cli import main
@@ -16,6 +17,7 @@ from distserve.engine.block_manager import BlockManager
 from distserve.engine.llm_engine import LLMEngine
 from distserve.engine.scheduler import Scheduler
 from distserve.engine.sequence import Sequence
+from distserve.engine.step_budget import SLOBudget
 from distserve.engine.step_plan import SampledToken, StepPlan
 from distserve.engine.weights import load_model
 from distserve.errors import InvalidConfigError
@@ -151,3 +153,16 @@ def test_simulate_and_plan_take_the_colocated_policy(capsys: pytest.CaptureFixtu
         # The named baseline is the only colocated policy weighed; the default also weighs the "slo" budget.
         assert labels and any(label in x for x in labels)
         assert policy == "mixed" or all(label in x for x in labels)
+
+
+def test_slo_budget_survives_long_steady_stretches() -> None:
+    """The "slo" budget's online fit stays finite through ~100k steps of one batch shape (it overflowed
+    to NaN weights, and a crash, in the steady tails of ``distserve plan`` runs on sharegpt-multiturn)."""
+    budget = SLOBudget(SchedulerConfig(step_budget="slo", tpot_slo_s=0.1, max_num_batched_tokens=2048))
+    for decodes, prefill in [(0, 512), (4, 0), (8, 256), (12, 0), (2, 1024), (16, 64), (6, 0), (10, 300)]:
+        budget.observe(decodes, decodes * 500, prefill, 0.010 + 0.002 * decodes + 0.0001 * prefill)
+    for _ in range(100_000):
+        budget.observe(1, 800, 0, 0.012)
+    assert np.all(np.isfinite(budget.weights)) and 1 <= budget.tokens(1, 800) <= 2048
+    budget.observe(10, 5000, 400, 0.010 + 0.002 * 10 + 0.0001 * 400)
+    assert np.all(np.isfinite(budget.weights))
