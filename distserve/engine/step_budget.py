@@ -87,7 +87,7 @@ class SLOBudget(StepBudget):
             return self.max_tokens
         w0, w1, w2, w3 = self.weights
         base = w0 + w1 * num_decodes + w2 * decode_ctx / 1000.0
-        if w3 <= 0:
+        if not (w3 > 0 and np.isfinite(base)):  # no usable model (also: never a NaN budget)
             return self.max_tokens
         prefill = int((self.HEADROOM * self.tpot_slo_s - base) / w3)
         prefill = max(self.min_prefill_tokens, min(prefill, self.max_tokens - num_decodes))
@@ -97,13 +97,19 @@ class SLOBudget(StepBudget):
         x = np.array([1.0, num_decodes, decode_ctx / 1000.0, num_prefill_tokens])
         lam = self.FORGETTING
         px = self._p @ x
-        gain = px / (lam + x @ px)
+        denom = lam + x @ px
+        if not denom > 0:  # rounding cost P its positive definiteness: its uncertainty starts afresh
+            self._p = np.eye(4) * self.INITIAL_COVARIANCE
+            px = self._p @ x
+            denom = lam + x @ px
+        gain = px / denom
         self.weights = self.weights + gain * (seconds - x @ self.weights)
         p = self._p - np.outer(gain, px)
+        p = (p + p.T) / 2
         # Covariance windup: in a steady stretch (the same batch shape step after step) the steps carry
         # no news along the other directions, and dividing by lam grows P there by 1/lam a step, to
         # overflow and NaN weights after ~35k steps. Forgetting stops once P is back at the prior's size.
-        self._p = p / lam if np.trace(p) < 4 * self.INITIAL_COVARIANCE else p
+        self._p = p / lam if np.abs(p).max() < self.INITIAL_COVARIANCE else p
         self.num_observations += 1
         self.num_prefill_observations += num_prefill_tokens > 0
 
