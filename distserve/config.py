@@ -163,6 +163,9 @@ class SchedulerConfig:
     # lower rank; on the in-process engine's decode instances, a plan yields to the prefill
     # instances sharing its thread when a request arrives.
     layer_preemption: bool = True
+    # Step composition (``distserve.engine.step_budget.STEP_POLICIES``): "mixed" (admitted prompts join
+    # the running decodes' step) or "vllm-2023" (a step that admits prompts runs only them, whole).
+    step_policy: str = "mixed"
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -177,6 +180,13 @@ class SchedulerConfig:
             raise InvalidConfigError(f"latency_max_num_seqs must be >= 1, got {self.latency_max_num_seqs}")
         if self.min_prefill_chunk < 1:
             raise InvalidConfigError(f"min_prefill_chunk must be >= 1, got {self.min_prefill_chunk}")
+        from distserve.engine.step_budget import STEP_POLICIES  # step_budget imports this module
+
+        if self.step_policy not in STEP_POLICIES:
+            raise InvalidConfigError(f"step_policy must be one of {', '.join(STEP_POLICIES)}, got {self.step_policy!r}", "step_policy")
+        if self.step_policy == "vllm-2023" and (self.enable_chunked_prefill or self.step_budget != "static"):
+            raise InvalidConfigError("step_policy 'vllm-2023' runs prompts whole: it takes neither enable_chunked_prefill nor "
+                                     f"step_budget {self.step_budget!r} (use 'static')", "step_policy")
 
 
 def slo_scheduler_config(tpot_slo_s: float | None, base: SchedulerConfig | None = None) -> SchedulerConfig:

@@ -3,7 +3,8 @@
 A workload is a list of ``Request``s (arrival time, prompt and output lengths, optional SLO class,
 scheduling class — ``objective`` and task ``group``, as ``distserve.cluster.classes`` — and prompt
 tokens). ``generate_requests`` draws one from a length distribution (``simulator.lengths``
-holds the synthetic ones and the published statistics they imitate; ``get_length_distribution``
+holds the synthetic ones and the published statistics they imitate, ``simulator.distserve_lengths``
+DistServe's datasets as its preparation builds them; ``get_length_distribution``
 names them, and resamples a trace) and an arrival process; ``load_trace``/``write_trace`` read and
 write JSONL traces; ``rescale`` and ``describe`` replay and summarise them. ``mixed_workload``
 draws a mix of scheduling classes, each with its own lengths (``mix:latency=chatbot:0.3,throughput=summarization``).
@@ -25,6 +26,7 @@ from distserve.cluster.classes import DEFAULT, DEFAULT_CLASS, RequestClass
 from distserve.cluster.tenants import ANONYMOUS, DEFAULT_TIER
 from distserve.config import PRIORITY_MAX, PRIORITY_MIN
 from distserve.errors import DistServeError, InvalidConfigError
+from simulator.distserve_lengths import LongBenchLengths, ShareGPTMultiTurn, humaneval_lengths
 from simulator.lengths import FixedLengths, LengthDistribution, chatbot_lengths, check_int, code_lengths, summarization_lengths
 
 __all__ = [
@@ -106,17 +108,22 @@ LENGTH_DISTRIBUTIONS: dict[str, Callable[..., LengthDistribution]] = {
     "chatbot": chatbot_lengths,
     "code": code_lengths,
     "summarization": summarization_lengths,
+    # DistServe's datasets as its preparation script builds them (``simulator.distserve_lengths``)
+    "sharegpt-multiturn": ShareGPTMultiTurn,
+    "humaneval": humaneval_lengths,
+    "longbench": LongBenchLengths,
     "fixed": FixedLengths,  # FixedLengths(prompt_len, output_len), or the spec "fixed:<prompt>:<output>"
     "trace": TraceLengths,  # TraceLengths(path), or the spec "<path>.jsonl"
 }
-_SPEC_CHOICES = "chatbot, code, summarization, fixed:<prompt>:<output>, or a path to a .jsonl trace"
+_SPEC_CHOICES = "chatbot, code, summarization, fixed:<prompt>:<output>, sharegpt-multiturn, humaneval, longbench, or a path to a .jsonl trace"
 
 
 def get_length_distribution(spec: str, **params: Any) -> LengthDistribution:
     """The length distribution named by ``spec``.
 
     Args:
-        spec: ``"chatbot" | "code" | "summarization" | "fixed:<prompt>:<output>"`` or the path of a
+        spec: ``"chatbot" | "code" | "summarization" | "sharegpt-multiturn" | "humaneval" | "longbench" |
+            "fixed:<prompt>:<output>"`` or the path of a
             ``.jsonl`` trace whose (prompt_len, output_len) pairs are resampled.
         params: keyword parameters of the distribution's factory (``LENGTH_DISTRIBUTIONS[name]``).
     Raises:

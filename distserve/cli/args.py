@@ -9,6 +9,7 @@ from distserve.cluster.admission import DEFAULT_MAX_WAITING, DEFAULT_WAITING_UNI
 from distserve.cluster.fair_queue import ADMISSION_POLICIES, DEFAULT_ADMISSION_POLICY
 from distserve.cluster.routing import DEFAULT_ROUTER, ROUTERS
 from distserve.dataflow.limits import DEFAULT_LIMITS
+from distserve.engine.step_budget import STEP_POLICIES
 from distserve.errors import DistServeError
 from distserve.runtime.config import SERVER_MAX_QUEUED_REQUESTS
 
@@ -118,6 +119,12 @@ def admission_config_of(args: argparse.Namespace, tpot_slo_s: float | None, tena
         tpot_slo_s=tpot_slo_s if args.tpot_backpressure and not args.no_backpressure else None, waiting_unit=args.waiting_unit)
 
 
+def _add_colocated_policy_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--colocated-policy", default="mixed", choices=list(STEP_POLICIES),
+                   help="colocated step composition: mixed (prompts join the decodes' step, ours) or vllm-2023 (a step that "
+                   "admits prompts runs only them, whole; decodes pause: the vLLM DistServe compared against)")
+
+
 def _add_simulate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, help="a known HF id (facebook/opt-13b, ...), alias, or config.json path")
     p.add_argument("--profile", default=None, metavar="FILE",
@@ -125,7 +132,7 @@ def _add_simulate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hardware", default=None, help="a100-80g | h100-sxm | h200 | l40s | cpu (default: the profile's, else a100-80g)")
     _add_placement_args(p)
     p.add_argument("--workload", default="chatbot",
-                   help="chatbot | code | summarization | fixed:P:O | flood[:N[:FACTOR]] (one tenant flooding at FACTOR x the "
+                   help="chatbot | code | summarization | sharegpt-multiturn | humaneval | longbench (DistServe's datasets) | fixed:P:O | flood[:N[:FACTOR]] (one tenant flooding at FACTOR x the "
                    "rate of each of N chat tenants, default 3 and 10) | mix:OBJECTIVE=LENGTHS[:FRACTION],... (requests of several "
                    "scheduling classes, e.g. mix:latency=chatbot:0.3,throughput=summarization) | trace.jsonl (with a \"tenant\" field: several tenants)")
     p.add_argument("--rate", type=_positive_float, default=None, help="arrival rate, requests/s (a trace is rescaled to it)")
@@ -147,6 +154,7 @@ def _add_simulate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--step-budget", default="static", choices=["static", "slo"],
                    help="colocated/decode step budget: static (whole prompts) or slo (chunk prompts to keep steps within --tpot, "
                    "as serve --tpot-slo does)")
+    _add_colocated_policy_arg(p)
     p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
 
 
@@ -158,7 +166,7 @@ def _add_plan_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--intra-node-bandwidth", type=_positive_float, default=None, metavar="GB/s", help="override the GPU's NVLink/PCIe bandwidth")
     p.add_argument("--inter-node-bandwidth", type=_positive_float, default=None, metavar="GB/s", help="override the network bandwidth per GPU")
     p.add_argument("--workload", default="chatbot",
-                   help="chatbot | code | summarization | fixed:P:O | trace.jsonl (its 'objective' field: a request's class) | "
+                   help="chatbot | code | summarization | sharegpt-multiturn | humaneval | longbench | fixed:P:O | trace.jsonl (its 'objective' field: a request's class) | "
                    "mix:OBJECTIVE=LENGTHS[:FRACTION],... a mix of classes, e.g. mix:latency=chatbot:0.3,throughput=summarization")
     p.add_argument("--num-requests", type=_positive_int, default=300, help="requests simulated per probe")
     p.add_argument("--seed", type=int, default=0)
@@ -180,6 +188,7 @@ def _add_plan_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workers", type=_positive_int, default=1, help="processes simulating candidates in parallel")
     p.add_argument("--out", default=None, metavar="FILE", help="write the best Placement JSON here")
     p.add_argument("--plot", default=None, metavar="PNG", help="attainment vs rate of the best disaggregated and colocated plans")
+    _add_colocated_policy_arg(p)
     p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
 
 

@@ -8,6 +8,7 @@ import sys
 from collections.abc import Sequence as Seq
 
 from distserve.cli.args import admission_config_of, check_placement_args, placement_from_args
+from distserve.config import SchedulerConfig
 from distserve.errors import DistServeError
 
 
@@ -62,6 +63,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _colocated_policy(configs: dict[str, SchedulerConfig], policy: str) -> dict[str, SchedulerConfig]:
+    """``configs`` (``simulator.report.scheduler_configs``) with the colocated scheduler's ``step_policy``
+    (``--colocated-policy``); InvalidConfigError where it cannot go with the step budget."""
+    from dataclasses import replace
+
+    return {**configs, "scheduler": replace(configs["scheduler"], step_policy=policy)}
+
+
 def cmd_simulate(args: argparse.Namespace) -> int:
     from rich.console import Console
 
@@ -77,7 +86,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     config = SimConfig(
         num_blocks=args.num_blocks, step_overhead_s=args.step_overhead_ms / 1e3, router=args.router,
         admission=admission_config_of(args, args.tpot),
-        **report.scheduler_configs(args.max_num_seqs, args.max_batched_tokens, args.tpot if args.step_budget == "slo" else None),
+        **_colocated_policy(report.scheduler_configs(args.max_num_seqs, args.max_batched_tokens, args.tpot if args.step_budget == "slo" else None),
+                            args.colocated_policy),
     )
     request = report.SimulateRequest(
         model=args.model, placement=placement, workload=args.workload,
@@ -118,7 +128,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
         rate=args.rate, gpus=args.gpus, profile=args.profile, affinity=args.affinity, num_requests=args.num_requests,
         seed=args.seed, intra_node_gbps=args.intra_node_bandwidth, inter_node_gbps=args.inter_node_bandwidth,
         workers=args.workers, class_slos=class_slos,
-        sim_config=SimConfig(step_overhead_s=args.step_overhead_ms / 1e3, **report.scheduler_configs(args.max_num_seqs, args.max_batched_tokens)),
+        sim_config=SimConfig(step_overhead_s=args.step_overhead_ms / 1e3,
+                             **_colocated_policy(report.scheduler_configs(args.max_num_seqs, args.max_batched_tokens), args.colocated_policy)),
     )
     req, result = plan_report.run_plan(plan_args, show_progress=not args.json)
     if args.json:

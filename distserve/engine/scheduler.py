@@ -80,6 +80,7 @@ class Scheduler(AdmissionRankOrder):
         self.step_budget = make_step_budget(config)
         self._static_budget = isinstance(self.step_budget, StaticBudget)
         self._chunk_prefills = config.enable_chunked_prefill or self.step_budget.chunks_prefills
+        self._prompts_alone = config.step_policy == "vllm-2023"  # prompts in steps of their own (``STEP_POLICIES``)
         self.waiting: list[Sequence] = []  # sorted by policy key
         self._waiting_keys: list[tuple] = []
         self.running: list[Sequence] = []  # in policy order at each step; add with _append_running
@@ -191,6 +192,8 @@ class Scheduler(AdmissionRankOrder):
         self._finished_since_plan = []
         if self.isolated and not self.in_flight and self._schedule_isolated(plan):
             return plan
+        if self._prompts_alone and self.waiting and self._schedule_prompts_alone(plan):
+            return plan
         if self._static_budget:
             budget = self.config.max_num_batched_tokens
         else:
@@ -220,7 +223,7 @@ class Scheduler(AdmissionRankOrder):
         split: int | None = None  # where the overtaken prompts start in ``order`` (None: none are)
         if self._chunk_prefills and self.waiting:
             order, split = self._overtaken(order)
-        waiting = self.waiting
+        waiting = [] if self._prompts_alone else self.waiting  # "vllm-2023": prompts never join decodes
         for late in (False, True):
             # len(order) each time: preemption may shrink ``order`` (it can be ``running`` itself)
             while i < (len(order) if late or split is None else split) and budget > 0 and len(decodes) + len(prefills) < max_seqs:
@@ -324,6 +327,18 @@ class Scheduler(AdmissionRankOrder):
         """Whether waiting ``seq`` may take its blocks now (a phase may keep some back: ``PrefillScheduler``)."""
         return self.block_manager.can_allocate(seq)
 
+    def _schedule_prompts_alone(self, plan: StepPlan) -> bool:
+        """Fill ``plan`` with the waiting prompts that can be admitted now, and nothing else (the
+        "vllm-2023" step policy: the running decodes pause for this step)."""
+        self._step_rank = None
+        ones: list[ScheduledChunk] = []  # prompts whose cached prefix leaves one token to compute
+        prompts: list[ScheduledChunk] = []
+        self._admit_waiting(self.waiting, self.config.max_num_batched_tokens, False, ones, prompts, self.config.max_num_seqs)
+        plan.chunks = ones + prompts
+        if self.pipeline_depth > 1:
+            self.in_flight.update(c.seq_id for c in plan.chunks)
+        return bool(plan.chunks)
+
     def _held(self, seq: Sequence) -> bool:
         """Whether ``seq`` waits for prefix blocks another sequence here is computing now, to take them
         from the cache once committed: if they are at least half of what it would compute (so a
@@ -380,15 +395,8 @@ class Scheduler(AdmissionRankOrder):
 
     def _chunk(self, seq: Sequence, n: int) -> ScheduledChunk:
         start = seq.num_computed_tokens
-        return ScheduledChunk(
-            seq_id=seq.seq_id,
-            token_ids=seq.token_ids[start : start + n],
-            start_pos=start,
-            block_table=list(seq.block_table),
-            sample=start + n == seq.num_tokens,
-            sampling=seq.sampling,
-            num_output_tokens=seq.num_output_tokens,
-        )
+        return ScheduledChunk(seq.seq_id, seq.token_ids[start : start + n], start, list(seq.block_table),
+                              start + n == seq.num_tokens, seq.sampling, seq.num_output_tokens)
 
     def update_from_output(
         self, plan: StepPlan, sampled: list[SampledToken], seqs: dict[str, Sequence], now: float

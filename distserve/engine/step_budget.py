@@ -9,6 +9,10 @@ colocated instance meets TPOT while it prefills. The step time comes from a line
 online, by exponentially weighted recursive least squares, to the instance's own steps as its
 driver reports them (``observe``): measured time on the real runtime, modelled time in the
 simulator — the same policy code either way.
+
+The step *composition* policy (``SchedulerConfig.step_policy``, ``STEP_POLICIES``) says which
+tokens may share a step; the scheduler (``Scheduler._schedule``) applies it, so the real engine and
+the simulator compose steps alike.
 """
 
 from __future__ import annotations
@@ -59,6 +63,7 @@ class SLOBudget(StepBudget):
     MIN_OBSERVATIONS = 6
     FORGETTING = 0.98  # weight of the past per step: the model follows load and context drift
     HEADROOM = 0.9
+    INITIAL_COVARIANCE = 1e3  # per weight: the prior's uncertainty, and the most forgetting may restore
 
     def __init__(self, config: SchedulerConfig) -> None:
         if config.tpot_slo_s is None:
@@ -67,7 +72,7 @@ class SLOBudget(StepBudget):
         self.max_tokens = config.max_num_batched_tokens
         self.min_prefill_tokens = min(config.min_prefill_chunk, config.max_num_batched_tokens)
         self.weights = np.zeros(4)  # [w0, w1, w2, w3]
-        self._p = np.eye(4) * 1e3  # inverse information matrix of the weighted least squares
+        self._p = np.eye(4) * self.INITIAL_COVARIANCE  # inverse information matrix of the weighted least squares
         self.num_observations = 0
         self.num_prefill_observations = 0
 
@@ -82,7 +87,7 @@ class SLOBudget(StepBudget):
             return self.max_tokens
         w0, w1, w2, w3 = self.weights
         base = w0 + w1 * num_decodes + w2 * decode_ctx / 1000.0
-        if w3 <= 0:
+        if not (w3 > 0 and np.isfinite(base)):  # no usable model (also: never a NaN budget)
             return self.max_tokens
         prefill = int((self.HEADROOM * self.tpot_slo_s - base) / w3)
         prefill = max(self.min_prefill_tokens, min(prefill, self.max_tokens - num_decodes))
@@ -92,12 +97,30 @@ class SLOBudget(StepBudget):
         x = np.array([1.0, num_decodes, decode_ctx / 1000.0, num_prefill_tokens])
         lam = self.FORGETTING
         px = self._p @ x
-        gain = px / (lam + x @ px)
+        denom = lam + x @ px
+        if not denom > 0:  # rounding cost P its positive definiteness: its uncertainty starts afresh
+            self._p = np.eye(4) * self.INITIAL_COVARIANCE
+            px = self._p @ x
+            denom = lam + x @ px
+        gain = px / denom
         self.weights = self.weights + gain * (seconds - x @ self.weights)
-        self._p = (self._p - np.outer(gain, px)) / lam
+        p = self._p - np.outer(gain, px)
+        p = (p + p.T) / 2
+        # Covariance windup: in a steady stretch (the same batch shape step after step) the steps carry
+        # no news along the other directions, and dividing by lam grows P there by 1/lam a step, to
+        # overflow and NaN weights after ~35k steps. Forgetting stops once P is back at the prior's size.
+        self._p = p / lam if np.abs(p).max() < self.INITIAL_COVARIANCE else p
         self.num_observations += 1
         self.num_prefill_observations += num_prefill_tokens > 0
 
+
+STEP_POLICIES: dict[str, str] = {
+    "mixed": "admitted prompts join the running decodes' step (within the step budget): our default",
+    # vLLM 0.1-0.2 (2023), the baseline DistServe measured against: its scheduler tried the waiting
+    # prompts first and, if it admitted any, returned a prompt-only batch; else it decoded everything.
+    "vllm-2023": "a step that admits waiting prompts runs only them, whole (no chunking), the running decodes "
+    "pause for it; otherwise all running sequences decode",
+}
 
 STEP_BUDGETS: dict[str, type[StepBudget]] = {"static": StaticBudget, "slo": SLOBudget}
 

@@ -101,7 +101,7 @@ class Candidate:
     # at the best goodput per GPU): the goodput is below this, and ``goodput`` stays 0.
     goodput_below: float | None = None
     num_probes_stopped: int = 0  # probes ended as soon as they could no longer pass
-    step_budget: str = "static"  # colocated: the scheduler's step budget policy it was simulated with
+    step_budget: str = "static"  # colocated: the scheduler's step budget policy it was simulated with (or its step policy, "vllm-2023")
 
     @property
     def per_gpu(self) -> float:
@@ -113,7 +113,7 @@ class Candidate:
         for name, specs in (("P", p.prefill), ("D", p.decode), ("C", p.colocated)):
             if specs:
                 parts.append(f"{len(specs)}{name} tp{specs[0].tp}pp{specs[0].pp}")
-        return " + ".join(parts) + (" (slo budget)" if self.step_budget == "slo" else "")
+        return " + ".join(parts) + {"slo": " (slo budget)", "vllm-2023": " (vllm-2023)"}.get(self.step_budget, "")
 
 
 @dataclass

@@ -228,8 +228,11 @@ class Planner:
     def colocated_configs(self) -> dict[str, SimConfig]:
         """The colocated scheduler policies to compare, by step budget: the configured one and, for a
         finite TPOT SLO, the "slo" budget (chunked prefill that keeps steps within the TPOT SLO, as
-        a modern aggregated server runs) — the planner weighs disaggregation against the best one."""
+        a modern aggregated server runs) — the planner weighs disaggregation against the best one.
+        A configured baseline step policy (``SchedulerConfig.step_policy``) is compared alone, keyed by its name."""
         cfg = self.req.sim_config
+        if cfg.scheduler.step_policy != "mixed":  # a named baseline ("vllm-2023"): it alone, as it comes
+            return {cfg.scheduler.step_policy: cfg}
         out = {cfg.scheduler.step_budget: cfg}
         tpot = self.req.slo.default.tpot_s
         if "slo" not in out and math.isfinite(tpot):
