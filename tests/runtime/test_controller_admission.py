@@ -13,7 +13,7 @@ restart holds them), so what is queued or dispatched at submission does not depe
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -104,6 +104,18 @@ async def submitted(controller: Controller, names: list[str]) -> None:
         await asyncio.sleep(0)
 
 
+def record_prefill_order(controller: Controller) -> tuple[list[str], Callable[[], None]]:
+    """The requests in the order their first token comes from a prefill instance, and the remover."""
+    order: list[str] = []
+
+    def listen(event: StepEvent) -> None:
+        for up in event.result.updates:
+            if event.phase == "prefill" and up.new_token_ids and up.seq_id not in order:
+                order.append(up.seq_id)
+
+    return order, controller.add_step_listener(listen)
+
+
 def check_tokens(outs: list[RequestOutput], reference: dict[str, list[int]]) -> None:
     for out in outs:
         assert out.error is None and out.finish_reason == "length", (out.request_id, out.error)
@@ -114,14 +126,7 @@ def check_tokens(outs: list[RequestOutput], reference: dict[str, list[int]]) -> 
 def test_a_flooding_tenant_does_not_starve_a_light_one_under_fair(
         runtime: ControllerRuntime, reference: dict[str, list[int]], policy: str, unit: str) -> None:
     controller = use_admission(runtime, AdmissionConfig(policy, quantum=QUANTUM, waiting_unit=unit))
-    prefill_order: list[str] = []
-
-    def listen(event: StepEvent) -> None:
-        for up in event.result.updates:
-            if event.phase == "prefill" and up.new_token_ids and up.seq_id not in prefill_order:
-                prefill_order.append(up.seq_id)
-
-    remove = controller.add_step_listener(listen)
+    prefill_order, remove = record_prefill_order(controller)
     heavy = [f"h{i}" for i in range(NUM_HEAVY)]
     light = [f"l{i}" for i in range(NUM_LIGHT)]
 
@@ -259,14 +264,7 @@ def test_a_light_request_preempts_a_backlogged_prefill_between_layers(roomy_runt
     controller = use_admission(runtime, AdmissionConfig("fair", quantum=QUANTUM))
     prefill = next(i for i in controller.instances if i.phase == "prefill")
     ray.get(prefill.actor.inject_step_fault.remote("h11", "slow"))
-    order: list[str] = []
-
-    def listen(event: StepEvent) -> None:
-        for up in event.result.updates:
-            if event.phase == "prefill" and up.new_token_ids and up.seq_id not in order:
-                order.append(up.seq_id)
-
-    remove = controller.add_step_listener(listen)
+    order, remove = record_prefill_order(controller)
     first = ["h8", "h9", "h10", "h11", "l1"]  # both tenants active: the heavy one is backlogged
 
     async def scenario() -> list[RequestOutput]:
