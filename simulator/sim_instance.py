@@ -8,6 +8,7 @@ with ``SharedCompute`` the steps in flight on a node finish later while others c
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
@@ -44,6 +45,10 @@ class SimInstance:
         self.route = RouteState(pool=spec.pool)  # what routing knows (``cluster.routing``, as the runtime's)
         self.tx_free = 0.0  # the transfer thread: busy until
         self.rx_free = 0.0
+        self.rx_ends: deque[float] = deque()  # when each migration into it in flight completes (in order)
+        # (launch instant, num_steps, busy_s) before each step a fast-forward skipped (``simulator.fast_forward``),
+        # kept while it lasts in a run that may stop early, to count only the steps launched by then.
+        self.fast_forward_log: list[tuple[float, int, float]] | None = None
         self.busy_s = 0.0
         self.step_time = step_time_fn
         self.cascade = cascade

@@ -56,6 +56,7 @@ from distserve.engine.step_plan import SampledToken, StepPlan
 from distserve.engine.sequence import Sequence, SequenceStatus
 from distserve.errors import InvalidConfigError, QueueFullError
 from distserve.placement import InstanceSpec, Placement
+from simulator.fast_forward import fast_forward, undo_after
 from simulator.latency import LatencyModel
 from simulator.metrics import RequestRecord, SimResult
 from simulator.sim_config import SimConfig
@@ -128,6 +129,11 @@ class Simulation:
     def num_gpus(self) -> int:
         return sum(i.num_gpus for i in self.instances)
 
+    def next_arrival_s(self) -> float:
+        """When the next request arrives (inf: all have)."""
+        times, n = self._arrival_times, self._num_arrived
+        return times[n] if n < len(times) else float("inf")
+
     # ---- the event loop ------------------------------------------------------------------------
     def run(self, requests: Seq[Request], stop_when: Callable[[RequestRecord], bool] | None = None) -> SimResult:
         """Simulate ``requests`` until all finish, or until ``stop_when(record)``, called with each
@@ -158,6 +164,13 @@ class Simulation:
             push(events, (r.arrival_s, _ARRIVE, next(seq_no), r))
         self.records = records
         self._stop_when = stop_when
+        self.stop_when_set = stop_when is not None
+        self._arrival_times = sorted(r.arrival_s for r in requests)  # the heap pops arrivals in this order
+        self._num_arrived = 0
+        # Steady decode stretches are skipped in one jump (``simulator.fast_forward``), unless an
+        # observer wants every plan or steps share compute.
+        self._fast_forward = self.config.fast_forward and self.on_plan is None and self.shared is None
+        self.num_fast_forward_steps = 0  # steps applied in jumps, without a schedule() each
         self._stop = False
         # Finished prefills waiting for room, FCFS: (source, its sequence, the copy the decode side gets).
         # The copy is made once; a failed ``reserve`` leaves it untouched, so retries reuse it.
@@ -179,9 +192,13 @@ class Simulation:
                 inst, plan, version = payload  # type: ignore[misc]
                 if version != inst.step_version:
                     continue  # superseded: shared compute moved this step's completion
-                if inst.plan_in_flight is not None:
-                    self._push_completions(self.shared.stop(inst, now))  # type: ignore[union-attr]
-                unfinished -= self._step_done(inst, plan, now)
+                if plan is None:  # the end of a fast-forward: its steps are applied, launch the next
+                    inst.fast_forward_log = None
+                    self._launch_at_end(inst)
+                else:
+                    if inst.plan_in_flight is not None:
+                        self._push_completions(self.shared.stop(inst, now))  # type: ignore[union-attr]
+                    unfinished -= self._step_done(inst, plan, now)
                 self._admit_due = True
                 if self._stop:
                     break
@@ -190,9 +207,11 @@ class Simulation:
             elif kind == _MIGRATE:
                 self._migrate_pending(now)
             elif kind == _ARRIVE:
+                self._num_arrived += 1
                 unfinished -= self._arrive(payload, now, prompts)  # type: ignore[arg-type]
             elif kind == _MIGRATED:
                 src, dst, seq_id = payload  # type: ignore[misc]
+                dst.rx_ends.popleft()
                 src.core.release(seq_id)
                 src.route.release(seq_id)
                 dst.core.complete(seq_id)
@@ -211,6 +230,9 @@ class Simulation:
                     unfinished -= self._admit(now)
                 self._admit_due = False
                 self._launch_due(now)
+        if self._stop:
+            for inst in self.instances:
+                undo_after(inst, now)
         if unfinished and not self._stop:
             stuck = {i.name: (i.core.scheduler.num_waiting, i.core.scheduler.num_running) for i in self.instances}
             raise RuntimeError(f"simulation stalled with {unfinished} unfinished requests ({len(self.admission)} in the "
@@ -359,6 +381,14 @@ class Simulation:
             start = stage_free[s] if stage_free[s] > end else end
             end = start + t
             stage_free[s] = end
+        if (self._fast_forward and inst.pp == 1 and inst.kind != "prefill" and inst.cascade is None and not self.admission
+                and not self.pending):
+            num_steps = inst.core.num_steps
+            resume = fast_forward(self, inst, plan, end, SAMPLED_TOKEN)
+            if resume is not None:
+                self.num_fast_forward_steps += inst.core.num_steps - num_steps  # steps applied up to ``resume``: a marker (no plan) relaunches it then
+                heapq.heappush(self._events, (resume, _STEP_DONE, next(self._seq_no), (inst, None, inst.step_version)))
+                return
         heapq.heappush(self._events, (end, _STEP_DONE, next(self._seq_no), (inst, plan, inst.step_version)))
         if inst.pp > 1 and len(core.in_flight) < inst.pp:
             inst.launch_pending = True
@@ -419,6 +449,7 @@ class Simulation:
         start = max(now, src.tx_free, dst.rx_free)
         end = start + duration
         src.tx_free = dst.rx_free = end
+        dst.rx_ends.append(end)
         self.counters.record_migration(reservation.num_reused_blocks, reservation.num_blocks_to_transfer, num_bytes)
         self.counters.record_migration_duration(duration)  # known now: the link model decides it
         heapq.heappush(self._events, (end, _MIGRATED, next(self._seq_no), (src, dst, seq.seq_id)))
