@@ -37,8 +37,10 @@ a non-empty admission queue or migration queue (each step's end retries them), c
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from distserve.engine.sequence import Sequence
 from distserve.engine.step_plan import StepPlan
 from simulator.latency import BatchShape
 
@@ -65,16 +67,18 @@ def horizon(sim: Simulation, inst: SimInstance) -> float:
     return h
 
 
-def fast_forward(sim: Simulation, inst: SimInstance, plan: StepPlan, t1: float, token_id: int) -> float | None:
+def fast_forward(sim: Simulation, inst: SimInstance, plan: StepPlan, t1: float, token_id: int,
+                 finished: Callable[[SimInstance, float, list[Sequence]], None]) -> float | None:
     """Apply the steady steps starting with ``plan`` (launched now, ending at ``t1``); returns the
     instant the instance launches next (``t_V``), or None if the stretch is not steady (nothing
-    changed then). ``token_id``: the token every simulated step samples."""
+    changed then). ``token_id``: the token every simulated step samples; ``finished(inst, end_s,
+    seqs)``: the requests a jumped step ending at ``end_s`` finished (the caller records them then)."""
     core = inst.core
     sched = core.scheduler
     chunks = plan.chunks
     running = sched.running
-    num_seqs = len(chunks)
-    if (not chunks or plan.block_copies or plan.preempted_seq_ids or len(running) != num_seqs or sched.isolated
+    num_alive = len(chunks)
+    if (not chunks or plan.block_copies or plan.preempted_seq_ids or len(running) != num_alive or sched.isolated
             or core._deferred or sched.in_flight):  # noqa: SLF001 — read only: ops waiting for a step boundary
         return None
     h = horizon(sim, inst)
@@ -83,41 +87,54 @@ def fast_forward(sim: Simulation, inst: SimInstance, plan: StepPlan, t1: float, 
     bm = sched.block_manager
     bs = bm.block_size
     static_budget = sched._static_budget  # noqa: SLF001 — read only
-    if sched.waiting:  # admission must stay impossible for the whole stretch
+    waiting = sched.waiting
+    if waiting:  # admission must stay impossible for the whole stretch
         if not static_budget:
             return None
-        if not (num_seqs >= sched.max_running or num_seqs >= sched.config.max_num_seqs
-                or (not bm.enable_prefix_caching and not bm.can_allocate(sched.waiting[0]))):
+        if not (num_alive >= sched.max_running or num_alive >= sched.config.max_num_seqs
+                or (not bm.enable_prefix_caching and not bm.can_allocate(waiting[0]))):
             return None
-    elif not static_budget and sched.config.max_num_batched_tokens < num_seqs:
+    elif not static_budget and sched.config.max_num_batched_tokens < num_alive:
         return None
     max_model_len = sched.max_model_len
     eos = sched.eos_token_ids
-    seqs = []
-    starts = []
-    max_steps = max_model_len
-    decode_ctx = max_ctx = 0
-    for chunk, seq in zip(chunks, running):
+    seqs: list[Sequence] = []
+    starts: list[int] = []
+    # The step (0-based) in which each sequence finishes: step k leaves it with num_output_tokens +
+    # k + 1 outputs and start + k + 2 tokens; it stops where either reaches its limit.
+    finish_at: dict[int, list[int]] = {}
+    first_finish = last_finish = -1
+    decode_ctx = 0
+    max_start = -1
+    for i, (chunk, seq) in enumerate(zip(chunks, running)):
         start = chunk.start_pos
         sp = seq.sampling
         if (seq.seq_id != chunk.seq_id or len(chunk.token_ids) != 1 or chunk.num_output_tokens < 1 or seq.isolate
                 or token_id in sp.stop_token_ids or (not sp.ignore_eos and token_id in eos)
                 or len(seq.block_table) != (start + bs) // bs or len(seq.block_hashes) != start // bs):
             return None
-        # Step k (0-based) leaves it with num_output_tokens + k + 1 outputs and start + k + 2 tokens:
-        # it finishes at the step where either reaches its limit; only the steps before may be jumped.
-        left = min(sp.max_tokens - chunk.num_output_tokens, max_model_len - start - 1)
-        if left < max_steps:
-            max_steps = left
+        f = min(sp.max_tokens - chunk.num_output_tokens, max_model_len - start - 1) - 1
+        at = finish_at.get(f)
+        if at is None:
+            finish_at[f] = [i]
+        else:
+            at.append(i)
+        if first_finish < 0 or f < first_finish:
+            first_finish = f
+        if f > last_finish:
+            last_finish = f
         seqs.append(seq)
         starts.append(start)
         decode_ctx += start + 1
-        if start + 1 > max_ctx:
-            max_ctx = start + 1
-    max_steps -= 1  # steps that finish nothing
-    if max_steps < 1:
+        if start > max_start:
+            max_start = start
+    # Steps applied: a finish frees a slot and blocks, which a waiting request could take, so with
+    # requests waiting the jump stops before the first finish; else it may apply them all.
+    limit = first_finish if waiting else last_finish + 1
+    if limit < 1:
         return None
-    # Sequences by the step offset at which they cross a block boundary: at step k, those with
+    alive = [True] * num_alive
+    # Sequences by the step at which they cross a block boundary: at step k, those with
     # (start + k) % bs == 0 filled a block in step k - 1's update and need a new one for step k.
     buckets: list[list[int]] = [[] for _ in range(bs)]
     for i, start in enumerate(starts):
@@ -126,41 +143,69 @@ def fast_forward(sim: Simulation, inst: SimInstance, plan: StepPlan, t1: float, 
     observe = None if static_budget else sched.step_budget.observe
     log = inst.fast_forward_log = [] if sim.stop_when_set else None
     commit, append_slots = bm.commit, bm.append_slots
+    seqs_by_id = core.seqs
     t = t1
     k = 1
     while True:
+        # Step k - 1's update, in batch order: the sequences that filled a block commit it, those
+        # that reached their limit finish (and free their blocks).
         crossing = buckets[-k % bs]
-        for i in crossing:  # step k - 1's update: these sequences filled a block
+        done = finish_at.get(k - 1)
+        if done:
+            order = sorted(set(done).union(crossing))
+            ended: list[Sequence] = []
+        else:
+            order = crossing
+        for i in order:
             seq = seqs[i]
             n = starts[i] + k
             token_ids = seq.token_ids
             token_ids.extend([token_id] * (n - len(token_ids)))
             seq.num_computed_tokens = n
             commit(seq)
-        if k >= max_steps:
+            if done and i in done:
+                token_ids.append(token_id)
+                seq.finish_time = t
+                sched.finish(seq, "length")
+                del seqs_by_id[seq.seq_id]
+                ended.append(seq)
+                alive[i] = False
+                buckets[starts[i] % bs].remove(i)  # crosses no more boundaries
+                num_alive -= 1
+                decode_ctx -= n  # its context in step k - 1
+        if done:
+            finished(inst, t, ended)
+            if num_alive and max_start in (starts[i] for i in done):
+                max_start = max(s for s, a in zip(starts, alive) if a)
+        if num_alive == 0 or k >= limit:
             break
-        decode_ctx += num_seqs
-        max_ctx += 1
-        d = step_time(BatchShape(0, 0, 0, num_seqs, decode_ctx, max_ctx))
+        # Step k's launch: the same batch, every context one longer, the next block for those crossing.
+        decode_ctx += num_alive
+        d = step_time(BatchShape(0, 0, 0, num_alive, decode_ctx, max_start + k + 1))
         t_next = t + d
-        if t_next > h or len(crossing) > bm.num_free_blocks:
+        if t_next > h:
             break
-        for i in crossing:  # step k's launch: the next block of each, in batch order
+        if len(crossing) > bm.num_free_blocks:
+            break  # the real scheduler preempts here
+        for i in crossing:
             append_slots(seqs[i], 1)
+        if done:
+            sched._finished_since_plan = []  # noqa: SLF001 — step k's plan took them
         if log is not None:
             log.append((t, core.num_steps, inst.busy_s))
         if observe is not None:
-            observe(num_seqs, decode_ctx, 0, d)
+            observe(num_alive, decode_ctx, 0, d)
         core.num_steps += 1
         core.last_step_s = d
         inst.busy_s += d
         t = t_next
         k += 1
-    # Steps 0 .. k-1 applied: each sequence has k more tokens, all but the newest computed.
-    for seq, start in zip(seqs, starts):
-        token_ids = seq.token_ids
-        token_ids.extend([token_id] * (start + 1 + k - len(token_ids)))
-        seq.num_computed_tokens = start + k
+    # Steps 0 .. k-1 applied: each running sequence has k more tokens, all but the newest computed.
+    for seq, start, a in zip(seqs, starts, alive):
+        if a:
+            token_ids = seq.token_ids
+            token_ids.extend([token_id] * (start + 1 + k - len(token_ids)))
+            seq.num_computed_tokens = start + k
     core.in_flight.popleft()
     inst.stage_free[0] = t
     return t

@@ -195,6 +195,10 @@ class Simulation:
                 if plan is None:  # the end of a fast-forward: its steps are applied, launch the next
                     inst.fast_forward_log = None
                     self._launch_at_end(inst)
+                elif type(plan) is list:  # requests a fast-forward finished in its step ending now
+                    for seq in plan:
+                        self._record_finish(inst, seq, now)
+                    unfinished -= len(plan)
                 else:
                     if inst.plan_in_flight is not None:
                         self._push_completions(self.shared.stop(inst, now))  # type: ignore[union-attr]
@@ -384,7 +388,7 @@ class Simulation:
         if (self._fast_forward and inst.pp == 1 and inst.kind != "prefill" and inst.cascade is None and not self.admission
                 and not self.pending):
             num_steps = inst.core.num_steps
-            resume = fast_forward(self, inst, plan, end, SAMPLED_TOKEN)
+            resume = fast_forward(self, inst, plan, end, SAMPLED_TOKEN, self._finished_in_jump)
             if resume is not None:
                 self.num_fast_forward_steps += inst.core.num_steps - num_steps  # steps applied up to ``resume``: a marker (no plan) relaunches it then
                 heapq.heappush(self._events, (resume, _STEP_DONE, next(self._seq_no), (inst, None, inst.step_version)))
@@ -409,25 +413,33 @@ class Simulation:
         assert inst.core.in_flight[0].plan is plan
         updated = inst.core.apply_oldest(sampled, now)
         num_finished = 0
-        records = self.records
         finished = SequenceStatus.FINISHED
         awaiting = inst.core.prefill.awaiting_migration if inst.kind == "prefill" else None
         for seq in updated:
             if seq.status is finished:
-                rec = records[seq.seq_id]
-                rec.first_token_s = seq.first_token_time
-                rec.finish_s = now
-                rec.num_output_tokens = seq.num_output_tokens
-                rec.num_preemptions += seq.num_preemptions
-                inst.route.release(seq.seq_id)
-                tokens.pop(seq.seq_id, None)
+                self._record_finish(inst, seq, now)
                 num_finished += 1
-                if self._stop_when is not None and not self._stop and self._stop_when(rec):
-                    self._stop = True
             elif awaiting is not None and seq.seq_id in awaiting:
                 self.pending.push((inst, seq, seq.detached_copy()))
         self._launch_at_end(inst)
         return num_finished
+
+    def _record_finish(self, inst: SimInstance, seq: Sequence, now: float) -> None:
+        """A request finished on ``inst`` at ``now``: its record, its routing state, ``stop_when``."""
+        rec = self.records[seq.seq_id]
+        rec.first_token_s = seq.first_token_time
+        rec.finish_s = now
+        rec.num_output_tokens = seq.num_output_tokens
+        rec.num_preemptions += seq.num_preemptions
+        inst.route.release(seq.seq_id)
+        self._sampled.pop(seq.seq_id, None)
+        if self._stop_when is not None and not self._stop and self._stop_when(rec):
+            self._stop = True
+
+    def _finished_in_jump(self, inst: SimInstance, end_s: float, seqs: list[Sequence]) -> None:
+        """A fast-forward finished ``seqs`` in its step ending at ``end_s``: record them then, in
+        the event order of the step-by-step run (``stop_when`` sees them in time order)."""
+        heapq.heappush(self._events, (end_s, _STEP_DONE, next(self._seq_no), (inst, seqs, inst.step_version)))
 
     def _migrate_pending(self, now: float) -> None:
         """Oldest first; nobody overtakes a request waiting for room (``MigrationQueue``)."""
