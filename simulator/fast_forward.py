@@ -1,10 +1,10 @@
 """Fast-forward: a simulated instance skips a steady stretch of decode steps in one jump, exactly.
 
-While an instance only decodes the same sequences, step after step, each plan is the last one
-with every context one token longer: no prompt is admitted, nothing finishes, nobody is preempted.
-Running the real ``schedule()``/``update_from_output()`` for each of those steps costs O(batch)
-Python per step; here the steps are applied in one go, and the real scheduler plans again at the
-first step where anything could change.
+While an instance only decodes, step after step, each plan is the last one with every context one
+token longer, minus the requests that reached their length: no prompt is admitted, nobody is
+preempted. Running the real ``schedule()``/``update_from_output()`` for each of those steps costs
+O(batch) Python per step; here the steps are applied in one go, and the real scheduler plans again
+at the first step where anything else could change.
 
 ``fast_forward`` is called when an instance launches a plan ``P`` (step 0) at ``t0``. If the
 stretch is steady it applies steps ``0 .. V-1`` at once and returns ``t_V``, the end of step
@@ -14,8 +14,11 @@ there in place of ``P``'s completion). For the result to equal the step-by-step 
 * Step times are the latency model's, evaluated per step on each step's shape (``decode_ctx``
   grows by the batch size, ``decode_max_ctx`` by one) and added one at a time, as the event loop
   adds them, so every clock is bit-identical (a closed form would round differently).
-* No step in the jump finishes a request (``max_tokens``, ``max_model_len``; sampled tokens never
-  stop a simulated request), so every record is written by the real scheduler's last step.
+* A request stops at its length (``max_tokens`` or ``max_model_len``; sampled tokens never stop a
+  simulated request), known in advance: the jump finishes it through the scheduler's own
+  ``finish`` in the step that reaches it, and ``Simulation`` records it by an event at that step's
+  end, so ``stop_when`` sees finishes in time order. With requests waiting, a finish (a free slot,
+  free blocks) could admit one: the jump stops before the first finish then.
 * KV blocks: at a block boundary the real ``BlockManager.append_slots`` takes the sequence's next
   block, and the block that filled is ``commit``-ted, in the order the step-by-step run does them
   (commits of step ``k - 1``'s update, then allocations of step ``k``'s launch, each in batch
@@ -78,7 +81,9 @@ def fast_forward(sim: Simulation, inst: SimInstance, plan: StepPlan, t1: float, 
     chunks = plan.chunks
     running = sched.running
     num_alive = len(chunks)
-    if (not chunks or plan.block_copies or plan.preempted_seq_ids or len(running) != num_alive or sched.isolated
+    # Prompts are planned after the decodes: a plan with one ends with it (checked first, it is the common no).
+    if (not chunks or len(chunks[-1].token_ids) != 1 or plan.block_copies or plan.preempted_seq_ids
+            or len(running) != num_alive or sched.isolated
             or core._deferred or sched.in_flight):  # noqa: SLF001 — read only: ops waiting for a step boundary
         return None
     h = horizon(sim, inst)
