@@ -165,6 +165,8 @@ def write_outputs(out: Outputs, rows: list[dict[str, Any]], figures: dict[str, A
         if has_baseline:
             line += f" {f['baseline_requests_per_s']:.0f} | {f['speedup']:.2f}x | {f['cpu_speedup']:.2f}x |"
         md.append(line)
+    md.append("\nSteps applied by fast-forward jumps (no `schedule()` each, `simulator.fast_forward`): " + ", ".join(
+        f"{d} {figures[f'{d}_fast_forward_steps_fraction']:.0%}" for d in deployments) + ".")
     if figures["baseline_ref"] == "step-by-step":
         md.append("\nBaseline: the same code with `SimConfig(fast_forward=False)` (every decode step through the "
                   "scheduler); the same workloads and results (steps, tokens, simulated time), interleaved with the "

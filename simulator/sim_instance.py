@@ -76,6 +76,20 @@ class SimInstance:
     def num_gpus(self) -> int:
         return self.tp * self.pp
 
+    def summary(self, duration_s: float) -> dict[str, float]:
+        """Its figures in ``SimResult.instances``, for a run that lasted ``duration_s``."""
+        core = self.core
+        return {
+            "tp": self.tp,
+            "pp": self.pp,
+            "num_steps": core.num_steps,
+            "utilization": self.busy_s / duration_s if duration_s > 0 else 0.0,
+            "num_preemptions": core.scheduler.num_preemptions,
+            "num_blocks": core.block_manager.num_blocks,
+            "prefill_tokens_computed": core.num_prefill_tokens_computed,
+            "prefix_cache_hit_tokens": core.num_prefix_cache_hit_tokens,
+        }
+
     def batch_shape(self, plan: StepPlan) -> BatchShape:
         """The aggregates of ``plan`` this instance's latency model times."""
         if len(self._savings) > 256:

@@ -25,6 +25,11 @@ launch — a step sees everything that happened before it starts, as the runtime
 finished transfers and new requests before it schedules. ``tests/cluster/test_equivalence.py``
 checks that this makes the plans and migrations of ``LocalDisaggEngine``'s rounds.
 
+Fast-forward (``SimConfig.fast_forward``, on by default): a stretch of decode steps where nothing
+can change but the contexts (no prompt, preemption or arrival, no migration into the instance, no
+event that reads it) is applied in one jump by ``simulator.fast_forward``, with the results of
+running it step by step; the real scheduler plans every step where anything else happens.
+
 Pipeline parallelism: an instance with ``pp`` stages keeps up to ``pp`` micro-batches in flight
 (the scheduler skips sequences that are in flight); each micro-batch spends the latency model's
 per-stage time in each stage, in order.
@@ -246,19 +251,7 @@ class Simulation:
             num_gpus=self.num_gpus,
             duration_s=now,
             wall_s=time.perf_counter() - wall0,
-            instances={
-                i.name: {
-                    "tp": i.tp,
-                    "pp": i.pp,
-                    "num_steps": i.core.num_steps,
-                    "utilization": i.busy_s / now if now > 0 else 0.0,
-                    "num_preemptions": i.core.scheduler.num_preemptions,
-                    "num_blocks": i.core.block_manager.num_blocks,
-                    "prefill_tokens_computed": i.core.num_prefill_tokens_computed,
-                    "prefix_cache_hit_tokens": i.core.num_prefix_cache_hit_tokens,
-                }
-                for i in self.instances
-            },
+            instances={i.name: i.summary(now) for i in self.instances},
             num_prefill_tokens_computed=sum(i.core.num_prefill_tokens_computed for i in self.instances),
             num_prefix_cache_hit_tokens=sum(i.core.num_prefix_cache_hit_tokens for i in self.instances),
             num_migrations=self.counters.num_migrations,
@@ -389,8 +382,8 @@ class Simulation:
                 and not self.pending):
             num_steps = inst.core.num_steps
             resume = fast_forward(self, inst, plan, end, SAMPLED_TOKEN, self._finished_in_jump)
-            if resume is not None:
-                self.num_fast_forward_steps += inst.core.num_steps - num_steps  # steps applied up to ``resume``: a marker (no plan) relaunches it then
+            if resume is not None:  # steps applied up to ``resume``: a marker (no plan) relaunches it then
+                self.num_fast_forward_steps += inst.core.num_steps - num_steps
                 heapq.heappush(self._events, (resume, _STEP_DONE, next(self._seq_no), (inst, None, inst.step_version)))
                 return
         heapq.heappush(self._events, (end, _STEP_DONE, next(self._seq_no), (inst, plan, inst.step_version)))
