@@ -44,7 +44,8 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from distserve.engine.sequence import Sequence
-from distserve.engine.step_plan import StepPlan
+from distserve.engine.instance_core import PlanInFlight
+from distserve.engine.step_plan import ScheduledChunk, StepPlan
 from simulator.latency import BatchShape
 
 if TYPE_CHECKING:
@@ -71,11 +72,13 @@ def horizon(sim: Simulation, inst: SimInstance) -> float:
 
 
 def fast_forward(sim: Simulation, inst: SimInstance, plan: StepPlan, t1: float, token_id: int,
-                 finished: Callable[[SimInstance, float, list[Sequence]], None]) -> float | None:
-    """Apply the steady steps starting with ``plan`` (launched now, ending at ``t1``); returns the
-    instant the instance launches next (``t_V``), or None if the stretch is not steady (nothing
-    changed then). ``token_id``: the token every simulated step samples; ``finished(inst, end_s,
-    seqs)``: the requests a jumped step ending at ``end_s`` finished (the caller records them then)."""
+                 finished: Callable[[SimInstance, float, list[Sequence]], None]) -> tuple[float, StepPlan | None] | None:
+    """Apply the steady steps starting with ``plan`` (launched now, ending at ``t1``); None if the
+    stretch is not steady (nothing changed then). Else ``(end_s, in_flight)``: the jump's last step,
+    launched and in flight (``in_flight``, the plan ``schedule()`` makes for it), ends at ``end_s``
+    for the caller to apply as any step; or ``in_flight`` is None and the instance launches its
+    next step at ``end_s``. ``token_id``: the token every simulated step samples; ``finished(inst,
+    end_s, seqs)``: the requests a jumped step ending at ``end_s`` finished (recorded then)."""
     core = inst.core
     sched = core.scheduler
     chunks = plan.chunks
@@ -151,6 +154,7 @@ def fast_forward(sim: Simulation, inst: SimInstance, plan: StepPlan, t1: float, 
     seqs_by_id = core.seqs
     t = t1
     k = 1
+    launched = False  # whether the jump ends with step k in flight (else the instance launches at t_k)
     while True:
         # Step k - 1's update, in batch order: the sequences that filled a block commit it, those
         # that reached their limit finish (and free their blocks).
@@ -182,20 +186,22 @@ def fast_forward(sim: Simulation, inst: SimInstance, plan: StepPlan, t1: float, 
             finished(inst, t, ended)
             if num_alive and max_start in (starts[i] for i in done):
                 max_start = max(s for s, a in zip(starts, alive) if a)
-        if num_alive == 0 or k >= limit:
+        if num_alive == 0:
             break
         # Step k's launch: the same batch, every context one longer, the next block for those crossing.
         decode_ctx += num_alive
         d = step_time(BatchShape(0, 0, 0, num_alive, decode_ctx, max_start + k + 1))
         t_next = t + d
-        if t_next > h:
+        # The last step of the stretch is launched for real (in flight until t_next, applied by the
+        # scheduler's own update), unless an event at t_k itself must see the instance before it.
+        last = k >= limit or t_next > h
+        if (last and not h > t) or len(crossing) > bm.num_free_blocks:  # (else the real scheduler preempts)
             break
-        if len(crossing) > bm.num_free_blocks:
-            break  # the real scheduler preempts here
         for i in crossing:
             append_slots(seqs[i], 1)
-        if done:
-            sched._finished_since_plan = []  # noqa: SLF001 — step k's plan took them
+        taken = sched._finished_since_plan  # noqa: SLF001 — step k's plan takes them
+        if taken:
+            sched._finished_since_plan = []  # noqa: SLF001
         if log is not None:
             log.append((t, core.num_steps, inst.busy_s))
         if observe is not None:
@@ -203,6 +209,9 @@ def fast_forward(sim: Simulation, inst: SimInstance, plan: StepPlan, t1: float, 
         core.num_steps += 1
         core.last_step_s = d
         inst.busy_s += d
+        if last:
+            launched = True
+            break
         t = t_next
         k += 1
     # Steps 0 .. k-1 applied: each running sequence has k more tokens, all but the newest computed.
@@ -211,9 +220,18 @@ def fast_forward(sim: Simulation, inst: SimInstance, plan: StepPlan, t1: float, 
             token_ids = seq.token_ids
             token_ids.extend([token_id] * (start + 1 + k - len(token_ids)))
             seq.num_computed_tokens = start + k
-    core.in_flight.popleft()
-    inst.stage_free[0] = t
-    return t
+    first = core.in_flight.popleft()
+    if not launched:
+        inst.stage_free[0] = t
+        return t, None
+    # Step k in flight: the plan ``schedule()`` makes for it (decodes in batch order).
+    step_k = StepPlan([
+        ScheduledChunk(seq.seq_id, [token_id], start + k, seq.block_table[:], True, seq.sampling, chunk.num_output_tokens + k)
+        for seq, start, a, chunk in zip(seqs, starts, alive, chunks) if a
+    ], finished_seq_ids=taken)
+    core.in_flight.append(PlanInFlight(step_k, first.plan_seq + k))
+    inst.stage_free[0] = t_next
+    return t_next, step_k
 
 
 def undo_after(inst: SimInstance, stop_s: float) -> None:

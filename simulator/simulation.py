@@ -381,10 +381,11 @@ class Simulation:
         if (self._fast_forward and inst.pp == 1 and inst.kind != "prefill" and inst.cascade is None and not self.admission
                 and not self.pending):
             num_steps = inst.core.num_steps
-            resume = fast_forward(self, inst, plan, end, SAMPLED_TOKEN, self._finished_in_jump)
-            if resume is not None:  # steps applied up to ``resume``: a marker (no plan) relaunches it then
+            jumped = fast_forward(self, inst, plan, end, SAMPLED_TOKEN, self._finished_in_jump)
+            if jumped is not None:  # its last step in flight, or (no plan) a marker that relaunches it then
                 self.num_fast_forward_steps += inst.core.num_steps - num_steps
-                heapq.heappush(self._events, (resume, _STEP_DONE, next(self._seq_no), (inst, None, inst.step_version)))
+                end, last = jumped
+                heapq.heappush(self._events, (end, _STEP_DONE, next(self._seq_no), (inst, last, inst.step_version)))
                 return
         heapq.heappush(self._events, (end, _STEP_DONE, next(self._seq_no), (inst, plan, inst.step_version)))
         if inst.pp > 1 and len(core.in_flight) < inst.pp:
