@@ -35,7 +35,9 @@ there in place of ``P``'s completion). For the result to equal the step-by-step 
 
 Not jumped (the step-by-step path runs): pipelined instances (pp > 1), shared compute, cascade
 attention (its savings depend on block tables), observers of every plan (``Simulation.on_plan``),
-a non-empty admission queue or migration queue (each step's end retries them), crash suspects.
+a non-empty migration queue (each step's end retries it), a non-empty admission queue where a
+retry could dispatch (an entry accepts its head, or the TPOT backpressure reads each step's time),
+crash suspects.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from distserve.engine.sequence import Sequence
+from distserve.cluster.backpressure import entry_load
 from distserve.engine.instance_core import PlanInFlight
 from distserve.engine.step_plan import ScheduledChunk, StepPlan
 from simulator.latency import BatchShape
@@ -53,10 +56,28 @@ if TYPE_CHECKING:
     from simulator.sim_instance import SimInstance
 
 
-def horizon(sim: Simulation, inst: SimInstance) -> float:
+def horizon(sim: Simulation, inst: SimInstance, now: float) -> float:
     """The earliest instant an event could read or change ``inst`` (inf: none is scheduled);
-    -inf when that cannot be bounded cheaply (a pipelined prefill instance is busy)."""
+    -inf when that cannot be bounded cheaply (a pipelined prefill instance is busy, or the admission
+    queue could dispatch at the end of one of the jumped steps)."""
     h = sim.next_arrival_s()
+    adm = sim.admission
+    if adm:
+        # Every step's end retries dispatch: each retry must do what the last one did, nothing.
+        # Dispatch reads the queue's head and the entry instances' loads, and takes no time into
+        # account; the entries change only at their own events (bounds below), the head only by
+        # an arrival, a dispatch or a deadline.
+        item = adm.policy.peek()
+        if sim.config.admission.tpot_slo_s is not None or item is None or any(
+                adm.backpressure.accepts(entry_load(e.core.scheduler, None), item.tier, item.rank) for e in sim.entry):
+            return float("-inf")
+        h = min(h, adm.next_deadline())
+        if inst.kind != "decode":
+            for other in sim.entry:
+                if other is not inst and (other.core.in_flight or other.stage_free[0] > now):  # a step, or a jump's end
+                    if other.pp > 1 or other.launch_pending:
+                        return float("-inf")
+                    h = min(h, other.stage_free[0])
     if inst.kind != "decode":
         return h
     for other in sim.instances:
@@ -71,9 +92,9 @@ def horizon(sim: Simulation, inst: SimInstance) -> float:
     return h
 
 
-def fast_forward(sim: Simulation, inst: SimInstance, plan: StepPlan, t1: float, token_id: int,
+def fast_forward(sim: Simulation, inst: SimInstance, plan: StepPlan, now: float, t1: float, token_id: int,
                  finished: Callable[[SimInstance, float, list[Sequence]], None]) -> tuple[float, StepPlan | None] | None:
-    """Apply the steady steps starting with ``plan`` (launched now, ending at ``t1``); None if the
+    """Apply the steady steps starting with ``plan`` (launched at ``now``, ending at ``t1``); None if the
     stretch is not steady (nothing changed then). Else ``(end_s, in_flight)``: the jump's last step,
     launched and in flight (``in_flight``, the plan ``schedule()`` makes for it), ends at ``end_s``
     for the caller to apply as any step; or ``in_flight`` is None and the instance launches its
@@ -89,7 +110,7 @@ def fast_forward(sim: Simulation, inst: SimInstance, plan: StepPlan, t1: float, 
             or len(running) != num_alive or sched.isolated
             or core._deferred or sched.in_flight):  # noqa: SLF001 — read only: ops waiting for a step boundary
         return None
-    h = horizon(sim, inst)
+    h = horizon(sim, inst, now)
     if t1 > h:
         return None
     bm = sched.block_manager

@@ -378,10 +378,9 @@ class Simulation:
             start = stage_free[s] if stage_free[s] > end else end
             end = start + t
             stage_free[s] = end
-        if (self._fast_forward and inst.pp == 1 and inst.kind != "prefill" and inst.cascade is None and not self.admission
-                and not self.pending):
+        if self._fast_forward and inst.pp == 1 and inst.kind != "prefill" and inst.cascade is None and not self.pending:
             num_steps = inst.core.num_steps
-            jumped = fast_forward(self, inst, plan, end, SAMPLED_TOKEN, self._finished_in_jump)
+            jumped = fast_forward(self, inst, plan, now, end, SAMPLED_TOKEN, self._finished_in_jump)
             if jumped is not None:  # its last step in flight, or (no plan) a marker that relaunches it then
                 self.num_fast_forward_steps += inst.core.num_steps - num_steps
                 end, last = jumped

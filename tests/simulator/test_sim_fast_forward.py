@@ -88,6 +88,19 @@ def test_fair_admission_of_a_flood() -> None:
     assert sim.num_fast_forward_steps > 0
 
 
+@pytest.mark.parametrize("num_colocated,unit", [(1, "tokens"), (2, "tokens"), (2, "requests")])
+def test_overload_behind_backpressure_with_deadlines(num_colocated: int, unit: str) -> None:
+    """Past the knee requests wait in the admission queue (backpressure) and some time out there:
+    steps that end while nothing can be dispatched are jumped over, up to the next deadline. By
+    requests waiting, an instance's launch makes it accept again before its step ends: no jump then."""
+    requests = [replace(r, timeout_s=(5.0, 2.0)[num_colocated - 1] if r.req_id % 3 == 0 else None)
+                for r in chat((12.0, 30.0)[num_colocated - 1], 250, seed=4)]
+    config = SimConfig(admission=AdmissionConfig(max_waiting=2, waiting_unit=unit))
+    res, sim = both(Placement.colocated_instances(num_colocated), requests, config)
+    assert any(r.dropped == "expired" for r in res.records) and any(r.admission_wait_s for r in res.records)
+    assert skipped(sim, res) > 0.05
+
+
 @pytest.mark.parametrize("placement", [Placement.colocated_instances(1), Placement.disaggregated(1, 1)], ids=["colocated", "1p1d"])
 def test_preemption_under_kv_pressure(placement: Placement) -> None:
     res, sim = both(placement, chat(4.0, 150, seed=1), SimConfig(num_blocks=160))
