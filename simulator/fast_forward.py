@@ -80,6 +80,8 @@ def horizon(sim: Simulation, inst: SimInstance, now: float) -> float:
                     h = min(h, other.stage_free[0])
     if inst.kind != "decode":
         return h
+    if sim.pending and not _no_room_for_pending(sim, inst, now):
+        return float("-inf")
     for other in sim.instances:
         if other.kind == "prefill" and other.core.in_flight:
             if other.pp > 1 or other.launch_pending:
@@ -89,7 +91,30 @@ def horizon(sim: Simulation, inst: SimInstance, now: float) -> float:
     for dst in sim.decodes:
         if dst.rx_ends and dst.rx_ends[0] < h:
             h = dst.rx_ends[0]
+        if sim.pending and dst is not inst and (dst.core.in_flight or dst.stage_free[0] > now) and dst.stage_free[0] < h:
+            h = dst.stage_free[0]  # its step's (or jump's) end: its finishes may make room
     return h
+
+
+def _no_room_for_pending(sim: Simulation, inst: SimInstance, now: float) -> bool:
+    """With finished prefills waiting for a decode instance, every step's end retries them: each
+    retry must fail as the last one did, without side effects. True if no decode instance can
+    ``reserve`` any lane's head now (a read-only check) and none changes before ``inst``'s jump
+    ends: the others' events bound it (``horizon`` adds them here), ``inst`` frees no room in it
+    (the jump stops before its first finish; its free blocks only shrink) and no other decode
+    instance launches later at this instant."""
+    heads: dict[object, tuple[SimInstance, Sequence, Sequence]] = {}
+    lane = sim.lane_of
+    for entry in sim.pending:
+        heads.setdefault(lane(entry) if lane is not None else None, entry)
+    for dst in sim.decodes:
+        if dst is not inst and (dst.launch_due or dst.pp > 1 or dst.launch_pending):
+            return False
+        core = dst.core
+        for _, _, copy in heads.values():
+            if copy.seq_id not in core.seqs and core.decode.can_reserve(copy):
+                return False
+    return True
 
 
 def fast_forward(sim: Simulation, inst: SimInstance, plan: StepPlan, now: float, t1: float, token_id: int,
@@ -117,6 +142,9 @@ def fast_forward(sim: Simulation, inst: SimInstance, plan: StepPlan, now: float,
     bs = bm.block_size
     static_budget = sched._static_budget  # noqa: SLF001 — read only
     waiting = sched.waiting
+    # A finish frees a slot and blocks, which a waiting request or a migration waiting for room
+    # (``_no_room_for_pending``) could take: then the jump stops before the first finish.
+    hold = bool(waiting) or bool(sim.pending)
     if waiting:  # admission must stay impossible for the whole stretch
         if not static_budget:
             return None
@@ -157,9 +185,7 @@ def fast_forward(sim: Simulation, inst: SimInstance, plan: StepPlan, now: float,
         decode_ctx += start + 1
         if start > max_start:
             max_start = start
-    # Steps applied: a finish frees a slot and blocks, which a waiting request could take, so with
-    # requests waiting the jump stops before the first finish; else it may apply them all.
-    limit = first_finish if waiting else last_finish + 1
+    limit = first_finish if hold else last_finish + 1  # steps applied before the last one
     if limit < 1:
         return None
     alive = [True] * num_alive

@@ -111,7 +111,7 @@ class Simulation:
         self.decodes = [i for i in self.instances if i.kind == "decode"]
         pools = {i.spec.pool for i in self.decodes}
         # Class pools: each pool's requests queue for migration in a lane of their own (``decode_lane``).
-        self._lane: Callable[[tuple[SimInstance, Sequence, Sequence]], object] | None = (
+        self.lane_of: Callable[[tuple[SimInstance, Sequence, Sequence]], object] | None = (
             (lambda entry: decode_lane(entry[1].request_class, pools)) if pools != {None} else None
         )
         self.shared = SharedCompute(cfg.concurrent_slowdown) if cfg.concurrent_slowdown != 1.0 else None
@@ -378,7 +378,8 @@ class Simulation:
             start = stage_free[s] if stage_free[s] > end else end
             end = start + t
             stage_free[s] = end
-        if self._fast_forward and inst.pp == 1 and inst.kind != "prefill" and inst.cascade is None and not self.pending:
+        if (self._fast_forward and inst.pp == 1 and inst.cascade is None
+                and (inst.kind == "decode" or (inst.kind == "colocated" and not self.pending))):
             num_steps = inst.core.num_steps
             jumped = fast_forward(self, inst, plan, now, end, SAMPLED_TOKEN, self._finished_in_jump)
             if jumped is not None:  # its last step in flight, or (no plan) a marker that relaunches it then
@@ -436,7 +437,7 @@ class Simulation:
 
     def _migrate_pending(self, now: float) -> None:
         """Oldest first; nobody overtakes a request waiting for room (``MigrationQueue``)."""
-        self.pending.drain(lambda entry: self._migrate(entry, now), self._lane)
+        self.pending.drain(lambda entry: self._migrate(entry, now), self.lane_of)
 
     def _migrate(self, entry: tuple[SimInstance, Sequence, Sequence], now: float) -> bool:
         src, seq, copy = entry

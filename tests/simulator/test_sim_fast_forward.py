@@ -101,6 +101,16 @@ def test_overload_behind_backpressure_with_deadlines(num_colocated: int, unit: s
     assert skipped(sim, res) > 0.05
 
 
+def test_saturated_decodes_and_class_pools() -> None:
+    """Decode instances at their batch cap: finished prefills wait for room (one lane per class
+    pool) and every step's end retries them; a full instance still jumps until it could take one."""
+    requests = [replace(r, objective=("latency", "throughput")[r.req_id % 2]) for r in chat(10.0, 250, seed=5)]
+    small = InstanceSpec(max_num_seqs=4)
+    for decode in ((small, small), (replace(small, pool="latency"), InstanceSpec(pool="throughput", max_num_seqs=8))):
+        res, sim = both(Placement(prefill=(InstanceSpec(),) * 2, decode=decode), requests)
+        assert sim.num_fast_forward_steps > 0
+
+
 @pytest.mark.parametrize("placement", [Placement.colocated_instances(1), Placement.disaggregated(1, 1)], ids=["colocated", "1p1d"])
 def test_preemption_under_kv_pressure(placement: Placement) -> None:
     res, sim = both(placement, chat(4.0, 150, seed=1), SimConfig(num_blocks=160))
