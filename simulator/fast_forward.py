@@ -7,9 +7,11 @@ O(batch) Python per step; here the steps are applied in one go, and the real sch
 at the first step where anything else could change.
 
 ``fast_forward`` is called when an instance launches a plan ``P`` (step 0) at ``t0``. If the
-stretch is steady it applies steps ``0 .. V-1`` at once and returns ``t_V``, the end of step
-``V - 1``, where the simulation relaunches the instance (``Simulation`` queues a marker event
-there in place of ``P``'s completion). For the result to equal the step-by-step one:
+stretch is steady it applies steps ``0 .. V-1`` at once and launches step ``V`` with the plan
+``schedule()`` would make for it, which ``Simulation`` applies at its end like any step; or, where
+an event at ``t_V`` must see the instance before that launch, it stops at ``t_V`` and the
+simulation relaunches the instance then (a marker event in place of ``P``'s completion). For the
+result to equal the step-by-step one:
 
 * Step times are the latency model's, evaluated per step on each step's shape (``decode_ctx``
   grows by the batch size, ``decode_max_ctx`` by one) and added one at a time, as the event loop
@@ -29,15 +31,20 @@ there in place of ``P``'s completion). For the result to equal the step-by-step 
   a decode instance the next end of a prefill step (it may migrate a request here) and the next
   completed migration anywhere. An interacting event at exactly ``t_V`` is fine: events at one
   instant see the instance after its steps ending then and before its next launch, as here.
+* Retries: every step's end retries the admission queue and the migration queue. A jump runs
+  only where each retry would do nothing, as the last one did: no entry instance accepts the
+  admission queue's head (dispatch reads no clock; its next deadline and the other entries'
+  events bound the jump), and no decode instance can reserve a waiting prefill's room (the
+  other decode instances' events bound it, and the instance stops before its first finish).
 * The waiting queue: a stretch with requests waiting is steady only where their admission cannot
   change (the batch is at its cap, or the first waiting prompt's blocks do not fit, without a
   prefix cache, as free blocks only shrink in the jump), with the static step budget.
 
 Not jumped (the step-by-step path runs): pipelined instances (pp > 1), shared compute, cascade
 attention (its savings depend on block tables), observers of every plan (``Simulation.on_plan``),
-a non-empty migration queue (each step's end retries it), a non-empty admission queue where a
-retry could dispatch (an entry accepts its head, or the TPOT backpressure reads each step's time),
-crash suspects.
+TPOT backpressure (it reads each step's time), a colocated instance next to decode instances
+while prefills wait for room, crash suspects. ``_next_plan_seq`` (plan numbers, which only the Ray
+runtime reads) is not advanced by the jumped steps.
 """
 
 from __future__ import annotations
@@ -45,9 +52,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from distserve.engine.sequence import Sequence
 from distserve.cluster.backpressure import entry_load
 from distserve.engine.instance_core import PlanInFlight
+from distserve.engine.sequence import Sequence
 from distserve.engine.step_plan import ScheduledChunk, StepPlan
 from simulator.latency import BatchShape
 
