@@ -14,8 +14,10 @@ scheduled sequence, one sampled token) per wall-clock second, the same per CPU s
 simulating process (steadier on a shared machine), and the ratio to the issue's target of 100k
 requests/s. With ``--baseline-ref REF`` it also times the scheduler, block manager, sequence and
 simulation-loop files as they were at git ``REF`` (copied into a temporary tree, the rest of the
-package as it is now), interleaved with the current code, and reports the speed-up. Every
-measurement runs in its own subprocess. Writes JSON + markdown + PNG under --out-dir; the last
+package as it is now), interleaved with the current code, and reports the speed-up; with
+``--baseline-step-by-step`` the baseline is the current code with ``SimConfig(fast_forward=False)``
+(every decode step through the scheduler, no jumps over steady stretches). Every measurement runs
+in its own subprocess. Writes JSON + markdown + PNG under --out-dir; the last
 stdout line is the JSON.
 """
 
@@ -51,11 +53,13 @@ PACKAGES = ("distserve", "simulator", "kernels")
 
 
 # ---- one measurement (runs in a subprocess whose PYTHONPATH picks the code under test) ----------
-def measure(deployment: str, num_requests: int, rate_per_entry: float, profile: str | None, seed: int) -> dict[str, Any]:
+def measure(deployment: str, num_requests: int, rate_per_entry: float, profile: str | None, seed: int,
+            fast_forward: bool = True) -> dict[str, Any]:
     from distserve.engine import scheduler as scheduler_module
     from distserve.placement import Placement
     from simulator.latency import FittedLatencyModel, LatencyModel, RooflineLatencyModel
-    from simulator.simulation import simulate
+    from simulator.sim_config import SimConfig
+    from simulator.simulation import Simulation
     from simulator.workload import generate_requests
 
     num_prefill, num_decode = DEPLOYMENTS[deployment]
@@ -68,7 +72,9 @@ def measure(deployment: str, num_requests: int, rate_per_entry: float, profile: 
     rate = rate_per_entry * num_prefill
     requests = generate_requests("chatbot", rate, num_requests, seed=seed, max_total_len=2048)
     wall0, cpu0 = time.perf_counter(), time.process_time()
-    result = simulate(placement, latency, requests)
+    # An older tree (--baseline-ref) may not know the field: only pass it to turn fast-forward off.
+    sim = Simulation(placement, latency, None if fast_forward else SimConfig(fast_forward=False))
+    result = sim.run(requests)
     wall_s, cpu_s = time.perf_counter() - wall0, time.process_time() - cpu0
     records = result.records
     return {
@@ -79,16 +85,18 @@ def measure(deployment: str, num_requests: int, rate_per_entry: float, profile: 
         "num_token_steps": sum(r.num_output_tokens for r in records),
         "num_preemptions": sum(i["num_preemptions"] for i in result.instances.values()),
         "simulated_s": result.duration_s, "wall_s": wall_s, "cpu_s": cpu_s,
+        "num_fast_forward_steps": getattr(sim, "num_fast_forward_steps", 0),  # steps applied without a schedule()
         "latency_model": repr(latency), "scheduler_source": scheduler_module.__file__,
     }
 
 
-def run_worker(src_root: Path, args: argparse.Namespace, deployment: str, profile: str | None) -> dict[str, Any]:
+def run_worker(src_root: Path, args: argparse.Namespace, deployment: str, profile: str | None,
+               fast_forward: bool = True) -> dict[str, Any]:
     """``measure`` in a fresh interpreter importing ``distserve``/``simulator`` from ``src_root``."""
     cmd = [
         sys.executable, str(Path(__file__).resolve()), "--worker", deployment, "--num-requests", str(args.num_requests),
         "--rate-per-prefill", str(args.rate_per_prefill), "--seed", str(args.seed), "--profile", profile or "",
-    ]
+    ] + ([] if fast_forward else ["--step-by-step"])
     env = {**os.environ, "PYTHONPATH": str(src_root)}
     proc = subprocess.run(cmd, cwd=src_root, env=env, capture_output=True, text=True, check=False)
     if proc.returncode != 0:
@@ -125,6 +133,7 @@ def summarize(rows: list[dict[str, Any]], variant: str, deployment: str) -> dict
         "requests_per_s": first["num_requests"] / wall, "cpu_requests_per_s": first["num_requests"] / cpu,
         "steps_per_s": first["num_steps"] / wall, "token_steps_per_s": first["num_token_steps"] / wall,
         "us_per_token_step": wall / first["num_token_steps"] * 1e6,
+        "fast_forward_steps_fraction": first.get("num_fast_forward_steps", 0) / first["num_steps"],
     }
 
 
@@ -156,7 +165,13 @@ def write_outputs(out: Outputs, rows: list[dict[str, Any]], figures: dict[str, A
         if has_baseline:
             line += f" {f['baseline_requests_per_s']:.0f} | {f['speedup']:.2f}x | {f['cpu_speedup']:.2f}x |"
         md.append(line)
-    if has_baseline:
+    md.append("\nSteps applied by fast-forward jumps (no `schedule()` each, `simulator.fast_forward`): " + ", ".join(
+        f"{d} {figures[f'{d}_fast_forward_steps_fraction']:.0%}" for d in deployments) + ".")
+    if figures["baseline_ref"] == "step-by-step":
+        md.append("\nBaseline: the same code with `SimConfig(fast_forward=False)` (every decode step through the "
+                  "scheduler); the same workloads and results (steps, tokens, simulated time), interleaved with the "
+                  "fast-forward runs.")
+    elif has_baseline:
         md.append(f"\nBaseline: {', '.join(f'`{p}`' for p in HOT_PATH_FILES)} as of `{figures['baseline_ref']}`, "
                   "the rest of the tree as now; same workloads and results, interleaved with the current code.")
     out.markdown(md)
@@ -191,11 +206,17 @@ def main() -> None:
                     help="DistServe's fitted coefficients; if the file is absent (or ''), the roofline model")
     ap.add_argument("--baseline-ref", default=None,
                     help="also time the hot-path files as of this git ref (e.g. the commit before the speed-up)")
+    ap.add_argument("--baseline-step-by-step", action="store_true",
+                    help="the baseline is the current code with fast-forward off (SimConfig(fast_forward=False))")
+    ap.add_argument("--step-by-step", action="store_true", help=argparse.SUPPRESS)  # worker: fast-forward off
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # internal: one measurement, JSON out
     args = ap.parse_args()
+    if args.baseline_ref and args.baseline_step_by_step:
+        ap.error("--baseline-ref and --baseline-step-by-step are two baselines: pick one")
     profile = args.profile if args.profile and Path(args.profile).is_file() else None
     if args.worker:
-        harness.finish(measure(args.worker, args.num_requests, args.rate_per_prefill, profile, args.seed))
+        harness.finish(measure(args.worker, args.num_requests, args.rate_per_prefill, profile, args.seed,
+                               fast_forward=not args.step_by_step))
         return
     if args.quick:
         args.num_requests = 200
@@ -209,13 +230,15 @@ def main() -> None:
     load_start = [round(x, 2) for x in os.getloadavg()]
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="bench_simulator_") as tmp:
-        variants = [("current", ROOT)]
+        variants = [("current", ROOT, True)]
         if args.baseline_ref:
-            variants.append(("baseline", baseline_tree(args.baseline_ref, Path(tmp))))
+            variants.append(("baseline", baseline_tree(args.baseline_ref, Path(tmp)), True))
+        elif args.baseline_step_by_step:
+            variants.append(("baseline", ROOT, False))
         for _ in range(args.repeats):  # interleaved, so every variant sees the same machine state
             for d in deployments:
-                for variant, src_root in variants:
-                    row = {"variant": variant, **run_worker(src_root, args, d, profile)}
+                for variant, src_root, fast_forward in variants:
+                    row = {"variant": variant, "fast_forward": fast_forward, **run_worker(src_root, args, d, profile, fast_forward)}
                     rows.append(row)
                     print(f"{variant:<8} {d:<10} {row['num_requests'] / row['wall_s']:8.0f} req/s "
                           f"({row['wall_s']:.1f} s wall, {row['cpu_s']:.1f} s CPU)", flush=True)
@@ -228,7 +251,7 @@ def main() -> None:
     figures: dict[str, Any] = {
         "num_requests": args.num_requests, "rate_per_prefill": args.rate_per_prefill, "repeats": args.repeats,
         "latency_model": rows[0]["latency_model"], "profile_used": profile is not None,
-        "baseline_ref": args.baseline_ref, "deployments": deployments,
+        "baseline_ref": args.baseline_ref or ("step-by-step" if args.baseline_step_by_step else None), "deployments": deployments,
         "target_requests_per_s": TARGET_REQUESTS_PER_S, "num_cpus": os.cpu_count(),
         "load_average_start": load_start, "load_average_end": [round(x, 2) for x in os.getloadavg()],
     }
@@ -236,7 +259,7 @@ def main() -> None:
         cur = summarize(rows, "current", d)
         figures.update({f"{d}_{k}": (round(v, 3) if isinstance(v, float) else v) for k, v in cur.items()})
         figures[f"{d}_fraction_of_target"] = round(cur["requests_per_s"] / TARGET_REQUESTS_PER_S, 5)
-        if args.baseline_ref:
+        if figures["baseline_ref"]:
             base = summarize(rows, "baseline", d)
             figures[f"{d}_baseline_requests_per_s"] = round(base["requests_per_s"], 3)
             figures[f"{d}_baseline_cpu_requests_per_s"] = round(base["cpu_requests_per_s"], 3)
@@ -248,7 +271,7 @@ def main() -> None:
         line = (f"{d:<10} {figures[f'{d}_requests_per_s']:8.0f} req/s  {figures[f'{d}_steps_per_s']:8.0f} steps/s  "
                 f"{figures[f'{d}_token_steps_per_s']:9.0f} token-steps/s  "
                 f"({figures[f'{d}_fraction_of_target']:.2%} of target)")
-        if args.baseline_ref:
+        if figures["baseline_ref"]:
             line += f"  speed-up {figures[f'{d}_speedup']:.2f}x (CPU {figures[f'{d}_cpu_speedup']:.2f}x)"
         print(line)
     write_outputs(Outputs.for_run(args, "bench_simulator"), rows, figures)

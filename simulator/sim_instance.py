@@ -8,6 +8,7 @@ with ``SharedCompute`` the steps in flight on a node finish later while others c
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
@@ -44,6 +45,10 @@ class SimInstance:
         self.route = RouteState(pool=spec.pool)  # what routing knows (``cluster.routing``, as the runtime's)
         self.tx_free = 0.0  # the transfer thread: busy until
         self.rx_free = 0.0
+        self.rx_ends: deque[float] = deque()  # when each migration into it in flight completes (in order)
+        # (launch instant, num_steps, busy_s) before each step a fast-forward skipped (``simulator.fast_forward``),
+        # kept while it lasts in a run that may stop early, to count only the steps launched by then.
+        self.fast_forward_log: list[tuple[float, int, float]] | None = None
         self.busy_s = 0.0
         self.step_time = step_time_fn
         self.cascade = cascade
@@ -70,6 +75,20 @@ class SimInstance:
     @property
     def num_gpus(self) -> int:
         return self.tp * self.pp
+
+    def summary(self, duration_s: float) -> dict[str, float]:
+        """Its figures in ``SimResult.instances``, for a run that lasted ``duration_s``."""
+        core = self.core
+        return {
+            "tp": self.tp,
+            "pp": self.pp,
+            "num_steps": core.num_steps,
+            "utilization": self.busy_s / duration_s if duration_s > 0 else 0.0,
+            "num_preemptions": core.scheduler.num_preemptions,
+            "num_blocks": core.block_manager.num_blocks,
+            "prefill_tokens_computed": core.num_prefill_tokens_computed,
+            "prefix_cache_hit_tokens": core.num_prefix_cache_hit_tokens,
+        }
 
     def batch_shape(self, plan: StepPlan) -> BatchShape:
         """The aggregates of ``plan`` this instance's latency model times."""

@@ -25,6 +25,11 @@ launch — a step sees everything that happened before it starts, as the runtime
 finished transfers and new requests before it schedules. ``tests/cluster/test_equivalence.py``
 checks that this makes the plans and migrations of ``LocalDisaggEngine``'s rounds.
 
+Fast-forward (``SimConfig.fast_forward``, on by default): a stretch of decode steps where nothing
+can change but the contexts (no prompt, preemption or arrival, no migration into the instance, no
+event that reads it) is applied in one jump by ``simulator.fast_forward``, with the results of
+running it step by step; the real scheduler plans every step where anything else happens.
+
 Pipeline parallelism: an instance with ``pp`` stages keeps up to ``pp`` micro-batches in flight
 (the scheduler skips sequences that are in flight); each micro-batch spends the latency model's
 per-stage time in each stage, in order.
@@ -56,6 +61,7 @@ from distserve.engine.step_plan import SampledToken, StepPlan
 from distserve.engine.sequence import Sequence, SequenceStatus
 from distserve.errors import InvalidConfigError, QueueFullError
 from distserve.placement import InstanceSpec, Placement
+from simulator.fast_forward import fast_forward, undo_after
 from simulator.latency import LatencyModel
 from simulator.metrics import RequestRecord, SimResult
 from simulator.sim_config import SimConfig
@@ -105,7 +111,7 @@ class Simulation:
         self.decodes = [i for i in self.instances if i.kind == "decode"]
         pools = {i.spec.pool for i in self.decodes}
         # Class pools: each pool's requests queue for migration in a lane of their own (``decode_lane``).
-        self._lane: Callable[[tuple[SimInstance, Sequence, Sequence]], object] | None = (
+        self.lane_of: Callable[[tuple[SimInstance, Sequence, Sequence]], object] | None = (
             (lambda entry: decode_lane(entry[1].request_class, pools)) if pools != {None} else None
         )
         self.shared = SharedCompute(cfg.concurrent_slowdown) if cfg.concurrent_slowdown != 1.0 else None
@@ -127,6 +133,11 @@ class Simulation:
     @property
     def num_gpus(self) -> int:
         return sum(i.num_gpus for i in self.instances)
+
+    def next_arrival_s(self) -> float:
+        """When the next request arrives (inf: all have)."""
+        times, n = self._arrival_times, self._num_arrived
+        return times[n] if n < len(times) else float("inf")
 
     # ---- the event loop ------------------------------------------------------------------------
     def run(self, requests: Seq[Request], stop_when: Callable[[RequestRecord], bool] | None = None) -> SimResult:
@@ -158,6 +169,13 @@ class Simulation:
             push(events, (r.arrival_s, _ARRIVE, next(seq_no), r))
         self.records = records
         self._stop_when = stop_when
+        self.stop_when_set = stop_when is not None
+        self._arrival_times = sorted(r.arrival_s for r in requests)  # the heap pops arrivals in this order
+        self._num_arrived = 0
+        # Steady decode stretches are skipped in one jump (``simulator.fast_forward``), unless an
+        # observer wants every plan or steps share compute.
+        self._fast_forward = self.config.fast_forward and self.on_plan is None and self.shared is None
+        self.num_fast_forward_steps = 0  # steps applied in jumps, without a schedule() each
         self._stop = False
         # Finished prefills waiting for room, FCFS: (source, its sequence, the copy the decode side gets).
         # The copy is made once; a failed ``reserve`` leaves it untouched, so retries reuse it.
@@ -179,9 +197,17 @@ class Simulation:
                 inst, plan, version = payload  # type: ignore[misc]
                 if version != inst.step_version:
                     continue  # superseded: shared compute moved this step's completion
-                if inst.plan_in_flight is not None:
-                    self._push_completions(self.shared.stop(inst, now))  # type: ignore[union-attr]
-                unfinished -= self._step_done(inst, plan, now)
+                if plan is None:  # the end of a fast-forward: its steps are applied, launch the next
+                    inst.fast_forward_log = None
+                    self._launch_at_end(inst)
+                elif type(plan) is list:  # requests a fast-forward finished in its step ending now
+                    for seq in plan:
+                        self._record_finish(inst, seq, now)
+                    unfinished -= len(plan)
+                else:
+                    if inst.plan_in_flight is not None:
+                        self._push_completions(self.shared.stop(inst, now))  # type: ignore[union-attr]
+                    unfinished -= self._step_done(inst, plan, now)
                 self._admit_due = True
                 if self._stop:
                     break
@@ -190,9 +216,11 @@ class Simulation:
             elif kind == _MIGRATE:
                 self._migrate_pending(now)
             elif kind == _ARRIVE:
+                self._num_arrived += 1
                 unfinished -= self._arrive(payload, now, prompts)  # type: ignore[arg-type]
             elif kind == _MIGRATED:
                 src, dst, seq_id = payload  # type: ignore[misc]
+                dst.rx_ends.popleft()
                 src.core.release(seq_id)
                 src.route.release(seq_id)
                 dst.core.complete(seq_id)
@@ -211,6 +239,9 @@ class Simulation:
                     unfinished -= self._admit(now)
                 self._admit_due = False
                 self._launch_due(now)
+        if self._stop:
+            for inst in self.instances:
+                undo_after(inst, now)
         if unfinished and not self._stop:
             stuck = {i.name: (i.core.scheduler.num_waiting, i.core.scheduler.num_running) for i in self.instances}
             raise RuntimeError(f"simulation stalled with {unfinished} unfinished requests ({len(self.admission)} in the "
@@ -220,19 +251,7 @@ class Simulation:
             num_gpus=self.num_gpus,
             duration_s=now,
             wall_s=time.perf_counter() - wall0,
-            instances={
-                i.name: {
-                    "tp": i.tp,
-                    "pp": i.pp,
-                    "num_steps": i.core.num_steps,
-                    "utilization": i.busy_s / now if now > 0 else 0.0,
-                    "num_preemptions": i.core.scheduler.num_preemptions,
-                    "num_blocks": i.core.block_manager.num_blocks,
-                    "prefill_tokens_computed": i.core.num_prefill_tokens_computed,
-                    "prefix_cache_hit_tokens": i.core.num_prefix_cache_hit_tokens,
-                }
-                for i in self.instances
-            },
+            instances={i.name: i.summary(now) for i in self.instances},
             num_prefill_tokens_computed=sum(i.core.num_prefill_tokens_computed for i in self.instances),
             num_prefix_cache_hit_tokens=sum(i.core.num_prefix_cache_hit_tokens for i in self.instances),
             num_migrations=self.counters.num_migrations,
@@ -359,6 +378,15 @@ class Simulation:
             start = stage_free[s] if stage_free[s] > end else end
             end = start + t
             stage_free[s] = end
+        if (self._fast_forward and inst.pp == 1 and inst.cascade is None
+                and (inst.kind == "decode" or (inst.kind == "colocated" and not self.pending))):
+            num_steps = inst.core.num_steps
+            jumped = fast_forward(self, inst, plan, now, end, SAMPLED_TOKEN, self._finished_in_jump)
+            if jumped is not None:  # its last step in flight, or (no plan) a marker that relaunches it then
+                self.num_fast_forward_steps += inst.core.num_steps - num_steps
+                end, last = jumped
+                heapq.heappush(self._events, (end, _STEP_DONE, next(self._seq_no), (inst, last, inst.step_version)))
+                return
         heapq.heappush(self._events, (end, _STEP_DONE, next(self._seq_no), (inst, plan, inst.step_version)))
         if inst.pp > 1 and len(core.in_flight) < inst.pp:
             inst.launch_pending = True
@@ -379,29 +407,37 @@ class Simulation:
         assert inst.core.in_flight[0].plan is plan
         updated = inst.core.apply_oldest(sampled, now)
         num_finished = 0
-        records = self.records
         finished = SequenceStatus.FINISHED
         awaiting = inst.core.prefill.awaiting_migration if inst.kind == "prefill" else None
         for seq in updated:
             if seq.status is finished:
-                rec = records[seq.seq_id]
-                rec.first_token_s = seq.first_token_time
-                rec.finish_s = now
-                rec.num_output_tokens = seq.num_output_tokens
-                rec.num_preemptions += seq.num_preemptions
-                inst.route.release(seq.seq_id)
-                tokens.pop(seq.seq_id, None)
+                self._record_finish(inst, seq, now)
                 num_finished += 1
-                if self._stop_when is not None and not self._stop and self._stop_when(rec):
-                    self._stop = True
             elif awaiting is not None and seq.seq_id in awaiting:
                 self.pending.push((inst, seq, seq.detached_copy()))
         self._launch_at_end(inst)
         return num_finished
 
+    def _record_finish(self, inst: SimInstance, seq: Sequence, now: float) -> None:
+        """A request finished on ``inst`` at ``now``: its record, its routing state, ``stop_when``."""
+        rec = self.records[seq.seq_id]
+        rec.first_token_s = seq.first_token_time
+        rec.finish_s = now
+        rec.num_output_tokens = seq.num_output_tokens
+        rec.num_preemptions += seq.num_preemptions
+        inst.route.release(seq.seq_id)
+        self._sampled.pop(seq.seq_id, None)
+        if self._stop_when is not None and not self._stop and self._stop_when(rec):
+            self._stop = True
+
+    def _finished_in_jump(self, inst: SimInstance, end_s: float, seqs: list[Sequence]) -> None:
+        """A fast-forward finished ``seqs`` in its step ending at ``end_s``: record them then, in
+        the event order of the step-by-step run (``stop_when`` sees them in time order)."""
+        heapq.heappush(self._events, (end_s, _STEP_DONE, next(self._seq_no), (inst, seqs, inst.step_version)))
+
     def _migrate_pending(self, now: float) -> None:
         """Oldest first; nobody overtakes a request waiting for room (``MigrationQueue``)."""
-        self.pending.drain(lambda entry: self._migrate(entry, now), self._lane)
+        self.pending.drain(lambda entry: self._migrate(entry, now), self.lane_of)
 
     def _migrate(self, entry: tuple[SimInstance, Sequence, Sequence], now: float) -> bool:
         src, seq, copy = entry
@@ -419,6 +455,7 @@ class Simulation:
         start = max(now, src.tx_free, dst.rx_free)
         end = start + duration
         src.tx_free = dst.rx_free = end
+        dst.rx_ends.append(end)
         self.counters.record_migration(reservation.num_reused_blocks, reservation.num_blocks_to_transfer, num_bytes)
         self.counters.record_migration_duration(duration)  # known now: the link model decides it
         heapq.heappush(self._events, (end, _MIGRATED, next(self._seq_no), (src, dst, seq.seq_id)))

@@ -1,0 +1,171 @@
+"""Fast-forward (``simulator.fast_forward``) changes nothing but the speed: every request's record,
+every instance's figures and the simulated duration equal the step-by-step run's
+(``SimConfig(fast_forward=False)``), on colocated and disaggregated deployments, chunked prefill,
+fair admission of a flood, preemption under KV pressure, pipelines, classes and priorities, runs that
+stop early, instant prefills, the SLO step budget and a prefix cache. Each case also checks that
+the jump happened (steps skipped), so a fast-forward that never fires cannot pass as identical."""
+
+from __future__ import annotations
+
+from dataclasses import fields, replace
+
+import pytest
+
+from distserve.cluster.admission import AdmissionConfig
+from distserve.config import SchedulerConfig
+from distserve.placement import InstanceSpec, Placement
+from simulator.latency import FittedLatencyModel
+from simulator.metrics import RequestRecord, SimResult
+from simulator.multi_tenant import flood_workload
+from simulator.profiles import TpCoefficients
+from simulator.simulation import SimConfig, Simulation
+from simulator.workload import Request, generate_requests
+
+MODEL = "facebook/opt-13b"
+
+
+def opt13b() -> FittedLatencyModel:
+    """DistServe's fitted OPT-13B step times on A100s (tp 1 and 2, as ``test_fairness_sim``)."""
+    c = TpCoefficients((18.10254647486372, 0.1019122572698738, 7.122264314252114e-06),
+                       (19.934702624895458, 0.0006269356524350583, 0.03850697740828398),
+                       (7.1661889468253595, 0.0005798000403396046, 0.15831096191764046), 95)
+    return FittedLatencyModel(MODEL, {1: c, 2: c}, hardware="a100-80g")
+
+
+def chat(rate: float, n: int, seed: int = 0) -> list[Request]:
+    return generate_requests("chatbot", rate, n, seed=seed, max_total_len=2048)
+
+
+def records(res: SimResult) -> list[tuple[object, ...]]:
+    return [tuple(getattr(r, f.name) for f in fields(RequestRecord)) for r in res.records]
+
+
+def both(placement: Placement, requests: list[Request], config: SimConfig = SimConfig(), stop_when=None) -> tuple[SimResult, Simulation]:
+    """Run step by step and with fast-forward; assert every figure equal; return the fast run."""
+    slow_sim = Simulation(placement, opt13b(), replace(config, fast_forward=False))
+    slow = slow_sim.run(requests, stop_when)
+    fast_sim = Simulation(placement, opt13b(), config)
+    fast = fast_sim.run(requests, stop_when)
+    assert slow_sim.num_fast_forward_steps == 0
+    assert records(fast) == records(slow)
+    assert fast.instances == slow.instances
+    assert (fast.duration_s, fast.num_migrations, fast.migration_bytes, fast.mean_migration_s, fast.stopped_early) == (
+        slow.duration_s, slow.num_migrations, slow.migration_bytes, slow.mean_migration_s, slow.stopped_early)
+    assert fast.num_prefill_tokens_computed == slow.num_prefill_tokens_computed
+    assert fast.admission == slow.admission
+    return fast, fast_sim
+
+
+def skipped(sim: Simulation, res: SimResult) -> float:
+    """The share of all steps the jumps applied without a schedule()."""
+    return sim.num_fast_forward_steps / sum(i["num_steps"] for i in res.instances.values())
+
+
+@pytest.mark.parametrize("num_colocated", [1, 2])
+def test_colocated(num_colocated: int) -> None:
+    res, sim = both(Placement.colocated_instances(num_colocated), chat(2.0 * num_colocated, 200))
+    assert all(r.completed for r in res.records)
+    assert skipped(sim, res) > 0.3
+
+
+@pytest.mark.parametrize("num_prefill,num_decode", [(1, 1), (2, 2)])
+def test_disaggregated(num_prefill: int, num_decode: int) -> None:
+    res, sim = both(Placement.disaggregated(num_prefill, num_decode), chat(3.0 * num_prefill, 200))
+    assert res.num_migrations == 200
+    assert skipped(sim, res) > 0.2
+
+
+def test_chunked_prefill() -> None:
+    config = SimConfig(scheduler=SchedulerConfig(enable_chunked_prefill=True, max_num_batched_tokens=128))
+    res, sim = both(Placement.colocated_instances(1), chat(3.0, 150), config)
+    assert skipped(sim, res) > 0.2
+
+
+def test_fair_admission_of_a_flood() -> None:
+    requests = flood_workload(7.0, 300, max_total_len=2048)
+    res, sim = both(Placement.disaggregated(1, 2), requests, SimConfig(admission=AdmissionConfig("fair")))
+    assert len(res.tenants) > 2 and res.admission
+    assert sim.num_fast_forward_steps > 0
+
+
+@pytest.mark.parametrize("num_colocated,unit", [(1, "tokens"), (2, "tokens"), (2, "requests")])
+def test_overload_behind_backpressure_with_deadlines(num_colocated: int, unit: str) -> None:
+    """Past the knee requests wait in the admission queue (backpressure) and some time out there:
+    steps that end while nothing can be dispatched are jumped over, up to the next deadline. By
+    requests waiting, an instance's launch makes it accept again before its step ends: no jump then."""
+    requests = [replace(r, timeout_s=(5.0, 2.0)[num_colocated - 1] if r.req_id % 3 == 0 else None)
+                for r in chat((12.0, 30.0)[num_colocated - 1], 250, seed=4)]
+    config = SimConfig(admission=AdmissionConfig(max_waiting=2, waiting_unit=unit))
+    res, sim = both(Placement.colocated_instances(num_colocated), requests, config)
+    assert any(r.dropped == "expired" for r in res.records) and any(r.admission_wait_s for r in res.records)
+    assert skipped(sim, res) > 0.05
+
+
+def test_saturated_decodes_and_class_pools() -> None:
+    """Decode instances at their batch cap: finished prefills wait for room (one lane per class
+    pool) and every step's end retries them; a full instance still jumps until it could take one."""
+    requests = [replace(r, objective=("latency", "throughput")[r.req_id % 2]) for r in chat(10.0, 250, seed=5)]
+    small = InstanceSpec(max_num_seqs=4)
+    for decode in ((small, small), (replace(small, pool="latency"), InstanceSpec(pool="throughput", max_num_seqs=8))):
+        res, sim = both(Placement(prefill=(InstanceSpec(),) * 2, decode=decode), requests)
+        assert sim.num_fast_forward_steps > 0
+
+
+@pytest.mark.parametrize("placement", [Placement.colocated_instances(1), Placement.disaggregated(1, 1)], ids=["colocated", "1p1d"])
+def test_preemption_under_kv_pressure(placement: Placement) -> None:
+    res, sim = both(placement, chat(4.0, 150, seed=1), SimConfig(num_blocks=160))
+    assert sum(r.num_preemptions for r in res.records) > 0
+    assert sim.num_fast_forward_steps > 0
+
+
+def test_pipelines() -> None:
+    """pp > 1 decodes step by step; a pp = 1 instance next to them still jumps."""
+    placement = Placement(prefill=(InstanceSpec(tp=1, pp=2),), decode=(InstanceSpec(tp=1, pp=2), InstanceSpec(tp=2, pp=1)))
+    res, sim = both(placement, chat(3.0, 150), SimConfig(num_blocks=2000))
+    assert {i["pp"] for i in res.instances.values()} == {1, 2}
+    assert sim.num_fast_forward_steps > 0
+
+
+def test_classes_and_priorities() -> None:
+    base = chat(3.0, 160, seed=2)
+    requests = [replace(r, objective=("latency", "throughput", "default")[r.req_id % 3], priority=r.req_id % 4,
+                        slo_class=("a", "b")[r.req_id % 2]) for r in base]
+    priority = SchedulerConfig(policy="priority")
+    config = SimConfig(scheduler=priority, prefill_scheduler=priority, decode_scheduler=priority,
+                       admission=AdmissionConfig("priority"))
+    for placement in (Placement.colocated_instances(1), Placement.disaggregated(1, 2)):
+        res, sim = both(placement, requests, config)
+        assert sim.num_fast_forward_steps > 0
+
+
+def test_stop_when_and_instant_prefill() -> None:
+    """The planner's probes: instant prefills, stopped at the 20th finished request."""
+    finished: list[int] = []
+
+    def stop(rec: RequestRecord) -> bool:
+        finished.append(rec.req_id)
+        return len(finished) % 20 == 0  # the same count in both runs: each runs from an empty list's multiple
+
+    res, sim = both(Placement.disaggregated(1, 2), chat(6.0, 200), SimConfig(instant_prefill=True), stop)
+    assert res.stopped_early and sum(r.completed for r in res.records) == 20
+    assert sim.num_fast_forward_steps > 0
+
+
+def test_slo_step_budget_and_prefix_cache() -> None:
+    slo_budget = SchedulerConfig(step_budget="slo", tpot_slo_s=0.05, enable_chunked_prefill=True)
+    res, sim = both(Placement.colocated_instances(1), chat(3.0, 120), SimConfig(scheduler=slo_budget))
+    assert sim.num_fast_forward_steps > 0
+    # Shared prompt prefixes: commits register hashes and reused free blocks evict them, in order.
+    shared = tuple(range(7, 7 + 96))
+    requests = [replace(r, prompt_token_ids=shared[: 32 + r.req_id % 64] + tuple(range(r.prompt_len)),
+                        prompt_len=32 + r.req_id % 64 + r.prompt_len) for r in chat(3.0, 120, seed=3)]
+    requests = [r for r in requests if r.prompt_len + r.output_len <= 2048]
+    res, sim = both(Placement.disaggregated(1, 1), requests, SimConfig(enable_prefix_caching=True, num_blocks=400))
+    assert res.num_prefix_cache_hit_tokens > 0 and sim.num_fast_forward_steps > 0
+
+
+def test_off_is_the_default_path_and_on_is_the_default() -> None:
+    assert SimConfig().fast_forward is True
+    sim = Simulation(Placement.colocated_instances(1), opt13b(), SimConfig(fast_forward=False))
+    sim.run(chat(2.0, 30))
+    assert sim.num_fast_forward_steps == 0
