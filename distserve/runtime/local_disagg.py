@@ -259,7 +259,8 @@ class LocalDisaggEngine(EngineBase):
             owner.core.abort(request_id)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._seqs)
+        # A plan suspended between layers still holds its requests' ops (an abort waits for it).
+        return bool(self._seqs) or any(inst.suspended for inst in (*self.prefill, *self.decode))
 
     def _reset(self) -> None:
         for inst in (*self.prefill, *self.decode):
