@@ -227,6 +227,9 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-prefill-preemption", action="store_true",
                    help="prefill instances run every plan whole; by default (one worker per instance) a plan of a backlogged "
                    "tenant's prompts yields between layers to a sparse tenant's or a higher tier's prompt that arrives meanwhile")
+    p.add_argument("--request-log", default=None, metavar="FILE.jsonl",
+                   help="append one JSON line per finished request (id, tenant, tokens, every timestamp and the latency breakdown: "
+                   "queueing, prefill, migration, decode)")
     p.add_argument("--ray-serve", action="store_true", help="run as a Ray Serve application (default: plain uvicorn)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
 
