@@ -49,6 +49,7 @@ from distserve.serving.request_log import read_request_log
 
 HERE = Path(__file__).resolve().parent
 PROFILE = HERE / "results" / "validate_simulator_profile.json"
+ALL_SYSTEMS = "vllm,colocated,1p1d,planned"
 PHASES = ("queue_s", "prefill_s", "migration_queue_s", "migration_s", "decode_s")
 PHASE_LABELS = ("queueing", "prefill", "waiting for decode", "KV migration", "decode")
 
@@ -175,18 +176,21 @@ def measure_system(args: argparse.Namespace, name: str, workloads: tuple[RealWor
             print(f"{name}: started `{shlex.join(server.argv[1:])}` in {server.startup_s:.0f} s", flush=True)
             for w in group:
                 start = plans[w.name]["start_rate"]
-                rep = sweep(args, name, url, w, tmp / name / w.name, ["--sweeps", "rate", "--start-per-gpu", str(start),
-                                                                      "--max-probes", str(args.max_probes), "--min-rate", str(args.min_rate)])
+                with harness.LoadWatch() as watch:  # this machine is shared: what else ran meanwhile is part of the result
+                    rep = sweep(args, name, url, w, tmp / name / w.name, ["--sweeps", "rate", "--start-per-gpu", str(start),
+                                                                          "--max-probes", str(args.max_probes), "--min-rate", str(args.min_rate)])
                 goodput = rep["rate_sweep"]["goodput_rps"]["joint"]
                 row: dict[str, Any] = {"goodput_rps": goodput, "knee": rep["rate_sweep"]["knee_per_gpu"]["joint"],
+                                       "other_cores": round(watch.other_cores, 2),
                                        "binding": rep["rate_sweep"]["binding"]["joint"],
                                        "points": [{k: p[k] for k in ("rate", "joint", "ttft", "tpot", "stopped_early")}
                                                   for p in rep["rate_sweep"]["points"]]}
                 if name != "vllm":
                     rate = max(goodput, args.min_rate)
                     t0 = time.time()
+                    # Another seed: not the prompts of the probe at this rate, which the prefix cache holds.
                     sweep(args, name, url, w, tmp / name / f"{w.name}_at_goodput",
-                          ["--sweeps", "slo-scale", "--scale-rate", str(rate), "--scales", "1"])
+                          ["--sweeps", "slo-scale", "--scale-rate", str(rate), "--scales", "1", "--seed", str(args.seed + 1)])
                     mine = [r for r in read_request_log(str(log)) if t0 <= float(r["logged_at"]) <= time.time()]  # type: ignore[arg-type]
                     row["breakdown"] = {"rate": rate, **breakdown(mine, w.output_len)}
                 by_workload[w.name] = row
@@ -223,6 +227,8 @@ def write_outputs(out: harness.Outputs, figures: dict[str, Any]) -> None:
           f"meeting both SLOs (`joint`), `slo_sweep.py --endpoint` bisection: at most {figures['max_probes']} probes of "
           f"{'/'.join(map(str, figures['probe_requests'].values()))} requests (per workload), starting at the planner's best predicted rate, none below {figures['min_rate']:g} req/s (coarse: the bracket is the knee). "
           f"Planner: `distserve plan --gpu cpu --profile {figures['profile']}` on {figures['cores']} cores.", "",
+          "Each goodput cell: goodput [knee bracket] and, after `/`, the cores other processes used during its search "
+          "(this machine is shared; > 0.25 marks a contended measurement).", "",
           "| workload | SLO TTFT / TPOT | planner: disagg / colocated (req/s) | planner's pick | "
           + " | ".join(f"{s} goodput" for s in systems) + " | measured winner | agrees | "
           + " | ".join(f"{s} / vllm" for s in systems if s != "vllm") + " |",
@@ -235,7 +241,8 @@ def write_outputs(out: harness.Outputs, figures: dict[str, Any]) -> None:
             if "goodput_rps" not in r:
                 return r.get("skipped") or "failed"
             lo, hi = r["knee"]
-            return f"{r['goodput_rps']:g} [{lo:g}, {'-' if hi is None else f'{hi:g}'})"
+            other = r.get("other_cores")
+            return f"{r['goodput_rps']:g} [{lo:g}, {'-' if hi is None else f'{hi:g}'})" + ("" if other is None else f" / {other:.2f}")
 
         pred = " / ".join("-" if plan[k] is None else f"{plan[k]['predicted_rps']:.3g} ({plan[k]['layout']})" for k in ("disaggregated", "colocated"))
         md.append(f"| {w} ({rep['spec']}) | {rep['ttft_slo_s']:g} s / {rep['tpot_slo_s'] * 1000:g} ms | {pred} | {plan['predicted_winner']} | "
@@ -270,16 +277,19 @@ def write_outputs(out: harness.Outputs, figures: dict[str, Any]) -> None:
     fig.tight_layout()
     out.png(fig)
 
-    bars = [(f"{s}\n{w}", res[s][w]["breakdown"]) for w in names for s in systems if res[s].get(w, {}).get("breakdown")]
-    fig, ax = plt.subplots(figsize=(max(5.0, 1.4 * len(bars)), 4.2))
-    bottom = [0.0] * len(bars)
-    for p, label in zip(PHASES, PHASE_LABELS):
-        vals = [b[p] or 0.0 for _, b in bars]
-        ax.bar(range(len(bars)), vals, bottom=bottom, label=label)
-        bottom = [x + v for x, v in zip(bottom, vals)]
-    ax.set_xticks(range(len(bars)), [f"{n}\n@{b['rate']:g}/s" for n, b in bars], fontsize=8)
-    ax.set(ylabel="mean latency (s)", title=f"{figures['model']}: where a request's latency goes (at each system's goodput)")
-    ax.legend(fontsize=8)
+    fig, axes = plt.subplots(1, len(names), figsize=(4.5 * len(names), 4.2), squeeze=False)
+    for ax, w in zip(axes[0], names):  # one panel per workload: their latencies differ by an order of magnitude
+        bars = [(s, res[s][w]["breakdown"]) for s in systems if res[s].get(w, {}).get("breakdown")]
+        bottom = [0.0] * len(bars)
+        for p, label in zip(PHASES, PHASE_LABELS):
+            vals = [b[p] or 0.0 for _, b in bars]
+            ax.bar(range(len(bars)), vals, bottom=bottom, label=label)
+            bottom = [x + v for x, v in zip(bottom, vals)]
+        ax.set_xticks(range(len(bars)), [f"{n}\n@{b['rate']:g} req/s" for n, b in bars], fontsize=8)
+        ax.set(ylabel="mean latency (s)", title=f"{w} ({figures['workloads'][w]['spec']})")
+        ax.title.set_fontsize(9)
+        ax.legend(fontsize=7)
+    fig.suptitle(f"{figures['model']}: where a request's latency goes (one run at each system's goodput)", fontsize=10)
     fig.tight_layout()
     fig.savefig(out.path("_breakdown.png"), dpi=120)
     plt.close(fig)
@@ -294,7 +304,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--profile", default=str(PROFILE), help="this machine's CPU latency profile")
     ap.add_argument("--cores", type=int, default=2, help="the planner's 'GPUs': this machine's cores")
     ap.add_argument("--plan-requests", type=int, default=200, help="requests per planner simulation")
-    ap.add_argument("--systems", default="vllm,colocated,1p1d,planned")
+    ap.add_argument("--systems", default=ALL_SYSTEMS, help="a subset of " + ALL_SYSTEMS)
     ap.add_argument("--workloads", default=",".join(w.name for w in WORKLOADS))
     ap.add_argument("--max-probes", type=int, default=4)
     ap.add_argument("--min-rate", type=float, default=0.125)
@@ -303,14 +313,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--startup-timeout", type=float, default=300.0)
     ap.add_argument("--request-timeout", type=float, default=120.0)
     ap.add_argument("--sweep-timeout", type=float, default=900.0, help="seconds for one slo_sweep.py run")
+    ap.add_argument("--reuse", default=None, metavar="JSON", help="an earlier run's slo_sweep_real.json: its systems not in "
+                    "--systems are taken from it (measure one system again, e.g. after a disturbed run)")
     args = ap.parse_args(argv)
     if args.quick:
-        args.model, args.systems, args.max_probes, args.plan_requests = "tiny", "colocated,1p1d", 2, 24
+        args.model, args.max_probes, args.plan_requests = "tiny", 2, 24
+        args.systems = "colocated,1p1d" if args.systems == ALL_SYSTEMS else args.systems
         args.min_rate, args.startup_timeout, args.dtype, args.workloads = 0.5, min(args.startup_timeout, 120.0), "float32", "quick"
     args.systems = [s for s in args.systems.split(",") if s]
-    known = {"vllm", "colocated", "1p1d", "planned"}
-    if set(args.systems) - known or not args.systems:
-        ap.error(f"--systems: a subset of {sorted(known)}")
+    if set(args.systems) - set(ALL_SYSTEMS.split(",")) or not args.systems:
+        ap.error(f"--systems: a subset of {ALL_SYSTEMS}")
     pool = QUICK_WORKLOADS if args.quick else WORKLOADS
     chosen = [w for w in pool if w.name in args.workloads.split(",")]
     if not chosen:
@@ -327,12 +339,21 @@ def main(argv: list[str] | None = None) -> int:
     tmp = Path(tempfile.mkdtemp(prefix="slo_sweep_real_"))
     plans = {w.name: planner_verdict(args, w, tmp) for w in args.chosen}
     results: dict[str, dict[str, Any]] = {}
+    order = list(args.systems)
+    if args.reuse is not None:  # an earlier run's other systems, e.g. to measure one system again on a quiet machine
+        earlier = json.loads(Path(args.reuse).read_text())
+        if set(earlier["workloads"]) != {w.name for w in args.chosen}:
+            raise SystemExit(f"--reuse {args.reuse}: its workloads {sorted(earlier['workloads'])} differ from this run's")
+        order = [s for s in earlier["systems"] if s not in args.systems] + order
+        results = {s: {w: {**r, "reused_from": args.reuse} for w, r in earlier["results"][s].items()}
+                   for s in earlier["systems"] if s not in args.systems}
+        order = [s for s in ALL_SYSTEMS.split(",") if s in order]
     for s in sorted(args.systems, key=lambda s: s == "planned"):  # planned last: it may be a system already measured
         results[s] = measure_system(args, s, args.chosen, plans, tmp, results)
-    results = {s: results[s] for s in args.systems}
+    results = {s: results[s] for s in order}
     figures: dict[str, Any] = {
         "model": args.model, "quick": args.quick, "cores": args.cores, "profile": Path(args.profile).name,
-        "probe_requests": {w.name: w.probe_requests for w in args.chosen}, "max_probes": args.max_probes, "min_rate": args.min_rate, "systems": args.systems,
+        "probe_requests": {w.name: w.probe_requests for w in args.chosen}, "max_probes": args.max_probes, "min_rate": args.min_rate, "systems": order,
         "workloads": {w.name: {**asdict(w), "spec": w.spec, "plan": plans[w.name]} for w in args.chosen},
         "results": results, "command": shlex.join(sys.argv[1:] if argv is None else argv),
     }
