@@ -158,9 +158,11 @@ class SchedulerConfig:
     # Hold a prompt whose next prefix blocks another request on the instance is computing right now
     # until they are committed, so siblings arriving together compute a shared prefix once.
     enable_inflight_prefix_sharing: bool = True
-    # Prefill instances (tp = pp = 1): a plan of prompts of a backlogged admission rank yields between
-    # layers to a waiting prompt of a lower rank (``distserve.engine.preemptible``).
-    preempt_prefill: bool = True
+    # Plans run a layer at a time and may yield (``distserve.engine.preemptible``): on a prefill
+    # instance of one worker, a plan of a backlogged admission rank yields to a waiting prompt of a
+    # lower rank; on the in-process engine's decode instances, a plan yields to the prefill
+    # instances sharing its thread when a request arrives.
+    layer_preemption: bool = True
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:

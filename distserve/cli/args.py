@@ -224,9 +224,10 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill-chunk", type=_positive_int, default=None, metavar="TOKENS",
                    help="prefill instances compute prompts in chunks of at most TOKENS per step (chunked prefill), so a light "
                    "tenant's prompt waits for one chunk rather than a whole long prompt (default: whole prompts, 2048 tokens per step)")
-    p.add_argument("--no-prefill-preemption", action="store_true",
-                   help="prefill instances run every plan whole; by default (one worker per instance) a plan of a backlogged "
-                   "tenant's prompts yields between layers to a sparse tenant's or a higher tier's prompt that arrives meanwhile")
+    p.add_argument("--no-layer-preemption", action="store_true",
+                   help="run every step whole; by default a prefill instance's plan of a backlogged tenant's prompts yields "
+                   "between layers to a sparse tenant's or a higher tier's prompt arriving meanwhile (and, in-process, a decode "
+                   "step yields to the prefill of a new request)")
     p.add_argument("--request-log", default=None, metavar="FILE.jsonl",
                    help="append one JSON line per finished request (id, tenant, tokens, every timestamp and the latency breakdown: "
                    "queueing, prefill, migration, decode)")

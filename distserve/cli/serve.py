@@ -29,7 +29,7 @@ def _check_serve_args(args: argparse.Namespace) -> None:
         raise InvalidConfigError("--kv-transfer-timeout applies to the Ray runtime; --runtime local copies KV in-process")
     if args.ray_serve and args.threads is not None:
         raise InvalidConfigError("--threads applies to plain `distserve serve` (local or Ray runtime), not --ray-serve")
-    for flag, given in (("--prefill-chunk", args.prefill_chunk is not None), ("--no-prefill-preemption", args.no_prefill_preemption)):
+    for flag, given in (("--prefill-chunk", args.prefill_chunk is not None), ("--no-layer-preemption", args.no_layer_preemption)):
         if given and (args.colocated is not None or args.ray_serve):
             raise InvalidConfigError(f"{flag} applies to prefill instances (a disaggregated placement of plain `distserve serve`)")
     if args.ray_serve and args.request_log is not None:
@@ -78,13 +78,13 @@ def api_keys_of(args: argparse.Namespace) -> "ApiKeys | None":
 
 def prefill_scheduler_config(args: argparse.Namespace) -> "SchedulerConfig":
     """Prefill instances' scheduler: whole prompts, or chunks of --prefill-chunk tokens per step;
-    plans that yield between layers unless --no-prefill-preemption."""
+    plans that yield between layers unless --no-layer-preemption."""
     from distserve.config import SchedulerConfig
 
-    preempt = not args.no_prefill_preemption
+    preempt = not args.no_layer_preemption
     if args.prefill_chunk is None:
-        return SchedulerConfig(preempt_prefill=preempt)
-    return SchedulerConfig(enable_chunked_prefill=True, max_num_batched_tokens=args.prefill_chunk, preempt_prefill=preempt)
+        return SchedulerConfig(layer_preemption=preempt)
+    return SchedulerConfig(enable_chunked_prefill=True, max_num_batched_tokens=args.prefill_chunk, layer_preemption=preempt)
 
 
 def _print_ready(url: str, model: str, layout: str) -> None:
@@ -125,7 +125,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         )
         run_ray_serve(options, args.host, args.port, on_ready=lambda url: _print_ready(url, served, f"{layout}, Ray Serve"))
         return 0
-    from distserve.config import CacheConfig, slo_scheduler_config
+    from distserve.config import CacheConfig, SchedulerConfig, slo_scheduler_config
     from distserve.runtime.config import DeploymentConfig
     from distserve.serving.api import open_listen_socket, run_server
     from distserve.serving.request_log import RequestLog
@@ -143,7 +143,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         args.model, placement, dtype=args.dtype,
         cache_config=CacheConfig(block_size=args.block_size, kv_cache_memory_gb=args.kv_cache_gb, decode_attention=args.decode_attention),
         # Prefill steps hold no decodes whose TPOT a step budget would protect.
-        scheduler_config=slo_scheduler_config(slo.tpot_s if slo else None), prefill_scheduler_config=prefill_scheduler_config(args),
+        scheduler_config=slo_scheduler_config(slo.tpot_s if slo else None, SchedulerConfig(layer_preemption=not args.no_layer_preemption)),
+        prefill_scheduler_config=prefill_scheduler_config(args),
         max_queued_requests=args.max_queued_requests, num_threads_per_worker=args.threads, router=args.router,
         admission=admission_config_of(args, slo.tpot_s if slo else None, tuple(api_keys.tenants.values()) if api_keys else ()),
         **({} if args.kv_transfer_timeout is None else {"kv_transfer_timeout_s": args.kv_transfer_timeout}),

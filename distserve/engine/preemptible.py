@@ -17,8 +17,13 @@ plan's KV and hidden states stay as they are. The preempting plan's sequences co
 tenant's, an interactive tier's) run whole and never yield.
 
 Used by ``runtime.local_disagg.LocalInstance`` and, for an instance of one worker (tp = pp = 1),
-by the Ray ``InstanceServer``; ``SchedulerConfig.preempt_prefill`` turns it off. The simulator does
+by the Ray ``InstanceServer``; ``SchedulerConfig.layer_preemption`` turns it off. The simulator does
 not model it (its prefill steps run whole).
+
+``within_instance=False`` (the in-process engine's decode instances, which share one thread with
+its prefill instances): every plan yields when asked, whatever its rank, and resumes at the next
+step — so a chat request that arrives during a long decode step of a flood's batch is prefilled
+after the current layer, not after the whole step.
 """
 
 from __future__ import annotations
@@ -61,9 +66,10 @@ class PreemptibleSteps:
 
     def __init__(
         self, core: InstanceCore, begin: Begin, run: Run, clock: Callable[[], float],
-        guard: AbstractContextManager[Any] | None = None,
+        guard: AbstractContextManager[Any] | None = None, within_instance: bool = True,
     ) -> None:
         self.core = core
+        self.within_instance = within_instance  # False: yield to other instances, any rank, no preempting plan here
         self.begin, self.run, self.clock = begin, run, clock
         self.guard = guard if guard is not None else nullcontext()
         self._suspended: _Suspended | None = None
@@ -85,7 +91,7 @@ class PreemptibleSteps:
                 s = self._suspended = self.running_rank = None  # the core was reset (a failed step): the plan is gone
             if s is not None:
                 urgent = None
-                if core.scheduler.waits_before(s.rank):
+                if self.within_instance and core.scheduler.waits_before(s.rank):
                     core.plan_around(s.launched)
                     urgent = core.launch(preempting=True)
                 if urgent is not None:
@@ -103,7 +109,7 @@ class PreemptibleSteps:
                 s = self._suspended = _Suspended(launched, LayerPass(launched.plan), rank)
                 self.running_rank = rank
                 fresh = True
-                if rank == 0:
+                if rank == 0 and self.within_instance:
                     should_yield = None  # nothing ranks lower
         plan = s.launched.plan
         self.last_num_batched_tokens = plan.num_batched_tokens
@@ -129,7 +135,7 @@ class PreemptibleSteps:
             return core.apply(s.launched, sampled, now)
 
     def stats(self) -> dict[str, int]:
-        return {"prefill_yields_total": self.num_yields, "prefill_preemptions_total": self.num_preemptions}
+        return {"layer_yields_total": self.num_yields, "layer_preemptions_total": self.num_preemptions}
 
 
 __all__ = ["PreemptibleSteps", "plan_rank"]

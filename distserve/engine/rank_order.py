@@ -13,6 +13,9 @@ keeps that order where the queue's order alone would be lost:
   in a step of its own, about as fast as alone, not in one padded with the backlog's prompts;
 * ``waits_before`` tells a prefill plan of a backlogged rank, suspended between layers
   (``engine.preemptible``), that a prompt of a lower rank waits: it runs before the plan resumes;
+* on a prefill instance a prompt of rank r leaves ``r`` units of KV blocks free (``_leaves_room``):
+  a backlogged tenant's prompts, which wait there holding their KV until the decode side takes
+  them, never fill the cache a sparse tenant's prompt arriving later needs;
 * ``pending_prompt_tokens`` reports the prompt tokens not yet computed by rank, which admission's
   token backpressure reads (``cluster.backpressure``): a request is dispatched while the tokens
   ahead of it fit a step.
@@ -22,13 +25,20 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from distserve.config import SchedulerConfig
+from distserve.engine.block_manager import BlockManager
 from distserve.engine.sequence import Sequence
+
+
+RESERVE_DIVISOR = 32  # a rank's unit of KV held back for lower ranks: 1/32 of a prefill instance's cache
 
 
 class AdmissionRankOrder:
     """The admission-rank rules of ``Scheduler`` (a mixin: it reads the scheduler's queues and policy)."""
 
     waiting: list[Sequence]
+    block_manager: BlockManager
+    config: SchedulerConfig
     running: list[Sequence]
     isolated: list[Sequence]
     _step_rank: int | None  # the lowest admission rank of the prompts in the step being planned
@@ -49,6 +59,18 @@ class AdmissionRankOrder:
                     pending.extend([0] * (rank + 1 - len(pending)))
                 pending[rank] += n
         return tuple(pending)
+
+    def _leaves_room(self, seq: Sequence) -> bool:
+        """Whether prompt ``seq`` leaves ``admission_rank`` reserve units of blocks free once it has its
+        own (always, on an otherwise empty cache: nothing is ever starved). A unit is 1/32 of the
+        cache, at most a step's prompt tokens' worth of blocks."""
+        rank = seq.admission_rank
+        bm = self.block_manager
+        free = bm.num_free_blocks
+        if rank == 0 or free == bm.num_blocks:
+            return True
+        unit = max(1, min(bm.num_blocks // RESERVE_DIVISOR, bm.num_blocks_for(self.config.max_num_batched_tokens)))
+        return free - bm.num_blocks_for(seq.num_tokens) >= rank * unit
 
     def waits_before(self, rank: int) -> bool:
         """Whether a waiting prompt has an admission rank below ``rank``: one a running prompt of

@@ -300,7 +300,7 @@ class Scheduler(AdmissionRankOrder):
             if self._above_step_rank(seq):
                 w += 1
                 continue
-            if not block_manager.can_allocate(seq):
+            if not self._fits(seq):
                 break
             n = seq.num_tokens - block_manager.num_cached_prefix_tokens(seq)
             if n > budget:
@@ -319,6 +319,10 @@ class Scheduler(AdmissionRankOrder):
             (decodes if chunk.is_decode else prefills).append(chunk)
             budget -= n
         return budget
+
+    def _fits(self, seq: Sequence) -> bool:
+        """Whether waiting ``seq`` may take its blocks now (a phase may keep some back: ``PrefillScheduler``)."""
+        return self.block_manager.can_allocate(seq)
 
     def _held(self, seq: Sequence) -> bool:
         """Whether ``seq`` waits for prefix blocks another sequence here is computing now, to take them

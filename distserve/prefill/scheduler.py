@@ -13,7 +13,9 @@ class PrefillScheduler(Scheduler):
     After its first token a sequence leaves the running set and waits in ``awaiting_migration``
     holding its blocks: the prefill pool is the queue buffer between the phases. Its blocks are
     freed only by ``release`` (the decode side acknowledged the transfer) or ``finish``. When the
-    pool is full, new prompts wait — backpressure instead of preemption of finished work.
+    pool is full, new prompts wait — backpressure instead of preemption of finished work — and a
+    prompt of a backlogged admission rank waits while taking its blocks would leave less than its
+    rank's reserve (``AdmissionRankOrder._leaves_room``).
     """
 
     clears_isolation = False  # a suspect's prefill proves nothing about its decoding
@@ -53,6 +55,10 @@ class PrefillScheduler(Scheduler):
             seq.num_computed_tokens = 0
             self._enqueue(seq)
         return seq
+
+    def _fits(self, seq: Sequence) -> bool:
+        """Blocks free for it, and a backlogged rank's reserve left for lower ranks (``_leaves_room``)."""
+        return self.block_manager.can_allocate(seq) and self._leaves_room(seq)
 
     @property
     def num_awaiting_migration(self) -> int:

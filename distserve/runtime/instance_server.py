@@ -124,7 +124,7 @@ class InstanceServer:
         # running plan sets ``_yield`` and the plan stops at the next layer (``engine.preemptible``).
         self._yield = threading.Event()
         self.preemptible: PreemptibleSteps | None = None
-        if spec.phase == "prefill" and spec.scheduler.preempt_prefill and world == 1:
+        if spec.phase == "prefill" and spec.scheduler.layer_preemption and world == 1:
             self.preemptible = PreemptibleSteps(self.core, self.local.begin, self.local.run_layers, time.monotonic, self._lock)
 
     # ---- set-up --------------------------------------------------------------------------------

@@ -72,9 +72,11 @@ def model_runner(loaded: LoadedModel, num_blocks: int, cache: CacheConfig, eos_t
 class LocalInstance:
     """An instance in this process (tp = pp = 1): its core and the runner that executes its plans.
 
-    A prefill instance on a ``ModelRunner`` runs its plans a layer at a time when
-    ``SchedulerConfig.preempt_prefill`` (``engine.preemptible``): a backlogged rank's plan yields
-    whenever ``should_yield`` says a command waits, and a waiting prompt of a lower rank runs first.
+    On a ``ModelRunner`` with ``SchedulerConfig.layer_preemption`` (``engine.preemptible``), plans
+    run a layer at a time: a prefill instance's plan of a backlogged rank yields whenever
+    ``should_yield`` says a command waits, and a waiting prompt of a lower rank runs first; a decode
+    instance's plan yields whatever its rank (the prefill instances, on this same thread, then take
+    the new request) and resumes at its next step.
     """
 
     instance_id: str
@@ -87,8 +89,9 @@ class LocalInstance:
 
     def __post_init__(self) -> None:
         runner = self.runner
-        if self.core.phase == "prefill" and self.core.config.preempt_prefill and isinstance(runner, ModelRunner):
-            self.preemptible = PreemptibleSteps(self.core, self._begin, runner.run, time.monotonic)
+        if self.core.phase in ("prefill", "decode") and self.core.config.layer_preemption and isinstance(runner, ModelRunner):
+            self.preemptible = PreemptibleSteps(self.core, self._begin, runner.run, time.monotonic,
+                                                within_instance=self.core.phase == "prefill")
 
     def _begin(self, plan: StepPlan) -> LayerPass:
         if self._on_plan is not None:
@@ -306,9 +309,9 @@ class LocalDisaggEngine(EngineBase):
             self.on_plan(instance_id, plan)
 
     def set_should_yield(self, should_yield: Callable[[], bool] | None) -> None:
-        """What the prefill instances ask between layers of a backlogged plan: whether something waits
-        to be handled first (``ThreadedEngineClient``: a command for its thread)."""
-        for inst in self.prefill:
+        """What the instances ask between layers of a plan that may yield: whether something waits to
+        be handled first (``ThreadedEngineClient``: a command for its thread)."""
+        for inst in (*self.prefill, *self.decode):
             inst.should_yield = should_yield
 
     def _emit(self, seq: Sequence) -> RequestOutput:

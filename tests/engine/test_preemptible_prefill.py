@@ -1,6 +1,6 @@
-"""Prefill that yields between layers (``engine.preemptible``): a sparse tenant's prompt runs while a
-backlogged tenant's plan is suspended, nothing is computed twice, and every token is the same as
-without preemption (the tiny model, greedy)."""
+"""Plans that yield between layers (``engine.preemptible``): a sparse tenant's prompt runs while a
+backlogged tenant's prefill plan is suspended, the in-process decode steps yield and resume, nothing
+is computed twice, and every token is the same as without preemption (the tiny model, greedy)."""
 
 from __future__ import annotations
 
@@ -60,7 +60,7 @@ def run_flood(tiny: LoadedModel, preempt: bool, yield_always: bool = True) -> tu
     """Four heavy prompts, then a light one, arriving while h2's plan is suspended (else once h2's
     plan has run); the order of first tokens and every request's tokens."""
     e = LocalDisaggEngine(tiny, cache_config=CACHE, admission=AdmissionConfig("fair"),
-                          prefill_scheduler_config=SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=200, preempt_prefill=preempt))
+                          prefill_scheduler_config=SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=200, layer_preemption=preempt))
     e.set_should_yield((lambda: True) if yield_always else None)
     launched: list[str] = []
     e.on_plan = lambda instance_id, plan: launched.extend(c.seq_id for c in plan.chunks if instance_id.startswith("prefill"))
@@ -86,16 +86,19 @@ def test_a_sparse_tenants_prompt_overtakes_a_suspended_backlogged_one(tiny: Load
     assert first.index("l0") < first.index("h2"), first
     assert tokens == tokens_whole
     stats = e.prefill[0].stats()
-    assert stats["prefill_preemptions_total"] == 1 and stats["prefill_yields_total"] >= 1
+    assert stats["layer_preemptions_total"] == 1 and stats["layer_yields_total"] >= 1
     # Nothing was computed twice: 4 heavy prompts and the light one, once each.
     assert stats["prefill_tokens_computed_total"] == 4 * 200 + 20
     assert e.stats()["prefill"]["prefill-0"]["num_free_blocks"] == CACHE.num_blocks
+    # The decode instance (same thread) yielded too, any rank, and resumed: the same tokens.
+    decode = e.decode[0].stats()
+    assert decode["layer_yields_total"] > 0 and decode["layer_preemptions_total"] == 0
 
 
 def test_without_a_yield_signal_plans_run_whole(tiny: LoadedModel) -> None:
     e, first, _ = run_flood(tiny, preempt=True, yield_always=False)
     stats = e.prefill[0].stats()
-    assert stats["prefill_yields_total"] == 0 and stats["prefill_preemptions_total"] == 0
+    assert stats["layer_yields_total"] == 0 and stats["layer_preemptions_total"] == 0
     assert first.index("l0") > first.index("h2")
 
 
@@ -108,7 +111,7 @@ def test_rank_zero_plans_never_yield(tiny: LoadedModel) -> None:
         e.add_request(heavy_prompt(i), SP, request_id=f"h{i}", request_class=HEAVY)
     while e.has_unfinished_requests():
         e.step()
-    assert e.prefill[0].stats()["prefill_yields_total"] == 0
+    assert e.prefill[0].stats()["layer_yields_total"] == 0
 
 
 def test_a_failed_plan_while_suspended_leaves_no_stale_state(tiny: LoadedModel) -> None:
@@ -125,3 +128,29 @@ def test_a_failed_plan_while_suspended_leaves_no_stale_state(tiny: LoadedModel) 
     core.add(Sequence("h", heavy_prompt(0), SP))
     (done,) = steps.step(lambda: True)  # rank 0: runs whole
     assert done.seq_id == "h" and len(done.output_token_ids) == 1
+
+
+def test_a_backlogged_prompt_leaves_kv_for_lower_ranks() -> None:
+    """Prompts awaiting migration hold the prefill instance's KV; a backlogged rank's prompt waits
+    rather than take the blocks a sparse tenant's prompt arriving later needs."""
+    from distserve.engine.step_plan import SampledToken
+
+    def execute(plan: StepPlan) -> list[SampledToken]:
+        return [SampledToken(c.seq_id, 7) for c in plan.chunks if c.sample]
+
+    core = InstanceCore("prefill", SchedulerConfig(max_num_batched_tokens=256), 64, 4, 512)  # reserve unit: 64 // 32 = 2 blocks
+
+    def add(seq_id: str, n: int, rank: int) -> None:
+        seq = Sequence(seq_id, heavy_prompt(0)[:n], SP)
+        seq.admission_rank = rank
+        core.add(seq)
+
+    clock = iter(range(1000)).__next__
+    add("a", 200, 3)  # an empty cache takes any prompt: 50 of 64 blocks, held awaiting migration
+    assert [s.seq_id for s in core.step(execute, clock)] == ["a"]
+    add("b", 36, 3)  # 9 blocks would leave 5 < 3 units: it waits
+    assert core.step(execute, clock) == [] and core.scheduler.num_waiting == 1
+    add("c", 36, 2)  # 5 >= 2 units: a sparse tenant's prompt still fits
+    assert [s.seq_id for s in core.step(execute, clock)] == ["c"]
+    core.release("a")  # migrated: its blocks are free, and the backlogged prompt goes
+    assert [s.seq_id for s in core.step(execute, clock)] == ["b"]

@@ -287,7 +287,7 @@ def test_a_light_request_preempts_a_backlogged_prefill_between_layers(roomy_runt
     assert order.index("l0") < order.index("h11"), order
     check_tokens(outs, reference)
     stats = next(i for i in runtime.stats()["instances"] if i["phase"] == "prefill")
-    assert stats["prefill_preemptions_total"] >= 1 and stats["prefill_yields_total"] >= 1, stats
+    assert stats["layer_preemptions_total"] >= 1 and stats["layer_yields_total"] >= 1, stats
     assert wait_until(runtime.all_freed), runtime.stats()
 
 

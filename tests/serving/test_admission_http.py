@@ -114,6 +114,6 @@ def test_admission_flags_build_the_shared_config() -> None:
     serve = parser.parse_args(["serve", "--model", "tiny", "--prefill-chunk", "256"])
     assert prefill_scheduler_config(serve) == SchedulerConfig(enable_chunked_prefill=True, max_num_batched_tokens=256)
     assert prefill_scheduler_config(parser.parse_args(["serve", "--model", "tiny"])) == SchedulerConfig()
-    assert prefill_scheduler_config(parser.parse_args(["serve", "--model", "tiny", "--no-prefill-preemption"])) == SchedulerConfig(preempt_prefill=False)
+    assert prefill_scheduler_config(parser.parse_args(["serve", "--model", "tiny", "--no-layer-preemption"])) == SchedulerConfig(layer_preemption=False)
     sim = parser.parse_args(["simulate", "--model", "facebook/opt-13b", "--ttft", "1", "--tpot", "0.1", "--admission-policy", "priority"])
     assert admission_config_of(sim, sim.tpot) == AdmissionConfig("priority")
