@@ -88,8 +88,10 @@ class Sweeper:
     def load(self, target: EndpointTarget, rate: float, stop_below: float | None) -> tuple[list[TimedRequest], bool]:
         wait_until_idle(target.url)
         reqs = self.unit[: self.args.probe_requests]
+        # Prompts seeded by (seed, rate): a probe never finds an earlier probe's prompts in the server's prefix cache.
+        prompt_seed = int(np.random.SeedSequence([self.args.seed, round(rate * 1e4)]).generate_state(1)[0])
         workload = Workload.replay([(r.arrival_s / rate, r.prompt_len, r.output_len) for r in reqs], seed=self.args.seed,
-                                   ignore_eos=True, min_tokens=True)
+                                   prompt_seed=prompt_seed, ignore_eos=True, min_tokens=True)
         res = run_load(target.url, self.args.model_name, workload, self.slo, request_timeout_s=self.args.request_timeout,
                        stop_below=stop_below)
         s = res.summary

@@ -237,6 +237,9 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="run every step whole; by default a prefill instance's plan of a backlogged tenant's prompts yields "
                    "between layers to a sparse tenant's or a higher tier's prompt arriving meanwhile (and, in-process, a decode "
                    "step yields to the prefill of a new request)")
+    p.add_argument("--request-log", default=None, metavar="FILE.jsonl",
+                   help="append one JSON line per finished request (id, tenant, tokens, every timestamp and the latency breakdown: "
+                   "queueing, prefill, migration, decode)")
     p.add_argument("--ray-serve", action="store_true", help="run as a Ray Serve application (default: plain uvicorn)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
 

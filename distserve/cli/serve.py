@@ -32,6 +32,8 @@ def _check_serve_args(args: argparse.Namespace) -> None:
     for flag, given in (("--prefill-chunk", args.prefill_chunk is not None), ("--no-layer-preemption", args.no_layer_preemption)):
         if given and (args.colocated is not None or args.ray_serve):
             raise InvalidConfigError(f"{flag} applies to prefill instances (a disaggregated placement of plain `distserve serve`)")
+    if args.ray_serve and args.request_log is not None:
+        raise InvalidConfigError("--request-log applies to plain `distserve serve`, not --ray-serve")
     if args.ray_serve and args.tpot_backpressure:
         raise InvalidConfigError("--tpot-backpressure applies to plain `distserve serve`, not --ray-serve")
     if args.ray_serve and (parallel or args.placement is not None or args.runtime == "ray"):
@@ -126,6 +128,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from distserve.config import CacheConfig, SchedulerConfig, slo_scheduler_config
     from distserve.runtime.config import DeploymentConfig
     from distserve.serving.api import open_listen_socket, run_server
+    from distserve.serving.request_log import RequestLog
+
+    request_log = RequestLog(args.request_log) if args.request_log is not None else None  # before the model loads: a bad path fails at once
 
     parallel = any(getattr(args, f) != 1 for f in ("prefill_tp", "prefill_pp", "decode_tp", "decode_pp"))
     on_ray = args.runtime == "ray" or (args.runtime == "auto" and (parallel or args.placement is not None))
@@ -155,11 +160,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return run_server(
             lambda: ControllerClient.create(config), served, sock,
             on_ready=lambda url: _print_ready(url, served, f"{ray_layout}, Ray runtime"), log_level=args.log_level, slo=slo,
-            session_limits=session_limits(args), api_keys=api_keys,
+            session_limits=session_limits(args), api_keys=api_keys, request_log=request_log,
         )
 
     from distserve.runtime.threaded_client import build_local_engine_client
 
     client = build_local_engine_client(config)
     return run_server(client, served, sock, on_ready=lambda url: _print_ready(url, served, layout), log_level=args.log_level, slo=slo,
-                      session_limits=session_limits(args), api_keys=api_keys)
+                      session_limits=session_limits(args), api_keys=api_keys, request_log=request_log)

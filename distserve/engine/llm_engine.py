@@ -13,8 +13,10 @@ from distserve.engine.instance_core import InstanceCore
 from distserve.engine.model import resolve_dtype
 from distserve.engine.model_runner import ModelRunner
 from distserve.engine.outputs import EngineBase, RequestMetrics, RequestOutput
+from distserve.engine.request_metrics import stamp_prefill_starts
 from distserve.engine.scheduler import Scheduler
 from distserve.engine.sequence import Sequence
+from distserve.engine.step_plan import SampledToken, StepPlan
 from distserve.engine.weights import LoadedModel, load_model
 
 
@@ -77,9 +79,13 @@ class LLMEngine(EngineBase):
     # ---- the step ----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Run one batch; return an output for every request that got a token (or finished)."""
-        updated = self.core.step(self.runner.execute, time.monotonic)
+        updated = self.core.step(self._execute, time.monotonic)
         now = time.monotonic()
         return [self._output(seq, now, self.core.finish) for seq in updated]
+
+    def _execute(self, plan: StepPlan) -> list[SampledToken]:
+        stamp_prefill_starts(plan, self._seqs, time.monotonic())
+        return self.runner.execute(plan)
 
     def stats(self) -> dict[str, float]:
         """Gauges for monitoring: queue lengths, KV usage, prefix-cache hit rate, preemptions, and the

@@ -16,7 +16,7 @@ from distserve.cluster.admission import check_timeout
 from distserve.cluster.classes import RequestClass, check_request_class
 from distserve.cluster.recovery import blame, poison_message
 from distserve.config import PRIORITY_MAX, PRIORITY_MIN, CacheConfig, SamplingParams, SchedulerConfig
-from distserve import slo
+from distserve.engine.request_metrics import RequestMetrics
 from distserve.engine.sequence import Sequence, SequenceStatus
 from distserve.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from distserve.engine.weights import LoadedModel
@@ -34,25 +34,6 @@ logger = logging.getLogger(__name__)
 # A step failing this many times in a row (no step succeeding between) means the engine itself is
 # broken, not a request: it is declared dead (``EngineDeadError``) rather than retried forever.
 MAX_CONSECUTIVE_FAILED_STEPS = 8
-
-
-@dataclass
-class RequestMetrics:
-    arrival_time: float
-    first_token_time: float | None
-    finish_time: float | None
-    num_prompt_tokens: int
-    num_cached_tokens: int
-    num_output_tokens: int
-
-    @property
-    def ttft_s(self) -> float | None:
-        return slo.ttft(self.arrival_time, self.first_token_time)
-
-    @property
-    def tpot_s(self) -> float | None:
-        """Mean time per output token after the first, once finished (``distserve.slo.tpot``: None for one token)."""
-        return slo.tpot(self.first_token_time, self.finish_time, self.num_output_tokens)
 
 
 @dataclass
@@ -137,14 +118,7 @@ class OutputProcessor:
             new_text=new_text,
             finished=finished,
             finish_reason=seq.finish_reason,
-            metrics=RequestMetrics(
-                arrival_time=seq.arrival_time,
-                first_token_time=seq.first_token_time,
-                finish_time=seq.finish_time,
-                num_prompt_tokens=seq.num_prompt_tokens,
-                num_cached_tokens=seq.num_cached_tokens,
-                num_output_tokens=seq.num_output_tokens,
-            ),
+            metrics=RequestMetrics.of(seq),
             logprobs=list(seq.logprobs) if sp.logprobs else None,
             error=seq.error,
         )
@@ -165,10 +139,7 @@ class OutputProcessor:
             new_text="",
             finished=True,
             finish_reason="error",
-            metrics=RequestMetrics(
-                seq.arrival_time, seq.first_token_time, seq.finish_time or now,
-                seq.num_prompt_tokens, seq.num_cached_tokens, seq.num_output_tokens,
-            ),
+            metrics=RequestMetrics.of(seq, finish_time=now),
             error=seq.error,
             error_kind=kind,
         )

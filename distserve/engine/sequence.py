@@ -58,6 +58,12 @@ class Sequence:
     # Its admission policy's strict level (``QueuePolicy.rank``: under ``fair``, its tier and whether
     # its tenant was backlogged), set at dispatch; the policy keys order by it after the class rank.
     admission_rank: int = 0
+    # Phase timestamps for the latency breakdown (``engine.request_metrics``), on the driver's clock;
+    # None where its driver does not know them: the launch of the first plan computing part of its
+    # prompt, and the start and end of its (last) KV migration.
+    prefill_start_time: float | None = None
+    migration_start_time: float | None = None
+    migration_end_time: float | None = None
 
     def __post_init__(self) -> None:
         if not self.token_ids:
@@ -72,6 +78,7 @@ class Sequence:
             sampling=self.sampling,
             arrival_time=self.arrival_time,
             dispatch_time=self.dispatch_time,
+            prefill_start_time=self.prefill_start_time,
             admission_rank=self.admission_rank,
             priority=self.priority,
             token_ids=list(self.token_ids),

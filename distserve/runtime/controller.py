@@ -253,6 +253,7 @@ class Controller(AdmissionDriver, RequestFrontend, KVMigrations, InstanceRecover
                 continue
             inst.kicked = False
             self._steps_in_flight += 1
+            issued = time.monotonic()
             try:
                 result: StepResult = await inst.actor.step.remote()
             except (ray.exceptions.RayError, StepFailedError) as exc:  # the actor or a worker died, or the step failed
@@ -264,7 +265,7 @@ class Controller(AdmissionDriver, RequestFrontend, KVMigrations, InstanceRecover
             inst.last_step = result
             if self._step_listeners:
                 self._notify(inst, result)
-            self._apply(inst, result)
+            self._apply(inst, result, issued)
             self._admit()
             if self._pending:
                 await self._migrate_pending()
@@ -297,7 +298,10 @@ class Controller(AdmissionDriver, RequestFrontend, KVMigrations, InstanceRecover
         for listener in list(self._step_listeners):
             listener(event)
 
-    def _apply(self, inst: DeployedInstance, result: StepResult) -> None:
+    def _apply(self, inst: DeployedInstance, result: StepResult, issued: float | None = None) -> None:
+        """``issued``: when the step call that returned ``result`` was made; with one pipeline stage, the
+        launch of the plan whose tokens it carries: a request's prefill start when this is its first token
+        (the start of its last prompt chunk, if split over steps or resumed after yielding)."""
         now = time.monotonic()
         self.counters.record_bytes_migrated(result.received_bytes)
         for seq_id in result.received:
@@ -309,9 +313,11 @@ class Controller(AdmissionDriver, RequestFrontend, KVMigrations, InstanceRecover
                 source.route.release(seq_id)
                 source.kick()
             started = self._migration_started.pop(seq_id, None)
+            seq = self._seqs.get(seq_id)
             if started is not None:
                 self.counters.record_migration_duration(now - started)
-            seq = self._seqs.get(seq_id)
+                if seq is not None:
+                    seq.migration_start_time, seq.migration_end_time = started, now
             if seq is not None and seq.isolate:
                 inst.solo_pending[seq_id] = seq.arrival_time  # its first decode step runs alone
         for seq_id in result.failed_transfers:
@@ -327,6 +333,9 @@ class Controller(AdmissionDriver, RequestFrontend, KVMigrations, InstanceRecover
             if inst.solo_pending.pop(seq.seq_id, None) is not None and inst.phase != "prefill":
                 seq.isolate = False  # as the instance's scheduler did (clears_isolation)
             if up.new_token_ids and seq.first_token_time is None:
+                if issued is not None and inst.spec.pp == 1 and seq.prefill_start_time is None:
+                    # A step call made just before the dispatch may still have computed it (the actor is threaded).
+                    seq.prefill_start_time = max(issued, seq.dispatch_time or seq.arrival_time)
                 seq.first_token_time = now
                 seq.num_cached_tokens = up.num_cached_tokens
             if up.finished:

@@ -38,6 +38,7 @@ from distserve.engine.model import resolve_dtype
 from distserve.engine.model_runner import LayerPass, ModelRunner
 from distserve.engine.preemptible import PreemptibleSteps
 from distserve.engine.outputs import EngineBase, RequestOutput
+from distserve.engine.request_metrics import stamp_prefill_starts
 from distserve.engine.step_plan import SampledToken, StepPlan
 from distserve.engine.sequence import Sequence, SequenceStatus
 from distserve.engine.weights import LoadedModel, load_model
@@ -286,7 +287,7 @@ class LocalDisaggEngine(EngineBase):
         for inst in self.prefill:
             if not inst.core.has_work():
                 continue
-            for seq in inst.step(self.on_plan):
+            for seq in inst.step(self._prefill_launched):
                 if seq.status is not SequenceStatus.FINISHED:
                     self._pending.push((inst, seq))
                 outputs.append(self._emit(seq))
@@ -302,6 +303,11 @@ class LocalDisaggEngine(EngineBase):
             if inst.core.has_work():
                 outputs.extend(self._emit(seq) for seq in inst.step(self.on_plan))
         return outputs
+
+    def _prefill_launched(self, instance_id: str, plan: StepPlan) -> None:
+        stamp_prefill_starts(plan, self._seqs, time.monotonic())
+        if self.on_plan is not None:
+            self.on_plan(instance_id, plan)
 
     def set_should_yield(self, should_yield: Callable[[], bool] | None) -> None:
         """What the instances ask between layers of a plan that may yield: whether something waits to
@@ -341,6 +347,7 @@ class LocalDisaggEngine(EngineBase):
                 break
         else:
             return False
+        started = time.monotonic()
         if self._fault is not None:
             fault, self._fault = self._fault, None
             dst.core.cancel(seq.seq_id)
@@ -364,6 +371,7 @@ class LocalDisaggEngine(EngineBase):
         dst.route.assign(seq.seq_id, seq.request_class)
         self.counters.record_migration_duration(time.perf_counter() - t0)
         self.counters.record_migration(num_blocks_skipped=first, num_blocks=len(src_blocks), num_bytes=num_bytes)
+        moved.migration_start_time, moved.migration_end_time = started, time.monotonic()
         self._seqs[seq.seq_id] = moved
         self._owner[seq.seq_id] = dst
         if self.on_migration is not None:

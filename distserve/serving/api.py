@@ -39,6 +39,7 @@ from distserve.serving.http_errors import (
     unavailable,
 )
 from distserve.serving.metrics import CONTENT_TYPE, RequestTimer, ServingMetrics, rejection_reason
+from distserve.serving.request_log import RequestLog
 from distserve.serving.protocol import (
     APIError,
     ChatChoice,
@@ -337,6 +338,7 @@ def run_server(
     slo: SLO | None = None,
     session_limits: SessionLimits = DEFAULT_LIMITS,
     api_keys: ApiKeys | None = None,
+    request_log: RequestLog | None = None,
 ) -> int:
     """Serve on the bound ``sock`` with plain uvicorn until SIGINT/SIGTERM, then shut ``client`` down.
 
@@ -345,6 +347,7 @@ def run_server(
     once uvicorn accepts connections. Returns the process exit status: 0 after a signal, 1 if the
     engine died for good (``EngineClient.is_dead``) — the server stops then, so that a supervisor
     (systemd, Kubernetes) starts a fresh process instead of leaving one that answers 503 forever.
+    ``request_log``: where each finished request is written (closed when the server stops).
     """
     import uvicorn
 
@@ -353,7 +356,7 @@ def run_server(
 
     async def main() -> int:
         engine_client = client if isinstance(client, EngineClient) else await client()
-        metrics = ServingMetrics(slo=slo, tenants=api_keys.tenant_names if api_keys else ())
+        metrics = ServingMetrics(slo=slo, tenants=api_keys.tenant_names if api_keys else (), request_log=request_log)
         app = build_fastapi_app(engine_client, served_model_name, metrics=metrics, session_limits=session_limits, api_keys=api_keys)
         config = uvicorn.Config(
             app, host=host, port=port, log_level=log_level, access_log=False, timeout_graceful_shutdown=5
@@ -384,5 +387,7 @@ def run_server(
         return asyncio.run(main())
     finally:
         sock.close()
+        if request_log is not None:
+            request_log.close()
         for sig, handler in previous.items():
             signal.signal(sig, handler)

@@ -19,6 +19,14 @@ are also in ``tenant_requests_rejected`` (reasons ``timeout`` and ``queue_full``
 layer saw them, which also counts the server's own in-flight bound): those are a breakdown, not
 more requests.
 
+Per-request latency breakdown (DistServe's Figure 10; ``engine.request_metrics.LatencyBreakdown``,
+from the engine's own timestamps, so it is there for every runtime): ``request_queue_time_seconds``
+(arrival → prefill start), ``request_prefill_time_seconds`` (→ first token),
+``request_migration_queue_time_seconds`` and ``request_migration_time_seconds`` (waiting for, and
+doing, the KV migration: disaggregated runtimes only), ``request_decode_time_seconds`` (→ finish) and
+``request_inference_time_seconds`` (prefill start → finish), named as vLLM's. With a
+``RequestLog`` each finished request is also written there as one JSON line.
+
 The engine figures it exports come from ``EngineClient.stats()``, whose shape is
 ``distserve.runtime.stats.ClientStats``.
 """
@@ -38,6 +46,7 @@ from distserve.runtime.stats import AGGREGATE_INSTANCE, AdmissionStats, ClientSt
 from distserve.cluster.classes import DEFAULT, OBJECTIVES
 from distserve.cluster.tenants import ANONYMOUS
 from distserve.serving.api_keys import OTHER_TENANT
+from distserve.serving.request_log import RequestLog
 from distserve.slo import SLO, slo_for_objective, tpot
 
 PREFIX = "distserve:"
@@ -48,6 +57,16 @@ ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0
 E2E_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
 TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
 MIGRATION_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+# (LatencyBreakdown field, metric name part, help, buckets) of the per-request breakdown histograms.
+_BREAKDOWN = (
+    ("queue_s", "queue", "Seconds from a request's arrival to the start of its prefill (admission queue and instance queue).", TTFT_BUCKETS),
+    ("prefill_s", "prefill", "Seconds from the start of a request's prefill to its first token.", TTFT_BUCKETS),
+    ("migration_queue_s", "migration_queue", "Seconds from a request's first token to the start of its KV migration "
+     "(waiting for a decode instance with room; disaggregated only).", TTFT_BUCKETS),
+    ("migration_s", "migration", "Seconds a request's KV migration took, as its runtime saw it (disaggregated only).", MIGRATION_BUCKETS),
+    ("decode_s", "decode", "Seconds from the end of a request's migration (colocated: its first token) to its finish.", E2E_BUCKETS),
+    ("inference_s", "inference", "Seconds from the start of a request's prefill to its finish.", E2E_BUCKETS),
+)
 # Why a request was refused (label ``reason``): by HTTP status, and the session-count limits.
 REJECT_REASONS = ("queue_full", "timeout", "invalid", "unavailable", "error", "session_limit")
 
@@ -163,6 +182,7 @@ class RequestTimer:
         self.metrics = metrics
         self.objective = objective
         self.tenant = metrics.tenant_label(tenant)
+        self.tenant_name = tenant  # unbounded: for the request log only, never a label
         self._in_flight: Gauge | None = metrics.tenant_queued.labels(tenant=self.tenant)  # queued until its first token
         self._in_flight.inc()
         self.start = time.perf_counter() if start is None else start
@@ -195,6 +215,8 @@ class RequestTimer:
             self.num_output_tokens += num_new
             m.generation_tokens_total.inc(num_new)
         if out.finished:
+            if not self.done:
+                m.observe_finished(out, self.tenant_name)
             self.finish(out.finish_reason or "stop", len(out.prompt_token_ids))
 
     def admitted(self) -> None:
@@ -237,8 +259,12 @@ class RequestTimer:
 class ServingMetrics:
     """All metrics of one app, in their own registry."""
 
-    def __init__(self, registry: CollectorRegistry | None = None, slo: SLO | None = None, tenants: Iterable[str] = ()) -> None:
+    def __init__(
+        self, registry: CollectorRegistry | None = None, slo: SLO | None = None, tenants: Iterable[str] = (),
+        request_log: RequestLog | None = None,
+    ) -> None:
         self.registry = registry if registry is not None else CollectorRegistry()
+        self.request_log = request_log  # finished requests, one JSON line each (``serve --request-log``)
         self.slo = slo  # the deployment's SLO: finished requests are counted as meeting it or not
         self.tenants = frozenset((ANONYMOUS, *tenants))  # the tenant label's values, with OTHER_TENANT
         r = self.registry
@@ -259,6 +285,10 @@ class ServingMetrics:
         self.kv_migration_seconds = Histogram(
             PREFIX + "kv_migration_seconds", "Duration of one request's KV migration.", ["instance", "phase"], buckets=MIGRATION_BUCKETS, registry=r
         )
+        self.breakdown = {  # LatencyBreakdown field -> its histogram
+            field: Histogram(PREFIX + f"request_{name}_time_seconds", doc, buckets=buckets, registry=r)
+            for field, name, doc, buckets in _BREAKDOWN
+        }
         self.tenant_queued = Gauge(
             PREFIX + "tenant_requests_queued", "Requests submitted to the engine without a token yet, by tenant.", ["tenant"], registry=r)
         self.tenant_running = Gauge(PREFIX + "tenant_requests_running", "Requests streaming their output, by tenant.", ["tenant"], registry=r)
@@ -289,6 +319,17 @@ class ServingMetrics:
 
     def request_timer(self, objective: str = DEFAULT, tenant: str = ANONYMOUS) -> RequestTimer:
         return RequestTimer(self, objective=objective, tenant=tenant)
+
+    def observe_finished(self, out: RequestOutput, tenant: str) -> None:
+        """A request finished: its latency breakdown into the histograms, its record into the request log."""
+        bd = out.metrics.breakdown
+        if bd is not None:
+            for field, histogram in self.breakdown.items():
+                seconds = bd.inference_s if field == "inference_s" else getattr(bd, field)
+                if seconds is not None:
+                    histogram.observe(seconds)
+        if self.request_log is not None:
+            self.request_log.write(out, tenant)
 
     def update_engine_stats(self, raw: Mapping[str, Any]) -> None:
         """Take a fresh ``EngineClient.stats()`` snapshot: gauges, migration totals, new migration durations."""

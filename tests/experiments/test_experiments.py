@@ -111,6 +111,18 @@ CHECKS = {
         for s in f["systems"].values()
     ) and f["vs_first"]["first"] == "colocated" and f["vs_first"]["colocated"]["joint"] == 1.0
     and f["latency_model"].startswith("FittedLatencyModel" if f["profile"] else "RooflineLatencyModel"),
+    # Quick: our colocated and in-process 1P1D servers (vLLM stays out of the suite) on the tiny model; the
+    # planner's verdict from this machine's profile; each server searched a goodput, then ran once more at it
+    # with every request of that run in its --request-log, whose breakdown adds up to E2E (1P1D with a KV
+    # migration, colocated without); no server process left behind.
+    "slo_sweep_real": lambda f: f["quick"] and f["systems"] == ["colocated", "1p1d"] and f["num_processes_left"] == 0
+    and all(w["plan"]["predicted_winner"] in ("colocated", "disaggregated") and w["plan"]["colocated"]["predicted_rps"] > 0
+            and w["plan"]["disaggregated"]["predicted_rps"] > 0 and w["measured_winner"] in ("colocated", "disaggregated", "tie")
+            for w in f["workloads"].values())
+    and all((r := f["results"][s][w])["goodput_rps"] > 0 and (b := r["breakdown"])["num_requests"] == f["probe_requests"][w]
+            and abs(sum(b[p] or 0.0 for p in ("queue_s", "prefill_s", "migration_queue_s", "migration_s", "decode_s")) - b["e2e_s"]) < 1e-3
+            and b["prefill_s"] > 0 and b["decode_s"] > 0 and (b["migration_s"] is None) == (s == "colocated")
+            for s in f["systems"] for w in f["workloads"]),
     # Every run chose a plan, and every enumerated candidate was either simulated or pruned.
     "bench_planner": lambda f: f["wall_s"] > 0 and f["num_simulated"] > 0 and f["best"] is not None and all(
         r["num_enumerated"] == r["num_candidates_simulated"] + r["num_pruned_by_bound"] + r["num_pruned_by_floor"]

@@ -13,6 +13,7 @@ restart holds them), so what is queued or dispatched at submission does not depe
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -286,3 +287,31 @@ def test_a_light_request_preempts_a_backlogged_prefill_between_layers(roomy_runt
     stats = next(i for i in runtime.stats()["instances"] if i["phase"] == "prefill")
     assert stats["layer_preemptions_total"] >= 1 and stats["layer_yields_total"] >= 1, stats
     assert wait_until(runtime.all_freed), runtime.stats()
+
+
+def test_latency_breakdown_adds_up_on_ray(runtime: ControllerRuntime, reference: dict[str, list[int]]) -> None:
+    """The controller's timestamps come in phase order and their breakdown adds up to E2E (within 1 ms),
+    with a migration; requests queue behind the one-prompt prefill steps."""
+    controller = use_admission(runtime, AdmissionConfig())
+    names = [f"h{i}" for i in range(4)]
+
+    async def scenario() -> list[RequestOutput]:
+        return list(await asyncio.gather(*(final(controller, n) for n in names)))
+
+    start = time.monotonic()
+    outs = runtime.run(scenario(), timeout_s=120)
+    end = time.monotonic()
+    check_tokens(outs, reference)
+    queued = []
+    for out in outs:
+        m = out.metrics
+        points = [m.arrival_time, m.dispatch_time, m.prefill_start_time, m.first_token_time, m.migration_start_time,
+                  m.migration_end_time, m.finish_time]
+        assert None not in points, points
+        assert start <= points[0] and points[-1] <= end
+        assert points == sorted(points), points  # type: ignore[type-var]
+        bd = m.breakdown
+        assert bd is not None and m.e2e_s is not None and abs(bd.total_s - m.e2e_s) <= 1e-3
+        assert bd.prefill_s > 0 and bd.decode_s > 0 and bd.migration_s is not None and bd.migration_s > 0
+        queued.append(bd.queue_s)
+    assert max(queued) > min(b.metrics.breakdown.prefill_s for b in outs)  # type: ignore[union-attr]  # the last waited for a prefill

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pathlib
 import signal
 import socket
 import subprocess
@@ -13,6 +14,7 @@ import openai
 import pytest
 
 from distserve.cli import main
+from distserve.serving.request_log import read_request_log
 
 
 @pytest.mark.parametrize(
@@ -25,6 +27,8 @@ from distserve.cli import main
         (["--colocated", "2", "--prefill", "1"], "--colocated"),
         (["--ray-serve", "--prefill-tp", "2"], "--ray-serve"),
         (["--runtime", "local", "--kv-transfer-timeout", "5"], "--kv-transfer-timeout"),
+        (["--request-log", "/no-such-dir/requests.jsonl"], "--request-log"),
+        (["--ray-serve", "--request-log", "requests.jsonl"], "--request-log"),
     ],
 )
 def test_unsupported_layouts_exit_2(capsys: pytest.CaptureFixture[str], argv: list[str], needle: str) -> None:
@@ -68,11 +72,12 @@ def _free_port() -> int:
 
 @pytest.mark.integration  # runs `distserve serve` as a process
 @pytest.mark.timeout(120)
-def test_serve_process_answers_and_stops_on_sigint() -> None:
+def test_serve_process_answers_and_stops_on_sigint(tmp_path: pathlib.Path) -> None:
     port = _free_port()
+    request_log = tmp_path / "requests.jsonl"
     proc = subprocess.Popen(
         [sys.executable, "-m", "distserve.cli", "serve", "--model", "tiny", "--port", str(port), "--log-level", "warning",
-         "--ttft-slo", "30", "--tpot-slo", "5", "--threads", "1"],
+         "--ttft-slo", "30", "--tpot-slo", "5", "--threads", "1", "--request-log", str(request_log)],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -103,3 +108,6 @@ def test_serve_process_answers_and_stops_on_sigint() -> None:
     assert proc.returncode == 0, err
     assert f"{url}/v1" in out and "curl " in out
     assert "Traceback" not in err
+    [record] = read_request_log(str(request_log))  # one line per finished request, with its breakdown
+    assert record["num_output_tokens"] == resp.usage.completion_tokens and record["migration_end_time"] is not None
+    assert abs(sum(record["breakdown"].values()) - record["e2e_s"]) <= 1e-3

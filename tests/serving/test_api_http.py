@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import pathlib
 import socket
 import threading
 import time
@@ -25,6 +26,8 @@ from distserve.engine.model import resolve_dtype
 from distserve.engine.outputs import EngineBase, RequestOutput
 from distserve.engine.weights import LoadedModel, load_model
 from distserve.serving.api import build_fastapi_app
+from distserve.serving.metrics import ServingMetrics
+from distserve.serving.request_log import RequestLog, read_request_log
 from distserve.runtime.local_disagg import LocalDisaggEngine
 from distserve.runtime.threaded_client import ThreadedEngineClient
 
@@ -42,9 +45,9 @@ LONG = {"max_tokens": 900, "ignore_eos": True, "temperature": 0}
 class LiveServer:
     """The app on uvicorn in a background thread, on a free loopback port."""
 
-    def __init__(self, client: ThreadedEngineClient, served_model_name: str = "tiny") -> None:
+    def __init__(self, client: ThreadedEngineClient, served_model_name: str = "tiny", metrics: ServingMetrics | None = None) -> None:
         self.client = client
-        self.app = build_fastapi_app(client, served_model_name)
+        self.app = build_fastapi_app(client, served_model_name, metrics=metrics)
         self.sock = socket.socket()
         self.sock.bind(("127.0.0.1", 0))
         self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
@@ -364,3 +367,43 @@ def test_colocated_metrics_labels(live: LiveServer) -> None:
     samples = metric_samples(live.url)
     phases = {dict(labels).get("phase") for name, labels in samples if name == "distserve:num_requests_running"}
     assert phases in ({"colocated"}, {"prefill", "decode"})
+
+
+BREAKDOWN_HISTOGRAMS = ("queue", "prefill", "decode", "inference")
+
+
+def test_latency_breakdown_histograms(live: LiveServer) -> None:
+    disaggregated = isinstance(live.client.engines[0], LocalDisaggEngine)
+    before = metric_samples(live.url)
+    live.openai().completions.create(model="tiny", prompt="breakdown please", max_tokens=5, temperature=0, extra_body={"ignore_eos": True})
+    after = metric_samples(live.url)
+
+    def grew(name: str) -> float:
+        key = (f"distserve:request_{name}_time_seconds_count", ())
+        assert key in after, name  # every series exists, migration ones on a colocated server too (at 0)
+        return after[key] - before.get(key, 0.0)
+
+    assert [grew(n) for n in BREAKDOWN_HISTOGRAMS] == [1.0] * len(BREAKDOWN_HISTOGRAMS)
+    assert grew("migration") == grew("migration_queue") == (1.0 if disaggregated else 0.0)
+    assert after[("distserve:request_inference_time_seconds_sum", ())] > before.get(("distserve:request_inference_time_seconds_sum", ()), 0.0)
+
+
+def test_request_log_writes_one_line_per_finished_request(tiny: LoadedModel, tmp_path: pathlib.Path) -> None:
+    path = tmp_path / "requests.jsonl"
+    log = RequestLog(str(path))
+    server = LiveServer(ThreadedEngineClient(make_engine("disagg", tiny)), metrics=ServingMetrics(request_log=log))
+    try:
+        client = server.openai()
+        for n in (3, 6):
+            client.completions.create(model="tiny", prompt="log me", max_tokens=n, temperature=0, extra_body={"ignore_eos": True})
+    finally:
+        server.stop()
+        log.close()
+    records = read_request_log(str(path))
+    assert [r["num_output_tokens"] for r in records] == [3, 6]
+    for r in records:
+        assert r["tenant"] == "anonymous" and r["finish_reason"] == "length" and r["num_prompt_tokens"] > 0
+        stamps = [r[k] for k in ("arrival_time", "dispatch_time", "prefill_start_time", "first_token_time",
+                                 "migration_start_time", "migration_end_time", "finish_time")]
+        assert stamps == sorted(stamps)
+        assert abs(sum(v for v in r["breakdown"].values()) - r["e2e_s"]) <= 1e-3
