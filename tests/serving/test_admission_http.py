@@ -17,7 +17,7 @@ import uvicorn
 from serving_util import wait_until
 
 from distserve.cli.args import admission_config_of, build_parser
-from distserve.cli.serve import prefill_scheduler_config
+from distserve.cli.serve import _check_serve_args, prefill_scheduler_config
 from distserve.cluster.admission import AdmissionConfig
 from distserve.config import CacheConfig, SchedulerConfig
 from distserve.engine.outputs import RequestOutput
@@ -115,5 +115,8 @@ def test_admission_flags_build_the_shared_config() -> None:
     assert prefill_scheduler_config(serve) == SchedulerConfig(enable_chunked_prefill=True, max_num_batched_tokens=256)
     assert prefill_scheduler_config(parser.parse_args(["serve", "--model", "tiny"])) == SchedulerConfig()
     assert prefill_scheduler_config(parser.parse_args(["serve", "--model", "tiny", "--no-layer-preemption"])) == SchedulerConfig(layer_preemption=False)
+    for flag in (["--no-layer-preemption"], ["--prefill-chunk", "128"]):  # prefill instances only
+        with pytest.raises(InvalidConfigError, match=flag[0]):
+            _check_serve_args(parser.parse_args(["serve", "--model", "tiny", "--colocated", "1", *flag]))
     sim = parser.parse_args(["simulate", "--model", "facebook/opt-13b", "--ttft", "1", "--tpot", "0.1", "--admission-policy", "priority"])
     assert admission_config_of(sim, sim.tpot) == AdmissionConfig("priority")
