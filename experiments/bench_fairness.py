@@ -17,7 +17,9 @@ simulator's per-tenant prediction for the flood scenarios: the measured requests
 prompt and output tokens, tenants) simulated on the same placement with the same admission
 settings and the CPU latency profile (``--profile``, default the committed SmolLM2 profile of
 this machine). ``--quick``: the tiny model, a few seconds per scenario, no verdicts (its simulated
-figures use the SmolLM2 profile, so only the code path is meaningful).
+figures use the SmolLM2 profile, so only the code path is meaningful). The JSON keeps every request
+as the client recorded it; ``--predict-from FILE.json`` re-runs only the simulator's prediction on
+them (no server), to check a change to the simulator against a measured run.
 
 The last stdout line is one JSON object of the measured figures.
 """
@@ -25,6 +27,7 @@ The last stdout line is one JSON object of the measured figures.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import math
 import secrets
@@ -72,6 +75,8 @@ def parse_args() -> Any:
     p.add_argument("--flood-input", type=int, default=512, help="prompt tokens of a flood (and batch) request")
     p.add_argument("--output-len", type=int, default=32)
     p.add_argument("--profile", default=str(DEFAULT_PROFILE), help="latency profile for the simulator's prediction ('' : none)")
+    p.add_argument("--predict-from", default="",
+                   help="a bench_fairness JSON of an earlier run: only re-run the simulator's prediction on its recorded requests (no server)")
     args = p.parse_args()
     if args.quick:
         args.model, args.dtype, args.duration, args.light_rate = "tiny", "float32", 4.0, 1.0
@@ -210,8 +215,38 @@ def ratio(a: float, b: float) -> float | None:
     return a / b if b and math.isfinite(a) and math.isfinite(b) and b > 0 else None
 
 
+def save_requests(runs: dict[str, dict[str, list[RequestResult]]]) -> dict[str, Any]:
+    """Every request of every scenario as the client recorded it (so a prediction can be re-run offline)."""
+    return {name: {t: [dataclasses.asdict(r) for r in rs] for t, rs in results.items()} for name, results in runs.items()}
+
+
+def load_requests(path: str) -> dict[str, dict[str, list[RequestResult]]]:
+    data = json.loads(Path(path).read_text())
+    if "requests" not in data:
+        raise SystemExit(f"--predict-from: {path} has no recorded requests (written by an older bench_fairness)")
+    return {name: {t: [RequestResult(**r) for r in rs] for t, rs in results.items()} for name, results in data["requests"].items()}
+
+
+def predict_only(args: Any) -> None:
+    """``--predict-from``: the simulator's per-tenant P99 TTFT next to the measured one, for a recorded run."""
+    runs = load_requests(args.predict_from)
+    figures: dict[str, Any] = {}
+    for name in ("flood+light fcfs", "flood+light fair"):
+        pred = simulate_prediction(args, name.split()[-1], runs[name]) or {}
+        figures[name] = {t: {"measured_p99_ttft_s": p99(ttfts(rs)), "simulated_p99_ttft_s": pred.get(t)} for t, rs in runs[name].items()}
+        for t, f in figures[name].items():
+            print(f"{name:18s} {t:8s} measured P99 {ms(f['measured_p99_ttft_s']):>8s} ms  simulated {ms(f['simulated_p99_ttft_s']):>8s} ms")
+    light = {name: {"measured": pooled_p99(runs[name], LIGHT),
+                    "simulated": max((f["simulated_p99_ttft_s"] or math.nan) for t, f in figures[name].items() if t in LIGHT)}
+             for name in figures}
+    harness.finish({"predict_from": args.predict_from, "light_p99_ttft_s": light, "tenants": figures})
+
+
 def main() -> None:
     args = parse_args()
+    if args.predict_from:
+        predict_only(args)
+        return
     out = Outputs.for_run(args, "bench_fairness")
     keys_path = out.out_dir / f"{out.stem}_keys.json"
     keys = key_file(keys_path)
@@ -278,7 +313,7 @@ def main() -> None:
             "throughput_drop_below_5pct": (summary["throughput_fair_over_fcfs"] or 0) >= 0.95,
             "interactive_within_1.2x_alone": (summary["interactive_with_batch_over_alone"] or math.inf) <= 1.2,
         }
-    out.json({"summary": summary, "scenarios": figures, "predicted_p99_ttft_s": predicted})
+    out.json({"summary": summary, "scenarios": figures, "predicted_p99_ttft_s": predicted, "requests": save_requests(runs)})
     write_markdown(out, summary, figures, predicted)
     plot(out, runs)
     harness.finish(summary)
