@@ -75,6 +75,7 @@ def parse_args() -> Any:
     p.add_argument("--flood-input", type=int, default=512, help="prompt tokens of a flood (and batch) request")
     p.add_argument("--output-len", type=int, default=32)
     p.add_argument("--profile", default=str(DEFAULT_PROFILE), help="latency profile for the simulator's prediction ('' : none)")
+    p.add_argument("--tag", default="", help="suffix of the result files' names (bench_fairness_TAG.*)")
     p.add_argument("--predict-from", default="",
                    help="a bench_fairness JSON of an earlier run: only re-run the simulator's prediction on its recorded requests (no server)")
     args = p.parse_args()
@@ -247,7 +248,7 @@ def main() -> None:
     if args.predict_from:
         predict_only(args)
         return
-    out = Outputs.for_run(args, "bench_fairness")
+    out = Outputs.for_run(args, "bench_fairness", args.tag)
     keys_path = out.out_dir / f"{out.stem}_keys.json"
     keys = key_file(keys_path)
     light = [Load(t, args.light_rate, args.light_input, 100 + i) for i, t in enumerate(LIGHT)]
