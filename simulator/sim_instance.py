@@ -15,11 +15,14 @@ from typing import TYPE_CHECKING
 from distserve.cluster.routing import RouteState
 from distserve.engine.instance_core import InstanceCore
 from distserve.engine.step_plan import StepPlan
+from distserve.errors import InvalidConfigError
 from distserve.placement import InstanceSpec
 from simulator.latency import BatchShape, LatencyModel
 
 if TYPE_CHECKING:
     from kernels.cascade_attention import CascadeRule
+    from simulator.layer_preemption import LayeredPrefill
+    from simulator.workload import Request
 
 StepTimeFn = Callable[[BatchShape], float]
 
@@ -52,6 +55,7 @@ class SimInstance:
         self.busy_s = 0.0
         self.step_time = step_time_fn
         self.cascade = cascade
+        self.layered: LayeredPrefill | None = None  # prefill plans yield between layers (``simulator.layer_preemption``)
         self._savings: dict[tuple, tuple[int, int]] = {}  # batch_shape's memo of shared-prefix savings
         # Shared compute: the step in flight's solo seconds still to run, its current speed, when
         # those were last brought up to date, and a version that invalidates superseded completions.
@@ -88,6 +92,7 @@ class SimInstance:
             "num_blocks": core.block_manager.num_blocks,
             "prefill_tokens_computed": core.num_prefill_tokens_computed,
             "prefix_cache_hit_tokens": core.num_prefix_cache_hit_tokens,
+            **(self.layered.stats() if self.layered is not None else {}),
         }
 
     def batch_shape(self, plan: StepPlan) -> BatchShape:
@@ -95,6 +100,24 @@ class SimInstance:
         if len(self._savings) > 256:
             self._savings.clear()
         return batch_shape(plan, self.cascade, self.core.block_manager.block_size, self._savings)
+
+
+def check_fits(instances: Sequence[SimInstance], requests: Sequence[Request], max_model_len: int, block_size: int) -> None:
+    """Refuse a workload whose longest request exceeds the context, or the KV of an instance it must fit in."""
+    longest = max(r.prompt_len + r.output_len for r in requests)
+    if longest > max_model_len:
+        raise InvalidConfigError(
+            f"a request needs {longest} tokens but the model's context is {max_model_len}; "
+            "clip the workload (max_total_len) or raise max_model_len"
+        )
+    for inst in instances:
+        capacity = inst.core.block_manager.num_blocks * block_size
+        need = longest if inst.kind != "prefill" else max(r.prompt_len + 1 for r in requests)
+        if need > capacity:
+            raise InvalidConfigError(
+                f"{inst.name} (tp={inst.tp}, pp={inst.pp}) holds {capacity} KV tokens, "
+                f"but a request needs {need}: the placement does not fit in memory"
+            )
 
 
 def batch_shape(
@@ -213,6 +236,20 @@ class SharedCompute:
         group.remove(inst)
         inst.busy_s += (now - inst.launched_at) - inst.solo_s  # busy for as long as it took
         inst.plan_in_flight = None
+        return self._reschedule(group, now)
+
+    def progress(self, inst: SimInstance, now: float) -> float:
+        """Solo seconds of work ``inst``'s step in flight has done by ``now``."""
+        _advance(self.computing[inst.spec.node], now)
+        return inst.solo_s - inst.work_left
+
+    def shorten(self, inst: SimInstance, now: float, solo_s: float) -> list[SimInstance]:
+        """``inst``'s step in flight ends after ``solo_s`` seconds of work in all (a plan yielding
+        between layers: ``simulator.layer_preemption``), as ``start``'s return."""
+        group = self.computing[inst.spec.node]
+        _advance(group, now)
+        inst.work_left = max(0.0, inst.work_left - (inst.solo_s - solo_s))
+        inst.solo_s = solo_s
         return self._reschedule(group, now)
 
     def _reschedule(self, group: list[SimInstance], now: float) -> list[SimInstance]:

@@ -62,10 +62,11 @@ from distserve.engine.sequence import Sequence, SequenceStatus
 from distserve.errors import InvalidConfigError, QueueFullError
 from distserve.placement import InstanceSpec, Placement
 from simulator.fast_forward import fast_forward, undo_after
+from simulator.layer_preemption import layered_prefill
 from simulator.latency import LatencyModel
 from simulator.metrics import RequestRecord, SimResult
 from simulator.sim_config import SimConfig
-from simulator.sim_instance import SharedCompute, SimInstance, cascade_rule_of, route_of, step_time_fn
+from simulator.sim_instance import SharedCompute, SimInstance, cascade_rule_of, check_fits, route_of, step_time_fn
 
 if TYPE_CHECKING:
     from collections.abc import Sequence as Seq
@@ -106,7 +107,9 @@ class Simulation:
             counters[kind] = idx + 1
             fn = step_time_fn(latency, spec.tp, spec.pp, cfg.step_overhead_s, cfg.step_time_scale,
                                cfg.prefill_scale, instant=cfg.instant_prefill and kind == "prefill")
-            self.instances.append(SimInstance(kind, idx, spec, core, fn, len(self.instances), cascade=cascade))
+            inst = SimInstance(kind, idx, spec, core, fn, len(self.instances), cascade=cascade)
+            inst.layered = layered_prefill(inst, model.num_layers, not cfg.instant_prefill)
+            self.instances.append(inst)
         self.entry = [i for i in self.instances if i.kind in ("colocated", "prefill")]
         self.decodes = [i for i in self.instances if i.kind == "decode"]
         pools = {i.spec.pool for i in self.decodes}
@@ -155,7 +158,7 @@ class Simulation:
                     inst.core.num_blocks = need
                     inst.core.reset()
                     inst.core.scheduler.max_running = len(requests)
-        self._check_fits(requests)
+        check_fits(self.instances, requests, self.max_model_len, self.config.block_size)
         wall0 = time.perf_counter()
         events: list[tuple[float, int, int, object]] = []
         seq_no = itertools.count()
@@ -207,7 +210,10 @@ class Simulation:
                 else:
                     if inst.plan_in_flight is not None:
                         self._push_completions(self.shared.stop(inst, now))  # type: ignore[union-attr]
-                    unfinished -= self._step_done(inst, plan, now)
+                    if inst.layered is not None:
+                        unfinished -= self._updated(inst, inst.layered.done(now, self._sampled), now)
+                    else:
+                        unfinished -= self._step_done(inst, plan, now)
                 self._admit_due = True
                 if self._stop:
                     break
@@ -309,24 +315,10 @@ class Simulation:
             self._sampled[seq.seq_id] = SampledToken(seq.seq_id, SAMPLED_TOKEN)
             self.records[seq.seq_id].admission_wait_s = item.wait_s
             inst.core.add(seq)
+            if inst.layered is not None:
+                self._push_completions(inst.layered.arrived(seq, now, self.shared))
             self._launch_at_end(inst)
         return len(expired)
-
-    def _check_fits(self, requests: Seq[Request]) -> None:
-        longest = max(r.prompt_len + r.output_len for r in requests)
-        if longest > self.max_model_len:
-            raise InvalidConfigError(
-                f"a request needs {longest} tokens but the model's context is {self.max_model_len}; "
-                "clip the workload (max_total_len) or raise max_model_len"
-            )
-        for inst in self.instances:
-            capacity = inst.core.block_manager.num_blocks * self.config.block_size
-            need = longest if inst.kind != "prefill" else max(r.prompt_len + 1 for r in requests)
-            if need > capacity:
-                raise InvalidConfigError(
-                    f"{inst.name} (tp={inst.tp}, pp={inst.pp}) holds {capacity} KV tokens, "
-                    f"but a request needs {need}: the placement does not fit in memory"
-                )
 
     # ---- one instant's order --------------------------------------------------------------------
     def _queue_migrate(self, now: float) -> None:
@@ -353,6 +345,9 @@ class Simulation:
 
     def _try_launch(self, inst: SimInstance, now: float) -> None:
         core = inst.core
+        if inst.layered is not None:
+            self._push_completions(inst.layered.launch(now, self.shared, self.on_plan))
+            return
         if len(core.in_flight) >= inst.pp or inst.launch_pending:
             return
         if inst.stage_free[0] > now:  # stage 0 still busy with the previous micro-batch
@@ -396,8 +391,8 @@ class Simulation:
         """Shared compute moved the steps in flight of ``group``: a new completion event for each
         (the old one is superseded by the version)."""
         for inst in group:
-            heapq.heappush(self._events, (inst.stage_free[0], _STEP_DONE, next(self._seq_no),
-                                          (inst, inst.plan_in_flight, inst.step_version)))
+            plan = inst.layered.plan if inst.layered is not None else inst.plan_in_flight
+            heapq.heappush(self._events, (inst.stage_free[0], _STEP_DONE, next(self._seq_no), (inst, plan, inst.step_version)))
 
     def _step_done(self, inst: SimInstance, plan: StepPlan, now: float) -> int:
         """Apply a finished micro-batch (the oldest in flight: stages finish in launch order);
@@ -405,7 +400,11 @@ class Simulation:
         tokens = self._sampled
         sampled = [tokens[c.seq_id] for c in plan.chunks if c.sample]
         assert inst.core.in_flight[0].plan is plan
-        updated = inst.core.apply_oldest(sampled, now)
+        return self._updated(inst, inst.core.apply_oldest(sampled, now), now)
+
+    def _updated(self, inst: SimInstance, updated: list[Sequence], now: float) -> int:
+        """After a plan of ``inst`` was applied: record the finished requests, queue the finished
+        prefills for migration, launch the next step; returns how many requests finished."""
         num_finished = 0
         finished = SequenceStatus.FINISHED
         awaiting = inst.core.prefill.awaiting_migration if inst.kind == "prefill" else None

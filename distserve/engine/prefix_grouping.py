@@ -71,8 +71,10 @@ class PrefixGrouping:
         self._excess = 0  # Σ(tokens to compute - 1) over that running list then
 
     def invalidate(self) -> None:
-        """A sequence joined or was preempted: make the grouping anew when next needed."""
+        """A sequence joined or was preempted: make the grouping anew when next needed. The grouping
+        goes too: an empty ``running`` equals the emptied ``_made_for``, and must not get it back."""
         self._made_for = []
+        self._order = None
 
     def selection_order(
         self, running: list[Sequence], num_in_flight: int, budget: int, max_seqs: int, bm: BlockManager
