@@ -153,10 +153,17 @@ def pooled_p99(results: dict[str, list[RequestResult]], tenants: tuple[str, ...]
     return p99([x for t in tenants for x in ttfts(results.get(t, []))])
 
 
-def simulate_prediction(args: Any, policy: str, results: dict[str, list[RequestResult]]) -> dict[str, Any] | None:
-    """Per-tenant P99 TTFT the simulator predicts for these very requests (None: no profile)."""
+def simulate_prediction(args: Any, policy: str, results: dict[str, list[RequestResult]],
+                        before: dict[str, list[RequestResult]] | None = None) -> dict[str, Any] | None:
+    """Per-tenant P99 TTFT the simulator predicts for these very requests (None: no profile).
+
+    ``before``: a scenario the same server ran just before (``light alone`` before ``flood+light fair``),
+    simulated first: the fair queue's recent shares, decayed per dispatched token and not per second,
+    carry over, so tenants busy then start this scenario backlogged and a newcomer (the flood) sparse.
+    """
     if not args.profile or not Path(args.profile).exists():
         return None
+    from distserve.cli.args import build_parser
     from distserve.cluster.admission import AdmissionConfig
     from distserve.cluster.tenants import TenantSpec
     from distserve.config import SchedulerConfig
@@ -165,29 +172,30 @@ def simulate_prediction(args: Any, policy: str, results: dict[str, list[RequestR
     from simulator.simulation import SimConfig, simulate
     from simulator.workload import Request
 
-    requests: list[Request] = []
-    owner: list[str] = []
-    for tenant, rs in results.items():
-        for r in rs:
-            if r.sent_s is None or not r.completed:
-                continue
-            requests.append(Request(len(requests), r.sent_s, int(r.num_prompt_tokens or r.input_len), max(1, r.num_output_tokens),
-                                    tenant=tenant, tier=TIERS.get(tenant, "default")))
-            owner.append(tenant)
-    order = sorted(range(len(requests)), key=lambda i: requests[i].arrival_s)
-    requests = [Request(k, requests[i].arrival_s, requests[i].prompt_len, requests[i].output_len, tenant=requests[i].tenant,
-                        tier=requests[i].tier) for k, i in enumerate(order)]
-    owner = [owner[i] for i in order]
+    sent: list[tuple[float, int, int, str, bool]] = []  # (arrival, prompt, output, tenant, measured here)
+    start = 0.0
+    for run, counted in ((before or {}, False), (results, True)):
+        rs = [(tenant, r) for tenant, tenant_rs in run.items() for r in tenant_rs if r.sent_s is not None and r.completed]
+        sent += [(start + r.sent_s, int(r.num_prompt_tokens or r.input_len), max(1, r.num_output_tokens), tenant, counted)  # type: ignore[operator]
+                 for tenant, r in rs]
+        start += max((r.finish_s or r.sent_s or 0.0 for _, r in rs), default=0.0) + 60.0  # the server went idle in between
+    sent.sort(key=lambda x: x[0])
+    requests = [Request(k, a, p, o, tenant=t, tier=TIERS.get(t, "default")) for k, (a, p, o, t, _) in enumerate(sent)]
     placement = Placement.colocated_instances(1) if any("colocated" in f for f in args.serve_flag) else Placement.disaggregated(1, 1)
-    tenants = tuple(TenantSpec(t, tier=TIERS.get(t, "default")) for t in results)
+    tenants = tuple(TenantSpec(t, tier=TIERS.get(t, "default")) for t in {x[3] for x in sent})
     chunk = next((int(f.split("=", 1)[1]) for f in args.serve_flag if f.startswith("--prefill-chunk=")), None)
     prefill = SchedulerConfig() if chunk is None else SchedulerConfig(enable_chunked_prefill=True, max_num_batched_tokens=chunk)
-    config = SimConfig(block_size=16, admission=AdmissionConfig(policy, tenants), prefill_scheduler=prefill)
-    sim = simulate(placement, FittedLatencyModel.from_profile(args.profile), requests, config)
+    # Each instance's KV as the server sizes it (``serve --kv-cache-gb``): admission ranks keep a
+    # reserve of the prefill instance's (``engine.rank_order``), which binds only once it fills.
+    serve = build_parser().parse_args(["serve", *args.serve_flag])
+    latency = FittedLatencyModel.from_profile(args.profile)
+    num_blocks = int(serve.kv_cache_gb * (1 << 30) // (latency.model.kv_bytes_per_token * serve.block_size))
+    config = SimConfig(block_size=serve.block_size, num_blocks=num_blocks, admission=AdmissionConfig(policy, tenants), prefill_scheduler=prefill)
+    sim = simulate(placement, latency, requests, config)
     by_tenant: dict[str, list[float]] = {}
     for rec in sim.records:
-        if rec.ttft_s is not None:
-            by_tenant.setdefault(owner[rec.req_id], []).append(rec.ttft_s)
+        if rec.ttft_s is not None and sent[rec.req_id][4]:
+            by_tenant.setdefault(rec.tenant, []).append(rec.ttft_s)
     return {t: p99(v) for t, v in by_tenant.items()}
 
 
