@@ -120,6 +120,17 @@ def check_fits(instances: Sequence[SimInstance], requests: Sequence[Request], ma
             )
 
 
+def hold_every_prompt(instances: Sequence[SimInstance], requests: Sequence[Request], block_size: int) -> None:
+    """Instant prefill: every request gets its first token on arrival and waits, TPOT clock running,
+    for a decode instance, so each prefill instance must be able to hold them all."""
+    need = sum(-(-(r.prompt_len + 1) // block_size) for r in requests)
+    for inst in instances:
+        if inst.kind == "prefill":
+            inst.core.num_blocks = need
+            inst.core.reset()
+            inst.core.scheduler.max_running = len(requests)
+
+
 def batch_shape(
     plan: StepPlan, cascade: CascadeRule | None = None, block_size: int = 16, memo: dict[tuple, tuple[int, int]] | None = None
 ) -> BatchShape:

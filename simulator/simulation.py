@@ -30,6 +30,10 @@ can change but the contexts (no prompt, preemption or arrival, no migration into
 event that reads it) is applied in one jump by ``simulator.fast_forward``, with the results of
 running it step by step; the real scheduler plans every step where anything else happens.
 
+Layer preemption (``SchedulerConfig.layer_preemption``): a prefill instance of one worker runs its
+plans through the runtime's ``PreemptibleSteps`` (``simulator.layer_preemption``): a backlogged
+rank's plan yields between layers to a lower rank's prompt dispatched to it, then resumes.
+
 Pipeline parallelism: an instance with ``pp`` stages keeps up to ``pp`` micro-batches in flight
 (the scheduler skips sequences that are in flight); each micro-batch spends the latency model's
 per-stage time in each stage, in order.
@@ -66,7 +70,7 @@ from simulator.layer_preemption import layered_prefill
 from simulator.latency import LatencyModel
 from simulator.metrics import RequestRecord, SimResult
 from simulator.sim_config import SimConfig
-from simulator.sim_instance import SharedCompute, SimInstance, cascade_rule_of, check_fits, route_of, step_time_fn
+from simulator.sim_instance import SharedCompute, SimInstance, cascade_rule_of, check_fits, hold_every_prompt, route_of, step_time_fn
 
 if TYPE_CHECKING:
     from collections.abc import Sequence as Seq
@@ -150,14 +154,7 @@ class Simulation:
         if not requests:
             raise InvalidConfigError("the workload has no requests")
         if self.config.instant_prefill:
-            # Every request gets its first token on arrival and waits, TPOT clock running, for a
-            # decode instance: the prefill pool must hold them all.
-            need = sum(-(-(r.prompt_len + 1) // self.config.block_size) for r in requests)
-            for inst in self.instances:
-                if inst.kind == "prefill":
-                    inst.core.num_blocks = need
-                    inst.core.reset()
-                    inst.core.scheduler.max_running = len(requests)
+            hold_every_prompt(self.instances, requests, self.config.block_size)
         check_fits(self.instances, requests, self.max_model_len, self.config.block_size)
         wall0 = time.perf_counter()
         events: list[tuple[float, int, int, object]] = []
