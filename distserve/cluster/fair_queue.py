@@ -23,9 +23,21 @@ remaining chunks of a higher-ranked one (chunked prefill): the order chosen here
   whatever its clock) ranks before the others: its requests go first here and in the instance's
   scheduler. A tenant's queued requests share one level (its own order holds); a sparse tenant
   whose dispatches take it past its share drops to the backlogged level with what it has queued,
-  and a tenant alone in its tier is never sparse (there is no one to go before). A light tenant's
-  chat then waits neither behind a flooding tenant's queue nor behind its prompts already
-  dispatched, while a tenant sending more than its share, however it paces its requests, is not sparse.
+  and a tenant alone in its tier is never sparse (there is no one to go before). As FQ-CoDel's new
+  flows, sparse requests are split once more by **burst**: a sparse tenant's request is ``FRESH``
+  when it starts a burst — its requests dispatched as sparse, decayed as the tier serves other
+  tenants (over ``BURST_WINDOW_QUANTA`` quanta of their tokens), count under one half: about 700
+  tokens of others were served since its last one — and the tenant got at most
+  ``FRESH_SHARE_FACTOR`` (2) times its share recently (so chat tenants that had the capacity to
+  themselves before a flood began are not put behind the flood's first prompts); else ``SPARSE``
+  (under its share) or backlogged. Each tier has three levels (rank ``3 × tier + level``). A chat tenant's requests
+  are FRESH; a tenant that starts flooding has its first request FRESH and the next ones, sent
+  before others were served, at most SPARSE, even while a share measured over the long window
+  still counts it under its share — so its long prompts, dispatched early, do not hold up the
+  light requests that arrive behind them (a lower rank is computed first, and preempts a running
+  plan between layers: ``engine.preemptible``). A light tenant's chat then waits neither behind a
+  flooding tenant's queue nor behind its prompts already dispatched, while a tenant sending more
+  than its share, however it paces its requests, is not sparse.
 """
 
 from __future__ import annotations
@@ -44,6 +56,13 @@ if TYPE_CHECKING:
 
 DEFAULT_QUANTUM_TOKENS = 512  # tokens a weight-1 tenant may send per round under ``fair``
 SHARE_WINDOW_QUANTA = 32  # ``fair``: a tenant is sparse while under its share of the tier's last this many quanta of tokens
+BURST_WINDOW_QUANTA = 2  # a burst decays over this many quanta of other tenants' tokens (FRESH again after ~0.7 of it)
+FRESH, SPARSE, BACKLOGGED = 0, 1, 2  # ``fair``'s levels within a tier (rank = LEVELS × tier rank + level)
+LEVELS = 3
+# A tenant's first request of a burst is FRESH while the tenant got at most this many times its
+# share recently: what it used while no one else wanted the capacity (chats before a flood began)
+# does not put its chats behind the flood's first prompts.
+FRESH_SHARE_FACTOR = 2.0
 
 WeightOf = Callable[[str], float]  # tenant name -> its weight
 
@@ -142,21 +161,36 @@ class _RecentShares:
     """A tier's recently dispatched tokens by tenant: sums decayed by ``exp(-cost / window)`` at each
     dispatch, so they weigh the tier's last ``window`` or so tokens, whatever the time they took."""
 
-    def __init__(self, window: float) -> None:
-        self.window = window
+    def __init__(self, window: float, burst_window: float) -> None:
+        self.window, self.burst_window = window, burst_window
         self.total = 0.0
         self.tokens: dict[str, float] = {}
+        # A tenant's requests dispatched as sparse, decayed by the tokens the tier dispatched for
+        # *other* tenants since (over ``burst_window``): how far into a burst it is.
+        self.burst: dict[str, float] = {}
 
-    def under_share(self, tenant: str, weight_of: WeightOf) -> bool:
-        """Whether ``tenant`` got less than its weight's share of the recent tokens (among the tenants
-        that got any, and it); never while no other tenant got any (there is no one to go before)."""
+    def level(self, tenant: str, weight_of: WeightOf) -> int:
+        """``tenant``'s level within its tier now: ``FRESH`` (the first request of a burst — its burst
+        under half a request — from a tenant within ``FRESH_SHARE_FACTOR`` times its share),
+        ``SPARSE`` (under its share) or ``BACKLOGGED`` (also: no other tenant got any recently)."""
+        ratio = self.share_ratio(tenant, weight_of)
+        if ratio is None:
+            return BACKLOGGED
+        if self.burst.get(tenant, 0.0) < 0.5 and ratio <= FRESH_SHARE_FACTOR:
+            return FRESH
+        return SPARSE if ratio < 1.0 else BACKLOGGED
+
+    def share_ratio(self, tenant: str, weight_of: WeightOf) -> float | None:
+        """``tenant``'s recent tokens per weight over the tier's (among the tenants that got any, and
+        it): below 1, under its weight's share. None while no other tenant got any (no one to go before)."""
+        if not any(t != tenant for t in self.tokens):
+            return None
         mine = self.tokens.get(tenant, 0.0)
-        if mine == 0.0:
-            return self.total > 0.0
-        weight = sum(map(weight_of, self.tokens))
-        return mine / weight_of(tenant) < self.total / weight
+        weight = sum(map(weight_of, self.tokens)) + (0.0 if tenant in self.tokens else weight_of(tenant))
+        return (mine / weight_of(tenant)) / (self.total / weight)
 
-    def charge(self, tenant: str, cost: int) -> None:
+    def charge(self, tenant: str, cost: int, sparse: bool) -> None:
+        """A dispatch of ``cost`` tokens by ``tenant`` (``sparse``: at its tier's sparse level)."""
         decay = math.exp(-cost / self.window)
         self.total = self.total * decay + cost
         tokens = self.tokens
@@ -165,11 +199,15 @@ class _RecentShares:
         tokens[tenant] = tokens.get(tenant, 0.0) + cost
         if len(tokens) > 1 and min(tokens.values()) < 1.0:  # forgotten: a tenant idle for many windows
             self.tokens = {t: n for t, n in tokens.items() if n >= 1.0}
+        burst_decay = math.exp(-cost / self.burst_window)  # a burst ends as the others are served
+        self.burst = {t: n if t == tenant else n * burst_decay for t, n in self.burst.items() if t == tenant or n * burst_decay >= 0.01}
+        if sparse:
+            self.burst[tenant] = self.burst.get(tenant, 0.0) + 1.0
 
 
 class FairQueue(QueuePolicy):
     """Strict tiers, sparse tenants first within a tier; deficit round robin by tokens across the
-    tenants of each level; ``tenant_key`` within a tenant. Level (= rank) ``2 × tier + backlogged``."""
+    tenants of each level; ``tenant_key`` within a tenant. Level (= rank) ``LEVELS × tier + FRESH | SPARSE | BACKLOGGED``."""
 
     def __init__(self, weight_of: WeightOf, quantum: int = DEFAULT_QUANTUM_TOKENS) -> None:
         if not (isinstance(quantum, int) and quantum >= 1):
@@ -179,14 +217,13 @@ class FairQueue(QueuePolicy):
         self._shares: dict[int, _RecentShares] = {}  # by tier rank
 
     def push(self, item: AdmissionItem) -> None:
-        sparse_level = 2 * item.tier_rank
-        if item.tenant in self._level(sparse_level).queues:
-            item.rank = sparse_level  # a tenant's queued requests share one level: its own order holds
-        elif item.tenant in self._level(sparse_level + 1).queues:
-            item.rank = sparse_level + 1
+        base = LEVELS * item.tier_rank
+        queued = next((base + level for level in range(LEVELS) if item.tenant in self._level(base + level).queues), None)
+        if queued is not None:
+            item.rank = queued  # a tenant's queued requests share one level: its own order holds
         else:
-            shares = self._shares.setdefault(item.tier_rank, _RecentShares(SHARE_WINDOW_QUANTA * self.quantum))
-            item.rank = sparse_level + (0 if shares.under_share(item.tenant, self.weight_of) else 1)
+            shares = self._shares.setdefault(item.tier_rank, _RecentShares(SHARE_WINDOW_QUANTA * self.quantum, BURST_WINDOW_QUANTA * self.quantum))
+            item.rank = base + shares.level(item.tenant, self.weight_of)
         tier = self._level(item.rank)
         queue = tier.queues.get(item.tenant)
         if queue is None:
@@ -203,7 +240,7 @@ class FairQueue(QueuePolicy):
         return tier
 
     def _demote(self, tier: _Tier, tenant: str, rank: int) -> None:
-        """Move ``tenant``'s queued requests from a sparse level (``tier``) to the backlogged one (``rank``)."""
+        """Move ``tenant``'s queued requests from their level (``tier``) to a later one (``rank``)."""
         queue = tier.queues[tenant]
         tier.size -= len(queue)
         self._leave(tier, tenant)
@@ -255,14 +292,17 @@ class FairQueue(QueuePolicy):
         head = self.peek()
         assert head is not None
         shares = self._shares[head.tier_rank]
-        shares.charge(head.tenant, head.cost)
+        base = LEVELS * head.tier_rank
+        shares.charge(head.tenant, head.cost, sparse=head.rank - base != BACKLOGGED)
         tier = self._tiers[head.rank]
         tier.queues[head.tenant].pop()
         tier.deficit[head.tenant] -= head.cost
         tier.size -= 1
         self._drop_if_empty(tier, head.tenant)
-        if head.rank % 2 == 0 and head.tenant in tier.queues and not shares.under_share(head.tenant, self.weight_of):
-            self._demote(tier, head.tenant, head.rank + 1)  # its share is used up: what it still has queued waits its turn
+        if head.tenant in tier.queues:
+            now = base + shares.level(head.tenant, self.weight_of)
+            if now > head.rank:  # its burst or share is used up: what it still has queued waits its turn
+                self._demote(tier, head.tenant, now)
         return head
 
     def remove(self, item: AdmissionItem) -> None:
@@ -299,6 +339,6 @@ def check_admission_policy(name: object) -> str:
 
 
 __all__ = [
-    "ADMISSION_POLICIES", "DEFAULT_ADMISSION_POLICY", "DEFAULT_QUANTUM_TOKENS", "FairQueue", "FcfsQueue", "PriorityQueue",
+    "ADMISSION_POLICIES", "BACKLOGGED", "DEFAULT_ADMISSION_POLICY", "DEFAULT_QUANTUM_TOKENS", "FRESH", "FairQueue", "LEVELS", "SPARSE", "FcfsQueue", "PriorityQueue",
     "QueuePolicy", "SortedQueue", "check_admission_policy", "tenant_key",
 ]

@@ -11,7 +11,7 @@ from distserve.cluster.admission import (
     NO_BACKPRESSURE, AdmissionConfig, AdmissionItem, AdmissionQueue, Backpressure, DrainRate, EntryLoad, measured_tpot_s, timeout_error,
 )
 from distserve.cluster.classes import RequestClass
-from distserve.cluster.fair_queue import ADMISSION_POLICIES
+from distserve.cluster.fair_queue import ADMISSION_POLICIES, BACKLOGGED, FRESH, LEVELS, SPARSE
 from distserve.cluster.tenants import TenantSpec
 from distserve.errors import InvalidConfigError, QueueFullError, RequestTimeoutError
 
@@ -275,33 +275,67 @@ def test_dispatch_fills_one_step_with_prompt_tokens() -> None:
 
 
 def test_fair_ranks_sparse_tenants_first_here_and_in_the_scheduler() -> None:
+    default = LEVELS * 1  # the default tier's first rank
     q = AdmissionQueue("fair", backpressure=NO_BACKPRESSURE)
     f = Feeder(q)
     heavy = f.push("heavy", 2000, 6)
     first = drain(q, now=0.0)
-    # Alone, a tenant is never sparse (no one to go before): the backlogged level (default tier: rank 3).
-    assert [i.request_id for i in first] == heavy and {i.rank for i in first} == {3}
+    # Alone, a tenant is never sparse (no one to go before): the backlogged level.
+    assert [i.request_id for i in first] == heavy and {i.rank for i in first} == {default + BACKLOGGED}
     heavy = f.push("heavy", 2000, 4)
     light = f.push("light", 300)
     out = drain(q)
-    assert out[0].request_id == light[0] and out[0].rank == 2  # a sparse tenant: ahead of the backlog
-    assert [i.request_id for i in out[1:]] == heavy and {i.rank for i in out[1:]} == {3}
+    assert out[0].request_id == light[0] and out[0].rank == default + FRESH  # a sparse tenant: ahead of the backlog
+    assert [i.request_id for i in out[1:]] == heavy and {i.rank for i in out[1:]} == {default + BACKLOGGED}
     # A tenant sending more than its share is no longer sparse, whatever it does between requests.
     ranks = []
     for _ in range(6):
         f.push("light", 2000)
         ranks.extend(i.rank for i in drain(q))
-    assert ranks[0] == 2 and ranks[-1] == 3
-    # The tier comes first: an interactive request (ranks 0 and 1; alone in its tier: 1) outranks any default one.
+    assert ranks[0] == default + FRESH and ranks[-1] == default + BACKLOGGED
+    # The tier comes first: an interactive request (ranks 0-2; alone in its tier: backlogged) outranks any default one.
     f.push("other", 100, tier="interactive")
-    assert drain(q)[0].rank == 1
+    assert drain(q)[0].rank == BACKLOGGED
     # fcfs ranks everything alike; priority by tier.
-    for policy, ranks in (("fcfs", [0, 0]), ("priority", [1, 2])):
+    for policy, ranks in (("fcfs", [0, 0]), ("priority", [1, 2])):  # type: ignore[assignment]
         p = AdmissionQueue(policy, backpressure=NO_BACKPRESSURE)
         g = Feeder(p)
         g.push("a", 10, tier="batch")
         g.push("b", 10)
         assert sorted(i.rank for i in drain(p)) == ranks
+
+
+def test_a_tenant_that_starts_flooding_is_fresh_for_one_request_only() -> None:
+    """FQ-CoDel's new flows: a newcomer is FRESH for its first request; the ones it sends before the
+    tier served others are SPARSE (then backlogged, past its share), so a chat tenant's next request
+    goes before them here and in the scheduler — FRESH, although the chat tenants had more than
+    their share before the flood began."""
+    default = LEVELS * 1
+    q = AdmissionQueue("fair", backpressure=NO_BACKPRESSURE)
+    f = Feeder(q)
+    for _ in range(8):  # history: three chat tenants, nothing from "flood"
+        for t in ("a", "b", "c"):
+            f.push(t, 96)
+    drain(q)
+    flood = [r for _ in range(3) for r in (f.push("flood", 474), drain(q))[1]]
+    assert [i.rank for i in flood][:2] == [default + FRESH, default + SPARSE] and flood[2].rank > default + FRESH  # then its share runs out
+    f.push("a", 96)
+    assert drain(q)[0].rank == default + FRESH
+    # The burst ends as others are served: a chat request after a flood request is FRESH again,
+    # and so is the flood's next one once the chat tenants used a quantum or two of tokens.
+    for _ in range(12):
+        for t in ("a", "b", "c"):
+            f.push(t, 96)
+    drain(q)
+    f.push("flood", 474)
+    assert drain(q)[0].rank in (default + FRESH, default + BACKLOGGED)  # FRESH unless its share ran out
+    # A tenant under its share sending a burst of requests: the first FRESH, the rest SPARSE.
+    q = AdmissionQueue("fair", backpressure=NO_BACKPRESSURE)
+    f = Feeder(q)
+    f.push("big", 2000, 2)
+    drain(q)
+    f.push("chat", 96, 5)
+    assert [i.rank for i in drain(q)] == [default + FRESH] + [default + SPARSE] * 4
 
 
 def test_a_task_group_stays_together_in_the_admission_queue() -> None:
