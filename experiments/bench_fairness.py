@@ -49,6 +49,8 @@ LIGHT = ("light-1", "light-2", "light-3")
 FLOOD, VIP, NIGHTLY = "flood", "vip", "nightly"
 TIERS = {VIP: "interactive", NIGHTLY: "batch"}
 DEFAULT_PROFILE = harness.RESULTS_DIR / "validate_simulator_profile.json"
+# The scenario the same server ran just before: its fair-queue shares carry over into the prediction.
+BEFORE = {"flood+light fair": "light alone"}
 
 
 @dataclass(frozen=True)
@@ -241,7 +243,7 @@ def predict_only(args: Any) -> None:
     runs = load_requests(args.predict_from)
     figures: dict[str, Any] = {}
     for name in ("flood+light fcfs", "flood+light fair"):
-        pred = simulate_prediction(args, name.split()[-1], runs[name]) or {}
+        pred = simulate_prediction(args, name.split()[-1], runs[name], before=runs.get(BEFORE.get(name, ""))) or {}
         figures[name] = {t: {"measured_p99_ttft_s": p99(ttfts(rs)), "simulated_p99_ttft_s": pred.get(t)} for t, rs in runs[name].items()}
         for t, f in figures[name].items():
             print(f"{name:18s} {t:8s} measured P99 {ms(f['measured_p99_ttft_s']):>8s} ms  simulated {ms(f['simulated_p99_ttft_s']):>8s} ms")
@@ -299,7 +301,8 @@ def main() -> None:
     vip_alone, vip_batch = pooled_p99(runs["interactive alone"], (VIP,)), pooled_p99(runs["interactive+batch"], (VIP,))
     thr_fcfs = figures["flood+light fcfs"]["throughput_tokens_per_s"]
     thr_fair = figures["flood+light fair"]["throughput_tokens_per_s"]
-    predicted = {name: simulate_prediction(args, name.split()[-1], runs[name]) for name in ("flood+light fcfs", "flood+light fair")}
+    predicted = {name: simulate_prediction(args, name.split()[-1], runs[name], before=runs.get(BEFORE.get(name, "")))
+                 for name in ("flood+light fcfs", "flood+light fair")}
     summary = {
         "model": args.model, "runtime": args.runtime, "serve_flags": args.serve_flag, "duration_s": args.duration,
         "light_rate": args.light_rate, "flood_factor": args.flood_factor, "quick": args.quick,
