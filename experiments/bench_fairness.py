@@ -106,20 +106,31 @@ def start_server(args: Any, policy: str, keys_path: Path) -> ServerProcess:
 
 async def run_scenario(base_url: str, model: str, loads: list[Load], keys: dict[str, str], args: Any,
                        calibration: tuple[float, float]) -> dict[str, list[RequestResult]]:
-    """Every tenant's load at once, each through its own key; results per tenant (times from each load's start)."""
+    """Every tenant's load at once, each through its own key; results per tenant (times from the scenario's start; each tenant's first request an exponential gap in)."""
 
     async def one(load: Load) -> tuple[str, list[RequestResult]]:
         n = max(1, round(load.rate * args.duration))
         workload = Workload(n, load.rate, load.input_len, args.output_len, input_len_dist="uniform", input_len_spread=0.25,
                             seed=load.seed, ignore_eos=True)
+        # Each tenant is a Poisson stream of its own from the scenario's start: its first request
+        # comes an exponential gap in, as every later one (the load generator sends its first at 0,
+        # which would line every tenant's first request up at the same instant).
+        offset_s = float(np.random.default_rng(load.seed).exponential(1.0 / load.rate))
+        await asyncio.sleep(offset_s)
         result = await run_load_async(base_url, model, workload, api_key=keys[load.tenant], tokens_per_word=calibration,
                                       request_timeout_s=max(600.0, 4 * args.duration))
-        return load.tenant, result.requests
+        return load.tenant, [shifted(r, offset_s) for r in result.requests]
 
     t0 = time.perf_counter()
     out = dict(await asyncio.gather(*(one(load) for load in loads)))
     print(f"  {', '.join(f'{t}:{len(r)}' for t, r in out.items())} requests in {time.perf_counter() - t0:.0f} s", flush=True)
     return out
+
+
+def shifted(r: RequestResult, offset_s: float) -> RequestResult:
+    """``r`` with its times counted from the scenario's start instead of its tenant's first request."""
+    times = ("arrival_s", "sent_s", "first_token_s", "last_token_s", "finish_s")
+    return dataclasses.replace(r, **{f: getattr(r, f) + offset_s for f in times if getattr(r, f) is not None})
 
 
 def p99(values: list[float]) -> float:

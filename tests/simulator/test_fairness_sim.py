@@ -57,7 +57,9 @@ def test_fair_admission_protects_light_tenants_from_a_flood() -> None:
     fcfs, fair = run("fcfs", requests), run("fair", requests)
     # FCFS: the light tenants' chats queue behind the flood's backlog (P99 ~23 s); fair: ~0.34 s.
     assert light_p99_ttft(fcfs) > 40 * light_p99_ttft(fair)
-    assert output_tokens_per_s(fair) == pytest.approx(output_tokens_per_s(fcfs), rel=0.03)
+    # Issue 17's throughput target (< 5% off fcfs): the end of this overloaded run moves by up to ~4%
+    # either way with the order of the decode instances' KV preemptions (seeds 0-2: 0.96-1.02x).
+    assert output_tokens_per_s(fair) == pytest.approx(output_tokens_per_s(fcfs), rel=0.05)
     # The flood pays for it: the wait the light tenants no longer have is the flood's (conservation:
     # with the flood backlogged for the whole run, its median TTFT grows ~20%), and no more — the
     # requests' total TTFT is lower than under fcfs.
