@@ -93,7 +93,7 @@ WORKLOADS = (
 )
 QUICK_WORKLOADS = (  # the tiny model (context 1024), 2 probes each
     WorkloadSpec("short", 64, 16, ttft_slo_s=2.0, tpot_slo_s=0.15, start_rate=8.0),
-    WorkloadSpec("long", 256, 8, ttft_slo_s=3.0, tpot_slo_s=0.15, start_rate=8.0),
+    WorkloadSpec("long", 256, 8, ttft_slo_s=3.0, tpot_slo_s=0.15, start_rate=2.0),
 )
 
 
