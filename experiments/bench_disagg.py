@@ -211,7 +211,7 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--request-timeout", type=float, default=120.0, help="seconds, per request")
     args = ap.parse_args()
     if args.quick:
-        args.model, args.rates, args.num_requests, args.input_len, args.output_len = "tiny", "4,16", 8, 64, 16
+        args.model, args.rates, args.num_requests, args.input_len, args.output_len = "tiny", "8,32", 8, 64, 16
         args.startup_timeout = min(args.startup_timeout, 120.0)
     args.rates = [float(r) for r in str(args.rates).split(",") if r]
     args.request_model = args.request_model or args.model

@@ -92,7 +92,7 @@ WORKLOADS = (
     WorkloadSpec("long", 1024, 32, ttft_slo_s=3.0, tpot_slo_s=0.15, start_rate=0.5),
 )
 QUICK_WORKLOADS = (  # the tiny model (context 1024), 2 probes each
-    WorkloadSpec("short", 64, 16, ttft_slo_s=2.0, tpot_slo_s=0.15, start_rate=4.0),
+    WorkloadSpec("short", 64, 16, ttft_slo_s=2.0, tpot_slo_s=0.15, start_rate=8.0),
     WorkloadSpec("long", 256, 8, ttft_slo_s=3.0, tpot_slo_s=0.15, start_rate=2.0),
 )
 

@@ -100,7 +100,7 @@ def planner_verdict(args: argparse.Namespace, w: RealWorkload, out_dir: Path) ->
     top = max((p or {}).get("predicted_rps", 0.0) for p in (disagg, coloc))
     return {"disaggregated": disagg, "colocated": coloc, "predicted_winner": pick,
             # Every system's search starts at the planner's best prediction (quick: the tiny model, far faster than the profile's).
-            "start_rate": 2.0 if args.quick else round(max(top, args.min_rate), 2),
+            "start_rate": 8.0 if args.quick else round(max(top, args.min_rate), 2),
             "placement_file": str(path) if result.best is not None else None,
             "placement": result.best.placement.to_dict() if result.best is not None else None}
 

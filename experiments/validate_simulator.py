@@ -86,7 +86,8 @@ def parse_args() -> argparse.Namespace:
     args = p.parse_args()
     if args.quick:
         args.model, args.dtype, args.profile_grid = "tiny", "float32", "quick"
-        args.rates, args.num_requests = "2,4,8", 12
+        # High rates: a quick run only exercises the path, and a replay lasts ~num_requests / rate seconds.
+        args.rates, args.num_requests = "8,16,32", 8
         args.ttft, args.tpot = 0.5, 0.05
     args.rate_list = [float(r) for r in args.rates.split(",")]
     if any(r <= 0 for r in args.rate_list) or args.num_requests < 1:

@@ -12,6 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import pytest
 
@@ -21,6 +22,9 @@ pytestmark = pytest.mark.integration  # runs each script as a process
 MODULES = sorted((ROOT / "experiments").glob("*.py"))
 SCRIPTS = [p for p in MODULES if 'if __name__ == "__main__":' in p.read_text()]
 SHARED = {p.stem for p in MODULES} - {p.stem for p in SCRIPTS}
+# Scripts whose quick run has a test of its own (with every check of the generic one): run once, there.
+OWN_TEST = {"validate_cascade_latency"}
+GENERIC = [p for p in SCRIPTS if p.stem not in OWN_TEST]
 
 # Figures a quick run must get right regardless of machine speed.
 CHECKS = {
@@ -176,16 +180,25 @@ def test_quick_run_writes_to_a_temporary_directory(tmp_path: Path) -> None:
     assert tagged.path(".png") == tmp_path / "bench_x_t.png"
 
 
-@pytest.mark.parametrize("script", SCRIPTS, ids=[s.stem for s in SCRIPTS])
-def test_quick_run_prints_json_last(script: Path, tmp_path: Path) -> None:
+def quick_run(script: Path, out_dir: Path) -> dict[str, Any]:
+    """Run ``script --quick --out-dir out_dir``; it must exit 0 and end with one non-empty JSON object."""
     proc = subprocess.run(
-        [sys.executable, str(script), "--quick", "--out-dir", str(tmp_path)],
+        [sys.executable, str(script), "--quick", "--out-dir", str(out_dir)],
         cwd=ROOT, capture_output=True, text=True, timeout=600,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    last = proc.stdout.strip().splitlines()[-1]
-    figures = json.loads(last)
+    figures = json.loads(proc.stdout.strip().splitlines()[-1])
     assert isinstance(figures, dict) and figures
+    return figures  # type: ignore[no-any-return]
+
+
+def test_every_script_has_a_quick_run_test() -> None:
+    assert OWN_TEST <= {p.stem for p in SCRIPTS} and "test_validate_cascade_latency_quick" in globals()
+
+
+@pytest.mark.parametrize("script", GENERIC, ids=[s.stem for s in GENERIC])
+def test_quick_run_prints_json_last(script: Path, tmp_path: Path) -> None:
+    figures = quick_run(script, tmp_path)
     check = CHECKS.get(script.stem)
     assert check is None or check(figures), figures
 
@@ -193,12 +206,7 @@ def test_quick_run_prints_json_last(script: Path, tmp_path: Path) -> None:
 def test_validate_cascade_latency_quick(tmp_path: Path) -> None:
     """Measured cascade and exact steps of shared-prefix batches, each with a prediction with and
     without the shared term; the term removes the KV a cascade does not read, so it predicts less."""
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "experiments" / "validate_cascade_latency.py"), "--quick", "--out-dir", str(tmp_path)],
-        cwd=ROOT, capture_output=True, text=True, timeout=600,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    f = json.loads(proc.stdout.strip().splitlines()[-1])
+    f = quick_run(ROOT / "experiments" / "validate_cascade_latency.py", tmp_path)
     assert f["cases"] == [[4, 1024], [8, 1024]] and f["profile_decode_attention"] == "sum"
     for key in ("cascade_error_with_term", "cascade_error_without_term", "cascade_error_with_fitted_fraction", "exact_error"):
         assert 0 <= f[key]["median"] <= f[key]["max"], key

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -31,52 +32,22 @@ def deploy(placement: Placement, **kw: Any) -> DisaggLLM:
     return DisaggLLM("tiny", placement, dtype="float32", cache_config=CACHE, **kw)
 
 
+@pytest.fixture(scope="module")
+def one_p_one_d(ray_cluster: Any) -> Iterator[DisaggLLM]:
+    """One 1P1D deployment for the tests that only read counters as differences (prompts share no prefix across tests)."""
+    with deploy(Placement.disaggregated()) as llm:
+        yield llm
+
+
+def counted(llm: DisaggLLM, before: dict[str, Any], key: str) -> int:
+    """How much the controller's counter ``key`` grew since the stats ``before``."""
+    return int(llm.stats()[key] - before[key])
+
+
 # All 16 prefill x decode tp/pp pairs run in one deployment in test_controller_routing.py; this
-# one checks the DisaggLLM path end to end with a resharding pair.
-@pytest.mark.parametrize("prefill,decode", [((2, 1), (1, 2))], ids=["p2x1-d1x2"])
-def test_1p1d_resharded_matches_colocated(ray_cluster: Any, reference: list[list[int]], prefill: tuple[int, int], decode: tuple[int, int]) -> None:
-    placement = Placement(prefill=(InstanceSpec(*prefill, node=0),), decode=(InstanceSpec(*decode, node=0),))
-    with deploy(placement) as llm:
-        outs = llm.generate(PROMPTS, SP)
-        assert [o.token_ids for o in outs] == reference
-        assert llm.stats()["num_migrations"] == len(PROMPTS)
-        assert wait_until(lambda: all(i["kv_cache_usage_perc"] == 0.0 for i in llm.stats()["instances"]))
-
-
-def test_prefix_aware_migration_and_streaming(ray_cluster: Any) -> None:
-    shared = "System: you are a helpful assistant. Answer briefly. " * 2
-    with deploy(Placement.disaggregated()) as llm:
-        llm.generate([shared + "Q: hi"], SP)
-        streamed = list(llm.stream(shared + "Q: bye", SP))
-        stats = llm.stats()
-        assert stats["kv_migration_blocks_skipped_total"] >= 16
-        # The second prompt's shared blocks came from the prefill instance's prefix cache, and the
-        # controller sums what each instance counted.
-        assert stats["prefix_cache_hit_tokens_total"] >= 16 * 4 and stats["prefill_tokens_computed_total"] > 0
-        assert stats["prefill_tokens_computed_total"] == sum(i["prefill_tokens_computed_total"] for i in stats["instances"])
-        assert streamed[-1].finished and len(streamed[-1].token_ids) == 16
-        assert "".join(o.new_text for o in streamed) == streamed[-1].text
-    fresh = LLMEngine(load_model("tiny"), cache_config=CACHE).generate([shared + "Q: bye"], SP)[0]
-    assert streamed[-1].token_ids == fresh.token_ids
-
-
-def test_siblings_migrating_together_receive_a_shared_prompt_once(ray_cluster: Any) -> None:
-    """Siblings submitted at once: prefill computes their shared prompt once, and the decode
-    instance receives it once (from its prefix cache, or — when a sibling's reservation comes while
-    that KV is still arriving — by waiting for it: tests/simulator/test_prefix_sharing_sim.py makes
-    that case happen), so cascade attention finds it shared there."""
-    shared = "Background: " + "the quick brown fox jumps over the lazy dog; " * 4  # 192 tokens = 48 blocks
-    prompts = [shared + f"Q{i}: what next?" for i in range(4)]
-    prefix_blocks = len(load_model("tiny").tokenizer.encode(shared)) // CACHE.block_size
-    with deploy(Placement.disaggregated()) as llm:
-        outs = llm.generate(prompts, SP)
-        stats = llm.stats()
-    assert stats["kv_migration_blocks_skipped_total"] >= 3 * prefix_blocks
-    expected = LLMEngine(load_model("tiny"), cache_config=CACHE).generate(prompts, SP)
-    assert [o.token_ids for o in outs] == [o.token_ids for o in expected]
-
-
-def test_workers_land_on_the_named_nodes_and_flow_across(ray_cluster: Any, reference: list[list[int]]) -> None:
+# one checks the DisaggLLM path end to end with a resharding pair across the two nodes (the same
+# pair on one node was a separate test: it exercised nothing this one does not).
+def test_1p1d_resharded_across_the_named_nodes_matches_colocated(ray_cluster: Any, reference: list[list[int]]) -> None:
     import ray
 
     node_of = {n["Resources"].get("distserve_node_1", 0) > 0: n["NodeID"] for n in ray.nodes() if n["Alive"]}
@@ -86,6 +57,43 @@ def test_workers_land_on_the_named_nodes_and_flow_across(ray_cluster: Any, refer
         assert report["prefill-0"] == [node_of[False]] * 2
         assert report["decode-0"] == [node_of[True]] * 2
         assert [o.token_ids for o in llm.generate(PROMPTS, SP)] == reference
+        assert llm.stats()["num_migrations"] == len(PROMPTS)
+        assert wait_until(lambda: all(i["kv_cache_usage_perc"] == 0.0 for i in llm.stats()["instances"]))
+
+
+def test_prefix_aware_migration_and_streaming(one_p_one_d: DisaggLLM) -> None:
+    llm = one_p_one_d
+    shared = "System: you are a helpful assistant. Answer briefly. " * 2
+    before = llm.stats()
+    llm.generate([shared + "Q: hi"], SP)
+    streamed = list(llm.stream(shared + "Q: bye", SP))
+    assert counted(llm, before, "kv_migration_blocks_skipped_total") >= 16
+    # The second prompt's shared blocks came from the prefill instance's prefix cache, and the
+    # controller sums what each instance counted.
+    assert counted(llm, before, "prefix_cache_hit_tokens_total") >= 16 * 4
+    assert counted(llm, before, "prefill_tokens_computed_total") > 0
+    stats = llm.stats()
+    assert stats["prefill_tokens_computed_total"] == sum(i["prefill_tokens_computed_total"] for i in stats["instances"])
+    assert streamed[-1].finished and len(streamed[-1].token_ids) == 16
+    assert "".join(o.new_text for o in streamed) == streamed[-1].text
+    fresh = LLMEngine(load_model("tiny"), cache_config=CACHE).generate([shared + "Q: bye"], SP)[0]
+    assert streamed[-1].token_ids == fresh.token_ids
+
+
+def test_siblings_migrating_together_receive_a_shared_prompt_once(one_p_one_d: DisaggLLM) -> None:
+    """Siblings submitted at once: prefill computes their shared prompt once, and the decode
+    instance receives it once (from its prefix cache, or — when a sibling's reservation comes while
+    that KV is still arriving — by waiting for it: tests/simulator/test_prefix_sharing_sim.py makes
+    that case happen), so cascade attention finds it shared there."""
+    llm = one_p_one_d
+    shared = "Background: " + "the quick brown fox jumps over the lazy dog; " * 4  # 192 tokens = 48 blocks
+    prompts = [shared + f"Q{i}: what next?" for i in range(4)]
+    prefix_blocks = len(load_model("tiny").tokenizer.encode(shared)) // CACHE.block_size
+    before = llm.stats()
+    outs = llm.generate(prompts, SP)
+    assert counted(llm, before, "kv_migration_blocks_skipped_total") >= 3 * prefix_blocks
+    expected = LLMEngine(load_model("tiny"), cache_config=CACHE).generate(prompts, SP)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in expected]
 
 
 def test_dead_decode_instance_requests_rerun_on_survivor(ray_cluster: Any, reference: list[list[int]]) -> None:
