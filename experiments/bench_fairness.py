@@ -237,6 +237,12 @@ def ratio(a: float, b: float) -> float | None:
     return a / b if b and math.isfinite(a) and math.isfinite(b) and b > 0 else None
 
 
+def predict(args: Any, runs: dict[str, dict[str, list[RequestResult]]]) -> dict[str, dict[str, Any] | None]:
+    """The simulator's per-tenant P99 TTFT for each flood scenario (after the one its server ran before)."""
+    return {name: simulate_prediction(args, name.split()[-1], runs[name], before=runs.get(BEFORE.get(name, "")))
+            for name in ("flood+light fcfs", "flood+light fair")}
+
+
 def save_requests(runs: dict[str, dict[str, list[RequestResult]]]) -> dict[str, Any]:
     """Every request of every scenario as the client recorded it (so a prediction can be re-run offline)."""
     return {name: {t: [dataclasses.asdict(r) for r in rs] for t, rs in results.items()} for name, results in runs.items()}
@@ -253,9 +259,8 @@ def predict_only(args: Any) -> None:
     """``--predict-from``: the simulator's per-tenant P99 TTFT next to the measured one, for a recorded run."""
     runs = load_requests(args.predict_from)
     figures: dict[str, Any] = {}
-    for name in ("flood+light fcfs", "flood+light fair"):
-        pred = simulate_prediction(args, name.split()[-1], runs[name], before=runs.get(BEFORE.get(name, ""))) or {}
-        figures[name] = {t: {"measured_p99_ttft_s": p99(ttfts(rs)), "simulated_p99_ttft_s": pred.get(t)} for t, rs in runs[name].items()}
+    for name, pred in predict(args, runs).items():
+        figures[name] = {t: {"measured_p99_ttft_s": p99(ttfts(rs)), "simulated_p99_ttft_s": (pred or {}).get(t)} for t, rs in runs[name].items()}
         for t, f in figures[name].items():
             print(f"{name:18s} {t:8s} measured P99 {ms(f['measured_p99_ttft_s']):>8s} ms  simulated {ms(f['simulated_p99_ttft_s']):>8s} ms")
     light = {name: {"measured": pooled_p99(runs[name], LIGHT),
@@ -312,8 +317,7 @@ def main() -> None:
     vip_alone, vip_batch = pooled_p99(runs["interactive alone"], (VIP,)), pooled_p99(runs["interactive+batch"], (VIP,))
     thr_fcfs = figures["flood+light fcfs"]["throughput_tokens_per_s"]
     thr_fair = figures["flood+light fair"]["throughput_tokens_per_s"]
-    predicted = {name: simulate_prediction(args, name.split()[-1], runs[name], before=runs.get(BEFORE.get(name, "")))
-                 for name in ("flood+light fcfs", "flood+light fair")}
+    predicted = predict(args, runs)
     summary = {
         "model": args.model, "runtime": args.runtime, "serve_flags": args.serve_flag, "duration_s": args.duration,
         "light_rate": args.light_rate, "flood_factor": args.flood_factor, "quick": args.quick,

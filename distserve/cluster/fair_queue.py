@@ -30,10 +30,10 @@ remaining chunks of a higher-ranked one (chunked prefill): the order chosen here
   tokens of others were served since its last one — and the tenant got at most
   ``FRESH_SHARE_FACTOR`` (2) times its share recently (so chat tenants that had the capacity to
   themselves before a flood began are not put behind the flood's first prompts); else ``SPARSE``
-  (under its share) or backlogged. Each tier has three levels (rank ``3 × tier + level``). A chat tenant's requests
-  are FRESH; a tenant that starts flooding has its first request FRESH and the next ones, sent
-  before others were served, at most SPARSE, even while a share measured over the long window
-  still counts it under its share — so its long prompts, dispatched early, do not hold up the
+  (under its share) or backlogged. Each tier has three levels (rank ``3 × tier + level``). A chat
+  tenant's requests are FRESH; a tenant that starts flooding has its first request FRESH and the
+  next ones, sent before others were served, at most SPARSE, even while a share measured over the
+  long window still counts it under its share — so its long prompts, dispatched early, do not hold up the
   light requests that arrive behind them (a lower rank is computed first, and preempts a running
   plan between layers: ``engine.preemptible``). A light tenant's chat then waits neither behind a
   flooding tenant's queue nor behind its prompts already dispatched, while a tenant sending more
