@@ -25,17 +25,18 @@ remaining chunks of a higher-ranked one (chunked prefill): the order chosen here
   whose dispatches take it past its share drops to the backlogged level with what it has queued,
   and a tenant alone in its tier is never sparse (there is no one to go before). As FQ-CoDel's new
   flows, sparse requests are split once more by **burst**: a sparse tenant's request is ``FRESH``
-  when it starts a burst — its requests dispatched as sparse, decayed as the tier serves other
-  tenants (over ``BURST_WINDOW_QUANTA`` quanta of their tokens), count under one half: about 700
-  tokens of others were served since its last one — and the tenant got at most
-  ``FRESH_SHARE_FACTOR`` (2) times its share recently (so chat tenants that had the capacity to
-  themselves before a flood began are not put behind the flood's first prompts); else ``SPARSE``
-  (under its share) or backlogged. Each tier has three levels (rank ``3 × tier + level``). A chat
-  tenant's requests are FRESH; a tenant that starts flooding has its first request FRESH and the
-  next ones, sent before others were served, at most SPARSE, even while a share measured over the
-  long window still counts it under its share — so its long prompts, dispatched early, do not hold up the
-  light requests that arrive behind them (a lower rank is computed first, and preempts a running
-  plan between layers: ``engine.preemptible``). A light tenant's chat then waits neither behind a
+  when it fits one quantum of tokens (the credit FQ-CoDel gives a new flow), starts a burst — its
+  requests dispatched as sparse, decayed as the tier serves other tenants (over
+  ``BURST_WINDOW_QUANTA`` quanta of their tokens), count under one half: about 700 tokens of others
+  were served since its last one — and the tenant got at most ``FRESH_SHARE_FACTOR`` (2) times its
+  share recently (so chat tenants that had the capacity to themselves before a flood began are not
+  put behind the flood's first prompts); else ``SPARSE`` (under its share) or backlogged. Each tier
+  has three levels (rank ``3 × tier + level``). A chat tenant's requests are FRESH; a tenant that
+  starts flooding has its first request FRESH only if it is short, and its next ones, sent before
+  others were served, at most SPARSE, even while a share measured over the long window still counts
+  it under its share — so its long prompts, dispatched early, do not hold up the light requests
+  that arrive while they are computed (a lower rank is computed first, and preempts a running plan
+  between layers: ``engine.preemptible``). A light tenant's chat then waits neither behind a
   flooding tenant's queue nor behind its prompts already dispatched, while a tenant sending more
   than its share, however it paces its requests, is not sparse.
 """
@@ -169,14 +170,15 @@ class _RecentShares:
         # *other* tenants since (over ``burst_window``): how far into a burst it is.
         self.burst: dict[str, float] = {}
 
-    def level(self, tenant: str, weight_of: WeightOf) -> int:
-        """``tenant``'s level within its tier now: ``FRESH`` (the first request of a burst — its burst
-        under half a request — from a tenant within ``FRESH_SHARE_FACTOR`` times its share),
-        ``SPARSE`` (under its share) or ``BACKLOGGED`` (also: no other tenant got any recently)."""
+    def level(self, tenant: str, weight_of: WeightOf, cost: int, quantum: float) -> int:
+        """The level within its tier of ``tenant``'s request of ``cost`` tokens now: ``FRESH`` (the
+        first request of a burst — its burst under half a request — within one ``quantum`` of tokens,
+        from a tenant within ``FRESH_SHARE_FACTOR`` times its share), ``SPARSE`` (under its share) or
+        ``BACKLOGGED`` (also: no other tenant got any recently)."""
         ratio = self.share_ratio(tenant, weight_of)
         if ratio is None:
             return BACKLOGGED
-        if self.burst.get(tenant, 0.0) < 0.5 and ratio <= FRESH_SHARE_FACTOR:
+        if cost <= quantum and self.burst.get(tenant, 0.0) < 0.5 and ratio <= FRESH_SHARE_FACTOR:
             return FRESH
         return SPARSE if ratio < 1.0 else BACKLOGGED
 
@@ -223,7 +225,7 @@ class FairQueue(QueuePolicy):
             item.rank = queued  # a tenant's queued requests share one level: its own order holds
         else:
             shares = self._shares.setdefault(item.tier_rank, _RecentShares(SHARE_WINDOW_QUANTA * self.quantum, BURST_WINDOW_QUANTA * self.quantum))
-            item.rank = base + shares.level(item.tenant, self.weight_of)
+            item.rank = base + shares.level(item.tenant, self.weight_of, item.cost, self._quantum(item.tenant))
         tier = self._level(item.rank)
         queue = tier.queues.get(item.tenant)
         if queue is None:
@@ -300,7 +302,9 @@ class FairQueue(QueuePolicy):
         tier.size -= 1
         self._drop_if_empty(tier, head.tenant)
         if head.tenant in tier.queues:
-            now = base + shares.level(head.tenant, self.weight_of)
+            following = tier.queues[head.tenant].peek()
+            assert following is not None
+            now = base + shares.level(head.tenant, self.weight_of, following.cost, self._quantum(head.tenant))
             if now > head.rank:  # its burst or share is used up: what it still has queued waits its turn
                 self._demote(tier, head.tenant, now)
         return head

@@ -292,7 +292,7 @@ def test_fair_ranks_sparse_tenants_first_here_and_in_the_scheduler() -> None:
     for _ in range(6):
         f.push("light", 2000)
         ranks.extend(i.rank for i in drain(q))
-    assert ranks[0] == default + FRESH and ranks[-1] == default + BACKLOGGED
+    assert ranks[0] == default + SPARSE and ranks[-1] == default + BACKLOGGED  # SPARSE: longer than a quantum
     # The tier comes first: an interactive request (ranks 0-2; alone in its tier: backlogged) outranks any default one.
     f.push("other", 100, tier="interactive")
     assert drain(q)[0].rank == BACKLOGGED
@@ -336,6 +336,16 @@ def test_a_tenant_that_starts_flooding_is_fresh_for_one_request_only() -> None:
     drain(q)
     f.push("chat", 96, 5)
     assert [i.rank for i in drain(q)] == [default + FRESH] + [default + SPARSE] * 4
+    # FRESH is a quantum's credit: a newcomer whose first prompt is longer is only SPARSE, so the
+    # chat requests that arrive while it is computed go first (and preempt it between layers).
+    q = AdmissionQueue("fair", backpressure=NO_BACKPRESSURE)
+    f = Feeder(q)
+    for t in ("a", "b", "c"):
+        f.push(t, 96, 4)
+    drain(q)
+    f.push("flood", 544)
+    f.push("a", 96)
+    assert [(i.tenant, i.rank) for i in drain(q)] == [("a", default + FRESH), ("flood", default + SPARSE)]
 
 
 def test_a_task_group_stays_together_in_the_admission_queue() -> None:
