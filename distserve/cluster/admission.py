@@ -292,6 +292,7 @@ class AdmissionQueue(Generic[T]):
         item.group_arrival, item.group_order = (item.arrival, item.order) if group is None else self._groups.first(group, item.arrival, item.order)
         item.enqueued_at = now
         item.deadline = now + item.timeout_s if item.timeout_s is not None else math.inf
+        self.policy.now = now
         self.policy.push(item)
         self._items[item.request_id] = item
         if item.timeout_s is not None:
@@ -349,6 +350,7 @@ class AdmissionQueue(Generic[T]):
             return []
         loads = {id(inst): load(inst) for inst in instances}
         out: list[tuple[AdmissionItem, T]] = []
+        self.policy.now = now
         while (item := self.policy.peek()) is not None:
             accepting = [inst for inst in instances if self.backpressure.accepts(loads[id(inst)], item.tier, item.rank)]
             if not accepting:

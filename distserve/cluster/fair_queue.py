@@ -25,18 +25,17 @@ remaining chunks of a higher-ranked one (chunked prefill): the order chosen here
   whose dispatches take it past its share drops to the backlogged level with what it has queued,
   and a tenant alone in its tier is never sparse (there is no one to go before). As FQ-CoDel's new
   flows, sparse requests are split once more by **burst**: a sparse tenant's request is ``FRESH``
-  when it fits one quantum of tokens (the credit FQ-CoDel gives a new flow), starts a burst — its
-  requests dispatched as sparse, decayed as the tier serves other tenants (over
-  ``BURST_WINDOW_QUANTA`` quanta of their tokens), count under one half: about 700 tokens of others
-  were served since its last one — and the tenant got at most ``FRESH_SHARE_FACTOR`` (2) times its
-  share recently (so chat tenants that had the capacity to themselves before a flood began are not
-  put behind the flood's first prompts); else ``SPARSE`` (under its share) or backlogged. Each tier
-  has three levels (rank ``3 × tier + level``). A chat tenant's requests are FRESH; a tenant that
-  starts flooding has its first request FRESH only if it is short, and its next ones, sent before
-  others were served, at most SPARSE, even while a share measured over the long window still counts
-  it under its share — so its long prompts, dispatched early, do not hold up the light requests
-  that arrive while they are computed (a lower rank is computed first, and preempts a running plan
-  between layers: ``engine.preemptible``). A light tenant's chat then waits neither behind a
+  when it starts a burst — the tenant's tokens dispatched lately (decayed with time,
+  ``BURST_TAU_S``, 1 s) are under half a quantum (× weight): it was quiet for a second or so, as
+  FQ-CoDel's new flows had an empty queue — and the tenant got at most ``FRESH_SHARE_FACTOR`` (2) times its share recently (so
+  chat tenants that had the capacity to themselves before a flood began are not put behind the
+  flood's first prompts); else ``SPARSE`` (under its share) or backlogged. Each tier has three
+  levels (rank ``3 × tier + level``). A chat tenant's requests are FRESH; a tenant that starts
+  flooding has its first request FRESH, and its next ones, sent within a second or so, at most
+  SPARSE, even while a share measured over the long window still counts it under its
+  share — so its long prompts, dispatched early, do not hold up the light requests that arrive
+  while they are computed (a lower rank is computed first, and
+  preempts a running plan between layers: ``engine.preemptible``). A light tenant's chat then waits neither behind a
   flooding tenant's queue nor behind its prompts already dispatched, while a tenant sending more
   than its share, however it paces its requests, is not sparse.
 """
@@ -57,7 +56,7 @@ if TYPE_CHECKING:
 
 DEFAULT_QUANTUM_TOKENS = 512  # tokens a weight-1 tenant may send per round under ``fair``
 SHARE_WINDOW_QUANTA = 32  # ``fair``: a tenant is sparse while under its share of the tier's last this many quanta of tokens
-BURST_WINDOW_QUANTA = 2  # a burst decays over this many quanta of other tenants' tokens (FRESH again after ~0.7 of it)
+BURST_TAU_S = 1.0  # a tenant's burst (its dispatched tokens) decays with this time constant (seconds)
 FRESH, SPARSE, BACKLOGGED = 0, 1, 2  # ``fair``'s levels within a tier (rank = LEVELS × tier rank + level)
 LEVELS = 3
 # A tenant's first request of a burst is FRESH while the tenant got at most this many times its
@@ -69,7 +68,10 @@ WeightOf = Callable[[str], float]  # tenant name -> its weight
 
 
 class QueuePolicy(ABC):
-    """The items waiting for dispatch, in one policy's order."""
+    """The items waiting for dispatch, in one policy's order. ``now``: the driver's clock at the
+    latest push or dispatch (``AdmissionQueue`` sets it; a policy may read it)."""
+
+    now: float = 0.0
 
     @abstractmethod
     def push(self, item: AdmissionItem) -> None: ...
@@ -162,23 +164,27 @@ class _RecentShares:
     """A tier's recently dispatched tokens by tenant: sums decayed by ``exp(-cost / window)`` at each
     dispatch, so they weigh the tier's last ``window`` or so tokens, whatever the time they took."""
 
-    def __init__(self, window: float, burst_window: float) -> None:
-        self.window, self.burst_window = window, burst_window
+    def __init__(self, window: float) -> None:
+        self.window = window
         self.total = 0.0
         self.tokens: dict[str, float] = {}
-        # A tenant's requests dispatched as sparse, decayed by the tokens the tier dispatched for
-        # *other* tenants since (over ``burst_window``): how far into a burst it is.
-        self.burst: dict[str, float] = {}
+        # A tenant's dispatched tokens, decayed with time (``BURST_TAU_S``), and when they were last
+        # updated: how far into a burst the tenant is.
+        self._burst: dict[str, tuple[float, float]] = {}
 
-    def level(self, tenant: str, weight_of: WeightOf, cost: int, quantum: float) -> int:
-        """The level within its tier of ``tenant``'s request of ``cost`` tokens now: ``FRESH`` (the
-        first request of a burst — its burst under half a request — within one ``quantum`` of tokens,
-        from a tenant within ``FRESH_SHARE_FACTOR`` times its share), ``SPARSE`` (under its share) or
-        ``BACKLOGGED`` (also: no other tenant got any recently)."""
+    def burst(self, tenant: str, now: float) -> float:
+        value, at = self._burst.get(tenant, (0.0, now))
+        return value * math.exp(-max(0.0, now - at) / BURST_TAU_S)
+
+    def level(self, tenant: str, weight_of: WeightOf, quantum: float, now: float) -> int:
+        """The level within its tier of ``tenant``'s next request at ``now``: ``FRESH``
+        (the first request of a burst — the tenant's tokens dispatched lately, decayed with time,
+        under half a ``quantum`` — from a tenant within ``FRESH_SHARE_FACTOR`` times its share), ``SPARSE`` (under its
+        share) or ``BACKLOGGED`` (also: no other tenant got any recently)."""
         ratio = self.share_ratio(tenant, weight_of)
         if ratio is None:
             return BACKLOGGED
-        if cost <= quantum and self.burst.get(tenant, 0.0) < 0.5 and ratio <= FRESH_SHARE_FACTOR:
+        if self.burst(tenant, now) < quantum / 2 and ratio <= FRESH_SHARE_FACTOR:
             return FRESH
         return SPARSE if ratio < 1.0 else BACKLOGGED
 
@@ -191,8 +197,8 @@ class _RecentShares:
         weight = sum(map(weight_of, self.tokens)) + (0.0 if tenant in self.tokens else weight_of(tenant))
         return (mine / weight_of(tenant)) / (self.total / weight)
 
-    def charge(self, tenant: str, cost: int, sparse: bool) -> None:
-        """A dispatch of ``cost`` tokens by ``tenant`` (``sparse``: at its tier's sparse level)."""
+    def charge(self, tenant: str, cost: int, now: float) -> None:
+        """A dispatch of ``cost`` tokens by ``tenant`` at ``now``."""
         decay = math.exp(-cost / self.window)
         self.total = self.total * decay + cost
         tokens = self.tokens
@@ -201,10 +207,9 @@ class _RecentShares:
         tokens[tenant] = tokens.get(tenant, 0.0) + cost
         if len(tokens) > 1 and min(tokens.values()) < 1.0:  # forgotten: a tenant idle for many windows
             self.tokens = {t: n for t, n in tokens.items() if n >= 1.0}
-        burst_decay = math.exp(-cost / self.burst_window)  # a burst ends as the others are served
-        self.burst = {t: n if t == tenant else n * burst_decay for t, n in self.burst.items() if t == tenant or n * burst_decay >= 0.01}
-        if sparse:
-            self.burst[tenant] = self.burst.get(tenant, 0.0) + 1.0
+        self._burst[tenant] = (self.burst(tenant, now) + cost, now)
+        if len(self._burst) > 64:  # forgotten: bursts long over
+            self._burst = {t: (v, at) for t, (v, at) in self._burst.items() if self.burst(t, now) >= 1.0}
 
 
 class FairQueue(QueuePolicy):
@@ -224,8 +229,8 @@ class FairQueue(QueuePolicy):
         if queued is not None:
             item.rank = queued  # a tenant's queued requests share one level: its own order holds
         else:
-            shares = self._shares.setdefault(item.tier_rank, _RecentShares(SHARE_WINDOW_QUANTA * self.quantum, BURST_WINDOW_QUANTA * self.quantum))
-            item.rank = base + shares.level(item.tenant, self.weight_of, item.cost, self._quantum(item.tenant))
+            shares = self._shares.setdefault(item.tier_rank, _RecentShares(SHARE_WINDOW_QUANTA * self.quantum))
+            item.rank = base + shares.level(item.tenant, self.weight_of, self._quantum(item.tenant), self.now)
         tier = self._level(item.rank)
         queue = tier.queues.get(item.tenant)
         if queue is None:
@@ -295,16 +300,14 @@ class FairQueue(QueuePolicy):
         assert head is not None
         shares = self._shares[head.tier_rank]
         base = LEVELS * head.tier_rank
-        shares.charge(head.tenant, head.cost, sparse=head.rank - base != BACKLOGGED)
+        shares.charge(head.tenant, head.cost, self.now)
         tier = self._tiers[head.rank]
         tier.queues[head.tenant].pop()
         tier.deficit[head.tenant] -= head.cost
         tier.size -= 1
         self._drop_if_empty(tier, head.tenant)
         if head.tenant in tier.queues:
-            following = tier.queues[head.tenant].peek()
-            assert following is not None
-            now = base + shares.level(head.tenant, self.weight_of, following.cost, self._quantum(head.tenant))
+            now = base + shares.level(head.tenant, self.weight_of, self._quantum(head.tenant), self.now)
             if now > head.rank:  # its burst or share is used up: what it still has queued waits its turn
                 self._demote(tier, head.tenant, now)
         return head

@@ -84,13 +84,14 @@ class LocalInstance:
     runner: StepRunner
     route: RouteState = field(default_factory=RouteState)  # what routing knows (``cluster.routing``)
     should_yield: Callable[[], bool] | None = None
+    clock: Callable[[], float] = time.monotonic
     preemptible: PreemptibleSteps | None = field(init=False, default=None)
     _on_plan: PlanListener | None = field(init=False, default=None)
 
     def __post_init__(self) -> None:
         runner = self.runner
         if self.core.phase in ("prefill", "decode") and self.core.config.layer_preemption and isinstance(runner, ModelRunner):
-            self.preemptible = PreemptibleSteps(self.core, self._begin, runner.run, time.monotonic,
+            self.preemptible = PreemptibleSteps(self.core, self._begin, runner.run, self.clock,
                                                 within_instance=self.core.phase == "prefill")
 
     def _begin(self, plan: StepPlan) -> LayerPass:
@@ -104,13 +105,13 @@ class LocalInstance:
             self._on_plan = on_plan
             return self.preemptible.step(self.should_yield)
         if on_plan is None:
-            return self.core.step(self.runner.execute, time.monotonic)
+            return self.core.step(self.runner.execute, self.clock)
 
         def execute(plan: StepPlan) -> list[SampledToken]:
             on_plan(self.instance_id, plan)
             return self.runner.execute(plan)
 
-        return self.core.step(execute, time.monotonic)
+        return self.core.step(execute, self.clock)
 
     @property
     def suspended(self) -> bool:
@@ -157,14 +158,17 @@ class LocalDisaggEngine(EngineBase):
         router: str = DEFAULT_ROUTER,
         admission: AdmissionConfig = AdmissionConfig(),
         placement: Placement | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         """``admission`` configures the admission queue in front of the prefill instances (the
         product's default: fair queueing, TNG's backpressure); the rest the instances.
         ``placement`` (tp = pp = 1 everywhere), if given, replaces ``num_prefill``/``num_decode``:
-        its decode instances keep their class pools and batch caps (``InstanceSpec.pool``/``max_num_seqs``)."""
+        its decode instances keep their class pools and batch caps (``InstanceSpec.pool``/``max_num_seqs``).
+        ``clock``: every time this engine stamps or decides by (a test may drive it step by step)."""
         if not (kv_transfer_timeout_s > 0 and math.isfinite(kv_transfer_timeout_s)):
             raise InvalidConfigError(f"kv_transfer_timeout_s must be a positive number of seconds, got {kv_transfer_timeout_s}")
         self.router = check_router(router)
+        self.clock = clock
         decode_specs = _decode_specs(placement, num_decode)
         num_prefill = num_prefill if placement is None else len(placement.prefill)
         num_decode = len(decode_specs)
@@ -179,7 +183,7 @@ class LocalDisaggEngine(EngineBase):
             core = InstanceCore(phase, spec.scheduler_config(config), self.num_blocks, cc.block_size, self.max_model_len,
                                 self.eos_token_ids, enable_prefix_caching=cc.enable_prefix_caching)
             return LocalInstance(f"{phase}-{i}", core, runner_factory(loaded, self.num_blocks, cc, self.eos_token_ids),
-                                 RouteState(pool=spec.pool))
+                                 RouteState(pool=spec.pool), clock=clock)
 
         self.prefill = [instance("prefill", i, prefill_cfg) for i in range(num_prefill)]
         self.decode = [instance("decode", i, self.scheduler_config, spec) for i, spec in enumerate(decode_specs)]
@@ -209,7 +213,7 @@ class LocalDisaggEngine(EngineBase):
         item = AdmissionItem(seq.seq_id, seq.request_class, seq.num_prompt_tokens + seq.sampling.max_tokens,
                              seq.arrival_time, seq.priority, seq.timeout_s, seq, num_prompt_tokens=seq.num_prompt_tokens)
         try:
-            self.admission.push(item, time.monotonic())
+            self.admission.push(item, self.clock())
         except DistServeError:  # refused (QueueFullError) or malformed: it never entered
             self._forget(seq.seq_id)
             raise
@@ -225,7 +229,7 @@ class LocalDisaggEngine(EngineBase):
 
     def _admit(self) -> list[RequestOutput]:
         """Fail the requests past their deadline, then dispatch what the prefill instances accept."""
-        now = time.monotonic()
+        now = self.clock()
         outputs = []
         for item in self.admission.expire(now):
             seq = self._seqs.get(item.request_id)
@@ -256,7 +260,7 @@ class LocalDisaggEngine(EngineBase):
         if owner is not None:
             owner.route.release(request_id)
         if seq is not None and owner is not None and not seq.is_finished:
-            seq.finish_time = time.monotonic()
+            seq.finish_time = self.clock()
             owner.core.abort(request_id)
 
     def has_unfinished_requests(self) -> bool:
@@ -305,7 +309,7 @@ class LocalDisaggEngine(EngineBase):
         return outputs
 
     def _prefill_launched(self, instance_id: str, plan: StepPlan) -> None:
-        stamp_prefill_starts(plan, self._seqs, time.monotonic())
+        stamp_prefill_starts(plan, self._seqs, self.clock())
         if self.on_plan is not None:
             self.on_plan(instance_id, plan)
 
@@ -316,7 +320,7 @@ class LocalDisaggEngine(EngineBase):
             inst.should_yield = should_yield
 
     def _emit(self, seq: Sequence) -> RequestOutput:
-        out = self._output(seq, time.monotonic(), self._finish)
+        out = self._output(seq, self.clock(), self._finish)
         if out.finished:
             self._dispatched.discard(seq.seq_id)
             owner = self._owner.pop(seq.seq_id, None)
@@ -347,7 +351,7 @@ class LocalDisaggEngine(EngineBase):
                 break
         else:
             return False
-        started = time.monotonic()
+        started = self.clock()
         if self._fault is not None:
             fault, self._fault = self._fault, None
             dst.core.cancel(seq.seq_id)
@@ -371,7 +375,7 @@ class LocalDisaggEngine(EngineBase):
         dst.route.assign(seq.seq_id, seq.request_class)
         self.counters.record_migration_duration(time.perf_counter() - t0)
         self.counters.record_migration(num_blocks_skipped=first, num_blocks=len(src_blocks), num_bytes=num_bytes)
-        moved.migration_start_time, moved.migration_end_time = started, time.monotonic()
+        moved.migration_start_time, moved.migration_end_time = started, self.clock()
         self._seqs[seq.seq_id] = moved
         self._owner[seq.seq_id] = dst
         if self.on_migration is not None:

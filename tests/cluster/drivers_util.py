@@ -101,6 +101,17 @@ class Setup:
     decode: SchedulerConfig
 
 
+class RoundClock:
+    """The engine's clock in these runs: round k is at ``k × STEP_S``, the simulator's time of the
+    same events (time-dependent decisions, such as the fair queue's bursts, then match)."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
 def run_engine(
     tiny: LoadedModel, setup: Setup, arrivals: list[Arrival], router: str = DEFAULT_ROUTER, admission: AdmissionConfig = AdmissionConfig()
 ) -> tuple[Trace, LocalDisaggEngine]:
@@ -108,7 +119,7 @@ def run_engine(
         tiny, num_prefill=setup.num_prefill, num_decode=setup.num_decode,
         cache_config=CacheConfig(num_blocks=setup.num_blocks, block_size=BLOCK_SIZE, enable_prefix_caching=True),
         prefill_scheduler_config=setup.prefill, decode_scheduler_config=setup.decode, runner_factory=fake_runner, router=router,
-        admission=admission,
+        admission=admission, clock=(clock := RoundClock()),
     )
     trace = Trace()
     engine.on_plan, engine.on_migration = trace.on_plan, trace.on_migration
@@ -118,6 +129,7 @@ def run_engine(
     last = max(by_round)
     k = 0
     while k <= last or engine.has_unfinished_requests():
+        clock.now = k * STEP_S
         for i, a in by_round.get(k, []):
             sampling = SamplingParams(max_tokens=a.output_len, ignore_eos=True)
             # The simulator's arrival time: the FCFS order of requests arriving together is then their admission order in both.

@@ -306,46 +306,42 @@ def test_fair_ranks_sparse_tenants_first_here_and_in_the_scheduler() -> None:
 
 
 def test_a_tenant_that_starts_flooding_is_fresh_for_one_request_only() -> None:
-    """FQ-CoDel's new flows: a newcomer is FRESH for its first request; the ones it sends before the
-    tier served others are SPARSE (then backlogged, past its share), so a chat tenant's next request
+    """FQ-CoDel's new flows: a newcomer is FRESH for its first request; the ones it sends within the
+    next second or so are SPARSE (then backlogged, past its share), so a chat tenant's next request
     goes before them here and in the scheduler — FRESH, although the chat tenants had more than
     their share before the flood began."""
     default = LEVELS * 1
     q = AdmissionQueue("fair", backpressure=NO_BACKPRESSURE)
     f = Feeder(q)
-    for _ in range(8):  # history: three chat tenants, nothing from "flood"
-        for t in ("a", "b", "c"):
-            f.push(t, 96)
-    drain(q)
-    flood = [r for _ in range(3) for r in (f.push("flood", 474), drain(q))[1]]
+    t = 0.0
+    for _ in range(8):  # history: three chat tenants, a request every 3 s each, nothing from "flood"
+        for tenant in ("a", "b", "c"):
+            t += 1.0
+            f.push(tenant, 96, now=t)
+            drain(q, now=t)
+    flood = []
+    for _ in range(3):  # the flood starts: a request every 0.1 s
+        t += 0.1
+        f.push("flood", 474, now=t)
+        flood += drain(q, now=t)
     assert [i.rank for i in flood][:2] == [default + FRESH, default + SPARSE] and flood[2].rank > default + FRESH  # then its share runs out
-    f.push("a", 96)
-    assert drain(q)[0].rank == default + FRESH
-    # The burst ends as others are served: a chat request after a flood request is FRESH again,
-    # and so is the flood's next one once the chat tenants used a quantum or two of tokens.
-    for _ in range(12):
-        for t in ("a", "b", "c"):
-            f.push(t, 96)
-    drain(q)
-    f.push("flood", 474)
-    assert drain(q)[0].rank in (default + FRESH, default + BACKLOGGED)  # FRESH unless its share ran out
-    # A tenant under its share sending a burst of requests: the first FRESH, the rest SPARSE.
+    f.push("a", 96, now=t + 0.1)
+    assert drain(q, now=t + 0.1)[0].rank == default + FRESH
+    # A burst is over a few seconds on: the flood's next request is FRESH again unless its share ran out.
+    t += 5.0
+    f.push("flood", 474, now=t)
+    assert drain(q, now=t)[0].rank in (default + FRESH, default + BACKLOGGED)
+    # A tenant under its share sending a burst of requests at once: FRESH while its tokens are under
+    # half a quantum (three of 96), then SPARSE.
     q = AdmissionQueue("fair", backpressure=NO_BACKPRESSURE)
     f = Feeder(q)
     f.push("big", 2000, 2)
     drain(q)
-    f.push("chat", 96, 5)
-    assert [i.rank for i in drain(q)] == [default + FRESH] + [default + SPARSE] * 4
-    # FRESH is a quantum's credit: a newcomer whose first prompt is longer is only SPARSE, so the
-    # chat requests that arrive while it is computed go first (and preempt it between layers).
-    q = AdmissionQueue("fair", backpressure=NO_BACKPRESSURE)
-    f = Feeder(q)
-    for t in ("a", "b", "c"):
-        f.push(t, 96, 4)
-    drain(q)
-    f.push("flood", 544)
-    f.push("a", 96)
-    assert [(i.tenant, i.rank) for i in drain(q)] == [("a", default + FRESH), ("flood", default + SPARSE)]
+    f.push("chat", 96, 7, now=1.0)
+    assert [i.rank for i in drain(q, now=1.0)] == [default + FRESH] * 3 + [default + SPARSE] * 4
+    # A burst decays with time: the same tenant, quiet for a second, is FRESH again.
+    f.push("chat", 96, now=3.0)
+    assert drain(q, now=3.0)[0].rank == default + FRESH
 
 
 def test_a_task_group_stays_together_in_the_admission_queue() -> None:
