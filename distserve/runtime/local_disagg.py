@@ -60,6 +60,7 @@ class StepRunner(Protocol):
 RunnerFactory = Callable[[LoadedModel, int, CacheConfig, tuple[int, ...]], StepRunner]
 PlanListener = Callable[[str, StepPlan], None]  # (instance id, plan), as each plan is launched
 MigrationListener = Callable[[str, str, str], None]  # (request id, source id, destination id), once the KV arrived
+OutputListener = Callable[[list[RequestOutput]], None]  # outputs ready before the step ends
 
 
 def model_runner(loaded: LoadedModel, num_blocks: int, cache: CacheConfig, eos_token_ids: tuple[int, ...]) -> StepRunner:
@@ -201,6 +202,9 @@ class LocalDisaggEngine(EngineBase):
         self._dispatched: set[str] = set()  # requests that left the admission queue and are not finished
         self.on_plan: PlanListener | None = None
         self.on_migration: MigrationListener | None = None
+        # Set: the prefill instances' outputs (first tokens) go here as soon as their plans end,
+        # instead of with the step's return after the KV copies and decode steps of the round.
+        self.on_prefill_outputs: OutputListener | None = None
         self._skipped_decode = False
 
     # ---- requests ----------------------------------------------------------------------------
@@ -296,6 +300,9 @@ class LocalDisaggEngine(EngineBase):
                     self._pending.push((inst, seq))
                 outputs.append(self._emit(seq))
             yielded |= inst.suspended
+        if self.on_prefill_outputs is not None and outputs:
+            self.on_prefill_outputs(outputs)
+            outputs = []
         self._migrate_pending()
         # A prefill plan that yielded did so for a waiting command: the caller handles it before the
         # decode steps (at most one step in a row, so decodes are never starved by a stream of them).

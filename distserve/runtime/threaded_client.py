@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import functools
 import logging
 import queue
 import threading
@@ -242,9 +243,11 @@ class ThreadedEngineClient(EngineClient):
         self._slots = [_EngineSlot(e, i) for i, e in enumerate(engine_list)]
         self._admission: ColocatedAdmission[_EngineSlot] | None = (
             None if isinstance(engine_list[0], LocalDisaggEngine) else ColocatedAdmission(self._admission_config))
-        for engine in engine_list:
-            if isinstance(engine, LocalDisaggEngine):  # a backlogged prefill yields to a waiting command
-                engine.set_should_yield(lambda: not self._commands.empty())
+        for slot in self._slots:
+            if isinstance(slot.engine, LocalDisaggEngine):  # a backlogged prefill yields to a waiting command
+                slot.engine.set_should_yield(lambda: not self._commands.empty())
+                # First tokens reach their streams when the prefill ends, not after the round's decode steps.
+                slot.engine.on_prefill_outputs = functools.partial(self._publish, slot)
         built.set_result(engine_list)
         try:
             while True:
@@ -327,18 +330,21 @@ class ThreadedEngineClient(EngineClient):
 
     def _step(self) -> None:
         for slot in self._slots:
-            if not slot.engine.has_unfinished_requests():
+            if slot.engine.has_unfinished_requests():
+                self._publish(slot, slot.engine.step_or_recover())  # a failed step is recovered from (EngineBase)
+
+    def _publish(self, slot: _EngineSlot, outputs: list[RequestOutput]) -> None:
+        """Hand ``slot``'s engine's outputs to their streams (and forget the finished requests)."""
+        batch: list[tuple[_Stream, RequestOutput | BaseException]] = []
+        for out in outputs:
+            entry = self._streams.get(out.request_id)
+            if entry is None:
                 continue
-            batch: list[tuple[_Stream, RequestOutput | BaseException]] = []
-            for out in slot.engine.step_or_recover():  # a failed step is recovered from (EngineBase)
-                entry = self._streams.get(out.request_id)
-                if entry is None:
-                    continue
-                batch.append((entry[0], out))
-                if out.finished:
-                    del self._streams[out.request_id]
-                    slot.route.release(out.request_id)
-            self._deliver(batch)
+            batch.append((entry[0], out))
+            if out.finished:
+                del self._streams[out.request_id]
+                slot.route.release(out.request_id)
+        self._deliver(batch)
 
     def _deliver(self, items: list[tuple[_Stream, RequestOutput | BaseException]]) -> None:
         """Hand outputs to their event loops, one wake-up per loop per step."""

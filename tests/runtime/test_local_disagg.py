@@ -81,6 +81,25 @@ def test_single_token_requests_finish_on_prefill(tiny: LoadedModel) -> None:
     assert engine.counters.num_migrations == 0
 
 
+def test_first_tokens_go_out_before_the_rounds_decode_step(tiny: LoadedModel) -> None:
+    """With a listener (the in-process server's), a prefill's first token is handed over as its
+    plan ends — not after the KV copies and the decode step of the same round (a decode batch
+    of another tier's requests would add its step time to every TTFT)."""
+    engine = LocalDisaggEngine(tiny, cache_config=CacheConfig(num_blocks=512, block_size=4))
+    events: list[tuple[str, object]] = []
+    engine.on_plan = lambda instance_id, plan: events.append(("plan", instance_id))
+    engine.on_prefill_outputs = lambda outs: events.append(("outputs", [(o.request_id, len(o.token_ids)) for o in outs]))
+    engine.add_request(PROMPTS[0], SP, request_id="a")
+    for _ in range(3):
+        returned = engine.step()
+        events.append(("returned", [(o.request_id, len(o.token_ids)) for o in returned]))
+    engine.add_request(PROMPTS[1], SP, request_id="b")  # "a" decodes in this round while "b" is prefilled
+    events.append(("returned", [(o.request_id, len(o.token_ids)) for o in engine.step()]))
+    assert events[:4] == [("plan", "prefill-0"), ("outputs", [("a", 1)]), ("plan", "decode-0"), ("returned", [("a", 2)])]
+    # "b"'s first token leaves before "a"'s decode step, and is not returned again by the step.
+    assert events[-4:] == [("plan", "prefill-0"), ("outputs", [("b", 1)]), ("plan", "decode-0"), ("returned", [("a", 5), ("b", 2)])]
+
+
 def test_bad_configuration() -> None:
     with pytest.raises(InvalidConfigError):
         LocalDisaggEngine("tiny", num_prefill=0)
