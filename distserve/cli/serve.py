@@ -163,7 +163,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             session_limits=session_limits(args), api_keys=api_keys, request_log=request_log,
         )
 
-    from distserve.runtime.threaded_client import build_local_engine_client
+    from distserve.runtime.local_client import build_local_engine_client
 
     client = build_local_engine_client(config)
     return run_server(client, served, sock, on_ready=lambda url: _print_ready(url, served, layout), log_level=args.log_level, slo=slo,

@@ -2,7 +2,7 @@
 
 One frozen dataclass travels from the CLI (or ``DisaggLLM``, or a test) through
 ``ControllerClient`` → ``RemoteController`` → ``ControllerActor`` → ``Controller`` on the Ray
-runtime, and into ``build_local_engine_client`` on the in-process one, so that adding a deployment
+runtime, and into ``local_client.build_local_engine_client`` on the in-process one, so that adding a deployment
 option means adding one field here rather than a keyword to each layer. It is validated on
 construction: a bad value is refused in the caller's process, before anything is deployed.
 """

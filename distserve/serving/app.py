@@ -25,7 +25,8 @@ from distserve.errors import DistServeError, InvalidConfigError
 from distserve.placement import Placement
 from distserve.runtime.config import SERVER_MAX_QUEUED_REQUESTS, DeploymentConfig
 from distserve.runtime.ray_env import init_ray_local
-from distserve.runtime.threaded_client import ThreadedEngineClient, build_local_engine_client
+from distserve.runtime.local_client import build_local_engine_client
+from distserve.runtime.threaded_client import ThreadedEngineClient
 from distserve.serving.api_keys import ApiKeys, load_api_keys
 
 APP_NAME = "distserve"

@@ -8,7 +8,7 @@ from distserve.config import CacheConfig
 from distserve.errors import InvalidConfigError
 from distserve.placement import Placement
 from distserve.runtime.config import DEFAULT_MAX_QUEUED_REQUESTS, DeploymentConfig
-from distserve.runtime.threaded_client import build_local_engine_client
+from distserve.runtime.local_client import build_local_engine_client
 from simulator.simulation import SimConfig
 
 
