@@ -315,6 +315,10 @@ def check_placement_args(args: argparse.Namespace) -> None:
         raise InvalidConfigError("--placement cannot be combined with --colocated/--prefill/--decode or TP/PP flags")
     if args.colocated is not None and (args.prefill is not None or args.decode is not None):
         raise InvalidConfigError("--colocated cannot be combined with --prefill/--decode")
+    if args.colocated is not None and parallel:
+        flags = [f"--{f.replace('_', '-')}" for f in ("prefill_tp", "prefill_pp", "decode_tp", "decode_pp") if getattr(args, f) != 1]
+        raise InvalidConfigError(f"{'/'.join(flags)} set the parallelism of disaggregated instances, not of --colocated engines "
+                                 "(a Placement JSON, --placement, gives colocated instances TP/PP)")
 
 
 def placement_from_args(args: argparse.Namespace) -> "Placement":

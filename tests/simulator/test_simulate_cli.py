@@ -54,6 +54,7 @@ def test_trace_replayed_at_its_own_rate(capsys: pytest.CaptureFixture[str], tmp_
         (["--colocated", "1", "--rate", "1", "--hardware", "tpu-v9"], "tpu-v9"),
         (["--colocated", "1", "--rate", "1", "--workload", "poems"], "unknown workload"),
         (["--colocated", "1", "--prefill", "1", "--rate", "1"], "--colocated cannot be combined"),
+        (["--colocated", "1", "--prefill-tp", "3", "--decode-pp", "2", "--rate", "1"], "--prefill-tp/--decode-pp set the parallelism"),
         (["--prefill", "1", "--decode", "1", "--prefill-tp", "3", "--rate", "1"], "tp=3"),
         (["--colocated", "1", "--rate", "1", "--workload", "/nonexistent/trace.jsonl"], "trace"),
     ],
