@@ -49,7 +49,7 @@ from fastapi.responses import JSONResponse
 
 from distserve.cluster.classes import RequestClass
 from distserve.dataflow.executor import CallMeter, DataflowSession, SessionEnded, VariableFailed
-from distserve.dataflow.graph import UnknownVariable, check_criteria
+from distserve.dataflow.graph import UnknownVariable, VariableTaken, check_criteria
 from distserve.dataflow.limits import LimitExceeded, ValueTooLarge
 from distserve.dataflow.sessions import SessionForbidden, SessionManager, SessionNotFound
 from distserve.dataflow.template import parse_call
@@ -329,6 +329,8 @@ def as_api_error(exc: DataflowError) -> APIError:
         return APIError(429, str(exc), param=exc.param, type="rate_limit_error", code="limit_exceeded")
     if isinstance(exc, ValueTooLarge):
         return APIError(413, str(exc), param=exc.param, code="value_too_large")
+    if isinstance(exc, VariableTaken):
+        return APIError(409, str(exc), param=exc.param, type="conflict_error", code="variable_taken")
     return APIError(400, str(exc), param=exc.param)
 
 
