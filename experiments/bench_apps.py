@@ -44,6 +44,11 @@ Prefill tokens computed vs reused come from the server's ``/metrics`` counters
 ``instance="all"`` series, else the sum over instances), read before and after every run; a
 server that does not export them gives ``null``.
 
+``--figures`` measures Parrot's figures instead (``experiments/app_figures.py``: chain latency vs
+output length, multi-agent latency vs programs at once, copilot latency per output token vs users at
+once; both ways at ``--figure-delay-ms``) and writes ``bench_apps_figures.{json,md,png}``;
+``slo_sweep.py --render-apps`` redraws them from the JSON.
+
 Writes ``bench_apps.{json,md}`` under ``--out-dir`` (``experiments/results/`` by default; a new
 temporary directory with ``--quick``, which the test suite runs). The last stdout line is one JSON
 object of figures.
@@ -60,11 +65,13 @@ import signal
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 import httpx
 
 import harness
+from app_figures import FIGURES, markdown_lines, render, summarize_figures
 from apps import App, AppResult, DataflowClient, RequestClient, make_apps
 from distserve.measure.benchserve import ServerProcess, distserve_serve_argv, wait_until_idle
 from harness import Outputs
@@ -110,30 +117,46 @@ async def warm_up(base_url: str) -> None:
         await rc.aclose()
 
 
-def measure(args: argparse.Namespace, base_url: str) -> list[dict[str, Any]]:
-    """Every (delay, app, rep, way) once; one row each."""
+Cell = tuple[dict[str, Any], Callable[[int], App]]  # a row's fixed fields (with "app" and "delay_ms"), the app for a seed
+
+
+def table_cells(args: argparse.Namespace) -> list[Cell]:
+    """The table: every app of ``make_apps`` (or ``--apps``) at every delay."""
+    names = [app.name for app in make_apps(args.quick, 0)]
+    return [({"app": name, "delay_ms": delay_ms}, lambda seed, i=index: make_apps(args.quick, seed)[i])
+            for delay_ms in args.delays_ms for index, name in enumerate(names) if not args.apps or name in args.apps]
+
+
+def figure_cells(args: argparse.Namespace) -> list[Cell]:
+    """``--figures``: every point of Parrot's figures (``app_figures.FIGURES``) at ``--figure-delay-ms``."""
+    return [({"app": fig.app, "delay_ms": args.figure_delay_ms, fig.param: value},
+             lambda seed, fig=fig, value=value: fig.make(value, seed, args.quick))
+            for fig in FIGURES if not args.apps or fig.app in args.apps
+            for value in (fig.quick_values if args.quick else fig.values)]
+
+
+def measure(args: argparse.Namespace, base_url: str, cells: list[Cell]) -> list[dict[str, Any]]:
+    """Every (cell, rep, way) once; one row each."""
     rows = []
-    num_apps = len(make_apps(args.quick, 0))
-    for delay_ms in args.delays_ms:
-        for index in range(num_apps):
-            for rep in range(args.reps):
-                for way in (WAYS if rep % 2 == 0 else WAYS[::-1]):
-                    seed = args.seed + 1 + len(rows)  # fresh texts every run
-                    app = make_apps(args.quick, seed)[index]
-                    if args.apps and app.name not in args.apps:
-                        continue
-                    wait_until_idle(base_url)
-                    before = read_counters(base_url)
-                    result, other_cores = harness.watched(lambda: asyncio.run(run_once(app, way, base_url, delay_ms / 1000)))
-                    row = {"app": app.name, "delay_ms": delay_ms, "rep": rep, "way": way, "seed": seed,
-                           "latency_s": round(result.latency_s, 4), "other_cores": round(other_cores, 2),
-                           "num_outputs": len(result.outputs), "output_chars": sum(len(o) for o in result.outputs),
-                           **{k: round(v, 4) if isinstance(v, float) else v for k, v in result.extra.items()},
-                           **counter_delta(before, read_counters(base_url))}
-                    rows.append(row)
-                    print(f"  {app.name:<11} delay {delay_ms:>4g} ms  rep {rep}  {way:<15} {result.latency_s * 1000:8.0f} ms  "
-                          f"prefill computed {row['prefill_computed']}, reused {row['prefix_reused']}  "
-                          f"(others {other_cores:.2f} cores)", flush=True)
+    for fields, make in cells:
+        for rep in range(args.reps):
+            for way in (WAYS if rep % 2 == 0 else WAYS[::-1]):
+                seed = args.seed + 1 + len(rows)  # fresh texts every run
+                app = make(seed)
+                delay_ms = fields["delay_ms"]
+                wait_until_idle(base_url)
+                before = read_counters(base_url)
+                result, other_cores = harness.watched(lambda: asyncio.run(run_once(app, way, base_url, delay_ms / 1000)))
+                row = {**fields, "rep": rep, "way": way, "seed": seed,
+                       "latency_s": round(result.latency_s, 4), "other_cores": round(other_cores, 2),
+                       "num_outputs": len(result.outputs), "output_chars": sum(len(o) for o in result.outputs),
+                       **{k: round(v, 4) if isinstance(v, float) else v for k, v in result.extra.items()},
+                       **counter_delta(before, read_counters(base_url))}
+                rows.append(row)
+                point = " ".join(f"{k} {v}" for k, v in fields.items() if k not in ("app", "delay_ms"))
+                print(f"  {app.name:<11} {point} delay {delay_ms:>4g} ms  rep {rep}  {way:<15} {result.latency_s * 1000:8.0f} ms  "
+                      f"prefill computed {row['prefill_computed']}, reused {row['prefix_reused']}  "
+                      f"(others {other_cores:.2f} cores)", flush=True)
     return rows
 
 
@@ -195,13 +218,21 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--apps", default="", help="comma-separated subset of chain,map_reduce,multi_agent,copilot,mixed")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--startup-timeout", type=float, default=300.0)
+    ap.add_argument("--figures", action="store_true",
+                    help="measure Parrot's figures instead of the table: chain latency vs output length, multi-agent latency vs "
+                         "programs at once, copilot latency per token vs users at once (experiments/app_figures.py); writes "
+                         "bench_apps_figures.{json,md,png}")
+    ap.add_argument("--figure-delay-ms", type=float, default=250.0, help="--figures: the client<->server round trip of every point")
     args = ap.parse_args()
     if args.quick:
         args.model, args.serve_flags, args.reps = "tiny", "--colocated 1 --runtime local", 1
     args.delays_ms = [int(float(d)) if float(d).is_integer() else float(d) for d in args.delays_ms.split(",") if d]
     args.apps = {a for a in args.apps.split(",") if a}
-    if args.reps < 1 or any(d < 0 for d in args.delays_ms):
+    if args.reps < 1 or any(d < 0 for d in args.delays_ms) or args.figure_delay_ms < 0:
         ap.error("--reps must be >= 1 and delays >= 0")
+    known = {f.app for f in FIGURES} if args.figures else {a.name for a in make_apps(args.quick, 0)}
+    if args.apps - known:
+        ap.error(f"--apps: unknown {sorted(args.apps - known)}; known{' with --figures' if args.figures else ''}: {sorted(known)}")
     return args
 
 
@@ -209,7 +240,7 @@ def main() -> None:
     args = parse_args()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwinds through the finally that stops the server
     t_start = time.monotonic()
-    out = Outputs.for_run(args, "bench_apps")
+    out = Outputs.for_run(args, "bench_apps_figures" if args.figures else "bench_apps")
     server = ServerProcess("distserve", distserve_serve_argv(args.model, args.dtype, shlex.split(args.serve_flags)), args.startup_timeout)
     figures: dict[str, Any] = {"model": args.model, "dtype": args.dtype, "serve_flags": args.serve_flags, "quick": args.quick,
                                "cpu_count": os.cpu_count(), "reps": args.reps, "delays_ms": args.delays_ms}
@@ -217,14 +248,22 @@ def main() -> None:
         base_url = server.start()
         print(f"server: `{' '.join(server.argv[1:])}` at {base_url} in {server.startup_s:.1f} s", flush=True)
         asyncio.run(warm_up(base_url))
-        rows = measure(args, base_url)
+        rows = measure(args, base_url, figure_cells(args) if args.figures else table_cells(args))
     finally:
         figures.update(harness.stop_server(server))
-    figures["apps"] = summarize(rows)
     figures["counters_exported"] = all(r[k] is not None for r in rows for k in ("prefill_computed", "prefix_reused"))
     figures["wall_s"] = round(time.monotonic() - t_start, 1)
+    if args.figures:
+        figures["figure_delay_ms"] = args.figure_delay_ms
+        figures["figures"] = summarize_figures(rows)
+        md = [f"{args.model} on `distserve serve {args.serve_flags}`, {figures['cpu_count']} cores; median of {args.reps} runs per "
+              f"point; client<->server round trip {args.figure_delay_ms:g} ms; ratio = request-centric / dataflow.", "",
+              *markdown_lines(figures["figures"])]
+        out.png(render(figures["figures"], f"{args.model}, {args.serve_flags}, round trip {args.figure_delay_ms:g} ms"))
+    else:
+        figures["apps"] = summarize(rows)
+        md = markdown(figures)
     out.json({"figures": figures, "rows": rows})
-    md = markdown(figures)
     out.markdown(md)
     print("\n".join(md), flush=True)
     harness.finish(figures)

@@ -34,11 +34,14 @@ Sweeps (``--sweeps rate,slo-scale``):
 
 Writes slo_sweep.{json,md,png} under --out-dir (DistServe-style figures); the last stdout line is
 one JSON object of figures. ``--quick``: two simulated OPT-13B targets, 40 requests, coarse search.
+``--render-apps FILE.json`` instead draws Parrot's application figures (``app_figures``) from a
+``bench_apps.py --figures`` run, as ``FILE.png``.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import shlex
 import sys
@@ -48,6 +51,7 @@ from typing import Any
 
 import numpy as np
 
+import app_figures
 import harness
 from distserve.errors import DistServeError, InvalidConfigError
 from distserve.measure.benchserve import wait_until_idle
@@ -273,6 +277,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--max-rate", type=float, default=None, help="endpoint: highest rate probed, req/s")
     ap.add_argument("--min-rate", type=float, default=0.25, help="endpoint: lower rates count as failing, unprobed, req/s")
     ap.add_argument("--request-timeout", type=float, default=120.0, help="endpoint: seconds per request")
+    ap.add_argument("--render-apps", default=None, metavar="FILE.json",
+                    help="draw Parrot's application figures from a `bench_apps.py --figures` JSON (next to it, as FILE.png) "
+                         "instead of sweeping")
     args = ap.parse_args(argv)
     if args.quick:
         args.sim = args.sim or list(QUICK_SIMS)
@@ -283,7 +290,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.scales = sorted(float(x) for x in args.scales.split(","))
     except ValueError:
         ap.error(f"--scales: comma-separated numbers, got {args.scales!r}")
-    checks = [(not args.sim and not args.endpoint, "give at least one --sim or --endpoint"),
+    checks = [(not args.sim and not args.endpoint and not args.render_apps, "give at least one --sim or --endpoint"),
               (bool(set(args.modes) - set(MODES)) or not args.modes, f"--modes: a subset of {MODES}"),
               (bool(set(args.sweeps) - {"rate", "slo-scale"}) or not args.sweeps, "--sweeps: a subset of rate,slo-scale"),
               (min(args.scales) <= 0, "--scales must be > 0"),
@@ -334,11 +341,27 @@ def build(args: argparse.Namespace) -> tuple[list[SimTarget | EndpointTarget], L
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
-        run(args)
+        render_apps(args.render_apps) if args.render_apps else run(args)
     except DistServeError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     return 0
+
+
+def render_apps(path: str) -> None:
+    """``--render-apps``: Parrot's figures from a ``bench_apps.py --figures`` run, as ``FILE.png``."""
+    try:
+        data = json.loads(Path(path).read_text())
+        figures = data["figures"]
+        summary = figures["figures"]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise InvalidConfigError(f"--render-apps {path}: not a `bench_apps.py --figures` JSON ({type(exc).__name__}: {exc})",
+                                 "render_apps") from None
+    png = Path(path).with_suffix(".png")
+    fig = app_figures.render(summary, f"{figures.get('model')}, {figures.get('serve_flags')}, round trip {figures.get('figure_delay_ms')} ms")
+    fig.savefig(png, dpi=120)
+    harness.pyplot().close(fig)
+    harness.finish({"render_apps": path, "png": str(png), "figures": sorted(summary)})
 
 
 def run(args: argparse.Namespace) -> None:

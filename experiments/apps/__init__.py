@@ -11,6 +11,7 @@ folder is on ``sys.path``) without any path edit; tests load it by file path.
 """
 
 from apps.clients import DataflowClient, OutputOf, RequestClient, render, template_function
-from apps.programs import App, AppResult, make_apps
+from apps.programs import App, AppResult, ChainSummary, Concurrent, Copilot, MultiAgentCoding, make_apps
 
-__all__ = ["App", "AppResult", "DataflowClient", "OutputOf", "RequestClient", "make_apps", "render", "template_function"]
+__all__ = ["App", "AppResult", "ChainSummary", "Concurrent", "Copilot", "DataflowClient", "MultiAgentCoding", "OutputOf", "RequestClient", "make_apps",
+           "render", "template_function"]

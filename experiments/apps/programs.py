@@ -8,6 +8,7 @@
 * ``Copilot``: one long shared system prompt, many users' short queries at once.
 * ``Mixed``: chat requests at a steady rate through the OpenAI API while map-reduce jobs run
   (through dataflow, read for throughput, or request by request); its figure is the chat latency.
+* ``Concurrent``: several apps at once (Parrot's multi-agent figure: latency vs number of apps).
 
 A dataflow program submits its DAG in two rounds of concurrent requests whatever its depth
 (``DataflowClient.submit_dag``), then reads its final variables; a request-centric one waits for
@@ -222,7 +223,7 @@ class Copilot:
         try:
             t0 = time.monotonic()
             done = await asyncio.gather(*(user(s, q) for s, q in zip(sessions, queries)))
-            return _per_user(done, time.monotonic() - t0)
+            return _per_user(done, time.monotonic() - t0, self.answer_tokens)
         finally:
             await asyncio.gather(*(df.close(s) for s in sessions))
 
@@ -235,11 +236,33 @@ class Copilot:
 
         t0 = time.monotonic()
         done = await asyncio.gather(*(user(q) for q in queries))
-        return _per_user(done, time.monotonic() - t0)
+        return _per_user(done, time.monotonic() - t0, self.answer_tokens)
 
 
-def _per_user(done: list[tuple[str, float]], latency_s: float) -> AppResult:
-    return AppResult([a for a, _ in done], latency_s, {"mean_user_latency_s": statistics.fmean(t for _, t in done)})
+def _per_user(done: list[tuple[str, float]], latency_s: float, answer_tokens: int) -> AppResult:
+    """Per user: its request's latency; per output token: that over the answer's tokens (Parrot's copilot figure)."""
+    mean = statistics.fmean(t for _, t in done)
+    return AppResult([a for a, _ in done], latency_s, {"mean_user_latency_s": mean, "per_token_latency_s": mean / answer_tokens})
+
+
+@dataclass(frozen=True)
+class Concurrent:
+    """``apps`` started together, each its own way; the latency is their mean (``max_app_latency_s``: the slowest)."""
+
+    apps: tuple[App, ...]
+    seed: int = 0
+    name: str = "concurrent"
+
+    async def dataflow(self, df: DataflowClient, rc: RequestClient) -> AppResult:
+        return _together(await asyncio.gather(*(app.dataflow(df, rc) for app in self.apps)))
+
+    async def request_centric(self, rc: RequestClient) -> AppResult:
+        return _together(await asyncio.gather(*(app.request_centric(rc) for app in self.apps)))
+
+
+def _together(results: list[AppResult]) -> AppResult:
+    return AppResult([o for r in results for o in r.outputs], statistics.fmean(r.latency_s for r in results),
+                     {"max_app_latency_s": max(r.latency_s for r in results)})
 
 
 @dataclass(frozen=True)

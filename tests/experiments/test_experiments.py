@@ -180,16 +180,35 @@ def test_quick_run_writes_to_a_temporary_directory(tmp_path: Path) -> None:
     assert tagged.path(".png") == tmp_path / "bench_x_t.png"
 
 
-def quick_run(script: Path, out_dir: Path) -> dict[str, Any]:
-    """Run ``script --quick --out-dir out_dir``; it must exit 0 and end with one non-empty JSON object."""
+def quick_run(script: Path, out_dir: Path, *extra: str) -> dict[str, Any]:
+    """Run ``script --quick --out-dir out_dir [extra]``; it must exit 0 and end with one non-empty JSON object."""
     proc = subprocess.run(
-        [sys.executable, str(script), "--quick", "--out-dir", str(out_dir)],
+        [sys.executable, str(script), "--quick", "--out-dir", str(out_dir), *extra],
         cwd=ROOT, capture_output=True, text=True, timeout=600,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     figures = json.loads(proc.stdout.strip().splitlines()[-1])
     assert isinstance(figures, dict) and figures
     return figures  # type: ignore[no-any-return]
+
+
+def test_bench_apps_figures_quick(tmp_path: Path) -> None:
+    """Parrot's figures (``bench_apps.py --figures``): every point of each sweep measured both ways
+    with its ratio, the PNG written; ``slo_sweep.py --render-apps`` redraws it from the JSON."""
+    f = quick_run(ROOT / "experiments" / "bench_apps.py", tmp_path, "--figures")
+    assert f["processes_left"] == 0 and set(f["figures"]) == {"chain", "multi_agent", "copilot"}
+    assert {app: list(fig["points"]) for app, fig in f["figures"].items()} == {"chain": ["4", "8"], "multi_agent": ["1", "2"], "copilot": ["2", "4"]}
+    for fig in f["figures"].values():
+        for c in fig["points"].values():
+            assert c["request_centric"] > 0 and c["dataflow"] > 0 and c["ratio"] == pytest.approx(c["request_centric"] / c["dataflow"], abs=1e-3)
+    rows = json.loads((tmp_path / "bench_apps_figures_quick.json").read_text())["rows"]
+    agents = [r for r in rows if r["app"] == "multi_agent"]
+    assert [r["num_outputs"] for r in agents] == [1, 1, 2, 2]  # one review per program at once, both ways
+    png = tmp_path / "bench_apps_figures_quick.png"
+    png.unlink()
+    drawn = subprocess.run([sys.executable, str(ROOT / "experiments" / "slo_sweep.py"), "--render-apps", str(png.with_suffix(".json"))],
+                           cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert drawn.returncode == 0 and png.stat().st_size > 0, drawn.stderr[-2000:]
 
 
 def test_every_script_has_a_quick_run_test() -> None:
