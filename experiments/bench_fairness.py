@@ -195,7 +195,7 @@ def simulate_prediction(args: Any, policy: str, results: dict[str, list[RequestR
     sent.sort(key=lambda x: x[0])
     requests = [Request(k, a, p, o, tenant=t, tier=TIERS.get(t, "default")) for k, (a, p, o, t, _) in enumerate(sent)]
     placement = Placement.colocated_instances(1) if any("colocated" in f for f in args.serve_flag) else Placement.disaggregated(1, 1)
-    tenants = tuple(TenantSpec(t, tier=TIERS.get(t, "default")) for t in {x[3] for x in sent})
+    tenants = tuple(TenantSpec(t, tier=TIERS.get(t, "default")) for t in sorted({x[3] for x in sent}))
     chunk = next((int(f.split("=", 1)[1]) for f in args.serve_flag if f.startswith("--prefill-chunk=")), None)
     prefill = SchedulerConfig() if chunk is None else SchedulerConfig(enable_chunked_prefill=True, max_num_batched_tokens=chunk)
     # Each instance's KV as the server sizes it (``serve --kv-cache-gb``): admission ranks keep a
