@@ -27,17 +27,17 @@ remaining chunks of a higher-ranked one (chunked prefill): the order chosen here
   flows, sparse requests are split once more by **burst**: a sparse tenant's request is ``FRESH``
   when it starts a burst — the tenant's tokens dispatched lately (decayed with time,
   ``BURST_TAU_S``, 1 s) are under half a quantum (× weight): it was quiet for a second or so, as
-  FQ-CoDel's new flows had an empty queue — and the tenant got at most ``FRESH_SHARE_FACTOR`` (2) times its share recently (so
-  chat tenants that had the capacity to themselves before a flood began are not put behind the
-  flood's first prompts); else ``SPARSE`` (under its share) or backlogged. Each tier has three
-  levels (rank ``3 × tier + level``). A chat tenant's requests are FRESH; a tenant that starts
-  flooding has its first request FRESH, and its next ones, sent within a second or so, at most
-  SPARSE, even while a share measured over the long window still counts it under its
-  share — so its long prompts, dispatched early, do not hold up the light requests that arrive
-  while they are computed (a lower rank is computed first, and
-  preempts a running plan between layers: ``engine.preemptible``). A light tenant's chat then waits neither behind a
-  flooding tenant's queue nor behind its prompts already dispatched, while a tenant sending more
-  than its share, however it paces its requests, is not sparse.
+  FQ-CoDel's new flows had an empty queue — and the tenant got at most ``FRESH_SHARE_FACTOR`` (2)
+  times its share recently (so chat tenants that had the capacity to themselves before a flood began
+  are not put behind the flood's first prompts); else ``SPARSE`` (under its share) or backlogged.
+  Each tier has three levels (rank ``3 × tier + level``). A chat tenant's requests are FRESH; a
+  tenant that starts flooding has its first request FRESH, and its next ones, sent within a second
+  or so, at most SPARSE, even while a share measured over the long window still counts it under its
+  share — so its long prompts, dispatched early, do not hold up the light requests that arrive while
+  they are computed (a lower rank is computed first, and preempts a running plan between layers:
+  ``engine.preemptible``). A light tenant's chat then waits neither behind a flooding tenant's queue
+  nor behind its prompts already dispatched, while a tenant sending more than its share, however it
+  paces its requests, is not sparse.
 """
 
 from __future__ import annotations
@@ -173,14 +173,15 @@ class _RecentShares:
         self._burst: dict[str, tuple[float, float]] = {}
 
     def burst(self, tenant: str, now: float) -> float:
+        """``tenant``'s dispatched tokens at ``now``, each decayed by ``exp(-age / BURST_TAU_S)``."""
         value, at = self._burst.get(tenant, (0.0, now))
         return value * math.exp(-max(0.0, now - at) / BURST_TAU_S)
 
     def level(self, tenant: str, weight_of: WeightOf, quantum: float, now: float) -> int:
-        """The level within its tier of ``tenant``'s next request at ``now``: ``FRESH``
-        (the first request of a burst — the tenant's tokens dispatched lately, decayed with time,
-        under half a ``quantum`` — from a tenant within ``FRESH_SHARE_FACTOR`` times its share), ``SPARSE`` (under its
-        share) or ``BACKLOGGED`` (also: no other tenant got any recently)."""
+        """The level within its tier of ``tenant``'s next request at ``now``: ``FRESH`` (the first
+        request of a burst — the tenant's tokens dispatched lately, decayed with time, under half a
+        ``quantum`` — from a tenant within ``FRESH_SHARE_FACTOR`` times its share), ``SPARSE`` (under
+        its share) or ``BACKLOGGED`` (also: no other tenant got any recently)."""
         ratio = self.share_ratio(tenant, weight_of)
         if ratio is None:
             return BACKLOGGED
