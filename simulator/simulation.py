@@ -60,6 +60,7 @@ from distserve.cluster.counters import ClusterCounters
 from distserve.cluster.migration_queue import MigrationQueue
 from distserve.cluster.routing import decode_lane, decode_order, entry_hashes, pick_entry
 from distserve.config import SamplingParams
+from distserve.engine.block_manager import prefix_block_hashes
 from distserve.engine.instance_core import InstanceCore
 from distserve.engine.step_plan import SampledToken, StepPlan
 from distserve.engine.sequence import Sequence, SequenceStatus
@@ -190,6 +191,10 @@ class Simulation:
         unfinished = len(requests)
         now = 0.0
         prompts: dict[int, list[int]] = {}
+        # A synthetic request is SAMPLED_TOKEN throughout (prompt and outputs), so block i of every
+        # one has the same chained content hash: computed here once, not once per request.
+        longest = max(r.prompt_len + r.output_len for r in requests)
+        self._filler_hashes = prefix_block_hashes([SAMPLED_TOKEN] * longest, self.config.block_size)
         pop = heapq.heappop
         while events:
             now, kind, _, payload = pop(events)
@@ -277,6 +282,9 @@ class Simulation:
             str(r.req_id), prompt, SamplingParams(max_tokens=r.output_len, ignore_eos=True), arrival_time=r.arrival_s,
             priority=r.priority, request_class=r.request_class,
         )
+        if r.prompt_token_ids is None:  # the hashes the block manager would compute, block by block (``_hashes_upto``)
+            seq.prefix_hashes = self._filler_hashes[: (r.prompt_len + r.output_len) // self.config.block_size]
+            seq.hashed_block_size = self.config.block_size
         item = AdmissionItem(seq.seq_id, r.request_class, r.prompt_len + r.output_len, r.arrival_s, r.priority, r.timeout_s, seq,
                              num_prompt_tokens=r.prompt_len)
         try:

@@ -16,6 +16,11 @@ A sequence's block hashes are computed once and kept on it (``seq_block_hashes``
 prompt waits), ``commit`` and prefix-affinity routing all read the same list. It never goes stale
 because ``token_ids`` only grow (preemption and crash re-runs keep the tokens so far), and a
 block's hash depends only on the tokens up to its end.
+
+Blocks are created on first use: a simulation builds thousands of block managers (one per instance
+per probe) and touches a fraction of their blocks. The free order is the one of a queue that starts
+as ``0 .. num_blocks - 1``: never-used blocks (ids ``>= len(blocks)``, taken in id order) come
+first, then the freed ones, least recently freed first.
 """
 
 from __future__ import annotations
@@ -85,8 +90,8 @@ class BlockManager:
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.enable_prefix_caching = enable_prefix_caching
-        self.blocks = [Block(i) for i in range(num_blocks)]
-        self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self.blocks: list[Block] = []  # block i exists once it has been taken: i < len(blocks)
+        self._free: OrderedDict[int, None] = OrderedDict()  # freed blocks, least recently freed first
         self._hash_to_block: dict[int, int] = {}
         self.num_prefix_hit_tokens = 0
         self.num_prefix_query_tokens = 0
@@ -96,12 +101,12 @@ class BlockManager:
     # ---- queries -------------------------------------------------------------------------
     @property
     def num_free_blocks(self) -> int:
-        return len(self._free)
+        return self.num_blocks - len(self.blocks) + len(self._free)
 
     @property
     def usage(self) -> float:
         """Fraction of blocks held by live sequences."""
-        return 1.0 - len(self._free) / self.num_blocks
+        return 1.0 - self.num_free_blocks / self.num_blocks
 
     def num_blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -151,7 +156,7 @@ class BlockManager:
     def can_allocate(self, seq: Sequence) -> bool:
         hits = self._match_prefix(seq)
         revived = sum(1 for b in hits if self.blocks[b].ref_count == 0)
-        return self.num_blocks_for(seq.num_tokens) - len(hits) + revived <= len(self._free)
+        return self.num_blocks_for(seq.num_tokens) - len(hits) + revived <= self.num_free_blocks
 
     def allocate(self, seq: Sequence) -> bool:
         """Give ``seq`` blocks for all its tokens, reusing cached prefix blocks. False if it doesn't fit."""
@@ -192,7 +197,7 @@ class BlockManager:
 
     def allocate_blocks(self, num_blocks: int) -> list[int] | None:
         """Raw blocks for a caller that fills them itself (e.g. KV received from another instance)."""
-        if num_blocks > len(self._free):
+        if num_blocks > self.num_free_blocks:
             return None
         return [self._take_free_block() for _ in range(num_blocks)]
 
@@ -208,7 +213,7 @@ class BlockManager:
 
     def can_append(self, seq: Sequence, num_new_tokens: int = 1) -> bool:
         grow, cow = self._slots_needed(seq, num_new_tokens)
-        return grow + int(cow) <= len(self._free)
+        return grow + int(cow) <= self.num_free_blocks
 
     def append_slots(self, seq: Sequence, num_new_tokens: int = 1) -> list[tuple[int, int]] | None:
         """Make room for the next ``num_new_tokens`` KV entries of ``seq``.
@@ -228,7 +233,7 @@ class BlockManager:
             if not cow:
                 return []  # the common decode step: room in the last block, nothing shared
             grow = 0
-        if grow + cow > len(self._free):
+        if grow + cow > self.num_blocks - len(self.blocks) + len(self._free):
             return None
         copies: list[tuple[int, int]] = []
         if cow:
@@ -298,6 +303,11 @@ class BlockManager:
             self._free[block_id] = None
 
     def _take_free_block(self) -> int:
+        blocks = self.blocks
+        block_id = len(blocks)
+        if block_id < self.num_blocks:  # a never-used block: first in the free order
+            blocks.append(Block(block_id, 1))
+            return block_id
         block_id, _ = self._free.popitem(last=False)
         block = self.blocks[block_id]
         if block.content_hash is not None:
