@@ -51,7 +51,6 @@ from typing import Any
 
 import numpy as np
 
-import app_figures
 import harness
 from distserve.errors import DistServeError, InvalidConfigError
 from distserve.measure.benchserve import wait_until_idle
@@ -350,6 +349,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def render_apps(path: str) -> None:
     """``--render-apps``: Parrot's figures from a ``bench_apps.py --figures`` run, as ``FILE.png``."""
+    import app_figures  # only here: it imports the example apps (and their HTTP clients)
+
     try:
         data = json.loads(Path(path).read_text())
         figures = data["figures"]
