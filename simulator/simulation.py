@@ -58,7 +58,7 @@ from typing import TYPE_CHECKING
 from distserve.cluster.admission import AdmissionItem, EntryLoad, entry_load, measured_tpot_s
 from distserve.cluster.counters import ClusterCounters
 from distserve.cluster.migration_queue import MigrationQueue
-from distserve.cluster.routing import decode_lane, decode_order, entry_hashes, pick_entry
+from distserve.cluster.routing import decode_lane, entry_hashes, pick_entry
 from distserve.config import SamplingParams
 from distserve.engine.block_manager import prefix_block_hashes
 from distserve.engine.instance_core import InstanceCore
@@ -71,6 +71,8 @@ from simulator.layer_preemption import layered_prefill
 from simulator.latency import LatencyModel
 from simulator.metrics import RequestRecord, SimResult
 from simulator.sim_config import SimConfig
+from simulator.sim_events import ARRIVE, LAUNCH, MIGRATE, MIGRATED, STEP_DONE
+from simulator.sim_migration import SimMigrations
 from simulator.sim_instance import SharedCompute, SimInstance, cascade_rule_of, check_fits, hold_every_prompt, route_of, step_time_fn
 
 if TYPE_CHECKING:
@@ -80,13 +82,7 @@ if TYPE_CHECKING:
 
 SAMPLED_TOKEN = 1  # the token every simulated step "samples"; never an EOS (ignore_eos is set anyway)
 
-# Event kinds, in the order they are handled at one instant: steps that end then are applied, then
-# finished prefills migrate, then migrations that complete then are delivered, then arrivals are
-# routed; instances launch their next step only after all of that (``Simulation.run``).
-_STEP_DONE, _MIGRATE, _MIGRATED, _LAUNCH, _ARRIVE = 0, 1, 2, 3, 4
-
-
-class Simulation:
+class Simulation(SimMigrations):
     """Run a list of requests through a placement; ``run()`` returns a ``SimResult``."""
 
     def __init__(self, placement: Placement, latency: LatencyModel, config: SimConfig | None = None) -> None:
@@ -167,7 +163,7 @@ class Simulation:
             sid = str(r.req_id)
             records[sid] = RequestRecord(r.req_id, r.arrival_s, r.prompt_len, r.output_len, r.slo_class, objective=r.objective,
                                          tenant=r.tenant)
-            push(events, (r.arrival_s, _ARRIVE, next(seq_no), r))
+            push(events, (r.arrival_s, ARRIVE, next(seq_no), r))
         self.records = records
         self._stop_when = stop_when
         self.stop_when_set = stop_when is not None
@@ -181,7 +177,7 @@ class Simulation:
         # Finished prefills waiting for room, FCFS: (source, its sequence, the copy the decode side gets).
         # The copy is made once; a failed ``reserve`` leaves it untouched, so retries reuse it.
         self.pending: MigrationQueue[tuple[SimInstance, Sequence, Sequence]] = MigrationQueue()
-        self._migrate_at = -1.0  # the instant a _MIGRATE event is queued for
+        self._migrate_at = -1.0  # the instant a MIGRATE event is queued for
         self._due: list[SimInstance] = []  # instances to launch at the end of this instant
         # One SampledToken per live request, reused every step: update_from_output only reads it.
         self._sampled: dict[str, SampledToken] = {}
@@ -198,7 +194,7 @@ class Simulation:
         pop = heapq.heappop
         while events:
             now, kind, _, payload = pop(events)
-            if kind == _STEP_DONE:
+            if kind == STEP_DONE:
                 inst, plan, version = payload  # type: ignore[misc]
                 if version != inst.step_version:
                     continue  # superseded: shared compute moved this step's completion
@@ -221,24 +217,14 @@ class Simulation:
                     break
                 if self.pending:
                     self._queue_migrate(now)
-            elif kind == _MIGRATE:
+            elif kind == MIGRATE:
                 self._migrate_pending(now)
-            elif kind == _ARRIVE:
+            elif kind == ARRIVE:
                 self._num_arrived += 1
                 unfinished -= self._arrive(payload, now, prompts)  # type: ignore[arg-type]
-            elif kind == _MIGRATED:
-                src, dst, seq_id = payload  # type: ignore[misc]
-                dst.rx_ends.popleft()
-                src.core.release(seq_id)
-                src.route.release(seq_id)
-                dst.core.complete(seq_id)
-                if self.on_migration is not None:
-                    self.on_migration(seq_id, src.instance_id, dst.instance_id)
-                self._launch_at_end(src)
-                self._launch_at_end(dst)
-                if self.pending:
-                    self._queue_migrate(now)
-            else:  # _LAUNCH
+            elif kind == MIGRATED:
+                self._migrated(*payload, now)  # type: ignore[misc]
+            else:  # LAUNCH
                 inst = payload  # type: ignore[assignment]
                 inst.launch_pending = False
                 self._launch_at_end(inst)
@@ -326,12 +312,6 @@ class Simulation:
         return len(expired)
 
     # ---- one instant's order --------------------------------------------------------------------
-    def _queue_migrate(self, now: float) -> None:
-        """Migrate the waiting prefills once every step ending at ``now`` is applied (room freed)."""
-        if self._migrate_at != now:
-            self._migrate_at = now
-            heapq.heappush(self._events, (now, _MIGRATE, next(self._seq_no), None))
-
     def _launch_at_end(self, inst: SimInstance) -> None:
         if not inst.launch_due:
             inst.launch_due = True
@@ -357,7 +337,7 @@ class Simulation:
             return
         if inst.stage_free[0] > now:  # stage 0 still busy with the previous micro-batch
             inst.launch_pending = True
-            heapq.heappush(self._events, (inst.stage_free[0], _LAUNCH, next(self._seq_no), inst))
+            heapq.heappush(self._events, (inst.stage_free[0], LAUNCH, next(self._seq_no), inst))
             return
         launched = core.launch(send_finished=False)  # no simulated worker keeps per-request state
         if launched is None:
@@ -385,19 +365,19 @@ class Simulation:
             if jumped is not None:  # its last step in flight, or (no plan) a marker that relaunches it then
                 self.num_fast_forward_steps += inst.core.num_steps - num_steps
                 end, last = jumped
-                heapq.heappush(self._events, (end, _STEP_DONE, next(self._seq_no), (inst, last, inst.step_version)))
+                heapq.heappush(self._events, (end, STEP_DONE, next(self._seq_no), (inst, last, inst.step_version)))
                 return
-        heapq.heappush(self._events, (end, _STEP_DONE, next(self._seq_no), (inst, plan, inst.step_version)))
+        heapq.heappush(self._events, (end, STEP_DONE, next(self._seq_no), (inst, plan, inst.step_version)))
         if inst.pp > 1 and len(core.in_flight) < inst.pp:
             inst.launch_pending = True
-            heapq.heappush(self._events, (stage_free[0], _LAUNCH, next(self._seq_no), inst))
+            heapq.heappush(self._events, (stage_free[0], LAUNCH, next(self._seq_no), inst))
 
     def _push_completions(self, group: list[SimInstance]) -> None:
         """Shared compute moved the steps in flight of ``group``: a new completion event for each
         (the old one is superseded by the version)."""
         for inst in group:
             plan = inst.layered.plan if inst.layered is not None else inst.plan_in_flight
-            heapq.heappush(self._events, (inst.stage_free[0], _STEP_DONE, next(self._seq_no), (inst, plan, inst.step_version)))
+            heapq.heappush(self._events, (inst.stage_free[0], STEP_DONE, next(self._seq_no), (inst, plan, inst.step_version)))
 
     def _step_done(self, inst: SimInstance, plan: StepPlan, now: float) -> int:
         """Apply a finished micro-batch (the oldest in flight: stages finish in launch order);
@@ -437,33 +417,7 @@ class Simulation:
     def _finished_in_jump(self, inst: SimInstance, end_s: float, seqs: list[Sequence]) -> None:
         """A fast-forward finished ``seqs`` in its step ending at ``end_s``: record them then, in
         the event order of the step-by-step run (``stop_when`` sees them in time order)."""
-        heapq.heappush(self._events, (end_s, _STEP_DONE, next(self._seq_no), (inst, seqs, inst.step_version)))
-
-    def _migrate_pending(self, now: float) -> None:
-        """Oldest first; nobody overtakes a request waiting for room (``MigrationQueue``)."""
-        self.pending.drain(lambda entry: self._migrate(entry, now), self.lane_of)
-
-    def _migrate(self, entry: tuple[SimInstance, Sequence, Sequence], now: float) -> bool:
-        src, seq, copy = entry
-        for dst in decode_order(self.decodes, route_of, seq.request_class, self.config.decode_scheduler.latency_max_num_seqs):
-            reservation = dst.core.reserve(copy)
-            if reservation is not None:
-                break
-        else:
-            return False
-        self.records[seq.seq_id].num_preemptions += seq.num_preemptions
-        dst.route.assign(seq.seq_id, seq.request_class)
-        num_bytes = reservation.num_blocks_to_transfer * self.config.block_size * self.kv_bytes_per_token
-        same_node = src.spec.node is None or dst.spec.node is None or src.spec.node == dst.spec.node
-        duration = self.latency.migration_time(num_bytes, same_node, min(src.tp, dst.tp)) + self.config.migration_overhead_s
-        start = max(now, src.tx_free, dst.rx_free)
-        end = start + duration
-        src.tx_free = dst.rx_free = end
-        dst.rx_ends.append(end)
-        self.counters.record_migration(reservation.num_reused_blocks, reservation.num_blocks_to_transfer, num_bytes)
-        self.counters.record_migration_duration(duration)  # known now: the link model decides it
-        heapq.heappush(self._events, (end, _MIGRATED, next(self._seq_no), (src, dst, seq.seq_id)))
-        return True
+        heapq.heappush(self._events, (end_s, STEP_DONE, next(self._seq_no), (inst, seqs, inst.step_version)))
 
 
 def simulate(
