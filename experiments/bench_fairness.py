@@ -1,7 +1,9 @@
 """Fair queueing under a flood, measured: one tenant floods, light tenants chat (issue 17).
 
 One run, real engine on CPU, the same client for every scenario (``distserve.measure.loadgen``,
-streaming, one ``Authorization: Bearer`` key per tenant, tenants from an ``--api-keys`` file):
+streaming, one ``Authorization: Bearer`` key per tenant, tenants from an ``--api-keys`` file; each
+tenant a client process of its own, as separate users are; the same arrivals and prompt lengths in
+every scenario, fresh prompt words in each, so none is in the server's prefix cache already):
 
 * ``light alone``: three light tenants (chat: short prompts) at ``--light-rate`` each;
 * ``flood + light``: the same light requests (same seeds) while ``flood`` sends long prompts at
@@ -30,8 +32,10 @@ import asyncio
 import dataclasses
 import json
 import math
+import multiprocessing
 import secrets
 import time
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -60,7 +64,8 @@ class Load:
     tenant: str
     rate: float  # requests/s
     input_len: int
-    seed: int
+    seed: int  # arrivals and prompt lengths: the same in every scenario the tenant is in
+    prompt_seed: int | None = None  # the prompt words: each scenario's own, so no prompt is in the prefix cache already
 
 
 def parse_args() -> Any:
@@ -104,25 +109,35 @@ def start_server(args: Any, policy: str, keys_path: Path) -> ServerProcess:
     return server
 
 
-async def run_scenario(base_url: str, model: str, loads: list[Load], keys: dict[str, str], args: Any,
-                       calibration: tuple[float, float]) -> dict[str, list[RequestResult]]:
-    """Every tenant's load at once, each through its own key; results per tenant (times from the scenario's start; each tenant's first request an exponential gap in)."""
+def run_tenant(base_url: str, model: str, load: Load, api_key: str, args: Any, calibration: tuple[float, float],
+               start_s: float) -> list[RequestResult]:
+    """One tenant's load, in a process of its own (``run_scenario``): its results with times from
+    ``start_s`` (a ``time.perf_counter`` reading, which is system-wide on Linux, taken by the parent)."""
+    n = max(1, round(load.rate * args.duration))
+    workload = Workload(n, load.rate, load.input_len, args.output_len, input_len_dist="uniform", input_len_spread=0.25,
+                        seed=load.seed, prompt_seed=load.prompt_seed, ignore_eos=True)
+    # Each tenant is a Poisson stream of its own from the scenario's start: its first request
+    # comes an exponential gap in, as every later one (the load generator sends its first at 0,
+    # which would line every tenant's first request up at the same instant).
+    offset_s = float(np.random.default_rng(load.seed).exponential(1.0 / load.rate))
+    time.sleep(max(0.0, start_s + offset_s - time.perf_counter()))
+    began = time.perf_counter() - start_s
+    result = asyncio.run(run_load_async(base_url, model, workload, api_key=api_key, tokens_per_word=calibration,
+                                        request_timeout_s=max(600.0, 4 * args.duration)))
+    return [shifted(r, began) for r in result.requests]
 
-    async def one(load: Load) -> tuple[str, list[RequestResult]]:
-        n = max(1, round(load.rate * args.duration))
-        workload = Workload(n, load.rate, load.input_len, args.output_len, input_len_dist="uniform", input_len_spread=0.25,
-                            seed=load.seed, ignore_eos=True)
-        # Each tenant is a Poisson stream of its own from the scenario's start: its first request
-        # comes an exponential gap in, as every later one (the load generator sends its first at 0,
-        # which would line every tenant's first request up at the same instant).
-        offset_s = float(np.random.default_rng(load.seed).exponential(1.0 / load.rate))
-        await asyncio.sleep(offset_s)
-        result = await run_load_async(base_url, model, workload, api_key=keys[load.tenant], tokens_per_word=calibration,
-                                      request_timeout_s=max(600.0, 4 * args.duration))
-        return load.tenant, [shifted(r, offset_s) for r in result.requests]
 
+def run_scenario(clients: ProcessPoolExecutor, base_url: str, model: str, loads: list[Load], keys: dict[str, str], args: Any,
+                 calibration: tuple[float, float]) -> dict[str, list[RequestResult]]:
+    """Every tenant's load at once, each through its own key and from a client process of its own
+    (``clients`` has a worker per tenant), as separate users are: in one event loop, a light tenant's
+    first token would wait while the loop parses a flood's streams. Results per tenant, times from
+    the scenario's start."""
     t0 = time.perf_counter()
-    out = dict(await asyncio.gather(*(one(load) for load in loads)))
+    start_s = t0 + 0.5  # every client has its task by then
+    futures = {load.tenant: clients.submit(run_tenant, base_url, model, load, keys[load.tenant], args, calibration, start_s)
+               for load in loads}
+    out = {tenant: f.result() for tenant, f in futures.items()}
     print(f"  {', '.join(f'{t}:{len(r)}' for t, r in out.items())} requests in {time.perf_counter() - t0:.0f} s", flush=True)
     return out
 
@@ -284,11 +299,21 @@ def main() -> None:
     scenarios = {"fcfs": [("flood+light fcfs", [flood, *light])],
                  "fair": [("light alone", light), ("flood+light fair", [flood, *light]), ("interactive alone", [vip]),
                           ("interactive+batch", [vip, nightly])]}
+    # The same arrivals and lengths in every scenario, fresh prompt words in each: a server that ran
+    # "light alone" just before "flood+light fair" would otherwise find the light prompts in its
+    # prefix cache and skip most of their prefill.
+    names = [name for named in scenarios.values() for name, _ in named]
+    scenarios = {policy: [(name, [dataclasses.replace(load, prompt_seed=load.seed + 1000 * (names.index(name) + 1)) for load in loads])
+                          for name, loads in named] for policy, named in scenarios.items()}
     runs: dict[str, dict[str, list[RequestResult]]] = {}
     servers: dict[str, Any] = {}
     calibration: tuple[float, float] | None = None
     watch = harness.LoadWatch()
-    with watch:
+    # One client process per tenant of the largest scenario, started (spawned) once for the whole run.
+    num_clients = max(len(loads) for named in scenarios.values() for _, loads in named)
+    clients = ProcessPoolExecutor(num_clients, mp_context=multiprocessing.get_context("spawn"))
+    with watch, clients:
+        list(clients.map(time.sleep, [0.5] * num_clients))  # every worker up before the first scenario
         for policy in ("fcfs", "fair"):
             server = start_server(args, policy, keys_path)
             try:
@@ -303,12 +328,11 @@ def main() -> None:
 
                 calibration = calibration or asyncio.run(calibrate())
                 # Warm-up: one uncounted light round so one-off costs land in no scenario.
-                asyncio.run(run_scenario(server.base_url, model, [Load(VIP, 2.0, args.light_input, 1)], keys,
-                                         _with(args, duration=2.0), calibration))
+                run_scenario(clients, server.base_url, model, [Load(VIP, 2.0, args.light_input, 1)], keys, _with(args, duration=2.0), calibration)
                 for name, loads in scenarios[policy]:
                     wait_until_idle(server.base_url.removesuffix("/v1"), timeout_s=600)
                     print(f"{name} ...", flush=True)
-                    runs[name] = asyncio.run(run_scenario(server.base_url, model, loads, keys, args, calibration))
+                    runs[name] = run_scenario(clients, server.base_url, model, loads, keys, args, calibration)
             finally:
                 servers[policy] = harness.stop_server(server)
     figures = {name: scenario_figures(rs) for name, rs in runs.items()}
