@@ -65,6 +65,7 @@ MODES = ["separate", "joint"]
 SCALES = (0.25, 0.35, 0.5, 0.7, 1.0, 1.4, 2.0, 2.8, 4.0)
 BAND = 0.3  # a ratio within +-30% of the published one (of its range, for chatbots) counts as reproduced
 PUBLISHED_SLO_SCALE = 12.6  # "up to 12.6x tighter SLOs", over all rows
+UNLIMITED_KV_BLOCKS = 1 << 24  # blocks of 16 tokens per instance: no workload here comes near
 
 
 @dataclass(frozen=True)
@@ -105,6 +106,7 @@ class Ablation:
     assumption: str
     seqs: int | None = None  # max_num_seqs of every instance
     mem_utilization: float | None = None
+    kv_unlimited: bool = False  # every instance holds any number of KV tokens, as the workers of DistServe's simulator
     launch_limits: bool = False  # DistServe's launch settings: vLLM 1024 seqs / 16384 tokens, prefill 128 / 8192, decode 1024 / 65536, KV at 95%
     first_turn: bool = False  # `chatbot` (first-turn prompts) instead of `sharegpt-multiturn`
     vllm_engine: bool = False  # the vllm-2023 baseline on vLLM's fitted step times
@@ -112,13 +114,15 @@ class Ablation:
 
     @property
     def changes_distserve(self) -> bool:
-        return self.seqs is not None or self.mem_utilization is not None or self.launch_limits or self.first_turn
+        return self.seqs is not None or self.mem_utilization is not None or self.kv_unlimited or self.launch_limits or self.first_turn
 
 
 ABLATIONS = [
     Ablation("baseline", "our defaults: max_num_seqs 64, 2048 tokens per step, KV at 90% of HBM, DistServe's step times for both"),
     Ablation("seqs-1024", "sequence cap 1024 on every instance (DistServe's decode cap and vLLM's --max-num-seqs; ours 64)", seqs=1024),
     Ablation("kv-95", "KV at 95% of HBM on every instance (both launches' --gpu-memory-utilization; ours 90%)", mem_utilization=0.95),
+    Ablation("kv-unlimited", "no KV capacity limit on any instance (with sequence cap 1024), as the workers of DistServe's simulator "
+             "(simdistserve/base/worker.py batches every queued decode; no memory model there)", seqs=1024, kv_unlimited=True),
     Ablation("launch-limits", "DistServe's launch settings: vLLM 1024 seqs / 16384 tokens per step; DistServe prefill 128 / 8192, "
              "decode 1024 / 65536; KV at 95%", launch_limits=True),
     Ablation("first-turn", "first-turn ShareGPT prompts (`chatbot`, mean ~228 tokens) instead of DistServe's multi-turn preparation",
@@ -127,6 +131,8 @@ ABLATIONS = [
              "vLLM/DistServe ratios on the roofline)", vllm_engine=True),
     Ablation("vllm-steps+6ms", f"vllm-steps plus {VLLM_STEP_OVERHEAD_S * 1000:.0f} ms per vLLM step (DistServe's real vLLM traces)",
              vllm_engine=True, vllm_overhead_s=VLLM_STEP_OVERHEAD_S),
+    Ablation("distserve-sim", "kv-unlimited + vllm-steps: what DistServe's own simulator assumes (its vLLM profile for vLLM, no KV limit)",
+             seqs=1024, kv_unlimited=True, vllm_engine=True),
     Ablation("as-evaluated", "launch-limits + vllm-steps+6ms: the closest we model DistServe's real comparison", launch_limits=True,
              vllm_engine=True, vllm_overhead_s=VLLM_STEP_OVERHEAD_S),
 ]
@@ -204,6 +210,28 @@ def plan(row: Row, num_requests: int, seed: int) -> dict[str, Any]:
     return out
 
 
+def prefill_pipelining(row: Row, num_requests: int, seed: int) -> dict[str, Any] | None:
+    """How much of pipelining's ideal gain DistServe's prefill instance gets (pp > 1 only): its prefill-only
+    throughput under overload (every prompt queued at once, outputs of one token, no KV limit) over pp times
+    that of the same TP without pipeline stages."""
+    from simulator.simulation import simulate, with_rate
+
+    tp, pp = row.layout[:2]
+    if pp == 1:
+        return None
+    latency, _ = row_latency(row.model)
+    prompts = [replace(r, output_len=1) for r in request_stream(row.workload, num_requests, num_requests, seed)]
+    config = SimConfig(num_blocks=UNLIMITED_KV_BLOCKS)  # step times do not depend on memory: TP3 alone need not fit it
+
+    def throughput(stages: int) -> float:
+        result = simulate(Placement.disaggregated(1, 1, tp, stages, *row.layout[2:]), latency, with_rate(prompts, 1e4), config)
+        return len(result.records) / max(r.first_token_s for r in result.records if r.first_token_s is not None)
+
+    piped, flat = throughput(pp), throughput(1)
+    return {"tp": tp, "pp": pp, "requests_per_s": round(piped, 3), "requests_per_s_pp1": round(flat, 3),
+            "efficiency": round(piped / (pp * flat), 3)}
+
+
 def run_jobs(fn: Any, items: list[Any], jobs: int) -> list[Any]:
     if jobs <= 1:
         return [fn(i) for i in items]
@@ -235,7 +263,7 @@ def distserve_config(a: Ablation) -> SimConfig:
         cfg = with_overrides(cfg, [f"max_num_seqs={a.seqs}"])
     if a.mem_utilization is not None:
         cfg = replace(cfg, mem_utilization=a.mem_utilization)
-    return cfg
+    return replace(cfg, num_blocks=UNLIMITED_KV_BLOCKS) if a.kv_unlimited else cfg
 
 
 def vllm_config(a: Ablation, row: Row, ratios: tuple[float, float]) -> tuple[SimConfig, str]:
@@ -247,6 +275,8 @@ def vllm_config(a: Ablation, row: Row, ratios: tuple[float, float]) -> tuple[Sim
         cfg = with_overrides(cfg, [f"colocated.max_num_seqs={a.seqs}"])
     if a.mem_utilization is not None:
         cfg = replace(cfg, mem_utilization=a.mem_utilization)
+    if a.kv_unlimited:
+        cfg = replace(cfg, num_blocks=UNLIMITED_KV_BLOCKS)
     engine = "distserve"
     if a.vllm_engine:
         if has_vllm_fit(row.model):
@@ -340,6 +370,11 @@ def write_outputs(out: harness.Outputs, rows: list[dict[str, Any]], figures: dic
         md.append(f"| {a} | " + " | ".join(cells) + " |")
     md += ["", "✓: within ±30% of the published ratio and > 1.", "", "**Gaps** (rows not reproduced at our defaults):", ""]
     md += [f"- {r['key']}: {r['gap']}" for r in rows if r["gap"]] or ["- none"]
+    piped = [(r["key"], r["prefill_pipelining"]) for r in rows if r.get("prefill_pipelining")]
+    if piped:
+        md += ["", "DistServe's pipelined prefill instance (prompts only, all queued at once, no KV limit): " + "; ".join(
+            f"{k}: TP{p['tp']}·PP{p['pp']} {p['requests_per_s']:.3g} req/s vs {p['pp']} x {p['requests_per_s_pp1']:.3g} of TP{p['tp']} "
+            f"without stages = {p['efficiency']:.0%} of the ideal pipelining gain" for k, p in piped) + "."]
     md += ["", "Ablations:"] + [f"- **{a.name}**: {a.assumption}" for a in ABLATIONS if a.name in figures["ablations"]]
     if "vllm_engine_ratios_175b" in figures:
         p, d = figures["vllm_engine_ratios_175b"]
@@ -404,7 +439,7 @@ def parse_args() -> argparse.Namespace:
     ap = harness.parser(__doc__, f"rows {', '.join(QUICK_ROWS)}; 8 requests per GPU, ablations {', '.join(QUICK_ABLATIONS)}, rel_tol 0.2")
     ap.add_argument("--rows", default=",".join(r.key for r in ROWS), help="comma-separated row keys")
     ap.add_argument("--ablations", default=",".join(a.name for a in ABLATIONS), help="comma-separated names (baseline first)")
-    ap.add_argument("--requests-per-gpu", type=int, default=200)
+    ap.add_argument("--requests-per-gpu", type=int, default=300)
     ap.add_argument("--plan-requests", type=int, default=300, help="the planner's workload size")
     ap.add_argument("--rel-tol", type=float, default=0.03)
     ap.add_argument("--seed", type=int, default=0)
@@ -455,6 +490,7 @@ def main() -> None:
         print(f"{r.key}: planner on {p['cluster']} ({p['wall_s']:.1f} s): disagg {p['disagg'] and p['disagg']['layout']}, "
               f"colocated {p['colocated'] and p['colocated']['layout']}", flush=True)
 
+    pipelining = {r.key: prefill_pipelining(r, 50 if args.quick else 400, args.seed) for r in rows}
     stats = {r.key: describe(request_stream(r.workload, args.requests_per_gpu * MAX_GPUS, args.requests_per_gpu * MAX_GPUS, args.seed))
              for r in rows}
     ratios = {r.key: engine_ratios(r, stats[r.key]) for r in rows}
@@ -528,6 +564,7 @@ def main() -> None:
             "ablations": ab, "scale_rate": scale_jobs[(r.key, "distserve")].scale_rate,
             "slo_scale": {s: scaled[(r.key, s)] for s in systems if (r.key, s) in scaled}, "min_slo_scale": min_scale,
             "slo_scale_ratio": ratio(min_scale.get("vllm-2023"), min_scale.get("distserve")),
+            "prefill_pipelining": pipelining[r.key],
         }
         row["gap"] = None if ok else gap_text(row)
         out_rows.append(row)
@@ -542,7 +579,7 @@ def main() -> None:
                             "same_direction": r["same_direction"], "per_gpu": r["per_gpu"],
                             "planner_disagg": r["plan"]["disagg"] and r["plan"]["disagg"]["layout"],
                             "planner_colocated": r["plan"]["colocated"] and r["plan"]["colocated"]["layout"],
-                            "slo_scale_ratio": r["slo_scale_ratio"],
+                            "slo_scale_ratio": r["slo_scale_ratio"], "prefill_pipelining": r["prefill_pipelining"],
                             "ablation_ratios": {a: x["ratio"] for a, x in r["ablations"].items()},
                             "reproduced_by": [a for a, x in r["ablations"].items() if within(x["ratio"], tuple(r["published"]))]}  # type: ignore[arg-type]
                  for r in out_rows},
