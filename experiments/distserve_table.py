@@ -111,10 +111,12 @@ class Ablation:
     first_turn: bool = False  # `chatbot` (first-turn prompts) instead of `sharegpt-multiturn`
     vllm_engine: bool = False  # the vllm-2023 baseline on vLLM's fitted step times
     vllm_overhead_s: float = 0.0  # per step, vllm-2023 only
+    pp_as_replicas: bool = False  # DistServe's pp > 1 instances as pp instances without stages (the ideal pipeline's throughput)
 
     @property
     def changes_distserve(self) -> bool:
-        return self.seqs is not None or self.mem_utilization is not None or self.kv_unlimited or self.launch_limits or self.first_turn
+        return (self.seqs is not None or self.mem_utilization is not None or self.kv_unlimited or self.launch_limits or self.first_turn
+                or self.pp_as_replicas)
 
 
 ABLATIONS = [
@@ -127,6 +129,8 @@ ABLATIONS = [
              "decode 1024 / 65536; KV at 95%", launch_limits=True),
     Ablation("first-turn", "first-turn ShareGPT prompts (`chatbot`, mean ~228 tokens) instead of DistServe's multi-turn preparation",
              first_turn=True),
+    Ablation("pp-as-replicas", "each of DistServe's pp > 1 instances replaced by pp instances of its TP without pipeline stages, "
+             "each with 1/pp of its KV: the throughput of a perfect pipeline (same GPUs, same latency per batch)", pp_as_replicas=True),
     Ablation("vllm-steps", "vllm-2023 on vLLM's fitted step times (DistServe's profiler-a100-80g.vllm.json; OPT-175B: OPT-66B TP4's "
              "vLLM/DistServe ratios on the roofline)", vllm_engine=True),
     Ablation("vllm-steps+6ms", f"vllm-steps plus {VLLM_STEP_OVERHEAD_S * 1000:.0f} ms per vLLM step (DistServe's real vLLM traces)",
@@ -287,7 +291,18 @@ def vllm_config(a: Ablation, row: Row, ratios: tuple[float, float]) -> tuple[Sim
 
 
 def applies(a: Ablation, row: Row) -> bool:
-    return not a.first_turn or row.workload == "sharegpt-multiturn"
+    return (not a.first_turn or row.workload == "sharegpt-multiturn") and (not a.pp_as_replicas or row.layout[1] * row.layout[3] > 1)
+
+
+def distserve_placement(a: Ablation, row: Row, config: SimConfig) -> tuple[Placement, SimConfig]:
+    """DistServe's layout under an ablation: one prefill + one decode instance, or (``pp_as_replicas``) pp of each
+    without stages, every instance holding the KV of the smaller of the two per-replica shares."""
+    tp_p, pp_p, tp_d, pp_d = row.layout
+    if not a.pp_as_replicas:
+        return Placement.disaggregated(1, 1, tp_p, pp_p, tp_d, pp_d), config
+    latency, _ = row_latency(row.model)
+    tokens = min(latency.max_kv_tokens(tp, pp, config.mem_utilization) // pp for tp, pp in ((tp_p, pp_p), (tp_d, pp_d)))
+    return Placement.disaggregated(pp_p, pp_d, tp_p, 1, tp_d, 1), replace(config, num_blocks=tokens // config.block_size)
 
 
 def within(ratio: float | None, published: tuple[float, float]) -> bool:
@@ -508,14 +523,14 @@ def main() -> None:
     jobs: dict[tuple[str, str, str], Job] = {}
     common = {"requests_per_gpu": args.requests_per_gpu, "seed": args.seed, "rel_tol": args.rel_tol}
     for r in rows:
-        ds = Placement.disaggregated(1, 1, *r.layout).to_dict()
         vllm = Placement.colocated_instances(1, r.vllm_tp).to_dict()
         for a in ablations:
             if not applies(a, r):
                 continue
             workload = "chatbot" if a.first_turn else r.workload
             modes = tuple(MODES) if a.name == "baseline" else (MODE,)
-            jobs[(r.key, a.name, "distserve")] = Job(r, "distserve", ds, distserve_config(a), "distserve", workload, modes=modes, **common)
+            placement, config = distserve_placement(a, r, distserve_config(a))
+            jobs[(r.key, a.name, "distserve")] = Job(r, "distserve", placement.to_dict(), config, "distserve", workload, modes=modes, **common)
             cfg, engine = vllm_config(a, r, ratios[r.key])
             jobs[(r.key, a.name, "vllm-2023")] = Job(r, "vllm-2023", vllm, cfg, engine, workload, modes=modes, **common)
         pd, pc = plans[r.key]["disagg"], plans[r.key]["colocated"]
