@@ -61,33 +61,17 @@ from simulator import DISTSERVE_A100_PROFILE
 from simulator.goodput import find_goodput
 from simulator.latency import FittedLatencyModel
 from simulator.simulation import SimConfig
-from simulator.workload import Request, describe, generate_requests, rescale
+from simulator.workload import Request, describe
+from distserve_setting import (
+    DISTSERVE_DECODE_LIMITS, DISTSERVE_PREFILL_LIMITS, EVAL_MEM_UTILIZATION, REAL_VLLM_TRACE, VLLM_A100_PROFILE, VLLM_LIMITS,
+    VLLM_STEP_OVERHEAD_S, request_stream,
+)
 
 MODEL, NUM_GPUS = "facebook/opt-13b", 4
 TTFT_SLO_S, TPOT_SLO_S, ATTAINMENT = 0.25, 0.1, 0.9  # DistServe's Table 1, OPT-13B chatbot
 DISTSERVE_CLAIM = 2.0  # the low end of "2.0-4.6x the rate of vLLM" for chatbots
 START_PER_GPU = 2.0
 
-# DistServe's fitted step times of vLLM (the baseline's engine) for OPT-13B on A100-80G, in ms, in the
-# form of simulator/data/distserve-a100-80g-profile.json (their file of DistServe's own engine):
-# simdistserve/estimators/profile_data/profiler-a100-80g.vllm.json in LLMServe/DistServe.
-VLLM_A100_PROFILE: dict[str, Any] = {MODEL: {
-    "1": {"decoding_large_small_bs_threshold": 95, "prefill": [23.62736227, 0.15054561, 8.65348374e-06],
-          "decoding_smallbs": [19.562534173678987, 0.0004941120550644942, 0.05060571771697455],
-          "decoding_largebs": [16.8386301447433, 0.00043897725301957885, 0.14000261546561776]},
-    "2": {"decoding_large_small_bs_threshold": 95, "prefill": [19.600575891293346, 0.06467523343305222, 6.037181652318591e-06],
-          "decoding_smallbs": [20.450486868259052, 0.0001870012118669617, 0.072631560578732484],
-          "decoding_largebs": [14.956474555927338, 0.00038090428876808935, 0.09315896525582677]},
-    "4": {"decoding_large_small_bs_threshold": 95, "prefill": [21.811658992892433, 0.03679032097721533, 3.0231950949588526e-07],
-          "decoding_smallbs": [21.584287035694526, 6.461362045192257e-05, 0.04606739300723169],
-          "decoding_largebs": [19.903237240495486, 0.00023666803411092447, 0.052304365258722736]},
-}}
-# Read off DistServe's measured vLLM trace (not simulated here): the knife edge c1 sits on is real.
-REAL_VLLM_TRACE = (
-    "DistServe's own measurement of vLLM (OPT-13B, one TP1 A100, ShareGPT, 1 req/s: "
-    "`simdistserve/benchmarks/alignment/data-ground-truth/opt-13b-sharegpt/vllm-100-1.exp`, its first 65 requests): 10 take "
-    "longer than 250 ms to the first token (85% attainment, below the 90% target even at 1 req/s); a 1316-token prompt "
-    "220 ms, 1717 tokens 263 ms, with little queueing; TPOT 25-38 ms where the fitted decode step is ~20 ms (hence the 6 ms overhead).")
 # KV tokens per instance in DistServe's simulator (simdistserve/estimators/profile_data/max_num_tokens.csv), by tp (pp 1).
 DISTSERVE_KV_TOKENS = {1: 66_144, 2: 163_008, 4: 356_736}
 
@@ -127,7 +111,8 @@ class Ablation:
     setup: Setup
 
 
-DISTSERVE_EVAL = Setup(colocated_limits=(1024, 16384), prefill_limits=(128, 8192), decode_limits=(1024, 65536), mem_utilization=0.95)
+DISTSERVE_EVAL = Setup(colocated_limits=VLLM_LIMITS, prefill_limits=DISTSERVE_PREFILL_LIMITS, decode_limits=DISTSERVE_DECODE_LIMITS,
+                       mem_utilization=EVAL_MEM_UTILIZATION)
 ABLATIONS = [
     Ablation("baseline", "our defaults: max_num_seqs 64, 2048 tokens per step, KV from our memory model (90% of HBM), no step "
              "overhead, sharegpt-multiturn prompts, DistServe's step times for every system", Setup()),
@@ -147,9 +132,9 @@ ABLATIONS = [
     Ablation("vllm-steps", "the colocated baselines run on vLLM's fitted step times (DistServe's vLLM profile), the "
              "disaggregated ones on DistServe's", Setup(colocated_engine="vllm")),
     Ablation("vllm-steps+6ms", "vllm-steps, plus 6 ms per step on the colocated (vLLM) instances only",
-             Setup(colocated_engine="vllm", step_overhead_s=0.006, overhead_colocated_only=True)),
+             Setup(colocated_engine="vllm", step_overhead_s=VLLM_STEP_OVERHEAD_S, overhead_colocated_only=True)),
     Ablation("as-evaluated", "vllm-steps+6ms with eval-limits: the closest we model DistServe's real vLLM comparison",
-             replace(DISTSERVE_EVAL, colocated_engine="vllm", step_overhead_s=0.006, overhead_colocated_only=True)),
+             replace(DISTSERVE_EVAL, colocated_engine="vllm", step_overhead_s=VLLM_STEP_OVERHEAD_S, overhead_colocated_only=True)),
 ]
 QUICK_ABLATIONS = ("baseline", "vllm-steps+6ms")
 
@@ -210,11 +195,7 @@ def latency_for(engine: str, kv: str) -> KVCapacityModel:
 
 def workload_for(name: str, num_requests: int, stream_len: int, seed: int) -> list[Request]:
     """The first ``num_requests`` of one seeded stream of ``stream_len``, rescaled to exactly 1 request/s."""
-    key = ("workload", name, num_requests, stream_len, seed)
-    if key not in _CACHE:
-        stream = generate_requests(name, 1.0, stream_len, seed=seed, max_total_len=2048)
-        _CACHE[key] = rescale(stream[:num_requests], 1.0) if num_requests > 1 else stream[:num_requests]
-    return _CACHE[key]  # type: ignore[no-any-return]
+    return request_stream(name, num_requests, stream_len, seed)
 
 
 def sim_config(setup: Setup, colocated: bool, policy: str) -> SimConfig:
@@ -430,7 +411,7 @@ def main() -> None:
     figures["p90_prompt_tokens"] = p90
     figures["unloaded_ttft_p90_prompt_tp1_s"] = {
         name: round(latency_for(engine, "ours").prefill_time([round(p90)], 1) + overhead, 4)
-        for name, engine, overhead in (("distserve", "distserve", 0.0), ("vllm", "vllm", 0.0), ("vllm+6ms", "vllm", 0.006))
+        for name, engine, overhead in (("distserve", "distserve", 0.0), ("vllm", "vllm", 0.0), ("vllm+6ms", "vllm", VLLM_STEP_OVERHEAD_S))
     }
     figures["wall_s"] = round(time.monotonic() - t0, 1)
     harness.rich_table("disaggregated vs colocated, one assumption at a time (req/s per GPU)",

@@ -39,6 +39,7 @@ def _load(name: str) -> ModuleType:
 
 _load("harness")
 systems = _load("sweep_systems")
+_load("sweeper")
 sweep = _load("slo_sweep")
 
 SLO_BASE = SLO(0.25, 0.1, 0.9)

@@ -1,0 +1,113 @@
+"""``experiments/distserve_table.py --quick``: DistServe's reproduction table, two rows. The figures must be
+consistent with each other and with the script's own rows (published ratios, layouts), whatever they are:
+ratios are the quotients of the goodputs, "reproduced" follows the ±30% rule, the SLO-scale curves
+re-scored from one run rise with the scale and cross the target at their reported minimum scale."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
+
+
+def _load(name: str) -> ModuleType:
+    """An experiments/ module by path, under its own name (the scripts import each other's shared modules that way)."""
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, ROOT / "experiments" / f"{name}.py")
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
+for _shared in ("harness", "sweep_systems", "sweeper", "distserve_setting"):
+    _load(_shared)
+table = _load("distserve_table")
+
+
+@pytest.fixture(scope="module")
+def quick(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], dict[str, Any], Path]:
+    out = tmp_path_factory.mktemp("distserve_table")
+    proc = subprocess.run([sys.executable, str(ROOT / "experiments" / "distserve_table.py"), "--quick", "--out-dir", str(out)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=280)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    figures = json.loads(proc.stdout.strip().splitlines()[-1])
+    saved = json.loads((out / "distserve_table_quick.json").read_text())
+    return figures, saved, out
+
+
+def test_rows_and_ratios(quick: tuple[dict[str, Any], dict[str, Any], Path]) -> None:
+    figures, saved, out = quick
+    rows = {r.key: r for r in table.ROWS}
+    assert list(figures["rows"]) == list(table.QUICK_ROWS)
+    assert figures["ablations"] == list(table.QUICK_ABLATIONS) and figures["mode"] == "separate"
+    for key, f in figures["rows"].items():
+        row = rows[key]
+        assert f["published"] == list(row.published)
+        g = f["per_gpu"]
+        assert set(g) == {"distserve", "planner-disagg", "vllm-2023", "colocated-mixed"}
+        assert all(x >= 0 and math.isfinite(x) for x in g.values())
+        assert g["distserve"] > 0 and g["vllm-2023"] > 0  # a trickle meets these SLOs on every layout
+        assert f["ratio"] == pytest.approx(g["distserve"] / g["vllm-2023"], abs=1e-3)
+        assert f["reproduced"] == table.within(f["ratio"], row.published)
+        assert f["same_direction"] == (f["ratio"] > 1)
+        assert f["ablation_ratios"]["baseline"] == f["ratio"]
+        assert set(f["reproduced_by"]) <= set(f["ablation_ratios"])
+        assert " + " in f["planner_disagg"] and "colocated" in f["planner_colocated"]
+    assert figures["num_reproduced"] == sum(f["reproduced"] for f in figures["rows"].values())
+    assert (out / "distserve_table_quick.md").read_text().count("| OPT-") == len(figures["rows"])
+    assert (out / "distserve_table_quick.png").stat().st_size > 0 and (out / "distserve_table_quick_slo_scale.png").stat().st_size > 0
+
+
+def test_layouts_and_engines(quick: tuple[dict[str, Any], dict[str, Any], Path]) -> None:
+    """DistServe's layout and vLLM's TP are the launch script's; OPT-66B's vllm-steps ran on vLLM's own fit."""
+    _, saved, _ = quick
+    for r in saved["rows"]:
+        vllm_tp, layout = table.PARALLEL_PARAMS[r["model"]]
+        assert r["vllm_tp"] == vllm_tp and r["distserve_layout"] == list(layout)
+        assert r["num_gpus"]["distserve"] == layout[0] * layout[1] + layout[2] * layout[3]
+        assert r["num_gpus"]["vllm-2023"] == vllm_tp
+        assert r["plan"]["cluster"].startswith(f"{next(x for x in table.ROWS if x.key == r['key']).plan_nodes} x 8")
+        assert r["ablations"]["vllm-steps"]["vllm_engine"] == "vllm"  # both quick rows' models have vLLM coefficients
+        assert "Fitted" in r["latency_model"]
+
+
+def test_slo_scale_curves(quick: tuple[dict[str, Any], dict[str, Any], Path]) -> None:
+    """Re-scored curves: attainment never falls as the SLOs loosen, and reaches the target exactly from the minimum scale on."""
+    _, saved, _ = quick
+    for r in saved["rows"]:
+        assert r["scale_rate"] > 0
+        for system, curve in r["slo_scale"].items():
+            pts = sorted(curve["points"], key=lambda p: p["scale"])
+            assert [p["scale"] for p in pts] == saved["figures"]["scales"]
+            if not curve["rescored"]:
+                continue
+            for mode in ("separate", "joint"):
+                values = [p[mode] for p in pts]
+                assert all(0.0 <= v <= 1.0 for v in values)
+                assert values == sorted(values), (r["key"], system, mode)
+                m = curve["min_scale"][mode]
+                for p in pts:
+                    if p["scale"] >= m * (1 + 1e-9):
+                        assert p[mode] >= 0.9 - 1e-9
+                    elif p["scale"] < m * (1 - 1e-9):
+                        assert p[mode] < 0.9
+            assert r["min_slo_scale"][system] == curve["min_scale"]["separate"]
+
+
+def test_within_band() -> None:
+    assert table.within(2.0, (2.0, 4.6)) and table.within(1.5, (2.0, 4.6)) and table.within(5.9, (2.0, 4.6))
+    assert not table.within(1.3, (2.0, 4.6)) and not table.within(6.1, (2.0, 4.6))
+    assert table.within(4.0, (5.7, 5.7)) and not table.within(3.9, (5.7, 5.7)) and not table.within(None, (4.3, 4.3))
+    assert not table.within(0.9, (0.5, 1.0))  # the wrong direction never counts
