@@ -23,7 +23,7 @@ MODULES = sorted((ROOT / "experiments").glob("*.py"))
 SCRIPTS = [p for p in MODULES if 'if __name__ == "__main__":' in p.read_text()]
 SHARED = {p.stem for p in MODULES} - {p.stem for p in SCRIPTS}
 # Scripts whose quick run has a test of its own (with every check of the generic one): run once, there.
-OWN_TEST = {"validate_cascade_latency"}
+OWN_TEST = {"validate_cascade_latency", "distserve_table"}
 GENERIC = [p for p in SCRIPTS if p.stem not in OWN_TEST]
 
 # Figures a quick run must get right regardless of machine speed.
@@ -213,6 +213,7 @@ def test_bench_apps_figures_quick(tmp_path: Path) -> None:
 
 def test_every_script_has_a_quick_run_test() -> None:
     assert OWN_TEST <= {p.stem for p in SCRIPTS} and "test_validate_cascade_latency_quick" in globals()
+    assert (ROOT / "tests" / "experiments" / "test_distserve_table.py").exists()  # its quick run, JSON last line included
 
 
 @pytest.mark.parametrize("script", GENERIC, ids=[s.stem for s in GENERIC])
