@@ -5,30 +5,21 @@ re-scored from one run rise with the scale and cross the target at their reporte
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import subprocess
 import sys
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import pytest
+from experiment_modules import load_experiment
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
 
-def _load(name: str) -> ModuleType:
-    """An experiments/ module by path, under its own name (the scripts import each other's shared modules that way)."""
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, ROOT / "experiments" / f"{name}.py")
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
+_load = load_experiment
 
 
 for _shared in ("harness", "sweep_systems", "sweeper", "distserve_setting"):

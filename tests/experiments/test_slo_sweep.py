@@ -4,15 +4,13 @@ target measured against a real in-process server of the tiny model."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
-import sys
 from collections.abc import Iterator
 from pathlib import Path
-from types import ModuleType
 
 import pytest
+from experiment_modules import load_experiment
 from serving_util import HttpServer, colocated_server
 
 from distserve.config import CacheConfig
@@ -26,15 +24,7 @@ ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.timeout(300)
 
 
-def _load(name: str) -> ModuleType:
-    """An experiments/ module by path, under its own name (the scripts import each other that way)."""
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, ROOT / "experiments" / f"{name}.py")
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
+_load = load_experiment
 
 
 _load("harness")
