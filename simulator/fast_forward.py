@@ -348,7 +348,7 @@ def fast_forward_pipeline(sim: Simulation, inst: SimInstance, now: float, token_
     pp = inst.pp
     flights = core.in_flight
     ends = inst.plan_ends
-    if (len(flights) != pp or len(ends) != pp or sched.isolated or core._deferred  # noqa: SLF001 — read only
+    if (len(ends) != len(flights) or sched.isolated or core._deferred  # noqa: SLF001 — read only
             or not sched._running_sorted):  # noqa: SLF001
         return False
     running = sched.running
@@ -369,10 +369,11 @@ def fast_forward_pipeline(sim: Simulation, inst: SimInstance, now: float, token_
     waiting = sched.waiting
     hold = bool(waiting) or bool(sim.pending)
     max_seqs = sched.config.max_num_seqs
+    # Admission must stay impossible at every launch (an empty one too, with fewer lanes than stages).
     if waiting and not (
         sched._static_budget  # noqa: SLF001
         and (num_running >= sched.max_running
-             or (not sched._prompts_alone and all(len(p.plan.chunks) >= max_seqs for p in flights))  # noqa: SLF001
+             or (len(flights) == pp and not sched._prompts_alone and all(len(p.plan.chunks) >= max_seqs for p in flights))  # noqa: SLF001
              or (not bm.enable_prefix_caching and not bm.can_allocate(waiting[0])))):
         return False
     # A prefix grouping kept for this running list orders the lanes' plans: it must agree with the policy order.
@@ -413,17 +414,20 @@ def fast_forward_pipeline(sim: Simulation, inst: SimInstance, now: float, token_
     step_time = inst.step_time
     observe = None if sched._static_budget else sched.step_budget.observe  # noqa: SLF001
     stage_free = inst.stage_free
-    order = list(range(pp))  # lanes in flight, launch order (oldest first)
+    num_lanes = len(flights)
+    order = list(range(num_lanes))  # lanes in flight, launch order (oldest first)
     lane_end = list(ends)
     free: int | None = None  # the lane whose update is applied and that waits for its launch
-    launch_at: float | None = None  # a launch waiting for stage 0 (a LAUNCH event)
+    # A launch waiting for stage 0 (a LAUNCH event): with fewer lanes than stages, one follows every launch.
+    launch_at: float | None = stage_free[0] if num_lanes < pp else None
     marker: float | None = None  # stopped just before a launch at this instant: the scheduler makes it
     started = False
     log: list[tuple[float, int, float]] | None = None
+    inf = float("inf")
     while True:
-        t_end = lane_end[order[0]]
+        t_end = lane_end[order[0]] if order else inf
         t = t_end if launch_at is None or t_end < launch_at else launch_at
-        if t >= h or (launch_at is not None and t_end == launch_at):
+        if t >= h:
             break
         if t == t_end:  # the oldest lane's plan ends: its update
             lane = lanes[order[0]]
@@ -432,19 +436,27 @@ def fast_forward_pipeline(sim: Simulation, inst: SimInstance, now: float, token_
             done = lane.finish_at.get(lane.k)
             if done and (hold or len(done) == lane.num_alive):
                 break
-            if not started:
-                started = True
-                inst.step_version += 1  # the older lanes' queued ends are replayed here
-                log = inst.fast_forward_log = [] if sim.stop_when_set else None
+        if not started:
+            started = True
+            inst.step_version += 1  # the older lanes' queued ends are replayed here
+            log = inst.fast_forward_log = [] if sim.stop_when_set else None
+        if t == t_end:
             ended = lane.update(t, done, bs, token_id, commit, sched, seqs_by_id)
             if ended:
                 finished(inst, t, ended)
             free = order.pop(0)
-            if stage_free[0] > t:  # stage 0 still busy: the launch waits for it (a LAUNCH event)
-                launch_at = stage_free[0]
-                continue
-        else:
+        if launch_at == t:
             launch_at = None
+        # The instant's end: ``Simulation._try_launch``.
+        if len(order) >= pp or launch_at is not None:
+            continue
+        if stage_free[0] > t:  # stage 0 still busy: the launch waits for it (a LAUNCH event)
+            launch_at = stage_free[0]
+            continue
+        if free is None:  # every lane in flight: schedule() plans nothing (and drops the finished ids)
+            if sched._finished_since_plan:  # noqa: SLF001
+                sched._finished_since_plan = []  # noqa: SLF001
+            continue
         # The free lane's next plan, launched at t.
         lane = lanes[free]  # type: ignore[index]
         crossing = lane.buckets[-(lane.k + 1) % bs]
@@ -465,7 +477,8 @@ def fast_forward_pipeline(sim: Simulation, inst: SimInstance, now: float, token_
             observe(lane.num_alive, lane.ctx, 0, d)
         core.num_steps += 1
         core.last_step_s = d
-        core.num_overlapped_launches += 1
+        if order:
+            core.num_overlapped_launches += 1
         inst.busy_s += d
         end = t
         for s in range(pp):
@@ -478,6 +491,8 @@ def fast_forward_pipeline(sim: Simulation, inst: SimInstance, now: float, token_
         core._next_plan_seq += 1  # noqa: SLF001
         order.append(free)  # type: ignore[arg-type]
         free = None
+        if len(order) < pp:
+            launch_at = stage_free[0]
     if not started:
         return False
     # The lanes in flight become real plans again, each ending at its time; the rest as the event loop has them.
@@ -494,12 +509,11 @@ def fast_forward_pipeline(sim: Simulation, inst: SimInstance, now: float, token_
         push(lane_end[lane_id], STEP_DONE, (inst, p.plan, inst.step_version))
     if free is not None:
         lanes[free].applied(token_id)
-        if launch_at is not None:
-            inst.launch_pending = True
-            push(launch_at, LAUNCH, inst)
-        else:
-            assert marker is not None
-            push(marker, STEP_DONE, (inst, None, inst.step_version))
+    if launch_at is not None:
+        inst.launch_pending = True
+        push(launch_at, LAUNCH, inst)
+    elif marker is not None:
+        push(marker, STEP_DONE, (inst, None, inst.step_version))
     return True
 
 
