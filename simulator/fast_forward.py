@@ -335,9 +335,10 @@ def fast_forward_pipeline(sim: Simulation, inst: SimInstance, now: float, token_
     updates and launches as ``fast_forward`` does: commits, finishes and new blocks through the real
     ``BlockManager``/``Scheduler`` in batch order. It stops before the first instant at or after the
     ``horizon``, or where a lane's plan would change (a lane empties, two lanes wait for stage 0 at
-    once, a finish while a request could take its room), and just before a launch that would need
-    more free blocks than there are (the real scheduler preempts then; a marker event relaunches the
-    instance at that instant). On stopping, the lanes in flight become real plans again (events at
+    once, a finish while a request could take its room, a launch that may need more free blocks than
+    there are: the real scheduler preempts then). It always stops between instants, so what other
+    instances' ``horizon`` reads (``plan_ends``, a launch waiting for stage 0) tells when it acts next.
+    On stopping, the lanes in flight become real plans again (events at
     their ends, the older ones superseded: ``step_version``); ``push(time, kind, payload)`` queues an
     event. Unlike ``fast_forward``, jumped launches advance the plan numbers.
     """
@@ -420,7 +421,6 @@ def fast_forward_pipeline(sim: Simulation, inst: SimInstance, now: float, token_
     free: int | None = None  # the lane whose update is applied and that waits for its launch
     # A launch waiting for stage 0 (a LAUNCH event): with fewer lanes than stages, one follows every launch.
     launch_at: float | None = stage_free[0] if num_lanes < pp else None
-    marker: float | None = None  # stopped just before a launch at this instant: the scheduler makes it
     started = False
     log: list[tuple[float, int, float]] | None = None
     inf = float("inf")
@@ -435,6 +435,13 @@ def fast_forward_pipeline(sim: Simulation, inst: SimInstance, now: float, token_
                 break  # two lanes free at once would share the next plan
             done = lane.finish_at.get(lane.k)
             if done and (hold or len(done) == lane.num_alive):
+                break
+        # A launch at this instant's end needs a block for each lane member crossing a boundary; with
+        # fewer free (before the update's finishes: a bound) the real scheduler preempts: stop before.
+        nxt = order[0] if t == t_end else free
+        if nxt is not None and (launch_at is None or launch_at == t) and stage_free[0] <= t:
+            upcoming = lanes[nxt]
+            if len(upcoming.buckets[-(upcoming.k + 1) % bs]) > bm.num_free_blocks:  # type: ignore[index]
                 break
         if not started:
             started = True
@@ -460,9 +467,6 @@ def fast_forward_pipeline(sim: Simulation, inst: SimInstance, now: float, token_
         # The free lane's next plan, launched at t.
         lane = lanes[free]  # type: ignore[index]
         crossing = lane.buckets[-(lane.k + 1) % bs]
-        if len(crossing) > bm.num_free_blocks:
-            marker = t
-            break
         lane.k += 1
         lane.ctx += lane.num_alive
         d = step_time(BatchShape(0, 0, 0, lane.num_alive, lane.ctx, lane.max_start + lane.k + 1))
@@ -512,8 +516,6 @@ def fast_forward_pipeline(sim: Simulation, inst: SimInstance, now: float, token_
     if launch_at is not None:
         inst.launch_pending = True
         push(launch_at, LAUNCH, inst)
-    elif marker is not None:
-        push(marker, STEP_DONE, (inst, None, inst.step_version))
     return True
 
 
