@@ -40,7 +40,8 @@ result to equal the step-by-step one:
   change (the batch is at its cap, or the first waiting prompt's blocks do not fit, without a
   prefix cache, as free blocks only shrink in the jump), with the static step budget.
 
-Not jumped (the step-by-step path runs): pipelined instances (pp > 1), shared compute, cascade
+Pipelined instances (pp > 1) jump their micro-batches by ``fast_forward_pipeline`` (below).
+Not jumped (the step-by-step path runs): shared compute, cascade
 attention (its savings depend on block tables), observers of every plan (``Simulation.on_plan``),
 TPOT backpressure (it reads each step's time), a colocated instance next to decode instances
 while prefills wait for room, crash suspects. ``_next_plan_seq`` (plan numbers, which only the Ray
@@ -65,7 +66,7 @@ if TYPE_CHECKING:
 
 def horizon(sim: Simulation, inst: SimInstance, now: float) -> float:
     """The earliest instant an event could read or change ``inst`` (inf: none is scheduled);
-    -inf when that cannot be bounded cheaply (a pipelined prefill instance is busy, or the admission
+    -inf when that cannot be bounded cheaply (a busy prefill instance waiting to launch, or the admission
     queue could dispatch at the end of one of the jumped steps)."""
     h = sim.next_arrival_s()
     adm = sim.admission
@@ -323,13 +324,15 @@ def undo_after(inst: SimInstance, stop_s: float) -> None:
 def fast_forward_pipeline(sim: Simulation, inst: SimInstance, now: float, token_id: int,
                           finished: Callable[[SimInstance, float, list[Sequence]], None],
                           push: Callable[[float, int, object], None]) -> bool:
-    """A pipelined instance (pp > 1) that just launched at ``now``, with all ``pp`` plans in flight:
-    apply its steady steps in one jump; False if the stretch is not steady (nothing changed then).
+    """A pipelined instance (pp > 1) that just launched at ``now``: apply its steady steps in one
+    jump; False if the stretch is not steady (nothing changed then).
 
     Its micro-batches cycle: each plan in flight is a *lane* (a fixed set of decoding sequences);
     when a lane's plan ends, its update is applied and the lane is launched again, as soon as stage 0
     is free, with the same sequences one token further, since ``schedule()`` takes the running
-    sequences no plan in flight computes (``Scheduler.in_flight``). The jump replays the instance's
+    sequences no plan in flight computes (``Scheduler.in_flight``). With fewer lanes than stages
+(one micro-batch holds every sequence), a launch waiting for stage 0 follows each launch and plans
+nothing. The jump replays the instance's
     own events (plan ends, launches waiting for stage 0) in the event loop's order and with its
     arithmetic (step times per step, the stage clocks of ``Simulation._try_launch``), and applies
     updates and launches as ``fast_forward`` does: commits, finishes and new blocks through the real
