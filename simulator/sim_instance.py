@@ -45,6 +45,7 @@ class SimInstance:
         self.core = core
         self.stage_free = [0.0] * spec.pp  # when each pipeline stage finishes its last micro-batch
         self.launch_pending = False
+        self.plan_ends: deque[float] = deque()  # pp > 1: when each plan in flight ends, oldest first
         self.route = RouteState(pool=spec.pool)  # what routing knows (``cluster.routing``, as the runtime's)
         self.tx_free = 0.0  # the transfer thread: busy until
         self.rx_free = 0.0

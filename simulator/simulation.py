@@ -66,7 +66,7 @@ from distserve.engine.step_plan import SampledToken, StepPlan
 from distserve.engine.sequence import Sequence, SequenceStatus
 from distserve.errors import InvalidConfigError, QueueFullError
 from distserve.placement import InstanceSpec, Placement
-from simulator.fast_forward import fast_forward, undo_after
+from simulator.fast_forward import fast_forward, fast_forward_pipeline, undo_after
 from simulator.layer_preemption import layered_prefill
 from simulator.latency import LatencyModel
 from simulator.metrics import RequestRecord, SimResult
@@ -197,26 +197,29 @@ class Simulation(SimMigrations):
             if kind == STEP_DONE:
                 inst, plan, version = payload  # type: ignore[misc]
                 if version != inst.step_version:
-                    continue  # superseded: shared compute moved this step's completion
-                if plan is None:  # the end of a fast-forward: its steps are applied, launch the next
-                    inst.fast_forward_log = None
-                    self._launch_at_end(inst)
-                elif type(plan) is list:  # requests a fast-forward finished in its step ending now
-                    for seq in plan:
-                        self._record_finish(inst, seq, now)
-                    unfinished -= len(plan)
+                    if self.shared is not None:
+                        continue  # superseded: shared compute moved this step's completion
+                    # else superseded by a pipeline's jump, which applied it: only the instant's end below
                 else:
-                    if inst.plan_in_flight is not None:
-                        self._push_completions(self.shared.stop(inst, now))  # type: ignore[union-attr]
-                    if inst.layered is not None:
-                        unfinished -= self._updated(inst, inst.layered.done(now, self._sampled), now)
+                    if plan is None:  # the end of a fast-forward: its steps are applied, launch the next
+                        inst.fast_forward_log = None
+                        self._launch_at_end(inst)
+                    elif type(plan) is list:  # requests a fast-forward finished in its step ending now
+                        for seq in plan:
+                            self._record_finish(inst, seq, now)
+                        unfinished -= len(plan)
                     else:
-                        unfinished -= self._step_done(inst, plan, now)
-                self._admit_due = True
-                if self._stop:
-                    break
-                if self.pending:
-                    self._queue_migrate(now)
+                        if inst.plan_in_flight is not None:
+                            self._push_completions(self.shared.stop(inst, now))  # type: ignore[union-attr]
+                        if inst.layered is not None:
+                            unfinished -= self._updated(inst, inst.layered.done(now, self._sampled), now)
+                        else:
+                            unfinished -= self._step_done(inst, plan, now)
+                    self._admit_due = True
+                    if self._stop:
+                        break
+                    if self.pending:
+                        self._queue_migrate(now)
             elif kind == MIGRATE:
                 self._migrate_pending(now)
             elif kind == ARRIVE:
@@ -358,19 +361,28 @@ class Simulation(SimMigrations):
             start = stage_free[s] if stage_free[s] > end else end
             end = start + t
             stage_free[s] = end
-        if (self._fast_forward and inst.pp == 1 and inst.cascade is None
+        if inst.pp > 1:
+            inst.plan_ends.append(end)
+        if (self._fast_forward and inst.cascade is None
                 and (inst.kind == "decode" or (inst.kind == "colocated" and not self.pending))):
             num_steps = inst.core.num_steps
-            jumped = fast_forward(self, inst, plan, now, end, SAMPLED_TOKEN, self._finished_in_jump)
-            if jumped is not None:  # its last step in flight, or (no plan) a marker that relaunches it then
+            if inst.pp == 1:
+                jumped = fast_forward(self, inst, plan, now, end, SAMPLED_TOKEN, self._finished_in_jump)
+                if jumped is not None:  # its last step in flight, or (no plan) a marker that relaunches it then
+                    self.num_fast_forward_steps += inst.core.num_steps - num_steps
+                    end, last = jumped
+                    heapq.heappush(self._events, (end, STEP_DONE, next(self._seq_no), (inst, last, inst.step_version)))
+                    return
+            elif fast_forward_pipeline(self, inst, now, SAMPLED_TOKEN, self._finished_in_jump, self._push):
                 self.num_fast_forward_steps += inst.core.num_steps - num_steps
-                end, last = jumped
-                heapq.heappush(self._events, (end, STEP_DONE, next(self._seq_no), (inst, last, inst.step_version)))
                 return
         heapq.heappush(self._events, (end, STEP_DONE, next(self._seq_no), (inst, plan, inst.step_version)))
         if inst.pp > 1 and len(core.in_flight) < inst.pp:
             inst.launch_pending = True
             heapq.heappush(self._events, (stage_free[0], LAUNCH, next(self._seq_no), inst))
+
+    def _push(self, time_s: float, kind: int, payload: object) -> None:
+        heapq.heappush(self._events, (time_s, kind, next(self._seq_no), payload))
 
     def _push_completions(self, group: list[SimInstance]) -> None:
         """Shared compute moved the steps in flight of ``group``: a new completion event for each
@@ -385,6 +397,8 @@ class Simulation(SimMigrations):
         tokens = self._sampled
         sampled = [tokens[c.seq_id] for c in plan.chunks if c.sample]
         assert inst.core.in_flight[0].plan is plan
+        if inst.pp > 1:
+            inst.plan_ends.popleft()
         return self._updated(inst, inst.core.apply_oldest(sampled, now), now)
 
     def _updated(self, inst: SimInstance, updated: list[Sequence], now: float) -> int:

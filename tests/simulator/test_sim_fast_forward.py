@@ -2,7 +2,8 @@
 every instance's figures and the simulated duration equal the step-by-step run's
 (``SimConfig(fast_forward=False)``), on colocated and disaggregated deployments, chunked prefill,
 fair admission of a flood, preemption under KV pressure, pipelines, classes and priorities, runs that
-stop early, instant prefills, the SLO step budget and a prefix cache. Each case also checks that
+stop early, instant prefills, the SLO step budget and a prefix cache, and pipelined (pp > 1)
+instances' micro-batches. Each case also checks that
 the jump happened (steps skipped), so a fast-forward that never fires cannot pass as identical."""
 
 from __future__ import annotations
@@ -119,10 +120,65 @@ def test_preemption_under_kv_pressure(placement: Placement) -> None:
 
 
 def test_pipelines() -> None:
-    """pp > 1 decodes step by step; a pp = 1 instance next to them still jumps."""
+    """A pp = 2 prefill instance bounds the decode instances' jumps by its plans' ends; the pp = 2
+    decode instance jumps its micro-batches, the pp = 1 one its steps."""
     placement = Placement(prefill=(InstanceSpec(tp=1, pp=2),), decode=(InstanceSpec(tp=1, pp=2), InstanceSpec(tp=2, pp=1)))
     res, sim = both(placement, chat(3.0, 150), SimConfig(num_blocks=2000))
     assert {i["pp"] for i in res.instances.values()} == {1, 2}
+    assert skipped(sim, res) > 0.5
+
+
+PIPELINES = {
+    # fewer lanes than stages: one micro-batch holds every sequence, the launches in between plan nothing
+    "colocated pp2": (Placement(colocated=(InstanceSpec(tp=1, pp=2),)), 4.0, SimConfig()),
+    "colocated pp4": (Placement(colocated=(InstanceSpec(tp=1, pp=4),)), 8.0, SimConfig()),
+    "2 colocated pp2": (Placement(colocated=(InstanceSpec(tp=1, pp=2),) * 2), 8.0, SimConfig()),
+    # as many lanes as stages (a batch cap of 8 per micro-batch), requests waiting behind them
+    "lanes = stages": (Placement(colocated=(InstanceSpec(tp=1, pp=2, max_num_seqs=8),)), 6.0, SimConfig()),
+    "pp4 lanes": (Placement(colocated=(InstanceSpec(tp=1, pp=4, max_num_seqs=4),)), 10.0, SimConfig()),
+    "1p1d pp2": (Placement(prefill=(InstanceSpec(tp=1, pp=2),), decode=(InstanceSpec(tp=1, pp=2),)), 4.0, SimConfig(num_blocks=2000)),
+    "1p2d pp4": (Placement(prefill=(InstanceSpec(tp=1, pp=4),), decode=(InstanceSpec(tp=1, pp=4),) * 2), 6.0, SimConfig(num_blocks=2000)),
+    # a saturated decode instance: finished prefills wait for its room, every step's end retries them
+    "saturated decode": (Placement(prefill=(InstanceSpec(),) * 2, decode=(InstanceSpec(tp=1, pp=2, max_num_seqs=4),)), 8.0, SimConfig()),
+    "preemption": (Placement(colocated=(InstanceSpec(tp=1, pp=2),)), 6.0, SimConfig(num_blocks=160)),
+    "slo budget": (Placement(colocated=(InstanceSpec(tp=1, pp=2),)), 4.0,
+                   SimConfig(scheduler=SchedulerConfig(step_budget="slo", tpot_slo_s=0.05, enable_chunked_prefill=True))),
+    "prefix cache": (Placement(colocated=(InstanceSpec(tp=1, pp=2, max_num_seqs=8),)), 5.0, SimConfig(enable_prefix_caching=True, num_blocks=600)),
+}
+
+
+@pytest.mark.parametrize("case", sorted(PIPELINES))
+def test_pipelined_instances_jump(case: str) -> None:
+    """pp > 1 instances jump their micro-batches (``fast_forward_pipeline``): every record, step count
+    and clock equals the step-by-step run's, and most steps were jumped."""
+    placement, rate, config = PIPELINES[case]
+    requests = chat(rate, 150, seed=1)
+    if case == "prefix cache":  # shared prompt prefixes: commits register hashes, reused blocks evict them
+        shared = tuple(range(7, 7 + 96))
+        requests = [replace(r, prompt_token_ids=shared[: 32 + r.req_id % 64] + tuple(range(r.prompt_len)),
+                            prompt_len=32 + r.req_id % 64 + r.prompt_len) for r in requests]
+        requests = [r for r in requests if r.prompt_len + r.output_len <= 2048]
+    res, sim = both(placement, requests, config)
+    assert all(i["pp"] > 1 for n, i in res.instances.items() if not n.startswith("prefill") or case != "saturated decode")
+    assert skipped(sim, res) > (0.2 if case in ("preemption", "saturated decode") else 0.5)
+    if case == "preemption":
+        assert sum(r.num_preemptions for r in res.records) > 0
+    if case == "prefix cache":
+        assert res.num_prefix_cache_hit_tokens > 0
+
+
+def test_pipelines_stopped_early() -> None:
+    """The planner's probes on pipelines: instant prefills, stopped at every 20th finished request
+    (jumps that ran past the stop count only the steps launched before it)."""
+    finished: list[int] = []
+
+    def stop(rec: RequestRecord) -> bool:
+        finished.append(rec.req_id)
+        return len(finished) % 20 == 0
+
+    placement = Placement(prefill=(InstanceSpec(tp=1, pp=2),), decode=(InstanceSpec(tp=1, pp=2),) * 2)
+    res, sim = both(placement, chat(6.0, 200), SimConfig(instant_prefill=True), stop)
+    assert res.stopped_early and sum(r.completed for r in res.records) == 20
     assert sim.num_fast_forward_steps > 0
 
 
