@@ -51,7 +51,7 @@ runtime reads) is not advanced by the jumped steps.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from distserve.cluster.backpressure import entry_load
 from distserve.engine.instance_core import PlanInFlight
@@ -232,31 +232,11 @@ def fast_forward(sim: Simulation, inst: SimInstance, plan: StepPlan, now: float,
     while True:
         # Step k - 1's update, in batch order: the sequences that filled a block commit it, those
         # that reached their limit finish (and free their blocks).
-        crossing = buckets[-k % bs]
         done = finish_at.get(k - 1)
+        crossing, ended, ended_ctx = apply_update(seqs, starts, alive, buckets, k, done, t, token_id, commit, sched, seqs_by_id)
         if done:
-            order = sorted(set(done).union(crossing))
-            ended: list[Sequence] = []
-        else:
-            order = crossing
-        for i in order:
-            seq = seqs[i]
-            n = starts[i] + k
-            token_ids = seq.token_ids
-            token_ids.extend([token_id] * (n - len(token_ids)))
-            seq.num_computed_tokens = n
-            commit(seq)
-            if done and i in done:
-                token_ids.append(token_id)
-                seq.finish_time = t
-                sched.finish(seq, "length")
-                del seqs_by_id[seq.seq_id]
-                ended.append(seq)
-                alive[i] = False
-                buckets[starts[i] % bs].remove(i)  # crosses no more boundaries
-                num_alive -= 1
-                decode_ctx -= n  # its context in step k - 1
-        if done:
+            num_alive -= len(ended)
+            decode_ctx -= ended_ctx  # their contexts in step k - 1
             finished(inst, t, ended)
             if num_alive and max_start in (starts[i] for i in done):
                 max_start = max(s for s, a in zip(starts, alive) if a)
@@ -451,7 +431,7 @@ nothing. The jump replays the instance's
             inst.step_version += 1  # the older lanes' queued ends are replayed here
             log = inst.fast_forward_log = [] if sim.stop_when_set else None
         if t == t_end:
-            ended = lane.update(t, done, bs, token_id, commit, sched, seqs_by_id)
+            ended = lane.update(t, done, token_id, commit, sched, seqs_by_id)
             if ended:
                 finished(inst, t, ended)
             free = order.pop(0)
@@ -522,6 +502,39 @@ nothing. The jump replays the instance's
     return True
 
 
+
+def apply_update(seqs: list[Sequence], starts: list[int], alive: list[bool], buckets: list[list[int]], offset: int,
+                 done: list[int] | None, now: float, token_id: int, commit: Callable[[Sequence], None], sched: Any,
+                 seqs_by_id: dict[str, Sequence]) -> tuple[list[int], list[Sequence], int]:
+    """A jumped step's update, in batch order, as ``update_from_output`` makes it: the sequences that
+    filled a block (``buckets``: indices by start % block size) commit it, those in ``done`` reached
+    their limit and finish (their blocks freed). ``offset``: the step's sequences have ``starts[i] +
+    offset`` tokens computed. Returns the crossing indices (the bucket, finished ones removed), the
+    finished sequences and the sum of their contexts."""
+    bs = len(buckets)
+    crossing = buckets[-offset % bs]
+    order = sorted(set(done).union(crossing)) if done else crossing
+    ended: list[Sequence] = []
+    ended_ctx = 0
+    for i in order:
+        seq = seqs[i]
+        n = starts[i] + offset
+        token_ids = seq.token_ids
+        token_ids.extend([token_id] * (n - len(token_ids)))
+        seq.num_computed_tokens = n
+        commit(seq)
+        if done and i in done:
+            token_ids.append(token_id)
+            seq.finish_time = now
+            sched.finish(seq, "length")
+            del seqs_by_id[seq.seq_id]
+            ended.append(seq)
+            alive[i] = False
+            buckets[starts[i] % bs].remove(i)  # crosses no more boundaries
+            ended_ctx += n
+    return crossing, ended, ended_ctx
+
+
 class _Lane:
     """One micro-batch of a pipelined instance in a jump: its sequences, as of the plan in flight
     when the jump began (step 0), and its step ``k`` (the plan launched last)."""
@@ -560,35 +573,16 @@ class _Lane:
         self.finish_at.setdefault(finish_step, []).append(i)
         self.buckets[start % bs].append(i)
 
-    def update(self, now: float, done: list[int] | None, bs: int, token_id: int, commit: Callable[[Sequence], None],
-               sched: object, seqs_by_id: dict[str, Sequence]) -> list[Sequence]:
-        """Step k's update at ``now`` (as ``update_from_output``): commits of the blocks that filled,
-        finishes, in batch order; returns the finished sequences."""
-        k = self.k
-        crossing = self.buckets[-(k + 1) % bs]  # type: ignore[index]
-        order = sorted(set(done).union(crossing)) if done else crossing
-        ended: list[Sequence] = []
-        n = k + 1
-        for i in order:
-            seq = self.seqs[i]
-            computed = self.starts[i] + n
-            token_ids = seq.token_ids
-            token_ids.extend([token_id] * (computed - len(token_ids)))
-            seq.num_computed_tokens = computed
-            commit(seq)
-            if done and i in done:
-                token_ids.append(token_id)
-                seq.finish_time = now
-                sched.finish(seq, "length")  # type: ignore[attr-defined]
-                del seqs_by_id[seq.seq_id]
-                ended.append(seq)
-                self.alive[i] = False
-                self.buckets[self.starts[i] % bs].remove(i)  # type: ignore[index]
-                self.num_alive -= 1
-                self.ctx -= computed  # its context in step k
+    def update(self, now: float, done: list[int] | None, token_id: int, commit: Callable[[Sequence], None], sched: object,
+               seqs_by_id: dict[str, Sequence]) -> list[Sequence]:
+        """Step k's update at ``now`` (as ``update_from_output``, ``apply_update``); returns the finished sequences."""
+        _, ended, ended_ctx = apply_update(self.seqs, self.starts, self.alive, self.buckets, self.k + 1, done, now, token_id,  # type: ignore[arg-type]
+                                           commit, sched, seqs_by_id)
+        self.num_alive -= len(ended)
+        self.ctx -= ended_ctx  # their contexts in step k
         if ended and self.num_alive and self.max_start in (self.starts[i] for i in done):  # type: ignore[union-attr]
             self.max_start = max(s for s, a in zip(self.starts, self.alive) if a)
-        self.applied_k = k
+        self.applied_k = self.k
         return ended
 
     def in_flight(self, token_id: int) -> PlanInFlight:
