@@ -588,11 +588,7 @@ class _Lane:
     def in_flight(self, token_id: int) -> PlanInFlight:
         """The lane's plan in flight (step k), as ``schedule()`` made it, its sequences brought up to it."""
         k = self.k
-        for seq, start, a in zip(self.seqs, self.starts, self.alive):
-            if a:
-                token_ids = seq.token_ids
-                token_ids.extend([token_id] * (start + k + 1 - len(token_ids)))
-                seq.num_computed_tokens = start + k
+        self._bring_up(token_id, k)
         if self.plan is not None:
             return self.first
         plan = StepPlan([
@@ -603,9 +599,12 @@ class _Lane:
 
     def applied(self, token_id: int) -> None:
         """The lane waits for its launch: step k's update applied (its sampled token appended)."""
-        k = self.k
+        self._bring_up(token_id, self.k + 1)
+
+    def _bring_up(self, token_id: int, computed: int) -> None:
+        """Every alive sequence with ``start + computed`` tokens computed and one more sampled."""
         for seq, start, a in zip(self.seqs, self.starts, self.alive):
             if a:
                 token_ids = seq.token_ids
-                token_ids.extend([token_id] * (start + k + 2 - len(token_ids)))
-                seq.num_computed_tokens = start + k + 1
+                token_ids.extend([token_id] * (start + computed + 1 - len(token_ids)))
+                seq.num_computed_tokens = start + computed
