@@ -22,7 +22,7 @@ import asyncio
 import time
 from typing import TYPE_CHECKING
 
-from distserve.cluster.backpressure import add_pending
+from distserve.cluster.backpressure import add_pending, step_capacity
 from distserve.cluster.admission import TIMED_OUT, AdmissionItem, AdmissionQueue, EntryLoad, measured_tpot_s, timeout_error
 from distserve.cluster.routing import entry_hashes, pick_entry
 from distserve.config import CacheConfig
@@ -48,8 +48,7 @@ def instance_load(inst: DeployedInstance, tpot: float | None) -> EntryLoad:
     for _, rank, tokens in inst.unseen:
         pending = add_pending(pending, rank, tokens)
     waiting = (last.num_waiting if last is not None else 0) + inst.num_added - seen
-    config = inst.spec.scheduler
-    return EntryLoad(waiting, tpot, pending, config.max_num_batched_tokens, config.max_num_seqs)
+    return EntryLoad(waiting, tpot, pending, *step_capacity(inst.spec.scheduler, inst.spec.pp))
 
 
 class AdmissionDriver:

@@ -106,6 +106,22 @@ def test_pipeline_keeps_micro_batches_in_flight() -> None:
     assert t2 < 0.6 * t1, (t1, t2)
 
 
+def test_pipelined_prefill_instance_keeps_its_stages_busy() -> None:
+    """A prefill instance of pp stages under a backlog: admission keeps pp micro-batches' worth of prompts
+    waiting there (``backpressure.step_capacity``), so every launch at a free stage 0 finds a full one;
+    with one step's worth only, the next micro-batch waited for a plan to end and PP=2 gained ~1.3x."""
+    c = TpCoefficients(DISTSERVE_PROFILE["prefill"], DISTSERVE_PROFILE["decode_small"], DISTSERVE_PROFILE["decode_large"], 95)
+    model = FittedLatencyModel(MODEL, {1: c}, hardware="a100-80g", pp_stage_overhead_s=0.0)
+    reqs = fixed_requests(120, 1000.0, 500, 1)  # every prompt queued at once; it ends at its first token
+
+    def last_first_token(pp: int) -> float:
+        records = simulate(Placement.disaggregated(1, 1, 1, pp), model, reqs).records
+        return max(r.first_token_s for r in records if r.first_token_s is not None)
+
+    t1, t2 = last_first_token(1), last_first_token(2)
+    assert t2 < 0.6 * t1, (t1, t2)
+
+
 def test_shared_compute_is_processor_sharing() -> None:
     """Two colocated instances on one node, each step 2x slower while both compute: a prefill of D
     started at 0 and one started at D/2 both take 1.5 D (alone D/2, shared D, alone D/2)."""
