@@ -274,6 +274,26 @@ def test_dispatch_fills_one_step_with_prompt_tokens() -> None:
     assert load.with_dispatched(out[0][0]).pending_tokens == (40,) and all(item.rank == 0 for item, _ in out)  # fcfs: one rank
 
 
+def test_a_pipelined_instance_keeps_a_step_per_micro_batch_waiting() -> None:
+    """``step_capacity``: what the token rule keeps waiting at an entry instance, per micro-batch of its
+    pipeline (it launches one whenever stage 0 is free), from every driver's load alike."""
+    from distserve.cluster.backpressure import entry_load, step_capacity
+    from distserve.config import SchedulerConfig
+    from distserve.engine.block_manager import BlockManager
+    from distserve.engine.scheduler import Scheduler
+
+    config = SchedulerConfig(max_num_batched_tokens=100, max_num_seqs=8)
+    assert step_capacity(config) == (100, 8) and step_capacity(config, 3) == (300, 24)
+    for pp, dispatched in ((1, 3), (2, 5)):  # tokens ahead 0, 40, 80 (< 100); with pp = 2 up to 160 (< 200)
+        sched = Scheduler(config, BlockManager(64, 16), 2048, pipeline_depth=pp)
+        load = entry_load(sched, None)
+        assert (load.step_tokens, load.step_seqs) == (100 * pp, 8 * pp)
+        q = AdmissionQueue("fcfs")
+        for i in range(8):
+            q.push(AdmissionItem(f"r{i}", RequestClass(), 50, float(i), num_prompt_tokens=40), 0.0)
+        assert len(q.dispatch(0.0, ["p0"], lambda inst: load, lambda item, ok: ok[0])) == dispatched
+
+
 def test_fair_ranks_sparse_tenants_first_here_and_in_the_scheduler() -> None:
     default = LEVELS * 1  # the default tier's first rank
     q = AdmissionQueue("fair", backpressure=NO_BACKPRESSURE)
