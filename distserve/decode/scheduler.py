@@ -36,6 +36,8 @@ class DecodeScheduler(Scheduler):
     decode instance never has to send work back.
     """
 
+    phase = "decode"
+
     def __init__(self, *args: object, **kwargs: object) -> None:
         super().__init__(*args, **kwargs)  # type: ignore[arg-type]
         self.migrating: dict[str, Sequence] = {}

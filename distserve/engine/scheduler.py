@@ -55,6 +55,7 @@ class Scheduler(AdmissionRankOrder):
     """
 
     clears_isolation = True
+    phase = "colocated"  # the instance role this scheduler serves (``PrefillScheduler``: prefill; ``DecodeScheduler``: decode)
 
     def __init__(
         self,

@@ -19,6 +19,7 @@ class PrefillScheduler(Scheduler):
     """
 
     clears_isolation = False  # a suspect's prefill proves nothing about its decoding
+    phase = "prefill"
 
     def __init__(self, *args: object, **kwargs: object) -> None:
         super().__init__(*args, **kwargs)  # type: ignore[arg-type]

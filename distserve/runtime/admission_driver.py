@@ -48,7 +48,7 @@ def instance_load(inst: DeployedInstance, tpot: float | None) -> EntryLoad:
     for _, rank, tokens in inst.unseen:
         pending = add_pending(pending, rank, tokens)
     waiting = (last.num_waiting if last is not None else 0) + inst.num_added - seen
-    return EntryLoad(waiting, tpot, pending, *step_capacity(inst.spec.scheduler, inst.spec.pp))
+    return EntryLoad(waiting, tpot, pending, *step_capacity(inst.spec.scheduler, inst.spec.phase, inst.spec.pp))
 
 
 class AdmissionDriver:

@@ -274,18 +274,19 @@ def test_dispatch_fills_one_step_with_prompt_tokens() -> None:
     assert load.with_dispatched(out[0][0]).pending_tokens == (40,) and all(item.rank == 0 for item, _ in out)  # fcfs: one rank
 
 
-def test_a_pipelined_instance_keeps_a_step_per_micro_batch_waiting() -> None:
-    """``step_capacity``: what the token rule keeps waiting at an entry instance, per micro-batch of its
-    pipeline (it launches one whenever stage 0 is free), from every driver's load alike."""
+def test_a_pipelined_prefill_instance_keeps_a_step_per_micro_batch_waiting() -> None:
+    """``step_capacity``: what the token rule keeps waiting at an entry instance, per micro-batch of a
+    pipelined prefill instance (it launches one whenever stage 0 is free), from every driver's load alike."""
     from distserve.cluster.backpressure import entry_load, step_capacity
     from distserve.config import SchedulerConfig
     from distserve.engine.block_manager import BlockManager
-    from distserve.engine.scheduler import Scheduler
+    from distserve.prefill.scheduler import PrefillScheduler
 
     config = SchedulerConfig(max_num_batched_tokens=100, max_num_seqs=8)
-    assert step_capacity(config) == (100, 8) and step_capacity(config, 3) == (300, 24)
+    assert step_capacity(config, "prefill") == (100, 8) and step_capacity(config, "prefill", 3) == (300, 24)
+    assert step_capacity(config, "colocated", 3) == (100, 8)  # its micro-batches carry its decodes: one step's worth
     for pp, dispatched in ((1, 3), (2, 5)):  # tokens ahead 0, 40, 80 (< 100); with pp = 2 up to 160 (< 200)
-        sched = Scheduler(config, BlockManager(64, 16), 2048, pipeline_depth=pp)
+        sched = PrefillScheduler(config, BlockManager(64, 16), 2048, pipeline_depth=pp)
         load = entry_load(sched, None)
         assert (load.step_tokens, load.step_seqs) == (100 * pp, 8 * pp)
         q = AdmissionQueue("fcfs")
