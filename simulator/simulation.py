@@ -66,7 +66,8 @@ from distserve.engine.step_plan import SampledToken, StepPlan
 from distserve.engine.sequence import Sequence, SequenceStatus
 from distserve.errors import InvalidConfigError, QueueFullError
 from distserve.placement import InstanceSpec, Placement
-from simulator.fast_forward import fast_forward, fast_forward_pipeline, undo_after
+from simulator.fast_forward import fast_forward, undo_after
+from simulator.fast_forward_pipeline import fast_forward_pipeline
 from simulator.layer_preemption import layered_prefill
 from simulator.latency import LatencyModel
 from simulator.metrics import RequestRecord, SimResult
