@@ -163,10 +163,10 @@ class SchedulerConfig:
     # lower rank; on the in-process engine's decode instances, a plan yields to the prefill
     # instances sharing its thread when a request arrives.
     layer_preemption: bool = True
-    # While an instance has admitted a prompt of a lower admission rank among its last
-    # ``engine.rank_order.RECENT_ADMISSIONS`` admissions (a sparse tenant's, a higher tier's), a step
-    # computing prompts of a higher rank (a backlog's) takes the prompt tokens that its measured
-    # seconds per prompt token say fit in this many seconds, so a lower-ranked prompt arriving
+    # While an instance has admitted a prompt of a higher tier among its last
+    # ``engine.rank_order.RECENT_ADMISSIONS`` admissions (an interactive tenant's), a step computing
+    # prompts of a lower tier (a batch backlog's) takes the prompt tokens that its measured
+    # seconds per prompt token say fit in this many seconds, so a higher tier's prompt arriving
     # mid-step waits for one short layer (layer preemption) rather than a long one. A prompt longer
     # than that runs alone (or chunked, with chunked prefill). None: no cap. 0.25 s caps a CPU
     # (SmolLM2: ~0.5 ms a token) at about one 512-token prompt a step, and leaves an A100's

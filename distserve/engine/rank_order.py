@@ -16,8 +16,8 @@ keeps that order where the queue's order alone would be lost:
 * on a prefill instance a prompt of rank r leaves ``r`` units of KV blocks free (``_leaves_room``):
   a backlogged tenant's prompts, which wait there holding their KV until the decode side takes
   them, never fill the cache a sparse tenant's prompt arriving later needs;
-* while a lower rank was admitted among the last ``RECENT_ADMISSIONS``, a step computing prompts of a
-  higher rank takes the prompt tokens that fit in ``backlog_step_s`` at the instance's measured
+* while a higher tier (``rank // LEVELS``) was admitted among the last ``RECENT_ADMISSIONS``, a step
+  computing prompts of a lower tier takes the prompt tokens that fit in ``backlog_step_s`` at the instance's measured
   seconds per prompt token (``_backlog_room``): the layer a chat arriving mid-step waits for (layer
   preemption) is a short one;
 * ``pending_prompt_tokens`` reports the prompt tokens not yet computed by rank, which admission's
@@ -30,6 +30,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable
 
+from distserve.cluster.fair_queue import LEVELS
 from distserve.config import SchedulerConfig
 from distserve.engine.block_manager import BlockManager
 from distserve.engine.sequence import Sequence
@@ -97,12 +98,13 @@ class AdmissionRankOrder:
 
     def _backlog_room(self, prompt_tokens: int) -> int | None:
         """Prompt tokens this step may still take beyond its ``prompt_tokens`` (None: no cap): the
-        tokens that fit ``backlog_step_s`` at the measured cost while the step's rank is above one
-        admitted lately."""
+        tokens that fit ``backlog_step_s`` at the measured cost while a higher tier than the step's
+        was admitted lately (tier: ``rank // LEVELS`` under every admission policy). Within a tier
+        (a flood next to chat tenants) steps stay whole: throughput, not a tier's latency, is at stake."""
         limit_s = self.config.backlog_step_s
         rank = self._step_rank
         seconds, tokens = self._prompt_cost
-        if limit_s is None or not rank or seconds <= 0 or not self._recent_ranks or min(self._recent_ranks) >= rank:
+        if limit_s is None or not rank or seconds <= 0 or not self._recent_ranks or min(self._recent_ranks) // LEVELS >= rank // LEVELS:
             return None
         return max(1, int(limit_s * tokens / seconds)) - prompt_tokens
 

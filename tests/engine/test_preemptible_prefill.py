@@ -158,13 +158,13 @@ def test_a_backlogged_prompt_leaves_kv_for_lower_ranks() -> None:
 
 @pytest.mark.parametrize("chunked", [False, True])
 def test_backlog_steps_are_short_while_a_lower_rank_was_admitted_lately(chunked: bool) -> None:
-    """A backlog's prompts fill whole steps until a lower rank (a chat tenant, a higher tier) has been
+    """A batch backlog's prompts fill whole steps until a higher tier (an interactive tenant's) has been
     admitted lately; then its steps take the prompt tokens that fit ``backlog_step_s`` at the measured
     cost (here 1 ms a token: 100 tokens in 0.1 s), so the layer a chat arriving mid-step waits for is
-    short. Without a cap, the same prompts share one step."""
+    short. Without a cap, or next to a chat of the same tier, the same prompts share one step."""
     from distserve.engine.step_plan import SampledToken
 
-    def run(cap_s: float | None) -> list[list[tuple[str, int]]]:
+    def run(cap_s: float | None, chat_rank: int = 0) -> list[list[tuple[str, int]]]:
         steps: list[list[tuple[str, int]]] = []
         now = [0.0]
 
@@ -181,19 +181,19 @@ def test_backlog_steps_are_short_while_a_lower_rank_was_admitted_lately(chunked:
             seq.admission_rank = rank
             core.add(seq)
 
-        add("b0", 60, 5)
-        add("b1", 60, 5)
+        add("b0", 60, 8)  # batch tier, backlogged (``fair_queue``: rank = LEVELS × tier + level)
+        add("b1", 60, 8)
         core.step(execute, lambda: now[0])  # no lower rank seen yet: both in one step
-        add("c9", 20, 3)
+        add("c9", 20, chat_rank)
         core.step(execute, lambda: now[0])  # the chat's step
         for i in range(2, 6):
-            add(f"b{i}", 60, 5)
+            add(f"b{i}", 60, 8)
         while core.scheduler.has_work():
             core.step(execute, lambda: now[0])
         return steps
 
     assert run(None)[0] == [("b0", 60), ("b1", 60)]
-    assert run(None)[2] == [(f"b{i}", 60) for i in range(2, 6)]
+    assert run(None)[2] == run(0.1, chat_rank=7)[2] == [(f"b{i}", 60) for i in range(2, 6)]  # same tier: whole steps
     capped = run(0.1)
     assert capped[0] == [("b0", 60), ("b1", 60)] and capped[1] == [("c9", 20)]
     if chunked:  # the next prompt is chunked to the cap's room
