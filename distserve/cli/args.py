@@ -210,6 +210,9 @@ def _add_plan_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workers", type=_positive_int, default=1, help="processes simulating candidates in parallel")
     p.add_argument("--out", default=None, metavar="FILE", help="write the best Placement JSON here")
     p.add_argument("--plot", default=None, metavar="PNG", help="attainment vs rate of the best disaggregated and colocated plans")
+    p.add_argument("--save-dir", default=None, metavar="DIR",
+                   help="write the plan's bundle here: placement.json, candidates.csv (every candidate), attainment.png, goodput.png, "
+                   "serve_command.txt (the `distserve serve` command) and serve_config.yaml (Ray Serve: `serve run serve_config.yaml`)")
     _add_colocated_policy_arg(p)
     p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
 
