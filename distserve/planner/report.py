@@ -339,9 +339,10 @@ def serve_argv(model: str, placement_path: str | Path, sim_config: SimConfig | N
     return argv
 
 
-def serve_config(model: str, placement_path: str | Path, host: str = "0.0.0.0", port: int = 8000) -> dict[str, Any]:
+def serve_config(model: str, placement_path: str | Path, host: str = "127.0.0.1", port: int = 8000) -> dict[str, Any]:
     """A Ray Serve config (``serve run serve_config.yaml`` / ``serve deploy``) of the plan: the ingress app
-    (``distserve.serving.app:build_app``) with the plan's Placement JSON."""
+    (``distserve.serving.app:build_app``) with the plan's Placement JSON; the proxy on ``host:port`` (loopback, as
+    ``distserve serve``: edit ``host`` to serve other machines)."""
     return {
         "proxy_location": "HeadOnly",
         "http_options": {"host": host, "port": port},
