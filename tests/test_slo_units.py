@@ -52,7 +52,7 @@ def test_every_subcommand_takes_units(argv: list[str], dests: dict[str, float]) 
 
 @pytest.mark.parametrize("argv,flag", [
     (["simulate", "--model", "facebook/opt-13b", "--ttft", "200", "--tpot", "0.05"], "--ttft"),
-    (["plan", "--model", "facebook/opt-13b", "--ttft", "1", "--tpot", "50"], "--tpot"),
+    (["plan", "--model", "facebook/opt-13b", "--ttft", "1", "--tpot", "75"], "--tpot"),
     (["serve", "--ttft-slo", "500"], "--ttft-slo"),
     (["serve", "--tpot-slo", "fast"], "--tpot-slo"),
 ])
