@@ -133,6 +133,8 @@ class LoadResult:
             "overhead_tokens": self.calibration[1],
             "stopped_early": self.stopped_early,
             "endpoint_type": self.endpoint_type,
+            "request_rate": self.workload.rate if math.isfinite(self.workload.rate) else "inf",  # as vLLM's result JSON
+            "burstiness": self.workload.burstiness,
             "max_concurrency": self.max_concurrency,
             **self.summary.to_dict(),
             **vllm_metrics(self.requests, self.summary, self.slo, self.metric_percentiles),

@@ -217,7 +217,8 @@ def test_cli_takes_vllm_flags(live: Server, capsys: pytest.CaptureFixture[str]) 
     assert loadgen.main(argv) == 0
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert out["completed"] == 4 and out["slo"] == {"ttft_s": 30.0, "tpot_s": 30.0} and out["request_goodput"] > 0
-    assert out["workload"]["burstiness"] == 0.5 and out["endpoint_type"] == "chat" and "p90_itl_ms" in out
+    assert out["workload"]["burstiness"] == out["burstiness"] == 0.5 and out["request_rate"] == 50.0
+    assert out["endpoint_type"] == "chat" and "p90_itl_ms" in out
     assert live.in_flight.peak <= 2
     for bad, needle in ((["--goodput", "e2el:500"], "end-to-end"), (["--goodput", "ttft:200", "--ttft-slo", "0.2"], "use one"),
                         (["--burstiness", "0"], "burstiness"), (["--max-concurrency", "0"], "--max-concurrency"),
