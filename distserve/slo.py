@@ -25,6 +25,11 @@ completion alone.
 
 An infinite target is not checked (``SLO()`` checks nothing). This module is a leaf: numpy and
 the class names only.
+
+Latency targets on a command line (``parse_latency``) take a unit: ``200ms``, ``0.2s``, or a bare
+number of seconds (``0.2``). A bare number above ``MAX_BARE_SECONDS`` is refused: vLLM's
+``--goodput`` and AIConfigurator take milliseconds, so ``--ttft 200`` almost surely means 200 ms,
+and silently reading it as 200 s would make every request meet the SLO.
 """
 
 from __future__ import annotations
@@ -39,6 +44,8 @@ from distserve.cluster.classes import THROUGHPUT
 from distserve.errors import InvalidConfigError
 
 ATTAINMENT_MODES = ("joint", "separate")
+MAX_BARE_SECONDS = 60.0  # a bare latency above this is refused (likely milliseconds)
+_LATENCY_UNITS = {"ms": 1e-3, "s": 1.0}  # longest suffix first when matching
 LATENCIES = ("ttft", "tpot", "e2e")
 
 
@@ -85,6 +92,32 @@ class SLOSpec:
         if slo is None:
             raise InvalidConfigError(f"request SLO class {name!r} is not defined; known classes: {sorted(self.classes)}")
         return slo
+
+
+def parse_latency(text: str, flag: str, *, allow_inf: bool = False) -> float:
+    """``"200ms"``, ``"0.2s"`` or ``"0.2"`` -> 0.2 (seconds, > 0); ``"inf"`` when ``allow_inf`` (not checked).
+
+    Raises InvalidConfigError naming ``flag`` for anything else, including a bare number above
+    ``MAX_BARE_SECONDS`` (with the hint that we take seconds where vLLM takes milliseconds).
+    """
+    raw = text.strip().lower()
+    unit = next((u for u in sorted(_LATENCY_UNITS, key=len, reverse=True) if raw.endswith(u) and raw != "inf"), None)
+    number = raw[: -len(unit)].strip() if unit else raw
+    try:
+        value = float(number) * (_LATENCY_UNITS[unit] if unit else 1.0)
+    except ValueError:
+        raise InvalidConfigError(f"{flag} {text!r}: expected a latency such as 200ms, 0.2s or 0.2 (seconds)", flag.lstrip("-").replace("-", "_")) from None
+    if math.isinf(value) and allow_inf and value > 0:
+        return value
+    if not (value > 0 and math.isfinite(value)):
+        what = "> 0" + (" or inf" if allow_inf else "") + ", finite"
+        raise InvalidConfigError(f"{flag} {text!r}: must be {what}", flag.lstrip("-").replace("-", "_"))
+    if unit is None and value > MAX_BARE_SECONDS:
+        raise InvalidConfigError(
+            f"{flag} {text!r}: a bare number is seconds here, and {value:g} s is longer than any latency SLO; "
+            f"vLLM and AIConfigurator take milliseconds: write {number}ms (or {value / 1000:g}s), or {value:g}s if you mean it",
+            flag.lstrip("-").replace("-", "_"))
+    return value
 
 
 def slo_for_objective(slo: SLO, objective: str) -> SLO:

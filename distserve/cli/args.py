@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from distserve.cluster.admission import DEFAULT_MAX_WAITING, DEFAULT_WAITING_UNIT, WAITING_UNITS
@@ -17,6 +18,9 @@ if TYPE_CHECKING:
     from distserve.cluster.admission import AdmissionConfig
     from distserve.cluster.tenants import TenantSpec
     from distserve.placement import Placement
+
+
+LATENCY_HELP = "200ms, 0.2s or 0.2 (a bare number is seconds; above 60 it is refused as a likely millisecond value)"
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
@@ -85,6 +89,21 @@ def _positive_float(text: str) -> float:
     return value
 
 
+def latency_type(flag: str, *, allow_inf: bool = False) -> Callable[[str], float]:
+    """An argparse ``type`` for a latency flag: ``200ms``, ``0.2s`` or ``0.2`` -> seconds (``distserve.slo.parse_latency``)."""
+    from distserve.errors import InvalidConfigError
+    from distserve.slo import parse_latency
+
+    def parse(text: str) -> float:
+        try:
+            return parse_latency(text, flag, allow_inf=allow_inf)
+        except InvalidConfigError as exc:
+            raise argparse.ArgumentTypeError(str(exc).removeprefix(f"{flag} ")) from None
+
+    parse.__name__ = "latency"
+    return parse
+
+
 def _fraction(text: str) -> float:
     value = _positive_float(text)
     if value > 1:
@@ -141,8 +160,8 @@ def _add_simulate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--arrival", default="poisson", choices=["poisson", "gamma", "fixed"], help="arrival process")
     p.add_argument("--cv", type=_positive_float, default=1.0, help="coefficient of variation of gamma inter-arrivals")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--ttft", type=_positive_float, required=True, help="TTFT SLO, seconds")
-    p.add_argument("--tpot", type=_positive_float, required=True, help="TPOT SLO, seconds")
+    p.add_argument("--ttft", "--ttft-slo", dest="ttft", type=latency_type("--ttft"), required=True, help=f"TTFT SLO: {LATENCY_HELP}")
+    p.add_argument("--tpot", "--tpot-slo", dest="tpot", type=latency_type("--tpot"), required=True, help=f"TPOT SLO: {LATENCY_HELP}")
     p.add_argument("--attainment", type=_fraction, default=0.9, help="fraction of requests that must meet the SLO")
     p.add_argument("--attainment-mode", default="joint", choices=["joint", "separate"],
                    help="joint: a request must meet both SLOs; separate: each SLO on its own fraction (DistServe's 90%%/90%%)")
@@ -170,10 +189,13 @@ def _add_plan_args(p: argparse.ArgumentParser) -> None:
                    "mix:OBJECTIVE=LENGTHS[:FRACTION],... a mix of classes, e.g. mix:latency=chatbot:0.3,throughput=summarization")
     p.add_argument("--num-requests", type=_positive_int, default=300, help="requests simulated per probe")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--ttft", type=_positive_float, default=None, help="TTFT SLO, seconds (default: the strictest --class-slo)")
-    p.add_argument("--tpot", type=_positive_float, default=None, help="TPOT SLO, seconds (default: the strictest --class-slo)")
+    p.add_argument("--ttft", "--ttft-slo", dest="ttft", type=latency_type("--ttft"), default=None,
+                   help=f"TTFT SLO: {LATENCY_HELP} (default: the strictest --class-slo)")
+    p.add_argument("--tpot", "--tpot-slo", dest="tpot", type=latency_type("--tpot"), default=None,
+                   help=f"TPOT SLO: {LATENCY_HELP} (default: the strictest --class-slo)")
     p.add_argument("--class-slo", action="append", default=None, metavar="OBJECTIVE=TTFT:TPOT",
-                   help="SLO of one request class (its objective: latency, throughput, default), seconds, repeatable; with two or "
+                   help="SLO of one request class (its objective: latency, throughput, default), latencies as --ttft (inf: not "
+                   "checked), e.g. latency=200ms:50ms, repeatable; with two or "
                    "more classes the best disaggregated plan is also weighed split into per-class decode pools, and with larger batch caps")
     p.add_argument("--attainment", type=_fraction, default=0.9)
     p.add_argument("--attainment-mode", default="joint", choices=["joint", "separate"])
@@ -188,6 +210,9 @@ def _add_plan_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workers", type=_positive_int, default=1, help="processes simulating candidates in parallel")
     p.add_argument("--out", default=None, metavar="FILE", help="write the best Placement JSON here")
     p.add_argument("--plot", default=None, metavar="PNG", help="attainment vs rate of the best disaggregated and colocated plans")
+    p.add_argument("--save-dir", default=None, metavar="DIR",
+                   help="write the plan's bundle here: placement.json, candidates.csv (every candidate), attainment.png, goodput.png, "
+                   "serve_command.txt (the `distserve serve` command) and serve_config.yaml (Ray Serve: `serve run serve_config.yaml`)")
     _add_colocated_policy_arg(p)
     p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
 
@@ -210,10 +235,10 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=_positive_int, default=None, metavar="N",
                    help="torch threads per engine (local runtime; default: all cores) or per Ray worker "
                    "(default: the placement's per-instance threads, else 1)")
-    p.add_argument("--ttft-slo", type=_positive_float, default=None, metavar="S",
-                   help="TTFT SLO in seconds: /metrics counts requests meeting the SLO (default: the placement's)")
-    p.add_argument("--tpot-slo", type=_positive_float, default=None, metavar="S",
-                   help="TPOT SLO in seconds: colocated and decode steps chunk prompts to stay within it "
+    p.add_argument("--ttft-slo", type=latency_type("--ttft-slo"), default=None, metavar="LATENCY",
+                   help=f"TTFT SLO ({LATENCY_HELP}): /metrics counts requests meeting the SLO (default: the placement's)")
+    p.add_argument("--tpot-slo", type=latency_type("--tpot-slo"), default=None, metavar="LATENCY",
+                   help=f"TPOT SLO ({LATENCY_HELP}): colocated and decode steps chunk prompts to stay within it "
                    "(the 'slo' step budget; default: the placement's, else whole prompts per step)")
     p.add_argument("--session-ttl", type=_positive_float, default=DEFAULT_LIMITS.ttl_s, metavar="S",
                    help="semantic-variable sessions idle this long are ended, their calls aborted")

@@ -119,6 +119,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     for flag, value in (("--out", args.out), ("--plot", args.plot)):
         if value is not None and not pathlib.Path(value).resolve().parent.is_dir():
             raise InvalidConfigError(f"{flag} {value}: directory {pathlib.Path(value).parent} does not exist")
+    if args.save_dir is not None and pathlib.Path(args.save_dir).exists() and not pathlib.Path(args.save_dir).is_dir():
+        raise InvalidConfigError(f"--save-dir {args.save_dir}: exists and is not a directory", "save_dir")
     class_slos = dict(parse_class_slo(text) for text in args.class_slo or ())
     if len(class_slos) != len(args.class_slo or ()):
         raise InvalidConfigError("--class-slo: an objective is given twice", "class_slo")
@@ -162,6 +164,13 @@ def cmd_plan(args: argparse.Namespace) -> int:
         plan_report.plot(req, result, args.plot)
         if not args.json:
             print(f"wrote {args.plot}")
+    if args.save_dir is not None:
+        try:
+            paths = plan_report.write_bundle(req, result, args.model, args.save_dir)
+        except OSError as exc:
+            raise InvalidConfigError(f"--save-dir {args.save_dir}: {exc}", "save_dir") from None
+        if not args.json:
+            print(f"wrote {', '.join(paths)} to {args.save_dir}; deploy with: {paths['serve_command.txt'].read_text().strip()}")
     return 0
 
 

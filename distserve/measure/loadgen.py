@@ -1,8 +1,11 @@
-"""HTTP load generator for any OpenAI-compatible server: Poisson arrivals, streamed completions, SLO attainment and goodput.
+"""HTTP load generator for any OpenAI-compatible server: Poisson or gamma arrivals, streamed completions or chat
+completions, SLO attainment and goodput, and vLLM's ``vllm bench serve`` result keys next to ours.
 
-Each request of the workload (``distserve.measure.workload``) is sent at its arrival time, streamed
-and timed on the client side (``distserve.measure.stream_client``); TTFT, TPOT, E2E and attainment
-are ``distserve.slo``'s definitions, the same the simulator predicts. Before the run, two probe
+Each request of the workload (``distserve.measure.workload``) is sent at its arrival time (with
+``max_concurrency``, once fewer than that many requests are open: later, as vLLM's
+``--max-concurrency`` does), streamed and timed on the client side
+(``distserve.measure.stream_client``); TTFT, TPOT, E2E and attainment are ``distserve.slo``'s
+definitions, the same the simulator predicts; ITL is every gap between streamed output chunks. Before the run, two probe
 requests (``max_tokens=1``) holding the prompt word list once and twice calibrate the server's
 tokens per word, so prompts hit their target length in the server's tokens.
 
@@ -18,11 +21,21 @@ than ``TPOT SLO x (max_tokens - 1)`` (a stream never has more than ``max_tokens`
 TPOT can only be worse). Cancelled requests count as misses (not as errors): such a run's
 attainment is a lower bound on the full run's, and the verdict (below the target) is the same.
 
+vLLM's keys (``vllm_metrics``, as ``vllm/benchmarks/serve.py`` computes them): ``completed`` and
+``failed`` requests, ``total_input_tokens``/``total_output_tokens`` (of completed requests; input:
+the server's usage count), ``request_throughput``, ``request_goodput`` (None without an SLO, as
+vLLM without ``--goodput``), ``output_throughput``, ``total_token_throughput`` (per second of our
+``duration_s``, first arrival to last completion, so ``request_throughput == throughput_rps`` and
+``request_goodput == goodput_rps``), and ``mean_/median_/std_/p{P}_`` of ``ttft``, ``tpot``, ``itl``
+and ``e2el`` in milliseconds over completed requests (0 where there is no value, as vLLM). Two
+differences to know when comparing with a ``vllm bench serve`` run: its E2E latency ends at the
+last output chunk, ours at the end of the stream; its duration is the wall time of the whole run.
+
 CLI::
 
     python -m distserve.measure.loadgen --base-url http://127.0.0.1:8000/v1 --model smollm2-135m \\
-        --rate 2 --num-requests 40 --input-len 256 --output-len 64 --ttft-slo 2 --tpot-slo 0.1 \\
-        --ignore-eos --min-tokens --json
+        --rate 2 --num-requests 40 --input-len 256 --output-len 64 --ttft-slo 2s --tpot-slo 100ms \\
+        --endpoint-type chat --burstiness 0.5 --max-concurrency 8 --ignore-eos --min-tokens --json
 
 prints a summary (``--json``: one JSON object) and exits 1 if no request completed.
 """
@@ -31,6 +44,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import math
 import sys
@@ -43,9 +57,11 @@ import httpx
 import numpy as np
 
 from distserve.errors import InvalidConfigError
-from distserve.measure.stream_client import RequestResult, calibrate_tokens_per_word, completion_body, stream_completion
+from distserve.measure.stream_client import (
+    ENDPOINT_PATHS, RequestResult, calibrate_tokens_per_word, completion_body, endpoint_url, stream_completion,
+)
 from distserve.measure.workload import INPUT_LEN_DISTS, RequestSpec, Workload, build_requests
-from distserve.slo import SLO, attainment, latency_summary, max_misses
+from distserve.slo import SLO, attainment, latency_summary, max_misses, parse_latency, percentile
 
 MAX_ERROR_KINDS = 5
 
@@ -73,6 +89,9 @@ class Summary:
     e2e_p50_s: float | None
     e2e_p90_s: float | None
     e2e_p99_s: float | None
+    itl_mean_s: float | None  # every gap between streamed output chunks of completed requests
+    itl_p50_s: float | None
+    itl_p99_s: float | None
     ttft_attainment: float  # fraction of all requests within the TTFT SLO
     tpot_attainment: float
     slo_attainment: float  # fraction of all requests within both
@@ -96,6 +115,9 @@ class LoadResult:
     calibration: tuple[float, float] = (1.0, 0.0)  # (tokens per word, overhead tokens) used to build prompts
     extra: dict[str, Any] = field(default_factory=dict)
     stopped_early: bool = False  # ended once attainment was certain to be below ``stop_below``
+    endpoint_type: str = "completions"  # completions | chat
+    max_concurrency: int | None = None
+    metric_percentiles: tuple[float, ...] = (99.0,)  # the p{P}_*_ms keys (vLLM's --metric-percentiles)
 
     @property
     def tokens_per_word(self) -> float:
@@ -110,12 +132,17 @@ class LoadResult:
             "tokens_per_word": self.calibration[0],
             "overhead_tokens": self.calibration[1],
             "stopped_early": self.stopped_early,
+            "endpoint_type": self.endpoint_type,
+            "request_rate": self.workload.rate if math.isfinite(self.workload.rate) else "inf",  # as vLLM's result JSON
+            "burstiness": self.workload.burstiness,
+            "max_concurrency": self.max_concurrency,
             **self.summary.to_dict(),
+            **vllm_metrics(self.requests, self.summary, self.slo, self.metric_percentiles),
             **self.extra,
         }
         if include_requests:
             out["requests"] = [
-                {**asdict(r), "ttft_s": r.ttft_s, "tpot_s": r.tpot_s, "e2e_s": r.e2e_s} for r in self.requests
+                {**asdict(r), "ttft_s": r.ttft_s, "tpot_s": r.tpot_s, "e2e_s": r.e2e_s, "itls_s": r.itls_s} for r in self.requests
             ]
         return out
 
@@ -142,6 +169,7 @@ def summarize(results: Seq[RequestResult], slo: SLO) -> Summary:
     good = sum(r.meets(slo) for r in results)
     lags = [r.sent_s - r.arrival_s for r in results if r.sent_s is not None]
     prompt_tokens = [float(r.num_prompt_tokens) for r in done if r.num_prompt_tokens is not None]
+    itls = [gap for r in done for gap in r.itls_s]
     return Summary(
         num_requests=n,
         num_completed=len(done),
@@ -154,6 +182,9 @@ def summarize(results: Seq[RequestResult], slo: SLO) -> Summary:
         mean_prompt_tokens=_mean(prompt_tokens),
         mean_output_tokens=_mean([float(r.num_output_tokens) for r in done]),
         **latency_summary(results, with_mean=False, empty=None),  # type: ignore[arg-type]
+        itl_mean_s=_mean(itls),
+        itl_p50_s=percentile(itls, 50),
+        itl_p99_s=percentile(itls, 99),
         ttft_attainment=att["ttft"],
         tpot_attainment=att["tpot"],
         slo_attainment=att["joint"],
@@ -164,6 +195,41 @@ def summarize(results: Seq[RequestResult], slo: SLO) -> Summary:
 
 def _mean(values: Seq[float]) -> float | None:
     return float(np.mean(values)) if values else None
+
+
+def vllm_metrics(results: Seq[RequestResult], summary: Summary, slo: SLO, percentiles: Seq[float] = (99.0,)) -> dict[str, Any]:
+    """The result keys of ``vllm bench serve`` (``vllm/benchmarks/serve.py``), from our measurements (module docstring)."""
+    done = [r for r in results if r.ok]
+    duration = summary.duration_s
+    per_s = (lambda x: x / duration) if duration > 0 else (lambda x: 0.0)
+    input_tokens = sum(r.num_prompt_tokens if r.num_prompt_tokens is not None else r.input_len for r in done)
+    output_tokens = sum(r.num_output_tokens for r in done)
+    checks_slo = math.isfinite(slo.ttft_s) or math.isfinite(slo.tpot_s)
+    out: dict[str, Any] = {
+        "duration": duration,
+        "completed": len(done),
+        "failed": len(results) - len(done),
+        "total_input_tokens": input_tokens,
+        "total_output_tokens": output_tokens,
+        "request_throughput": per_s(len(done)),
+        "request_goodput": per_s(sum(r.meets(slo) for r in done)) if checks_slo else None,
+        "output_throughput": per_s(output_tokens),
+        "total_token_throughput": per_s(input_tokens + output_tokens),
+    }
+    series = {
+        "ttft": [r.ttft_s for r in done if r.ttft_s is not None],
+        "tpot": [r.tpot_s for r in done if r.tpot_s is not None],
+        "itl": [gap for r in done for gap in r.itls_s],
+        "e2el": [r.e2e_s for r in done if r.e2e_s is not None],
+    }
+    for name, values in series.items():
+        ms = np.asarray(values or [0.0]) * 1000.0
+        out[f"mean_{name}_ms"] = float(np.mean(ms))
+        out[f"median_{name}_ms"] = float(np.median(ms))
+        out[f"std_{name}_ms"] = float(np.std(ms))
+        for p in percentiles:
+            out[f"p{int(p) if int(p) == p else p}_{name}_ms"] = float(np.percentile(ms, p))
+    return out
 
 
 def num_known_misses(results: Seq[RequestResult], slo: SLO, max_tokens: int | Seq[int], now_s: float) -> int:
@@ -197,8 +263,12 @@ async def run_load_async(
     tokens_per_word: tuple[float, float] | None = None,
     request_timeout_s: float = 300.0,
     stop_below: float | None = None,
+    endpoint_type: str = "completions",
+    max_concurrency: int | None = None,
+    metric_percentiles: Seq[float] = (99.0,),
 ) -> LoadResult:
-    """Send ``workload`` to ``{base_url}/completions`` and measure it; failures are counted, never raised.
+    """Send ``workload`` to ``{base_url}/completions`` (``endpoint_type="chat"``: ``/chat/completions``)
+    and measure it; failures are counted, never raised.
 
     ``tokens_per_word`` = (tokens per word, overhead tokens), e.g. from an earlier run's
     ``LoadResult.calibration``, skips the probes. If the probes fail, one token per word is assumed
@@ -206,8 +276,12 @@ async def run_load_async(
     likely fail the same way).
     ``stop_below``: end the run (``LoadResult.stopped_early``) once its SLO attainment is certain
     to end below this fraction; the requests still open or unsent are cancelled.
+    ``max_concurrency``: at most this many requests open at once; an arrival waits for a free slot
+    (its latencies start when it is sent).
     """
-    url = base_url.rstrip("/") + "/completions"
+    if max_concurrency is not None and max_concurrency < 1:
+        raise ValueError(f"max_concurrency must be >= 1, got {max_concurrency}")
+    url = endpoint_url(base_url, endpoint_type)
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     timeout = httpx.Timeout(request_timeout_s, connect=10.0)
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
@@ -216,17 +290,19 @@ async def run_load_async(
         extra: dict[str, Any] = {}
         if calibrate and tokens_per_word is None:
             try:
-                calibration = await calibrate_tokens_per_word(client, url, model, headers)
+                calibration = await calibrate_tokens_per_word(client, url, model, headers, endpoint_type)
             except Exception as exc:  # noqa: BLE001 - reported, and the run goes on to count the errors
                 extra["calibration_error"] = f"{type(exc).__name__}: {exc}"
         specs = build_requests(workload, *calibration)
         results = [RequestResult(s.index, s.arrival_s, s.input_len) for s in specs]
+        slots = asyncio.Semaphore(max_concurrency) if max_concurrency is not None else contextlib.nullcontext()
         t0 = time.perf_counter()
 
         async def fire(spec: RequestSpec, result: RequestResult) -> None:
             await asyncio.sleep(max(0.0, spec.arrival_s - (time.perf_counter() - t0)))
-            body = completion_body(model, spec.prompt, workload, spec.output_len, stream=True)
-            await stream_completion(client, url, body, headers, result, t0, request_timeout_s)
+            body = completion_body(model, spec.prompt, workload, spec.output_len, stream=True, endpoint_type=endpoint_type)
+            async with slots:
+                await stream_completion(client, url, body, headers, result, t0, request_timeout_s)
 
         tasks = [asyncio.create_task(fire(s, r)) for s, r in zip(specs, results)]
         stopped_early = False
@@ -249,7 +325,8 @@ async def run_load_async(
                             result.error = "cancelled: the run's SLO verdict was already certain"
                     break
     return LoadResult(
-        base_url, model, workload, slo, results, summarize(results, slo), calibration, extra, stopped_early=stopped_early
+        base_url, model, workload, slo, results, summarize(results, slo), calibration, extra, stopped_early=stopped_early,
+        endpoint_type=endpoint_type, max_concurrency=max_concurrency, metric_percentiles=tuple(metric_percentiles),
     )
 
 
@@ -303,12 +380,14 @@ def _fmt_ms(seconds: float | None) -> str:
 def format_summary(result: LoadResult) -> str:
     s, w, slo = result.summary, result.workload, result.slo
     lines = [
-        f"{result.base_url}  model={result.model}  rate={w.rate:g}/s  requests={w.num_requests}  "
+        f"{result.base_url}{ENDPOINT_PATHS[result.endpoint_type]}  model={result.model}  rate={w.rate:g}/s "
+        f"(burstiness {w.burstiness:g})  max concurrency {result.max_concurrency or '-'}  requests={w.num_requests}  "
         f"input~{w.input_len} ({w.input_len_dist})  output={w.output_len}",
         f"completed {s.num_completed}/{s.num_requests}  errors {s.num_errors}  duration {s.duration_s:.1f} s  "
         f"throughput {s.throughput_rps:.2f} req/s, {s.output_tok_s:.1f} tok/s",
         f"TTFT p50/p90/p99 {_fmt_ms(s.ttft_p50_s)} / {_fmt_ms(s.ttft_p90_s)} / {_fmt_ms(s.ttft_p99_s)}",
         f"TPOT p50/p90/p99 {_fmt_ms(s.tpot_p50_s)} / {_fmt_ms(s.tpot_p90_s)} / {_fmt_ms(s.tpot_p99_s)}",
+        f"ITL mean/p50/p99 {_fmt_ms(s.itl_mean_s)} / {_fmt_ms(s.itl_p50_s)} / {_fmt_ms(s.itl_p99_s)}",
         f"SLO (TTFT {_fmt_ms(slo.ttft_s)}, TPOT {_fmt_ms(slo.tpot_s)}): attainment {s.slo_attainment:.0%} "
         f"(TTFT {s.ttft_attainment:.0%}, TPOT {s.tpot_attainment:.0%})  goodput {s.goodput_rps:.2f} req/s",
     ]
@@ -320,21 +399,72 @@ def format_summary(result: LoadResult) -> str:
     return "\n".join(lines)
 
 
+def _latency_arg(flag: str) -> Any:
+    def parse(text: str) -> float:
+        try:
+            return parse_latency(text, flag, allow_inf=True)
+        except InvalidConfigError as exc:
+            raise argparse.ArgumentTypeError(str(exc).removeprefix(f"{flag} ")) from None
+
+    return parse
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def parse_goodput(pairs: Seq[str]) -> dict[str, float]:
+    """vLLM's ``--goodput ttft:200 tpot:50`` (milliseconds) -> ``{"ttft_s": 0.2, "tpot_s": 0.05}``."""
+    out: dict[str, float] = {}
+    for pair in pairs:
+        name, sep, value = pair.partition(":")
+        if name == "e2el":
+            raise InvalidConfigError(f"--goodput {pair!r}: an end-to-end latency SLO is not supported (ttft and tpot are)", "goodput")
+        if not sep or name not in ("ttft", "tpot"):
+            raise InvalidConfigError(f"--goodput {pair!r}: expected ttft:MS or tpot:MS (milliseconds, as vLLM)", "goodput")
+        try:
+            ms = float(value)
+        except ValueError:
+            raise InvalidConfigError(f"--goodput {pair!r}: {value!r} is not a number of milliseconds", "goodput") from None
+        if not (ms > 0 and math.isfinite(ms)):
+            raise InvalidConfigError(f"--goodput {pair!r}: must be > 0 ms", "goodput")
+        out[f"{name}_s"] = ms / 1000.0
+    return out
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m distserve.measure.loadgen", description=__doc__.split("\n\n")[0])
     ap.add_argument("--base-url", required=True, help="e.g. http://127.0.0.1:8000/v1")
     ap.add_argument("--model", required=True, help="the model name the server answers to")
-    ap.add_argument("--rate", type=float, required=True, help="requests per second (Poisson); inf = all at once")
-    ap.add_argument("--num-requests", type=int, required=True)
-    ap.add_argument("--input-len", type=int, required=True, help="target prompt length in the server's tokens")
+    ap.add_argument("--endpoint-type", default="completions", choices=sorted(ENDPOINT_PATHS),
+                    help="completions: POST {base-url}/completions; chat: POST {base-url}/chat/completions, the prompt as one user message")
+    ap.add_argument("--rate", "--request-rate", dest="rate", type=float, required=True, help="requests per second; inf = all at once")
+    ap.add_argument("--burstiness", type=float, default=1.0,
+                    help="shape of the gamma inter-arrival times, mean 1/rate (vLLM's): 1 Poisson, < 1 burstier, > 1 more regular, inf evenly spaced")
+    ap.add_argument("--max-concurrency", type=_positive_int, default=None, metavar="N",
+                    help="at most N requests open at once; later arrivals wait for a free slot (default: no limit)")
+    ap.add_argument("--num-requests", "--num-prompts", dest="num_requests", type=int, required=True)
+    ap.add_argument("--input-len", "--random-input-len", dest="input_len", type=int, required=True,
+                    help="target prompt length in the server's tokens")
     ap.add_argument("--input-len-dist", default="fixed", choices=INPUT_LEN_DISTS)
     ap.add_argument("--input-len-spread", type=float, default=0.5, help="uniform: +-fraction; lognormal: sigma")
-    ap.add_argument("--output-len", type=int, required=True, help="max_tokens of every request")
+    ap.add_argument("--output-len", "--random-output-len", dest="output_len", type=int, required=True, help="max_tokens of every request")
     ap.add_argument("--ignore-eos", action="store_true", help='send "ignore_eos": true (vLLM-style extension)')
     ap.add_argument("--min-tokens", action="store_true", help='send "min_tokens" = output len (vLLM-style extension)')
     ap.add_argument("--temperature", type=float, default=0.0)
-    ap.add_argument("--ttft-slo", type=float, default=math.inf, help="seconds (default: not checked)")
-    ap.add_argument("--tpot-slo", type=float, default=math.inf, help="seconds (default: not checked)")
+    ap.add_argument("--ttft-slo", type=_latency_arg("--ttft-slo"), default=None,
+                    help="200ms, 0.2s or 0.2 (seconds; default: not checked)")
+    ap.add_argument("--tpot-slo", type=_latency_arg("--tpot-slo"), default=None,
+                    help="200ms, 0.2s or 0.2 (seconds; default: not checked)")
+    ap.add_argument("--goodput", nargs="+", default=None, metavar="KEY:MS",
+                    help="vLLM's form of the SLO: ttft:MS and/or tpot:MS in milliseconds (instead of --ttft-slo/--tpot-slo)")
+    ap.add_argument("--metric-percentiles", default="99", help="comma-separated percentiles of the p{P}_*_ms keys (vLLM's; default 99)")
     ap.add_argument("--seed", type=int, default=0, help="arrivals and lengths")
     ap.add_argument("--prompt-seed", type=int, default=None, help="prompt words (default: --seed)")
     ap.add_argument("--api-key", default=None)
@@ -355,16 +485,28 @@ def main(argv: Seq[str] | None = None) -> int:
             num_requests=args.num_requests, rate=args.rate, input_len=args.input_len, output_len=args.output_len,
             input_len_dist=args.input_len_dist, input_len_spread=args.input_len_spread, seed=args.seed,
             prompt_seed=args.prompt_seed, ignore_eos=args.ignore_eos, min_tokens=args.min_tokens, temperature=args.temperature,
+            burstiness=args.burstiness,
         )
     except ValueError as exc:
         ap.error(str(exc))
     try:
-        slo = SLO(ttft_s=args.ttft_slo, tpot_s=args.tpot_slo)
+        percentiles = tuple(float(p) for p in args.metric_percentiles.split(","))
+        if not all(0 <= p <= 100 for p in percentiles):
+            raise ValueError
+    except ValueError:
+        ap.error(f"argument --metric-percentiles: expected comma-separated numbers in [0, 100], got {args.metric_percentiles!r}")
+    try:
+        targets = parse_goodput(args.goodput) if args.goodput else {}
+        if targets and (args.ttft_slo is not None or args.tpot_slo is not None):
+            raise InvalidConfigError("--goodput and --ttft-slo/--tpot-slo both give the SLO: use one", "goodput")
+        slo = SLO(ttft_s=targets.get("ttft_s", args.ttft_slo if args.ttft_slo is not None else math.inf),
+                  tpot_s=targets.get("tpot_s", args.tpot_slo if args.tpot_slo is not None else math.inf))
     except InvalidConfigError as exc:
         ap.error(str(exc))
     result = run_load(
         args.base_url, args.model, workload, slo, api_key=args.api_key,
         calibrate=not args.no_calibrate, request_timeout_s=args.request_timeout, stop_below=args.stop_below,
+        endpoint_type=args.endpoint_type, max_concurrency=args.max_concurrency, metric_percentiles=percentiles,
     )
     print(json.dumps(result.to_dict(include_requests=args.per_request)) if args.json else format_summary(result))
     return 0 if result.summary.num_completed else 1

@@ -1,10 +1,14 @@
 """One streamed completion over HTTP, timed on the client side, and the tokenizer calibration probes.
 
-It works against any base URL that serves ``POST {base_url}/completions`` with ``"stream": true``
-(ours, vLLM, SGLang, ...). A request starts when the client sends it; a token arrives with each
-chunk carrying non-empty text; the number of output tokens is taken from the final usage chunk
-(``stream_options.include_usage``) when the server sends one, else the number of text chunks.
-The latencies these timestamps define are ``distserve.slo``'s.
+It works against any base URL that serves ``POST {base_url}/completions`` (endpoint type
+``completions``) or ``POST {base_url}/chat/completions`` (``chat``: the prompt is one user message)
+with ``"stream": true`` (ours, vLLM, SGLang, ...). A request starts when the client sends it; output
+arrives with each chunk carrying non-empty text (``choices[].text``, or ``choices[].delta.content``
+for chat), and every such chunk's arrival time is kept (``RequestResult.chunk_times_s``): the gaps
+between consecutive ones are the inter-token latencies (ITL, vLLM's definition: one gap per streamed
+chunk after the first, so a chunk carrying several tokens is one gap). The number of output tokens
+is taken from the final usage chunk (``stream_options.include_usage``) when the server sends one,
+else the number of text chunks. The latencies these timestamps define are ``distserve.slo``'s.
 
 ``ignore_eos`` and ``min_tokens`` (vLLM-style extensions that fix the output length) are only sent
 when asked for, since other servers may reject unknown fields.
@@ -15,13 +19,15 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
 
 from distserve.measure.workload import WORDS, Workload
 from distserve.slo import TimedRequest
+
+ENDPOINT_PATHS = {"completions": "/completions", "chat": "/chat/completions"}  # endpoint type -> path under the base URL
 
 
 @dataclass
@@ -39,6 +45,13 @@ class RequestResult(TimedRequest):
     num_output_tokens: int = 0
     error: str | None = None
     cancelled: bool = False  # ended (or never sent) because the run stopped early; ``error`` says so
+    chunk_times_s: list[float] = field(default_factory=list)  # arrival of every chunk carrying output
+
+    @property
+    def itls_s(self) -> list[float]:
+        """Inter-token latencies: the gap before every output chunk after the first."""
+        t = self.chunk_times_s
+        return [b - a for a, b in zip(t, t[1:])]
 
     @property
     def ok(self) -> bool:
@@ -62,9 +75,23 @@ def _error_message(status: int, body: bytes) -> str:
     return f"HTTP {status}: {message}"
 
 
-def completion_body(model: str, prompt: str, workload: Workload, max_tokens: int, stream: bool) -> dict[str, Any]:
-    """The ``/completions`` request body; the extensions only when the workload asks for them."""
-    body: dict[str, Any] = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": workload.temperature}
+def endpoint_url(base_url: str, endpoint_type: str) -> str:
+    if endpoint_type not in ENDPOINT_PATHS:
+        raise ValueError(f"endpoint type must be one of {sorted(ENDPOINT_PATHS)}, got {endpoint_type!r}")
+    return base_url.rstrip("/") + ENDPOINT_PATHS[endpoint_type]
+
+
+def completion_body(model: str, prompt: str, workload: Workload, max_tokens: int, stream: bool,
+                    endpoint_type: str = "completions") -> dict[str, Any]:
+    """The request body (``/completions``, or ``/chat/completions`` with the prompt as one user
+    message, as vLLM's benchmark sends it); the extensions only when the workload asks for them."""
+    body: dict[str, Any] = {"model": model, "temperature": workload.temperature}
+    if endpoint_type == "chat":
+        body["messages"] = [{"role": "user", "content": prompt}]
+        body["max_completion_tokens"] = max_tokens
+    else:
+        body["prompt"] = prompt
+        body["max_tokens"] = max_tokens
     if stream:
         body["stream"] = True
         body["stream_options"] = {"include_usage": True}
@@ -75,8 +102,10 @@ def completion_body(model: str, prompt: str, workload: Workload, max_tokens: int
     return body
 
 
-async def _probe_prompt_tokens(client: httpx.AsyncClient, url: str, model: str, prompt: str, headers: dict[str, str]) -> int | None:
-    resp = await client.post(url, json={"model": model, "prompt": prompt, "max_tokens": 1, "temperature": 0}, headers=headers)
+async def _probe_prompt_tokens(client: httpx.AsyncClient, url: str, model: str, prompt: str, headers: dict[str, str],
+                               endpoint_type: str) -> int | None:
+    body = completion_body(model, prompt, Workload(1, 1.0, 1, 1), 1, stream=False, endpoint_type=endpoint_type)
+    resp = await client.post(url, json=body, headers=headers)
     if resp.status_code != 200:
         raise RuntimeError(f"calibration request failed: {_error_message(resp.status_code, resp.content)}")
     usage = resp.json().get("usage") or {}
@@ -84,15 +113,17 @@ async def _probe_prompt_tokens(client: httpx.AsyncClient, url: str, model: str, 
     return int(tokens) if tokens else None
 
 
-async def calibrate_tokens_per_word(client: httpx.AsyncClient, url: str, model: str, headers: dict[str, str]) -> tuple[float, float]:
-    """(mean tokens per word, fixed overhead tokens such as BOS) of the server's tokenizer on ``WORDS``.
+async def calibrate_tokens_per_word(client: httpx.AsyncClient, url: str, model: str, headers: dict[str, str],
+                                    endpoint_type: str = "completions") -> tuple[float, float]:
+    """(mean tokens per word, fixed overhead tokens such as BOS or the chat template) of the server's
+    tokenizer on ``WORDS``, probed on the endpoint the run uses.
 
     The probes are the whole word list once and twice, so the difference is exactly the mean over
     the list that prompts sample from, with no sampling noise.
     """
     once = " ".join(WORDS)
-    t1 = await _probe_prompt_tokens(client, url, model, once, headers)
-    t2 = await _probe_prompt_tokens(client, url, model, f"{once} {once}", headers)
+    t1 = await _probe_prompt_tokens(client, url, model, once, headers, endpoint_type)
+    t2 = await _probe_prompt_tokens(client, url, model, f"{once} {once}", headers, endpoint_type)
     if t1 is None or t2 is None or t2 <= t1:
         return 1.0, 0.0  # no usage reported: assume one token per word
     per_word = (t2 - t1) / len(WORDS)
@@ -146,12 +177,12 @@ async def stream_completion(
                         err = chunk["error"]
                         result.error = f"stream error: {err.get('message', err) if isinstance(err, dict) else err}"
                         return
-                    for choice in chunk.get("choices") or []:
-                        if choice.get("text"):
-                            if result.first_token_s is None:
-                                result.first_token_s = now
-                            result.last_token_s = now
-                            num_text_chunks += 1
+                    if any(choice.get("text") or (choice.get("delta") or {}).get("content") for choice in chunk.get("choices") or []):
+                        if result.first_token_s is None:
+                            result.first_token_s = now
+                        result.last_token_s = now
+                        result.chunk_times_s.append(now)
+                        num_text_chunks += 1
                     usage = chunk.get("usage")
                     if usage:
                         usage_tokens = usage.get("completion_tokens")

@@ -1,4 +1,4 @@
-"""What the load generator sends: a seeded workload (Poisson arrivals, prompt lengths) and its prompts.
+"""What the load generator sends: a seeded workload (Poisson or gamma arrivals, prompt lengths) and its prompts.
 
 Prompts are random words from a small list of common English words (one token each in most BPE
 vocabularies), different for every request so prefix caching cannot skip their prefill. To hit a
@@ -27,7 +27,11 @@ INPUT_LEN_DISTS = ("fixed", "uniform", "lognormal")
 
 @dataclass(frozen=True)
 class Workload:
-    """What to send: ``num_requests`` Poisson arrivals at ``rate`` requests/s (``inf``: all at once).
+    """What to send: ``num_requests`` arrivals at ``rate`` requests/s (``inf``: all at once).
+
+    Gaps between arrivals are gamma distributed with shape ``burstiness`` and mean ``1 / rate``
+    (vLLM's ``--burstiness``): 1 is a Poisson process, below 1 burstier, above 1 more regular,
+    ``inf`` evenly spaced; the coefficient of variation of the gaps is ``1 / sqrt(burstiness)``.
 
     Input lengths (in the server's tokens) are ``input_len`` for ``"fixed"``, uniform in
     ``input_len * (1 ± input_len_spread)`` for ``"uniform"``, and lognormal with mean ``input_len``
@@ -48,6 +52,7 @@ class Workload:
     ignore_eos: bool = False  # send "ignore_eos": true (extension)
     min_tokens: bool = False  # send "min_tokens": output_len (extension)
     temperature: float = 0.0
+    burstiness: float = 1.0  # shape of the gamma inter-arrival times (1: Poisson)
     # Given requests instead of sampled ones, (arrival_s, input_len, output_len) each in arrival
     # order, e.g. a simulator workload replayed against a server (``replay``).
     requests: tuple[tuple[float, int, int], ...] | None = None
@@ -57,6 +62,8 @@ class Workload:
             raise ValueError(f"num_requests must be >= 1, got {self.num_requests}")
         if not self.rate > 0:
             raise ValueError(f"rate must be > 0 (inf: all requests at once), got {self.rate}")
+        if not self.burstiness > 0:
+            raise ValueError(f"burstiness must be > 0 (inf: evenly spaced arrivals), got {self.burstiness}")
         if self.input_len < 1 or self.output_len < 1:
             raise ValueError(f"input_len and output_len must be >= 1, got {self.input_len} and {self.output_len}")
         if self.input_len_dist not in INPUT_LEN_DISTS:
@@ -103,6 +110,19 @@ def poisson_arrivals(num_requests: int, rate: float, rng: np.random.Generator) -
     return [0.0, *np.cumsum(gaps).tolist()]
 
 
+def gamma_arrivals(num_requests: int, rate: float, burstiness: float, rng: np.random.Generator) -> list[float]:
+    """Arrival times (s) whose gaps are gamma(shape=burstiness, scale=1/(rate*burstiness)), mean 1/rate
+    (vLLM's ``--burstiness``; 1 is ``poisson_arrivals``, the same draws); the first request arrives at 0."""
+    if burstiness == 1.0:
+        return poisson_arrivals(num_requests, rate, rng)
+    if math.isinf(rate):
+        return [0.0] * num_requests
+    if math.isinf(burstiness):
+        return [i / rate for i in range(num_requests)]
+    gaps = rng.gamma(burstiness, 1.0 / (rate * burstiness), size=num_requests - 1)
+    return [0.0, *np.cumsum(gaps).tolist()]
+
+
 def sample_input_lengths(workload: Workload, rng: np.random.Generator) -> list[int]:
     """The target prompt length of every request, in the server's tokens."""
     n, mean, spread = workload.num_requests, workload.input_len, workload.input_len_spread
@@ -134,7 +154,7 @@ def build_requests(workload: Workload, tokens_per_word: float = 1.0, overhead_to
     if workload.requests is not None:
         arrivals, lengths, outputs = (list(column) for column in zip(*workload.requests))
     else:
-        arrivals = poisson_arrivals(workload.num_requests, workload.rate, arrival_rng)
+        arrivals = gamma_arrivals(workload.num_requests, workload.rate, workload.burstiness, arrival_rng)
         lengths = sample_input_lengths(workload, length_rng)
         outputs = [workload.output_len] * workload.num_requests
     return [

@@ -36,7 +36,7 @@ from distserve.cluster.classes import LATENCY, OBJECTIVES
 from distserve.errors import InvalidConfigError
 from distserve.placement import InstanceSpec, Placement
 from distserve.planner.candidates import placement_bound
-from distserve.slo import SLO, TimedRequest
+from distserve.slo import SLO, TimedRequest, parse_latency
 from simulator.goodput import search_rate
 from simulator.latency import LatencyModel
 from simulator.metrics import SimResult
@@ -49,16 +49,17 @@ MAX_PROBES = 24
 
 
 def parse_class_slo(text: str) -> tuple[str, SLO]:
-    """``latency=1.0:0.05`` -> ("latency", SLO(1.0, 0.05)): an objective, its TTFT and TPOT in seconds ("inf": not checked)."""
+    """``latency=200ms:0.05`` -> ("latency", SLO(0.2, 0.05)): an objective, its TTFT and TPOT
+    (``distserve.slo.parse_latency``: 200ms, 0.2s or 0.2 seconds; "inf": not checked)."""
     objective, sep, targets = text.partition("=")
     ttft, colon, tpot = targets.partition(":")
+    if not sep or not colon:
+        raise InvalidConfigError(f"--class-slo {text!r}: expected OBJECTIVE=TTFT:TPOT, e.g. latency=1.0:0.05 or latency=200ms:50ms",
+                                 "class_slo")
     try:
-        if not sep or not colon:
-            raise ValueError
-        slo = SLO(float(ttft), float(tpot))
-    except (ValueError, InvalidConfigError):
-        raise InvalidConfigError(f"--class-slo {text!r}: expected OBJECTIVE=TTFT:TPOT in seconds (> 0 or inf), "
-                                 "e.g. latency=1.0:0.05", "class_slo") from None
+        slo = SLO(parse_latency(ttft, "--class-slo", allow_inf=True), parse_latency(tpot, "--class-slo", allow_inf=True))
+    except InvalidConfigError as exc:
+        raise InvalidConfigError(f"--class-slo {text!r}: {str(exc).removeprefix('--class-slo ')}", "class_slo") from None
     if objective not in OBJECTIVES:
         raise InvalidConfigError(f"--class-slo {text!r}: the objective must be one of {', '.join(OBJECTIVES)}", "class_slo")
     return objective, slo

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import math
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -13,7 +14,7 @@ from rich.table import Table
 
 from distserve.errors import InvalidConfigError
 from distserve.planner.classes import ClassComparison, pools_label
-from distserve.planner.plan import Cluster, PlanOption, PlanRequest, PlanResult
+from distserve.planner.plan import Candidate, Cluster, PlanOption, PlanRequest, PlanResult
 from distserve.planner.search import Planner
 from distserve.slo import SLO, SLOSpec, attainment
 from simulator.hardware import get_hardware
@@ -231,3 +232,147 @@ def print_tables(tables: list[Table]) -> None:
     console = Console()
     for t in tables:
         console.print(t)
+
+
+# ---- the --save-dir bundle -----------------------------------------------------------------------
+BUNDLE_FILES = ("placement.json", "candidates.csv", "attainment.png", "goodput.png", "serve_command.txt", "serve_config.yaml")
+CANDIDATE_COLUMNS = (
+    "row", "kind", "configuration", "status", "num_gpus", "prefill", "decode", "layout", "bound_rps", "goodput_rps",
+    "goodput_per_gpu", "goodput_below_rps", "binding_slo", "probe_rate_rps", "attainment_ttft", "attainment_tpot",
+    "attainment_joint", "num_probes", "num_probes_stopped", "step_budget", "note",
+)
+
+
+def _candidate_status(c: Candidate) -> str:
+    if c.skipped is not None:
+        return "skipped"
+    if c.goodput_below is not None:
+        return "pruned"
+    return "evaluated"
+
+
+def _probe_attainment(c: Candidate) -> tuple[float | None, dict[str, float]]:
+    """The probe a candidate's goodput stands on (the fastest passing rate), else its slowest probe."""
+    passed = [p for p in c.probes if p[2]]
+    probe = max(passed, key=lambda p: p[0]) if passed else min(c.probes, key=lambda p: p[0], default=None)
+    return (None, {}) if probe is None else (probe[0], probe[1])
+
+
+def candidate_rows(result: PlanResult) -> list[dict[str, Any]]:
+    """One row per placement option (``row=plan``; the chosen one ``status=chosen``) and per simulated
+    configuration (``row=candidate``: ``evaluated``, ``pruned`` when its search stopped because it could
+    not beat the best, ``skipped`` with the reason in ``note``); attainment at the probe its goodput stands on."""
+    rows: list[dict[str, Any]] = []
+    for o in result.options:
+        pre, dec, layout = _layout(o)
+        att = o.predicted.get("attainment", {})
+        rows.append({"row": "plan", "kind": o.name, "configuration": layout, "status": "chosen" if o is result.best else "option",
+                     "num_gpus": o.num_gpus, "prefill": pre, "decode": dec, "layout": layout, "goodput_rps": o.rate,
+                     "goodput_per_gpu": o.per_gpu, "probe_rate_rps": o.rate, "attainment_ttft": att.get("ttft"),
+                     "attainment_tpot": att.get("tpot"), "attainment_joint": att.get("joint"),
+                     "step_budget": o.predicted.get("step_budget", "")})
+    for c in result.candidates:
+        rate, att = _probe_attainment(c)
+        p = c.placement
+        specs = {name: f"tp{s[0].tp} pp{s[0].pp}" if s else "-" for name, s in (("prefill", p.prefill), ("decode", p.decode))}
+        rows.append({"row": "candidate", "kind": c.kind, "configuration": c.label(), "status": _candidate_status(c),
+                     "num_gpus": c.num_gpus, **specs, "layout": c.label(), "bound_rps": c.bound_rate,
+                     "goodput_rps": c.goodput, "goodput_per_gpu": c.per_gpu, "goodput_below_rps": c.goodput_below,
+                     "binding_slo": c.binding, "probe_rate_rps": rate, "attainment_ttft": att.get("ttft"),
+                     "attainment_tpot": att.get("tpot"), "attainment_joint": att.get("joint"), "num_probes": len(c.probes),
+                     "num_probes_stopped": c.num_probes_stopped, "step_budget": c.step_budget, "note": c.skipped or ""})
+    return rows
+
+
+def write_candidates_csv(result: PlanResult, path: str | Path) -> None:
+    import csv
+
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=CANDIDATE_COLUMNS, restval="")
+        writer.writeheader()
+        for row in candidate_rows(result):
+            writer.writerow({k: "" if v is None else v for k, v in row.items()})
+
+
+def plot_goodput(req: PlanRequest, result: PlanResult, path: str | Path, max_bars: int = 40) -> None:
+    """Goodput per GPU of the placement options and of the best simulated configurations of each kind (bars)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    bars: list[tuple[str, float, str]] = [(f"{o.name}: {_layout(o)[2]}", o.per_gpu, "C3" if o is result.best else "C0")
+                                          for o in result.options]
+    evaluated = sorted((c for c in result.candidates if _candidate_status(c) == "evaluated"), key=lambda c: (c.kind, -c.per_gpu))
+    room = max(0, max_bars - len(bars))
+    per_kind = max(1, room // max(1, len({c.kind for c in evaluated})))
+    shown: dict[str, int] = {}
+    for c in evaluated:
+        if shown.get(c.kind, 0) < per_kind:
+            shown[c.kind] = shown.get(c.kind, 0) + 1
+            bars.append((f"{c.kind}: {c.label()}", c.per_gpu, "C2"))
+    fig, ax = plt.subplots(figsize=(7, 1.0 + 0.28 * len(bars)))
+    ax.barh(range(len(bars)), [b[1] for b in bars], color=[b[2] for b in bars])
+    ax.set_yticks(range(len(bars)), [b[0] for b in bars], fontsize=7)
+    ax.invert_yaxis()
+    ax.set_xlabel("goodput per GPU (req/s within the SLO)")
+    slo = req.slo.default
+    ax.set_title(f"{req.latency.model.name}: TTFT <= {slo.ttft_s:g} s, TPOT <= {slo.tpot_s:g} s at {slo.attainment:.0%}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def serve_argv(model: str, placement_path: str | Path, sim_config: SimConfig | None = None) -> list[str]:
+    """``distserve serve`` flags that deploy a plan: the model and the Placement JSON (which carries
+    the SLO and the instances' batch caps); the batch caps the plan was simulated with where serve takes them."""
+    from distserve.cli.args import build_parser
+
+    argv = ["distserve", "serve", "--model", model, "--placement", str(Path(placement_path).resolve())]
+    caps: list[str] = []
+    if sim_config is not None:
+        sched = sim_config.scheduler
+        caps = ["--max-num-seqs", str(sched.max_num_seqs), "--max-num-batched-tokens", str(sched.max_num_batched_tokens)]
+    serve_flags = next(a for a in build_parser()._subparsers._group_actions if isinstance(a, argparse._SubParsersAction)).choices["serve"]._option_string_actions
+    if all(flag in serve_flags for flag in caps[::2]):  # a serve without these flags deploys with its defaults (the same)
+        argv += caps
+    return argv
+
+
+def serve_config(model: str, placement_path: str | Path, host: str = "127.0.0.1", port: int = 8000) -> dict[str, Any]:
+    """A Ray Serve config (``serve run serve_config.yaml`` / ``serve deploy``) of the plan: the ingress app
+    (``distserve.serving.app:build_app``) with the plan's Placement JSON; the proxy on ``host:port`` (loopback, as
+    ``distserve serve``: edit ``host`` to serve other machines)."""
+    return {
+        "proxy_location": "HeadOnly",
+        "http_options": {"host": host, "port": port},
+        "applications": [{
+            "name": "distserve",
+            "route_prefix": "/",
+            "import_path": "distserve.serving.app:build_app",
+            "args": {"model": model, "placement": str(Path(placement_path).resolve())},
+        }],
+    }
+
+
+def write_bundle(req: PlanRequest, result: PlanResult, model: str, save_dir: str | Path) -> dict[str, Path]:
+    """``distserve plan --save-dir``: the chosen placement, every candidate (CSV), the attainment and
+    goodput plots, the ``distserve serve`` command and the Ray Serve config that deploy it."""
+    import shlex
+
+    import yaml
+
+    if result.best is None:
+        raise InvalidConfigError("no placement meets the SLO; nothing to write")
+    out = Path(save_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = {name: out / name for name in BUNDLE_FILES}
+    write_plan(result, paths["placement.json"])
+    write_candidates_csv(result, paths["candidates.csv"])
+    plot(req, result, paths["attainment.png"])
+    plot_goodput(req, result, paths["goodput.png"])
+    paths["serve_command.txt"].write_text(shlex.join(serve_argv(model, paths["placement.json"], req.sim_config)) + "\n")
+    config = serve_config(model, paths["placement.json"])
+    header = "# Ray Serve config of the plan: serve run serve_config.yaml (or serve deploy)\n"
+    paths["serve_config.yaml"].write_text(header + yaml.safe_dump(config, sort_keys=False))
+    return paths
