@@ -62,7 +62,7 @@ from distserve.serving.protocol import (
     finish_reason,
     sse,
 )
-from distserve.serving.streams import SSEResponse, aclose_stream, sse_events, unless_disconnected, usage_of
+from distserve.serving.streams import SSEResponse, aclose_stream, sse_events, unless_disconnected
 from distserve.slo import SLO
 
 logger = logging.getLogger(__name__)
@@ -121,16 +121,19 @@ class _Server:
 
     async def collect(
         self, request: Request, stream: AsyncIterator[RequestOutput], first: RequestOutput, timer: RequestTimer
-    ) -> RequestOutput:
-        async def run() -> RequestOutput:
-            last = first
+    ) -> list[RequestOutput]:
+        """The last output of each completion (one unless ``n`` > 1), by index."""
+        async def run() -> list[RequestOutput]:
+            last = {first.index: first}
+            out = first
             try:
-                while not last.finished:
-                    last = check_output(await anext(stream))
-                    timer.observe(last)
+                while not out.finished:
+                    out = check_output(await anext(stream))
+                    timer.observe(out)
+                    last[out.index] = out
             finally:
                 await aclose_stream(stream)
-            return last
+            return [last[i] for i in sorted(last)]
 
         try:
             return await unless_disconnected(request, run())
@@ -158,6 +161,24 @@ class _Server:
 
 def _prompt_ids(client: EngineClient, prompt: str | list[int]) -> list[int]:
     return client.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
+
+
+def _usage(outs: list[RequestOutput]) -> UsageInfo:
+    """The prompt counted once (it was prefilled once), the completions' tokens summed."""
+    return UsageInfo.of(len(outs[0].prompt_token_ids), sum(len(o.token_ids) for o in outs))
+
+
+class _Usage:
+    """A stream's usage so far: the prompt once, each completion's tokens."""
+
+    def __init__(self) -> None:
+        self.last: dict[int, RequestOutput] = {}
+
+    def observe(self, out: RequestOutput) -> None:
+        self.last[out.index] = out
+
+    def info(self) -> UsageInfo:
+        return _usage(list(self.last.values()))
 
 
 def _completion_logprobs(pairs: list[tuple[str, float]], offset: int, top: bool) -> CompletionLogprobs:
@@ -230,29 +251,39 @@ def build_fastapi_app(
         want_logprobs = body.logprobs is not None
         top = bool(body.logprobs)
         if not body.stream:
-            out = await server.collect(request, stream, first, timer)
-            logprobs = _completion_logprobs(server.all_logprobs(out), 0, top) if want_logprobs else None
+            outs = await server.collect(request, stream, first, timer)
             return CompletionResponse(
                 id=request_id,
                 model=served_model_name,
-                choices=[CompletionChoice(text=out.text, logprobs=logprobs, finish_reason=finish_reason(out.finish_reason))],
-                usage=usage_of(out),
+                choices=[
+                    CompletionChoice(
+                        index=out.index, text=out.text, finish_reason=finish_reason(out.finish_reason),
+                        logprobs=_completion_logprobs(server.all_logprobs(out), 0, top) if want_logprobs else None,
+                    )
+                    for out in outs
+                ],
+                usage=_usage(outs),
             )
         created = int(time.time())
-        emitted = {"chars": 0}
+        emitted: dict[int, int] = {}  # chars streamed per completion
+        usage = _Usage()
 
         def chunk(choices: list[CompletionChoice], usage: UsageInfo | None = None) -> str:
             c = CompletionChunk(id=request_id, created=created, model=served_model_name, choices=choices, usage=usage)
             return sse(c, include_usage=body.include_usage)
 
         def render(out: RequestOutput) -> list[str]:
-            if not (out.new_text or out.finished or (want_logprobs and out.new_token_ids)):
+            usage.observe(out)
+            done = out.finish_reason is not None  # this completion ended (the request: ``out.finished``)
+            if not (out.new_text or done or (want_logprobs and out.new_token_ids)):
                 return []
-            logprobs = _completion_logprobs(server.new_logprobs(out), emitted["chars"], top) if want_logprobs else None
-            emitted["chars"] += len(out.new_text)
-            return [chunk([CompletionChoice(text=out.new_text, logprobs=logprobs, finish_reason=finish_reason(out.finish_reason))])]
+            offset = emitted.get(out.index, 0)
+            logprobs = _completion_logprobs(server.new_logprobs(out), offset, top) if want_logprobs else None
+            emitted[out.index] = offset + len(out.new_text)
+            return [chunk([CompletionChoice(index=out.index, text=out.new_text, logprobs=logprobs,
+                                            finish_reason=finish_reason(out.finish_reason))])]
 
-        events = sse_events(stream, first, timer, render, body.include_usage, lambda u: chunk([], u))
+        events = sse_events(stream, first, timer, render, body.include_usage, lambda _: chunk([], usage.info()))
         return SSEResponse(events)
 
     @app.post("/v1/chat/completions", response_model=None)
@@ -276,38 +307,43 @@ def build_fastapi_app(
         names = {"max_tokens": "max_completion_tokens"} if body.max_completion_tokens is not None else None
         stream, first, timer = await server.start(request, prompt, sampling, request_id, body.priority, body.timeout, "messages", names)
         if not body.stream:
-            out = await server.collect(request, stream, first, timer)
+            outs = await server.collect(request, stream, first, timer)
             return ChatCompletionResponse(
                 id=request_id,
                 model=served_model_name,
                 choices=[
                     ChatChoice(
+                        index=out.index,
                         message=ChatMessageOut(content=out.text),
                         logprobs=_chat_logprobs(server.all_logprobs(out)) if body.logprobs else None,
                         finish_reason=finish_reason(out.finish_reason),
                     )
+                    for out in outs
                 ],
-                usage=usage_of(out),
+                usage=_usage(outs),
             )
         created = int(time.time())
-        state = {"role_sent": False}
+        role_sent: set[int] = set()  # completions whose first chunk (the role) is out
+        usage = _Usage()
 
         def chunk(choices: list[ChatChunkChoice], usage: UsageInfo | None = None) -> str:
             c = ChatCompletionChunk(id=request_id, created=created, model=served_model_name, choices=choices, usage=usage)
             return sse(c, include_usage=body.include_usage)
 
         def render(out: RequestOutput) -> list[str]:
+            usage.observe(out)
             events: list[str] = []
-            if not state["role_sent"]:
-                state["role_sent"] = True
-                events.append(chunk([ChatChunkChoice(delta=ChatDelta(role="assistant", content=""))]))
-            if out.new_text or out.finished or (body.logprobs and out.new_token_ids):
+            if out.index not in role_sent:
+                role_sent.add(out.index)
+                events.append(chunk([ChatChunkChoice(index=out.index, delta=ChatDelta(role="assistant", content=""))]))
+            if out.new_text or out.finish_reason is not None or (body.logprobs and out.new_token_ids):
                 logprobs = _chat_logprobs(server.new_logprobs(out)) if body.logprobs else None
                 delta = ChatDelta(content=out.new_text) if out.new_text else ChatDelta()
-                events.append(chunk([ChatChunkChoice(delta=delta, logprobs=logprobs, finish_reason=finish_reason(out.finish_reason))]))
+                events.append(chunk([ChatChunkChoice(index=out.index, delta=delta, logprobs=logprobs,
+                                                     finish_reason=finish_reason(out.finish_reason))]))
             return events
 
-        events = sse_events(stream, first, timer, render, body.include_usage, lambda u: chunk([], u))
+        events = sse_events(stream, first, timer, render, body.include_usage, lambda _: chunk([], usage.info()))
         return SSEResponse(events)
 
     return app

@@ -79,7 +79,8 @@ class _SamplingRequest(_Request):
     temperature: float | None = None  # None: 1.0, as in OpenAI
     top_p: float | None = None
     top_k: int | None = None  # extension: 0 or -1 disables
-    n: int = 1
+    n: int = 1  # completions: the prompt is prefilled once and its KV forked n ways
+    best_of: int | None = None  # vLLM's: only best_of = n (no ranking of extra candidates)
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
@@ -100,8 +101,8 @@ class _SamplingRequest(_Request):
         return bool(self.stream_options and self.stream_options.include_usage)
 
     def _check_supported(self) -> None:
-        if self.n != 1:
-            raise bad_request(f"n must be 1 (one choice per request), got {self.n}", "n")
+        if self.best_of is not None and self.best_of != self.n:
+            raise bad_request(f"best_of must equal n ({self.n}): returning the best of more candidates is not supported, got {self.best_of}", "best_of")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             if value not in (None, 0, 0.0):
@@ -127,6 +128,7 @@ class _SamplingRequest(_Request):
                 ignore_eos=self.ignore_eos,
                 logprobs=logprobs,
                 include_stop_str_in_output=self.include_stop_str_in_output,
+                n=self.n,
             )
         except InvalidSamplingParamsError as exc:
             param = max_tokens_param if exc.param == "max_tokens" else exc.param
@@ -138,7 +140,6 @@ class CompletionRequest(_SamplingRequest):
     max_tokens: int | None = 16
     logprobs: int | None = None
     echo: bool = False
-    best_of: int | None = None
     suffix: str | None = None
 
     def prompt_input(self) -> str | list[int]:
@@ -161,8 +162,6 @@ class CompletionRequest(_SamplingRequest):
             raise bad_request("echo is not supported", "echo")
         if self.suffix:
             raise bad_request("suffix is not supported", "suffix")
-        if self.best_of not in (None, 1):
-            raise bad_request(f"best_of must be 1, got {self.best_of}", "best_of")
         if self.logprobs is not None and not 0 <= self.logprobs <= 1:
             raise bad_request(
                 f"logprobs must be 0 or 1 (only the chosen token's logprob is returned), got {self.logprobs}", "logprobs"
