@@ -5,6 +5,7 @@ do first, who was preempted or finished, and what comes back (``SampledToken``).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -66,7 +67,7 @@ def fork_rows(chunks: list[ScheduledChunk], forks: dict[str, list[tuple[str, Sam
         out.append(c)
         for seq_id, sampling in forks.get(c.seq_id, ()):
             rows.append(i)
-            out.append(ScheduledChunk(seq_id, c.token_ids, c.start_pos, c.block_table, True, sampling, c.num_output_tokens))
+            out.append(dataclasses.replace(c, seq_id=seq_id, sampling=sampling))
     return rows, out
 
 
