@@ -51,6 +51,10 @@ from distserve.serving.protocol import (
     ChatLogprobs,
     ChatMessageOut,
     ChatTokenLogprob,
+    DeltaFunctionCall,
+    DeltaToolCall,
+    FunctionCallOut,
+    ToolCallOut,
     CompletionChoice,
     CompletionChunk,
     CompletionLogprobs,
@@ -62,6 +66,7 @@ from distserve.serving.protocol import (
     finish_reason,
     sse,
 )
+from distserve.serving.tool_parsers import ParsedToolCall, ToolCallStream, get_tool_parser
 from distserve.serving.streams import SSEResponse, aclose_stream, sse_events, unless_disconnected
 from distserve.slo import SLO
 
@@ -181,6 +186,10 @@ class _Usage:
         return _usage(list(self.last.values()))
 
 
+def _tool_call_out(call: ParsedToolCall) -> ToolCallOut:
+    return ToolCallOut(id=call.id, function=FunctionCallOut(name=call.name, arguments=call.arguments))
+
+
 def _completion_logprobs(pairs: list[tuple[str, float]], offset: int, top: bool) -> CompletionLogprobs:
     offsets: list[int] = []
     for tok, _ in pairs:
@@ -203,10 +212,19 @@ def _chat_logprobs(pairs: list[tuple[str, float]]) -> ChatLogprobs:
 def build_fastapi_app(
     client: EngineClient, served_model_name: str, *, metrics: ServingMetrics | None = None,
     session_limits: SessionLimits = DEFAULT_LIMITS, api_keys: ApiKeys | None = None,
+    tool_call_parser: str | None = None, enable_auto_tool_choice: bool = False,
 ) -> FastAPI:
     """``/v1/completions``, ``/v1/chat/completions``, ``/v1/models``, ``/health`` and ``/metrics`` over ``client``,
     and the semantic-variable routes. With ``api_keys`` every route but ``/health`` and ``/metrics``
-    needs a tenant's key (``serving.auth``); without, every request is the anonymous tenant's."""
+    needs a tenant's key (``serving.auth``); without, every request is the anonymous tenant's.
+    ``tool_call_parser`` (``serving.tool_parsers``) and ``enable_auto_tool_choice``: vLLM's
+    ``--tool-call-parser`` and ``--enable-auto-tool-choice``, which ``tool_choice: "auto"`` needs."""
+    if enable_auto_tool_choice and tool_call_parser is None:
+        raise InvalidConfigError("--enable-auto-tool-choice needs --tool-call-parser", "tool_call_parser")
+    try:
+        tool_parser = get_tool_parser(tool_call_parser) if tool_call_parser is not None else None
+    except ValueError as exc:
+        raise InvalidConfigError(f"--tool-call-parser: {exc}", "tool_call_parser") from exc
     app = FastAPI(title="distserve", description="OpenAI-compatible API of a disaggregated LLM server")
     server = _Server(client, served_model_name, metrics or ServingMetrics(tenants=api_keys.tenant_names if api_keys else ()))
     app.state.server = server
@@ -290,10 +308,15 @@ def build_fastapi_app(
     async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response | ChatCompletionResponse:
         server.check_model(body.model)
         messages = body.chat_messages()
+        tools = body.tool_dicts()
+        if tools is not None and not client.tokenizer.supports_tools:
+            raise APIError(400, f"the chat template of model `{served_model_name}` does not support tools", param="tools")
+        parser = tool_parser if body.tool_mode(enable_auto_tool_choice) == "auto" else None
         try:
-            prompt = client.tokenizer.apply_chat_template(messages, add_generation_prompt=body.add_generation_prompt)
+            prompt = client.tokenizer.apply_chat_template(messages, add_generation_prompt=body.add_generation_prompt, tools=tools)
         except Exception as exc:  # noqa: BLE001 - template errors are the caller's messages' fault
             raise APIError(400, f"cannot apply the chat template: {exc}", param="messages") from exc
+        one_call = body.parallel_tool_calls is False
         if len(prompt) >= client.max_model_len:
             raise APIError(
                 400,
@@ -308,23 +331,24 @@ def build_fastapi_app(
         stream, first, timer = await server.start(request, prompt, sampling, request_id, body.priority, body.timeout, "messages", names)
         if not body.stream:
             outs = await server.collect(request, stream, first, timer)
-            return ChatCompletionResponse(
-                id=request_id,
-                model=served_model_name,
-                choices=[
-                    ChatChoice(
-                        index=out.index,
-                        message=ChatMessageOut(content=out.text),
-                        logprobs=_chat_logprobs(server.all_logprobs(out)) if body.logprobs else None,
-                        finish_reason=finish_reason(out.finish_reason),
-                    )
-                    for out in outs
-                ],
-                usage=_usage(outs),
-            )
+            choices = []
+            for out in outs:
+                content: str | None = out.text
+                calls: list[ParsedToolCall] = []
+                if parser is not None:
+                    extracted = parser.extract(out.text)
+                    content, calls = extracted.content, extracted.tool_calls[:1] if one_call else extracted.tool_calls
+                choices.append(ChatChoice(
+                    index=out.index,
+                    message=ChatMessageOut(content=content, tool_calls=[_tool_call_out(c) for c in calls]),
+                    logprobs=_chat_logprobs(server.all_logprobs(out)) if body.logprobs else None,
+                    finish_reason="tool_calls" if calls else finish_reason(out.finish_reason),
+                ))
+            return ChatCompletionResponse(id=request_id, model=served_model_name, choices=choices, usage=_usage(outs))
         created = int(time.time())
         role_sent: set[int] = set()  # completions whose first chunk (the role) is out
         usage = _Usage()
+        tool_streams: dict[int, ToolCallStream] = {}
 
         def chunk(choices: list[ChatChunkChoice], usage: UsageInfo | None = None) -> str:
             c = ChatCompletionChunk(id=request_id, created=created, model=served_model_name, choices=choices, usage=usage)
@@ -336,11 +360,26 @@ def build_fastapi_app(
             if out.index not in role_sent:
                 role_sent.add(out.index)
                 events.append(chunk([ChatChunkChoice(index=out.index, delta=ChatDelta(role="assistant", content=""))]))
-            if out.new_text or out.finish_reason is not None or (body.logprobs and out.new_token_ids):
+            done = out.finish_reason is not None  # this completion ended
+            text = out.new_text
+            calls: list[ParsedToolCall] = []
+            if parser is not None:  # content streams until a call may start; calls are sent whole at the end
+                tool_stream = tool_streams.setdefault(out.index, ToolCallStream(parser))
+                text = tool_stream.feed(out.new_text)
+                if done:
+                    rest, calls = tool_stream.finish()
+                    text += rest
+                    calls = calls[:1] if one_call else calls
+            if text or (done and not calls) or (body.logprobs and out.new_token_ids):
                 logprobs = _chat_logprobs(server.new_logprobs(out)) if body.logprobs else None
-                delta = ChatDelta(content=out.new_text) if out.new_text else ChatDelta()
+                delta = ChatDelta(content=text) if text else ChatDelta()
                 events.append(chunk([ChatChunkChoice(index=out.index, delta=delta, logprobs=logprobs,
-                                                     finish_reason=finish_reason(out.finish_reason))]))
+                                                     finish_reason=None if calls else finish_reason(out.finish_reason))]))
+            if calls:
+                deltas = [DeltaToolCall(index=k, id=c.id, type="function", function=DeltaFunctionCall(name=c.name, arguments=c.arguments))
+                          for k, c in enumerate(calls)]
+                events.append(chunk([ChatChunkChoice(index=out.index, delta=ChatDelta(tool_calls=deltas))]))
+                events.append(chunk([ChatChunkChoice(index=out.index, delta=ChatDelta(), finish_reason="tool_calls")]))
             return events
 
         events = sse_events(stream, first, timer, render, body.include_usage, lambda _: chunk([], usage.info()))
@@ -375,6 +414,8 @@ def run_server(
     session_limits: SessionLimits = DEFAULT_LIMITS,
     api_keys: ApiKeys | None = None,
     request_log: RequestLog | None = None,
+    tool_call_parser: str | None = None,
+    enable_auto_tool_choice: bool = False,
 ) -> int:
     """Serve on the bound ``sock`` with plain uvicorn until SIGINT/SIGTERM, then shut ``client`` down.
 
@@ -393,7 +434,8 @@ def run_server(
     async def main() -> int:
         engine_client = client if isinstance(client, EngineClient) else await client()
         metrics = ServingMetrics(slo=slo, tenants=api_keys.tenant_names if api_keys else (), request_log=request_log)
-        app = build_fastapi_app(engine_client, served_model_name, metrics=metrics, session_limits=session_limits, api_keys=api_keys)
+        app = build_fastapi_app(engine_client, served_model_name, metrics=metrics, session_limits=session_limits, api_keys=api_keys,
+                                tool_call_parser=tool_call_parser, enable_auto_tool_choice=enable_auto_tool_choice)
         config = uvicorn.Config(
             app, host=host, port=port, log_level=log_level, access_log=False, timeout_graceful_shutdown=5
         )
