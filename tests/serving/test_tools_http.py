@@ -248,3 +248,19 @@ def test_streaming_parser_equals_the_whole_text_parse(text: str) -> None:
         rest, calls = stream.finish()
         assert (content + rest) == (whole.content or "" if whole.tool_calls else text)
         assert [(c.name, c.arguments) for c in calls] == [(c.name, c.arguments) for c in whole.tool_calls]
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["--enable-auto-tool-choice"], "--tool-call-parser"),
+    (["--tool-call-parser", "hermes", "--ray-serve"], "--ray-serve"),
+    (["--tool-call-parser", "nope"], "--tool-call-parser"),
+])
+def test_serve_tool_flags_are_checked(capsys: pytest.CaptureFixture[str], argv: list[str], needle: str) -> None:
+    from distserve.cli import main
+
+    try:
+        code = main(["serve", "--model", "tiny", *argv])
+    except SystemExit as exc:  # argparse's own refusal (an unknown choice)
+        code = exc.code
+    assert code == 2
+    assert needle in capsys.readouterr().err
