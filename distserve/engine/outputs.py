@@ -248,6 +248,9 @@ class RequestFrontend(ABC):
             params = list(sampling_params)
             if len(params) != len(prompts):
                 raise DistServeError(f"got {len(prompts)} prompts but {len(params)} sampling params")
+        if any(sp.n > 1 for sp in params):  # one ``RequestOutput`` per prompt cannot hold n completions
+            raise InvalidSamplingParamsError("generate returns one output per prompt, so n must be 1; for n > 1 use "
+                                             "add_request and step (or stream): each output carries its completion's index", "n")
         encoded = [self.encode_prompt(p) for p in prompts]
         for ids, sp in zip(encoded, params):
             self.check_request(ids, sp)

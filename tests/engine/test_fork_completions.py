@@ -141,6 +141,9 @@ def test_admission_counts_n_sequences_and_blocks(tiny: LoadedModel) -> None:
     with pytest.raises(InvalidSamplingParamsError) as exc:
         engine.add_request(PROMPT, SamplingParams(n=5))
     assert exc.value.param == "n"
+    with pytest.raises(InvalidSamplingParamsError) as exc:
+        engine.generate(PROMPT, SamplingParams(n=2))  # one output per prompt: refused, not one completion of two
+    assert exc.value.param == "n"
 
 
 def test_block_manager_reserves_a_block_per_fork() -> None:
@@ -158,3 +161,39 @@ def test_n_is_validated() -> None:
     assert completion_sampling(SamplingParams(seed=3, n=4), 0).seed == 3
     seeds = {completion_sampling(SamplingParams(seed=3, n=4), i).seed for i in range(4)}
     assert len(seeds) == 4 and all(completion_sampling(SamplingParams(seed=3, n=4), i).n == 1 for i in range(4))
+
+
+def test_many_forked_requests_under_preemption_match_n1(tiny: LoadedModel) -> None:
+    # A cache too small for all of them at once: sequences are preempted and recomputed, forked
+    # blocks freed and copied; greedy completions all equal the n = 1 answer of their prompt.
+    prompts = [f"request {i}: " + "tell me something " * (i % 3 + 1) for i in range(6)]
+    greedy = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    reference = [out.token_ids for out in LLMEngine(tiny, cache_config=CACHE).generate(prompts, greedy)]
+    engine = LLMEngine(tiny, cache_config=CacheConfig(num_blocks=48, block_size=4))
+    for i, prompt in enumerate(prompts):
+        engine.add_request(prompt, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, n=3), request_id=f"r{i}")
+    finals: dict[tuple[str, int], list[int]] = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finish_reason is not None:
+                finals[(out.request_id, out.index)] = out.token_ids
+    assert engine.scheduler.num_preemptions > 0
+    assert finals == {(f"r{i}", k): reference[i] for i in range(6) for k in range(3)}
+    assert engine.block_manager.num_free_blocks == 48 and engine.num_requests == 0
+
+
+def test_a_failed_step_reruns_every_completion(tiny: LoadedModel) -> None:
+    greedy = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    reference = LLMEngine(tiny, cache_config=CACHE).generate(PROMPT, greedy)[0].token_ids
+    engine = LLMEngine(tiny, cache_config=CACHE)
+    engine.add_request(PROMPT, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, n=3), request_id="g")
+    engine.add_request("poison", SamplingParams(max_tokens=6), request_id="p")
+    engine.runner.inject_step_fault("p")  # every step computing "p" fails: the engine resets and re-runs all
+    finals: dict[tuple[str, int], RequestOutput] = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step_or_recover():
+            if out.finish_reason is not None:
+                finals[(out.request_id, out.index)] = out
+    assert finals[("p", 0)].finish_reason == "error"
+    assert {k: o.token_ids for k, o in finals.items() if k[0] == "g"} == {("g", i): reference for i in range(3)}
+    assert engine.num_requests == 0 and engine.block_manager.num_free_blocks == CACHE.num_blocks
