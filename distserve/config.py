@@ -163,6 +163,15 @@ class SchedulerConfig:
     # lower rank; on the in-process engine's decode instances, a plan yields to the prefill
     # instances sharing its thread when a request arrives.
     layer_preemption: bool = True
+    # While an instance has admitted a prompt of a higher tier among its last
+    # ``engine.rank_order.RECENT_ADMISSIONS`` admissions (an interactive tenant's), a step computing
+    # prompts of a lower tier (a batch backlog's) takes the prompt tokens that its measured
+    # seconds per prompt token say fit in this many seconds, so a higher tier's prompt arriving
+    # mid-step waits for one short layer (layer preemption) rather than a long one. A prompt longer
+    # than that runs alone (or chunked, with chunked prefill). None: no cap. 0.25 s caps a CPU
+    # (SmolLM2: ~0.5 ms a token) at about one 512-token prompt a step, and leaves an A100's
+    # 2048-token OPT-13B steps (~0.26 s) nearly as they are: their layers are short anyway.
+    backlog_step_s: float | None = 0.25
     # Step composition (``distserve.engine.step_budget.STEP_POLICIES``): "mixed" (admitted prompts join
     # the running decodes' step) or "vllm-2023" (a step that admits prompts runs only them, whole).
     step_policy: str = "mixed"
@@ -178,6 +187,8 @@ class SchedulerConfig:
             raise InvalidConfigError("step_budget 'slo' needs tpot_slo_s (the TPOT SLO the steps must keep)")
         if self.latency_max_num_seqs < 1:
             raise InvalidConfigError(f"latency_max_num_seqs must be >= 1, got {self.latency_max_num_seqs}")
+        if self.backlog_step_s is not None and not (self.backlog_step_s > 0 and math.isfinite(self.backlog_step_s)):
+            raise InvalidConfigError(f"backlog_step_s must be a positive number of seconds or None, got {self.backlog_step_s}", "backlog_step_s")
         if self.min_prefill_chunk < 1:
             raise InvalidConfigError(f"min_prefill_chunk must be >= 1, got {self.min_prefill_chunk}")
         from distserve.engine.step_budget import STEP_POLICIES  # step_budget imports this module

@@ -9,7 +9,7 @@ objective class (``Sequence.admission_rank``), and a prompt of a lower rank is c
 remaining chunks of a higher-ranked one (chunked prefill): the order chosen here holds there too.
 
 * ``fcfs``: arrival order (what every driver did before there was an admission queue); rank 0.
-* ``priority``: (tier, objective class rank, request priority, arrival) over all tenants; rank: the tier.
+* ``priority``: (tier, objective class rank, request priority, arrival) over all tenants; rank: ``LEVELS × tier``.
 * ``fair`` (the default): tiers are strict across tenants (interactive > default > batch); within a
   tier, tenants share by **deficit round robin on tokens** (Shreedhar & Varghese): each tenant's
   turn adds ``quantum × weight`` tokens to its deficit, and it sends its head request while the
@@ -145,7 +145,7 @@ class PriorityQueue(SortedQueue):
         super().__init__(lambda item: (item.tier_rank, *tenant_key(item)))
 
     def push(self, item: AdmissionItem) -> None:
-        item.rank = item.tier_rank
+        item.rank = LEVELS * item.tier_rank  # as ``fair``'s ranks: the tier is ``rank // LEVELS`` under every policy
         super().push(item)
 
 

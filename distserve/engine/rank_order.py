@@ -16,6 +16,10 @@ keeps that order where the queue's order alone would be lost:
 * on a prefill instance a prompt of rank r leaves ``r`` units of KV blocks free (``_leaves_room``):
   a backlogged tenant's prompts, which wait there holding their KV until the decode side takes
   them, never fill the cache a sparse tenant's prompt arriving later needs;
+* while a higher tier (``rank // LEVELS``) was admitted among the last ``RECENT_ADMISSIONS``, a step
+  computing prompts of a lower tier takes the prompt tokens that fit in ``backlog_step_s`` at the instance's measured
+  seconds per prompt token (``_backlog_room``): the layer a chat arriving mid-step waits for (layer
+  preemption) is a short one;
 * ``pending_prompt_tokens`` reports the prompt tokens not yet computed by rank, which admission's
   token backpressure reads (``cluster.backpressure``): a request is dispatched while the tokens
   ahead of it fit a step.
@@ -23,14 +27,21 @@ keeps that order where the queue's order alone would be lost:
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable
 
+from distserve.cluster.fair_queue import LEVELS
 from distserve.config import SchedulerConfig
 from distserve.engine.block_manager import BlockManager
 from distserve.engine.sequence import Sequence
 
 
 RESERVE_DIVISOR = 32  # a rank's unit of KV held back for lower ranks: 1/32 of a prefill instance's cache
+# How far back an instance remembers the ranks it admitted (``backlog_step_s``): at a chat
+# tenant's 0.2 req/s next to a backlog's 2 req/s, ~30 s.
+RECENT_ADMISSIONS = 64
+# Weight of the past in the seconds-per-prompt-token estimate (per step with prompt tokens).
+PROMPT_COST_DECAY = 0.9
 
 
 class AdmissionRankOrder:
@@ -44,6 +55,8 @@ class AdmissionRankOrder:
     _step_rank: int | None  # the lowest admission rank of the prompts in the step being planned
 
     policy: Callable[[Sequence], tuple]  # the scheduler's policy key
+    _recent_ranks: deque[int]  # the admission ranks of the last RECENT_ADMISSIONS admitted prompts
+    _prompt_cost: list[float]  # decayed sums of [seconds, prompt tokens] of steps that computed prompts
 
     def pending_prompt_tokens(self) -> tuple[int, ...]:
         """Prompt tokens held and not yet computed (waiting, isolated, partly prefilled), by admission
@@ -76,6 +89,24 @@ class AdmissionRankOrder:
         """Whether a waiting prompt has an admission rank below ``rank``: one a running prompt of
         ``rank`` yields to between layers (``engine.preemptible``)."""
         return any(seq.admission_rank < rank for seq in self.waiting)
+
+    def observe_prompt_cost(self, prompt_tokens: int, seconds: float) -> None:
+        """A step that computed ``prompt_tokens`` prompt tokens took ``seconds`` (with its decodes, if any)."""
+        cost = self._prompt_cost
+        cost[0] = PROMPT_COST_DECAY * cost[0] + seconds
+        cost[1] = PROMPT_COST_DECAY * cost[1] + prompt_tokens
+
+    def _backlog_room(self, prompt_tokens: int) -> int | None:
+        """Prompt tokens this step may still take beyond its ``prompt_tokens`` (None: no cap): the
+        tokens that fit ``backlog_step_s`` at the measured cost while a higher tier than the step's
+        was admitted lately (tier: ``rank // LEVELS`` under every admission policy). Within a tier
+        (a flood next to chat tenants) steps stay whole: throughput, not a tier's latency, is at stake."""
+        limit_s = self.config.backlog_step_s
+        rank = self._step_rank
+        seconds, tokens = self._prompt_cost
+        if limit_s is None or not rank or seconds <= 0 or not self._recent_ranks or min(self._recent_ranks) // LEVELS >= rank // LEVELS:
+            return None
+        return max(1, int(limit_s * tokens / seconds)) - prompt_tokens
 
     def _above_step_rank(self, seq: Sequence) -> bool:
         """Whether prompt ``seq`` waits for a later step because this one computes a prompt of a lower

@@ -10,6 +10,7 @@ The result is a plain ``StepPlan``; whoever executes it reports sampled tokens b
 from __future__ import annotations
 
 import bisect
+from collections import deque
 from collections.abc import Callable
 from operator import attrgetter
 
@@ -18,7 +19,7 @@ from distserve.cluster.recovery import solo_order
 from distserve.config import SchedulerConfig
 from distserve.engine.block_manager import BlockManager
 from distserve.engine.prefix_grouping import PrefixGrouping
-from distserve.engine.rank_order import AdmissionRankOrder
+from distserve.engine.rank_order import RECENT_ADMISSIONS, AdmissionRankOrder
 from distserve.engine.sequence import Sequence, SequenceStatus
 from distserve.engine.step_budget import StaticBudget, make_step_budget
 from distserve.engine.step_plan import SampledToken, ScheduledChunk, StepPlan
@@ -90,6 +91,9 @@ class Scheduler(AdmissionRankOrder):
         self._finished_since_plan: list[str] = []
         self._scheduling: Sequence | None = None  # the sequence being decided on (crash attribution)
         self._step_rank: int | None = None  # the lowest admission rank of the prompts in the step being planned
+        self._recent_ranks: deque[int] = deque(maxlen=RECENT_ADMISSIONS)  # ``_backlog_room``
+        self._prompt_cost = [0.0, 0.0]  # ``observe_prompt_cost``
+        self._observe_prompts = config.backlog_step_s is not None and self.phase != "decode"
         self.prefix_grouping = PrefixGrouping()  # the order the running loop offers sequences
         self._order = 0
         self._groups = GroupArrivals()
@@ -246,6 +250,7 @@ class Scheduler(AdmissionRankOrder):
         # The running sequences before the waiting ones, except partly computed prompts that rank after
         # the first waiting one: those go after (``_overtaken``).
         self._step_rank = None
+        prompt_tokens = 0  # prompt tokens this step computes so far (``_backlog_room``)
         split: int | None = None  # where the overtaken prompts start in ``order`` (None: none are)
         if self._chunk_prefills and self.waiting:
             order, split = self._overtaken(order)
@@ -262,6 +267,14 @@ class Scheduler(AdmissionRankOrder):
                 if n <= 0 or (in_flight and seq.seq_id in in_flight) or (n > 1 and self._above_step_rank(seq)):
                     i += 1
                     continue
+                if n > 1:  # a prompt's next chunk: within the backlog cap
+                    room = self._backlog_room(prompt_tokens)
+                    if room is not None and n > room:
+                        if room <= 0:
+                            i += 1
+                            continue
+                        n = room
+                    prompt_tokens += n
                 copies = append_slots(seq, n)
                 while copies is None and not late:  # overtaken prompts never preempt what this step computes
                     victim = self._preemption_victim()
@@ -380,7 +393,14 @@ class Scheduler(AdmissionRankOrder):
                 elif decodes or prefills:
                     break
                 # A prompt larger than the whole budget runs alone rather than never.
+            if prefills or self._chunk_prefills:  # the first prompt of a step runs whole (or chunked)
+                room = self._backlog_room(sum(len(c.token_ids) for c in prefills))
+                if room is not None and n > room:
+                    if room <= 0 or not self._chunk_prefills:
+                        break
+                    n = room
             self._pop_waiting(w)
+            self._recent_ranks.append(seq.admission_rank)
             block_manager.allocate(seq)
             self.num_prefix_cache_hit_tokens += seq.num_cached_tokens
             n = min(n, seq.num_uncomputed_tokens)
@@ -442,7 +462,7 @@ class Scheduler(AdmissionRankOrder):
 
     def observe_step(self, plan: StepPlan, seconds: float) -> None:
         """The executor's report of how long ``plan`` took (measured, or modelled in the simulator)."""
-        if self._static_budget or not plan.chunks:
+        if (self._static_budget and not self._observe_prompts) or not plan.chunks:
             return
         num_decodes = decode_ctx = prefill_tokens = 0
         for chunk in plan.chunks:
@@ -452,7 +472,10 @@ class Scheduler(AdmissionRankOrder):
                 decode_ctx += chunk.start_pos + 1
             else:
                 prefill_tokens += n
-        self.step_budget.observe(num_decodes, decode_ctx, prefill_tokens, seconds)
+        if prefill_tokens and self._observe_prompts:
+            self.observe_prompt_cost(prefill_tokens, seconds)
+        if not self._static_budget:
+            self.step_budget.observe(num_decodes, decode_ctx, prefill_tokens, seconds)
 
     def _preemption_victim(self) -> Sequence | None:
         """The lowest-ranked running sequence that no in-flight plan is computing."""

@@ -317,8 +317,8 @@ def test_fair_ranks_sparse_tenants_first_here_and_in_the_scheduler() -> None:
     # The tier comes first: an interactive request (ranks 0-2; alone in its tier: backlogged) outranks any default one.
     f.push("other", 100, tier="interactive")
     assert drain(q)[0].rank == BACKLOGGED
-    # fcfs ranks everything alike; priority by tier.
-    for policy, ranks in (("fcfs", [0, 0]), ("priority", [1, 2])):  # type: ignore[assignment]
+    # fcfs ranks everything alike; priority by tier, as LEVELS × tier (the tier is rank // LEVELS under every policy).
+    for policy, ranks in (("fcfs", [0, 0]), ("priority", [3, 6])):  # type: ignore[assignment]
         p = AdmissionQueue(policy, backpressure=NO_BACKPRESSURE)
         g = Feeder(p)
         g.push("a", 10, tier="batch")

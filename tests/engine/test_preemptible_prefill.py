@@ -154,3 +154,57 @@ def test_a_backlogged_prompt_leaves_kv_for_lower_ranks() -> None:
     assert [s.seq_id for s in core.step(execute, clock)] == ["c"]
     core.release("a")  # migrated: its blocks are free, and the backlogged prompt goes
     assert [s.seq_id for s in core.step(execute, clock)] == ["b"]
+
+
+@pytest.mark.parametrize("chunked", [False, True])
+def test_backlog_steps_are_short_while_a_lower_rank_was_admitted_lately(chunked: bool) -> None:
+    """A batch backlog's prompts fill whole steps until a higher tier (an interactive tenant's) has been
+    admitted lately; then its steps take the prompt tokens that fit ``backlog_step_s`` at the measured
+    cost (here 1 ms a token: 100 tokens in 0.1 s), so the layer a chat arriving mid-step waits for is
+    short. Without a cap, or next to a chat of the same tier, the same prompts share one step."""
+    from distserve.engine.step_plan import SampledToken
+
+    def run(cap_s: float | None, chat_rank: int = 0) -> list[list[tuple[str, int]]]:
+        steps: list[list[tuple[str, int]]] = []
+        now = [0.0]
+
+        def execute(plan: StepPlan) -> list[SampledToken]:
+            steps.append([(c.seq_id, len(c.token_ids)) for c in plan.chunks])
+            now[0] += 0.001 * sum(len(c.token_ids) for c in plan.chunks)
+            return [SampledToken(c.seq_id, 7) for c in plan.chunks if c.sample]
+
+        config = SchedulerConfig(max_num_batched_tokens=256, backlog_step_s=cap_s, enable_chunked_prefill=chunked)
+        core = InstanceCore("prefill", config, 256, 4, 512)
+
+        def add(seq_id: str, n: int, rank: int) -> None:
+            seq = Sequence(seq_id, heavy_prompt(int(seq_id[1:]))[:n], SP)
+            seq.admission_rank = rank
+            core.add(seq)
+
+        add("b0", 60, 8)  # batch tier, backlogged (``fair_queue``: rank = LEVELS × tier + level)
+        add("b1", 60, 8)
+        core.step(execute, lambda: now[0])  # no lower rank seen yet: both in one step
+        add("c9", 20, chat_rank)
+        core.step(execute, lambda: now[0])  # the chat's step
+        for i in range(2, 6):
+            add(f"b{i}", 60, 8)
+        while core.scheduler.has_work():
+            core.step(execute, lambda: now[0])
+        return steps
+
+    assert run(None)[0] == [("b0", 60), ("b1", 60)]
+    assert run(None)[2] == run(0.1, chat_rank=7)[2] == [(f"b{i}", 60) for i in range(2, 6)]  # same tier: whole steps
+    capped = run(0.1)
+    assert capped[0] == [("b0", 60), ("b1", 60)] and capped[1] == [("c9", 20)]
+    if chunked:  # the next prompt is chunked to the cap's room
+        assert capped[2] == [("b2", 60), ("b3", 40)] and capped[3] == [("b3", 20), ("b4", 60), ("b5", 20)]
+    else:  # whole prompts: as many as fit, one alone if longer
+        assert capped[2:5] == [[("b2", 60)], [("b3", 60)], [("b4", 60)]]
+    assert all(sum(n for _, n in step) <= 100 for step in capped[2:])
+
+
+def test_backlog_step_s_is_range_checked() -> None:
+    from distserve.errors import InvalidConfigError
+
+    with pytest.raises(InvalidConfigError, match="backlog_step_s"):
+        SchedulerConfig(backlog_step_s=0)
