@@ -56,6 +56,7 @@ class Scheduler(AdmissionRankOrder):
     """
 
     clears_isolation = True
+    forks_run_here = True  # a prompt's ``n`` completions decode here: admitting it takes n running slots
     phase = "colocated"  # the instance role this scheduler serves (``PrefillScheduler``: prefill; ``DecodeScheduler``: decode)
 
     def __init__(
@@ -384,7 +385,7 @@ class Scheduler(AdmissionRankOrder):
             if self._above_step_rank(seq):
                 w += 1
                 continue
-            if not self._fits(seq) or (seq.forks and len(self.running) + seq.num_completions > self.max_running):
+            if not self._fits(seq) or (seq.forks and self.forks_run_here and len(self.running) + seq.num_completions > self.max_running):
                 break
             n = seq.num_tokens - block_manager.num_cached_prefix_tokens(seq)
             if n > budget:

@@ -197,3 +197,11 @@ def test_a_failed_step_reruns_every_completion(tiny: LoadedModel) -> None:
     assert finals[("p", 0)].finish_reason == "error"
     assert {k: o.token_ids for k, o in finals.items() if k[0] == "g"} == {("g", i): reference for i in range(3)}
     assert engine.num_requests == 0 and engine.block_manager.num_free_blocks == CACHE.num_blocks
+
+
+def test_prefill_instances_admit_a_prompt_of_n_completions_as_one_prefill(tiny: LoadedModel) -> None:
+    # Prefill batches of 2 sequences, n = 4: the completions wait for migration, not in the batch.
+    engine = LocalDisaggEngine(tiny, cache_config=CACHE, prefill_scheduler_config=SchedulerConfig(max_num_seqs=2))
+    engine.add_request(PROMPT, SamplingParams(max_tokens=3, temperature=0, ignore_eos=True, n=4), request_id="r")
+    outs = run(engine, "r")
+    assert sorted(outs) == [0, 1, 2, 3] and prefill_tokens(engine) == len(engine.tokenizer.encode(PROMPT))
