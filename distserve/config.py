@@ -236,6 +236,7 @@ MAX_STOP_STRINGS = 64
 MAX_STOP_STRING_CHARS = 512
 MAX_STOP_TOKEN_IDS = 1024
 MAX_TOKEN_ID = 2**31 - 1  # checked against the vocabulary where the model is known
+MAX_N = 128  # completions per request (``n``); also bounded by the batch cap where the engine is known
 
 
 def _is_int(value: object) -> bool:
@@ -263,6 +264,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: bool = False
     include_stop_str_in_output: bool = False
+    n: int = 1  # completions of the prompt: it is prefilled once and its KV forked n ways (copy-on-write)
 
     def __post_init__(self) -> None:
         # Accept lists/str from callers but store tuples so the object stays hashable and frozen.
@@ -285,6 +287,8 @@ class SamplingParams:
             raise err("top_k", f"must be -1 or 0 (disabled) or an integer in [1, {MAX_TOP_K}], got {self.top_k!r}")
         if self.seed is not None and (not _is_int(self.seed) or not SEED_MIN <= self.seed <= SEED_MAX):
             raise err("seed", f"must be an integer in [-2**63, 2**64 - 1], got {self.seed!r}")
+        if not _is_int(self.n) or not 1 <= self.n <= MAX_N:
+            raise err("n", f"must be an integer in [1, {MAX_N}], got {self.n!r}")
         if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
             raise err("min_tokens", f"must be in [0, max_tokens], got {self.min_tokens!r}")
         if len(self.stop) > MAX_STOP_STRINGS:

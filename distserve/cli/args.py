@@ -265,6 +265,11 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--request-log", default=None, metavar="FILE.jsonl",
                    help="append one JSON line per finished request (id, tenant, tokens, every timestamp and the latency breakdown: "
                    "queueing, prefill, migration, decode)")
+    p.add_argument("--tool-call-parser", default=None, choices=["hermes"], metavar="NAME",
+                   help="parse tool calls out of chat completions (vLLM's names; hermes: <tool_call>{json}</tool_call>)")
+    p.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help='accept tool_choice "auto" (the default when a request has tools): calls in the output come back as '
+                   "tool_calls (needs --tool-call-parser, as in vLLM)")
     p.add_argument("--ray-serve", action="store_true", help="run as a Ray Serve application (default: plain uvicorn)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
 

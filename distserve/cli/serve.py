@@ -32,6 +32,10 @@ def _check_serve_args(args: argparse.Namespace) -> None:
     for flag, given in (("--prefill-chunk", args.prefill_chunk is not None), ("--no-layer-preemption", args.no_layer_preemption)):
         if given and (args.colocated is not None or args.ray_serve):
             raise InvalidConfigError(f"{flag} applies to prefill instances (a disaggregated placement of plain `distserve serve`)")
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        raise InvalidConfigError("--enable-auto-tool-choice needs --tool-call-parser (e.g. --tool-call-parser hermes)")
+    if args.ray_serve and (args.tool_call_parser is not None or args.enable_auto_tool_choice):
+        raise InvalidConfigError("--tool-call-parser/--enable-auto-tool-choice apply to plain `distserve serve`, not --ray-serve")
     if args.ray_serve and args.request_log is not None:
         raise InvalidConfigError("--request-log applies to plain `distserve serve`, not --ray-serve")
     if args.ray_serve and args.tpot_backpressure:
@@ -161,10 +165,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
             lambda: ControllerClient.create(config), served, sock,
             on_ready=lambda url: _print_ready(url, served, f"{ray_layout}, Ray runtime"), log_level=args.log_level, slo=slo,
             session_limits=session_limits(args), api_keys=api_keys, request_log=request_log,
+            tool_call_parser=args.tool_call_parser, enable_auto_tool_choice=args.enable_auto_tool_choice,
         )
 
     from distserve.runtime.local_client import build_local_engine_client
 
     client = build_local_engine_client(config)
     return run_server(client, served, sock, on_ready=lambda url: _print_ready(url, served, layout), log_level=args.log_level, slo=slo,
-                      session_limits=session_limits(args), api_keys=api_keys, request_log=request_log)
+                      session_limits=session_limits(args), api_keys=api_keys, request_log=request_log,
+                      tool_call_parser=args.tool_call_parser, enable_auto_tool_choice=args.enable_auto_tool_choice)

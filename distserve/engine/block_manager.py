@@ -154,9 +154,11 @@ class BlockManager:
 
     # ---- allocation ----------------------------------------------------------------------
     def can_allocate(self, seq: Sequence) -> bool:
+        """Room for ``seq``'s blocks, and for one more block per completion forked from it (``n`` > 1:
+        each completion's first token copies the shared last block, or opens a new one)."""
         hits = self._match_prefix(seq)
         revived = sum(1 for b in hits if self.blocks[b].ref_count == 0)
-        return self.num_blocks_for(seq.num_tokens) - len(hits) + revived <= self.num_free_blocks
+        return self.num_blocks_for(seq.num_tokens) - len(hits) + revived + len(seq.forks) <= self.num_free_blocks
 
     def allocate(self, seq: Sequence) -> bool:
         """Give ``seq`` blocks for all its tokens, reusing cached prefix blocks. False if it doesn't fit."""
@@ -273,13 +275,16 @@ class BlockManager:
                 self._hash_to_block[h] = block.block_id
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
-        """Share every block of ``parent`` with ``child`` (copy-on-write on the next append)."""
+        """Share every block of ``parent`` with ``child`` (copy-on-write on the next append): the blocks
+        hold the same KV, so neither recomputes it; a partly filled block is copied by whichever of
+        them appends to it while it is shared (``append_slots``)."""
         assert not child.block_table
         for b in parent.block_table:
             self.blocks[b].ref_count += 1
         child.block_table = list(parent.block_table)
         child.block_hashes = list(parent.block_hashes)
         child.num_computed_tokens = parent.num_computed_tokens
+        child.num_cached_tokens = parent.num_cached_tokens
 
     def free(self, seq: Sequence) -> None:
         """Release ``seq``'s blocks; hashed ones stay reusable until evicted."""

@@ -141,8 +141,9 @@ class InstanceCore:
         """A new request, or one re-run here; after any op still queued for an earlier attempt of its id."""
 
         def run() -> None:
-            self.seqs[seq.seq_id] = seq
-            self._reported[seq.seq_id] = seq.num_output_tokens
+            for s in (seq, *seq.forks):  # n > 1: its completions ride with it until forked
+                self.seqs[s.seq_id] = s
+                self._reported[s.seq_id] = s.num_output_tokens
             self.scheduler.add(seq)
 
         self.defer(seq.seq_id, run)

@@ -63,11 +63,11 @@ class LLMEngine(EngineBase):
         self.core.add(seq)
 
     def abort_request(self, request_id: str) -> None:
-        """Stop a request and free its blocks; unknown or finished ids are ignored."""
-        seq = self._forget(request_id)
-        if seq is not None and not seq.is_finished:
-            seq.finish_time = time.monotonic()
-            self.core.abort(request_id)
+        """Stop a request (all its completions) and free its blocks; unknown or finished ids are ignored."""
+        for seq in self._forget_request(request_id):
+            if not seq.is_finished:
+                seq.finish_time = time.monotonic()
+                self.core.abort(seq.seq_id)
 
     def has_unfinished_requests(self) -> bool:
         return self.core.has_work()

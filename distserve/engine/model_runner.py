@@ -18,7 +18,7 @@ from distserve.config import ModelConfig
 from distserve.engine.model import TORCH_DTYPES, LlamaForCausalLM, prepack_linears
 from distserve.engine.parallel import ParallelState, ShardSpec
 from distserve.engine.sampler import Sampler
-from distserve.engine.step_plan import SampledToken, ScheduledChunk, StepPlan
+from distserve.engine.step_plan import SampledToken, ScheduledChunk, StepPlan, fork_rows
 from kernels.backends import decode_attention_for, default_decode_attention
 from kernels.paged_attention import AttentionMetadata
 
@@ -205,6 +205,9 @@ class ModelRunner:
             return []
         logits = self.model.compute_logits(hidden[sample_rows])  # [N, V]
         chunks = [c for c in plan.chunks if c.sample]
+        if plan.forks:  # n > 1: each completion samples from its leader's row
+            rows, chunks = fork_rows(chunks, plan.forks)
+            logits = logits[rows]  # [N + forks, V]
         try:
             return self._sample(logits, chunks)
         except Exception:  # noqa: BLE001 - one request's failure is its own: sample each row alone to find it

@@ -17,7 +17,7 @@ from distserve.cluster.classes import RequestClass, check_request_class
 from distserve.cluster.recovery import blame, poison_message
 from distserve.config import PRIORITY_MAX, PRIORITY_MIN, CacheConfig, SamplingParams, SchedulerConfig
 from distserve.engine.request_metrics import RequestMetrics
-from distserve.engine.sequence import Sequence, SequenceStatus
+from distserve.engine.sequence import Sequence, SequenceStatus, completion_sampling, completion_seq_id
 from distserve.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from distserve.engine.weights import LoadedModel
 from distserve.errors import (
@@ -52,6 +52,9 @@ class RequestOutput:
     logprobs: list[float] | None = None
     error: str | None = None  # set with finish_reason "error": why this request failed
     error_kind: str | None = None  # with ``error``: "timeout" when it waited past its ``timeout`` (HTTP 408), else None
+    # ``n`` > 1: which completion this output is about. ``finished`` is then the request's (all n
+    # completions done); a completion is done once its ``finish_reason`` is set.
+    index: int = 0
 
 
 @dataclass
@@ -110,7 +113,7 @@ class OutputProcessor:
         state.text_reported = visible
         state.num_tokens_reported += len(new_ids)
         out = RequestOutput(
-            request_id=seq.seq_id,
+            request_id=seq.request_id,
             prompt_token_ids=seq.prompt_token_ids,
             token_ids=seq.output_token_ids,
             text=text[:visible],
@@ -121,6 +124,7 @@ class OutputProcessor:
             metrics=RequestMetrics.of(seq),
             logprobs=list(seq.logprobs) if sp.logprobs else None,
             error=seq.error,
+            index=seq.index,
         )
         if finished:
             self._text.pop(seq.seq_id, None)
@@ -131,7 +135,7 @@ class OutputProcessor:
         state = self._text.pop(seq.seq_id, None)
         text = state.text[: state.text_reported] if state is not None else ""
         return RequestOutput(
-            request_id=seq.seq_id,
+            request_id=seq.request_id,
             prompt_token_ids=seq.prompt_token_ids,
             token_ids=seq.output_token_ids,
             text=text,
@@ -142,6 +146,7 @@ class OutputProcessor:
             metrics=RequestMetrics.of(seq, finish_time=now),
             error=seq.error,
             error_kind=kind,
+            index=seq.index,
         )
 
 
@@ -177,6 +182,7 @@ class RequestFrontend(ABC):
         self.eos_token_ids = tuple(sorted(set(self.model_config.eos_token_ids) | set(self.tokenizer.eos_token_ids)))
         self.outputs = OutputProcessor(self.tokenizer)
         self._seqs: dict[str, Sequence] = {}
+        self._groups: dict[str, set[str]] = {}  # request id -> its unfinished completions' seq ids (``n`` > 1)
         self._ids = itertools.count()
 
     @abstractmethod
@@ -212,6 +218,9 @@ class RequestFrontend(ABC):
         """
         if not isinstance(priority, int) or not PRIORITY_MIN <= priority <= PRIORITY_MAX:
             raise DistServeError(f"priority must be a 64-bit signed integer, got {priority!r}", "priority")
+        if sampling.n > self.scheduler_config.max_num_seqs:
+            raise InvalidSamplingParamsError(
+                f"n is {sampling.n} but a batch holds at most {self.scheduler_config.max_num_seqs} sequences (max_num_seqs)", "n")
         vocab = self.model_config.vocab_size
         bad = [t for t in sampling.stop_token_ids if t >= vocab]
         if bad:
@@ -239,6 +248,9 @@ class RequestFrontend(ABC):
             params = list(sampling_params)
             if len(params) != len(prompts):
                 raise DistServeError(f"got {len(prompts)} prompts but {len(params)} sampling params")
+        if any(sp.n > 1 for sp in params):  # one ``RequestOutput`` per prompt cannot hold n completions
+            raise InvalidSamplingParamsError("generate returns one output per prompt, so n must be 1; for n > 1 use "
+                                             "add_request and step (or stream): each output carries its completion's index", "n")
         encoded = [self.encode_prompt(p) for p in prompts]
         for ids, sp in zip(encoded, params):
             self.check_request(ids, sp)
@@ -269,27 +281,61 @@ class RequestFrontend(ABC):
         request_class = check_request_class(request_class)
         timeout_s = check_timeout(timeout_s)
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
-        if request_id in self._seqs:
+        seq_ids = [completion_seq_id(request_id, i) for i in range(sampling.n)]
+        if any(s in self._seqs for s in seq_ids) or request_id in self._groups:
             raise DistServeError(f"request id {request_id!r} is already in flight")
-        seq = Sequence(
-            seq_id=request_id,
-            prompt_token_ids=ids,
-            sampling=sampling,
-            arrival_time=time.monotonic() if arrival_time is None else arrival_time,
-            priority=priority,
-            request_class=request_class,
-            timeout_s=timeout_s,
-            dispatch_time=dispatch_time,
-            admission_rank=admission_rank,
-        )
-        self._seqs[request_id] = seq
-        self.outputs.add(seq)
-        self._submit(seq)
+        arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        seqs = [
+            Sequence(
+                seq_id=seq_id,
+                prompt_token_ids=ids,
+                sampling=completion_sampling(sampling, i) if sampling.n > 1 else sampling,
+                arrival_time=arrival_time,
+                priority=priority,
+                request_class=request_class,
+                timeout_s=timeout_s,
+                dispatch_time=dispatch_time,
+                admission_rank=admission_rank,
+                request_id=request_id,
+                index=i,
+            )
+            for i, seq_id in enumerate(seq_ids)
+        ]
+        seq = seqs[0]
+        seq.forks = seqs[1:]  # prefilled once, with the leader (``Scheduler._fork``)
+        if len(seqs) > 1:
+            self._groups[request_id] = set(seq_ids)
+        for s in seqs:
+            self._seqs[s.seq_id] = s
+            self.outputs.add(s)
+        try:
+            self._submit(seq)
+        except BaseException:
+            self._forget_request(request_id)
+            raise
         return request_id
 
     def _forget(self, request_id: str) -> Sequence | None:
         self.outputs.discard(request_id)
         return self._seqs.pop(request_id, None)
+
+    def _forget_request(self, request_id: str) -> list[Sequence]:
+        """Forget every completion of a request (one unless ``n`` > 1); returns those that were live here."""
+        group = self._groups.pop(request_id, None)
+        seq_ids = sorted(group, key=lambda s: s != request_id) if group is not None else [request_id]  # the leader first
+        return [seq for s in seq_ids if (seq := self._forget(s)) is not None]
+
+    def _request_done(self, seq: Sequence, out: RequestOutput) -> RequestOutput:
+        """``seq`` finished: ``out.finished`` says whether its whole request did (``n`` > 1)."""
+        self._seqs.pop(seq.seq_id, None)
+        group = self._groups.get(seq.request_id)
+        if group is not None:
+            group.discard(seq.seq_id)
+            if group:
+                out.finished = False
+            else:
+                del self._groups[seq.request_id]
+        return out
 
     def _output(self, seq: Sequence, now: float, finish: Callable[[Sequence, str], None]) -> RequestOutput:
         """The request's output since its last one; a failure here (detokenizing, stop strings) is
@@ -300,7 +346,7 @@ class RequestFrontend(ABC):
             logger.exception("output processing failed for request %s", seq.seq_id)
             return self._fail(seq, f"output processing failed: {type(exc).__name__}: {exc}", now, finish)
         if out.finished:
-            self._seqs.pop(out.request_id, None)
+            return self._request_done(seq, out)
         return out
 
     def _fail(
@@ -315,8 +361,12 @@ class RequestFrontend(ABC):
                 finish(seq, "error")
             seq.status = SequenceStatus.FINISHED
             seq.finish_reason = "error"
-        self._seqs.pop(seq.seq_id, None)
-        return self.outputs.failed(seq, now, kind)
+        forks, seq.forks = seq.forks, []
+        for f in forks:  # completions riding with it (never dispatched): they fail with it
+            if not f.is_finished:
+                f.error, f.finish_time, f.status, f.finish_reason = error, now, SequenceStatus.FINISHED, "error"
+            self._request_done(f, self.outputs.failed(f, now, kind))
+        return self._request_done(seq, self.outputs.failed(seq, now, kind))
 
 
 def _already_finished(seq: Sequence, reason: str) -> None:
@@ -370,6 +420,8 @@ class EngineBase(RequestFrontend):
         suspects = exc.seq_ids if isinstance(exc, StepFailedError) else ()
         logger.error("engine step failed (%s: %s); re-running %d requests", type(exc).__name__, exc, len(self._seqs))
         live = [seq for seq in self._seqs.values() if not seq.is_finished]
+        for seq in live:
+            seq.forks = []  # ``n`` > 1: each completion is live here and re-runs (or fails) on its own
         self._reset()
         convicted = {seq.seq_id for seq in blame(self._seqs[s] for s in suspects if s in self._seqs)}
         now = time.monotonic()

@@ -56,6 +56,7 @@ class Scheduler(AdmissionRankOrder):
     """
 
     clears_isolation = True
+    forks_run_here = True  # a prompt's ``n`` completions decode here: admitting it takes n running slots
     phase = "colocated"  # the instance role this scheduler serves (``PrefillScheduler``: prefill; ``DecodeScheduler``: decode)
 
     def __init__(
@@ -99,6 +100,8 @@ class Scheduler(AdmissionRankOrder):
         self._groups = GroupArrivals()
         self.num_preemptions = 0
         self.num_prefix_cache_hit_tokens = 0  # prompt tokens admissions took from the prefix cache
+        self.forking: dict[str, Sequence] = {}  # leaders (``n`` > 1) whose completions are not forked yet
+        self.num_forked_completions = 0  # completions that took their prompt's KV from a fork, not a prefill
 
     # ---- queue management --------------------------------------------------------------------
     def _stamp(self, seq: Sequence) -> None:
@@ -114,6 +117,8 @@ class Scheduler(AdmissionRankOrder):
 
     def add(self, seq: Sequence) -> None:
         self._stamp(seq)
+        if seq.forks:
+            self.forking[seq.seq_id] = seq
         if seq.isolate:
             seq.status = SequenceStatus.WAITING
             self.isolated.append(seq)
@@ -167,6 +172,24 @@ class Scheduler(AdmissionRankOrder):
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         self._finished_since_plan.append(seq.seq_id)
+        if seq.forks:
+            self._unfork(seq)
+
+    def _unfork(self, leader: Sequence) -> None:
+        """``leader`` ended before its completions were forked: the live ones run on their own."""
+        self.forking.pop(leader.seq_id, None)
+        forks, leader.forks = leader.forks, []
+        for f in forks:
+            if f.status is not SequenceStatus.FINISHED:
+                self._follow(leader, f)
+                self._enqueue(f)
+
+    def _follow(self, leader: Sequence, f: Sequence) -> None:
+        """Give completion ``f`` its leader's admission order (it was dispatched with it)."""
+        f.dispatch_time, f.admission_rank = leader.dispatch_time, leader.admission_rank
+        if f.prefill_start_time is None:
+            f.prefill_start_time = leader.prefill_start_time
+        self._stamp(f)
 
     def _preempt(self, seq: Sequence) -> None:
         """Recompute later: drop its KV and put it back in the waiting queue."""
@@ -185,7 +208,10 @@ class Scheduler(AdmissionRankOrder):
         breaks the model does."""
         self._scheduling = None
         try:
-            return self._schedule()
+            plan = self._schedule()
+            if self.forking:
+                self._plan_forks(plan)
+            return plan
         except Exception as exc:
             seq = self._scheduling
             if seq is None:
@@ -288,6 +314,48 @@ class Scheduler(AdmissionRankOrder):
             in_flight.update(c.seq_id for c in decodes)
         return plan
 
+    def _plan_forks(self, plan: StepPlan) -> None:
+        """Completions (``n`` > 1) sample from their leader's row of the step that ends its prompt."""
+        forking = self.forking
+        for chunk in plan.chunks:
+            leader = forking.get(chunk.seq_id) if chunk.sample else None
+            if leader is not None:
+                plan.forks[chunk.seq_id] = [(f.seq_id, f.sampling) for f in leader.forks if f.status is not SequenceStatus.FINISHED]
+
+    def _fork(self, leader: Sequence, get_token: Callable[[str], SampledToken | None], now: float, updated: list[Sequence]) -> None:
+        """``leader``'s prompt KV is computed: each of its completions shares its blocks (copy-on-write,
+        ``BlockManager.fork``) and takes the token sampled for it from the same logits. One that got
+        no token (a runner that does not sample forks) is queued to prefill on its own."""
+        self.forking.pop(leader.seq_id, None)
+        forks, leader.forks = leader.forks, []
+        lead = get_token(leader.seq_id)
+        for f in forks:
+            if f.status is SequenceStatus.FINISHED:
+                continue  # aborted while the step ran
+            self._follow(leader, f)
+            token = get_token(f.seq_id)
+            error = lead.error if lead is not None and lead.error is not None else (token.error if token is not None else None)
+            if error is not None:
+                f.error, f.finish_time, f.status, f.finish_reason = error, now, SequenceStatus.FINISHED, "error"
+                updated.append(f)
+                continue
+            if token is None:
+                self._enqueue(f)
+                continue
+            self.block_manager.fork(leader, f)
+            f.status = SequenceStatus.RUNNING
+            self._append_running(f)
+            self.num_forked_completions += 1
+            f.token_ids.append(token.token_id)
+            if token.logprob is not None:
+                f.logprobs.append(token.logprob)
+            f.first_token_time = now
+            reason = self.check_token_stop(f)
+            if reason is not None:
+                f.finish_time = now
+                self.finish(f, reason)
+            updated.append(f)
+
     def _admit_waiting(
         self, waiting: list[Sequence], budget: int, preempted: bool, decodes: list[ScheduledChunk],
         prefills: list[ScheduledChunk], max_seqs: int,
@@ -317,7 +385,7 @@ class Scheduler(AdmissionRankOrder):
             if self._above_step_rank(seq):
                 w += 1
                 continue
-            if not self._fits(seq):
+            if not self._fits(seq) or (seq.forks and self.forks_run_here and len(self.running) + seq.num_completions > self.max_running):
                 break
             n = seq.num_tokens - block_manager.num_cached_prefix_tokens(seq)
             if n > budget:
@@ -437,6 +505,7 @@ class Scheduler(AdmissionRankOrder):
         running_status = SequenceStatus.RUNNING
         get_seq = seqs.get
         get_token = by_id.get
+        forks = plan.forks
         for chunk in plan.chunks:
             seq_id = chunk.seq_id
             if in_flight:
@@ -448,6 +517,8 @@ class Scheduler(AdmissionRankOrder):
             commit(seq)
             if seq.isolate and self.clears_isolation:
                 seq.isolate = False  # it ran a step alone: a later crash is not blamed on it alone
+            if forks and seq_id in forks and seq.forks:
+                self._fork(seq, get_token, now, updated)  # before the leader's token: a stop would free the blocks
             token = get_token(seq_id)
             if token is None:
                 continue

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import enum
+import hashlib
 from dataclasses import dataclass, field
 
 from distserve.cluster.classes import DEFAULT_CLASS, RequestClass
@@ -64,10 +66,18 @@ class Sequence:
     prefill_start_time: float | None = None
     migration_start_time: float | None = None
     migration_end_time: float | None = None
+    # A request with ``n`` > 1 is n sequences: completion ``index`` of request ``request_id`` ("": its
+    # own ``seq_id``). Completion 0 (the leader) carries the others in ``forks`` until its prompt is
+    # prefilled; then they share its KV blocks (copy-on-write) and each samples its own tokens.
+    request_id: str = ""
+    index: int = 0
+    forks: list["Sequence"] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not self.token_ids:
             self.token_ids = list(self.prompt_token_ids)
+        if not self.request_id:
+            self.request_id = self.seq_id
         self.class_rank = self.request_class.rank
 
     def detached_copy(self) -> "Sequence":
@@ -89,7 +99,15 @@ class Sequence:
             num_crashes=self.num_crashes,
             isolate=self.isolate,
             request_class=self.request_class,
+            request_id=self.request_id,
+            index=self.index,
+            forks=[f.detached_copy() for f in self.forks],
         )
+
+    @property
+    def num_completions(self) -> int:
+        """Sequences this one stands for in admission and KV accounting: itself and its unforked completions."""
+        return 1 + len(self.forks)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -114,3 +132,17 @@ class Sequence:
     @property
     def num_uncomputed_tokens(self) -> int:
         return len(self.token_ids) - self.num_computed_tokens
+
+
+def completion_seq_id(request_id: str, index: int) -> str:
+    """The sequence id of completion ``index`` of a request (completion 0 keeps the request's id)."""
+    return request_id if index == 0 else f"{request_id}#{index}"
+
+
+def completion_sampling(sampling: SamplingParams, index: int) -> SamplingParams:
+    """Completion ``index``'s own parameters: ``n`` = 1 and, for a seeded request, a seed derived from
+    (seed, index), so completion i is reproducible and completion 0 is what ``n`` = 1 would give."""
+    seed = sampling.seed
+    if seed is not None and index:
+        seed = int.from_bytes(hashlib.blake2b(f"{seed}:{index}".encode(), digest_size=8).digest(), "little") >> 1
+    return dataclasses.replace(sampling, n=1, seed=seed)

@@ -5,6 +5,7 @@ do first, who was preempted or finished, and what comes back (``SampledToken``).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -43,6 +44,9 @@ class StepPlan:
     block_copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) before running
     preempted_seq_ids: list[str] = field(default_factory=list)
     finished_seq_ids: list[str] = field(default_factory=list)  # freed since the last plan
+    # Leader seq id -> (seq id, sampling) of each completion sampled from the leader's last prompt
+    # row too (``n`` > 1: one prefill, n first tokens). Empty for almost every plan.
+    forks: dict[str, list[tuple[str, SamplingParams]]] = field(default_factory=dict)
 
     @property
     def num_batched_tokens(self) -> int:
@@ -51,6 +55,20 @@ class StepPlan:
     @property
     def is_empty(self) -> bool:
         return not self.chunks
+
+
+def fork_rows(chunks: list[ScheduledChunk], forks: dict[str, list[tuple[str, SamplingParams]]]) -> tuple[list[int], list[ScheduledChunk]]:
+    """The sampling chunks with each leader's completions added (a chunk per completion, same logits
+    row): the row of each and the chunks, in the order to sample them."""
+    rows: list[int] = []
+    out: list[ScheduledChunk] = []
+    for i, c in enumerate(chunks):
+        rows.append(i)
+        out.append(c)
+        for seq_id, sampling in forks.get(c.seq_id, ()):
+            rows.append(i)
+            out.append(dataclasses.replace(c, seq_id=seq_id, sampling=sampling))
+    return rows, out
 
 
 @contextmanager
@@ -72,4 +90,4 @@ class SampledToken:
     error: str | None = None  # sampling this request failed: it fails alone, with this message
 
 
-__all__ = ["SampledToken", "ScheduledChunk", "StepPlan", "attributed_to"]
+__all__ = ["SampledToken", "ScheduledChunk", "StepPlan", "attributed_to", "fork_rows"]

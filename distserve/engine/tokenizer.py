@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from distserve.errors import InvalidConfigError, ModelNotFoundError
 
@@ -99,20 +99,28 @@ class Tokenizer:
             list(token_ids), skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False
         )
 
-    def chat_prompt_text(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
-        """Render ``messages`` with the tokenizer's chat template."""
+    @property
+    def supports_tools(self) -> bool:
+        """Whether the chat template renders ``tools`` (it mentions them), as tool calling needs."""
+        template = getattr(self.hf, "chat_template", None)
+        if isinstance(template, dict):  # named templates: the "tool_use" one, or any that reads tools
+            return any("tools" in t for t in template.values())
+        return bool(template) and "tools" in template
+
+    def chat_prompt_text(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, tools: list[dict[str, Any]] | None = None) -> str:
+        """Render ``messages`` (and the ``tools`` the model may call) with the tokenizer's chat template."""
         if not getattr(self.hf, "chat_template", None):
             raise InvalidConfigError(
                 "this model's tokenizer has no chat template; use a plain completion prompt instead"
             )
-        text = self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+        text = self.hf.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=add_generation_prompt)
         if not isinstance(text, str):
             raise InvalidConfigError(f"chat template rendered {type(text).__name__}, expected str")
         return text
 
-    def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, tools: list[dict[str, Any]] | None = None) -> list[int]:
         """Token ids of the rendered chat; the template supplies any bos/special tokens itself."""
-        return self.encode(self.chat_prompt_text(messages, add_generation_prompt), add_special_tokens=False)
+        return self.encode(self.chat_prompt_text(messages, add_generation_prompt, tools), add_special_tokens=False)
 
     def detokenizer(self, prompt_token_ids: Sequence[int] = ()) -> IncrementalDetokenizer:
         return IncrementalDetokenizer(self, prompt_token_ids)

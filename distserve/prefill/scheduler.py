@@ -19,6 +19,7 @@ class PrefillScheduler(Scheduler):
     """
 
     clears_isolation = False  # a suspect's prefill proves nothing about its decoding
+    forks_run_here = False  # ``n`` completions wait for migration, not in the batch: a prompt is one prefill
     phase = "prefill"
 
     def __init__(self, *args: object, **kwargs: object) -> None:

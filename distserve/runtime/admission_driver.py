@@ -85,7 +85,7 @@ class AdmissionDriver:
             reason = self._outage()
             if reason is not None:
                 raise ServiceUnavailableError(reason)
-            item = AdmissionItem(seq.seq_id, seq.request_class, seq.num_prompt_tokens + seq.sampling.max_tokens,
+            item = AdmissionItem(seq.seq_id, seq.request_class, seq.num_prompt_tokens + seq.sampling.max_tokens * seq.num_completions,
                                  seq.arrival_time, seq.priority, seq.timeout_s, seq, num_prompt_tokens=seq.num_prompt_tokens)
             self.admission.push(item, time.monotonic())
         except BaseException:  # it never entered
@@ -123,11 +123,13 @@ class AdmissionDriver:
         inst = pick_entry(candidates, route_of, hashes, self.config.router, seq.seq_id, seq.request_class)
         if seq.isolate:
             inst.solo_pending[seq.seq_id] = seq.arrival_time
-        self._owner[seq.seq_id] = inst
-        self._dispatched.add(seq.seq_id)
+        for s in (seq, *seq.forks):  # n > 1: its completions ride with it; each is the instance's from now on
+            self._owner[s.seq_id] = inst
+            self._dispatched.add(s.seq_id)
         inst.num_added += 1
         inst.unseen.append((inst.num_added, seq.admission_rank, seq.num_prompt_tokens))
         self._spawn(self._call_then_kick(inst, inst.actor.add.remote(seq.detached_copy())))
+        seq.forks = []  # a later re-run (its instance died) runs each completion on its own
         return inst
 
     # ---- dispatch --------------------------------------------------------------------------------

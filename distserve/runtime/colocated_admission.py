@@ -77,7 +77,7 @@ class ColocatedAdmission(Generic[S]):
         engine.check_request(ids, request.sampling, request.priority)
         request_class = check_request_class(request.request_class)
         request = replace(request, prompt=ids, request_class=request_class, timeout_s=check_timeout(request.timeout_s), arrival_time=now)
-        item = AdmissionItem(request_id, request_class, len(ids) + request.sampling.max_tokens, now, request.priority, request.timeout_s, request,
+        item = AdmissionItem(request_id, request_class, len(ids) + request.sampling.max_tokens * request.sampling.n, now, request.priority, request.timeout_s, request,
                              num_prompt_tokens=len(ids))
         self.queue.push(item, now)
 

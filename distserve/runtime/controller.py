@@ -208,18 +208,22 @@ class Controller(AdmissionDriver, RequestFrontend, KVMigrations, InstanceRecover
                 await self.abort(request_id)
 
     async def abort(self, request_id: str) -> None:
-        """Stop a request and free its KV everywhere; its stream, if open, ends with finish_reason "abort"."""
-        seq = self._seqs.get(request_id)
-        if seq is None:
+        """Stop a request (each of its completions) and free its KV everywhere; its stream, if open,
+        ends with finish_reason "abort"."""
+        group = self._groups.get(request_id)
+        seqs = [s for sid in (sorted(group) if group else [request_id]) if (s := self._seqs.get(sid)) is not None]
+        if not seqs:
             return
-        seq.status = SequenceStatus.FINISHED
-        seq.finish_reason = "abort"
-        seq.finish_time = time.monotonic()
         queue = self._queues.get(request_id)
-        if queue is not None:
-            queue.put_nowait(self._output(seq, seq.finish_time, self._finish))
-        self._forget(request_id)
-        self._drop(request_id, "abort")
+        for seq in seqs:
+            seq.status = SequenceStatus.FINISHED
+            seq.finish_reason = "abort"
+            seq.finish_time = time.monotonic()
+            out = self._output(seq, seq.finish_time, self._finish)
+            if queue is not None:
+                queue.put_nowait(out)
+            self._forget(seq.seq_id)
+            self._drop(seq.seq_id, "abort")
         self._admit()
 
     def _drop(self, request_id: str, reason: str) -> None:
@@ -349,7 +353,7 @@ class Controller(AdmissionDriver, RequestFrontend, KVMigrations, InstanceRecover
             elif up.awaiting_migration:
                 self._pending.push((inst, seq.seq_id))
             out = self._output(seq, now, self._finish)
-            queue = self._queues.get(seq.seq_id)
+            queue = self._queues.get(seq.request_id)
             if queue is not None:
                 queue.put_nowait(out)
 

@@ -214,7 +214,7 @@ class LocalDisaggEngine(EngineBase):
         if seq.seq_id in self._dispatched:  # re-run after a failed step: it was admitted already
             self._place(seq, self.prefill)
             return
-        item = AdmissionItem(seq.seq_id, seq.request_class, seq.num_prompt_tokens + seq.sampling.max_tokens,
+        item = AdmissionItem(seq.seq_id, seq.request_class, seq.num_prompt_tokens + seq.sampling.max_tokens * seq.num_completions,
                              seq.arrival_time, seq.priority, seq.timeout_s, seq, num_prompt_tokens=seq.num_prompt_tokens)
         try:
             self.admission.push(item, self.clock())
@@ -227,8 +227,9 @@ class LocalDisaggEngine(EngineBase):
         hashes = entry_hashes(seq, cc.block_size, cc.enable_prefix_caching)
         inst = pick_entry(candidates, _route, hashes, self.router, seq.seq_id, seq.request_class)
         inst.core.add(seq)
-        self._owner[seq.seq_id] = inst
-        self._dispatched.add(seq.seq_id)
+        for s in (seq, *seq.forks):  # n > 1: its completions are prefilled there with it
+            self._owner[s.seq_id] = inst
+            self._dispatched.add(s.seq_id)
         return inst
 
     def _admit(self) -> list[RequestOutput]:
@@ -255,17 +256,19 @@ class LocalDisaggEngine(EngineBase):
         return outputs
 
     def abort_request(self, request_id: str) -> None:
-        """Abort wherever the request is: queued, prefilling, awaiting migration or decoding."""
-        seq = self._forget(request_id)
+        """Abort wherever the request is (each of its completions): queued, prefilling, awaiting
+        migration or decoding."""
         self.admission.remove(request_id)
-        self._dispatched.discard(request_id)
-        owner = self._owner.pop(request_id, None)
-        self._pending.drop(lambda e: e[1].seq_id == request_id)
-        if owner is not None:
-            owner.route.release(request_id)
-        if seq is not None and owner is not None and not seq.is_finished:
-            seq.finish_time = self.clock()
-            owner.core.abort(request_id)
+        for seq in self._forget_request(request_id) or [None]:
+            seq_id = request_id if seq is None else seq.seq_id
+            self._dispatched.discard(seq_id)
+            owner = self._owner.pop(seq_id, None)
+            self._pending.drop(lambda e: e[1].seq_id == seq_id)
+            if owner is not None:
+                owner.route.release(seq_id)
+            if seq is not None and owner is not None and not seq.is_finished:
+                seq.finish_time = self.clock()
+                owner.core.abort(seq_id)
 
     def has_unfinished_requests(self) -> bool:
         # A plan suspended between layers still holds its requests' ops (an abort waits for it).
@@ -328,7 +331,7 @@ class LocalDisaggEngine(EngineBase):
 
     def _emit(self, seq: Sequence) -> RequestOutput:
         out = self._output(seq, self.clock(), self._finish)
-        if out.finished:
+        if seq.is_finished:
             self._dispatched.discard(seq.seq_id)
             owner = self._owner.pop(seq.seq_id, None)
             if owner is not None:

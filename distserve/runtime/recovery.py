@@ -133,7 +133,7 @@ class InstanceRecovery:
         out = self._fail(seq, error, time.monotonic())
         self._forget(seq.seq_id)
         self._drop(seq.seq_id, "abort")
-        queue = self._queues.get(seq.seq_id)
+        queue = self._queues.get(seq.request_id)
         if queue is not None:
             queue.put_nowait(out)
 
@@ -147,9 +147,9 @@ class InstanceRecovery:
             owner = self._owner.get(seq_id)
             if owner is not None and owner.alive and owner.phase == "colocated":
                 continue
-            self._forget(seq_id)
+            seq = self._forget(seq_id)
             self._drop(seq_id, "abort")
-            queue = self._queues.get(seq_id)
+            queue = self._queues.get(seq.request_id if seq is not None else seq_id)
             if queue is not None:
                 queue.put_nowait(ServiceUnavailableError(reason))
 
@@ -157,7 +157,7 @@ class InstanceRecovery:
         try:
             self._submit(seq)  # admitted already: straight to an entry instance, or parked
         except (DistServeError, ServiceUnavailableError) as exc:
-            queue = self._queues.get(seq.seq_id)
+            queue = self._queues.get(seq.request_id)
             if queue is not None:
                 queue.put_nowait(exc)
 

@@ -51,6 +51,10 @@ from distserve.serving.protocol import (
     ChatLogprobs,
     ChatMessageOut,
     ChatTokenLogprob,
+    DeltaFunctionCall,
+    DeltaToolCall,
+    FunctionCallOut,
+    ToolCallOut,
     CompletionChoice,
     CompletionChunk,
     CompletionLogprobs,
@@ -62,7 +66,8 @@ from distserve.serving.protocol import (
     finish_reason,
     sse,
 )
-from distserve.serving.streams import SSEResponse, aclose_stream, sse_events, unless_disconnected, usage_of
+from distserve.serving.tool_parsers import ParsedToolCall, ToolCallStream, get_tool_parser
+from distserve.serving.streams import SSEResponse, aclose_stream, sse_events, unless_disconnected
 from distserve.slo import SLO
 
 logger = logging.getLogger(__name__)
@@ -121,16 +126,19 @@ class _Server:
 
     async def collect(
         self, request: Request, stream: AsyncIterator[RequestOutput], first: RequestOutput, timer: RequestTimer
-    ) -> RequestOutput:
-        async def run() -> RequestOutput:
-            last = first
+    ) -> list[RequestOutput]:
+        """The last output of each completion (one unless ``n`` > 1), by index."""
+        async def run() -> list[RequestOutput]:
+            last = {first.index: first}
+            out = first
             try:
-                while not last.finished:
-                    last = check_output(await anext(stream))
-                    timer.observe(last)
+                while not out.finished:
+                    out = check_output(await anext(stream))
+                    timer.observe(out)
+                    last[out.index] = out
             finally:
                 await aclose_stream(stream)
-            return last
+            return [last[i] for i in sorted(last)]
 
         try:
             return await unless_disconnected(request, run())
@@ -160,6 +168,28 @@ def _prompt_ids(client: EngineClient, prompt: str | list[int]) -> list[int]:
     return client.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
 
 
+def _usage(outs: list[RequestOutput]) -> UsageInfo:
+    """The prompt counted once (it was prefilled once), the completions' tokens summed."""
+    return UsageInfo.of(len(outs[0].prompt_token_ids), sum(len(o.token_ids) for o in outs))
+
+
+class _Usage:
+    """A stream's usage so far: the prompt once, each completion's tokens."""
+
+    def __init__(self) -> None:
+        self.last: dict[int, RequestOutput] = {}
+
+    def observe(self, out: RequestOutput) -> None:
+        self.last[out.index] = out
+
+    def info(self) -> UsageInfo:
+        return _usage(list(self.last.values()))
+
+
+def _tool_call_out(call: ParsedToolCall) -> ToolCallOut:
+    return ToolCallOut(id=call.id, function=FunctionCallOut(name=call.name, arguments=call.arguments))
+
+
 def _completion_logprobs(pairs: list[tuple[str, float]], offset: int, top: bool) -> CompletionLogprobs:
     offsets: list[int] = []
     for tok, _ in pairs:
@@ -182,10 +212,19 @@ def _chat_logprobs(pairs: list[tuple[str, float]]) -> ChatLogprobs:
 def build_fastapi_app(
     client: EngineClient, served_model_name: str, *, metrics: ServingMetrics | None = None,
     session_limits: SessionLimits = DEFAULT_LIMITS, api_keys: ApiKeys | None = None,
+    tool_call_parser: str | None = None, enable_auto_tool_choice: bool = False,
 ) -> FastAPI:
     """``/v1/completions``, ``/v1/chat/completions``, ``/v1/models``, ``/health`` and ``/metrics`` over ``client``,
     and the semantic-variable routes. With ``api_keys`` every route but ``/health`` and ``/metrics``
-    needs a tenant's key (``serving.auth``); without, every request is the anonymous tenant's."""
+    needs a tenant's key (``serving.auth``); without, every request is the anonymous tenant's.
+    ``tool_call_parser`` (``serving.tool_parsers``) and ``enable_auto_tool_choice``: vLLM's
+    ``--tool-call-parser`` and ``--enable-auto-tool-choice``, which ``tool_choice: "auto"`` needs."""
+    if enable_auto_tool_choice and tool_call_parser is None:
+        raise InvalidConfigError("--enable-auto-tool-choice needs --tool-call-parser", "tool_call_parser")
+    try:
+        tool_parser = get_tool_parser(tool_call_parser) if tool_call_parser is not None else None
+    except ValueError as exc:
+        raise InvalidConfigError(f"--tool-call-parser: {exc}", "tool_call_parser") from exc
     app = FastAPI(title="distserve", description="OpenAI-compatible API of a disaggregated LLM server")
     server = _Server(client, served_model_name, metrics or ServingMetrics(tenants=api_keys.tenant_names if api_keys else ()))
     app.state.server = server
@@ -230,39 +269,54 @@ def build_fastapi_app(
         want_logprobs = body.logprobs is not None
         top = bool(body.logprobs)
         if not body.stream:
-            out = await server.collect(request, stream, first, timer)
-            logprobs = _completion_logprobs(server.all_logprobs(out), 0, top) if want_logprobs else None
+            outs = await server.collect(request, stream, first, timer)
             return CompletionResponse(
                 id=request_id,
                 model=served_model_name,
-                choices=[CompletionChoice(text=out.text, logprobs=logprobs, finish_reason=finish_reason(out.finish_reason))],
-                usage=usage_of(out),
+                choices=[
+                    CompletionChoice(
+                        index=out.index, text=out.text, finish_reason=finish_reason(out.finish_reason),
+                        logprobs=_completion_logprobs(server.all_logprobs(out), 0, top) if want_logprobs else None,
+                    )
+                    for out in outs
+                ],
+                usage=_usage(outs),
             )
         created = int(time.time())
-        emitted = {"chars": 0}
+        emitted: dict[int, int] = {}  # chars streamed per completion
+        usage = _Usage()
 
         def chunk(choices: list[CompletionChoice], usage: UsageInfo | None = None) -> str:
             c = CompletionChunk(id=request_id, created=created, model=served_model_name, choices=choices, usage=usage)
             return sse(c, include_usage=body.include_usage)
 
         def render(out: RequestOutput) -> list[str]:
-            if not (out.new_text or out.finished or (want_logprobs and out.new_token_ids)):
+            usage.observe(out)
+            done = out.finish_reason is not None  # this completion ended (the request: ``out.finished``)
+            if not (out.new_text or done or (want_logprobs and out.new_token_ids)):
                 return []
-            logprobs = _completion_logprobs(server.new_logprobs(out), emitted["chars"], top) if want_logprobs else None
-            emitted["chars"] += len(out.new_text)
-            return [chunk([CompletionChoice(text=out.new_text, logprobs=logprobs, finish_reason=finish_reason(out.finish_reason))])]
+            offset = emitted.get(out.index, 0)
+            logprobs = _completion_logprobs(server.new_logprobs(out), offset, top) if want_logprobs else None
+            emitted[out.index] = offset + len(out.new_text)
+            return [chunk([CompletionChoice(index=out.index, text=out.new_text, logprobs=logprobs,
+                                            finish_reason=finish_reason(out.finish_reason))])]
 
-        events = sse_events(stream, first, timer, render, body.include_usage, lambda u: chunk([], u))
+        events = sse_events(stream, first, timer, render, body.include_usage, lambda _: chunk([], usage.info()))
         return SSEResponse(events)
 
     @app.post("/v1/chat/completions", response_model=None)
     async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response | ChatCompletionResponse:
         server.check_model(body.model)
         messages = body.chat_messages()
+        tools = body.tool_dicts()
+        if tools is not None and not client.tokenizer.supports_tools:
+            raise APIError(400, f"the chat template of model `{served_model_name}` does not support tools", param="tools")
+        parser = tool_parser if body.tool_mode(enable_auto_tool_choice) == "auto" else None
         try:
-            prompt = client.tokenizer.apply_chat_template(messages, add_generation_prompt=body.add_generation_prompt)
+            prompt = client.tokenizer.apply_chat_template(messages, add_generation_prompt=body.add_generation_prompt, tools=tools)
         except Exception as exc:  # noqa: BLE001 - template errors are the caller's messages' fault
             raise APIError(400, f"cannot apply the chat template: {exc}", param="messages") from exc
+        one_call = body.parallel_tool_calls is False
         if len(prompt) >= client.max_model_len:
             raise APIError(
                 400,
@@ -276,38 +330,59 @@ def build_fastapi_app(
         names = {"max_tokens": "max_completion_tokens"} if body.max_completion_tokens is not None else None
         stream, first, timer = await server.start(request, prompt, sampling, request_id, body.priority, body.timeout, "messages", names)
         if not body.stream:
-            out = await server.collect(request, stream, first, timer)
-            return ChatCompletionResponse(
-                id=request_id,
-                model=served_model_name,
-                choices=[
-                    ChatChoice(
-                        message=ChatMessageOut(content=out.text),
-                        logprobs=_chat_logprobs(server.all_logprobs(out)) if body.logprobs else None,
-                        finish_reason=finish_reason(out.finish_reason),
-                    )
-                ],
-                usage=usage_of(out),
-            )
+            outs = await server.collect(request, stream, first, timer)
+            choices = []
+            for out in outs:
+                content: str | None = out.text
+                calls: list[ParsedToolCall] = []
+                if parser is not None:
+                    extracted = parser.extract(out.text)
+                    content, calls = extracted.content, extracted.tool_calls[:1] if one_call else extracted.tool_calls
+                choices.append(ChatChoice(
+                    index=out.index,
+                    message=ChatMessageOut(content=content, tool_calls=[_tool_call_out(c) for c in calls]),
+                    logprobs=_chat_logprobs(server.all_logprobs(out)) if body.logprobs else None,
+                    finish_reason="tool_calls" if calls else finish_reason(out.finish_reason),
+                ))
+            return ChatCompletionResponse(id=request_id, model=served_model_name, choices=choices, usage=_usage(outs))
         created = int(time.time())
-        state = {"role_sent": False}
+        role_sent: set[int] = set()  # completions whose first chunk (the role) is out
+        usage = _Usage()
+        tool_streams: dict[int, ToolCallStream] = {}
 
         def chunk(choices: list[ChatChunkChoice], usage: UsageInfo | None = None) -> str:
             c = ChatCompletionChunk(id=request_id, created=created, model=served_model_name, choices=choices, usage=usage)
             return sse(c, include_usage=body.include_usage)
 
         def render(out: RequestOutput) -> list[str]:
+            usage.observe(out)
             events: list[str] = []
-            if not state["role_sent"]:
-                state["role_sent"] = True
-                events.append(chunk([ChatChunkChoice(delta=ChatDelta(role="assistant", content=""))]))
-            if out.new_text or out.finished or (body.logprobs and out.new_token_ids):
+            if out.index not in role_sent:
+                role_sent.add(out.index)
+                events.append(chunk([ChatChunkChoice(index=out.index, delta=ChatDelta(role="assistant", content=""))]))
+            done = out.finish_reason is not None  # this completion ended
+            text = out.new_text
+            calls: list[ParsedToolCall] = []
+            if parser is not None:  # content streams until a call may start; calls are sent whole at the end
+                tool_stream = tool_streams.setdefault(out.index, ToolCallStream(parser))
+                text = tool_stream.feed(out.new_text)
+                if done:
+                    rest, calls = tool_stream.finish()
+                    text += rest
+                    calls = calls[:1] if one_call else calls
+            if text or (done and not calls) or (body.logprobs and out.new_token_ids):
                 logprobs = _chat_logprobs(server.new_logprobs(out)) if body.logprobs else None
-                delta = ChatDelta(content=out.new_text) if out.new_text else ChatDelta()
-                events.append(chunk([ChatChunkChoice(delta=delta, logprobs=logprobs, finish_reason=finish_reason(out.finish_reason))]))
+                delta = ChatDelta(content=text) if text else ChatDelta()
+                events.append(chunk([ChatChunkChoice(index=out.index, delta=delta, logprobs=logprobs,
+                                                     finish_reason=None if calls else finish_reason(out.finish_reason))]))
+            if calls:
+                deltas = [DeltaToolCall(index=k, id=c.id, type="function", function=DeltaFunctionCall(name=c.name, arguments=c.arguments))
+                          for k, c in enumerate(calls)]
+                events.append(chunk([ChatChunkChoice(index=out.index, delta=ChatDelta(tool_calls=deltas))]))
+                events.append(chunk([ChatChunkChoice(index=out.index, delta=ChatDelta(), finish_reason="tool_calls")]))
             return events
 
-        events = sse_events(stream, first, timer, render, body.include_usage, lambda u: chunk([], u))
+        events = sse_events(stream, first, timer, render, body.include_usage, lambda _: chunk([], usage.info()))
         return SSEResponse(events)
 
     return app
@@ -339,6 +414,8 @@ def run_server(
     session_limits: SessionLimits = DEFAULT_LIMITS,
     api_keys: ApiKeys | None = None,
     request_log: RequestLog | None = None,
+    tool_call_parser: str | None = None,
+    enable_auto_tool_choice: bool = False,
 ) -> int:
     """Serve on the bound ``sock`` with plain uvicorn until SIGINT/SIGTERM, then shut ``client`` down.
 
@@ -357,7 +434,8 @@ def run_server(
     async def main() -> int:
         engine_client = client if isinstance(client, EngineClient) else await client()
         metrics = ServingMetrics(slo=slo, tenants=api_keys.tenant_names if api_keys else (), request_log=request_log)
-        app = build_fastapi_app(engine_client, served_model_name, metrics=metrics, session_limits=session_limits, api_keys=api_keys)
+        app = build_fastapi_app(engine_client, served_model_name, metrics=metrics, session_limits=session_limits, api_keys=api_keys,
+                                tool_call_parser=tool_call_parser, enable_auto_tool_choice=enable_auto_tool_choice)
         config = uvicorn.Config(
             app, host=host, port=port, log_level=log_level, access_log=False, timeout_graceful_shutdown=5
         )

@@ -11,8 +11,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from distserve.config import SamplingParams
 from distserve.errors import InvalidSamplingParamsError
 
-FinishReason = Literal["stop", "length", "abort"]
-FINISH_REASONS: tuple[FinishReason, ...] = ("stop", "length", "abort")
+FinishReason = Literal["stop", "length", "abort", "tool_calls"]
+FINISH_REASONS: tuple[FinishReason, ...] = ("stop", "length", "abort")  # the engine's; "tool_calls" is the API's
 
 SSE_DONE = "data: [DONE]\n\n"
 
@@ -79,7 +79,8 @@ class _SamplingRequest(_Request):
     temperature: float | None = None  # None: 1.0, as in OpenAI
     top_p: float | None = None
     top_k: int | None = None  # extension: 0 or -1 disables
-    n: int = 1
+    n: int = 1  # completions: the prompt is prefilled once and its KV forked n ways
+    best_of: int | None = None  # vLLM's: only best_of = n (no ranking of extra candidates)
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
@@ -100,8 +101,8 @@ class _SamplingRequest(_Request):
         return bool(self.stream_options and self.stream_options.include_usage)
 
     def _check_supported(self) -> None:
-        if self.n != 1:
-            raise bad_request(f"n must be 1 (one choice per request), got {self.n}", "n")
+        if self.best_of is not None and self.best_of != self.n:
+            raise bad_request(f"best_of must equal n ({self.n}): returning the best of more candidates is not supported, got {self.best_of}", "best_of")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             if value not in (None, 0, 0.0):
@@ -127,6 +128,7 @@ class _SamplingRequest(_Request):
                 ignore_eos=self.ignore_eos,
                 logprobs=logprobs,
                 include_stop_str_in_output=self.include_stop_str_in_output,
+                n=self.n,
             )
         except InvalidSamplingParamsError as exc:
             param = max_tokens_param if exc.param == "max_tokens" else exc.param
@@ -138,7 +140,6 @@ class CompletionRequest(_SamplingRequest):
     max_tokens: int | None = 16
     logprobs: int | None = None
     echo: bool = False
-    best_of: int | None = None
     suffix: str | None = None
 
     def prompt_input(self) -> str | list[int]:
@@ -161,8 +162,6 @@ class CompletionRequest(_SamplingRequest):
             raise bad_request("echo is not supported", "echo")
         if self.suffix:
             raise bad_request("suffix is not supported", "suffix")
-        if self.best_of not in (None, 1):
-            raise bad_request(f"best_of must be 1, got {self.best_of}", "best_of")
         if self.logprobs is not None and not 0 <= self.logprobs <= 1:
             raise bad_request(
                 f"logprobs must be 0 or 1 (only the chosen token's logprob is returned), got {self.logprobs}", "logprobs"
@@ -179,10 +178,66 @@ class ContentPart(_Request):
     text: str | None = None
 
 
+class FunctionCallIn(_Request):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCallIn(_Request):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallIn
+
+
+class FunctionDefinition(_Request):
+    name: str = Field(min_length=1)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ChatTool(_Request):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class NamedFunction(_Request):
+    name: str
+
+
+class NamedToolChoice(_Request):
+    type: Literal["function"] = "function"
+    function: NamedFunction
+
+
 class ChatMessage(_Request):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallIn] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool message: the call it answers
+
+    def template_dict(self, index: int) -> dict[str, Any]:
+        """The message as chat templates read it: a call's ``arguments`` parsed (templates write them with ``tojson``)."""
+        msg: dict[str, Any] = {"role": self.role, "content": self.text(index)}
+        if self.tool_calls:
+            if self.role != "assistant":
+                raise bad_request("only assistant messages carry tool_calls", f"messages[{index}].tool_calls")
+            calls = []
+            for j, call in enumerate(self.tool_calls):
+                try:
+                    arguments = json.loads(call.function.arguments)
+                except ValueError as exc:
+                    raise bad_request(f"tool call arguments must be JSON text: {exc}", f"messages[{index}].tool_calls[{j}].function.arguments") from exc
+                calls.append({"id": call.id, "type": "function", "function": {"name": call.function.name, "arguments": arguments}})
+            msg["tool_calls"] = calls
+        if self.role == "tool":
+            if self.tool_call_id is None:
+                raise bad_request("a tool message needs the tool_call_id it answers", f"messages[{index}].tool_call_id")
+            msg["tool_call_id"] = self.tool_call_id
+        if self.name is not None:
+            msg["name"] = self.name
+        return msg
 
     def text(self, index: int) -> str:
         if self.content is None:
@@ -206,9 +261,38 @@ class ChatCompletionRequest(_SamplingRequest):
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True  # extension
+    tools: list[ChatTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None  # False: at most one call is returned
 
-    def chat_messages(self) -> list[dict[str, str]]:
-        return [{"role": m.role, "content": m.text(i)} for i, m in enumerate(self.messages)]
+    def chat_messages(self) -> list[dict[str, Any]]:
+        return [m.template_dict(i) for i, m in enumerate(self.messages)]
+
+    def tool_mode(self, auto_tool_choice: bool) -> Literal["none", "auto"]:
+        """Whether the output is parsed for tool calls (``auto``) or not (``none``); 400 for what is not supported.
+
+        ``auto_tool_choice``: the server runs with ``--enable-auto-tool-choice`` and a ``--tool-call-parser``
+        (vLLM's rule: without them "auto" is refused rather than returning calls as text)."""
+        choice = self.tool_choice
+        if not self.tools:
+            if choice not in (None, "none"):
+                raise bad_request("When using `tool_choice`, `tools` must be set.", "tool_choice")
+            return "none"
+        if choice == "none":
+            return "none"
+        if isinstance(choice, NamedToolChoice) or choice == "required":
+            if isinstance(choice, NamedToolChoice) and choice.function.name not in {t.function.name for t in self.tools}:
+                raise bad_request(f"tool_choice names the function {choice.function.name!r}, which is not in tools", "tool_choice")
+            what = "a named function" if isinstance(choice, NamedToolChoice) else '"required"'
+            raise bad_request(f"tool_choice {what} needs constrained decoding of the call, which this server does not do; "
+                              'use "auto" or "none"', "tool_choice")
+        if not auto_tool_choice:
+            raise bad_request('"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set', "tool_choice")
+        return "auto"
+
+    def tool_dicts(self) -> list[dict[str, Any]] | None:
+        """``tools`` as chat templates read them (OpenAI's shape), or None."""
+        return [t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None
 
     def to_sampling_params(self, num_prompt_tokens: int, max_model_len: int) -> SamplingParams:
         """Without a token limit the answer may fill the rest of the context, as in vLLM."""
@@ -285,9 +369,33 @@ class ChatLogprobs(BaseModel):
     content: list[ChatTokenLogprob] | None = None
 
 
+class FunctionCallOut(BaseModel):
+    name: str
+    arguments: str
+
+
+class ToolCallOut(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallOut
+
+
+class DeltaFunctionCall(BaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(BaseModel):
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall | None = None
+
+
 class ChatMessageOut(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCallOut] = Field(default_factory=list)
 
 
 class ChatChoice(BaseModel):
@@ -310,6 +418,7 @@ class ChatCompletionResponse(BaseModel):
 class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatChunkChoice(BaseModel):
