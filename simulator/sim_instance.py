@@ -22,9 +22,11 @@ from simulator.latency import BatchShape, LatencyModel
 if TYPE_CHECKING:
     from kernels.cascade_attention import CascadeRule
     from simulator.layer_preemption import LayeredPrefill
+    from simulator.lazy_decodes import LazyDecodes
     from simulator.workload import Request
 
 StepTimeFn = Callable[[BatchShape], float]
+DecodeTimeFn = Callable[[int, int, int], float]  # (num_decode, decode_ctx, decode_max_ctx) -> seconds
 
 
 class SimInstance:
@@ -55,6 +57,8 @@ class SimInstance:
         self.fast_forward_log: list[tuple[float, int, float]] | None = None
         self.busy_s = 0.0
         self.step_time = step_time_fn
+        self.decode_time: DecodeTimeFn = lambda n, ctx, max_ctx: step_time_fn(BatchShape(0, 0, 0, n, ctx, max_ctx))
+        self.lazy: LazyDecodes | None = None  # its decoding sequences in a compact form (``simulator.lazy_decodes``)
         self.cascade = cascade
         self.layered: LayeredPrefill | None = None  # prefill plans yield between layers (``simulator.layer_preemption``)
         self._savings: dict[tuple, tuple[int, int]] = {}  # batch_shape's memo of shared-prefix savings

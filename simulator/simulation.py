@@ -66,9 +66,10 @@ from distserve.engine.step_plan import SampledToken, StepPlan
 from distserve.engine.sequence import Sequence, SequenceStatus
 from distserve.errors import InvalidConfigError, QueueFullError
 from distserve.placement import InstanceSpec, Placement
-from simulator.fast_forward import fast_forward, undo_after
+from simulator.fast_forward import undo_after
 from simulator.fast_forward_pipeline import fast_forward_pipeline
 from simulator.layer_preemption import layered_prefill
+from simulator.lazy_decodes import LazyDecodes
 from simulator.latency import LatencyModel
 from simulator.metrics import RequestRecord, SimResult
 from simulator.sim_config import SimConfig
@@ -110,6 +111,8 @@ class Simulation(SimMigrations):
             fn = step_time_fn(latency, spec.tp, spec.pp, cfg.step_overhead_s, cfg.step_time_scale,
                                cfg.prefill_scale, instant=cfg.instant_prefill and kind == "prefill")
             inst = SimInstance(kind, idx, spec, core, fn, len(self.instances), cascade=cascade)
+            if not (cfg.instant_prefill and kind == "prefill"):
+                inst.decode_time = latency.decode_step_fn(spec.tp, spec.pp, cfg.step_time_scale, cfg.step_overhead_s)
             inst.layered = layered_prefill(inst, model.num_layers, not cfg.instant_prefill)
             self.instances.append(inst)
         self.entry = [i for i in self.instances if i.kind in ("colocated", "prefill")]
@@ -182,6 +185,7 @@ class Simulation(SimMigrations):
         self._due: list[SimInstance] = []  # instances to launch at the end of this instant
         # One SampledToken per live request, reused every step: update_from_output only reads it.
         self._sampled: dict[str, SampledToken] = {}
+        self._sampling: dict[int, SamplingParams] = {}
         self.counters = ClusterCounters()
         self.admission = self.config.admission.queue()
         self._admit_due = False  # something arrived or a step ended: try to dispatch at the end of the instant
@@ -202,9 +206,12 @@ class Simulation(SimMigrations):
                         continue  # superseded: shared compute moved this step's completion
                     # else superseded by a pipeline's jump, which applied it: only the instant's end below
                 else:
-                    if plan is None:  # the end of a fast-forward: its steps are applied, launch the next
+                    if plan is None:  # a lazy batch's marker: apply its step in flight, if any; launch the next
                         inst.fast_forward_log = None
-                        self._launch_at_end(inst)
+                        if inst.lazy is not None and inst.lazy.in_flight:
+                            unfinished -= self._land(inst, now)
+                        else:
+                            self._launch_at_end(inst)
                     elif type(plan) is list:  # requests a fast-forward finished in its step ending now
                         for seq in plan:
                             self._record_finish(inst, seq, now)
@@ -268,10 +275,10 @@ class Simulation(SimMigrations):
             prompt = prompts.get(r.prompt_len)
             if prompt is None:
                 prompt = prompts[r.prompt_len] = [SAMPLED_TOKEN] * r.prompt_len
-        seq = Sequence(
-            str(r.req_id), prompt, SamplingParams(max_tokens=r.output_len, ignore_eos=True), arrival_time=r.arrival_s,
-            priority=r.priority, request_class=r.request_class,
-        )
+        sampling = self._sampling.get(r.output_len)
+        if sampling is None:  # frozen: one per output length
+            sampling = self._sampling[r.output_len] = SamplingParams(max_tokens=r.output_len, ignore_eos=True)
+        seq = Sequence(str(r.req_id), prompt, sampling, arrival_time=r.arrival_s, priority=r.priority, request_class=r.request_class)
         if r.prompt_token_ids is None:  # the hashes the block manager would compute, block by block (``_hashes_upto``)
             seq.prefix_hashes = self._filler_hashes[: (r.prompt_len + r.output_len) // self.config.block_size]
             seq.hashed_block_size = self.config.block_size
@@ -337,6 +344,8 @@ class Simulation(SimMigrations):
         if inst.layered is not None:
             self._push_completions(inst.layered.launch(now, self.shared, self.on_plan))
             return
+        if inst.lazy is not None and (inst.lazy.in_flight or inst.lazy.resume(self, now, self._finished_in_jump)):
+            return  # in flight (its marker launches it), or launched with its lazy decodes
         if len(core.in_flight) >= inst.pp or inst.launch_pending:
             return
         if inst.stage_free[0] > now:  # stage 0 still busy with the previous micro-batch
@@ -368,11 +377,10 @@ class Simulation(SimMigrations):
                 and (inst.kind == "decode" or (inst.kind == "colocated" and not self.pending))):
             num_steps = inst.core.num_steps
             if inst.pp == 1:
-                jumped = fast_forward(self, inst, plan, now, end, SAMPLED_TOKEN, self._finished_in_jump)
-                if jumped is not None:  # its last step in flight, or (no plan) a marker that relaunches it then
-                    self.num_fast_forward_steps += inst.core.num_steps - num_steps
-                    end, last = jumped
-                    heapq.heappush(self._events, (end, STEP_DONE, next(self._seq_no), (inst, last, inst.step_version)))
+                lazy = LazyDecodes.enter(self, inst, plan, end, SAMPLED_TOKEN)
+                if lazy is not None:  # its decodes go on in a compact form; a marker event at its stop
+                    inst.lazy = lazy
+                    lazy.advance(self, now, self._finished_in_jump)
                     return
             elif fast_forward_pipeline(self, inst, now, SAMPLED_TOKEN, self._finished_in_jump, self._push):
                 self.num_fast_forward_steps += inst.core.num_steps - num_steps
@@ -401,6 +409,22 @@ class Simulation(SimMigrations):
         if inst.pp > 1:
             inst.plan_ends.popleft()
         return self._updated(inst, inst.core.apply_oldest(sampled, now), now)
+
+    def _land(self, inst: SimInstance, now: float) -> int:
+        """A lazy batch's step in flight ends: its members' update, then its real plan's (in plan
+        order); returns how many requests finished."""
+        lazy = inst.lazy
+        assert lazy is not None
+        ended = lazy.land(now)
+        for seq in ended:
+            self._record_finish(inst, seq, now)
+        rest, lazy.rest = lazy.rest, None
+        if rest is None:
+            self._launch_at_end(inst)
+            return len(ended)
+        tokens = self._sampled
+        sampled = [tokens[c.seq_id] for c in rest.plan.chunks if c.sample]
+        return len(ended) + self._updated(inst, inst.core.apply(rest, sampled, now), now)
 
     def _updated(self, inst: SimInstance, updated: list[Sequence], now: float) -> int:
         """After a plan of ``inst`` was applied: record the finished requests, queue the finished
