@@ -1,15 +1,8 @@
-"""Lazy decodes: a pp = 1 instance's decoding sequences, kept in a compact form from step to step.
+"""Lazy decodes on a pp = 1 instance: its decoding sequences kept compact from step to step.
 
-While a sequence only decodes, each step computes one more token of it at the next position, and
-nothing else about it changes until it reaches its length. ``LazyDecodes`` holds such sequences —
-the head of the scheduler's ``running`` list, in its order — as (sequence, base position) pairs: in
-step ``k`` member ``i`` computes position ``bases[i] + k``. A step costs O(1) plus the members that
-cross a KV block boundary (the real ``BlockManager`` gives them their block, and commits the block
-they filled, in batch order) or finish (the real ``Scheduler.finish``, in the step that reaches
-their known length); their ``Sequence`` objects are brought up to date only then, or when the
-batch is handed back (``drop``).
-
-The real scheduler still plans every step that could change anything: at each launch
+The head of the scheduler's ``running`` list that only decodes is a ``LazyBatch``
+(``simulator.lazy_batch``): its steps cost O(1) plus the members crossing a block boundary or
+finishing. The real scheduler still plans every step that could change anything: at each launch
 (``resume``) the sequences that joined ``running`` since (a prompt just prefilled, a migration just
 arrived) join the members if they are plain decodes, and ``Scheduler.schedule(num_lazy_decodes=...)``
 plans the rest — admissions, prompt chunks, anything that is not a member — around the members,
@@ -17,14 +10,15 @@ which hold their places in the budget and the batch cap. That plan (the *rest*) 
 applied by the real ``InstanceCore``, after the members' update, in the plan's order. Where the
 scheduler might do anything the members do not cover — preempt (not enough free blocks), leave a
 member out (budget, ``max_num_seqs``), reorder the batch (a join out of policy order, prefix groups),
-isolate a crash suspect, fork — the batch is handed back first and the step is planned as usual.
+isolate a crash suspect, fork — the batch is handed back first (``drop``) and the step is planned
+as usual.
 
 Between launches that need the scheduler, ``advance`` applies the steady steps (``horizon``: no
 event reads or changes the instance before then) in one go, as ``simulator.fast_forward`` describes:
 step times added one at a time (bit-identical clocks), finishes recorded by events at their step's
 end, the jump stopping before a finish that frees room a waiting request or migration could take.
 It ends with a step in flight or at a step boundary; a marker event there (``Simulation``: a
-``STEP_DONE`` without a plan) applies the step in flight (``land``) and launches the next.
+``STEP_DONE`` without a plan) applies the step in flight (``LazyBatch.land``) and launches the next.
 """
 
 from __future__ import annotations
@@ -35,8 +29,9 @@ from typing import TYPE_CHECKING
 from distserve.engine.instance_core import PlanInFlight
 from distserve.engine.sequence import Sequence
 from distserve.engine.step_plan import StepPlan
-from simulator.fast_forward import apply_update, horizon
+from simulator.fast_forward import horizon
 from simulator.latency import BatchShape
+from simulator.lazy_batch import LazyBatch, usable
 from simulator.sim_events import STEP_DONE
 
 if TYPE_CHECKING:
@@ -44,66 +39,16 @@ if TYPE_CHECKING:
     from simulator.sim_instance import SimInstance
 
 _NO_PLAN = StepPlan()  # what observe_step sees of a step of lazy decodes alone
-_COMPACT_MIN = 64  # finished members are kept (as dead slots) until they outnumber the live ones this much
 
 
-class LazyDecodes:
-    """The decoding head of ``inst``'s running list (see the module docstring); ``k``: the step in flight or next."""
+class LazyDecodes(LazyBatch):
+    """The decoding head of ``inst``'s running list (see the module docstring)."""
 
-    __slots__ = ("inst", "core", "sched", "bm", "bs", "commits", "token_id", "seqs", "bases", "alive", "num_alive", "sum_bases",
-                 "max_base", "buckets", "finish_at", "k", "in_flight", "rest", "end_s")
+    __slots__ = ("inst",)
 
     def __init__(self, inst: SimInstance, token_id: int) -> None:
+        super().__init__(inst.core, token_id)
         self.inst = inst
-        self.core = core = inst.core
-        self.sched = core.scheduler
-        self.bm = core.scheduler.block_manager
-        self.bs = self.bm.block_size
-        # Commits only matter to a prefix cache (they register the block's hash there); without one
-        # a member's filled blocks are committed when it is handed back (``drop``) or never (a
-        # finish frees them), and its ``Sequence`` is not touched at all between its join and then.
-        self.commits = self.bm.enable_prefix_caching
-        self.token_id = token_id  # every simulated step samples it
-        self.seqs: list[Sequence] = []
-        self.bases: list[int] = []  # member i computes position bases[i] + k in step k
-        self.alive: list[bool] = []
-        self.num_alive = 0
-        self.sum_bases = 0  # over the live members: step k's Σ context is sum_bases + num_alive·(k + 1)
-        self.max_base = -(1 << 62)
-        self.buckets: list[list[int]] = [[] for _ in range(self.bs)]  # members by bases[i] % block size
-        self.finish_at: dict[int, list[int]] = {}  # step -> members whose update in that step finishes them
-        self.k = 0
-        self.in_flight = False  # step k is launched and not applied
-        self.rest: PlanInFlight | None = None  # the real plan of the other sequences in step k
-        self.end_s = 0.0  # when step k ends (in flight), or the boundary the batch waits at
-
-    # ---- membership ----------------------------------------------------------------------------
-    def plain(self, seq: Sequence, start: int, num_output_tokens: int) -> bool:
-        """Whether ``seq``, decoding position ``start`` next, can be a member: nothing but its length stops it."""
-        sp = seq.sampling
-        token = self.token_id
-        return (num_output_tokens >= 1 and not seq.isolate and not seq.forks and token not in sp.stop_token_ids
-                and (sp.ignore_eos or token not in self.sched.eos_token_ids) and len(seq.block_hashes) == start // self.bs)
-
-    def _add(self, seq: Sequence, start: int, num_output_tokens: int) -> None:
-        """``seq`` joins, computing position ``start`` in step k (its blocks cover it)."""
-        i = len(self.seqs)
-        base = start - self.k
-        self.seqs.append(seq)
-        self.bases.append(base)
-        self.alive.append(True)
-        self.num_alive += 1
-        self.sum_bases += base
-        if base > self.max_base:
-            self.max_base = base
-        # Step k + j leaves it with num_output_tokens + j + 1 outputs and start + j + 2 tokens.
-        last = self.k + min(seq.sampling.max_tokens - num_output_tokens, self.sched.max_model_len - start - 1) - 1
-        at = self.finish_at.get(last)
-        if at is None:
-            self.finish_at[last] = [i]
-        else:
-            at.append(i)
-        self.buckets[base % self.bs].append(i)
 
     @classmethod
     def enter(cls, sim: Simulation, inst: SimInstance, plan: StepPlan, end_s: float, token_id: int) -> LazyDecodes | None:
@@ -111,7 +56,7 @@ class LazyDecodes:
         of ``running`` become members, the rest of it stays a real plan in flight; None if none can."""
         core = inst.core
         sched = core.scheduler
-        if not usable(sim, inst) or plan.preempted_seq_ids or plan.block_copies:
+        if inst.pp != 1 or not usable(sim, inst) or plan.preempted_seq_ids or plan.block_copies:
             return None
         lazy = cls(inst, token_id)
         bs = lazy.bs
@@ -134,89 +79,34 @@ class LazyDecodes:
         lazy.in_flight, lazy.end_s = True, end_s
         return lazy
 
-    # ---- a step's update, and handing the batch back --------------------------------------------
-    def land(self, now: float) -> list[Sequence]:
-        """Step k's update for the members (the rest's is the caller's, after it); the finished, in batch order."""
-        k = self.k
-        done = self.finish_at.pop(k, None)
-        if self.commits:
-            _, ended, ended_ctx = apply_update(self.seqs, self.bases, self.alive, self.buckets, k + 1, done, now, self.token_id,
-                                               self.bm.commit, self.sched, self.core.seqs)
-        elif done:
-            ended, ended_ctx = self._finish(sorted(done), k + 1, now)
-        else:
-            ended, ended_ctx = [], 0
-        if ended:
-            self.num_alive -= len(ended)
-            self.sum_bases -= ended_ctx - len(ended) * (k + 1)
-            if not self.num_alive:
-                self.max_base = -(1 << 62)
-            elif any(self.bases[i] == self.max_base for i in done):  # type: ignore[union-attr]
-                self.max_base = max(b for b, a in zip(self.bases, self.alive) if a)
-            if len(self.seqs) > _COMPACT_MIN and len(self.seqs) > 4 * self.num_alive:
-                self._compact()
-        self.k = k + 1
-        self.in_flight = False
-        return ended
-
-    def _finish(self, done: list[int], computed: int, now: float) -> tuple[list[Sequence], int]:
-        """Members ``done`` (batch order) reached their length in the step whose update leaves ``bases[i]
-        + computed`` tokens computed: brought up to date and finished (``apply_update`` without commits)."""
-        token, sched, seqs_by_id, bs = self.token_id, self.sched, self.core.seqs, self.bs
-        ended = []
-        ctx = 0
-        for i in done:
-            seq = self.seqs[i]
-            n = self.bases[i] + computed
-            token_ids = seq.token_ids
-            token_ids.extend([token] * (n + 1 - len(token_ids)))
-            seq.num_computed_tokens = n
-            seq.finish_time = now
-            sched.finish(seq, "length")
-            del seqs_by_id[seq.seq_id]
-            ended.append(seq)
-            self.alive[i] = False
-            self.buckets[self.bases[i] % bs].remove(i)
-            ctx += n
-        return ended, ctx
-
-    def _take_blocks(self, crossing: list[int]) -> None:
-        """Step k's launch: a new block for each member in ``crossing`` (batch order), as ``append_slots`` gives it."""
-        seqs = self.seqs
-        if self.commits:
-            append_slots = self.bm.append_slots
-            for i in crossing:
-                append_slots(seqs[i], 1)
-            return
-        for i, block_id in zip(crossing, self.bm.allocate_blocks(len(crossing))):  # type: ignore[arg-type]
-            seqs[i].block_table.append(block_id)
-
-    def _compact(self) -> None:
-        """Renumber the live members 0.. in order (dead slots dropped), their buckets and finish steps with them."""
-        new = {}
-        seqs, bases, alive = [], [], []
-        for i, (seq, base, a) in enumerate(zip(self.seqs, self.bases, self.alive)):
-            if a:
-                new[i] = len(seqs)
-                seqs.append(seq)
-                bases.append(base)
-                alive.append(True)
-        self.seqs, self.bases, self.alive = seqs, bases, alive
-        self.buckets = [[new[i] for i in b] for b in self.buckets]
-        self.finish_at = {step: [new[i] for i in members] for step, members in self.finish_at.items()}
-
     def drop(self) -> None:
         """Hand the batch back at a step boundary: every member's ``Sequence`` as the step-by-step run has it."""
-        k, token = self.k, self.token_id
-        for seq, base, a in zip(self.seqs, self.bases, self.alive):
-            if a:
-                n = base + k
-                token_ids = seq.token_ids
-                token_ids.extend([token] * (n + 1 - len(token_ids)))
-                seq.num_computed_tokens = n
-                if not self.commits:
-                    self.bm.commit(seq)
+        self.bring_up()
         self.inst.lazy = None
+
+    # ---- events -----------------------------------------------------------------------------------
+    def on_marker(self, sim: Simulation, now: float) -> int:
+        """The marker at ``end_s``: step k's update (the members', then its rest's, in plan order) if it
+        is in flight; the next launch at the instant's end. Returns how many requests finished."""
+        inst = self.inst
+        if not self.in_flight:
+            sim._launch_at_end(inst)  # noqa: SLF001
+            return 0
+        ended = self.land(now)
+        for seq in ended:
+            sim._record_finish(inst, seq, now)  # noqa: SLF001
+        rest, self.rest = self.rest, None
+        if rest is None:
+            sim._launch_at_end(inst)  # noqa: SLF001
+            return len(ended)
+        tokens = sim._sampled  # noqa: SLF001
+        sampled = [tokens[c.seq_id] for c in rest.plan.chunks if c.sample]
+        return len(ended) + sim._updated(inst, self.core.apply(rest, sampled, now), now)  # noqa: SLF001
+
+    def try_launch(self, sim: Simulation, now: float, finished: Callable[[SimInstance, float, list[Sequence]], None]) -> bool:
+        """``Simulation._try_launch``: nothing while step k is in flight (its marker launches next), else
+        ``resume``; False where the batch was handed back."""
+        return self.in_flight or self.resume(sim, now, finished)
 
     # ---- launches --------------------------------------------------------------------------------
     def resume(self, sim: Simulation, now: float, finished: Callable[[SimInstance, float, list[Sequence]], None]) -> bool:
@@ -278,6 +168,7 @@ class LazyDecodes:
             core.observe(rest.plan, t, n, ctx)
         core.last_step_s = t
         inst.busy_s += t
+        sim.num_fast_forward_steps += 1  # its members were not planned one by one
         self.rest, self.in_flight, self.end_s = rest, True, now + t
         self.advance(sim, now, finished)
         return True
@@ -351,14 +242,3 @@ class LazyDecodes:
         self.end_s = t
         inst.stage_free[0] = t
         sim._push(t, STEP_DONE, (inst, None, inst.step_version))  # noqa: SLF001
-
-
-def usable(sim: Simulation, inst: SimInstance) -> bool:
-    """Whether ``inst``'s next steps may run with lazy decodes: a pp = 1 decode instance, or a colocated
-    one with no prefill waiting for a decode instance, whose scheduler isolates, forks, defers and
-    holds prompts back for prompt-only steps nothing."""
-    sched = inst.core.scheduler
-    return (inst.pp == 1 and inst.cascade is None and inst.layered is None
-            and (inst.kind == "decode" or (inst.kind == "colocated" and not sim.pending))
-            and not sched.isolated and not sched.forking and not inst.core._deferred  # noqa: SLF001
-            and not (sched._prompts_alone and sched.waiting))  # noqa: SLF001

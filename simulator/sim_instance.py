@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     from kernels.cascade_attention import CascadeRule
     from simulator.layer_preemption import LayeredPrefill
     from simulator.lazy_decodes import LazyDecodes
+    from simulator.lazy_lanes import LazyLanes
     from simulator.workload import Request
 
 StepTimeFn = Callable[[BatchShape], float]
@@ -58,7 +59,8 @@ class SimInstance:
         self.busy_s = 0.0
         self.step_time = step_time_fn
         self.decode_time: DecodeTimeFn = lambda n, ctx, max_ctx: step_time_fn(BatchShape(0, 0, 0, n, ctx, max_ctx))
-        self.lazy: LazyDecodes | None = None  # its decoding sequences in a compact form (``simulator.lazy_decodes``)
+        # Its decoding sequences in a compact form (``simulator.lazy_decodes``, pp > 1: ``simulator.lazy_lanes``).
+        self.lazy: LazyDecodes | LazyLanes | None = None
         self.cascade = cascade
         self.layered: LayeredPrefill | None = None  # prefill plans yield between layers (``simulator.layer_preemption``)
         self._savings: dict[tuple, tuple[int, int]] = {}  # batch_shape's memo of shared-prefix savings

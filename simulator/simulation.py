@@ -67,9 +67,9 @@ from distserve.engine.sequence import Sequence, SequenceStatus
 from distserve.errors import InvalidConfigError, QueueFullError
 from distserve.placement import InstanceSpec, Placement
 from simulator.fast_forward import undo_after
-from simulator.fast_forward_pipeline import fast_forward_pipeline
 from simulator.layer_preemption import layered_prefill
 from simulator.lazy_decodes import LazyDecodes
+from simulator.lazy_lanes import LazyLanes
 from simulator.latency import LatencyModel
 from simulator.metrics import RequestRecord, SimResult
 from simulator.sim_config import SimConfig
@@ -206,12 +206,9 @@ class Simulation(SimMigrations):
                         continue  # superseded: shared compute moved this step's completion
                     # else superseded by a pipeline's jump, which applied it: only the instant's end below
                 else:
-                    if plan is None:  # a lazy batch's marker: apply its step in flight, if any; launch the next
+                    if plan is None:  # lazy decodes' marker: their step in flight ends, or they launch again
                         inst.fast_forward_log = None
-                        if inst.lazy is not None and inst.lazy.in_flight:
-                            unfinished -= self._land(inst, now)
-                        else:
-                            self._launch_at_end(inst)
+                        unfinished -= inst.lazy.on_marker(self, now)  # type: ignore[union-attr]
                     elif type(plan) is list:  # requests a fast-forward finished in its step ending now
                         for seq in plan:
                             self._record_finish(inst, seq, now)
@@ -344,8 +341,8 @@ class Simulation(SimMigrations):
         if inst.layered is not None:
             self._push_completions(inst.layered.launch(now, self.shared, self.on_plan))
             return
-        if inst.lazy is not None and (inst.lazy.in_flight or inst.lazy.resume(self, now, self._finished_in_jump)):
-            return  # in flight (its marker launches it), or launched with its lazy decodes
+        if inst.lazy is not None and inst.lazy.try_launch(self, now, self._finished_in_jump):
+            return  # busy, or launched with its lazy decodes (else handed back: planned as usual)
         if len(core.in_flight) >= inst.pp or inst.launch_pending:
             return
         if inst.stage_free[0] > now:  # stage 0 still busy with the previous micro-batch
@@ -373,17 +370,16 @@ class Simulation(SimMigrations):
             stage_free[s] = end
         if inst.pp > 1:
             inst.plan_ends.append(end)
-        if (self._fast_forward and inst.cascade is None
-                and (inst.kind == "decode" or (inst.kind == "colocated" and not self.pending))):
-            num_steps = inst.core.num_steps
+        if self._fast_forward and inst.kind != "prefill":  # its decodes go on in a compact form (``simulator.fast_forward``)
             if inst.pp == 1:
                 lazy = LazyDecodes.enter(self, inst, plan, end, SAMPLED_TOKEN)
-                if lazy is not None:  # its decodes go on in a compact form; a marker event at its stop
+                if lazy is not None:
                     inst.lazy = lazy
                     lazy.advance(self, now, self._finished_in_jump)
                     return
-            elif fast_forward_pipeline(self, inst, now, SAMPLED_TOKEN, self._finished_in_jump, self._push):
-                self.num_fast_forward_steps += inst.core.num_steps - num_steps
+            elif (lanes := LazyLanes.enter(self, inst, SAMPLED_TOKEN)) is not None:  # each micro-batch a lane
+                inst.lazy = lanes
+                lanes.advance(self, now, inst.stage_free[0] if len(lanes.lanes) < inst.pp else None, self._finished_in_jump)
                 return
         heapq.heappush(self._events, (end, STEP_DONE, next(self._seq_no), (inst, plan, inst.step_version)))
         if inst.pp > 1 and len(core.in_flight) < inst.pp:
@@ -409,22 +405,6 @@ class Simulation(SimMigrations):
         if inst.pp > 1:
             inst.plan_ends.popleft()
         return self._updated(inst, inst.core.apply_oldest(sampled, now), now)
-
-    def _land(self, inst: SimInstance, now: float) -> int:
-        """A lazy batch's step in flight ends: its members' update, then its real plan's (in plan
-        order); returns how many requests finished."""
-        lazy = inst.lazy
-        assert lazy is not None
-        ended = lazy.land(now)
-        for seq in ended:
-            self._record_finish(inst, seq, now)
-        rest, lazy.rest = lazy.rest, None
-        if rest is None:
-            self._launch_at_end(inst)
-            return len(ended)
-        tokens = self._sampled
-        sampled = [tokens[c.seq_id] for c in rest.plan.chunks if c.sample]
-        return len(ended) + self._updated(inst, inst.core.apply(rest, sampled, now), now)
 
     def _updated(self, inst: SimInstance, updated: list[Sequence], now: float) -> int:
         """After a plan of ``inst`` was applied: record the finished requests, queue the finished

@@ -238,18 +238,21 @@ class InstanceCore:
 
     # ---- the step ------------------------------------------------------------------------------
     def launch(self, send_finished: bool = True, *, preempting: bool = False, num_lazy_decodes: int = 0,
-               lazy_decode_ctx: int = 0) -> PlanInFlight | None:
+               lazy_decode_ctx: int = 0, num_lazy_in_flight: int = 0, lazy_in_flight_ctx: int = 0) -> PlanInFlight | None:
         """The next plan, numbered and in flight, if the pipeline has room and there is something
         to send: tokens to compute, or (``send_finished``) finished ids whose per-request state the
         workers drop; else None. A driver without such state (the simulator) passes False.
         ``preempting``: one plan more than the pipeline holds, to run while a suspended one waits
-        (``engine.preemptible``). ``num_lazy_decodes``, ``lazy_decode_ctx``: running sequences
-        the driver decodes itself (``Scheduler.schedule``; the plan then holds only the others)."""
+        (``engine.preemptible``). ``num_lazy_*``: running sequences the driver decodes itself
+        (``Scheduler.schedule``; the plan then holds only the others)."""
         if self._deferred:
             self.run_deferred()
         if len(self.in_flight) >= self.pipeline_depth + preempting:
             return None
-        plan = self.scheduler.schedule(num_lazy_decodes, lazy_decode_ctx)
+        if num_lazy_decodes or num_lazy_in_flight:
+            plan = self.scheduler.schedule(num_lazy_decodes, lazy_decode_ctx, num_lazy_in_flight, lazy_in_flight_ctx)
+        else:
+            plan = self.scheduler.schedule()
         if plan.is_empty and not (send_finished and plan.finished_seq_ids):
             return None
         if plan.chunks and self.in_flight:

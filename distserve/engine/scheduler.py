@@ -206,21 +206,24 @@ class Scheduler(AdmissionRankOrder):
         self._enqueue(seq)
 
     # ---- the step ------------------------------------------------------------------------------
-    def schedule(self, num_lazy_decodes: int = 0, lazy_decode_ctx: int = 0) -> StepPlan:
+    def schedule(self, num_lazy_decodes: int = 0, lazy_decode_ctx: int = 0, num_lazy_in_flight: int = 0,
+                 lazy_in_flight_ctx: int = 0) -> StepPlan:
         """The next step's plan. A failure while deciding one sequence's share is blamed on that
         sequence (``StepFailedError``): a request that breaks scheduling fails alone, as one that
         breaks the model does.
 
-        ``num_lazy_decodes``: the first that many running sequences (contexts ``lazy_decode_ctx`` in
-        all) decode one token each in this step, counted against its budget and batch cap, but
-        their chunks are left out of the plan and their state is not read: a driver that keeps them
-        in a compact form of its own (the simulator's fast-forward) has made their slots and applies
-        their update itself. It vouches that they all fit the step (the budget, ``max_num_seqs``,
-        the policy order as the selection order) and that nothing is isolated or waits for a
-        prompts-alone step: the plan is then the one ``schedule()`` would make, less their chunks."""
+        Lazy decodes (the simulator's fast-forward keeps decoding sequences in a compact form of its
+        own): the first ``num_lazy_decodes + num_lazy_in_flight`` running sequences are the driver's,
+        their state is not read. ``num_lazy_decodes`` of them (contexts ``lazy_decode_ctx`` in all)
+        decode one token each in this plan, counted against its budget and batch cap, without a
+        chunk: the driver has made their slots and applies their update itself; the others
+        (``lazy_in_flight_ctx``) are in plans in flight. The driver vouches that the decoding ones
+        all fit the plan (budget, ``max_num_seqs``, the policy order as the selection order) and
+        that nothing is isolated or waits for a prompts-alone step: the plan is then the one
+        ``schedule()`` would make, less their chunks."""
         self._scheduling = None
         try:
-            plan = self._schedule(num_lazy_decodes, lazy_decode_ctx)
+            plan = self._schedule(num_lazy_decodes, lazy_decode_ctx, num_lazy_in_flight, lazy_in_flight_ctx)
             if self.forking:
                 self._plan_forks(plan)
             return plan
@@ -230,7 +233,7 @@ class Scheduler(AdmissionRankOrder):
                 raise
             raise StepFailedError(f"scheduling {seq.seq_id} failed: {type(exc).__name__}: {exc}", [seq.seq_id]) from exc
 
-    def _schedule(self, num_lazy: int = 0, lazy_ctx: int = 0) -> StepPlan:
+    def _schedule(self, num_lazy: int = 0, lazy_ctx: int = 0, num_lazy_in_flight: int = 0, lazy_in_flight_ctx: int = 0) -> StepPlan:
         plan = StepPlan([], [], [], self._finished_since_plan)
         self._finished_since_plan = []
         if self.isolated and not self.in_flight and self._schedule_isolated(plan):
@@ -241,9 +244,10 @@ class Scheduler(AdmissionRankOrder):
             budget = self.config.max_num_batched_tokens
         else:
             # The sequences that decode this step (one token left to compute): their TPOT is what a budget protects.
-            decoding = [len(s.token_ids) for s in (self.running[num_lazy:] if num_lazy else self.running)
+            head = num_lazy + num_lazy_in_flight
+            decoding = [len(s.token_ids) for s in (self.running[head:] if head else self.running)
                         if len(s.token_ids) - s.num_computed_tokens <= 1]
-            budget = self.step_budget.tokens(num_lazy + len(decoding), lazy_ctx + sum(decoding))
+            budget = self.step_budget.tokens(head + len(decoding), lazy_ctx + lazy_in_flight_ctx + sum(decoding))
         # The lazy decodes hold their places in the batch (counts and emptiness below), not a chunk.
         decodes: list[ScheduledChunk] = [_LAZY_DECODE] * num_lazy
         prefills: list[ScheduledChunk] = []
@@ -257,12 +261,12 @@ class Scheduler(AdmissionRankOrder):
         if not self._running_sorted:  # removals keep the order; only _append_running can break it
             running.sort(key=self.policy)
             self._running_sorted = True
-        i = num_lazy
+        i = num_lazy + num_lazy_in_flight
         in_flight = self.in_flight
         max_seqs = self.config.max_num_seqs  # per plan: with pp > 1, each micro-batch gets its share
         # ``running`` itself, or prefix groups together when the step cannot take them all and cannot preempt.
-        order = self.prefix_grouping.selection_order(running, len(in_flight), budget, max_seqs, block_manager)
-        if num_lazy:
+        order = self.prefix_grouping.selection_order(running, len(in_flight) + num_lazy_in_flight, budget, max_seqs, block_manager)
+        if i:
             assert order is running and num_lazy <= min(budget, max_seqs), "lazy decodes must all fit, in policy order"
             budget -= num_lazy
         # The running sequences before the waiting ones, except partly computed prompts that rank after
@@ -271,7 +275,7 @@ class Scheduler(AdmissionRankOrder):
         prompt_tokens = 0  # prompt tokens this step computes so far (``_backlog_room``)
         split: int | None = None  # where the overtaken prompts start in ``order`` (None: none are)
         if self._chunk_prefills and self.waiting:
-            order, split = self._overtaken(order, num_lazy)
+            order, split = self._overtaken(order, num_lazy + num_lazy_in_flight)
         waiting = [] if self._prompts_alone else self.waiting  # "vllm-2023": prompts never join decodes
         for late in (False, True):
             # len(order) each time: preemption may shrink ``order`` (it can be ``running`` itself)
