@@ -29,7 +29,7 @@ import hashlib
 from array import array
 from collections import OrderedDict
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from distserve.engine.sequence import Sequence
 
@@ -80,7 +80,7 @@ class Block:
     block_id: int
     ref_count: int = 0
     content_hash: int | None = None
-    token_ids: list[int] = field(default_factory=list)  # content of a hashed block, to rule out collisions
+    token_ids: Seq[int] = ()  # content of a hashed block (a list), to rule out collisions
 
 
 class BlockManager:
@@ -171,7 +171,7 @@ class BlockManager:
             if block.ref_count == 0:
                 del self._free[block_id]
             block.ref_count += 1
-        seq.block_table = hits + [self._take_free_block() for _ in range(self.num_blocks_for(seq.num_tokens) - len(hits))]
+        seq.block_table = hits + self._take_free_blocks(self.num_blocks_for(seq.num_tokens) - len(hits))
         seq.block_hashes = [self.blocks[b].content_hash for b in hits]  # type: ignore[misc]
         seq.num_cached_tokens = len(hits) * self.block_size
         seq.num_computed_tokens = seq.num_cached_tokens
@@ -201,7 +201,7 @@ class BlockManager:
         """Raw blocks for a caller that fills them itself (e.g. KV received from another instance)."""
         if num_blocks > self.num_free_blocks:
             return None
-        return [self._take_free_block() for _ in range(num_blocks)]
+        return self._take_free_blocks(num_blocks)
 
     def _slots_needed(self, seq: Sequence, num_new_tokens: int) -> tuple[int, bool]:
         """(new blocks to add, whether the block receiving the first new token must be copied)."""
@@ -247,7 +247,7 @@ class BlockManager:
         if grow == 1:
             table.append(self._take_free_block())
         elif grow:
-            table.extend([self._take_free_block() for _ in range(grow)])
+            table.extend(self._take_free_blocks(grow))
         return copies
 
     def commit(self, seq: Sequence) -> None:
@@ -319,6 +319,19 @@ class BlockManager:
             if self._hash_to_block.get(block.content_hash) == block_id:
                 del self._hash_to_block[block.content_hash]
             block.content_hash = None
-            block.token_ids = []
+            block.token_ids = ()
         block.ref_count = 1
         return block_id
+
+    def _take_free_blocks(self, num_blocks: int) -> list[int]:
+        """``num_blocks`` ``_take_free_block``s, in order (never-used blocks made in one go)."""
+        blocks = self.blocks
+        first = len(blocks)
+        new = min(num_blocks, self.num_blocks - first)
+        if new <= 0:
+            return [self._take_free_block() for _ in range(num_blocks)]
+        blocks.extend([Block(i, 1) for i in range(first, first + new)])
+        taken = list(range(first, first + new))
+        if new < num_blocks:
+            taken.extend(self._take_free_block() for _ in range(num_blocks - new))
+        return taken
