@@ -50,7 +50,7 @@ _NO_PLAN = StepPlan()
 class LazyLanes:
     """The lanes of a pipelined instance (see the module docstring)."""
 
-    __slots__ = ("inst", "core", "sched", "bm", "pp", "token_id", "lanes", "free", "marker_s")
+    __slots__ = ("inst", "core", "sched", "bm", "pp", "token_id", "lanes", "free", "marker_s", "num_members")
 
     def __init__(self, inst: SimInstance, token_id: int) -> None:
         self.inst, self.core, self.pp, self.token_id = inst, inst.core, inst.pp, token_id
@@ -59,10 +59,7 @@ class LazyLanes:
         self.lanes: list[LazyBatch] = []  # in flight, oldest first (stages finish in launch order)
         self.free: list[LazyBatch] = []  # applied, waiting for their launch (two: they would share a plan)
         self.marker_s: float | None = None  # the queued marker: the oldest lane's end
-
-    @property
-    def num_members(self) -> int:
-        return sum(lane.num_alive for lane in self.lanes) + sum(lane.num_alive for lane in self.free)
+        self.num_members = 0  # of all lanes: the head of ``running``
 
     @classmethod
     def enter(cls, sim: Simulation, inst: SimInstance, token_id: int) -> LazyLanes | None:
@@ -96,6 +93,7 @@ class LazyLanes:
                 lane._add(seq, start, chunk.num_output_tokens)  # noqa: SLF001
             lane.in_flight, lane.end_s, lane.plan_seq = True, end_s, p.plan_seq
             lazy.lanes.append(lane)
+            lazy.num_members += lane.num_alive
         flights.clear()
         sched.in_flight.clear()  # only the rests' sequences are the scheduler's to skip now
         inst.step_version += 1  # the plans' queued ends are the lanes' now
@@ -109,6 +107,7 @@ class LazyLanes:
         self.inst.plan_ends.popleft()
         self.marker_s = None
         ended = lane.land(now)
+        self.num_members -= len(ended)
         for seq in ended:
             sim._record_finish(self.inst, seq, now)  # noqa: SLF001
         num_finished = len(ended)
@@ -197,6 +196,7 @@ class LazyLanes:
         for seq in running[head:j]:
             bm.append_slots(seq, 1)
             lane._add(seq, seq.num_computed_tokens, seq.num_output_tokens)  # noqa: SLF001
+        self.num_members = j
         rest = core.launch(send_finished=False, num_lazy_decodes=n, lazy_decode_ctx=ctx, num_lazy_in_flight=head - lane_n,
                            lazy_in_flight_ctx=in_flight_ctx)
         if rest is None and not n:  # nothing to compute: no launch
@@ -289,6 +289,7 @@ class LazyLanes:
                 inst.plan_ends.popleft()
                 ended = lane.land(t)
                 if ended:
+                    self.num_members -= len(ended)
                     finished(inst, t, ended)
                 if lane.num_alive:
                     free_lanes.append(lane)

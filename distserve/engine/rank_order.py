@@ -62,11 +62,10 @@ class AdmissionRankOrder:
         """Prompt tokens held and not yet computed (waiting, isolated, partly prefilled), by admission
         rank (index): what admission's token backpressure reads (``cluster.backpressure.EntryLoad``)."""
         pending: list[int] = []
-        for seqs, partial_only in ((self.waiting, False), (self.isolated, False), (self.running, True)):
+        prompting = [s for s in self.running if len(s.token_ids) - s.num_computed_tokens > 1]  # (not the decodes)
+        for seqs in (self.waiting, self.isolated, prompting):
             for seq in seqs:
                 n = len(seq.token_ids) - seq.num_computed_tokens
-                if partial_only and n <= 1:
-                    continue  # a decode
                 rank = seq.admission_rank
                 if rank >= len(pending):
                     pending.extend([0] * (rank + 1 - len(pending)))
