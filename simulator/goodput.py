@@ -74,6 +74,13 @@ class _MissCounter:
         self.passed = (h[2] if self.joint else min(h[0], h[1])) >= self.needed
         return self.passed
 
+    def finishes_to_decide(self) -> int:
+        """The fewest more finished requests after which this could return True (``Simulation.run``)."""
+        m, h = self.misses, self.hits
+        if self.joint:
+            return min(self.allowed + 1 - m[2], self.needed - h[2])
+        return min(self.allowed + 1 - max(m[0], m[1]), self.needed - min(h[0], h[1]))
+
 
 @dataclass
 class GoodputResult:

@@ -89,6 +89,7 @@ class LazyDecodes(LazyBatch):
         """The marker at ``end_s``: step k's update (the members', then its rest's, in plan order) if it
         is in flight; the next launch at the instant's end. Returns how many requests finished."""
         inst = self.inst
+        inst.fast_forward_log = None
         if not self.in_flight:
             sim._launch_at_end(inst)  # noqa: SLF001
             return 0
@@ -196,6 +197,7 @@ class LazyDecodes(LazyBatch):
             bs, decode_time, finish_at, commits = self.bs, inst.decode_time, self.finish_at, self.commits
             buckets, k, n = self.buckets, self.k, self.num_alive
             num_steps, busy_s, num_launched = core.num_steps, inst.busy_s, 0
+            left = sim.finishes_left()  # no jumping past a finish that may end the run (``stop_when``)
             in_flight, d = not launch, 0.0
             while True:
                 if in_flight:  # step k's update at t
@@ -205,7 +207,8 @@ class LazyDecodes(LazyBatch):
                         buckets, k, n = self.buckets, self.k, self.num_alive
                         if ended:
                             finished(inst, t, ended)
-                            if hold:
+                            left -= len(ended)
+                            if hold or left <= 0:
                                 in_flight = False
                                 break
                     else:

@@ -58,7 +58,7 @@ class LazyLanes:
         self.bm = self.sched.block_manager
         self.lanes: list[LazyBatch] = []  # in flight, oldest first (stages finish in launch order)
         self.free: list[LazyBatch] = []  # applied, waiting for their launch (two: they would share a plan)
-        self.marker_s: float | None = None  # the queued marker: the oldest lane's end
+        self.marker_s: float | None = None  # the latest marker queued (at the then oldest lane's end)
         self.num_members = 0  # of all lanes: the head of ``running``
 
     @classmethod
@@ -102,10 +102,12 @@ class LazyLanes:
     # ---- events ---------------------------------------------------------------------------------
     def on_marker(self, sim: Simulation, now: float) -> int:
         """The oldest lane's plan ends at ``now``: its members' update, then its rest's; returns how
-        many requests finished."""
+        many requests finished. (A marker whose lane a jump applied since is void.)"""
+        if not self.lanes or self.lanes[0].end_s != now:
+            return 0
+        self.inst.fast_forward_log = None
         lane = self.lanes.pop(0)
         self.inst.plan_ends.popleft()
-        self.marker_s = None
         ended = lane.land(now)
         self.num_members -= len(ended)
         for seq in ended:
@@ -123,8 +125,8 @@ class LazyLanes:
         return num_finished
 
     def _mark(self, sim: Simulation) -> None:
-        """Queue the marker at the oldest lane's end, unless one is queued."""
-        if self.lanes and self.marker_s is None:
+        """Queue the marker at the oldest lane's end, unless it is queued."""
+        if self.lanes and self.marker_s != self.lanes[0].end_s:
             self.marker_s = self.lanes[0].end_s
             sim._push(self.marker_s, STEP_DONE, (self.inst, None, self.inst.step_version))  # noqa: SLF001
 
@@ -256,14 +258,13 @@ class LazyLanes:
                                              and all(lane.num_alive >= max_seqs for lane in lanes))
                 or (not bm.enable_prefix_caching and not bm.can_allocate(waiting[0]))))):
             h = horizon(sim, inst, now)  # (with requests waiting, none can be admitted while no one finishes)
-        if self.marker_s is not None and self.marker_s < h:
-            h = self.marker_s
         hold = bool(waiting) or bool(sim.pending)
         stage_free = inst.stage_free
         observe = None if static else sched.step_budget.observe
         decode_time = inst.decode_time
         log = None
         inf = float("inf")
+        left = sim.finishes_left()  # no jumping past a finish that may end the run (``stop_when``)
         while True:
             t_end = lanes[0].end_s if lanes else inf
             t = t_end if launch_at is None or t_end < launch_at else launch_at
@@ -274,7 +275,7 @@ class LazyLanes:
                 if free_lanes or lane.rest is not None or (len(lanes) > 1 and lanes[1].end_s == t):
                     break  # two lanes would share the next plan; a rest's update is the event loop's
                 done = lane.finish_at.get(lane.k)
-                if done and (hold or len(done) == lane.num_alive):
+                if done and (hold or len(done) == lane.num_alive or left <= 0):
                     break
             # A launch at this instant's end needs a block for each member crossing a boundary; with
             # fewer free (before the update's finishes: a bound) the real scheduler preempts: stop before.
@@ -290,6 +291,7 @@ class LazyLanes:
                 ended = lane.land(t)
                 if ended:
                     self.num_members -= len(ended)
+                    left -= len(ended)
                     finished(inst, t, ended)
                 if lane.num_alive:
                     free_lanes.append(lane)

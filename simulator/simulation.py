@@ -151,7 +151,9 @@ class Simulation(SimMigrations):
     def run(self, requests: Seq[Request], stop_when: Callable[[RequestRecord], bool] | None = None) -> SimResult:
         """Simulate ``requests`` until all finish, or until ``stop_when(record)``, called with each
         request as it finishes, returns True (then ``SimResult.stopped_early`` is set and the
-        unfinished requests' records stay open)."""
+        unfinished requests' records stay open). A ``stop_when`` with a ``finishes_to_decide()``
+        method (the fewest more finished requests after which it could return True) keeps
+        fast-forward jumps from running past that point."""
         if not requests:
             raise InvalidConfigError("the workload has no requests")
         if self.config.instant_prefill:
@@ -171,6 +173,8 @@ class Simulation(SimMigrations):
         self.records = records
         self._stop_when = stop_when
         self.stop_when_set = stop_when is not None
+        self._finishes_to_decide = getattr(stop_when, "finishes_to_decide", None)
+        self._finishes_ahead = 0  # requests jumps finished whose records are still to come (events)
         self._arrival_times = sorted(r.arrival_s for r in requests)  # the heap pops arrivals in this order
         self._num_arrived = 0
         # Steady decode stretches are skipped in one jump (``simulator.fast_forward``), unless an
@@ -207,12 +211,12 @@ class Simulation(SimMigrations):
                     # else superseded by a pipeline's jump, which applied it: only the instant's end below
                 else:
                     if plan is None:  # lazy decodes' marker: their step in flight ends, or they launch again
-                        inst.fast_forward_log = None
                         unfinished -= inst.lazy.on_marker(self, now)  # type: ignore[union-attr]
                     elif type(plan) is list:  # requests a fast-forward finished in its step ending now
                         for seq in plan:
                             self._record_finish(inst, seq, now)
                         unfinished -= len(plan)
+                        self._finishes_ahead -= len(plan)
                     else:
                         if inst.plan_in_flight is not None:
                             self._push_completions(self.shared.stop(inst, now))  # type: ignore[union-attr]
@@ -437,6 +441,13 @@ class Simulation(SimMigrations):
         """A fast-forward finished ``seqs`` in its step ending at ``end_s``: record them then, in
         the event order of the step-by-step run (``stop_when`` sees them in time order)."""
         heapq.heappush(self._events, (end_s, STEP_DONE, next(self._seq_no), (inst, seqs, inst.step_version)))
+        self._finishes_ahead += len(seqs)
+
+    def finishes_left(self) -> float:
+        """How many more requests a jump may finish before ``stop_when`` could end the run (inf: any)."""
+        if self._finishes_to_decide is None:
+            return float("inf")
+        return self._finishes_to_decide() - self._finishes_ahead
 
 
 def simulate(
