@@ -193,6 +193,10 @@ class Simulation(SimMigrations):
         self.counters = ClusterCounters()
         self.admission = self.config.admission.queue()
         self._admit_due = False  # something arrived or a step ended: try to dispatch at the end of the instant
+        # Whether the admission queue or an entry instance changed since the last dispatch attempt, which
+        # stopped at a head no entry accepted: until then a retry does nothing (as ``horizon`` relies on).
+        self._admission_stale = True
+        tpot_backpressure = self.config.admission.tpot_slo_s is not None  # (it reads every step's time)
         unfinished = len(requests)
         now = 0.0
         prompts: dict[int, list[int]] = {}
@@ -225,6 +229,8 @@ class Simulation(SimMigrations):
                         else:
                             unfinished -= self._step_done(inst, plan, now)
                     self._admit_due = True
+                    if inst.kind != "decode":
+                        self._admission_stale = True
                     if self._stop:
                         break
                     if self.pending:
@@ -241,7 +247,8 @@ class Simulation(SimMigrations):
                 inst.launch_pending = False
                 self._launch_at_end(inst)
             if (self._due or self._admit_due) and (not events or events[0][0] > now):
-                if self._admit_due and self.admission:
+                if self._admit_due and self.admission and (
+                        self._admission_stale or tpot_backpressure or self.admission.next_deadline() <= now):
                     unfinished -= self._admit(now)
                 self._admit_due = False
                 self._launch_due(now)
@@ -290,12 +297,13 @@ class Simulation(SimMigrations):
         except QueueFullError:
             self.records[seq.seq_id].dropped = "rejected"
             return 1
-        self._admit_due = True
+        self._admit_due = self._admission_stale = True
         return 0
 
     def _admit(self, now: float) -> int:
         """Drop the requests past their deadline, then dispatch while entry instances accept
         (``AdmissionQueue.dispatch``); returns how many were dropped."""
+        self._admission_stale = False  # (a dispatched request's entry launches: stale again then)
         expired = self.admission.expire(now)
         for item in expired:
             rec = self.records[item.request_id]
@@ -342,6 +350,8 @@ class Simulation(SimMigrations):
 
     def _try_launch(self, inst: SimInstance, now: float) -> None:
         core = inst.core
+        if inst.kind != "decode":
+            self._admission_stale = True  # its load may change: the next dispatch attempt reads it again
         if inst.layered is not None:
             self._push_completions(inst.layered.launch(now, self.shared, self.on_plan))
             return
