@@ -69,11 +69,8 @@ class LazyBatch:
 
     # ---- membership ----------------------------------------------------------------------------
     def plain(self, seq: Sequence, start: int, num_output_tokens: int) -> bool:
-        """Whether ``seq``, decoding position ``start`` next, can be a member: nothing but its length stops it."""
-        sp = seq.sampling
-        token = self.token_id
-        return (num_output_tokens >= 1 and not seq.isolate and not seq.forks and token not in sp.stop_token_ids
-                and (sp.ignore_eos or token not in self.sched.eos_token_ids) and len(seq.block_hashes) == start // self.bs)
+        """Whether ``seq``, decoding position ``start`` next, can be a member (``plain``)."""
+        return plain(seq, start, num_output_tokens, self.token_id, self.sched.eos_token_ids, self.bs)
 
     def _add(self, seq: Sequence, start: int, num_output_tokens: int) -> None:
         """``seq`` joins, computing position ``start`` in step k (its blocks cover it)."""
@@ -183,6 +180,15 @@ class LazyBatch:
         token, k = self.token_id, self.k
         return StepPlan([ScheduledChunk(seq.seq_id, [token], base + k, seq.block_table[:], True, seq.sampling, seq.num_output_tokens)
                          for seq, base, a in zip(self.seqs, self.bases, self.alive) if a], finished_seq_ids=finished_seq_ids)
+
+
+def plain(seq: Sequence, start: int, num_output_tokens: int, token_id: int, eos_token_ids: tuple[int, ...], block_size: int) -> bool:
+    """Whether ``seq``, decoding position ``start`` next with ``num_output_tokens`` outputs, is a plain
+    decode a batch can hold: nothing but its length stops it (every step samples ``token_id``), no
+    crash suspicion or forks, its full blocks committed."""
+    sp = seq.sampling
+    return (num_output_tokens >= 1 and not seq.isolate and not seq.forks and token_id not in sp.stop_token_ids
+            and (sp.ignore_eos or token_id not in eos_token_ids) and len(seq.block_hashes) == start // block_size)
 
 
 def usable(sim: Simulation, inst: SimInstance) -> bool:

@@ -36,7 +36,7 @@ from distserve.engine.sequence import Sequence
 from distserve.engine.step_plan import StepPlan
 from simulator.fast_forward import horizon
 from simulator.latency import BatchShape
-from simulator.lazy_batch import LazyBatch, usable
+from simulator.lazy_batch import LazyBatch, plain, usable
 from simulator.sim_events import LAUNCH, STEP_DONE
 
 if TYPE_CHECKING:
@@ -160,15 +160,17 @@ class LazyLanes:
             launch_at = self._launch(sim, free, None, now, free.ctx)
             self.advance(sim, now, launch_at, finished)
             return True
-        lane = free if free is not None else LazyBatch(core, self.token_id)
-        lane_n = lane.num_alive
-        crossing = lane.buckets[-lane.k % lane.bs] if lane_n else []
+        lane = free
+        lane_n = free.num_alive if free is not None else 0
+        crossing = free.buckets[-free.k % free.bs] if free is not None else []
         need = len(crossing)  # free blocks the plan may take: no preemption below
         j = head
+        token, eos, bs = self.token_id, sched.eos_token_ids, bm.block_size
         while j < len(running):  # the plain decodes at the head of the joined ones join the launching lane
             seq = running[j]
             start = seq.num_computed_tokens
-            if seq.seq_id in in_flight or len(seq.token_ids) != start + 1 or not lane.plain(seq, start, seq.num_output_tokens):
+            if (seq.seq_id in in_flight or len(seq.token_ids) != start + 1
+                    or not plain(seq, start, seq.num_output_tokens, token, eos, bs)):
                 break
             grow, cow = bm._slots_needed(seq, 1)  # noqa: SLF001 — read only
             need += grow + cow
@@ -186,7 +188,7 @@ class LazyLanes:
         joined_ctx = sum(len(seq.token_ids) for seq in running[head:j])
         in_flight_ctx = sum(other.ctx for other in self.lanes)
         n = lane_n + j - head
-        ctx = (lane.ctx if lane_n else 0) + joined_ctx
+        ctx = (free.ctx if free is not None else 0) + joined_ctx
         cfg = sched.config
         budget = cfg.max_num_batched_tokens if sched._static_budget else sched.step_budget.tokens(  # noqa: SLF001
             j + len(decoding), ctx + in_flight_ctx + sum(decoding))
@@ -194,15 +196,19 @@ class LazyLanes:
             self.drop(sim)
             return False
         if crossing:
-            lane._take_blocks(crossing)  # noqa: SLF001
+            free._take_blocks(crossing)  # type: ignore[union-attr]  # noqa: SLF001
+        if lane is None and j > head:
+            lane = LazyBatch(core, token)
         for seq in running[head:j]:
             bm.append_slots(seq, 1)
-            lane._add(seq, seq.num_computed_tokens, seq.num_output_tokens)  # noqa: SLF001
+            lane._add(seq, seq.num_computed_tokens, seq.num_output_tokens)  # type: ignore[union-attr]  # noqa: SLF001
         self.num_members = j
         rest = core.launch(send_finished=False, num_lazy_decodes=n, lazy_decode_ctx=ctx, num_lazy_in_flight=head - lane_n,
                            lazy_in_flight_ctx=in_flight_ctx)
         if rest is None and not n:  # nothing to compute: no launch
             return True
+        if lane is None:  # the plan has no members: a lane holding its rest
+            lane = LazyBatch(core, token)
         if free is None:
             self.free.append(lane)
         launch_at = self._launch(sim, lane, rest, now, ctx)
