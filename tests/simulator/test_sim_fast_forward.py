@@ -225,3 +225,36 @@ def test_off_is_the_default_path_and_on_is_the_default() -> None:
     sim = Simulation(Placement.colocated_instances(1), opt13b(), SimConfig(fast_forward=False))
     sim.run(chat(2.0, 30))
     assert sim.num_fast_forward_steps == 0
+
+
+class RetryEveryInstant(Simulation):
+    """Retries dispatch at the end of every instant something arrived or a step ended, as before the
+    simulation skipped retries where nothing they read had changed."""
+
+    @property
+    def _admission_stale(self) -> bool:
+        return True
+
+    @_admission_stale.setter
+    def _admission_stale(self, value: bool) -> None:
+        pass
+
+
+@pytest.mark.parametrize("case", ["flood", "deadlines", "colocated"])
+def test_dispatch_retries_skipped_only_where_they_do_nothing(case: str) -> None:
+    """Requests held back by backpressure (a flood of one tenant; deadlines past the knee): the
+    retries the simulation skips (only decode instances changed since the last one, no deadline
+    due) would have dispatched and expired nothing."""
+    if case == "flood":
+        placement, requests, config = Placement.disaggregated(1, 2), flood_workload(7.0, 300, max_total_len=2048), \
+            SimConfig(admission=AdmissionConfig("fair"))
+    else:
+        requests = [replace(r, timeout_s=1.0 if r.req_id % 3 == 0 else None) for r in chat(60.0, 250, seed=4)]
+        placement = Placement.disaggregated(1, 2) if case == "deadlines" else Placement.colocated_instances(2)
+        config = SimConfig(admission=AdmissionConfig(max_waiting=2))
+    for fast_forward in (True, False):
+        cfg = replace(config, fast_forward=fast_forward)
+        every, skipping = RetryEveryInstant(placement, opt13b(), cfg).run(requests), Simulation(placement, opt13b(), cfg).run(requests)
+        assert records(skipping) == records(every) and skipping.admission == every.admission
+        assert skipping.instances == every.instances
+        assert any(r.admission_wait_s for r in every.records) and (case == "flood" or any(r.dropped == "expired" for r in every.records))
