@@ -55,16 +55,15 @@ from dataclasses import replace
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from distserve.cluster.admission import AdmissionItem, EntryLoad, entry_load, measured_tpot_s
 from distserve.cluster.counters import ClusterCounters
 from distserve.cluster.migration_queue import MigrationQueue
-from distserve.cluster.routing import decode_lane, entry_hashes, pick_entry
+from distserve.cluster.routing import decode_lane
 from distserve.config import SamplingParams
 from distserve.engine.block_manager import prefix_block_hashes
 from distserve.engine.instance_core import InstanceCore
 from distserve.engine.step_plan import SampledToken, StepPlan
 from distserve.engine.sequence import Sequence, SequenceStatus
-from distserve.errors import InvalidConfigError, QueueFullError
+from distserve.errors import InvalidConfigError
 from distserve.placement import InstanceSpec, Placement
 from simulator.fast_forward import undo_after
 from simulator.layer_preemption import layered_prefill
@@ -73,18 +72,17 @@ from simulator.lazy_lanes import LazyLanes
 from simulator.latency import LatencyModel
 from simulator.metrics import RequestRecord, SimResult
 from simulator.sim_config import SimConfig
+from simulator.sim_admission import SAMPLED_TOKEN, SimAdmission
 from simulator.sim_events import ARRIVE, LAUNCH, MIGRATE, MIGRATED, STEP_DONE
 from simulator.sim_migration import SimMigrations
-from simulator.sim_instance import SharedCompute, SimInstance, cascade_rule_of, check_fits, hold_every_prompt, route_of, step_time_fn
+from simulator.sim_instance import SharedCompute, SimInstance, cascade_rule_of, check_fits, hold_every_prompt, step_time_fn
 
 if TYPE_CHECKING:
     from collections.abc import Sequence as Seq
 
     from simulator.workload import Request
 
-SAMPLED_TOKEN = 1  # the token every simulated step "samples"; never an EOS (ignore_eos is set anyway)
-
-class Simulation(SimMigrations):
+class Simulation(SimAdmission, SimMigrations):
     """Run a list of requests through a placement; ``run()`` returns a ``SimResult``."""
 
     def __init__(self, placement: Placement, latency: LatencyModel, config: SimConfig | None = None) -> None:
@@ -273,63 +271,6 @@ class Simulation(SimMigrations):
             stopped_early=self._stop,
             admission=self.admission.stats(),
         )
-
-    # ---- admission ------------------------------------------------------------------------------
-    def _arrive(self, r: Request, now: float, prompts: dict[int, list[int]]) -> int:
-        """Queue an arriving request for admission; returns 1 if it was refused (it ends here)."""
-        if r.prompt_token_ids is not None:
-            prompt = list(r.prompt_token_ids)
-        else:
-            prompt = prompts.get(r.prompt_len)
-            if prompt is None:
-                prompt = prompts[r.prompt_len] = [SAMPLED_TOKEN] * r.prompt_len
-        sampling = self._sampling.get(r.output_len)
-        if sampling is None:  # frozen: one per output length
-            sampling = self._sampling[r.output_len] = SamplingParams(max_tokens=r.output_len, ignore_eos=True)
-        seq = Sequence(str(r.req_id), prompt, sampling, arrival_time=r.arrival_s, priority=r.priority, request_class=r.request_class)
-        if r.prompt_token_ids is None:  # the hashes the block manager would compute, block by block (``_hashes_upto``)
-            seq.prefix_hashes = self._filler_hashes[: (r.prompt_len + r.output_len) // self.config.block_size]
-            seq.hashed_block_size = self.config.block_size
-        item = AdmissionItem(seq.seq_id, r.request_class, r.prompt_len + r.output_len, r.arrival_s, r.priority, r.timeout_s, seq,
-                             num_prompt_tokens=r.prompt_len)
-        try:
-            self.admission.push(item, now)
-        except QueueFullError:
-            self.records[seq.seq_id].dropped = "rejected"
-            return 1
-        self._admit_due = self._admission_stale = True
-        return 0
-
-    def _admit(self, now: float) -> int:
-        """Drop the requests past their deadline, then dispatch while entry instances accept
-        (``AdmissionQueue.dispatch``); returns how many were dropped."""
-        self._admission_stale = False  # (a dispatched request's entry launches: stale again then)
-        expired = self.admission.expire(now)
-        for item in expired:
-            rec = self.records[item.request_id]
-            rec.dropped, rec.admission_wait_s = "expired", item.wait_s
-        tpot = measured_tpot_s((i.core.scheduler.num_running, i.core.last_step_s) for i in self.decodes or self.entry) \
-            if self.config.admission.tpot_slo_s is not None else None
-        block_size, prefix_caching, router = self.config.block_size, self.config.enable_prefix_caching, self.config.router
-
-        def load(inst: SimInstance) -> EntryLoad:
-            return entry_load(inst.core.scheduler, tpot)
-
-        def place(item: AdmissionItem, accepting: list[SimInstance]) -> SimInstance:
-            seq: Sequence = item.payload
-            seq.dispatch_time, seq.admission_rank = now, item.rank  # the entry scheduler keeps the admission order
-            hashes = entry_hashes(seq, block_size, prefix_caching)
-            return pick_entry(accepting, route_of, hashes, router, seq.seq_id, seq.request_class)
-
-        for item, inst in self.admission.dispatch(now, self.entry, load, place):
-            seq = item.payload
-            self._sampled[seq.seq_id] = SampledToken(seq.seq_id, SAMPLED_TOKEN)
-            self.records[seq.seq_id].admission_wait_s = item.wait_s
-            inst.core.add(seq)
-            if inst.layered is not None:
-                self._push_completions(inst.layered.arrived(seq, now, self.shared))
-            self._launch_at_end(inst)
-        return len(expired)
 
     # ---- one instant's order --------------------------------------------------------------------
     def _launch_at_end(self, inst: SimInstance) -> None:

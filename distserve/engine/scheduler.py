@@ -38,9 +38,7 @@ _priority_key: PolicyKey = attrgetter("class_rank", "admission_rank", "priority"
 
 SCHEDULING_POLICIES: dict[str, PolicyKey] = {"fcfs": _fcfs_key, "priority": _priority_key}
 
-# Where a lazy decode (``Scheduler.schedule(num_lazy_decodes=...)``) sits in the batch being planned: its
-# place counts, its chunk is the driver's.
-_LAZY_DECODE: ScheduledChunk = None  # type: ignore[assignment]
+_LAZY_DECODE: ScheduledChunk = None  # type: ignore[assignment]  # a lazy decode's place in a plan (``schedule``)
 
 
 def get_policy(name: str) -> PolicyKey:
@@ -212,15 +210,13 @@ class Scheduler(AdmissionRankOrder):
         sequence (``StepFailedError``): a request that breaks scheduling fails alone, as one that
         breaks the model does.
 
-        Lazy decodes (the simulator's fast-forward keeps decoding sequences in a compact form of its
-        own): the first ``num_lazy_decodes + num_lazy_in_flight`` running sequences are the driver's,
-        their state is not read. ``num_lazy_decodes`` of them (contexts ``lazy_decode_ctx`` in all)
-        decode one token each in this plan, counted against its budget and batch cap, without a
-        chunk: the driver has made their slots and applies their update itself; the others
-        (``lazy_in_flight_ctx``) are in plans in flight. The driver vouches that the decoding ones
-        all fit the plan (budget, ``max_num_seqs``, the policy order as the selection order) and
-        that nothing is isolated or waits for a prompts-alone step: the plan is then the one
-        ``schedule()`` would make, less their chunks."""
+        Lazy decodes (the simulator keeps decoding sequences in a compact form): the first
+        ``num_lazy_decodes + num_lazy_in_flight`` running sequences are the driver's, their state
+        unread; ``num_lazy_decodes`` of them (contexts ``lazy_decode_ctx``) decode one token each in
+        this plan, in its budget and cap but without a chunk (the driver made their slots and
+        applies them), the others are in plans in flight. The driver vouches that the decoding ones
+        fit (budget, cap, policy order) and nothing is isolated or waits for a prompts-alone step:
+        the plan is ``schedule()``'s less their chunks."""
         self._scheduling = None
         try:
             plan = self._schedule(num_lazy_decodes, lazy_decode_ctx, num_lazy_in_flight, lazy_in_flight_ctx)
