@@ -268,9 +268,9 @@ def test_normalize_raw_engine_stats(tiny: LoadedModel) -> None:
     assert [i["phase"] for i in disagg["instances"]] == ["prefill", "decode"]
     colocated = normalize_stats(LLMEngine(tiny, cache_config=CACHE).stats())
     assert colocated["instances"][0]["instance"] == "colocated-0"
-    metrics = ServingMetrics()
+    metrics = ServingMetrics(model_name="tiny")
     metrics.update_engine_stats({**disagg, "kv_migration_seconds": [0.001, 0.002]})
-    assert b'distserve:kv_migration_seconds_count{instance="all",phase="decode"} 2.0' in metrics.render()
+    assert b'distserve:kv_migration_seconds_count{engine="all",model_name="tiny",phase="decode"} 2.0' in metrics.render()
 
 
 def test_sse_response_closes_its_generator_on_disconnect() -> None:
@@ -319,7 +319,7 @@ def test_metrics_count_requests_meeting_the_deployment_slo(tiny: LoadedModel) ->
                 body = {"prompt": "x", "max_tokens": 4, "min_tokens": 4, "stream": True}
                 assert (await h.post("/v1/completions", json=body)).status_code == 200
                 text = (await h.get("/metrics")).text
-                assert f'distserve:request_slo_total{{met="{met}",objective="default"}} 1.0' in text, text
+                assert f'distserve:request_slo_total{{met="{met}",model_name="tiny",objective="default"}} 1.0' in text, text
         return text
 
     try:
