@@ -39,10 +39,6 @@ class CumulativeHistogram:
         self.counts[bisect_left(self.bounds, value)] += 1  # ≤ bound: Prometheus's ``le``
         self.total += value
 
-    @property
-    def num_observations(self) -> int:
-        return sum(self.counts)
-
     def as_dict(self) -> HistogramCounts:
         return {"bounds": list(self.bounds), "counts": list(self.counts), "sum": self.total}
 

@@ -41,14 +41,14 @@ cache, hit tokens those taken from it instead of computed (a decode instance's p
 shared by prefix-aware migration are ``kv_migration_blocks_skipped_total``).
 
 ``kv_cache_usage_perc`` is a fraction in [0, 1] (1 = full), as in vLLM. The top-level migration
-figures are exported with ``instance="all", phase="decode"`` (the pulling side); a runtime that
+figures are exported with ``engine="all", phase="decode"`` (the pulling side); a runtime that
 knows which decode instance pulled may instead put the same keys in that instance's dict.
 ``normalize_stats`` also accepts what ``LLMEngine.stats()`` and ``LocalDisaggEngine.stats()`` return.
 
 ``admission`` is ``distserve.cluster.admission.AdmissionQueue.stats()``, from wherever requests
 queue: a ``LocalDisaggEngine``'s own queue, the threaded client's queue in front of colocated
 engines, or the Ray controller's; a runtime with several queues reports their sum
-(``merge_admission_stats``). Its per-tenant figures are exported by ``serving.metrics``.
+(``merge_admission_stats``). Its per-tenant figures are exported by ``serving.engine_metrics``.
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ from typing import Any, NotRequired, TypedDict, cast
 
 from distserve.engine.step_stats import HistogramCounts
 
-AGGREGATE_INSTANCE = "all"
+AGGREGATE_INSTANCE = "all"  # the /metrics ``engine`` of a figure a runtime knows only in total
 
 
 class InstanceStats(TypedDict):

@@ -20,8 +20,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
-from distserve.runtime.stats import AdmissionStats, ClientStats, InstanceStats
-from distserve.serving.metrics_exposition import ALL_ENGINES, ENGINE_LABEL
+from distserve.runtime.stats import AGGREGATE_INSTANCE, AdmissionStats, ClientStats, InstanceStats
+from distserve.serving.metrics_exposition import ENGINE_LABEL
 
 _LABELS = [ENGINE_LABEL, "phase"]
 
@@ -86,7 +86,7 @@ def instance_families(snap: ClientStats | None) -> Iterator[Metric]:
                 gauge.add_metric(_labels(inst), float(inst[key]))  # type: ignore[literal-required]
         yield gauge
     for key, name, doc in _INSTANCE_COUNTERS:
-        yield _counter(name, doc, key, snap, ALL_ENGINES)
+        yield _counter(name, doc, key, snap, AGGREGATE_INSTANCE)
     for key, name, doc in _HISTOGRAMS:
         histogram = HistogramMetricFamily(name, doc, labels=_LABELS)
         for inst in instances:
@@ -105,7 +105,7 @@ def _counter(name: str, doc: str, key: str, snap: ClientStats | None, total_phas
     for inst in reported:
         counter.add_metric(_labels(inst), float(inst[key]))  # type: ignore[literal-required]
     if snap is not None and not reported and key in snap:
-        counter.add_metric([ALL_ENGINES, total_phase], float(snap[key]))  # type: ignore[literal-required]
+        counter.add_metric([AGGREGATE_INSTANCE, total_phase], float(snap[key]))  # type: ignore[literal-required]
     return counter
 
 

@@ -54,12 +54,12 @@ from prometheus_client.core import Metric
 
 from distserve.config import SamplingParams
 from distserve.engine.outputs import RequestOutput
-from distserve.runtime.stats import normalize_stats
+from distserve.runtime.stats import AGGREGATE_INSTANCE, normalize_stats
 from distserve.cluster.classes import DEFAULT, OBJECTIVES
 from distserve.cluster.tenants import ANONYMOUS
 from distserve.serving.api_keys import OTHER_TENANT
 from distserve.serving.engine_metrics import EngineCollector
-from distserve.serving.metrics_exposition import ALL_ENGINES, ENGINE_LABEL, OWN_PREFIX, check_prefix, render
+from distserve.serving.metrics_exposition import ENGINE_LABEL, OWN_PREFIX, check_prefix, render
 from distserve.serving.request_log import RequestLog
 from distserve.slo import SLO, slo_for_objective, tpot
 
@@ -243,7 +243,7 @@ class ServingMetrics:
         )
         self.kv_migration_seconds = histogram(
             "kv_migration_seconds", "Duration of one request's KV migration.", MIGRATION_BUCKETS, [ENGINE_LABEL, "phase"])
-        self.kv_migration_seconds.labels(engine=ALL_ENGINES, phase="decode")  # where the runtimes report them: exists at 0
+        self.kv_migration_seconds.labels(engine=AGGREGATE_INSTANCE, phase="decode")  # where the runtimes report them: exists at 0
         self.breakdown = {  # LatencyBreakdown field -> its histogram
             field: histogram(f"request_{name}_time_seconds", doc, buckets) for field, name, doc, buckets in _BREAKDOWN
         }
@@ -300,7 +300,7 @@ class ServingMetrics:
         snap = normalize_stats(raw)
         self._engine.snapshot = snap
         for seconds in snap["kv_migration_seconds"]:
-            self.kv_migration_seconds.labels(engine=ALL_ENGINES, phase="decode").observe(seconds)
+            self.kv_migration_seconds.labels(engine=AGGREGATE_INSTANCE, phase="decode").observe(seconds)
         for inst in snap["instances"]:
             for seconds in inst.get("kv_migration_seconds", []):
                 self.kv_migration_seconds.labels(engine=inst["instance"], phase=inst["phase"]).observe(seconds)

@@ -29,7 +29,6 @@ OWN_PREFIX = "distserve"
 METRICS_PREFIXES = (OWN_PREFIX, "vllm")  # ``--metrics-prefix``
 MODEL_LABEL = "model_name"
 ENGINE_LABEL = "engine"  # an instance of the placement (``prefill-0``); ``instance`` is Prometheus's own (the scrape target)
-ALL_ENGINES = "all"  # the ``engine`` of a figure the runtime knows only in total
 
 # The bare names (family names: counters without ``_total``) of the series vLLM exports too.
 VLLM_SERIES = frozenset({
@@ -86,6 +85,6 @@ def render(families: Callable[[], Iterable[Metric]], prefix: str, model_name: st
 
 
 __all__ = [
-    "ALL_ENGINES", "ENGINE_LABEL", "METRICS_PREFIXES", "MODEL_LABEL", "OWN_PREFIX", "VLLM_SERIES",
+    "ENGINE_LABEL", "METRICS_PREFIXES", "MODEL_LABEL", "OWN_PREFIX", "VLLM_SERIES",
     "check_prefix", "exposed", "render", "series_name",
 ]
