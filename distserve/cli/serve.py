@@ -133,7 +133,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         from distserve.serving.app import run_ray_serve
         from distserve.serving.app_config import ServeAppConfig
 
-        app = ServeAppConfig.from_cli_args(args).resolve()  # every error before Ray starts
+        placement_from_args(args)  # a bad --placement is refused naming the flag, before Ray starts
+        app = ServeAppConfig.from_cli_args(args).resolve()
         ready = f"{ray_layout(app.deployment.placement)}, Ray Serve"
         run_ray_serve(app, args.host, args.port, on_ready=lambda url: _print_ready(url, served, ready))
         return 0
