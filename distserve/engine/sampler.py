@@ -1,4 +1,6 @@
-"""Turns one step's logits into next tokens: min_tokens, greedy, temperature, top-k/top-p, seeds."""
+"""Turns one step's logits into next tokens: a pipeline of logits processors (min_tokens, logit_bias,
+penalties), then greedy argmax or temperature, min_p, top-k/top-p and a seeded draw; and the raw
+log-probabilities a request asks for."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ import numpy as np
 import torch
 
 from distserve.config import SamplingParams
+from distserve.engine.logprobs import TopLogprobs, top_logprobs
 
 # Logits arrive as float32, so a nucleus whose mass equals top_p exactly (0.5 + 0.3 vs 0.8) is off
 # by ~1e-7 and, without this relative slack, would pull in one token more than intended.
@@ -20,18 +23,20 @@ _CDF_BLOCK = 256
 
 @dataclass
 class SamplerOutput:
-    """One token per row and, if any row asked, its log-probability under the raw logits."""
+    """One token per row and, if any row asked, log-probabilities under the raw logits: the chosen
+    token's (every row) and the top alternatives (``[]`` for rows with ``top_logprobs`` 0)."""
 
     token_ids: list[int]
     logprobs: list[float] | None
+    top_logprobs: list[TopLogprobs] | None = None
 
 
 class Sampler:
     """Stateless batch sampler; seeded requests bring their own ``torch.Generator``.
 
     Sampled rows draw one uniform each and invert the row's CDF, so a seeded row's token depends
-    only on its own logits, params and generator. Greedy rows consume no randomness. Top-k and
-    top-p keep every token tied with the last one kept (as vLLM does).
+    only on its own logits, params, tokens so far and generator. Greedy rows consume no randomness.
+    Top-k and top-p keep every token tied with the last one kept (as vLLM does).
     """
 
     def __call__(
@@ -41,6 +46,7 @@ class Sampler:
         generators: Sequence[torch.Generator | None],
         num_output_tokens: Sequence[int],
         eos_token_ids: Sequence[int],
+        histories: Sequence[Sequence[int] | None] | None = None,
     ) -> SamplerOutput:
         """Pick the next token of each row of ``logits`` (``[N, V]``, any float dtype, not mutated).
 
@@ -51,33 +57,58 @@ class Sampler:
             num_output_tokens: tokens each row's request has generated so far (for ``min_tokens``).
             eos_token_ids: the model's EOS ids, banned together with ``stop_token_ids`` until
                 ``min_tokens`` is reached.
+            histories: per row, the request's tokens so far (prompt, then its ``num_output_tokens``
+                outputs); needed by the rows with penalties (``SamplingParams.has_penalties``).
         Returns:
-            The chosen ids and, if any row set ``logprobs``, every row's log-probability.
+            The chosen ids and, if any row set ``logprobs``, log-probabilities.
         """
         logits = logits.detach()
+        processed = process_logits(logits, params, num_output_tokens, eos_token_ids, histories)  # [N, V]
         num_rows = logits.shape[0]
-        masked = _mask_min_tokens(logits, params, num_output_tokens, eos_token_ids)  # [N, V]
         sampled_rows = [i for i, p in enumerate(params) if not p.greedy]
         if not sampled_rows:
-            token_ids = _argmax(masked)  # [N]
+            token_ids = _argmax(processed)  # [N]
         elif len(sampled_rows) == num_rows:
-            token_ids = _sample(masked, params, generators)
+            token_ids = _sample(processed, params, generators)
         else:
             greedy_idx = torch.tensor([i for i, p in enumerate(params) if p.greedy])  # [G]
             sampled_idx = torch.tensor(sampled_rows)  # [S]
             token_ids = torch.empty(num_rows, dtype=torch.long)
-            token_ids[greedy_idx] = _argmax(masked[greedy_idx])
+            token_ids[greedy_idx] = _argmax(processed[greedy_idx])
             token_ids[sampled_idx] = _sample(
-                masked[sampled_idx],
+                processed[sampled_idx],
                 [params[i] for i in sampled_rows],
                 [generators[i] for i in sampled_rows],
             )
         logprobs: list[float] | None = None
+        top: list[TopLogprobs] | None = None
         if any(p.logprobs for p in params):
-            raw = logits.float()  # [N, V]
-            chosen = raw.gather(1, token_ids[:, None]).squeeze(1)  # [N]
-            logprobs = (chosen - torch.logsumexp(raw, dim=-1)).tolist()
-        return SamplerOutput(token_ids=token_ids.tolist(), logprobs=logprobs)
+            raw = torch.log_softmax(logits.float(), dim=-1)  # [N, V]
+            logprobs = raw.gather(1, token_ids[:, None]).squeeze(1).tolist()
+            if any(p.top_logprobs for p in params):
+                top = top_logprobs(raw, [p.top_logprobs for p in params])
+        return SamplerOutput(token_ids=token_ids.tolist(), logprobs=logprobs, top_logprobs=top)
+
+
+def process_logits(
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    num_output_tokens: Sequence[int],
+    eos_token_ids: Sequence[int],
+    histories: Sequence[Sequence[int] | None] | None = None,
+) -> torch.Tensor:
+    """The logits processors, in vLLM's order: each step returns its input when no row uses it, so a
+    batch that uses none gets ``logits`` itself back (no copy); the first step that changes
+    something makes one float32 copy, and later steps work on it in place."""
+    out = _mask_min_tokens(logits, logits, params, num_output_tokens, eos_token_ids)
+    out = _apply_logit_bias(logits, out, params)
+    out = _apply_penalties(logits, out, params, num_output_tokens, histories)
+    return out
+
+
+def _writable(raw: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+    """``logits`` if it is already the pipeline's own copy, else a float32 copy of it."""
+    return logits.to(torch.float32, copy=True) if logits is raw else logits
 
 
 def _argmax(logits: torch.Tensor) -> torch.Tensor:
@@ -87,13 +118,13 @@ def _argmax(logits: torch.Tensor) -> torch.Tensor:
 
 
 def _mask_min_tokens(
+    raw: torch.Tensor,
     logits: torch.Tensor,
     params: Sequence[SamplingParams],
     num_output_tokens: Sequence[int],
     eos_token_ids: Sequence[int],
 ) -> torch.Tensor:
-    """``logits`` with EOS and stop ids at -inf in rows short of ``min_tokens`` (a float32 copy
-    if anything is masked, else ``logits`` itself)."""
+    """EOS and stop ids at -inf in rows short of ``min_tokens``."""
     vocab_size = logits.shape[1]
     rows: list[int] = []
     cols: list[int] = []
@@ -104,9 +135,78 @@ def _mask_min_tokens(
             cols.extend(banned)
     if not rows:
         return logits
-    masked = logits.to(torch.float32, copy=True)  # [N, V]
-    masked[torch.tensor(rows), torch.tensor(cols)] = float("-inf")
-    return masked
+    logits = _writable(raw, logits)  # [N, V]
+    logits[torch.tensor(rows), torch.tensor(cols)] = float("-inf")
+    return logits
+
+
+def _apply_logit_bias(raw: torch.Tensor, logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """OpenAI's ``logit_bias``: each listed token's bias added to its logit."""
+    if not any(p.logit_bias for p in params):
+        return logits
+    vocab_size = logits.shape[1]
+    rows: list[int] = []
+    cols: list[int] = []
+    biases: list[float] = []
+    for i, p in enumerate(params):
+        for token_id, bias in p.logit_bias:
+            if token_id < vocab_size:  # checked against the vocabulary at submission
+                rows.append(i)
+                cols.append(token_id)
+                biases.append(bias)
+    logits = _writable(raw, logits)  # [N, V]
+    logits.index_put_((torch.tensor(rows), torch.tensor(cols)), torch.tensor(biases), accumulate=True)
+    return logits
+
+
+def _apply_penalties(
+    raw: torch.Tensor,
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    num_output_tokens: Sequence[int],
+    histories: Sequence[Sequence[int] | None] | None,
+) -> torch.Tensor:
+    """vLLM's ``apply_penalties``: ``repetition_penalty`` over every token of the prompt and output (a
+    positive logit divided by it, a negative one multiplied), then, over the output tokens only,
+    ``frequency_penalty`` times each token's count and ``presence_penalty`` once per token present,
+    both subtracted (OpenAI's definition)."""
+    rows = [i for i, p in enumerate(params) if p.has_penalties]
+    if not rows:
+        return logits
+    if histories is None or any(histories[i] is None for i in rows):
+        raise ValueError("penalties need each penalised row's tokens so far (histories)")
+    num_rows, vocab_size = len(rows), logits.shape[1]
+    seen = _token_counts([histories[i] for i in rows], vocab_size) > 0  # type: ignore[misc]  # [R, V]
+    outputs = [histories[i][len(histories[i]) - num_output_tokens[i] :] if num_output_tokens[i] else () for i in rows]  # type: ignore[index]
+    counts = _token_counts(outputs, vocab_size)  # [R, V]
+    repetition = torch.tensor([params[i].repetition_penalty for i in rows], dtype=torch.float32)[:, None]  # [R, 1]
+    frequency = torch.tensor([params[i].frequency_penalty for i in rows], dtype=torch.float32)[:, None]  # [R, 1]
+    presence = torch.tensor([params[i].presence_penalty for i in rows], dtype=torch.float32)[:, None]  # [R, 1]
+    logits = _writable(raw, logits)  # [N, V]
+    every_row = num_rows == logits.shape[0]
+    index = torch.tensor(rows)
+    sub = logits if every_row else logits[index]  # [R, V]
+    scale = torch.where(sub > 0, 1.0 / repetition, repetition)  # [R, V]
+    sub = torch.where(seen, sub * scale, sub)
+    sub -= frequency * counts + presence * (counts > 0)
+    if every_row:
+        logits.copy_(sub)
+    else:
+        logits[index] = sub
+    return logits
+
+
+def _token_counts(token_lists: Sequence[Sequence[int]], vocab_size: int) -> torch.Tensor:
+    """How often each token id occurs in each list: ``[R, V]`` float32 (ids outside ``[0, V)`` ignored)."""
+    longest = max((len(t) for t in token_lists), default=0)
+    padded = torch.full((len(token_lists), longest), vocab_size, dtype=torch.long)  # [R, L], padded with V
+    for r, tokens in enumerate(token_lists):
+        if tokens:
+            padded[r, : len(tokens)] = torch.as_tensor(tokens, dtype=torch.long)
+    padded = torch.where((padded >= 0) & (padded < vocab_size), padded, vocab_size)
+    counts = torch.zeros(len(token_lists), vocab_size + 1)  # [R, V + 1]; the last column takes the padding
+    counts.scatter_add_(1, padded, torch.ones_like(padded, dtype=torch.float32))
+    return counts[:, :vocab_size]
 
 
 def _sample(
@@ -119,6 +219,12 @@ def _sample(
     logits = logits.float()
     # One buffer updated in place: fresh 6 MB tensors cost more in page faults than the math.
     weights = (logits - logits.amax(dim=-1, keepdim=True)).div_(temperature[:, None]).exp_()
+    if any(p.min_p for p in params):
+        # Weights are probabilities scaled so the top one is 1: min_p's cut (min_p x the top
+        # probability) is min_p itself. Applied before top-k and top-p, as vLLM does.
+        min_p = np.array([p.min_p for p in params], dtype=np.float32)  # [M]
+        weights_np = weights.numpy()  # [M, V], shares memory
+        np.multiply(weights_np, weights_np >= min_p[:, None], out=weights_np)
     threshold = _filter_thresholds(weights, params)  # [M]
     if threshold is not None:
         # Multiplying by a bool mask in numpy is ~5x faster than torch's masked_fill_ on CPU.
