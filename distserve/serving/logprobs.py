@@ -76,8 +76,8 @@ class LogprobsRenderer:
 
     # ---- response parts -------------------------------------------------------------------------
     def completion(self, entries: list[Entry], offset: int, k: int) -> CompletionLogprobs:
-        """Completions' ``logprobs`` from character ``offset``: each position's ``k`` most likely
-        tokens plus the token itself (so up to k + 1, as OpenAI documents)."""
+        """Completions' ``logprobs`` from character ``offset``: each position's token and its ``k`` most
+        likely tokens (so up to k + 1 entries, as OpenAI documents; fewer when texts coincide)."""
         tokens: list[str] = []
         offsets: list[int] = []
         tops: list[dict[str, float] | None] = []
@@ -89,8 +89,9 @@ class LogprobsRenderer:
             if logprob is None:
                 tops.append(None)
                 continue
-            alternatives = {self.text(t): _clamp(lp) for t, lp in (top or ())[:k]}
-            alternatives.setdefault(text, _clamp(logprob))
+            alternatives = {text: _clamp(logprob)}  # the token first (vLLM's order); it keeps its value if texts collide
+            for t, lp in (top or ())[:k]:
+                alternatives.setdefault(self.text(t), _clamp(lp))
             tops.append(alternatives)
         return CompletionLogprobs(
             tokens=tokens,
