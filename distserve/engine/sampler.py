@@ -144,18 +144,20 @@ def _apply_logit_bias(raw: torch.Tensor, logits: torch.Tensor, params: Sequence[
     """OpenAI's ``logit_bias``: each listed token's bias added to its logit."""
     if not any(p.logit_bias for p in params):
         return logits
-    vocab_size = logits.shape[1]
-    rows: list[int] = []
-    cols: list[int] = []
-    biases: list[float] = []
+    rows: list[np.ndarray] = []
+    cols: list[np.ndarray] = []
+    biases: list[np.ndarray] = []
     for i, p in enumerate(params):
-        for token_id, bias in p.logit_bias:
-            if token_id < vocab_size:  # checked against the vocabulary at submission
-                rows.append(i)
-                cols.append(token_id)
-                biases.append(bias)
+        if p.logit_bias:
+            ids, values = zip(*p.logit_bias)  # unique ids per row (``SamplingParams`` dedups them)
+            rows.append(np.full(len(ids), i, dtype=np.int64))
+            cols.append(np.fromiter(ids, dtype=np.int64, count=len(ids)))  # ~10x faster than torch.tensor(list)
+            biases.append(np.fromiter(values, dtype=np.float32, count=len(ids)))
+    col = np.concatenate(cols)  # [B]
+    in_vocab = col < logits.shape[1]  # checked against the vocabulary at submission; a guard here
+    index = (torch.from_numpy(np.concatenate(rows)[in_vocab]), torch.from_numpy(col[in_vocab]))  # [B], [B]
     logits = _writable(raw, logits)  # [N, V]
-    logits.index_put_((torch.tensor(rows), torch.tensor(cols)), torch.tensor(biases), accumulate=True)
+    logits[index] += torch.from_numpy(np.concatenate(biases)[in_vocab])
     return logits
 
 
@@ -171,41 +173,44 @@ def _apply_penalties(
     ``frequency_penalty`` times each token's count and ``presence_penalty`` once per token present,
     both subtracted (OpenAI's definition).
 
-    Only the tokens a row has seen change, so only they are touched: gathered, penalised and written
-    back (dense ``[N, V]`` masks, as vLLM builds on a GPU, cost ~100x more on a CPU).
+    Only the (row, token) pairs a row has seen change, so only they are touched: gathered, penalised
+    and written back (dense ``[N, V]`` masks, as vLLM builds on a GPU, cost ~100x more on a CPU).
     """
     rows = [i for i, p in enumerate(params) if p.has_penalties]
     if not rows:
         return logits
     if histories is None or any(histories[i] is None for i in rows):
         raise ValueError("penalties need each penalised row's tokens so far (histories)")
-    vocab_size = logits.shape[1]
-    row_ids: list[np.ndarray] = []
-    token_ids: list[np.ndarray] = []
-    counts: list[np.ndarray] = []
-    for i in rows:
-        history = np.asarray(histories[i], dtype=np.int64)  # [L]: prompt, then the outputs
-        seen = np.unique(history[(history >= 0) & (history < vocab_size)])  # [U], sorted
-        outputs, output_counts = np.unique(history[len(history) - num_output_tokens[i] :], return_counts=True)
-        count = np.zeros(len(seen), dtype=np.float32)  # [U]: each seen token's count in the output
-        count[np.searchsorted(seen, outputs[(outputs >= 0) & (outputs < vocab_size)])] = output_counts[(outputs >= 0) & (outputs < vocab_size)]
-        row_ids.append(np.full(len(seen), i, dtype=np.int64))
-        token_ids.append(seen)
-        counts.append(count)
-    sizes = [len(t) for t in token_ids]
+    num_rows, vocab_size = logits.shape
+    tokens = [np.asarray(histories[i], dtype=np.int64) for i in rows]  # each [L]: prompt, then outputs
+    # Each (row, token) pair as one key, row * V + token, so one np.unique serves every row.
+    seen_keys = np.concatenate([_keys(row, t, vocab_size) for row, t in zip(rows, tokens)])
+    output_keys = np.concatenate([_keys(row, t[len(t) - num_output_tokens[row] :], vocab_size) for row, t in zip(rows, tokens)])
+    seen = np.unique(seen_keys)  # [S], sorted
+    output_ids, output_counts = np.unique(output_keys, return_counts=True)
+    counts = np.zeros(len(seen), dtype=np.float32)  # [S]: each pair's count in the row's output
+    counts[np.searchsorted(seen, output_ids)] = output_counts
+    seen_rows = seen // vocab_size  # [S]
 
-    def per_token(name: str) -> torch.Tensor:  # [S]: each row's parameter, repeated for its seen tokens
-        return torch.from_numpy(np.repeat(np.array([getattr(params[i], name) for i in rows], dtype=np.float32), sizes))
+    def per_pair(name: str, neutral: float) -> torch.Tensor:  # [S]: the pair's row's parameter
+        values = np.full(num_rows, neutral, dtype=np.float32)
+        values[rows] = [getattr(params[i], name) for i in rows]
+        return torch.from_numpy(values[seen_rows])
 
-    index = (torch.from_numpy(np.concatenate(row_ids)), torch.from_numpy(np.concatenate(token_ids)))  # [S], [S]
-    count_t = torch.from_numpy(np.concatenate(counts))  # [S]
-    repetition = per_token("repetition_penalty")
+    index = (torch.from_numpy(seen_rows), torch.from_numpy(seen % vocab_size))  # [S], [S]
+    count_t = torch.from_numpy(counts)  # [S]
+    repetition = per_pair("repetition_penalty", 1.0)
     logits = _writable(raw, logits)  # [N, V]
     values = logits[index]  # [S]
     values = torch.where(values > 0, values / repetition, values * repetition)
-    values -= per_token("frequency_penalty") * count_t + per_token("presence_penalty") * (count_t > 0)
+    values -= per_pair("frequency_penalty", 0.0) * count_t + per_pair("presence_penalty", 0.0) * (count_t > 0)
     logits[index] = values
     return logits
+
+
+def _keys(row: int, tokens: np.ndarray, vocab_size: int) -> np.ndarray:
+    """``row * vocab_size + token`` for each token id of ``tokens`` within the vocabulary."""
+    return row * vocab_size + tokens[(tokens >= 0) & (tokens < vocab_size)]
 
 
 def _sample(
