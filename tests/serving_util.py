@@ -10,6 +10,9 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
 from distserve.config import CacheConfig, SamplingParams
 from distserve.engine.outputs import RequestOutput
 from distserve.runtime.config import DeploymentConfig
@@ -27,6 +30,21 @@ async def drain(stream: AsyncIterator[RequestOutput]) -> RequestOutput:
         last = out
     assert last is not None and last.finished
     return last
+
+
+Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
+
+
+def metric_samples(url: str) -> Samples:
+    """The server's ``/metrics`` samples by (name, sorted labels), ``model_name`` left out of the labels
+    once checked: every sample must carry it."""
+    text = httpx.get(f"{url}/metrics").text  # no key: /metrics stays open
+    out: Samples = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            assert s.labels.get("model_name"), f"{s.name}{s.labels} has no model_name"
+            out[(s.name, tuple(sorted((k, v) for k, v in s.labels.items() if k != "model_name")))] = s.value
+    return out
 
 
 def wait_until(predicate: Callable[[], bool], timeout_s: float = 10.0) -> bool:

@@ -13,6 +13,7 @@ from distserve.dataflow.limits import DEFAULT_LIMITS
 from distserve.engine.step_budget import STEP_POLICIES
 from distserve.errors import DistServeError
 from distserve.runtime.config import SERVER_MAX_QUEUED_REQUESTS
+from distserve.serving.metrics_exposition import METRICS_PREFIXES, OWN_PREFIX
 
 if TYPE_CHECKING:
     from distserve.cluster.admission import AdmissionConfig
@@ -265,6 +266,9 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--request-log", default=None, metavar="FILE.jsonl",
                    help="append one JSON line per finished request (id, tenant, tokens, every timestamp and the latency breakdown: "
                    "queueing, prefill, migration, decode)")
+    p.add_argument("--metrics-prefix", default=OWN_PREFIX, choices=METRICS_PREFIXES,
+                   help="/metrics names the series vLLM also exports <prefix>:<vLLM's name> (vllm: vLLM's own Grafana dashboard "
+                   "reads them unchanged); distserve's own series stay distserve:")
     p.add_argument("--tool-call-parser", default=None, choices=["hermes"], metavar="NAME",
                    help="parse tool calls out of chat completions (vLLM's names; hermes: <tool_call>{json}</tool_call>)")
     p.add_argument("--enable-auto-tool-choice", action="store_true",

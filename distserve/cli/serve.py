@@ -126,6 +126,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             admission_policy=args.admission_policy,
             max_waiting=None if args.no_backpressure else args.max_waiting,
             waiting_unit=args.waiting_unit,
+            metrics_prefix=args.metrics_prefix,
         )
         run_ray_serve(options, args.host, args.port, on_ready=lambda url: _print_ready(url, served, f"{layout}, Ray Serve"))
         return 0
@@ -166,6 +167,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             on_ready=lambda url: _print_ready(url, served, f"{ray_layout}, Ray runtime"), log_level=args.log_level, slo=slo,
             session_limits=session_limits(args), api_keys=api_keys, request_log=request_log,
             tool_call_parser=args.tool_call_parser, enable_auto_tool_choice=args.enable_auto_tool_choice,
+            metrics_prefix=args.metrics_prefix,
         )
 
     from distserve.runtime.local_client import build_local_engine_client
@@ -173,4 +175,5 @@ def cmd_serve(args: argparse.Namespace) -> int:
     client = build_local_engine_client(config)
     return run_server(client, served, sock, on_ready=lambda url: _print_ready(url, served, layout), log_level=args.log_level, slo=slo,
                       session_limits=session_limits(args), api_keys=api_keys, request_log=request_log,
-                      tool_call_parser=args.tool_call_parser, enable_auto_tool_choice=args.enable_auto_tool_choice)
+                      tool_call_parser=args.tool_call_parser, enable_auto_tool_choice=args.enable_auto_tool_choice,
+                      metrics_prefix=args.metrics_prefix)

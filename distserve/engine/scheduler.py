@@ -99,7 +99,8 @@ class Scheduler(AdmissionRankOrder):
         self._order = 0
         self._groups = GroupArrivals()
         self.num_preemptions = 0
-        self.num_prefix_cache_hit_tokens = 0  # prompt tokens admissions took from the prefix cache
+        self.num_prefix_cache_query_tokens = 0  # tokens of the sequences admissions looked up in the prefix cache
+        self.num_prefix_cache_hit_tokens = 0  # ... and those taken from it
         self.forking: dict[str, Sequence] = {}  # leaders (``n`` > 1) whose completions are not forked yet
         self.num_forked_completions = 0  # completions that took their prompt's KV from a fork, not a prefill
 
@@ -409,8 +410,7 @@ class Scheduler(AdmissionRankOrder):
                     n = room
             self._pop_waiting(w)
             self._recent_ranks.append(seq.admission_rank)
-            block_manager.allocate(seq)
-            self.num_prefix_cache_hit_tokens += seq.num_cached_tokens
+            self._allocate(seq)
             n = min(n, seq.num_uncomputed_tokens)
             seq.status = SequenceStatus.RUNNING
             self._append_running(seq)
@@ -418,6 +418,12 @@ class Scheduler(AdmissionRankOrder):
             (decodes if chunk.is_decode else prefills).append(chunk)
             budget -= n
         return budget
+
+    def _allocate(self, seq: Sequence) -> None:
+        """Give waiting ``seq`` its blocks (the caller checked they fit), counting its prefix-cache lookup."""
+        self.block_manager.allocate(seq)
+        self.num_prefix_cache_query_tokens += seq.num_tokens
+        self.num_prefix_cache_hit_tokens += seq.num_cached_tokens
 
     def _fits(self, seq: Sequence) -> bool:
         """Whether waiting ``seq`` may take its blocks now (a phase may keep some back: ``PrefillScheduler``)."""
@@ -455,8 +461,7 @@ class Scheduler(AdmissionRankOrder):
         else:
             if not bm.can_allocate(seq):
                 return False
-            bm.allocate(seq)
-            self.num_prefix_cache_hit_tokens += seq.num_cached_tokens
+            self._allocate(seq)
         n = seq.num_uncomputed_tokens
         if self._chunk_prefills:
             n = min(n, self.config.max_num_batched_tokens)

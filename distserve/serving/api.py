@@ -40,6 +40,7 @@ from distserve.serving.http_errors import (
 )
 from distserve.serving.metrics import CONTENT_TYPE, RequestTimer, ServingMetrics, rejection_reason
 from distserve.serving.logprobs import LogprobsRenderer
+from distserve.serving.metrics_exposition import OWN_PREFIX
 from distserve.serving.request_log import RequestLog
 from distserve.serving.protocol import (
     APIError,
@@ -106,7 +107,7 @@ class _Server:
         """Submit for the request's tenant and wait for the first output, so bad input and a full
         queue become HTTP errors."""
         tenant = tenant_of(request)
-        timer = self.metrics.request_timer(tenant=tenant.name)
+        timer = self.metrics.request_timer(tenant=tenant.name, sampling=sampling)
         stream = self.client.generate(prompt, sampling, request_id, priority,
                                       request_class=RequestClass(tenant=tenant.name, tier=tenant.tier), timeout_s=timeout_s)
         try:
@@ -179,13 +180,15 @@ def _tool_call_out(call: ParsedToolCall) -> ToolCallOut:
 def build_fastapi_app(
     client: EngineClient, served_model_name: str, *, metrics: ServingMetrics | None = None,
     session_limits: SessionLimits = DEFAULT_LIMITS, api_keys: ApiKeys | None = None,
-    tool_call_parser: str | None = None, enable_auto_tool_choice: bool = False,
+    tool_call_parser: str | None = None, enable_auto_tool_choice: bool = False, metrics_prefix: str = OWN_PREFIX,
 ) -> FastAPI:
     """``/v1/completions``, ``/v1/chat/completions``, ``/v1/models``, ``/health`` and ``/metrics`` over ``client``,
     and the semantic-variable routes. With ``api_keys`` every route but ``/health`` and ``/metrics``
     needs a tenant's key (``serving.auth``); without, every request is the anonymous tenant's.
     ``tool_call_parser`` (``serving.tool_parsers``) and ``enable_auto_tool_choice``: vLLM's
-    ``--tool-call-parser`` and ``--enable-auto-tool-choice``, which ``tool_choice: "auto"`` needs."""
+    ``--tool-call-parser`` and ``--enable-auto-tool-choice``, which ``tool_choice: "auto"`` needs.
+    ``metrics_prefix``: of the ``ServingMetrics`` made here when ``metrics`` is None (``--metrics-prefix``);
+    a ``metrics`` without a ``model_name`` gets ``served_model_name``."""
     if enable_auto_tool_choice and tool_call_parser is None:
         raise InvalidConfigError("--enable-auto-tool-choice needs --tool-call-parser", "tool_call_parser")
     try:
@@ -193,7 +196,10 @@ def build_fastapi_app(
     except ValueError as exc:
         raise InvalidConfigError(f"--tool-call-parser: {exc}", "tool_call_parser") from exc
     app = FastAPI(title="distserve", description="OpenAI-compatible API of a disaggregated LLM server")
-    server = _Server(client, served_model_name, metrics or ServingMetrics(tenants=api_keys.tenant_names if api_keys else ()))
+    if metrics is None:
+        metrics = ServingMetrics(tenants=api_keys.tenant_names if api_keys else (), prefix=metrics_prefix, model_name=served_model_name)
+    metrics.model_name = metrics.model_name or served_model_name
+    server = _Server(client, served_model_name, metrics)
     app.state.server = server
     add_error_handlers(app)
     if api_keys is not None:
@@ -392,6 +398,7 @@ def run_server(
     request_log: RequestLog | None = None,
     tool_call_parser: str | None = None,
     enable_auto_tool_choice: bool = False,
+    metrics_prefix: str = OWN_PREFIX,
 ) -> int:
     """Serve on the bound ``sock`` with plain uvicorn until SIGINT/SIGTERM, then shut ``client`` down.
 
@@ -401,6 +408,7 @@ def run_server(
     engine died for good (``EngineClient.is_dead``) — the server stops then, so that a supervisor
     (systemd, Kubernetes) starts a fresh process instead of leaving one that answers 503 forever.
     ``request_log``: where each finished request is written (closed when the server stops).
+    ``metrics_prefix``: of the series vLLM also exports (``serving.metrics_exposition``).
     """
     import uvicorn
 
@@ -409,7 +417,8 @@ def run_server(
 
     async def main() -> int:
         engine_client = client if isinstance(client, EngineClient) else await client()
-        metrics = ServingMetrics(slo=slo, tenants=api_keys.tenant_names if api_keys else (), request_log=request_log)
+        metrics = ServingMetrics(slo=slo, tenants=api_keys.tenant_names if api_keys else (), request_log=request_log,
+                                 prefix=metrics_prefix, model_name=served_model_name)
         app = build_fastapi_app(engine_client, served_model_name, metrics=metrics, session_limits=session_limits, api_keys=api_keys,
                                 tool_call_parser=tool_call_parser, enable_auto_tool_choice=enable_auto_tool_choice)
         config = uvicorn.Config(

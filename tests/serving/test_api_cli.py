@@ -77,7 +77,7 @@ def test_serve_process_answers_and_stops_on_sigint(tmp_path: pathlib.Path) -> No
     request_log = tmp_path / "requests.jsonl"
     proc = subprocess.Popen(
         [sys.executable, "-m", "distserve.cli", "serve", "--model", "tiny", "--port", str(port), "--log-level", "warning",
-         "--ttft-slo", "30", "--tpot-slo", "5", "--threads", "1", "--request-log", str(request_log)],
+         "--ttft-slo", "30", "--tpot-slo", "5", "--threads", "1", "--request-log", str(request_log), "--metrics-prefix", "vllm"],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -98,7 +98,10 @@ def test_serve_process_answers_and_stops_on_sigint(tmp_path: pathlib.Path) -> No
             model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=4, temperature=0
         )
         assert resp.usage is not None and resp.usage.completion_tokens >= 1
-        assert 'distserve:request_slo_total{met="true",objective="default"} 1.0' in httpx.get(f"{url}/metrics").text
+        metrics = httpx.get(f"{url}/metrics").text
+        assert 'distserve:request_slo_total{met="true",model_name="tiny",objective="default"} 1.0' in metrics  # our own series
+        assert 'vllm:time_to_first_token_seconds_count{model_name="tiny"} 1.0' in metrics  # vLLM's, under its prefix
+        assert "distserve:time_to_first_token_seconds" not in metrics
         proc.send_signal(signal.SIGINT)
         out, err = proc.communicate(timeout=30)
     finally:
