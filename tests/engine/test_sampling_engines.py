@@ -49,13 +49,16 @@ def assert_same(a: RequestOutput, b: RequestOutput) -> None:
         assert b.prompt_logprobs.ranks == a.prompt_logprobs.ranks
 
 
-@pytest.mark.parametrize("name", list(FEATURES))
-def test_colocated_and_disaggregated_agree(tiny: LoadedModel, name: str) -> None:
-    sp = FEATURES[name]
-    colocated = LLMEngine(tiny, cache_config=CACHE).generate(PROMPTS, sp)
-    split = disagg(tiny).generate(PROMPTS, sp)
+def test_colocated_and_disaggregated_agree(tiny: LoadedModel) -> None:
+    # Every feature set on every prompt, in one batch: each row is processed with its own parameters.
+    prompts = [p for p in PROMPTS for _ in FEATURES]
+    params = [sp for _ in PROMPTS for sp in FEATURES.values()]
+    colocated = LLMEngine(tiny, cache_config=CACHE).generate(prompts, params)
+    split = disagg(tiny).generate(prompts, params)
     for a, b in zip(colocated, split):
         assert_same(a, b)
+    alone = LLMEngine(tiny, cache_config=CACHE).generate(prompts[:len(FEATURES)], params[:len(FEATURES)])
+    assert [o.token_ids for o in alone] == [o.token_ids for o in colocated[:len(FEATURES)]]  # whatever the batch
 
 
 def test_logprob_shapes(tiny: LoadedModel) -> None:
