@@ -16,6 +16,7 @@ from distserve.cluster.admission import check_timeout
 from distserve.cluster.classes import RequestClass, check_request_class
 from distserve.cluster.recovery import blame, poison_message
 from distserve.config import PRIORITY_MAX, PRIORITY_MIN, CacheConfig, SamplingParams, SchedulerConfig
+from distserve.engine.logprobs import PromptLogprobs, TopLogprobs
 from distserve.engine.request_metrics import RequestMetrics
 from distserve.engine.sequence import Sequence, SequenceStatus, completion_sampling, completion_seq_id
 from distserve.engine.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -49,7 +50,9 @@ class RequestOutput:
     finished: bool
     finish_reason: str | None
     metrics: RequestMetrics
-    logprobs: list[float] | None = None
+    logprobs: list[float] | None = None  # of each output token so far, if the request asked
+    top_logprobs: list[TopLogprobs] | None = None  # per output token so far, if the request asked
+    prompt_logprobs: PromptLogprobs | None = None  # prompt tokens 1.. (``engine.logprobs``), if asked
     error: str | None = None  # set with finish_reason "error": why this request failed
     error_kind: str | None = None  # with ``error``: "timeout" when it waited past its ``timeout`` (HTTP 408), else None
     # ``n`` > 1: which completion this output is about. ``finished`` is then the request's (all n
@@ -123,6 +126,8 @@ class OutputProcessor:
             finish_reason=seq.finish_reason,
             metrics=RequestMetrics.of(seq),
             logprobs=list(seq.logprobs) if sp.logprobs else None,
+            top_logprobs=list(seq.top_logprobs) if sp.top_logprobs else None,
+            prompt_logprobs=seq.prompt_logprobs,
             error=seq.error,
             index=seq.index,
         )
@@ -225,6 +230,9 @@ class RequestFrontend(ABC):
         bad = [t for t in sampling.stop_token_ids if t >= vocab]
         if bad:
             raise InvalidSamplingParamsError(f"stop_token_ids must be below the vocabulary size {vocab}, got {bad[:3]}", "stop_token_ids")
+        bad = [t for t, _ in sampling.logit_bias if t >= vocab]
+        if bad:
+            raise InvalidSamplingParamsError(f"logit_bias keys must be token ids below the vocabulary size {vocab}, got {bad[:3]}", "logit_bias")
         room = self.max_model_len - len(prompt_ids)
         if sampling.max_tokens > room:
             raise PromptTooLongError(

@@ -39,6 +39,7 @@ from distserve.serving.http_errors import (
     unavailable,
 )
 from distserve.serving.metrics import CONTENT_TYPE, RequestTimer, ServingMetrics, rejection_reason
+from distserve.serving.logprobs import LogprobsRenderer
 from distserve.serving.metrics_exposition import OWN_PREFIX
 from distserve.serving.request_log import RequestLog
 from distserve.serving.protocol import (
@@ -49,16 +50,13 @@ from distserve.serving.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
     ChatDelta,
-    ChatLogprobs,
     ChatMessageOut,
-    ChatTokenLogprob,
     DeltaFunctionCall,
     DeltaToolCall,
     FunctionCallOut,
     ToolCallOut,
     CompletionChoice,
     CompletionChunk,
-    CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
     ModelCard,
@@ -89,6 +87,7 @@ class _Server:
         names = {served_model_name, *MODEL_ALIASES.get(served_model_name, ())}
         names.update(MODEL_ALIASES.get(getattr(client, "model_name", ""), ()))
         self.accepted_models = names
+        self.logprobs = LogprobsRenderer(client.tokenizer)
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model not in self.accepted_models:
@@ -150,19 +149,6 @@ class _Server:
             timer.fail()
             raise engine_error(exc, "prompt") from exc
 
-    def token_text(self, token_id: int) -> str:
-        return self.client.tokenizer.decode([token_id], skip_special_tokens=False)
-
-    def new_logprobs(self, out: RequestOutput) -> list[tuple[str, float]]:
-        if out.logprobs is None or not out.new_token_ids:
-            return []
-        lps = out.logprobs[len(out.logprobs) - len(out.new_token_ids) :]
-        return [(self.token_text(t), lp) for t, lp in zip(out.new_token_ids, lps)]
-
-    def all_logprobs(self, out: RequestOutput) -> list[tuple[str, float]]:
-        if out.logprobs is None:
-            return []
-        return [(self.token_text(t), lp) for t, lp in zip(out.token_ids, out.logprobs)]
 
 
 def _prompt_ids(client: EngineClient, prompt: str | list[int]) -> list[int]:
@@ -189,25 +175,6 @@ class _Usage:
 
 def _tool_call_out(call: ParsedToolCall) -> ToolCallOut:
     return ToolCallOut(id=call.id, function=FunctionCallOut(name=call.name, arguments=call.arguments))
-
-
-def _completion_logprobs(pairs: list[tuple[str, float]], offset: int, top: bool) -> CompletionLogprobs:
-    offsets: list[int] = []
-    for tok, _ in pairs:
-        offsets.append(offset)
-        offset += len(tok)
-    return CompletionLogprobs(
-        tokens=[t for t, _ in pairs],
-        token_logprobs=[lp for _, lp in pairs],
-        top_logprobs=[{t: lp} for t, lp in pairs] if top else None,
-        text_offset=offsets,
-    )
-
-
-def _chat_logprobs(pairs: list[tuple[str, float]]) -> ChatLogprobs:
-    return ChatLogprobs(
-        content=[ChatTokenLogprob(token=t, logprob=lp, bytes=list(t.encode("utf-8"))) for t, lp in pairs]
-    )
 
 
 def build_fastapi_app(
@@ -271,25 +238,26 @@ def build_fastapi_app(
         num_prompt_tokens = None if body.max_tokens is not None else len(_prompt_ids(client, prompt))
         sampling = body.to_sampling_params(client.max_model_len, num_prompt_tokens)
         request_id = f"cmpl-{uuid.uuid4().hex}"
-        stream, first, timer = await server.start(request, prompt, sampling, request_id, body.priority, body.timeout, "prompt")
+        stream, first, timer = await server.start(request, prompt, sampling, request_id, body.priority, body.timeout, "prompt",
+                                                  {"top_logprobs": "logprobs"})
         want_logprobs = body.logprobs is not None
-        top = bool(body.logprobs)
+        k = body.logprobs or 0
+        fmt = server.logprobs
+        # vLLM's echo: the prompt as given, or decoded when given as token ids.
+        echo_text = (prompt if isinstance(prompt, str) else client.tokenizer.decode(prompt)) if body.echo else ""
         if not body.stream:
             outs = await server.collect(request, stream, first, timer)
-            return CompletionResponse(
-                id=request_id,
-                model=served_model_name,
-                choices=[
-                    CompletionChoice(
-                        index=out.index, text=out.text, finish_reason=finish_reason(out.finish_reason),
-                        logprobs=_completion_logprobs(server.all_logprobs(out), 0, top) if want_logprobs else None,
-                    )
-                    for out in outs
-                ],
-                usage=_usage(outs),
-            )
+            choices = []
+            for out in outs:
+                entries = (fmt.prompt_entries(out) if body.echo else []) + fmt.output_entries(out)
+                choices.append(CompletionChoice(
+                    index=out.index, text=echo_text + out.text, finish_reason=finish_reason(out.finish_reason),
+                    logprobs=fmt.completion(entries, 0, k) if want_logprobs else None,
+                    prompt_logprobs=fmt.prompt_logprobs(out, body.prompt_logprobs) if body.prompt_logprobs is not None else None,
+                ))
+            return CompletionResponse(id=request_id, model=served_model_name, choices=choices, usage=_usage(outs))
         created = int(time.time())
-        emitted: dict[int, int] = {}  # chars streamed per completion
+        emitted: dict[int, int] = {}  # chars streamed per completion (its echoed prompt's included)
         usage = _Usage()
 
         def chunk(choices: list[CompletionChoice], usage: UsageInfo | None = None) -> str:
@@ -299,12 +267,17 @@ def build_fastapi_app(
         def render(out: RequestOutput) -> list[str]:
             usage.observe(out)
             done = out.finish_reason is not None  # this completion ended (the request: ``out.finished``)
-            if not (out.new_text or done or (want_logprobs and out.new_token_ids)):
+            starts = out.index not in emitted  # its first chunk carries the echoed prompt
+            if not (out.new_text or done or (want_logprobs and out.new_token_ids) or (starts and body.echo)):
                 return []
             offset = emitted.get(out.index, 0)
-            logprobs = _completion_logprobs(server.new_logprobs(out), offset, top) if want_logprobs else None
-            emitted[out.index] = offset + len(out.new_text)
-            return [chunk([CompletionChoice(index=out.index, text=out.new_text, logprobs=logprobs,
+            text = echo_text + out.new_text if starts else out.new_text
+            logprobs = None
+            if want_logprobs:
+                entries = (fmt.prompt_entries(out) if starts and body.echo else []) + fmt.output_entries(out, new_only=True)
+                logprobs = fmt.completion(entries, offset, k)
+            emitted[out.index] = offset + len(text)
+            return [chunk([CompletionChoice(index=out.index, text=text, logprobs=logprobs,
                                             finish_reason=finish_reason(out.finish_reason))])]
 
         events = sse_events(stream, first, timer, render, body.include_usage, lambda _: chunk([], usage.info()))
@@ -335,6 +308,7 @@ def build_fastapi_app(
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         names = {"max_tokens": "max_completion_tokens"} if body.max_completion_tokens is not None else None
         stream, first, timer = await server.start(request, prompt, sampling, request_id, body.priority, body.timeout, "messages", names)
+        fmt, k = server.logprobs, body.top_logprobs or 0
         if not body.stream:
             outs = await server.collect(request, stream, first, timer)
             choices = []
@@ -347,10 +321,12 @@ def build_fastapi_app(
                 choices.append(ChatChoice(
                     index=out.index,
                     message=ChatMessageOut(content=content, tool_calls=[_tool_call_out(c) for c in calls]),
-                    logprobs=_chat_logprobs(server.all_logprobs(out)) if body.logprobs else None,
+                    logprobs=fmt.chat(fmt.output_entries(out), k) if body.logprobs else None,
                     finish_reason="tool_calls" if calls else finish_reason(out.finish_reason),
                 ))
-            return ChatCompletionResponse(id=request_id, model=served_model_name, choices=choices, usage=_usage(outs))
+            prompt_logprobs = fmt.prompt_logprobs(outs[0], body.prompt_logprobs) if body.prompt_logprobs is not None else None
+            return ChatCompletionResponse(id=request_id, model=served_model_name, choices=choices, usage=_usage(outs),
+                                          prompt_logprobs=prompt_logprobs)
         created = int(time.time())
         role_sent: set[int] = set()  # completions whose first chunk (the role) is out
         usage = _Usage()
@@ -377,7 +353,7 @@ def build_fastapi_app(
                     text += rest
                     calls = calls[:1] if one_call else calls
             if text or (done and not calls) or (body.logprobs and out.new_token_ids):
-                logprobs = _chat_logprobs(server.new_logprobs(out)) if body.logprobs else None
+                logprobs = fmt.chat(fmt.output_entries(out, new_only=True), k) if body.logprobs else None
                 delta = ChatDelta(content=text) if text else ChatDelta()
                 events.append(chunk([ChatChunkChoice(index=out.index, delta=delta, logprobs=logprobs,
                                                      finish_reason=None if calls else finish_reason(out.finish_reason))]))
