@@ -265,6 +265,7 @@ class SamplingParams:
     logprobs: bool = False
     include_stop_str_in_output: bool = False
     n: int = 1  # completions of the prompt: it is prefilled once and its KV forked n ways (copy-on-write)
+    skip_special_tokens: bool = True  # False: special tokens' text (e.g. <|im_start|>) is kept in the output text
 
     def __post_init__(self) -> None:
         # Accept lists/str from callers but store tuples so the object stays hashable and frozen.
