@@ -20,6 +20,34 @@ _END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end_of_text|>", "<|endofte
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
 
 
+def load_chat_template(value: str) -> str:
+    """A chat template given as a file or as the template itself (vLLM's ``--chat-template``): a value that
+    names no readable file is the template if it has Jinja's ``{``/``}`` or a newline (escapes such as
+    ``\\n`` decoded, as vLLM does), else an error. The template must compile (Jinja syntax)."""
+    import codecs
+
+    import jinja2
+    import jinja2.ext
+    import jinja2.sandbox
+
+    try:
+        with open(value, encoding="utf-8") as f:
+            template = f.read()
+    except OSError as exc:
+        if not any(c in value for c in "{}\n"):
+            raise InvalidConfigError(f"{value!r} looks like a file path but cannot be read: {exc.strerror or exc}",
+                                     "chat_template") from None
+        template = codecs.decode(value, "unicode_escape")
+    except UnicodeDecodeError as exc:
+        raise InvalidConfigError(f"{value!r} is not UTF-8 text: {exc}", "chat_template") from None
+    try:  # the environment transformers renders chat templates in
+        env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+        env.parse(template)
+    except jinja2.TemplateSyntaxError as exc:
+        raise InvalidConfigError(f"the chat template is not valid Jinja (line {exc.lineno}): {exc.message}", "chat_template") from None
+    return template
+
+
 class Tokenizer:
     """Thin wrapper over an HF tokenizer with the few operations the engine needs."""
 
