@@ -106,6 +106,13 @@ def prefill_scheduler_config(args: argparse.Namespace, placement: "Placement") -
     return replace(base, enable_chunked_prefill=True, max_num_batched_tokens=args.prefill_chunk)
 
 
+def serve_placement(args: argparse.Namespace) -> "Placement":
+    """The placement to deploy: --placement or the shorthand flags, with --max-model-len/--max-num-seqs/
+    --max-num-batched-tokens over the JSON's deployment-wide caps (an instance's own caps still apply to it)."""
+    return placement_from_args(args).with_caps(max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+                                               max_num_batched_tokens=args.max_num_batched_tokens)
+
+
 def chat_template_of(args: argparse.Namespace) -> "str | None":
     """--chat-template's template (None without it); a bad file or template is an error naming the flag."""
     if args.chat_template is None:
@@ -175,9 +182,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     parallel = any(getattr(args, f) != 1 for f in ("prefill_tp", "prefill_pp", "decode_tp", "decode_pp"))
     on_ray = args.runtime == "ray" or (args.runtime == "auto" and (parallel or args.placement is not None))
-    # The flags override the Placement JSON's batch caps; an instance's own still applies to it.
-    placement = placement_from_args(args).with_caps(max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
-                                                    max_num_batched_tokens=args.max_num_batched_tokens)
+    placement = serve_placement(args)
     if args.threads is not None and on_ray:
         placement = placement.with_threads(args.threads)
     slo = serve_slo(args, placement if on_ray else None)
