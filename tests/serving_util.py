@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
+import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any
 
 from distserve.config import CacheConfig, SamplingParams
@@ -200,3 +204,40 @@ class ScriptedTokens:
 
     def say(self, text: str | None) -> None:
         self.ids = None if text is None else self.tokenizer.encode(text, add_special_tokens=False) + [self.eos]
+
+
+@contextlib.contextmanager
+def serve_process(*flags: str, startup_timeout_s: float = 90.0) -> Iterator[tuple[subprocess.Popen[str], str]]:
+    """`distserve serve --model tiny FLAGS` as a process on a free loopback port, once ``/health`` answers:
+    the process and its base URL. Killed on the way out if still running (``stop_process`` ends it cleanly)."""
+    import httpx
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = int(s.getsockname()[1])
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "distserve.cli", "serve", "--model", "tiny", "--port", str(port), "--log-level", "warning", *flags],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + startup_timeout_s
+        while True:
+            assert proc.poll() is None, proc.communicate()
+            assert time.monotonic() < deadline, "server did not become healthy"
+            try:
+                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        yield proc, url
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+
+
+def stop_process(proc: subprocess.Popen[str], timeout_s: float = 30.0) -> tuple[str, str]:
+    """SIGINT, as Ctrl-C: the process's stdout and stderr once it has exited."""
+    proc.send_signal(signal.SIGINT)
+    return proc.communicate(timeout=timeout_s)

@@ -4,16 +4,12 @@ CORS flags. Bad values exit 2 naming the flag; a real server process deploys wha
 from __future__ import annotations
 
 import pathlib
-import signal
-import socket
-import subprocess
-import sys
-import time
 
 import httpx
 import pytest
 
 from distserve.cli import main
+from serving_util import serve_process, stop_process
 
 TEMPLATE = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}"
 
@@ -46,35 +42,15 @@ def test_bad_values_exit_2_naming_the_flag(capsys: pytest.CaptureFixture[str], a
     assert exc.value.code == 2 and needle in capsys.readouterr().err
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.mark.integration  # runs `distserve serve` as a process
 @pytest.mark.timeout(120)
 def test_the_flags_deploy(tmp_path: pathlib.Path) -> None:
     template = tmp_path / "chat.jinja"
     template.write_text(TEMPLATE)
-    port = _free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "distserve.cli", "serve", "--model", "tiny", "--port", str(port), "--log-level", "warning",
-         "--threads", "1", "--colocated", "1", "--chat-template", str(template), "--max-model-len", "256", "--max-num-seqs", "2",
-         "--max-num-batched-tokens", "128", "--allowed-origins", '["http://app.example"]'],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )
-    try:
-        url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 90
-        while True:
-            assert proc.poll() is None, proc.communicate()
-            assert time.monotonic() < deadline, "server did not become healthy"
-            try:
-                if httpx.get(f"{url}/ping", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.2)
+    flags = ("--threads", "1", "--colocated", "1", "--chat-template", str(template), "--max-model-len", "256", "--max-num-seqs", "2",
+             "--max-num-batched-tokens", "128", "--allowed-origins", '["http://app.example"]')
+    with serve_process(*flags) as (proc, url):
+        assert httpx.get(f"{url}/ping").status_code == 200
         models = httpx.get(f"{url}/v1/models", headers={"Origin": "http://app.example"})
         assert models.json()["data"][0]["max_model_len"] == 256
         assert models.headers["access-control-allow-origin"] == "http://app.example"
@@ -90,11 +66,6 @@ def test_the_flags_deploy(tmp_path: pathlib.Path) -> None:
         assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
         r = httpx.post(f"{url}/v1/chat/completions", json={"messages": chat, "max_tokens": 2, "n": 2}, timeout=60)
         assert r.status_code == 200 and len(r.json()["choices"]) == 2
-        proc.send_signal(signal.SIGINT)
-        _, err = proc.communicate(timeout=30)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
+        _, err = stop_process(proc)
     assert proc.returncode == 0, err
     assert "Traceback" not in err, err
