@@ -94,13 +94,17 @@ class DecodeStreamDetokenizer(Detokenizer):
 
     def _push(self, token_id: int) -> str:
         try:
-            chunk = self._stream.step(self._backend, token_id)
+            return self._step(token_id)
         except Exception as exc:  # noqa: BLE001 - only the documented invalid-prefix failure is recovered
             if not str(exc).startswith(_INVALID_PREFIX):
                 raise
             logger.warning("detokenizer: %s; restarting the decode stream", exc)
-            self._stream = self._new_stream(self._pending[-NUM_CONTEXT_TOKENS:])
-            chunk = self._stream.step(self._backend, token_id)
+            held, self._pending = self._pending, []
+            self._stream = self._new_stream([])
+            return "".join(self._step(t) for t in [*held, token_id])
+
+    def _step(self, token_id: int) -> str:
+        chunk = self._stream.step(self._backend, token_id)
         if chunk is None:
             self._pending.append(token_id)
             return ""
