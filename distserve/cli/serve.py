@@ -93,13 +93,14 @@ def api_keys_of(args: argparse.Namespace) -> "ApiKeys | None":
         raise type(exc)(f"--api-keys {exc}") from None
 
 
-def prefill_scheduler_config(args: argparse.Namespace, placement: "Placement") -> "SchedulerConfig":
-    """Prefill instances' scheduler: the placement's caps; whole prompts, or chunks of --prefill-chunk
-    tokens per step; plans that yield between layers unless --no-layer-preemption."""
+def prefill_scheduler_config(args: argparse.Namespace, placement: "Placement | None" = None) -> "SchedulerConfig":
+    """Prefill instances' scheduler: the placement's caps (default: ``serve_placement(args)``); whole prompts,
+    or chunks of --prefill-chunk tokens per step; plans that yield between layers unless --no-layer-preemption."""
     from dataclasses import replace
 
     from distserve.config import SchedulerConfig
 
+    placement = placement if placement is not None else serve_placement(args)
     base = placement.scheduler_config(SchedulerConfig(layer_preemption=not args.no_layer_preemption))
     if args.prefill_chunk is None:
         return base
