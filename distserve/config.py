@@ -321,6 +321,7 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()
     top_logprobs: int = 0
     prompt_logprobs: int | None = None
+    skip_special_tokens: bool = True  # False: special tokens' text (e.g. <|im_start|>) is kept in the output text
     # Derived in __post_init__, read per row per step: whether any penalty applies, and whether the
     # sampler needs the request's tokens so far (penalties, prompt logprobs).
     has_penalties: bool = field(init=False, repr=False, compare=False, default=False)

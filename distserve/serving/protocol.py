@@ -67,7 +67,8 @@ def bad_request(message: str, param: str | None = None) -> APIError:
 
 # ---- requests --------------------------------------------------------------------------------
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="allow")  # unknown OpenAI fields are ignored, as vLLM does
+    # Undeclared fields are kept for ``request_fields.check_request_fields``: refused if unsupported, else logged once.
+    model_config = ConfigDict(extra="allow")
 
 
 class StreamOptions(_Request):
@@ -98,6 +99,9 @@ class _SamplingRequest(_Request):
     min_p: float | None = None  # extension (vLLM's)
     logit_bias: dict[str, Any] | None = None  # token id (a string) -> bias; checked by SamplingParams, naming logit_bias
     prompt_logprobs: int | None = None  # extension (vLLM's): logprobs of the prompt tokens, with this many alternatives
+    truncate_prompt_tokens: int | None = Field(default=None, ge=1)  # vLLM's: only the prompt's last k tokens are used
+    skip_special_tokens: bool = True  # vLLM's: false keeps special tokens' text in the output
+    request_id: str | None = None  # vLLM's: the request's id when it has no X-Request-Id header
 
     @property
     def include_usage(self) -> bool:
@@ -141,6 +145,7 @@ class _SamplingRequest(_Request):
                 logit_bias=self.logit_bias or (),  # type: ignore[arg-type]  # checked there
                 top_logprobs=top_logprobs,
                 prompt_logprobs=self.prompt_logprobs if prompt_logprobs is None else prompt_logprobs,
+                skip_special_tokens=self.skip_special_tokens,
             )
         except InvalidSamplingParamsError as exc:
             param = names.get(exc.param, exc.param) if exc.param is not None else None
@@ -152,7 +157,7 @@ class CompletionRequest(_SamplingRequest):
     max_tokens: int | None = 16
     logprobs: int | None = None
     echo: bool = False
-    suffix: str | None = None
+    add_special_tokens: bool = True  # vLLM's: the tokenizer's special tokens (e.g. BOS) before a text prompt
 
     def prompt_input(self) -> str | list[int]:
         """The single prompt (text or token ids); batches of prompts are refused."""
@@ -170,8 +175,6 @@ class CompletionRequest(_SamplingRequest):
 
     def to_sampling_params(self, max_model_len: int, num_prompt_tokens: int | None = None) -> SamplingParams:
         """``num_prompt_tokens`` is needed only when ``max_tokens`` is null (the rest of the context)."""
-        if self.suffix:
-            raise bad_request("suffix is not supported", "suffix")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise bad_request(f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs}", "logprobs")
         if self.max_tokens is not None:
@@ -266,19 +269,31 @@ class ChatMessage(_Request):
         return "\n".join(texts)
 
 
-class ChatCompletionRequest(_SamplingRequest):
+class ChatInput(_Request):
+    """A chat as the chat template renders it: what chat completions and ``/tokenize`` share."""
+
     messages: list[ChatMessage] = Field(min_length=1)
+    add_generation_prompt: bool = True  # extension
+    continue_final_message: bool = False  # vLLM's: the last (assistant) message is left open for the model to continue
+    add_special_tokens: bool = False  # vLLM's: the tokenizer's special tokens on top of the chat template's
+    chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: extra variables of the chat template (enable_thinking, ...)
+    tools: list[ChatTool] | None = None
+
+    def chat_messages(self) -> list[dict[str, Any]]:
+        return [m.template_dict(i) for i, m in enumerate(self.messages)]
+
+    def tool_dicts(self) -> list[dict[str, Any]] | None:
+        """``tools`` as chat templates read them (OpenAI's shape), or None."""
+        return [t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None
+
+
+class ChatCompletionRequest(_SamplingRequest, ChatInput):
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    add_generation_prompt: bool = True  # extension
-    tools: list[ChatTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None  # False: at most one call is returned
-
-    def chat_messages(self) -> list[dict[str, Any]]:
-        return [m.template_dict(i) for i, m in enumerate(self.messages)]
 
     def tool_mode(self, auto_tool_choice: bool) -> Literal["none", "auto"]:
         """Whether the output is parsed for tool calls (``auto``) or not (``none``); 400 for what is not supported.
@@ -301,10 +316,6 @@ class ChatCompletionRequest(_SamplingRequest):
         if not auto_tool_choice:
             raise bad_request('"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set', "tool_choice")
         return "auto"
-
-    def tool_dicts(self) -> list[dict[str, Any]] | None:
-        """``tools`` as chat templates read them (OpenAI's shape), or None."""
-        return [t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None
 
     def to_sampling_params(self, num_prompt_tokens: int, max_model_len: int) -> SamplingParams:
         """Without a token limit the answer may fill the rest of the context, as in vLLM."""
