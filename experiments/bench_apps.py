@@ -208,7 +208,7 @@ def markdown(figures: dict[str, Any]) -> list[str]:
 def parse_args() -> argparse.Namespace:
     ap = harness.parser(__doc__, "the tiny model on one in-process engine, small apps, one run per cell")
     ap.add_argument("--model", default="smollm2-135m")
-    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--dtype", default="auto", type=harness.model_dtype, help="auto: bfloat16 on a CPU with native bf16, else float32")
     ap.add_argument("--serve-flags", default="--prefill 1 --decode 1 --runtime ray",
                     help="`distserve serve` deployment flags (default: make serve's; --quick: --colocated 1 --runtime local)")
     ap.add_argument("--delays-ms", default="0,250", help="comma-separated simulated client<->server round-trip delays")

@@ -60,6 +60,27 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _token_count(text: str) -> int:
+    """A positive token count, also as vLLM writes them: ``32k`` (x1000), ``32K`` (x1024), ``1m``, ``1M``."""
+    units = {"k": 1000, "K": 1024, "m": 10**6, "M": 2**20}
+    try:
+        value = int(text[:-1]) * units[text[-1]] if text and text[-1] in units else int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a whole number of tokens (e.g. 4096 or 4k), got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {text}")
+    return value
+
+
+def _string_list(text: str) -> tuple[str, ...]:
+    from distserve.serving.cors import parse_list
+
+    try:
+        return parse_list(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"must be a JSON list of strings or comma-separated values: {exc}") from None
+
+
 def _port(text: str) -> int:
     value = int(text)
     if not 0 <= value <= 65535:
@@ -274,6 +295,22 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--enable-auto-tool-choice", action="store_true",
                    help='accept tool_choice "auto" (the default when a request has tools): calls in the output come back as '
                    "tool_calls (needs --tool-call-parser, as in vLLM)")
+    p.add_argument("--chat-template", default=None, metavar="FILE|TEMPLATE",
+                   help="a Jinja chat template (a file, or the template itself) used instead of the tokenizer's (vLLM's flag)")
+    p.add_argument("--max-model-len", type=_token_count, default=None, metavar="TOKENS",
+                   help="context length: prompt + output tokens of a request (default: the placement's, else the model's)")
+    p.add_argument("--max-num-seqs", type=_positive_int, default=None, metavar="N",
+                   help="sequences per batch of every instance (default: the placement's, else 64); an instance's own cap "
+                   "in the Placement JSON still applies to it")
+    p.add_argument("--max-num-batched-tokens", type=_token_count, default=None, metavar="TOKENS",
+                   help="tokens per step of every instance (default: the placement's, else 2048; --prefill-chunk sets "
+                   "prefill instances' own)")
+    p.add_argument("--allowed-origins", type=_string_list, default=None, metavar="LIST",
+                   help='CORS: origins whose pages may call the API, e.g. \'["https://app.example"]\' or \'["*"]\' '
+                   "(vLLM's flag; default: no CORS headers, where vLLM allows every origin)")
+    p.add_argument("--allowed-methods", type=_string_list, default=("*",), metavar="LIST", help='CORS methods (default ["*"])')
+    p.add_argument("--allowed-headers", type=_string_list, default=("*",), metavar="LIST", help='CORS headers (default ["*"])')
+    p.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials (cookies, Authorization)")
     p.add_argument("--ray-serve", action="store_true", help="run as a Ray Serve application (default: plain uvicorn)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
 

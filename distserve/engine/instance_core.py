@@ -25,12 +25,13 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable, Sequence as Seq
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from distserve.config import SchedulerConfig
 from distserve.decode.scheduler import DecodeScheduler, Reservation
 from distserve.engine.block_manager import BlockManager
+from distserve.engine.logprobs import PromptLogprobs, TopLogprobs
 from distserve.engine.scheduler import Scheduler
 from distserve.engine.step_plan import SampledToken, StepPlan, attributed_to
 from distserve.engine.step_stats import ITERATION_TOKEN_BOUNDS, STEP_SECONDS_BOUNDS, CumulativeHistogram
@@ -58,6 +59,8 @@ class SeqUpdate:
     num_cached_tokens: int
     awaiting_migration: bool = False
     error: str | None = None  # with finish_reason "error"
+    new_top_logprobs: list[TopLogprobs] = field(default_factory=list)  # per new token, if the request asked
+    prompt_logprobs: PromptLogprobs | None = None  # with the request's first token, if it asked
 
 
 @dataclass(slots=True)
@@ -327,6 +330,7 @@ class InstanceCore:
         return SeqUpdate(
             seq.seq_id, seq.output_token_ids[seen:], seq.logprobs[seen:] if seq.logprobs else [], seq.is_finished,
             seq.finish_reason, seq.num_cached_tokens, awaiting, seq.error,
+            seq.top_logprobs[seen:] if seq.top_logprobs else [], seq.prompt_logprobs if not seen else None,
         )
 
     # ---- what the router and /metrics see ------------------------------------------------------

@@ -22,7 +22,7 @@ from distserve.engine.prefix_grouping import PrefixGrouping
 from distserve.engine.rank_order import RECENT_ADMISSIONS, AdmissionRankOrder
 from distserve.engine.sequence import Sequence, SequenceStatus
 from distserve.engine.step_budget import StaticBudget, make_step_budget
-from distserve.engine.step_plan import SampledToken, ScheduledChunk, StepPlan
+from distserve.engine.step_plan import SampledToken, ScheduledChunk, StepPlan, chunk_history
 from distserve.errors import StepFailedError
 
 
@@ -295,9 +295,12 @@ class Scheduler(AdmissionRankOrder):
                 # _chunk inlined (this loop runs per sequence per step); a decode's one token without a slice.
                 end = start + n
                 num_tokens = len(token_ids)
+                sampling = seq.sampling
+                num_output_tokens = num_tokens - len(seq.prompt_token_ids)
                 chunk = ScheduledChunk(
                     seq.seq_id, [token_ids[start]] if n == 1 else token_ids[start:end], start, seq.block_table[:],
-                    end == num_tokens, seq.sampling, num_tokens - len(seq.prompt_token_ids),
+                    end == num_tokens, sampling, num_output_tokens,
+                    chunk_history(token_ids, sampling, num_output_tokens) if sampling.needs_history else None,
                 )
                 (decodes if n == 1 else prefills).append(chunk)
                 budget -= n
@@ -350,6 +353,10 @@ class Scheduler(AdmissionRankOrder):
             f.token_ids.append(token.token_id)
             if token.logprob is not None:
                 f.logprobs.append(token.logprob)
+                if token.top_logprobs is not None:
+                    f.top_logprobs.append(token.top_logprobs)
+            if lead is not None and lead.prompt_logprobs is not None:
+                f.prompt_logprobs = lead.prompt_logprobs  # the same prompt: computed once, for the leader
             f.first_token_time = now
             reason = self.check_token_stop(f)
             if reason is not None:
@@ -492,8 +499,10 @@ class Scheduler(AdmissionRankOrder):
 
     def _chunk(self, seq: Sequence, n: int) -> ScheduledChunk:
         start = seq.num_computed_tokens
+        sp, num_output_tokens = seq.sampling, seq.num_output_tokens
         return ScheduledChunk(seq.seq_id, seq.token_ids[start : start + n], start, list(seq.block_table),
-                              start + n == seq.num_tokens, seq.sampling, seq.num_output_tokens)
+                              start + n == seq.num_tokens, sp, num_output_tokens,
+                              chunk_history(seq.token_ids, sp, num_output_tokens) if sp.needs_history else None)
 
     def update_from_output(
         self, plan: StepPlan, sampled: list[SampledToken], seqs: dict[str, Sequence], now: float
@@ -536,8 +545,12 @@ class Scheduler(AdmissionRankOrder):
             seq.token_ids.append(token.token_id)
             if token.logprob is not None:
                 seq.logprobs.append(token.logprob)
+                if token.top_logprobs is not None:
+                    seq.top_logprobs.append(token.top_logprobs)
             if seq.first_token_time is None:
                 seq.first_token_time = now
+                if token.prompt_logprobs is not None:
+                    seq.prompt_logprobs = token.prompt_logprobs
             reason = check_token_stop(seq)
             if reason is not None:
                 seq.finish_time = now

@@ -91,7 +91,8 @@ class DistServeIngress:
         api: FastAPI = build_fastapi_app(
             self.client, self.serve_app.served_model_name, metrics=self.metrics, session_limits=self.serve_app.session_limits,
             api_keys=self.serve_app.api_keys, tool_call_parser=self.serve_app.tool_call_parser,
-            enable_auto_tool_choice=self.serve_app.enable_auto_tool_choice, metrics_peers=self.client.controller,
+            enable_auto_tool_choice=self.serve_app.enable_auto_tool_choice, chat_template=self.serve_app.chat_template,
+            cors=self.serve_app.cors, metrics_peers=self.client.controller,
         )
         return _ReplicaHeader(api, self.replica_id)
 

@@ -32,6 +32,7 @@ from distserve.errors import DistServeError, InvalidConfigError
 from distserve.placement import Placement
 from distserve.runtime.config import SERVER_MAX_QUEUED_REQUESTS, DeploymentConfig
 from distserve.serving.api_keys import ApiKeys
+from distserve.serving.cors import CorsOptions, parse_list
 from distserve.serving.metrics_exposition import METRICS_PREFIXES, OWN_PREFIX
 from distserve.slo import SLO, parse_latency
 
@@ -92,6 +93,14 @@ class ServeAppConfig(BaseModel):
     metrics_prefix: str = OWN_PREFIX
     tool_call_parser: Literal["hermes"] | None = None
     enable_auto_tool_choice: bool = False
+    chat_template: str | None = None  # a file, or the template itself
+    max_model_len: PositiveInt | None = None
+    max_num_seqs: PositiveInt | None = None
+    max_num_batched_tokens: PositiveInt | None = None
+    allowed_origins: tuple[str, ...] | None = None  # CORS: a list, JSON text or comma-separated values
+    allowed_methods: tuple[str, ...] = ("*",)
+    allowed_headers: tuple[str, ...] = ("*",)
+    allow_credentials: bool = False
     # Ray Serve: the ingress replicas, which all share one controller (one deployment of the placement).
     num_replicas: PositiveInt = 1
     max_ongoing_requests: PositiveInt | None = Field(
@@ -145,6 +154,11 @@ class ServeAppConfig(BaseModel):
                 raise ValueError(f"inline Placement JSON is not valid JSON: {exc}") from None
         return value
 
+    @field_validator("allowed_origins", "allowed_methods", "allowed_headers", mode="before")
+    @classmethod
+    def _string_list(cls, value: Any) -> Any:
+        return parse_list(value) if isinstance(value, str) else value
+
     @field_validator("enable_auto_tool_choice")
     @classmethod
     def _tool_choice(cls, value: bool, info: ValidationInfo) -> bool:
@@ -184,7 +198,7 @@ class ServeAppConfig(BaseModel):
         return args
 
     def resolve_placement(self, args: argparse.Namespace) -> Placement:
-        """The placement: ``placement`` (a file, or inline) or the shorthand fields; ``threads`` applied."""
+        """The placement: ``placement`` (a file, or inline) or the shorthand fields; the batch caps and ``threads`` applied."""
         from distserve.cli.args import check_placement_args, placement_from_args
 
         try:
@@ -195,18 +209,24 @@ class ServeAppConfig(BaseModel):
                 placement = Placement.load(self.placement)
             else:
                 placement = placement_from_args(args)
+            placement = placement.with_caps(max_model_len=self.max_model_len, max_num_seqs=self.max_num_seqs,
+                                            max_num_batched_tokens=self.max_num_batched_tokens)
         except DistServeError as exc:
             raise InvalidConfigError(f"app config placement: {_field_names(str(exc))}", "placement") from None
         return placement if self.threads is None else placement.with_threads(self.threads)
 
     def resolve(self) -> ServeApp:
         """Everything the replicas need, with the placement and key files read (errors name the field)."""
-        from distserve.cli.serve import api_keys_of, deployment_config_of, serve_slo, session_limits
+        from distserve.cli.serve import api_keys_of, chat_template_of, cors_of, deployment_config_of, serve_slo, session_limits
 
         args = self.cli_args()
         placement = self.resolve_placement(args)
+        if self.allowed_origins is None and (self.allowed_methods, self.allowed_headers, self.allow_credentials) != (("*",), ("*",), False):
+            raise InvalidConfigError("app config allowed_origins: allowed_methods/allowed_headers/allow_credentials need it "
+                                     "(without it the server sends no CORS headers)", "allowed_origins")
         try:
             api_keys = api_keys_of(args)
+            chat_template = chat_template_of(args)
             slo = serve_slo(args, placement)
             deployment = deployment_config_of(args, placement, slo, api_keys)
             limits = session_limits(args)
@@ -215,7 +235,8 @@ class ServeAppConfig(BaseModel):
         return ServeApp(
             deployment=deployment, served_model_name=self.served_model_name or self.model, slo=slo, session_limits=limits,
             api_keys=api_keys, metrics_prefix=self.metrics_prefix, tool_call_parser=self.tool_call_parser,
-            enable_auto_tool_choice=self.enable_auto_tool_choice, num_replicas=self.num_replicas,
+            enable_auto_tool_choice=self.enable_auto_tool_choice, chat_template=chat_template, cors=cors_of(args),
+            num_replicas=self.num_replicas,
             max_ongoing_requests=self.replica_max_ongoing_requests, replica_cpus=self.replica_cpus,
         )
 
@@ -250,6 +271,8 @@ class ServeApp:
     metrics_prefix: str
     tool_call_parser: str | None
     enable_auto_tool_choice: bool
+    chat_template: str | None
+    cors: CorsOptions | None
     num_replicas: int
     max_ongoing_requests: int
     replica_cpus: float

@@ -9,8 +9,8 @@ from typing import Any
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from distserve.cli.args import build_parser, placement_from_args
-from distserve.cli.serve import deployment_config_of, serve_slo
+from distserve.cli.args import build_parser
+from distserve.cli.serve import deployment_config_of, serve_placement, serve_slo
 from distserve.errors import InvalidConfigError
 from distserve.placement import InstanceSpec, Placement
 from distserve.serving.app_config import MAX_ONGOING_HEADROOM, SERVE_FIELDS, ServeAppConfig
@@ -28,14 +28,15 @@ def test_every_field_is_the_serve_flag_of_its_name() -> None:
 def test_the_app_deploys_what_distserve_serve_deploys() -> None:
     argv = ["serve", "--model", "tiny", "--prefill", "2", "--decode-tp", "2", "--kv-cache-gb", "0.25", "--tpot-slo", "50ms",
             "--max-queued-requests", "32", "--admission-policy", "fcfs", "--prefill-chunk", "64", "--threads", "2",
-            "--kv-transfer-timeout", "12"]
+            "--kv-transfer-timeout", "12", "--max-num-seqs", "8", "--max-model-len", "512"]
     args = build_parser().parse_args(argv)
-    placement = placement_from_args(args).with_threads(2)
+    placement = serve_placement(args).with_threads(2)
     expected = deployment_config_of(args, placement, serve_slo(args, placement), None)
     assert ServeAppConfig.from_cli_args(args).resolve().deployment == expected
     # the same as `serve run ... key=value` strings
     given = {"model": "tiny", "prefill": "2", "decode_tp": "2", "kv_cache_gb": "0.25", "tpot_slo": "50ms", "max_queued_requests": "32",
-             "admission_policy": "fcfs", "prefill_chunk": "64", "threads": "2", "kv_transfer_timeout": "12"}
+             "admission_policy": "fcfs", "prefill_chunk": "64", "threads": "2", "kv_transfer_timeout": "12", "max_num_seqs": "8",
+             "max_model_len": "512"}
     assert ServeAppConfig.from_args(given).resolve().deployment == expected
 
 
@@ -47,6 +48,15 @@ def test_a_placement_by_file_or_inline(tmp_path: Path) -> None:
         assert ServeAppConfig.from_args({"model": "tiny", "placement": value}).resolve().deployment.placement == placement
     colocated = ServeAppConfig.from_args({"model": "tiny", "colocated": 3}).resolve().deployment.placement
     assert colocated == Placement.colocated_instances(3)
+
+
+def test_the_http_options_reach_the_replicas(tmp_path: Path) -> None:
+    template = tmp_path / "chat.jinja"
+    template.write_text("{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    app = ServeAppConfig.from_args({"model": "tiny", "chat_template": str(template), "allowed_origins": '["https://a.example"]',
+                                    "tool_call_parser": "hermes", "enable_auto_tool_choice": "true"}).resolve()
+    assert app.chat_template == template.read_text() and app.cors is not None and app.cors.allowed_origins == ("https://a.example",)
+    assert (app.tool_call_parser, app.enable_auto_tool_choice, app.served_model_name) == ("hermes", True, "tiny")
 
 
 def test_max_ongoing_requests_follows_the_queue_bound() -> None:
@@ -82,9 +92,11 @@ def test_replicas_of_one_config_share_a_controller_name() -> None:
     ({"enable_auto_tool_choice": True}, "enable_auto_tool_choice", "tool_call_parser"),
     ({"placement": "/no/such/plan.json"}, "placement", "cannot read placement file"),
     ({"placement": "{not json"}, "placement", "not valid JSON"),
-    ({"placement": {"prefill": [{"tp": 0}], "decode": [{}]}}, "placement", "tp must be an integer >= 1"),
+    ({"placement": {"prefill": [{"tp": 0}], "decode": [{}]}}, "placement", "prefill[0].tp"),
     ({"placement": {"prefill": [{}], "decode": [{}]}, "prefill": 2}, "placement", "cannot be combined with colocated/prefill/decode"),
     ({"api_keys": "/no/such/keys.yaml"}, "api_keys", "cannot read the key file"),
+    ({"allowed_methods": "GET"}, "allowed_origins", "allowed_methods/allowed_headers/allow_credentials need it"),
+    ({"max_model_len": "4k"}, "max_model_len", "valid integer"),
 ])
 def test_a_bad_value_is_refused_naming_its_field(args: dict[str, Any], field: str, needle: str) -> None:
     with pytest.raises(InvalidConfigError) as err:
