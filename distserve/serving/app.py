@@ -22,12 +22,14 @@ import logging
 import signal
 import threading
 from collections.abc import Callable, Mapping
+from contextlib import suppress
 from typing import Any
 
 from fastapi import FastAPI
 from ray import serve
 from ray.serve import Application
 
+from distserve.errors import ServiceUnavailableError
 from distserve.runtime.ray_client import ControllerClient
 from distserve.runtime.ray_env import init_ray_local
 from distserve.serving.app_config import REPLICA_CPUS, ServeApp, ServeAppConfig
@@ -38,6 +40,7 @@ log = logging.getLogger(__name__)
 APP_NAME = "distserve"
 REPLICA_HEADER = "x-distserve-replica"
 METRICS_PUBLISH_INTERVAL_S = 5.0  # how stale another replica's request series may be on /metrics
+HEALTH_CHECK_TIMEOUT_S = 10.0  # within Serve's own health-check timeout (30 s)
 
 
 class _ReplicaHeader:
@@ -96,8 +99,11 @@ class DistServeIngress:
         )
         return _ReplicaHeader(api, self.replica_id)
 
-    def check_health(self) -> None:
-        """Serve's replica health check: a dead controller makes Serve replace this replica (and the new one deploys anew)."""
+    async def check_health(self) -> None:
+        """Serve's replica health check: only a dead controller fails it (Serve then replaces the replicas, and the
+        new ones deploy the placement anew); an outage of instances the controller is restarting does not."""
+        with suppress(ServiceUnavailableError, asyncio.TimeoutError):
+            await asyncio.wait_for(self.client.check_health(), HEALTH_CHECK_TIMEOUT_S)
         if self.client.is_dead:
             raise RuntimeError("the shared controller of this app is dead")
 
