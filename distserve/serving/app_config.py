@@ -8,7 +8,7 @@ its JSON text), and the Serve fields (``num_replicas``, ``max_ongoing_requests``
 replicas answer HTTP. Values may be strings (``serve run ... key=value``). A bad value is an
 ``InvalidConfigError`` naming its field.
 
-Everything a file holds (the placement, the API keys) is read in ``resolve``, where the app is built,
+Everything a file holds (the placement, the API keys, a chat template) is read in ``resolve``, where the app is built,
 so that the replicas, wherever Ray puts them, receive data rather than paths.
 """
 
@@ -43,10 +43,10 @@ SERVE_FIELDS = ("num_replicas", "max_ongoing_requests", "replica_cpus")  # not `
 REPLICA_CPUS = 0.1  # Ray bookkeeping: Serve's default of 1 CPU per replica does not fit small machines
 
 
-def _choice(value: str, choices: Any) -> str:
-    if value not in choices:
-        raise ValueError(f"must be one of {', '.join(sorted(choices))}")
-    return value
+# Fields whose value is one of a registry's names.
+_CHOICES: dict[str, Any] = {
+    "router": ROUTERS, "admission_policy": ADMISSION_POLICIES, "waiting_unit": WAITING_UNITS, "metrics_prefix": METRICS_PREFIXES,
+}
 
 
 class ServeAppConfig(BaseModel):
@@ -124,25 +124,13 @@ class ServeAppConfig(BaseModel):
             raise ValueError(f"must be a latency > 0, got {value}")
         return value
 
-    @field_validator("router")
+    @field_validator(*_CHOICES)
     @classmethod
-    def _router(cls, value: str) -> str:
-        return _choice(value, ROUTERS)
-
-    @field_validator("admission_policy")
-    @classmethod
-    def _admission_policy(cls, value: str) -> str:
-        return _choice(value, ADMISSION_POLICIES)
-
-    @field_validator("waiting_unit")
-    @classmethod
-    def _waiting_unit(cls, value: str) -> str:
-        return _choice(value, WAITING_UNITS)
-
-    @field_validator("metrics_prefix")
-    @classmethod
-    def _metrics_prefix(cls, value: str) -> str:
-        return _choice(value, METRICS_PREFIXES)
+    def _one_of(cls, value: str, info: ValidationInfo) -> str:
+        choices = _CHOICES[info.field_name or ""]
+        if value not in choices:
+            raise ValueError(f"must be one of {', '.join(sorted(choices))}")
+        return value
 
     @field_validator("placement", mode="before")
     @classmethod
