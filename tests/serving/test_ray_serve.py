@@ -10,6 +10,7 @@ suite's Ray session stays untouched. Startup is slow, so both configs' applicati
 from __future__ import annotations
 
 import json
+import re
 import threading
 from collections import Counter
 from collections.abc import Iterator
@@ -20,7 +21,7 @@ import httpx
 import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
-from serving_util import ServeRun
+from serving_util import ServeRun, descendants, process_alive, wait_until
 
 from distserve.config import SamplingParams
 from distserve.engine.llm_engine import LLMEngine
@@ -187,3 +188,15 @@ def test_the_plan_bundle_deploys_its_placement(serve_run: ServeRun, plan_bundle:
     engines = {dict(labels)["engine"] for labels in series(metrics, "distserve:num_requests_running")}
     kinds = [("prefill", placement.prefill), ("decode", placement.decode), ("colocated", placement.colocated)]
     assert engines == {f"{kind}-{i}" for kind, specs in kinds for i in range(len(specs))}
+
+
+def test_deleting_the_apps_stops_their_deployments(serve_run: ServeRun) -> None:
+    """(Last: it ends the deployments.) Deleting the apps through Serve stops the replicas; the last replica of each app
+    tears its deployment down: no controller or instance process is left while Ray runs on."""
+    engine = {pid for pid, cmd in descendants(serve_run.proc.pid).items() if "ray::ControllerActor" in cmd or "ray::InstanceServer" in cmd}
+    assert len(engine) >= 2 + 4  # two controllers, four instances
+    dashboard = re.search(r"http://127\.0\.0\.1:\d+", serve_run.log().split("View the dashboard at", 1)[1])
+    assert dashboard is not None
+    assert httpx.delete(f"{dashboard.group(0)}/api/serve/applications/", timeout=60).status_code == 200
+    assert wait_until(lambda: not any(process_alive(pid) for pid in engine), 60), {p: c for p, c in descendants(serve_run.proc.pid).items() if p in engine}
+    assert serve_run.proc.poll() is None  # Ray and Serve still run
