@@ -227,6 +227,7 @@ class ModelRunner:
             [self._generator(c.seq_id, c.sampling.seed) for c in chunks],
             [c.num_output_tokens for c in chunks],
             self.eos_token_ids,
+            [c.token_bitmask for c in chunks],
         )
         want = any(c.sampling.logprobs for c in chunks)
         return [

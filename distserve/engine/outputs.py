@@ -18,6 +18,7 @@ from distserve.cluster.recovery import blame, poison_message
 from distserve.config import PRIORITY_MAX, PRIORITY_MIN, CacheConfig, SamplingParams, SchedulerConfig
 from distserve.engine.request_metrics import RequestMetrics
 from distserve.engine.sequence import Sequence, SequenceStatus, completion_sampling, completion_seq_id
+from distserve.engine.structured_output import shared_compiler
 from distserve.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from distserve.engine.weights import LoadedModel
 from distserve.errors import (
@@ -181,6 +182,8 @@ class RequestFrontend(ABC):
         self.max_model_len = min(model_len, self.num_blocks * self.cache_config.block_size)
         self.eos_token_ids = tuple(sorted(set(self.model_config.eos_token_ids) | set(self.tokenizer.eos_token_ids)))
         self.outputs = OutputProcessor(self.tokenizer)
+        # Structured output: one compiler per tokenizer and backend in the process, shared with the instances here.
+        self.grammar_compiler = shared_compiler(self.scheduler_config.structured_output_backend, self.tokenizer, self.eos_token_ids)
         self._seqs: dict[str, Sequence] = {}
         self._groups: dict[str, set[str]] = {}  # request id -> its unfinished completions' seq ids (``n`` > 1)
         self._ids = itertools.count()
@@ -225,6 +228,8 @@ class RequestFrontend(ABC):
         bad = [t for t in sampling.stop_token_ids if t >= vocab]
         if bad:
             raise InvalidSamplingParamsError(f"stop_token_ids must be below the vocabulary size {vocab}, got {bad[:3]}", "stop_token_ids")
+        if sampling.structured is not None:
+            self.grammar_compiler.check(sampling.structured)  # compiled once; a bad or too complex spec names its param
         room = self.max_model_len - len(prompt_ids)
         if sampling.max_tokens > room:
             raise PromptTooLongError(

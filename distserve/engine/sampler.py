@@ -9,6 +9,7 @@ import numpy as np
 import torch
 
 from distserve.config import SamplingParams
+from distserve.engine.structured_output import apply_token_bitmasks
 
 # Logits arrive as float32, so a nucleus whose mass equals top_p exactly (0.5 + 0.3 vs 0.8) is off
 # by ~1e-7 and, without this relative slack, would pull in one token more than intended.
@@ -41,6 +42,7 @@ class Sampler:
         generators: Sequence[torch.Generator | None],
         num_output_tokens: Sequence[int],
         eos_token_ids: Sequence[int],
+        token_bitmasks: Sequence[np.ndarray | None] | None = None,
     ) -> SamplerOutput:
         """Pick the next token of each row of ``logits`` (``[N, V]``, any float dtype, not mutated).
 
@@ -51,12 +53,16 @@ class Sampler:
             num_output_tokens: tokens each row's request has generated so far (for ``min_tokens``).
             eos_token_ids: the model's EOS ids, banned together with ``stop_token_ids`` until
                 ``min_tokens`` is reached.
+            token_bitmasks: per row, the tokens its grammar allows (structured output), or None.
         Returns:
             The chosen ids and, if any row set ``logprobs``, every row's log-probability.
         """
         logits = logits.detach()
         num_rows = logits.shape[0]
         masked = _mask_min_tokens(logits, params, num_output_tokens, eos_token_ids)  # [N, V]
+        # Structured output: each constrained row keeps only the tokens its grammar allows next.
+        if token_bitmasks is not None and any(b is not None for b in token_bitmasks):
+            masked = apply_token_bitmasks(masked, token_bitmasks)  # [N, V]
         sampled_rows = [i for i, p in enumerate(params) if not p.greedy]
         if not sampled_rows:
             token_ids = _argmax(masked)  # [N]

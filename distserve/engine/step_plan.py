@@ -10,6 +10,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from distserve.config import SamplingParams
 from distserve.errors import StepFailedError
 
@@ -25,6 +27,9 @@ class ScheduledChunk:
     sample: bool
     sampling: SamplingParams
     num_output_tokens: int
+    # Constrained decoding: int32[ceil(V / 32)], the tokens the sequence's grammar allows next
+    # (``engine.structured_output``); set by the instance core for sampling chunks, else None.
+    token_bitmask: np.ndarray | None = None
 
     @property
     def num_tokens(self) -> int:

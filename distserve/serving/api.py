@@ -23,7 +23,7 @@ from fastapi.responses import JSONResponse, Response
 from distserve.cluster.classes import RequestClass
 from distserve.config import SamplingParams
 from distserve.engine.outputs import RequestOutput
-from distserve.errors import InvalidConfigError, ServiceUnavailableError
+from distserve.errors import DistServeError, InvalidConfigError, ServiceUnavailableError
 from distserve.runtime.client import EngineClient
 from distserve.dataflow.limits import DEFAULT_LIMITS, SessionLimits
 from distserve.dataflow.sessions import SessionManager
@@ -66,7 +66,7 @@ from distserve.serving.protocol import (
     finish_reason,
     sse,
 )
-from distserve.serving.tool_parsers import ParsedToolCall, ToolCallStream, get_tool_parser
+from distserve.serving.tool_parsers import ForcedToolCallParser, ParsedToolCall, ToolCallStream, get_tool_parser
 from distserve.serving.streams import SSEResponse, aclose_stream, sse_events, unless_disconnected
 from distserve.slo import SLO
 
@@ -148,6 +148,20 @@ class _Server:
         except Exception as exc:
             timer.fail()
             raise engine_error(exc, "prompt") from exc
+
+    async def check_structured(self, sampling: SamplingParams) -> None:
+        """Compile the request's grammar (cached) in a thread, not on the engine's: a bad or too complex
+        one is a 400 naming its field."""
+        spec = sampling.structured
+        if spec is None:
+            return
+        compiler = self.client.grammar_compiler
+        if compiler is None:
+            raise APIError(400, "this server does not serve structured output", param=spec.param)
+        try:
+            await asyncio.to_thread(compiler.check, spec)
+        except DistServeError as exc:
+            raise APIError(400, str(exc), param=exc.param or spec.param) from exc
 
     def token_text(self, token_id: int) -> str:
         return self.client.tokenizer.decode([token_id], skip_special_tokens=False)
@@ -264,6 +278,7 @@ def build_fastapi_app(
         # ``"max_tokens": null`` asks for the rest of the context, which depends on the prompt's length.
         num_prompt_tokens = None if body.max_tokens is not None else len(_prompt_ids(client, prompt))
         sampling = body.to_sampling_params(client.max_model_len, num_prompt_tokens)
+        await server.check_structured(sampling)
         request_id = f"cmpl-{uuid.uuid4().hex}"
         stream, first, timer = await server.start(request, prompt, sampling, request_id, body.priority, body.timeout, "prompt")
         want_logprobs = body.logprobs is not None
@@ -311,7 +326,8 @@ def build_fastapi_app(
         tools = body.tool_dicts()
         if tools is not None and not client.tokenizer.supports_tools:
             raise APIError(400, f"the chat template of model `{served_model_name}` does not support tools", param="tools")
-        parser = tool_parser if body.tool_mode(enable_auto_tool_choice) == "auto" else None
+        mode = body.tool_mode(enable_auto_tool_choice)
+        parser = tool_parser if mode == "auto" else ForcedToolCallParser(body.forced_function) if mode == "forced" else None
         try:
             prompt = client.tokenizer.apply_chat_template(messages, add_generation_prompt=body.add_generation_prompt, tools=tools)
         except Exception as exc:  # noqa: BLE001 - template errors are the caller's messages' fault
@@ -326,6 +342,7 @@ def build_fastapi_app(
                 code="context_length_exceeded",
             )
         sampling = body.to_sampling_params(len(prompt), client.max_model_len)
+        await server.check_structured(sampling)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         names = {"max_tokens": "max_completion_tokens"} if body.max_completion_tokens is not None else None
         stream, first, timer = await server.start(request, prompt, sampling, request_id, body.priority, body.timeout, "messages", names)

@@ -8,8 +8,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from distserve.config import SamplingParams
+from distserve.config import SamplingParams, StructuredOutput
 from distserve.errors import InvalidSamplingParamsError
+from distserve.serving.structured_request import structured_output_of, tool_call_output
 
 FinishReason = Literal["stop", "length", "abort", "tool_calls"]
 FINISH_REASONS: tuple[FinishReason, ...] = ("stop", "length", "abort")  # the engine's; "tool_calls" is the API's
@@ -95,6 +96,14 @@ class _SamplingRequest(_Request):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
+    # Structured output (``serving.structured_request``): OpenAI's, and vLLM's extensions; checked by hand
+    # so a malformed one is a 400 naming the field.
+    response_format: Any = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    structured_outputs: Any = None
 
     @property
     def include_usage(self) -> bool:
@@ -112,10 +121,11 @@ class _SamplingRequest(_Request):
         if self.stream_options is not None and not self.stream:
             raise bad_request("stream_options is only allowed when stream is true", "stream_options")
 
-    def _sampling(self, max_tokens: int, max_tokens_param: str, logprobs: bool) -> SamplingParams:
+    def _sampling(self, max_tokens: int, max_tokens_param: str, logprobs: bool, structured: StructuredOutput | None = None) -> SamplingParams:
         self._check_supported()
         stop: tuple[str, ...] = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
         try:
+            structured = structured or structured_output_of(self.__dict__)
             return SamplingParams(
                 max_tokens=max_tokens,
                 temperature=1.0 if self.temperature is None else self.temperature,
@@ -129,6 +139,7 @@ class _SamplingRequest(_Request):
                 logprobs=logprobs,
                 include_stop_str_in_output=self.include_stop_str_in_output,
                 n=self.n,
+                structured=structured,
             )
         except InvalidSamplingParamsError as exc:
             param = max_tokens_param if exc.param == "max_tokens" else exc.param
@@ -268,8 +279,9 @@ class ChatCompletionRequest(_SamplingRequest):
     def chat_messages(self) -> list[dict[str, Any]]:
         return [m.template_dict(i) for i, m in enumerate(self.messages)]
 
-    def tool_mode(self, auto_tool_choice: bool) -> Literal["none", "auto"]:
-        """Whether the output is parsed for tool calls (``auto``) or not (``none``); 400 for what is not supported.
+    def tool_mode(self, auto_tool_choice: bool) -> Literal["none", "auto", "forced"]:
+        """Whether the output is parsed for tool calls (``auto``), is the call(s) (``forced``: "required" or a
+        named function, decoded under the calls' JSON schema) or neither (``none``); 400 for what is not supported.
 
         ``auto_tool_choice``: the server runs with ``--enable-auto-tool-choice`` and a ``--tool-call-parser``
         (vLLM's rule: without them "auto" is refused rather than returning calls as text)."""
@@ -283,12 +295,15 @@ class ChatCompletionRequest(_SamplingRequest):
         if isinstance(choice, NamedToolChoice) or choice == "required":
             if isinstance(choice, NamedToolChoice) and choice.function.name not in {t.function.name for t in self.tools}:
                 raise bad_request(f"tool_choice names the function {choice.function.name!r}, which is not in tools", "tool_choice")
-            what = "a named function" if isinstance(choice, NamedToolChoice) else '"required"'
-            raise bad_request(f"tool_choice {what} needs constrained decoding of the call, which this server does not do; "
-                              'use "auto" or "none"', "tool_choice")
+            return "forced"
         if not auto_tool_choice:
             raise bad_request('"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set', "tool_choice")
         return "auto"
+
+    @property
+    def forced_function(self) -> str | None:
+        """The function ``tool_choice`` names, or None."""
+        return self.tool_choice.function.name if isinstance(self.tool_choice, NamedToolChoice) else None
 
     def tool_dicts(self) -> list[dict[str, Any]] | None:
         """``tools`` as chat templates read them (OpenAI's shape), or None."""
@@ -307,7 +322,16 @@ class ChatCompletionRequest(_SamplingRequest):
             max_tokens, param = self.max_tokens, "max_tokens"
         else:
             max_tokens, param = max(1, max_model_len - num_prompt_tokens), "max_tokens"
-        return self._sampling(max_tokens, param, self.logprobs)
+        structured = None
+        if self.tools and (self.tool_choice == "required" or isinstance(self.tool_choice, NamedToolChoice)):
+            try:
+                if structured_output_of(self.__dict__) is not None:
+                    raise bad_request('tool_choice "required" or a named function already constrains the output; '
+                                      "it takes no response_format or guided decoding", "tool_choice")
+                structured = tool_call_output(self.tool_dicts() or [], self.forced_function, self.parallel_tool_calls)
+            except InvalidSamplingParamsError as exc:
+                raise bad_request(str(exc), exc.param) from exc
+        return self._sampling(max_tokens, param, self.logprobs, structured)
 
 
 # ---- responses -------------------------------------------------------------------------------
