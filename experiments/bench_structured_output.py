@@ -10,9 +10,9 @@ On SmolLM2-135M's tokenizer (49,152 tokens; the tiny test tokenizer with --quick
    and does part of its work there;
 3. mask: a valid document of each case replayed token by token (fill the bitmask, accept the token):
    mean and p99 per token, the median over repeats;
-4. end to end: a batch of chat requests on the real engine (``LLMEngine``), greedy, under a JSON
-   schema with each backend, and the same prompts unconstrained: output tokens/s, and whether every
-   constrained answer parses and validates.
+4. end to end: a batch of chat requests on the real engine (``LLMEngine``), greedy, each run to the same
+   number of tokens, unconstrained and under a JSON schema with each backend (the fastest of interleaved
+   rounds): output tokens/s; and, under a bounded schema, whether every answer parses and validates.
 
 The machine is shared: the CPU others used while each part ran is reported next to it. Prints a table,
 writes JSON + markdown, ends with one JSON line of the figures.
@@ -46,6 +46,7 @@ ORDER = {"type": "object", "properties": {
         "sku": {"type": "string"}, "qty": {"type": "integer", "minimum": 1}, "price": {"type": "number"}},
         "required": ["sku", "qty", "price"]}},
     "paid": {"type": "boolean"}, "note": {"type": ["string", "null"]}}, "required": ["id", "items", "paid"]}
+PEOPLE = {"type": "array", "minItems": 1000, "items": PERSON}  # never complete within max_tokens: every run is max_tokens long
 EVENT = {"type": "object", "properties": {
     "title": {"type": "string"}, "date": {"type": "string", "format": "date"},
     "attendees": {"type": "array", "items": {"type": "object", "properties": {"email": {"type": "string", "format": "email"},
@@ -118,17 +119,38 @@ def bench_backend(name: str, loaded: LoadedModel, stop_ids: tuple[int, ...], rep
     return result
 
 
-def e2e(loaded: LoadedModel, backend: str | None, prompts: list[list[int]], max_tokens: int) -> dict[str, Any]:
-    """Output tokens/s of ``prompts`` in one batch, under PERSON with ``backend`` (None: unconstrained)."""
-    engine = LLMEngine(loaded, cache_config=CacheConfig(kv_cache_memory_gb=0.25),
-                       scheduler_config=SchedulerConfig(structured_output_backend=backend or DEFAULT_STRUCTURED_OUTPUT_BACKEND))
-    structured = StructuredOutput("json", json.dumps(PERSON)) if backend else None
-    sampling = SamplingParams(max_tokens=max_tokens, temperature=0.0, structured=structured)
-    engine.generate(prompts[:1], sampling)  # warm-up (and the backend's tokenizer tables and the grammar, once)
+def engine_for(loaded: LoadedModel, backend: str) -> LLMEngine:
+    return LLMEngine(loaded, cache_config=CacheConfig(kv_cache_memory_gb=0.25), scheduler_config=SchedulerConfig(structured_output_backend=backend))
+
+
+def throughput(engines: dict[str, LLMEngine], prompts: list[list[int]], max_tokens: int, rounds: int) -> dict[str, dict[str, Any]]:
+    """Output tokens/s of ``prompts`` in one batch, each run to exactly ``max_tokens`` tokens: unconstrained
+    (EOS ignored) and under PEOPLE with each backend (a list longer than ``max_tokens`` can hold, so the
+    grammar never ends it). Rounds interleave the runs; each keeps its fastest round (the machine is shared)."""
+    runs = {key: SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=key == "unconstrained",
+                                structured=None if key == "unconstrained" else StructuredOutput("json", json.dumps(PEOPLE)))
+            for key in engines}
+    for key, engine in engines.items():
+        engine.generate(prompts[:1], runs[key])  # warm-up (and the backend's tables and the grammar, once)
+    best: dict[str, dict[str, Any]] = {}
+    for _ in range(rounds):
+        for key, engine in engines.items():
+            (seconds, num_tokens), others = harness.watched(lambda: timed_generate(engine, prompts, runs[key]))
+            assert num_tokens == len(prompts) * max_tokens, (key, num_tokens)
+            if key not in best or seconds < best[key]["seconds"]:
+                best[key] = {"seconds": seconds, "tok_s": num_tokens / seconds, "num_tokens": num_tokens, "other_cores": round(others, 2)}
+    return best
+
+
+def timed_generate(engine: LLMEngine, prompts: list[list[int]], sampling: SamplingParams) -> tuple[float, int]:
     t0 = time.perf_counter()
     outs = engine.generate(prompts, sampling)
-    seconds = time.perf_counter() - t0
-    num_tokens = sum(len(o.token_ids) for o in outs)
+    return time.perf_counter() - t0, sum(len(o.token_ids) for o in outs)
+
+
+def validity(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> tuple[int, str]:
+    """How many answers under PERSON parse and validate (greedy), and the first answer."""
+    outs = engine.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0.0, structured=StructuredOutput("json", json.dumps(PERSON))))
     valid = 0
     for o in outs:
         try:
@@ -136,7 +158,7 @@ def e2e(loaded: LoadedModel, backend: str | None, prompts: list[list[int]], max_
             valid += 1
         except (ValueError, jsonschema.ValidationError):
             pass
-    return {"tok_s": num_tokens / seconds, "num_tokens": num_tokens, "seconds": seconds, "num_valid": valid, "sample": outs[0].text}
+    return valid, outs[0].text
 
 
 def main() -> None:
@@ -144,11 +166,13 @@ def main() -> None:
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--num-prompts", type=int, default=8)
-    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--max-tokens", type=int, default=64, help="tokens per request in the throughput runs")
+    ap.add_argument("--valid-max-tokens", type=int, default=96, help="token limit of the validity run (the answers end before it)")
+    ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     args = ap.parse_args()
     if args.quick:
-        args.model, args.repeats, args.num_prompts, args.max_tokens = "tiny", 2, 2, 96
+        args.model, args.repeats, args.num_prompts, args.max_tokens, args.rounds = "tiny", 2, 2, 16, 1
     torch.set_num_threads(args.threads)
     loaded = load_model(args.model)
     tok = loaded.tokenizer
@@ -163,11 +187,11 @@ def main() -> None:
     topics = ["a violinist", "a sailor", "a chemist", "a gardener", "a pilot", "a baker", "a poet", "a judge"]
     prompts = [tok.apply_chat_template([{"role": "user", "content": f"Describe {topics[i % len(topics)]} as JSON with name, age and city."}])
                for i in range(args.num_prompts)]
-    runs: dict[str, dict[str, Any]] = {}
-    for name in [None, *backends]:
-        key = name or "unconstrained"
-        runs[key], others = harness.watched(lambda: e2e(loaded, name, prompts, args.max_tokens))
-        runs[key]["other_cores"] = round(others, 2)
+    engines = {key: engine_for(loaded, DEFAULT_STRUCTURED_OUTPUT_BACKEND if key == "unconstrained" else key)
+               for key in ["unconstrained", *backends]}
+    runs = throughput(engines, prompts, args.max_tokens, args.rounds)
+    for name in backends:
+        runs[name]["num_valid"], runs[name]["sample"] = validity(engines[name], prompts, args.valid_max_tokens)
 
     case_names = list(micro[backends[0]]["cases"])
     for name in backends:
@@ -199,7 +223,7 @@ def main() -> None:
     harness.rich_table(f"{args.model} ({tok.vocab_size} tokens): compile and per-token mask", columns, rows, left=("case",))
     e2e_rows = [[key, f"{run['tok_s']:.1f}", str(run["num_tokens"]), "-" if key == "unconstrained" else f"{run['num_valid']}/{args.num_prompts}",
                  f"{run['other_cores']:.2f}"] for key, run in runs.items()]
-    harness.rich_table(f"end to end: {args.num_prompts} chat requests, greedy, max {args.max_tokens} tokens",
+    harness.rich_table(f"end to end: {args.num_prompts} chat requests x {args.max_tokens} tokens, greedy (valid: a run under a bounded schema)",
                        ["run", "tok/s", "tokens", "valid JSON", "others' cores"], e2e_rows, left=("run",))
 
     out = Outputs.for_run(args, "bench_structured_output")
