@@ -63,7 +63,7 @@ class GrammarCompiler:
             raise InvalidConfigError(f"structured output backend must be one of {sorted(STRUCTURED_OUTPUT_BACKENDS)}, got {backend!r}",
                                      "structured_output_backend")
         self.backend_name = backend
-        self.tokenizer = tokenizer
+        self._hf_tokenizer = tokenizer.hf  # not the wrapper: ``shared_compiler`` keys on it weakly
         self.stop_token_ids = tuple(stop_token_ids)
         self.vocab_size = tokenizer.vocab_size
         self.timeout_s = timeout_s
@@ -78,7 +78,7 @@ class GrammarCompiler:
     def backend(self) -> GrammarBackend:
         with self._backend_lock:
             if self._backend is None:
-                self._backend = STRUCTURED_OUTPUT_BACKENDS[self.backend_name](self.tokenizer.hf, self.vocab_size, self.stop_token_ids)
+                self._backend = STRUCTURED_OUTPUT_BACKENDS[self.backend_name](self._hf_tokenizer, self.vocab_size, self.stop_token_ids)
             return self._backend
 
     @property
