@@ -3,15 +3,24 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
+import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any
 
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
 from distserve.config import CacheConfig, SamplingParams
+from distserve.engine.llm_engine import LLMEngine
 from distserve.engine.outputs import RequestOutput
+from distserve.engine.step_plan import SampledToken, StepPlan
 from distserve.runtime.config import DeploymentConfig
 from distserve.placement import Placement
 from distserve.serving.api import build_fastapi_app
@@ -27,6 +36,21 @@ async def drain(stream: AsyncIterator[RequestOutput]) -> RequestOutput:
         last = out
     assert last is not None and last.finished
     return last
+
+
+Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
+
+
+def metric_samples(url: str) -> Samples:
+    """The server's ``/metrics`` samples by (name, sorted labels), ``model_name`` left out of the labels
+    once checked: every sample must carry it."""
+    text = httpx.get(f"{url}/metrics").text  # no key: /metrics stays open
+    out: Samples = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            assert s.labels.get("model_name"), f"{s.name}{s.labels} has no model_name"
+            out[(s.name, tuple(sorted((k, v) for k, v in s.labels.items() if k != "model_name")))] = s.value
+    return out
 
 
 def wait_until(predicate: Callable[[], bool], timeout_s: float = 10.0) -> bool:
@@ -112,16 +136,18 @@ class ControllerRuntime:
 
 
 class HttpServer:
-    """The HTTP app over the client ``make_client`` builds, on uvicorn on a free loopback port, in a
-    thread with its own event loop (where the client lives, as in ``distserve serve``)."""
+    """The HTTP app (``build_fastapi_app`` with ``app_kw``) over the client ``make_client`` builds, on uvicorn
+    on a free loopback port, in a thread with its own event loop (where the client lives, as in ``distserve serve``)."""
 
-    def __init__(self, make_client: Callable[[], Awaitable[EngineClient]], start_timeout_s: float = 180.0, api_keys: ApiKeys | None = None) -> None:
+    def __init__(self, make_client: Callable[[], Awaitable[EngineClient]], start_timeout_s: float = 180.0, api_keys: ApiKeys | None = None,
+                 **app_kw: Any) -> None:
         import uvicorn
 
         self.sock = socket.socket()
         self.sock.bind(("127.0.0.1", 0))
         self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
         self.client: EngineClient | None = None
+        self.app: Any = None
         self.server: uvicorn.Server | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
         self.failure: BaseException | None = None
@@ -133,7 +159,7 @@ class HttpServer:
             except BaseException as exc:  # noqa: BLE001 - reported by the constructor
                 self.failure = exc
                 return
-            app = build_fastapi_app(self.client, "tiny", api_keys=api_keys)
+            app = self.app = build_fastapi_app(self.client, "tiny", api_keys=api_keys, **app_kw)
             self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=1))
             try:
                 await self.server.serve(sockets=[self.sock])
@@ -173,3 +199,63 @@ def colocated_server(cache: CacheConfig, model: str = "tiny") -> HttpServer:
         return ThreadedEngineClient(LLMEngine(loaded, cache_config=cache))
 
     return HttpServer(make_client)
+
+
+class ScriptedTokens:
+    """Wraps an engine's runner: the model runs as usual, then each sampled token is replaced by the
+    script's token at that output position (the script ends with EOS), while a script is set."""
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self.ids: list[int] | None = None
+        self.tokenizer = engine.tokenizer
+        self.eos = engine.eos_token_ids[0]
+        real = engine.runner.execute
+
+        def execute(plan: StepPlan) -> list[SampledToken]:
+            sampled = real(plan)
+            if self.ids is None:
+                return sampled
+            position = {c.seq_id: c.num_output_tokens for c in plan.chunks if c.sample}
+            return [SampledToken(s.seq_id, self.ids[min(position[s.seq_id], len(self.ids) - 1)], s.logprob) for s in sampled]
+
+        engine.runner.execute = execute  # type: ignore[method-assign]
+
+    def say(self, text: str | None) -> None:
+        self.ids = None if text is None else self.tokenizer.encode(text, add_special_tokens=False) + [self.eos]
+
+
+@contextlib.contextmanager
+def serve_process(*flags: str, startup_timeout_s: float = 90.0) -> Iterator[tuple[subprocess.Popen[str], str]]:
+    """`distserve serve --model tiny FLAGS` as a process on a free loopback port, once ``/health`` answers:
+    the process and its base URL. Killed on the way out if still running (``stop_process`` ends it cleanly)."""
+    import httpx
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = int(s.getsockname()[1])
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "distserve.cli", "serve", "--model", "tiny", "--port", str(port), "--log-level", "warning", *flags],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + startup_timeout_s
+        while True:
+            assert proc.poll() is None, proc.communicate()
+            assert time.monotonic() < deadline, "server did not become healthy"
+            try:
+                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        yield proc, url
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+
+
+def stop_process(proc: subprocess.Popen[str], timeout_s: float = 30.0) -> tuple[str, str]:
+    """SIGINT, as Ctrl-C: the process's stdout and stderr once it has exited."""
+    proc.send_signal(signal.SIGINT)
+    return proc.communicate(timeout=timeout_s)

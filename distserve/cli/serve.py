@@ -14,6 +14,7 @@ if TYPE_CHECKING:
     from distserve.slo import SLO
     from distserve.config import SchedulerConfig
     from distserve.placement import Placement
+    from distserve.serving.cors import CorsOptions
 
 
 def _check_serve_args(args: argparse.Namespace) -> None:
@@ -42,6 +43,18 @@ def _check_serve_args(args: argparse.Namespace) -> None:
         raise InvalidConfigError("--request-log applies to plain `distserve serve`, not --ray-serve")
     if args.ray_serve and args.tpot_backpressure:
         raise InvalidConfigError("--tpot-backpressure applies to plain `distserve serve`, not --ray-serve")
+    ray_serve_unsupported = {"--chat-template": args.chat_template is not None, "--max-model-len": args.max_model_len is not None,
+                             "--max-num-seqs": args.max_num_seqs is not None,
+                             "--max-num-batched-tokens": args.max_num_batched_tokens is not None,
+                             "--allowed-origins": args.allowed_origins is not None}
+    if args.ray_serve and any(ray_serve_unsupported.values()):
+        flags = "/".join(f for f, given in ray_serve_unsupported.items() if given)
+        raise InvalidConfigError(f"{flags}: only for plain `distserve serve`, not --ray-serve")
+    cors_given = {"--allowed-methods": args.allowed_methods != ("*",), "--allowed-headers": args.allowed_headers != ("*",),
+                  "--allow-credentials": args.allow_credentials}
+    if args.allowed_origins is None and any(cors_given.values()):
+        flags = "/".join(f for f, given in cors_given.items() if given)
+        raise InvalidConfigError(f"{flags}: only with --allowed-origins (without it the server sends no CORS headers)")
     if args.ray_serve and (parallel or args.placement is not None or args.runtime == "ray"):
         raise InvalidConfigError("--ray-serve serves in-process engines; use plain `distserve serve --runtime ray` for placements")
 
@@ -82,16 +95,46 @@ def api_keys_of(args: argparse.Namespace) -> "ApiKeys | None":
         raise type(exc)(f"--api-keys {exc}") from None
 
 
-def prefill_scheduler_config(args: argparse.Namespace) -> "SchedulerConfig":
-    """Prefill instances' scheduler: whole prompts, or chunks of --prefill-chunk tokens per step;
-    plans that yield between layers unless --no-layer-preemption."""
+def prefill_scheduler_config(args: argparse.Namespace, placement: "Placement | None" = None) -> "SchedulerConfig":
+    """Prefill instances' scheduler: the placement's caps (default: ``serve_placement(args)``); whole prompts,
+    or chunks of --prefill-chunk tokens per step; plans that yield between layers unless --no-layer-preemption."""
+    from dataclasses import replace
+
     from distserve.config import SchedulerConfig
 
-    preempt = not args.no_layer_preemption
+    placement = placement if placement is not None else serve_placement(args)
+    base = placement.scheduler_config(SchedulerConfig(layer_preemption=not args.no_layer_preemption, **structured_output_backend(args)))
     if args.prefill_chunk is None:
-        return SchedulerConfig(layer_preemption=preempt, **structured_output_backend(args))
-    return SchedulerConfig(enable_chunked_prefill=True, max_num_batched_tokens=args.prefill_chunk, layer_preemption=preempt,
-                           **structured_output_backend(args))
+        return base
+    return replace(base, enable_chunked_prefill=True, max_num_batched_tokens=args.prefill_chunk)
+
+
+def serve_placement(args: argparse.Namespace) -> "Placement":
+    """The placement to deploy: --placement or the shorthand flags, with --max-model-len/--max-num-seqs/
+    --max-num-batched-tokens over the JSON's deployment-wide caps (an instance's own caps still apply to it)."""
+    return placement_from_args(args).with_caps(max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+                                               max_num_batched_tokens=args.max_num_batched_tokens)
+
+
+def chat_template_of(args: argparse.Namespace) -> "str | None":
+    """--chat-template's template (None without it); a bad file or template is an error naming the flag."""
+    if args.chat_template is None:
+        return None
+    from distserve.engine.tokenizer import load_chat_template
+    from distserve.errors import DistServeError
+
+    try:
+        return load_chat_template(args.chat_template)
+    except DistServeError as exc:
+        raise type(exc)(f"--chat-template: {exc}", "chat_template") from None
+
+
+def cors_of(args: argparse.Namespace) -> "CorsOptions | None":
+    from distserve.serving.cors import CorsOptions
+
+    if args.allowed_origins is None:
+        return None
+    return CorsOptions(args.allowed_origins, args.allowed_methods, args.allowed_headers, args.allow_credentials)
 
 
 def structured_output_backend(args: argparse.Namespace) -> dict[str, str]:
@@ -108,6 +151,7 @@ def _print_ready(url: str, model: str, layout: str) -> None:
 def cmd_serve(args: argparse.Namespace) -> int:
     _check_serve_args(args)
     api_keys = api_keys_of(args)  # before any model loads: a bad key file fails at once
+    chat_template = chat_template_of(args)
     served = args.served_model_name or args.model
     if args.colocated is not None:
         layout = f"{args.colocated} colocated engine{'s' if args.colocated > 1 else ''}"
@@ -134,6 +178,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             admission_policy=args.admission_policy,
             max_waiting=None if args.no_backpressure else args.max_waiting,
             waiting_unit=args.waiting_unit,
+            metrics_prefix=args.metrics_prefix,
         )
         run_ray_serve(options, args.host, args.port, on_ready=lambda url: _print_ready(url, served, f"{layout}, Ray Serve"))
         return 0
@@ -146,7 +191,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     parallel = any(getattr(args, f) != 1 for f in ("prefill_tp", "prefill_pp", "decode_tp", "decode_pp"))
     on_ray = args.runtime == "ray" or (args.runtime == "auto" and (parallel or args.placement is not None))
-    placement = placement_from_args(args)
+    placement = serve_placement(args)
     if args.threads is not None and on_ray:
         placement = placement.with_threads(args.threads)
     slo = serve_slo(args, placement if on_ray else None)
@@ -155,9 +200,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
         args.model, placement, dtype=args.dtype,
         cache_config=CacheConfig(block_size=args.block_size, kv_cache_memory_gb=args.kv_cache_gb, decode_attention=args.decode_attention),
         # Prefill steps hold no decodes whose TPOT a step budget would protect.
-        scheduler_config=slo_scheduler_config(slo.tpot_s if slo else None, SchedulerConfig(layer_preemption=not args.no_layer_preemption,
-                                                                                          **structured_output_backend(args))),
-        prefill_scheduler_config=prefill_scheduler_config(args),
+        scheduler_config=slo_scheduler_config(slo.tpot_s if slo else None,
+                                              placement.scheduler_config(SchedulerConfig(
+                                                  layer_preemption=not args.no_layer_preemption, **structured_output_backend(args)))),
+        prefill_scheduler_config=prefill_scheduler_config(args, placement),
         max_queued_requests=args.max_queued_requests, num_threads_per_worker=args.threads, router=args.router,
         admission=admission_config_of(args, slo.tpot_s if slo else None, tuple(api_keys.tenants.values()) if api_keys else ()),
         **({} if args.kv_transfer_timeout is None else {"kv_transfer_timeout_s": args.kv_transfer_timeout}),
@@ -175,6 +221,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
             on_ready=lambda url: _print_ready(url, served, f"{ray_layout}, Ray runtime"), log_level=args.log_level, slo=slo,
             session_limits=session_limits(args), api_keys=api_keys, request_log=request_log,
             tool_call_parser=args.tool_call_parser, enable_auto_tool_choice=args.enable_auto_tool_choice,
+            metrics_prefix=args.metrics_prefix,
+            chat_template=chat_template, cors=cors_of(args),
         )
 
     from distserve.runtime.local_client import build_local_engine_client
@@ -182,4 +230,5 @@ def cmd_serve(args: argparse.Namespace) -> int:
     client = build_local_engine_client(config)
     return run_server(client, served, sock, on_ready=lambda url: _print_ready(url, served, layout), log_level=args.log_level, slo=slo,
                       session_limits=session_limits(args), api_keys=api_keys, request_log=request_log,
-                      tool_call_parser=args.tool_call_parser, enable_auto_tool_choice=args.enable_auto_tool_choice)
+                      tool_call_parser=args.tool_call_parser, enable_auto_tool_choice=args.enable_auto_tool_choice,
+                      metrics_prefix=args.metrics_prefix, chat_template=chat_template, cors=cors_of(args))

@@ -25,15 +25,17 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable, Sequence as Seq
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from distserve.config import SchedulerConfig
 from distserve.decode.scheduler import DecodeScheduler, Reservation
 from distserve.engine.block_manager import BlockManager
+from distserve.engine.logprobs import PromptLogprobs, TopLogprobs
 from distserve.engine.scheduler import Scheduler
 from distserve.engine.step_plan import SampledToken, StepPlan, attributed_to
 from distserve.engine.structured_output import GrammarCompiler, SequenceGrammars
+from distserve.engine.step_stats import ITERATION_TOKEN_BOUNDS, STEP_SECONDS_BOUNDS, CumulativeHistogram
 from distserve.engine.sequence import Sequence, SequenceStatus
 from distserve.prefill.scheduler import PrefillScheduler
 
@@ -42,6 +44,8 @@ SCHEDULERS: dict[str, type[Scheduler]] = {
     "prefill": PrefillScheduler,
     "decode": DecodeScheduler,
 }
+# The scheduler's cumulative counters, which outlive a ``reset`` (a new scheduler starts them at 0).
+SCHEDULER_COUNTERS = ("num_prefix_cache_hit_tokens", "num_prefix_cache_query_tokens", "num_preemptions")
 
 
 @dataclass
@@ -56,6 +60,8 @@ class SeqUpdate:
     num_cached_tokens: int
     awaiting_migration: bool = False
     error: str | None = None  # with finish_reason "error"
+    new_top_logprobs: list[TopLogprobs] = field(default_factory=list)  # per new token, if the request asked
+    prompt_logprobs: PromptLogprobs | None = None  # with the request's first token, if it asked
 
 
 @dataclass(slots=True)
@@ -112,13 +118,16 @@ class InstanceCore:
         self.max_plans_in_flight = 0  # high-water mark, counting plans that compute tokens
         self.num_overlapped_launches = 0  # plans launched while another that computes tokens was in flight
         self.num_prefill_tokens_computed = 0  # prompt (and recomputed) tokens of the plans applied
-        self._num_hit_tokens_before_reset = 0
+        self.iteration_tokens = CumulativeHistogram(ITERATION_TOKEN_BOUNDS)  # tokens per observed step
+        self.step_seconds = CumulativeHistogram(STEP_SECONDS_BOUNDS)  # duration of each observed step
+        self._counts_before_reset = dict.fromkeys(SCHEDULER_COUNTERS, 0)
         self.reset()
 
     def reset(self) -> None:
         """Forget every request, plan and KV block (after a failed step); counters stay."""
         if hasattr(self, "scheduler"):
-            self._num_hit_tokens_before_reset += self.scheduler.num_prefix_cache_hit_tokens
+            for key in SCHEDULER_COUNTERS:
+                self._counts_before_reset[key] += getattr(self.scheduler, key)
         self.block_manager = BlockManager(self.num_blocks, self.block_size, self.enable_prefix_caching)
         self.scheduler = SCHEDULERS[self.phase](
             self.config, self.block_manager, self.max_model_len, self.eos_token_ids, pipeline_depth=self.pipeline_depth
@@ -286,6 +295,8 @@ class InstanceCore:
         """How long ``plan`` took (measured, or modelled in the simulator): the step budget learns from it."""
         self.scheduler.observe_step(plan, seconds)
         self.num_steps += 1
+        self.iteration_tokens.observe(plan.num_batched_tokens)
+        self.step_seconds.observe(seconds)
 
     def apply_oldest(self, sampled: Seq[SampledToken], now: float) -> list[Sequence]:
         """Apply the oldest plan in flight: its sampled tokens, stop rules, the ops that waited for
@@ -337,6 +348,7 @@ class InstanceCore:
         return SeqUpdate(
             seq.seq_id, seq.output_token_ids[seen:], seq.logprobs[seen:] if seq.logprobs else [], seq.is_finished,
             seq.finish_reason, seq.num_cached_tokens, awaiting, seq.error,
+            seq.top_logprobs[seen:] if seq.top_logprobs else [], seq.prompt_logprobs if not seen else None,
         )
 
     # ---- what the router and /metrics see ------------------------------------------------------
@@ -353,10 +365,14 @@ class InstanceCore:
     def num_free_blocks(self) -> int:
         return self.block_manager.num_free_blocks
 
+    def scheduler_count(self, key: str) -> int:
+        """One of ``SCHEDULER_COUNTERS`` since the instance started (resets included)."""
+        return self._counts_before_reset[key] + int(getattr(self.scheduler, key))
+
     @property
     def num_prefix_cache_hit_tokens(self) -> int:
         """Prompt tokens admissions here took from the prefix cache instead of computing them."""
-        return self._num_hit_tokens_before_reset + self.scheduler.num_prefix_cache_hit_tokens
+        return self.scheduler_count("num_prefix_cache_hit_tokens")
 
     def stats(self) -> dict[str, Any]:
         s = self.scheduler
@@ -369,6 +385,12 @@ class InstanceCore:
             "num_steps": self.num_steps,
             "prefill_tokens_computed_total": self.num_prefill_tokens_computed,
             "prefix_cache_hit_tokens_total": self.num_prefix_cache_hit_tokens,
+            "prefix_cache_query_tokens_total": self.scheduler_count("num_prefix_cache_query_tokens"),
+            "num_preemptions_total": self.scheduler_count("num_preemptions"),
+            "iteration_tokens": self.iteration_tokens.as_dict(),
+            "step_seconds_histogram": self.step_seconds.as_dict(),
+            "cache_config": {"block_size": self.block_size, "num_gpu_blocks": self.num_blocks,
+                             "enable_prefix_caching": self.enable_prefix_caching},
         }
         if isinstance(s, PrefillScheduler):
             out["num_requests_awaiting_migration"] = s.num_awaiting_migration

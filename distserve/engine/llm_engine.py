@@ -6,6 +6,7 @@ Engine step = ``schedule`` → ``execute`` → ``postprocess`` (detokenize, stop
 from __future__ import annotations
 
 import time
+from typing import Any
 
 from distserve.config import CacheConfig, SchedulerConfig
 from distserve.engine.block_manager import BlockManager
@@ -88,19 +89,10 @@ class LLMEngine(EngineBase):
         stamp_prefill_starts(plan, self._seqs, time.monotonic())
         return self.runner.execute(plan)
 
-    def stats(self) -> dict[str, float]:
-        """Gauges for monitoring: queue lengths, KV usage, prefix-cache hit rate, preemptions, and the
-        cumulative prompt tokens computed and taken from the prefix cache."""
+    def stats(self) -> dict[str, Any]:
+        """Gauges and counters for monitoring (``InstanceCore.stats``: queue lengths, KV usage, prefix-cache
+        and preemption counts, step histograms) and the prefix-cache hit rate."""
         bm = self.block_manager
-        return {
-            "num_requests_waiting": self.scheduler.num_waiting,
-            "num_requests_running": self.scheduler.num_running,
-            "kv_cache_usage_perc": bm.usage,
-            "prefix_cache_hit_rate": bm.num_prefix_hit_tokens / max(1, bm.num_prefix_query_tokens),
-            "num_preemptions": self.scheduler.num_preemptions,
-            "prefill_tokens_computed_total": self.core.num_prefill_tokens_computed,
-            "prefix_cache_hit_tokens_total": self.core.num_prefix_cache_hit_tokens,
-        }
-
+        return {**self.core.stats(), "prefix_cache_hit_rate": bm.num_prefix_hit_tokens / max(1, bm.num_prefix_query_tokens)}
 
 __all__ = ["LLMEngine", "RequestOutput", "RequestMetrics"]

@@ -233,23 +233,20 @@ class SequenceGrammars:
         self._entries.clear()
 
 
-def apply_token_bitmasks(logits: torch.Tensor, bitmasks: Seq[np.ndarray | None]) -> torch.Tensor:
-    """``logits`` (``[N, V]``, not mutated) as a float32 copy with each row's disallowed tokens at -inf
-    (row i by ``bitmasks[i]``, ``int32[W]``; rows without one unchanged); tokens past a bitmask's width
-    are disallowed."""
+def apply_token_bitmasks(logits: torch.Tensor, bitmasks: Seq[np.ndarray | None]) -> None:
+    """Set each row's disallowed tokens to -inf in place (``logits``: ``[N, V]`` float32, CPU; row i by
+    ``bitmasks[i]``, ``int32[W]``, None: unchanged); tokens past a bitmask's width are disallowed."""
     rows = [i for i, b in enumerate(bitmasks) if b is not None]
-    out = logits.to(torch.float32, copy=True)  # [N, V]
     if not rows:
-        return out
-    vocab_size = out.shape[1]
+        return
+    vocab_size = logits.shape[1]
     words = np.stack([bitmasks[i] for i in rows]).astype("<i4", copy=False)  # [R, W], little-endian words
     allowed = np.unpackbits(words.view(np.uint8), axis=1, bitorder="little")  # [R, 32 W]: bit t is token t
     width = min(vocab_size, allowed.shape[1])
-    out_np = out.numpy()  # shares memory
+    out = logits.numpy()  # shares memory
     for j, i in enumerate(rows):
-        np.putmask(out_np[i, :width], allowed[j, :width] == 0, -np.inf)
-        out_np[i, width:] = -np.inf
-    return out
+        np.putmask(out[i, :width], allowed[j, :width] == 0, -np.inf)
+        out[i, width:] = -np.inf
 
 
 __all__ = ["COMPILE_TIMEOUT_S", "GrammarCompiler", "SequenceGrammars", "apply_token_bitmasks", "bitmask_width", "shared_compiler"]

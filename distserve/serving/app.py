@@ -28,6 +28,7 @@ from distserve.runtime.ray_env import init_ray_local
 from distserve.runtime.local_client import build_local_engine_client
 from distserve.runtime.threaded_client import ThreadedEngineClient
 from distserve.serving.api_keys import ApiKeys, load_api_keys
+from distserve.serving.metrics_exposition import OWN_PREFIX, check_prefix
 
 APP_NAME = "distserve"
 
@@ -64,6 +65,7 @@ class ServeOptions:
     admission_policy: str = DEFAULT_ADMISSION_POLICY  # fair | fcfs | priority (``cluster.fair_queue``)
     max_waiting: int | None = DEFAULT_MAX_WAITING  # backpressure (``cluster.admission``); arg ``max_waiting=none``: dispatch at once
     waiting_unit: str = DEFAULT_WAITING_UNIT  # tokens | requests (``cluster.backpressure``)
+    metrics_prefix: str = OWN_PREFIX  # of the series vLLM also exports (``serving.metrics_exposition``)
 
     @classmethod
     def from_args(cls, args: Mapping[str, Any]) -> ServeOptions:
@@ -84,6 +86,7 @@ class ServeOptions:
             "admission_policy": str,
             "max_waiting": _optional_int,
             "waiting_unit": str,
+            "metrics_prefix": check_prefix,
             **_SESSION_LIMIT_ARGS,
         }
         unknown = sorted(set(args) - set(fields))
@@ -135,7 +138,7 @@ class DistServeIngress:
 
         return build_fastapi_app(
             self.client, self.options.served_model_name or self.options.model, session_limits=self.options.session_limits,
-            api_keys=self.options.api_keys,
+            api_keys=self.options.api_keys, metrics_prefix=self.options.metrics_prefix,
         )
 
     def check_health(self) -> None:

@@ -17,7 +17,8 @@ from distserve.config import CacheConfig, SamplingParams, SchedulerConfig, Struc
 from distserve.engine.grammar_backends import STRUCTURED_OUTPUT_BACKENDS, choice_regex
 from distserve.engine.llm_engine import LLMEngine
 from distserve.engine.outputs import EngineBase, RequestOutput
-from distserve.engine.structured_output import GrammarCompiler, apply_token_bitmasks
+from distserve.engine.sampler import process_logits
+from distserve.engine.structured_output import GrammarCompiler
 from distserve.engine.weights import LoadedModel, load_model
 from distserve.errors import InvalidConfigError, InvalidSamplingParamsError
 from distserve.runtime.local_disagg import LocalDisaggEngine
@@ -142,7 +143,7 @@ def test_a_grammar_too_slow_to_compile_is_refused(tiny: LoadedModel) -> None:
 def test_bitmasks_set_disallowed_logits_to_minus_infinity() -> None:
     logits = torch.arange(2 * 70, dtype=torch.float32).reshape(2, 70)  # [2, 70]; the masks cover 64 tokens
     mask = np.array([(1 << 3) | (1 << 31), 1 << 0], dtype=np.uint32).view(np.int32)  # tokens 3, 31 and 32
-    out = apply_token_bitmasks(logits, [None, mask])
+    out = process_logits(logits, [SamplingParams(), SamplingParams()], [0, 0], [], None, [None, mask])  # the sampler's pipeline
     assert torch.equal(out[0], logits[0]) and out is not logits
     allowed = torch.isfinite(out[1]).nonzero().flatten().tolist()
     assert allowed == [3, 31, 32]  # bits past the mask's 64 tokens are disallowed too

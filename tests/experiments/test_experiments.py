@@ -41,6 +41,9 @@ CHECKS = {
                                              for g in f["cascade_grid"].values())
     and f["cascade_rule_min_saved_tokens"] > 0 and 0 <= f["cascade_rule_right"] <= 1 and f["step_speedup_cascade"] > 0 and f["step_cascade_planned"]
     and len(f["model_step"]) == 4 and all(r["greedy_same"] == 1.0 for r in f["model_step"].values()),
+    # Both detokenizers timed on the tiny tokenizer (each checked against decode() by the script).
+    "bench_detokenizer": lambda f: f["quick"] and all(r["decode_stream"] > 0 and r["window"] > 0 and r["num_tokens"] > 0
+                                                      for r in f["tokenizers"].values()) and "tiny" in f["tokenizers"],
     "bench_engine": lambda f: f["greedy_same_as_hf_float32"] == 1.0 and f["ours_tok_s_batch_float32"] > 0,
     # Both grammar backends compiled and replayed every case and ran the real engine to the same token count;
     # every answer of the default backend (llguidance) under a bounded schema parsed and validated (the tiny

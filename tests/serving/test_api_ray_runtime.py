@@ -17,6 +17,7 @@ from distserve.engine.weights import load_model
 from distserve.runtime.config import DeploymentConfig
 from distserve.placement import Placement
 from distserve.runtime.ray_client import ControllerClient
+from promql_util import VLLM_DASHBOARD_QUERIES, dashboard_queries, exported_series, unanswered
 from serving_util import HttpServer
 
 pytestmark = pytest.mark.timeout(300)
@@ -61,7 +62,7 @@ def test_openai_client_greedy_matches_engine(server: HttpServer) -> None:
     )
     assert streamed == expected
     metrics = httpx.get(f"{server.url}/metrics").text
-    assert 'distserve:kv_migration_bytes_total{instance="all",phase="decode"}' in metrics
+    assert 'distserve:kv_migration_bytes_total{engine="all",model_name="tiny",phase="decode"}' in metrics
 
 
 def test_structured_output_matches_the_colocated_engine(server: HttpServer) -> None:
@@ -92,3 +93,19 @@ def test_disconnect_frees_kv_on_both_instances(server: HttpServer) -> None:
             break
         time.sleep(0.1)
     assert all(i["kv_cache_usage_perc"] == 0.0 for i in stats(server)["instances"])
+
+
+def test_dashboards_read_only_series_the_ray_runtime_exports(server: HttpServer) -> None:
+    """Our dashboard's queries, and vLLM's under the default prefix, against the Ray runtime's /metrics
+    (its instance figures cross from the actors: step histograms, cache configs, prefix-cache counters)."""
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0)
+    client.completions.create(model="tiny", prompt=PROMPT, max_tokens=4, temperature=0, stream=False)
+    text = httpx.get(f"{server.url}/metrics").text
+    exported = exported_series(text)
+    vllm_queries = [q.replace("vllm:", "distserve:") for panel in VLLM_DASHBOARD_QUERIES.values() for q in panel]
+    # Goodput/attainment read distserve:request_slo_total, which exists only with an SLO (this server has none).
+    ours = [q for q in dashboard_queries() if "request_slo_total" not in q]
+    assert unanswered(ours + vllm_queries, exported) == {}
+    for engine, phase in (("prefill-0", "prefill"), ("decode-0", "decode")):
+        assert f'distserve:engine_step_seconds_count{{engine="{engine}",model_name="tiny",phase="{phase}"}}' in text
+        assert f'distserve:cache_config_info{{block_size="16",enable_prefix_caching="True",engine="{engine}"' in text
