@@ -89,7 +89,7 @@ def _structured_outputs(value: Any) -> list[StructuredOutput]:
             out.append(_spec("choice", _choices(item, name), name))
         elif key in _STRUCTURED_OUTPUTS_KINDS:
             out.append(_spec(_STRUCTURED_OUTPUTS_KINDS[key], _text(item, name), name))
-        elif key not in ("disable_any_whitespace", "disable_fallback", "disable_additional_properties", "whitespace_pattern"):
+        elif key not in ("disable_any_whitespace", "disable_fallback"):  # JSON has no free whitespace here; nothing falls back
             raise _bad(f"{name} is not supported (json, regex, choice, grammar or json_object)", name)
     return out
 
