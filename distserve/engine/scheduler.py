@@ -22,9 +22,8 @@ from distserve.engine.prefix_grouping import PrefixGrouping
 from distserve.engine.rank_order import RECENT_ADMISSIONS, AdmissionRankOrder
 from distserve.engine.sequence import Sequence, SequenceStatus
 from distserve.engine.step_budget import StaticBudget, make_step_budget
-from distserve.engine.step_plan import SampledToken, ScheduledChunk, StepPlan
-from distserve.engine.structured_output import SequenceGrammars
 from distserve.engine.step_plan import SampledToken, ScheduledChunk, StepPlan, chunk_history
+from distserve.engine.structured_output import SequenceGrammars
 from distserve.errors import StepFailedError
 
 

@@ -186,7 +186,6 @@ class _Server:
             raise APIError(400, str(exc), param=exc.param or spec.param) from exc
 
 
-
 def _prompt_ids(client: EngineClient, prompt: str | list[int]) -> list[int]:
     return client.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
 
