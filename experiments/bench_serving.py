@@ -62,7 +62,9 @@ from distserve.measure.benchserve import (
     ServerProcess, cpu_usage, distserve_serve_argv, metric_sums, process_cpu, wait_until_idle,
 )
 from distserve.slo import SLO
-from distserve.measure.loadgen import LoadResult, Workload, run_load, single_stream
+from distserve.measure.load_summary import LoadResult
+from distserve.measure.loadgen import run_load, single_stream
+from distserve.measure.workload import Workload
 from harness import Outputs, ms
 from simulator.goodput import search_rate
 
