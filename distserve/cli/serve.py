@@ -39,6 +39,13 @@ def _check_serve_args(args: argparse.Namespace) -> None:
         raise InvalidConfigError("--tool-call-parser/--enable-auto-tool-choice apply to plain `distserve serve`, not --ray-serve")
     if args.ray_serve and args.structured_output_backend is not None:
         raise InvalidConfigError("--structured-output-backend applies to plain `distserve serve`, not --ray-serve")
+    if args.structured_output_backend == "xgrammar":
+        from distserve.engine.grammar_backends import import_xgrammar
+
+        try:
+            import_xgrammar()
+        except InvalidConfigError as exc:
+            raise InvalidConfigError(f"--structured-output-backend: {exc}") from exc
     if args.ray_serve and args.request_log is not None:
         raise InvalidConfigError("--request-log applies to plain `distserve serve`, not --ray-serve")
     if args.ray_serve and args.tpot_backpressure:

@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from distserve.config import StructuredOutput
+from distserve.errors import InvalidConfigError
 
 JSON_OBJECT_SCHEMA = '{"type": "object"}'
 _ITEM_SEPARATOR, _KEY_SEPARATOR = ", ", ": "
@@ -128,13 +129,23 @@ class _XGrammarMatcher(GrammarMatcher):
         return bool(self._m.accept_token(token_id))
 
 
+def import_xgrammar() -> Any:
+    """The xgrammar module, or an ``InvalidConfigError`` naming the extra that installs it."""
+    try:
+        import xgrammar
+    except ImportError as exc:
+        raise InvalidConfigError("the xgrammar structured-output backend needs the package: pip install 'distserve[xgrammar]' "
+                                 f"({exc})", "structured_output_backend") from exc
+    return xgrammar
+
+
 class XGrammarBackend(GrammarBackend):
     """MLC's xgrammar (C++; pushdown automaton with a precomputed per-state token cache). Compiling
     does that precomputation, so it is slow for large schemas and has no complexity limit of its own."""
 
     def __init__(self, hf_tokenizer: Any, vocab_size: int, stop_token_ids: tuple[int, ...]) -> None:
         super().__init__(hf_tokenizer, vocab_size, stop_token_ids)
-        import xgrammar
+        xgrammar = import_xgrammar()
 
         self._xgr = xgrammar
         info = xgrammar.TokenizerInfo.from_huggingface(hf_tokenizer, vocab_size=vocab_size, stop_token_ids=list(stop_token_ids))
