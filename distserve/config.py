@@ -175,6 +175,9 @@ class SchedulerConfig:
     # Step composition (``distserve.engine.step_budget.STEP_POLICIES``): "mixed" (admitted prompts join
     # the running decodes' step) or "vllm-2023" (a step that admits prompts runs only them, whole).
     step_policy: str = "mixed"
+    # Grammar library for structured output (``engine.grammar_backends.STRUCTURED_OUTPUT_BACKENDS``):
+    # "llguidance" or "xgrammar". Every instance and the request front end compile with the same one.
+    structured_output_backend: str = "llguidance"
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -195,6 +198,11 @@ class SchedulerConfig:
 
         if self.step_policy not in STEP_POLICIES:
             raise InvalidConfigError(f"step_policy must be one of {', '.join(STEP_POLICIES)}, got {self.step_policy!r}", "step_policy")
+        from distserve.engine.grammar_backends import STRUCTURED_OUTPUT_BACKENDS
+
+        if self.structured_output_backend not in STRUCTURED_OUTPUT_BACKENDS:
+            raise InvalidConfigError(f"structured_output_backend must be one of {', '.join(STRUCTURED_OUTPUT_BACKENDS)}, "
+                                     f"got {self.structured_output_backend!r}", "structured_output_backend")
         if self.step_policy == "vllm-2023" and (self.enable_chunked_prefill or self.step_budget != "static"):
             raise InvalidConfigError("step_policy 'vllm-2023' runs prompts whole: it takes neither enable_chunked_prefill nor "
                                      f"step_budget {self.step_budget!r} (use 'static')", "step_policy")
@@ -237,6 +245,7 @@ MAX_STOP_STRING_CHARS = 512
 MAX_STOP_TOKEN_IDS = 1024
 MAX_TOKEN_ID = 2**31 - 1  # checked against the vocabulary where the model is known
 MAX_N = 128  # completions per request (``n``); also bounded by the batch cap where the engine is known
+MAX_STRUCTURED_SPEC_CHARS = 256 * 1024  # a schema, regex, choice list or grammar travels with every plan's sampling
 MAX_PENALTY = 2.0  # presence/frequency penalties: OpenAI's range [-2, 2]
 # Repetition penalty: HF/vLLM accept any value > 0; outside this range float32 logits overflow to inf.
 MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 0.01, 100.0
@@ -277,6 +286,29 @@ def _logit_bias_pairs(bias: object) -> tuple[tuple[int, float], ...]:
             raise err(f"values must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], got {value!r:.80} for token {key}")
         pairs[key] = float(value)
     return tuple(sorted(pairs.items()))
+
+
+STRUCTURED_OUTPUT_KINDS = ("json", "json_object", "regex", "choice", "grammar")
+
+
+@dataclass(frozen=True)
+class StructuredOutput:
+    """What a request's output must match, as text so it crosses processes (``distserve.engine.structured_output``
+    compiles it): ``json`` a JSON schema (JSON text), ``json_object`` any JSON object (``spec`` empty),
+    ``regex`` a regular expression, ``choice`` a JSON list of strings (one of them exactly), ``grammar``
+    an EBNF (GBNF, ``root ::= ...``) or Lark grammar. ``param`` is the request field it came from, for errors.
+    """
+
+    kind: str
+    spec: str = ""
+    param: str = field(default="response_format", compare=False)
+
+    def __post_init__(self) -> None:
+        if self.kind not in STRUCTURED_OUTPUT_KINDS:
+            raise InvalidSamplingParamsError(f"structured output kind must be one of {', '.join(STRUCTURED_OUTPUT_KINDS)}, "
+                                             f"got {self.kind!r}", self.param)
+        if not isinstance(self.spec, str) or len(self.spec) > MAX_STRUCTURED_SPEC_CHARS:
+            raise InvalidSamplingParamsError(f"{self.param} must be text of at most {MAX_STRUCTURED_SPEC_CHARS} characters", self.param)
 
 
 @dataclass(frozen=True)
@@ -322,6 +354,7 @@ class SamplingParams:
     top_logprobs: int = 0
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True  # False: special tokens' text (e.g. <|im_start|>) is kept in the output text
+    structured: StructuredOutput | None = None  # constrained decoding: each token keeps the output matching this
     # Derived in __post_init__, read per row per step: whether any penalty applies, and whether the
     # sampler needs the request's tokens so far (penalties, prompt logprobs).
     has_penalties: bool = field(init=False, repr=False, compare=False, default=False)
@@ -364,6 +397,8 @@ class SamplingParams:
         bad = [t for t in self.stop_token_ids if not _is_int(t) or not 0 <= t <= MAX_TOKEN_ID]
         if bad:
             raise err("stop_token_ids", f"must be token ids >= 0, got {bad[:3]!r}")
+        if self.structured is not None and not isinstance(self.structured, StructuredOutput):
+            raise err("structured", f"must be a StructuredOutput, got {type(self.structured).__name__}")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             if not _is_number(value) or not -MAX_PENALTY <= value <= MAX_PENALTY:

@@ -295,6 +295,11 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--enable-auto-tool-choice", action="store_true",
                    help='accept tool_choice "auto" (the default when a request has tools): calls in the output come back as '
                    "tool_calls (needs --tool-call-parser, as in vLLM)")
+    from distserve.engine.grammar_backends import STRUCTURED_OUTPUT_BACKENDS
+
+    p.add_argument("--structured-output-backend", default=None, choices=sorted(STRUCTURED_OUTPUT_BACKENDS), metavar="NAME",
+                   help="grammar library for response_format / guided_* / forced tool calls (llguidance (default) or xgrammar; "
+                   "see experiments/results/bench_structured_output.md)")
     p.add_argument("--chat-template", default=None, metavar="FILE|TEMPLATE",
                    help="a Jinja chat template (a file, or the template itself) used instead of the tokenizer's (vLLM's flag)")
     p.add_argument("--max-model-len", type=_token_count, default=None, metavar="TOKENS",

@@ -34,6 +34,13 @@ def _check_serve_args(args: argparse.Namespace) -> None:
             raise InvalidConfigError(f"{flag} applies to prefill instances (a disaggregated placement)")
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
         raise InvalidConfigError("--enable-auto-tool-choice needs --tool-call-parser (e.g. --tool-call-parser hermes)")
+    if args.structured_output_backend == "xgrammar":
+        from distserve.engine.grammar_backends import import_xgrammar
+
+        try:
+            import_xgrammar()
+        except InvalidConfigError as exc:
+            raise InvalidConfigError(f"--structured-output-backend: {exc}") from exc
     if args.ray_serve and args.request_log is not None:
         raise InvalidConfigError("--request-log applies to plain `distserve serve`, not --ray-serve (each replica would write its own)")
     if args.ray_serve and args.runtime == "local":
@@ -89,7 +96,7 @@ def prefill_scheduler_config(args: argparse.Namespace, placement: "Placement | N
     from distserve.config import SchedulerConfig
 
     placement = placement if placement is not None else serve_placement(args)
-    base = placement.scheduler_config(SchedulerConfig(layer_preemption=not args.no_layer_preemption))
+    base = placement.scheduler_config(SchedulerConfig(layer_preemption=not args.no_layer_preemption, **structured_output_backend(args)))
     if args.prefill_chunk is None:
         return base
     return replace(base, enable_chunked_prefill=True, max_num_batched_tokens=args.prefill_chunk)
@@ -123,6 +130,11 @@ def cors_of(args: argparse.Namespace) -> "CorsOptions | None":
     return CorsOptions(args.allowed_origins, args.allowed_methods, args.allowed_headers, args.allow_credentials)
 
 
+def structured_output_backend(args: argparse.Namespace) -> dict[str, str]:
+    """``SchedulerConfig``'s grammar library from --structured-output-backend (its default without the flag)."""
+    return {} if args.structured_output_backend is None else {"structured_output_backend": args.structured_output_backend}
+
+
 def deployment_config_of(
     args: argparse.Namespace, placement: "Placement", slo: "SLO | None", api_keys: "ApiKeys | None",
 ) -> "DeploymentConfig":
@@ -136,7 +148,8 @@ def deployment_config_of(
         cache_config=CacheConfig(block_size=args.block_size, kv_cache_memory_gb=args.kv_cache_gb, decode_attention=args.decode_attention),
         # Prefill steps hold no decodes whose TPOT a step budget would protect.
         scheduler_config=slo_scheduler_config(slo.tpot_s if slo else None,
-                                              placement.scheduler_config(SchedulerConfig(layer_preemption=not args.no_layer_preemption))),
+                                              placement.scheduler_config(SchedulerConfig(
+                                                  layer_preemption=not args.no_layer_preemption, **structured_output_backend(args)))),
         prefill_scheduler_config=prefill_scheduler_config(args, placement),
         max_queued_requests=args.max_queued_requests, num_threads_per_worker=args.threads, router=args.router,
         admission=admission_config_of(args, slo.tpot_s if slo else None, tuple(api_keys.tenants.values()) if api_keys else ()),

@@ -34,6 +34,7 @@ from distserve.engine.block_manager import BlockManager
 from distserve.engine.logprobs import PromptLogprobs, TopLogprobs
 from distserve.engine.scheduler import Scheduler
 from distserve.engine.step_plan import SampledToken, StepPlan, attributed_to
+from distserve.engine.structured_output import GrammarCompiler, SequenceGrammars
 from distserve.engine.step_stats import ITERATION_TOKEN_BOUNDS, STEP_SECONDS_BOUNDS, CumulativeHistogram
 from distserve.engine.sequence import Sequence, SequenceStatus
 from distserve.prefill.scheduler import PrefillScheduler
@@ -86,6 +87,7 @@ class InstanceCore:
     Args:
         phase: ``colocated``, ``prefill`` or ``decode`` (``SCHEDULERS``).
         pipeline_depth: plans that may be in flight at once (the instance's pp degree).
+        grammar_compiler: compiles the grammars of structured-output requests (``engine.structured_output``).
     """
 
     def __init__(
@@ -99,6 +101,7 @@ class InstanceCore:
         *,
         enable_prefix_caching: bool = True,
         pipeline_depth: int = 1,
+        grammar_compiler: GrammarCompiler | None = None,
     ) -> None:
         if phase not in SCHEDULERS:
             raise ValueError(f"unknown phase {phase!r}; choose from {sorted(SCHEDULERS)}")
@@ -109,6 +112,7 @@ class InstanceCore:
         self.eos_token_ids = eos_token_ids
         self.enable_prefix_caching = enable_prefix_caching
         self.pipeline_depth = pipeline_depth
+        self.grammar_compiler = grammar_compiler  # structured output (None: requests with a grammar are not served here)
         self.num_steps = 0
         self.last_step_s = 0.0
         self.max_plans_in_flight = 0  # high-water mark, counting plans that compute tokens
@@ -129,6 +133,9 @@ class InstanceCore:
             self.config, self.block_manager, self.max_model_len, self.eos_token_ids, pipeline_depth=self.pipeline_depth
         )
         self.seqs: dict[str, Sequence] = {}
+        # Constrained decoding: one matcher per sequence with a grammar (None: this driver has no compiler).
+        self.grammars = SequenceGrammars(self.grammar_compiler) if self.grammar_compiler is not None else None
+        self.scheduler.grammars = self.grammars
         self.in_flight: deque[PlanInFlight] = deque()  # oldest first
         self._deferred: list[tuple[str, Callable[[], None]]] = []  # (seq_id, op) waiting for its plans
         self._reported: dict[str, int] = {}  # output tokens already reported per request (``delta``)
@@ -155,6 +162,8 @@ class InstanceCore:
                 self._reported[s.seq_id] = s.num_output_tokens
             self.scheduler.add(seq)
 
+        if self.grammars is not None:
+            self.grammars.prefetch(seq)
         self.defer(seq.seq_id, run)
 
     def abort(self, seq_id: str, reason: str = "abort") -> None:
@@ -174,6 +183,8 @@ class InstanceCore:
 
     def _forget(self, seq_id: str) -> Sequence | None:
         self._reported.pop(seq_id, None)
+        if self.grammars is not None:
+            self.grammars.drop(seq_id)
         return self.seqs.pop(seq_id, None)
 
     def kv_source(self, seq_id: str) -> list[int]:
@@ -202,6 +213,8 @@ class InstanceCore:
         if reservation is not None:
             self.seqs[seq.seq_id] = seq
             self._reported[seq.seq_id] = seq.num_output_tokens
+            if self.grammars is not None:
+                self.grammars.prefetch(seq)
         return reservation
 
     def complete(self, seq_id: str) -> Sequence | None:
@@ -259,6 +272,8 @@ class InstanceCore:
         plan = self.scheduler.schedule()
         if plan.is_empty and not (send_finished and plan.finished_seq_ids):
             return None
+        if self.grammars is not None:
+            self.grammars.fill_bitmasks(plan, self.seqs)
         if plan.chunks and self.in_flight:
             computing = sum(1 for p in self.in_flight if p.plan.chunks)
             if computing:
@@ -301,9 +316,12 @@ class InstanceCore:
         seqs = self.seqs
         updated = self.scheduler.update_from_output(p.plan, sampled, seqs, now)
         finished = SequenceStatus.FINISHED
+        grammars = self.grammars
         for seq in updated:  # the simulator's hot loop: status compared inline
             if seq.status is finished:
                 seqs.pop(seq.seq_id, None)
+                if grammars is not None:
+                    grammars.drop(seq.seq_id)
         return updated
 
     def step(self, execute: Callable[[StepPlan], list[SampledToken]], clock: Callable[[], float]) -> list[Sequence]:

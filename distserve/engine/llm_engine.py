@@ -41,7 +41,8 @@ class LLMEngine(EngineBase):
         super().__init__(loaded, cache_config, scheduler_config)
         cc = self.cache_config
         self.core = InstanceCore("colocated", self.scheduler_config, self.num_blocks, cc.block_size, self.max_model_len,
-                                 self.eos_token_ids, enable_prefix_caching=cc.enable_prefix_caching)
+                                 self.eos_token_ids, enable_prefix_caching=cc.enable_prefix_caching,
+                                 grammar_compiler=self.grammar_compiler)
         self.runner = ModelRunner(loaded.config, loaded.state_dict, self.num_blocks, cc.block_size, self.eos_token_ids, device,
                                   decode_attention=cc.decode_attention)
 

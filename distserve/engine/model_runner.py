@@ -245,6 +245,7 @@ class ModelRunner:
             [c.num_output_tokens for c in chunks],
             self.eos_token_ids,
             [c.history for c in chunks],
+            [c.token_bitmask for c in chunks],
         )
         tokens = [SampledToken(c.seq_id, tok) for c, tok in zip(chunks, out.token_ids)]
         for i, (c, token) in enumerate(zip(chunks, tokens)):

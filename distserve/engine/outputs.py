@@ -20,6 +20,7 @@ from distserve.engine.logprobs import PromptLogprobs, TopLogprobs
 from distserve.engine.request_metrics import RequestMetrics
 from distserve.engine.sequence import Sequence, SequenceStatus, completion_sampling, completion_seq_id
 from distserve.engine.detokenizer import Detokenizer
+from distserve.engine.structured_output import shared_compiler
 from distserve.engine.tokenizer import Tokenizer
 from distserve.engine.weights import LoadedModel
 from distserve.errors import (
@@ -199,6 +200,8 @@ class RequestFrontend(ABC):
         self.max_model_len = min(model_len, self.num_blocks * self.cache_config.block_size)
         self.eos_token_ids = tuple(sorted(set(self.model_config.eos_token_ids) | set(self.tokenizer.eos_token_ids)))
         self.outputs = OutputProcessor(self.tokenizer, self.eos_token_ids)
+        # Structured output: one compiler per tokenizer and backend in the process, shared with the instances here.
+        self.grammar_compiler = shared_compiler(self.scheduler_config.structured_output_backend, self.tokenizer, self.eos_token_ids)
         self._seqs: dict[str, Sequence] = {}
         self._groups: dict[str, set[str]] = {}  # request id -> its unfinished completions' seq ids (``n`` > 1)
         self._ids = itertools.count()
@@ -246,6 +249,8 @@ class RequestFrontend(ABC):
         bad = [t for t, _ in sampling.logit_bias if t >= vocab]
         if bad:
             raise InvalidSamplingParamsError(f"logit_bias keys must be token ids below the vocabulary size {vocab}, got {bad[:3]}", "logit_bias")
+        if sampling.structured is not None:
+            self.grammar_compiler.check(sampling.structured)  # compiled once; a bad or too complex spec names its param
         room = self.max_model_len - len(prompt_ids)
         if sampling.max_tokens > room:
             raise PromptTooLongError(

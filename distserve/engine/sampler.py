@@ -12,6 +12,7 @@ import torch
 
 from distserve.config import SamplingParams
 from distserve.engine.logprobs import TopLogprobs, top_logprobs
+from distserve.engine.structured_output import apply_token_bitmasks
 
 # Logits arrive as float32, so a nucleus whose mass equals top_p exactly (0.5 + 0.3 vs 0.8) is off
 # by ~1e-7 and, without this relative slack, would pull in one token more than intended.
@@ -47,6 +48,7 @@ class Sampler:
         num_output_tokens: Sequence[int],
         eos_token_ids: Sequence[int],
         histories: Sequence[Sequence[int] | None] | None = None,
+        token_bitmasks: Sequence[np.ndarray | None] | None = None,
     ) -> SamplerOutput:
         """Pick the next token of each row of ``logits`` (``[N, V]``, any float dtype, not mutated).
 
@@ -59,11 +61,12 @@ class Sampler:
                 ``min_tokens`` is reached.
             histories: per row, the request's tokens so far (prompt, then its ``num_output_tokens``
                 outputs); needed by the rows with penalties (``SamplingParams.has_penalties``).
+            token_bitmasks: per row, the tokens its grammar allows (structured output), or None.
         Returns:
             The chosen ids and, if any row set ``logprobs``, log-probabilities.
         """
         logits = logits.detach()
-        processed = process_logits(logits, params, num_output_tokens, eos_token_ids, histories)  # [N, V]
+        processed = process_logits(logits, params, num_output_tokens, eos_token_ids, histories, token_bitmasks)  # [N, V]
         num_rows = logits.shape[0]
         sampled_rows = [i for i, p in enumerate(params) if not p.greedy]
         if not sampled_rows:
@@ -96,6 +99,7 @@ def process_logits(
     num_output_tokens: Sequence[int],
     eos_token_ids: Sequence[int],
     histories: Sequence[Sequence[int] | None] | None = None,
+    token_bitmasks: Sequence[np.ndarray | None] | None = None,
 ) -> torch.Tensor:
     """The logits processors, in vLLM's order: each step returns its input when no row uses it, so a
     batch that uses none gets ``logits`` itself back (no copy); the first step that changes
@@ -103,6 +107,17 @@ def process_logits(
     out = _mask_min_tokens(logits, logits, params, num_output_tokens, eos_token_ids)
     out = _apply_logit_bias(logits, out, params)
     out = _apply_penalties(logits, out, params, num_output_tokens, histories)
+    out = _apply_token_bitmasks(logits, out, token_bitmasks)
+    return out
+
+
+def _apply_token_bitmasks(raw: torch.Tensor, logits: torch.Tensor, token_bitmasks: Sequence[np.ndarray | None] | None) -> torch.Tensor:
+    """Structured output: each constrained row keeps only the tokens its grammar allows next
+    (``engine.structured_output``); the others at -inf."""
+    if token_bitmasks is None or all(b is None for b in token_bitmasks):
+        return logits
+    out = _writable(raw, logits)
+    apply_token_bitmasks(out, token_bitmasks)
     return out
 
 

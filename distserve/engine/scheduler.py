@@ -23,6 +23,7 @@ from distserve.engine.rank_order import RECENT_ADMISSIONS, AdmissionRankOrder
 from distserve.engine.sequence import Sequence, SequenceStatus
 from distserve.engine.step_budget import StaticBudget, make_step_budget
 from distserve.engine.step_plan import SampledToken, ScheduledChunk, StepPlan, chunk_history
+from distserve.engine.structured_output import SequenceGrammars
 from distserve.errors import StepFailedError
 
 
@@ -58,6 +59,8 @@ class Scheduler(AdmissionRankOrder):
     clears_isolation = True
     forks_run_here = True  # a prompt's ``n`` completions decode here: admitting it takes n running slots
     phase = "colocated"  # the instance role this scheduler serves (``PrefillScheduler``: prefill; ``DecodeScheduler``: decode)
+    # Constrained decoding: the instance's grammar matchers, advanced as tokens are appended (set by ``InstanceCore``).
+    grammars: SequenceGrammars | None = None
 
     def __init__(
         self,
@@ -570,6 +573,10 @@ class Scheduler(AdmissionRankOrder):
                 return "stop"
             if token in sp.stop_token_ids:
                 return "stop"
+        if sp.structured is not None and self.grammars is not None:
+            reason = self.grammars.accept(seq)  # its grammar complete: "stop" (EOS would be the only token left)
+            if reason is not None:
+                return reason
         if num_output_tokens >= sp.max_tokens or num_tokens >= self.max_model_len:
             return "length"
         return None

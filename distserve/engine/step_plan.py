@@ -10,6 +10,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from distserve.config import SamplingParams
 from distserve.engine.logprobs import PromptLogprobs, TopLogprobs
 from distserve.errors import StepFailedError
@@ -29,6 +31,9 @@ class ScheduledChunk:
     # The request's tokens so far (prompt + outputs), only for requests whose sampling reads them
     # (penalties; prompt logprobs while the prompt is computed: ``chunk_history``); else None.
     history: list[int] | None = None
+    # Constrained decoding: int32[ceil(V / 32)], the tokens the sequence's grammar allows next
+    # (``engine.structured_output``); set by the instance core for sampling chunks, else None.
+    token_bitmask: np.ndarray | None = None
 
     @property
     def num_tokens(self) -> int:

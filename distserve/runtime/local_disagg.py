@@ -182,7 +182,8 @@ class LocalDisaggEngine(EngineBase):
 
         def instance(phase: str, i: int, config: SchedulerConfig, spec: InstanceSpec = InstanceSpec()) -> LocalInstance:
             core = InstanceCore(phase, spec.scheduler_config(config), self.num_blocks, cc.block_size, self.max_model_len,
-                                self.eos_token_ids, enable_prefix_caching=cc.enable_prefix_caching)
+                                self.eos_token_ids, enable_prefix_caching=cc.enable_prefix_caching,
+                                grammar_compiler=self.grammar_compiler)
             return LocalInstance(f"{phase}-{i}", core, runner_factory(loaded, self.num_blocks, cc, self.eos_token_ids),
                                  RouteState(pool=spec.pool), clock=clock)
 

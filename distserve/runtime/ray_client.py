@@ -20,6 +20,7 @@ class ControllerClient(EngineClient):
         self.controller = controller
         self.model_name = controller.model_name
         self.tokenizer = controller.tokenizer
+        self.grammar_compiler = controller.grammar_compiler
         self.max_model_len = controller.max_model_len
         self._owns_ray = owns_ray
 

@@ -60,6 +60,7 @@ class RemoteController:
         loaded = load_model(config.model, resolve_dtype(config.dtype), weights=False)
         self._frontend = _Tokenizer(loaded, config.cache_config, config.scheduler_config)
         self.tokenizer = self._frontend.tokenizer
+        self.grammar_compiler = self._frontend.grammar_compiler
         self.max_model_len = self._frontend.max_model_len
         self.num_blocks = self._frontend.num_blocks
         self._placement_groups: list[Any] = []  # known once started: removed at shutdown whatever became of the actor

@@ -132,6 +132,7 @@ class ThreadedEngineClient(EngineClient):
         self.engines = engine_list
         self.model_name = model_name or first.model_config.name
         self.tokenizer = first.tokenizer
+        self.grammar_compiler = first.grammar_compiler
         self.max_model_len = min(e.max_model_len for e in engine_list)
         self.max_queued_requests = max_queued_requests
         self._streams: dict[str, tuple[_Stream, _EngineSlot]] = {}  # engine thread only: dispatched to an engine

@@ -23,7 +23,7 @@ from fastapi.responses import JSONResponse, Response
 from distserve.cluster.classes import RequestClass
 from distserve.config import SamplingParams
 from distserve.engine.outputs import RequestOutput
-from distserve.errors import InvalidConfigError, ServiceUnavailableError
+from distserve.errors import DistServeError, InvalidConfigError, ServiceUnavailableError
 from distserve.runtime.client import EngineClient
 from distserve.dataflow.limits import DEFAULT_LIMITS, SessionLimits
 from distserve.dataflow.sessions import SessionManager
@@ -70,7 +70,7 @@ from distserve.serving.protocol import (
     finish_reason,
     sse,
 )
-from distserve.serving.tool_parsers import ParsedToolCall, ToolCallStream, get_tool_parser
+from distserve.serving.tool_parsers import ForcedToolCallParser, ParsedToolCall, ToolCallStream, get_tool_parser
 from distserve.serving.streams import SSEResponse, aclose_stream, sse_events, unless_disconnected
 from distserve.slo import SLO
 
@@ -171,6 +171,19 @@ class _Server:
             timer.fail()
             raise engine_error(exc, "prompt") from exc
 
+    async def check_structured(self, sampling: SamplingParams) -> None:
+        """Compile the request's grammar (cached) in a thread, not on the engine's: a bad or too complex
+        one is a 400 naming its field."""
+        spec = sampling.structured
+        if spec is None:
+            return
+        compiler = self.client.grammar_compiler
+        if compiler is None:
+            raise APIError(400, "this server does not serve structured output", param=spec.param)
+        try:
+            await asyncio.to_thread(compiler.check, spec)
+        except DistServeError as exc:
+            raise APIError(400, str(exc), param=exc.param or spec.param) from exc
 
 
 def _prompt_ids(client: EngineClient, prompt: str | list[int]) -> list[int]:
@@ -276,6 +289,7 @@ def build_fastapi_app(
         # ``"max_tokens": null`` asks for the rest of the context, which depends on the prompt's length.
         num_prompt_tokens = None if body.max_tokens is not None else len(_prompt_ids(client, prompt))
         sampling = body.to_sampling_params(client.max_model_len, num_prompt_tokens)
+        await server.check_structured(sampling)
         request_id, stream, first, timer = await server.start(request, prompt, sampling, "cmpl", body.request_id, body.priority,
                                                               body.timeout, "prompt",
                                                               {"top_logprobs": "logprobs"})
@@ -326,7 +340,8 @@ def build_fastapi_app(
     async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response | ChatCompletionResponse:
         check_request_fields(body)
         server.check_model(body.model)
-        parser = tool_parser if body.tool_mode(enable_auto_tool_choice) == "auto" else None
+        mode = body.tool_mode(enable_auto_tool_choice)
+        parser = tool_parser if mode == "auto" else ForcedToolCallParser(body.forced_function) if mode == "forced" else None
         prompt = truncate(chat_prompt(client.tokenizer, body, chat_template, served_model_name), body.truncate_prompt_tokens,
                           client.max_model_len)
         one_call = body.parallel_tool_calls is False
@@ -339,6 +354,7 @@ def build_fastapi_app(
                 code="context_length_exceeded",
             )
         sampling = body.to_sampling_params(len(prompt), client.max_model_len)
+        await server.check_structured(sampling)
         names = {"max_tokens": "max_completion_tokens"} if body.max_completion_tokens is not None else None
         request_id, stream, first, timer = await server.start(request, prompt, sampling, "chatcmpl", body.request_id, body.priority,
                                                               body.timeout, "messages", names)

@@ -28,6 +28,7 @@ from distserve.cluster.admission import DEFAULT_MAX_WAITING, DEFAULT_WAITING_UNI
 from distserve.cluster.fair_queue import ADMISSION_POLICIES, DEFAULT_ADMISSION_POLICY
 from distserve.cluster.routing import DEFAULT_ROUTER, ROUTERS
 from distserve.dataflow.limits import DEFAULT_LIMITS, SessionLimits
+from distserve.engine.grammar_backends import STRUCTURED_OUTPUT_BACKENDS
 from distserve.errors import DistServeError, InvalidConfigError
 from distserve.placement import Placement
 from distserve.runtime.config import SERVER_MAX_QUEUED_REQUESTS, DeploymentConfig
@@ -46,6 +47,7 @@ REPLICA_CPUS = 0.1  # Ray bookkeeping: Serve's default of 1 CPU per replica does
 # Fields whose value is one of a registry's names.
 _CHOICES: dict[str, Any] = {
     "router": ROUTERS, "admission_policy": ADMISSION_POLICIES, "waiting_unit": WAITING_UNITS, "metrics_prefix": METRICS_PREFIXES,
+    "structured_output_backend": STRUCTURED_OUTPUT_BACKENDS,
 }
 
 
@@ -93,6 +95,7 @@ class ServeAppConfig(BaseModel):
     metrics_prefix: str = OWN_PREFIX
     tool_call_parser: Literal["hermes"] | None = None
     enable_auto_tool_choice: bool = False
+    structured_output_backend: str | None = None
     chat_template: str | None = None  # a file, or the template itself
     max_model_len: PositiveInt | None = None
     max_num_seqs: PositiveInt | None = None
@@ -126,9 +129,9 @@ class ServeAppConfig(BaseModel):
 
     @field_validator(*_CHOICES)
     @classmethod
-    def _one_of(cls, value: str, info: ValidationInfo) -> str:
+    def _one_of(cls, value: str | None, info: ValidationInfo) -> str | None:
         choices = _CHOICES[info.field_name or ""]
-        if value not in choices:
+        if value is not None and value not in choices:
             raise ValueError(f"must be one of {', '.join(sorted(choices))}")
         return value
 

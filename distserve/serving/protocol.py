@@ -8,8 +8,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from distserve.config import MAX_LOGPROBS, SamplingParams
+from distserve.config import MAX_LOGPROBS, SamplingParams, StructuredOutput
 from distserve.errors import InvalidSamplingParamsError
+from distserve.serving.structured_request import structured_output_of, tool_call_output
 
 FinishReason = Literal["stop", "length", "abort", "tool_calls"]
 FINISH_REASONS: tuple[FinishReason, ...] = ("stop", "length", "abort")  # the engine's; "tool_calls" is the API's
@@ -102,6 +103,14 @@ class _SamplingRequest(_Request):
     truncate_prompt_tokens: int | None = Field(default=None, ge=1)  # vLLM's: only the prompt's last k tokens are used
     skip_special_tokens: bool = True  # vLLM's: false keeps special tokens' text in the output
     request_id: str | None = None  # vLLM's: the request's id when it has no X-Request-Id header
+    # Structured output (``serving.structured_request``): OpenAI's, and vLLM's extensions; checked by hand
+    # so a malformed one is a 400 naming the field.
+    response_format: Any = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    structured_outputs: Any = None
 
     @property
     def include_usage(self) -> bool:
@@ -118,6 +127,7 @@ class _SamplingRequest(_Request):
     def _sampling(
         self, max_tokens: int, max_tokens_param: str, logprobs: bool, top_logprobs: int = 0,
         prompt_logprobs: int | None = None, param_names: dict[str, str] | None = None,
+        structured: StructuredOutput | None = None,
     ) -> SamplingParams:
         """``prompt_logprobs``: what the response needs of the prompt (default: the request's own field);
         ``param_names``: the request's name of a ``SamplingParams`` field that it names differently."""
@@ -125,6 +135,7 @@ class _SamplingRequest(_Request):
         stop: tuple[str, ...] = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
         names = {"max_tokens": max_tokens_param, **(param_names or {})}
         try:
+            structured = structured or structured_output_of(self.__dict__)
             return SamplingParams(
                 max_tokens=max_tokens,
                 temperature=1.0 if self.temperature is None else self.temperature,
@@ -146,6 +157,7 @@ class _SamplingRequest(_Request):
                 top_logprobs=top_logprobs,
                 prompt_logprobs=self.prompt_logprobs if prompt_logprobs is None else prompt_logprobs,
                 skip_special_tokens=self.skip_special_tokens,
+                structured=structured,
             )
         except InvalidSamplingParamsError as exc:
             param = names.get(exc.param, exc.param) if exc.param is not None else None
@@ -295,8 +307,9 @@ class ChatCompletionRequest(_SamplingRequest, ChatInput):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None  # False: at most one call is returned
 
-    def tool_mode(self, auto_tool_choice: bool) -> Literal["none", "auto"]:
-        """Whether the output is parsed for tool calls (``auto``) or not (``none``); 400 for what is not supported.
+    def tool_mode(self, auto_tool_choice: bool) -> Literal["none", "auto", "forced"]:
+        """Whether the output is parsed for tool calls (``auto``), is the call(s) (``forced``: "required" or a
+        named function, decoded under the calls' JSON schema) or neither (``none``); 400 for what is not supported.
 
         ``auto_tool_choice``: the server runs with ``--enable-auto-tool-choice`` and a ``--tool-call-parser``
         (vLLM's rule: without them "auto" is refused rather than returning calls as text)."""
@@ -310,12 +323,15 @@ class ChatCompletionRequest(_SamplingRequest, ChatInput):
         if isinstance(choice, NamedToolChoice) or choice == "required":
             if isinstance(choice, NamedToolChoice) and choice.function.name not in {t.function.name for t in self.tools}:
                 raise bad_request(f"tool_choice names the function {choice.function.name!r}, which is not in tools", "tool_choice")
-            what = "a named function" if isinstance(choice, NamedToolChoice) else '"required"'
-            raise bad_request(f"tool_choice {what} needs constrained decoding of the call, which this server does not do; "
-                              'use "auto" or "none"', "tool_choice")
+            return "forced"
         if not auto_tool_choice:
             raise bad_request('"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set', "tool_choice")
         return "auto"
+
+    @property
+    def forced_function(self) -> str | None:
+        """The function ``tool_choice`` names, or None."""
+        return self.tool_choice.function.name if isinstance(self.tool_choice, NamedToolChoice) else None
 
     def to_sampling_params(self, num_prompt_tokens: int, max_model_len: int) -> SamplingParams:
         """Without a token limit the answer may fill the rest of the context, as in vLLM."""
@@ -325,7 +341,16 @@ class ChatCompletionRequest(_SamplingRequest, ChatInput):
             max_tokens, param = self.max_tokens, "max_tokens"
         else:
             max_tokens, param = max(1, max_model_len - num_prompt_tokens), "max_tokens"
-        return self._sampling(max_tokens, param, self.logprobs, self.top_logprobs or 0)
+        structured = None
+        if self.tools and (self.tool_choice == "required" or isinstance(self.tool_choice, NamedToolChoice)):
+            try:
+                if structured_output_of(self.__dict__) is not None:
+                    raise bad_request('tool_choice "required" or a named function already constrains the output; '
+                                      "it takes no response_format or guided decoding", "tool_choice")
+                structured = tool_call_output(self.tool_dicts() or [], self.forced_function, self.parallel_tool_calls)
+            except InvalidSamplingParamsError as exc:
+                raise bad_request(str(exc), exc.param) from exc
+        return self._sampling(max_tokens, param, self.logprobs, self.top_logprobs or 0, structured=structured)
 
 
 # ---- responses -------------------------------------------------------------------------------

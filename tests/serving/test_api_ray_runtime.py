@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -10,7 +11,7 @@ import httpx
 import openai
 import pytest
 
-from distserve.config import CacheConfig, SamplingParams
+from distserve.config import CacheConfig, SamplingParams, StructuredOutput
 from distserve.engine.llm_engine import LLMEngine
 from distserve.engine.weights import load_model
 from distserve.runtime.config import DeploymentConfig
@@ -62,6 +63,20 @@ def test_openai_client_greedy_matches_engine(server: HttpServer) -> None:
     assert streamed == expected
     metrics = httpx.get(f"{server.url}/metrics").text
     assert 'distserve:kv_migration_bytes_total{engine="all",model_name="tiny",phase="decode"}' in metrics
+
+
+def test_structured_output_matches_the_colocated_engine(server: HttpServer) -> None:
+    """The decode actor rebuilds each matcher from the spec and the token the prefill actor sampled."""
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer", "minimum": 0, "maximum": 99}},
+              "required": ["ok", "n"], "additionalProperties": False}
+    engine = LLMEngine(load_model("tiny"), cache_config=CACHE)
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0)
+    for field, spec in (("guided_json", schema), ("guided_regex", r"[a-c]{2,6}-[0-9]{2}")):
+        kind = "json" if field == "guided_json" else "regex"
+        structured = StructuredOutput(kind, json.dumps(spec) if kind == "json" else spec, field)  # type: ignore[arg-type]
+        expected = engine.generate([PROMPT], SamplingParams(max_tokens=32, temperature=0.0, structured=structured))[0]
+        got = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=32, temperature=0, extra_body={field: spec}).choices[0]
+        assert got.text == expected.text and got.finish_reason == expected.finish_reason == "stop"
 
 
 def test_disconnect_frees_kv_on_both_instances(server: HttpServer) -> None:
