@@ -39,7 +39,7 @@ from distserve.serving.http_errors import (
     error_response,
     unavailable,
 )
-from distserve.serving.metrics import CONTENT_TYPE, RequestTimer, ServingMetrics, rejection_reason
+from distserve.serving.metrics import CONTENT_TYPE, MetricsPeers, RequestTimer, ServingMetrics, rejection_reason
 from distserve.serving.logprobs import LogprobsRenderer
 from distserve.serving.metrics_exposition import OWN_PREFIX
 from distserve.serving.ops_routes import add_ops_routes
@@ -216,7 +216,7 @@ def build_fastapi_app(
     client: EngineClient, served_model_name: str, *, metrics: ServingMetrics | None = None,
     session_limits: SessionLimits = DEFAULT_LIMITS, api_keys: ApiKeys | None = None,
     tool_call_parser: str | None = None, enable_auto_tool_choice: bool = False, metrics_prefix: str = OWN_PREFIX,
-    chat_template: str | None = None, cors: CorsOptions | None = None,
+    chat_template: str | None = None, cors: CorsOptions | None = None, metrics_peers: MetricsPeers | None = None,
 ) -> FastAPI:
     """``/v1/completions``, ``/v1/chat/completions``, ``/v1/models``, ``/health`` and ``/metrics`` over ``client``,
     vLLM's ``/tokenize``, ``/detokenize``, ``/version`` and ``/ping`` (``serving.ops_routes``), and the
@@ -227,7 +227,8 @@ def build_fastapi_app(
     ``metrics_prefix``: of the ``ServingMetrics`` made here when ``metrics`` is None (``--metrics-prefix``);
     a ``metrics`` without a ``model_name`` gets ``served_model_name``.
     ``chat_template``: a Jinja chat template in place of the tokenizer's (``--chat-template``); ``cors``:
-    ``serving.cors`` (None: no CORS headers)."""
+    ``serving.cors`` (None: no CORS headers). ``metrics_peers``: the other servers over the same engine
+    (Ray Serve replicas), whose request-side series ``/metrics`` adds to this one's."""
     if enable_auto_tool_choice and tool_call_parser is None:
         raise InvalidConfigError("--enable-auto-tool-choice needs --tool-call-parser", "tool_call_parser")
     try:
@@ -272,6 +273,11 @@ def build_fastapi_app(
             server.metrics.update_engine_stats(await asyncio.wait_for(client.stats(), STATS_TIMEOUT_S))
         except Exception as exc:  # noqa: BLE001 - the request-side metrics are still worth serving
             logger.warning("engine stats unavailable for /metrics: %s", exc)
+        if metrics_peers is not None:
+            try:
+                await asyncio.wait_for(server.metrics.exchange(metrics_peers), STATS_TIMEOUT_S)
+            except Exception as exc:  # noqa: BLE001 - the peers' previous figures are served instead
+                logger.warning("the other replicas' metrics are unavailable for /metrics: %s", exc)
         return Response(server.metrics.render(), media_type=CONTENT_TYPE)
 
     @app.post("/v1/completions", response_model=None)
