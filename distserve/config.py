@@ -175,6 +175,9 @@ class SchedulerConfig:
     # Step composition (``distserve.engine.step_budget.STEP_POLICIES``): "mixed" (admitted prompts join
     # the running decodes' step) or "vllm-2023" (a step that admits prompts runs only them, whole).
     step_policy: str = "mixed"
+    # Grammar library for structured output (``engine.grammar_backends.STRUCTURED_OUTPUT_BACKENDS``):
+    # "llguidance" or "xgrammar". Every instance and the request front end compile with the same one.
+    structured_output_backend: str = "llguidance"
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -195,6 +198,11 @@ class SchedulerConfig:
 
         if self.step_policy not in STEP_POLICIES:
             raise InvalidConfigError(f"step_policy must be one of {', '.join(STEP_POLICIES)}, got {self.step_policy!r}", "step_policy")
+        from distserve.engine.grammar_backends import STRUCTURED_OUTPUT_BACKENDS
+
+        if self.structured_output_backend not in STRUCTURED_OUTPUT_BACKENDS:
+            raise InvalidConfigError(f"structured_output_backend must be one of {', '.join(STRUCTURED_OUTPUT_BACKENDS)}, "
+                                     f"got {self.structured_output_backend!r}", "structured_output_backend")
         if self.step_policy == "vllm-2023" and (self.enable_chunked_prefill or self.step_budget != "static"):
             raise InvalidConfigError("step_policy 'vllm-2023' runs prompts whole: it takes neither enable_chunked_prefill nor "
                                      f"step_budget {self.step_budget!r} (use 'static')", "step_policy")
@@ -237,10 +245,70 @@ MAX_STOP_STRING_CHARS = 512
 MAX_STOP_TOKEN_IDS = 1024
 MAX_TOKEN_ID = 2**31 - 1  # checked against the vocabulary where the model is known
 MAX_N = 128  # completions per request (``n``); also bounded by the batch cap where the engine is known
+MAX_STRUCTURED_SPEC_CHARS = 256 * 1024  # a schema, regex, choice list or grammar travels with every plan's sampling
+MAX_PENALTY = 2.0  # presence/frequency penalties: OpenAI's range [-2, 2]
+# Repetition penalty: HF/vLLM accept any value > 0; outside this range float32 logits overflow to inf.
+MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 0.01, 100.0
+MAX_LOGIT_BIAS = 100.0  # OpenAI's range [-100, 100]
+MAX_LOGIT_BIAS_ENTRIES = 300  # the bias travels with every plan and is applied every step
+MAX_LOGPROBS = 20  # top alternatives per position (OpenAI's top_logprobs, vLLM's default max_logprobs)
 
 
 def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: object) -> bool:
+    """A finite int or float (not a bool)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _logit_bias_pairs(bias: object) -> tuple[tuple[int, float], ...]:
+    """``logit_bias`` as sorted (token id, bias) pairs, from a dict (ids as ints or digit strings) or pairs."""
+    def err(message: str) -> InvalidSamplingParamsError:
+        return InvalidSamplingParamsError(f"logit_bias {message}", "logit_bias")
+
+    if not bias:
+        return ()
+    items = list(bias.items()) if isinstance(bias, dict) else list(bias)  # type: ignore[call-overload]
+    if len(items) > MAX_LOGIT_BIAS_ENTRIES:
+        raise err(f"may hold at most {MAX_LOGIT_BIAS_ENTRIES} tokens, got {len(items)}")
+    pairs: dict[int, float] = {}
+    for item in items:
+        if not isinstance(item, (tuple, list)) or len(item) != 2:
+            raise err(f"must map token ids to biases, got {item!r:.80}")
+        key, value = item
+        if isinstance(key, str) and key.isascii() and key.isdecimal() and len(key) <= 10:
+            key = int(key)
+        if not _is_int(key) or not 0 <= key <= MAX_TOKEN_ID:
+            raise err(f"keys must be token ids (integers >= 0), got {key!r:.80}")
+        if not _is_number(value) or not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:
+            raise err(f"values must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], got {value!r:.80} for token {key}")
+        pairs[key] = float(value)
+    return tuple(sorted(pairs.items()))
+
+
+STRUCTURED_OUTPUT_KINDS = ("json", "json_object", "regex", "choice", "grammar")
+
+
+@dataclass(frozen=True)
+class StructuredOutput:
+    """What a request's output must match, as text so it crosses processes (``distserve.engine.structured_output``
+    compiles it): ``json`` a JSON schema (JSON text), ``json_object`` any JSON object (``spec`` empty),
+    ``regex`` a regular expression, ``choice`` a JSON list of strings (one of them exactly), ``grammar``
+    an EBNF (GBNF, ``root ::= ...``) or Lark grammar. ``param`` is the request field it came from, for errors.
+    """
+
+    kind: str
+    spec: str = ""
+    param: str = field(default="response_format", compare=False)
+
+    def __post_init__(self) -> None:
+        if self.kind not in STRUCTURED_OUTPUT_KINDS:
+            raise InvalidSamplingParamsError(f"structured output kind must be one of {', '.join(STRUCTURED_OUTPUT_KINDS)}, "
+                                             f"got {self.kind!r}", self.param)
+        if not isinstance(self.spec, str) or len(self.spec) > MAX_STRUCTURED_SPEC_CHARS:
+            raise InvalidSamplingParamsError(f"{self.param} must be text of at most {MAX_STRUCTURED_SPEC_CHARS} characters", self.param)
 
 
 @dataclass(frozen=True)
@@ -248,9 +316,22 @@ class SamplingParams:
     """How to sample one request's output; validated on construction.
 
     ``top_k`` of 0 or -1 disables top-k; ``temperature == 0`` is greedy. ``logprobs`` returns the
-    log-probability (under the unmodified model distribution) of each chosen token. Limits that
-    depend on the model (token ids within the vocabulary, ``max_tokens`` within the context) are
-    checked when a request is submitted (``RequestFrontend.check_request``).
+    log-probability of each chosen token and ``top_logprobs`` (needs ``logprobs``) the most likely
+    alternatives at each position; ``prompt_logprobs`` (vLLM's) the same for the prompt tokens (the
+    first excepted). Every log-probability is under the model's raw distribution (vLLM's default
+    ``logprobs_mode``, ``raw_logprobs``): before penalties, bias, temperature and filters.
+
+    Logits processing (``engine.sampler``, vLLM's order): ``min_tokens`` bans, ``logit_bias``
+    (OpenAI: added to the logits), ``repetition_penalty`` (HF/vLLM: over prompt and output tokens, a
+    positive logit divided by it, a negative one multiplied), ``frequency_penalty`` (times each
+    token's count in the output) and ``presence_penalty`` (once per token in the output), both
+    subtracted as in OpenAI; then greedy argmax, or temperature, ``min_p`` (drop tokens whose
+    probability is below ``min_p`` times the top one's), top-k, top-p and a draw.
+
+    ``logit_bias`` may be given as a dict {token id: bias} (ids as ints or digit strings); it is
+    stored as sorted ``(id, bias)`` pairs. Limits that depend on the model (token ids within the
+    vocabulary, ``max_tokens`` within the context) are checked when a request is submitted
+    (``RequestFrontend.check_request``).
     """
 
     max_tokens: int = 16
@@ -265,6 +346,19 @@ class SamplingParams:
     logprobs: bool = False
     include_stop_str_in_output: bool = False
     n: int = 1  # completions of the prompt: it is prefilled once and its KV forked n ways (copy-on-write)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    top_logprobs: int = 0
+    prompt_logprobs: int | None = None
+    skip_special_tokens: bool = True  # False: special tokens' text (e.g. <|im_start|>) is kept in the output text
+    structured: StructuredOutput | None = None  # constrained decoding: each token keeps the output matching this
+    # Derived in __post_init__, read per row per step: whether any penalty applies, and whether the
+    # sampler needs the request's tokens so far (penalties, prompt logprobs).
+    has_penalties: bool = field(init=False, repr=False, compare=False, default=False)
+    needs_history: bool = field(init=False, repr=False, compare=False, default=False)
 
     def __post_init__(self) -> None:
         # Accept lists/str from callers but store tuples so the object stays hashable and frozen.
@@ -303,6 +397,28 @@ class SamplingParams:
         bad = [t for t in self.stop_token_ids if not _is_int(t) or not 0 <= t <= MAX_TOKEN_ID]
         if bad:
             raise err("stop_token_ids", f"must be token ids >= 0, got {bad[:3]!r}")
+        if self.structured is not None and not isinstance(self.structured, StructuredOutput):
+            raise err("structured", f"must be a StructuredOutput, got {type(self.structured).__name__}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not _is_number(value) or not -MAX_PENALTY <= value <= MAX_PENALTY:
+                raise err(name, f"must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}], got {value!r}")
+        rp = self.repetition_penalty
+        if not _is_number(rp) or not MIN_REPETITION_PENALTY <= rp <= MAX_REPETITION_PENALTY:
+            raise err("repetition_penalty", f"must be in [{MIN_REPETITION_PENALTY:g}, {MAX_REPETITION_PENALTY:g}] (1: off), got {rp!r}")
+        if not _is_number(self.min_p) or not 0 <= self.min_p <= 1:
+            raise err("min_p", f"must be in [0, 1], got {self.min_p!r}")
+        object.__setattr__(self, "logit_bias", _logit_bias_pairs(self.logit_bias))
+        if not _is_int(self.top_logprobs) or not 0 <= self.top_logprobs <= MAX_LOGPROBS:
+            raise err("top_logprobs", f"must be an integer in [0, {MAX_LOGPROBS}], got {self.top_logprobs!r}")
+        if self.top_logprobs and not self.logprobs:
+            raise err("top_logprobs", "needs logprobs to be true")
+        pl = self.prompt_logprobs
+        if pl is not None and (not _is_int(pl) or not 0 <= pl <= MAX_LOGPROBS):
+            raise err("prompt_logprobs", f"must be an integer in [0, {MAX_LOGPROBS}], got {pl!r}")
+        has_penalties = bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
+        object.__setattr__(self, "has_penalties", has_penalties)
+        object.__setattr__(self, "needs_history", has_penalties or pl is not None)
 
     @property
     def greedy(self) -> bool:

@@ -40,9 +40,8 @@ What each ratio measures:
   instance). Without scheduling classes in the cluster core the ratio only reflects load timing.
 
 Prefill tokens computed vs reused come from the server's ``/metrics`` counters
-``distserve:prefill_tokens_computed`` and ``distserve:prefix_cache_hit_tokens`` (the
-``instance="all"`` series, else the sum over instances), read before and after every run; a
-server that does not export them gives ``null``.
+``distserve:prefill_tokens_computed`` and ``distserve:prefix_cache_hits`` (summed over the
+instances), read before and after every run; a server that does not export them gives ``null``.
 
 ``--figures`` measures Parrot's figures instead (``experiments/app_figures.py``: chain latency vs
 output length, multi-agent latency vs programs at once, copilot latency per output token vs users at
@@ -77,21 +76,20 @@ from distserve.measure.benchserve import ServerProcess, distserve_serve_argv, wa
 from harness import Outputs
 
 WAYS = ("request_centric", "dataflow")
-COUNTERS = {"prefill_computed": "distserve:prefill_tokens_computed", "prefix_reused": "distserve:prefix_cache_hit_tokens"}
+COUNTERS = {"prefill_computed": "distserve:prefill_tokens_computed", "prefix_reused": "distserve:prefix_cache_hits"}
 # name, labels, value of a Prometheus text sample
 _SAMPLE = re.compile(r"^([\w:]+)(\{[^}]*\})?\s+([0-9.eE+-]+)\s*$", re.MULTILINE)
 
 
 def read_counters(base_url: str) -> dict[str, float | None]:
-    """The prefill counters now: per counter the ``instance="all"`` samples if any, else the sum
-    over every sample (``NAME`` or ``NAME_total``); None for a counter the server does not export."""
+    """The prefill counters now: per counter the sum over its samples (``NAME`` or ``NAME_total``; one
+    per instance, or the runtime's total alone); None for a counter the server does not export."""
     root = base_url.rstrip("/").removesuffix("/v1")
     text = httpx.get(f"{root}/metrics", timeout=10.0, trust_env=False).text
     out: dict[str, float | None] = {}
     for key, name in COUNTERS.items():
-        samples = [(labels or "", float(v)) for n, labels, v in _SAMPLE.findall(text) if n in (name, name + "_total")]
-        total = [v for labels, v in samples if 'instance="all"' in labels]
-        out[key] = sum(total) if total else sum(v for _, v in samples) if samples else None
+        samples = [float(v) for n, _, v in _SAMPLE.findall(text) if n in (name, name + "_total")]
+        out[key] = sum(samples) if samples else None
     return out
 
 
@@ -210,7 +208,7 @@ def markdown(figures: dict[str, Any]) -> list[str]:
 def parse_args() -> argparse.Namespace:
     ap = harness.parser(__doc__, "the tiny model on one in-process engine, small apps, one run per cell")
     ap.add_argument("--model", default="smollm2-135m")
-    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--dtype", default="auto", type=harness.model_dtype, help="auto: bfloat16 on a CPU with native bf16, else float32")
     ap.add_argument("--serve-flags", default="--prefill 1 --decode 1 --runtime ray",
                     help="`distserve serve` deployment flags (default: make serve's; --quick: --colocated 1 --runtime local)")
     ap.add_argument("--delays-ms", default="0,250", help="comma-separated simulated client<->server round-trip delays")

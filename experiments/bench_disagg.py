@@ -42,7 +42,9 @@ from typing import Any
 import harness
 from distserve.measure.benchserve import ServerProcess, cpu_usage, distserve_serve_argv, process_cpu
 from distserve.slo import SLO
-from distserve.measure.loadgen import LoadResult, Workload, run_load, single_stream, summarize
+from distserve.measure.load_summary import LoadResult, summarize
+from distserve.measure.loadgen import run_load, single_stream
+from distserve.measure.workload import Workload
 from harness import Outputs, ms
 
 SYSTEM_FLAGS = {

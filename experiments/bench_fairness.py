@@ -71,7 +71,7 @@ class Load:
 def parse_args() -> Any:
     p = harness.parser(__doc__, "tiny model, a few seconds per scenario (the test suite's run)")
     p.add_argument("--model", default="smollm2-135m")
-    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--dtype", default="auto", type=harness.model_dtype, help="auto: bfloat16 on a CPU with native bf16, else float32")
     p.add_argument("--runtime", default="local", choices=["local", "ray"], help="`distserve serve --runtime`")
     p.add_argument("--serve-flag", action="append", default=[],
                    help="extra `distserve serve` flag (repeatable, FLAG=VALUE form), e.g. --prefill-chunk=128 (the simulator's prediction follows it)")

@@ -62,7 +62,9 @@ from distserve.measure.benchserve import (
     ServerProcess, cpu_usage, distserve_serve_argv, metric_sums, process_cpu, wait_until_idle,
 )
 from distserve.slo import SLO
-from distserve.measure.loadgen import LoadResult, Workload, run_load, single_stream
+from distserve.measure.load_summary import LoadResult
+from distserve.measure.loadgen import run_load, single_stream
+from distserve.measure.workload import Workload
 from harness import Outputs, ms
 from simulator.goodput import search_rate
 
@@ -355,7 +357,7 @@ def print_summary(figures: dict[str, Any]) -> None:
 def parse_args() -> argparse.Namespace:
     ap = harness.parser(__doc__, "our colocated server only, tiny model, 2 probes x 8 requests per workload")
     ap.add_argument("--model", default="smollm2-135m", help="what our servers load; vLLM loads its folder")
-    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--dtype", default="auto", type=harness.model_dtype, help="auto: bfloat16 on a CPU with native bf16, else float32")
     ap.add_argument("--placement", default=None, help="deploy this Placement JSON as the 'deployed' server (default: 1P1D on Ray)")
     ap.add_argument("--vllm-venv", default=str(vllm_peer.DEFAULT_VENV), help="the venv `make peers` built")
     ap.add_argument("--servers", default="vllm,colocated,deployed", help="comma-separated subset, in this order")

@@ -23,6 +23,7 @@ summarisation; the repository does not hold them (searched: the launch script, `
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 from simulator.workload import Request, generate_requests, rescale
@@ -40,6 +41,7 @@ Limits = tuple[int, int]  # (max_num_seqs, max_num_batched_tokens)
 VLLM_LIMITS: Limits = (1024, 16384)  # vLLM's --max-num-seqs, --max-num-batched-tokens
 DISTSERVE_PREFILL_LIMITS: Limits = (128, 8192)  # --context-max-batch-size, --context-max-tokens-per-batch
 DISTSERVE_DECODE_LIMITS: Limits = (1024, 65536)  # --decoding-max-batch-size, --decoding-max-tokens-per-batch
+ATTAINMENT, MODE = 0.9, "separate"  # DistServe's goodput: 90% of requests meet the TTFT SLO and 90% the TPOT SLO
 EVAL_MEM_UTILIZATION = 0.95  # --gpu-memory-utilization of both
 
 VLLM_A100_PROFILE = ROOT / "simulator" / "data" / "distserve-a100-80g-vllm-profile.json"
@@ -65,3 +67,35 @@ def request_stream(workload: str, num_requests: int, stream_len: int, seed: int,
         stream = generate_requests(workload, 1.0, max(stream_len, num_requests), seed=seed, max_total_len=max_total_len)
         _STREAMS[key] = rescale(stream[:num_requests], 1.0) if num_requests > 1 else stream[:num_requests]
     return _STREAMS[key]
+
+
+# The rows of DistServe's evaluation: its Table 1 SLOs and the goodput ratios over vLLM it published.
+@dataclass(frozen=True)
+class Row:
+    key: str
+    model: str
+    workload: str
+    application: str
+    ttft_s: float  # DistServe's Table 1
+    tpot_s: float
+    published: tuple[float, float]  # DistServe's goodput ratio vs vLLM (a range for chatbots: per-model values not given)
+    plan_nodes: int  # nodes of 8 A100-80G the planner searches
+    layout_in_repo: bool  # whether the launch script's layout is DistServe's layout for this application
+
+    @property
+    def vllm_tp(self) -> int:
+        return PARALLEL_PARAMS[self.model][0]
+
+    @property
+    def layout(self) -> tuple[int, int, int, int]:
+        return PARALLEL_PARAMS[self.model][1]
+
+
+CHATBOT = (2.0, 4.6)
+ROWS = [
+    Row("opt-13b-chatbot", "facebook/opt-13b", "sharegpt-multiturn", "chatbot", 0.25, 0.1, CHATBOT, 1, True),
+    Row("opt-66b-chatbot", "facebook/opt-66b", "sharegpt-multiturn", "chatbot", 2.5, 0.15, CHATBOT, 1, True),
+    Row("opt-175b-chatbot", "facebook/opt-175b", "sharegpt-multiturn", "chatbot", 4.0, 0.2, CHATBOT, 2, True),
+    Row("opt-66b-code", "facebook/opt-66b", "humaneval", "code completion", 0.125, 0.2, (5.7, 5.7), 1, False),
+    Row("opt-66b-summarisation", "facebook/opt-66b", "longbench", "summarisation", 15.0, 0.15, (4.3, 4.3), 1, False),
+]

@@ -299,7 +299,7 @@ def write_outputs(out: harness.Outputs, figures: dict[str, Any]) -> None:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = harness.parser(__doc__, "tiny model, no vLLM, colocated + 1P1D in-process, one workload, 2 probes x 6 requests")
     ap.add_argument("--model", default="smollm2-135m", help="what every server loads")
-    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--dtype", default="auto", type=harness.model_dtype, help="auto: bfloat16 on a CPU with native bf16, else float32")
     ap.add_argument("--plan-model", default="smollm2-135m", help="the model the planner and the workload generator know")
     ap.add_argument("--profile", default=str(PROFILE), help="this machine's CPU latency profile")
     ap.add_argument("--cores", type=int, default=2, help="the planner's 'GPUs': this machine's cores")

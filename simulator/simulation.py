@@ -91,7 +91,7 @@ class Simulation(SimAdmission, SimMigrations):
         self.config = config or SimConfig()
         cfg = self.config
         model = latency.model
-        self.max_model_len = cfg.max_model_len or model.max_position_embeddings
+        self.max_model_len = placement.max_model_len or cfg.max_model_len or model.max_position_embeddings
         self.kv_bytes_per_token = model.kv_bytes_per_token
         self.instances: list[SimInstance] = []
         groups = (
@@ -102,7 +102,8 @@ class Simulation(SimAdmission, SimMigrations):
         counters: dict[str, int] = {}
         cascade = cascade_rule_of(latency)  # the modelled decode attention reads shared prefixes once
         for kind, spec, sched_cfg in groups:
-            core = InstanceCore(kind, spec.scheduler_config(sched_cfg), self._num_blocks(spec), cfg.block_size, self.max_model_len,
+            # The placement's caps, then the instance's, as ``distserve serve`` deploys them.
+            core = InstanceCore(kind, spec.scheduler_config(placement.scheduler_config(sched_cfg)), self._num_blocks(spec), cfg.block_size, self.max_model_len,
                                 enable_prefix_caching=cfg.enable_prefix_caching, pipeline_depth=spec.pp)
             idx = counters.get(kind, 0)
             counters[kind] = idx + 1

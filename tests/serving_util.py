@@ -3,15 +3,28 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
+import json
+import os
+import signal
 import socket
+import subprocess
+import sys
+import tempfile
 import threading
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from pathlib import Path
 from typing import Any
 
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
 from distserve.config import CacheConfig, SamplingParams
+from distserve.engine.llm_engine import LLMEngine
 from distserve.engine.outputs import RequestOutput
+from distserve.engine.step_plan import SampledToken, StepPlan
 from distserve.runtime.config import DeploymentConfig
 from distserve.placement import Placement
 from distserve.serving.api import build_fastapi_app
@@ -27,6 +40,21 @@ async def drain(stream: AsyncIterator[RequestOutput]) -> RequestOutput:
         last = out
     assert last is not None and last.finished
     return last
+
+
+Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
+
+
+def metric_samples(url: str) -> Samples:
+    """The server's ``/metrics`` samples by (name, sorted labels), ``model_name`` left out of the labels
+    once checked: every sample must carry it."""
+    text = httpx.get(f"{url}/metrics").text  # no key: /metrics stays open
+    out: Samples = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            assert s.labels.get("model_name"), f"{s.name}{s.labels} has no model_name"
+            out[(s.name, tuple(sorted((k, v) for k, v in s.labels.items() if k != "model_name")))] = s.value
+    return out
 
 
 def wait_until(predicate: Callable[[], bool], timeout_s: float = 10.0) -> bool:
@@ -112,16 +140,18 @@ class ControllerRuntime:
 
 
 class HttpServer:
-    """The HTTP app over the client ``make_client`` builds, on uvicorn on a free loopback port, in a
-    thread with its own event loop (where the client lives, as in ``distserve serve``)."""
+    """The HTTP app (``build_fastapi_app`` with ``app_kw``) over the client ``make_client`` builds, on uvicorn
+    on a free loopback port, in a thread with its own event loop (where the client lives, as in ``distserve serve``)."""
 
-    def __init__(self, make_client: Callable[[], Awaitable[EngineClient]], start_timeout_s: float = 180.0, api_keys: ApiKeys | None = None) -> None:
+    def __init__(self, make_client: Callable[[], Awaitable[EngineClient]], start_timeout_s: float = 180.0, api_keys: ApiKeys | None = None,
+                 **app_kw: Any) -> None:
         import uvicorn
 
         self.sock = socket.socket()
         self.sock.bind(("127.0.0.1", 0))
         self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
         self.client: EngineClient | None = None
+        self.app: Any = None
         self.server: uvicorn.Server | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
         self.failure: BaseException | None = None
@@ -133,7 +163,7 @@ class HttpServer:
             except BaseException as exc:  # noqa: BLE001 - reported by the constructor
                 self.failure = exc
                 return
-            app = build_fastapi_app(self.client, "tiny", api_keys=api_keys)
+            app = self.app = build_fastapi_app(self.client, "tiny", api_keys=api_keys, **app_kw)
             self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=1))
             try:
                 await self.server.serve(sockets=[self.sock])
@@ -173,3 +203,179 @@ def colocated_server(cache: CacheConfig, model: str = "tiny") -> HttpServer:
         return ThreadedEngineClient(LLMEngine(loaded, cache_config=cache))
 
     return HttpServer(make_client)
+
+
+def _ppid(pid: int) -> int | None:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return int(stat.rsplit(")", 1)[1].split()[1])
+
+
+def process_alive(pid: int) -> bool:
+    """``pid`` runs (a zombie does not count)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def descendants(root: int) -> dict[int, str]:
+    """The processes started from ``root`` (children, their children, ...), by pid, with their command lines."""
+    parents = {int(p.name): _ppid(int(p.name)) for p in Path("/proc").iterdir() if p.name.isdigit()}
+    ours = {root}
+    grew = True
+    while grew:
+        new = {pid for pid, parent in parents.items() if parent in ours and pid not in ours}
+        ours |= new
+        grew = bool(new)
+    ours.discard(root)
+    return {pid: _cmdline(pid) for pid in ours}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class ServeRun:
+    """``serve run CONFIG`` (Ray Serve's CLI) in a process of its own, which starts a private Ray on loopback.
+
+    ``config`` is a Serve config (the mapping a YAML file holds): it is written to ``workdir`` with the
+    proxy moved to a free port (``url``). ``stop`` sends Ctrl-C, as a user would, and returns the
+    processes that were running then and are still alive afterwards (which it then kills).
+    """
+
+    READY_TIMEOUT_S = 240.0
+
+    def __init__(self, config: dict[str, Any], workdir: Path) -> None:
+        import yaml
+
+        self.port = free_port()
+        config = {**config, "http_options": {**config.get("http_options", {}), "host": "127.0.0.1", "port": self.port}}
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.path = workdir / "serve_config.yaml"
+        self.path.write_text(yaml.safe_dump(config, sort_keys=False))
+        self.log_path = workdir / "serve_run.log"
+        ray_tmp = tempfile.mkdtemp(prefix="sr", dir="/tmp")  # Ray's socket paths must stay short
+        env = {
+            **os.environ, "RAY_AUTH_MODE": "disabled", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_TMPDIR": ray_tmp,
+            "RAY_OVERRIDE_RESOURCES": json.dumps({"CPU": 8}),  # ray.init(num_cpus=8): the actors ask 0.1 CPU each
+            "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH", "")]),
+        }
+        env.pop("RAY_ADDRESS", None)
+        serve_cli = Path(sys.executable).parent / "serve"
+        with open(self.log_path, "wb") as log:
+            self.proc = subprocess.Popen([str(serve_cli), "run", str(self.path)], cwd=workdir, env=env, stdout=log,
+                                         stderr=subprocess.STDOUT, start_new_session=True)
+        self.ray_tmp = ray_tmp
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def wait_ready(self, timeout_s: float = READY_TIMEOUT_S) -> None:
+        """Until ``GET /v1/models`` answers 200 (the app is deployed), or fail with the log's tail."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"serve run exited ({self.proc.returncode}):\n{self.log()[-4000:]}")
+            try:
+                if httpx.get(f"{self.url}/v1/models", timeout=5).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(1.0)
+        raise AssertionError(f"serve run not ready after {timeout_s:g} s:\n{self.log()[-4000:]}")
+
+    def stop(self, timeout_s: float = 60.0) -> dict[int, str]:
+        """Ctrl-C; the processes it had started that are still alive once it exited (killed then)."""
+        import shutil
+        import signal
+
+        running = descendants(self.proc.pid)
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        deadline = time.monotonic() + 30
+        while any(process_alive(pid) for pid in running) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        left = {pid: cmd for pid, cmd in running.items() if process_alive(pid)}
+        for pid in left:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        shutil.rmtree(self.ray_tmp, ignore_errors=True)
+        return left
+
+
+class ScriptedTokens:
+    """Wraps an engine's runner: the model runs as usual, then each sampled token is replaced by the
+    script's token at that output position (the script ends with EOS), while a script is set."""
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self.ids: list[int] | None = None
+        self.tokenizer = engine.tokenizer
+        self.eos = engine.eos_token_ids[0]
+        real = engine.runner.execute
+
+        def execute(plan: StepPlan) -> list[SampledToken]:
+            sampled = real(plan)
+            if self.ids is None:
+                return sampled
+            position = {c.seq_id: c.num_output_tokens for c in plan.chunks if c.sample}
+            return [SampledToken(s.seq_id, self.ids[min(position[s.seq_id], len(self.ids) - 1)], s.logprob) for s in sampled]
+
+        engine.runner.execute = execute  # type: ignore[method-assign]
+
+    def say(self, text: str | None) -> None:
+        self.ids = None if text is None else self.tokenizer.encode(text, add_special_tokens=False) + [self.eos]
+
+
+@contextlib.contextmanager
+def serve_process(*flags: str, startup_timeout_s: float = 90.0) -> Iterator[tuple[subprocess.Popen[str], str]]:
+    """`distserve serve --model tiny FLAGS` as a process on a free loopback port, once ``/health`` answers:
+    the process and its base URL. Killed on the way out if still running (``stop_process`` ends it cleanly)."""
+    import httpx
+
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "distserve.cli", "serve", "--model", "tiny", "--port", str(port), "--log-level", "warning", *flags],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + startup_timeout_s
+        while True:
+            assert proc.poll() is None, proc.communicate()
+            assert time.monotonic() < deadline, "server did not become healthy"
+            try:
+                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        yield proc, url
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+
+
+def stop_process(proc: subprocess.Popen[str], timeout_s: float = 30.0) -> tuple[str, str]:
+    """SIGINT, as Ctrl-C: the process's stdout and stderr once it has exited."""
+    proc.send_signal(signal.SIGINT)
+    return proc.communicate(timeout=timeout_s)

@@ -13,6 +13,7 @@ from distserve.dataflow.limits import DEFAULT_LIMITS
 from distserve.engine.step_budget import STEP_POLICIES
 from distserve.errors import DistServeError
 from distserve.runtime.config import SERVER_MAX_QUEUED_REQUESTS
+from distserve.serving.metrics_exposition import METRICS_PREFIXES, OWN_PREFIX
 
 if TYPE_CHECKING:
     from distserve.cluster.admission import AdmissionConfig
@@ -57,6 +58,27 @@ def _positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
     return value
+
+
+def _token_count(text: str) -> int:
+    """A positive token count, also as vLLM writes them: ``32k`` (x1000), ``32K`` (x1024), ``1m``, ``1M``."""
+    units = {"k": 1000, "K": 1024, "m": 10**6, "M": 2**20}
+    try:
+        value = int(text[:-1]) * units[text[-1]] if text and text[-1] in units else int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a whole number of tokens (e.g. 4096 or 4k), got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {text}")
+    return value
+
+
+def _string_list(text: str) -> tuple[str, ...]:
+    from distserve.serving.cors import parse_list
+
+    try:
+        return parse_list(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"must be a JSON list of strings or comma-separated values: {exc}") from None
 
 
 def _port(text: str) -> int:
@@ -265,11 +287,35 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--request-log", default=None, metavar="FILE.jsonl",
                    help="append one JSON line per finished request (id, tenant, tokens, every timestamp and the latency breakdown: "
                    "queueing, prefill, migration, decode)")
+    p.add_argument("--metrics-prefix", default=OWN_PREFIX, choices=METRICS_PREFIXES,
+                   help="/metrics names the series vLLM also exports <prefix>:<vLLM's name> (vllm: vLLM's own Grafana dashboard "
+                   "reads them unchanged); distserve's own series stay distserve:")
     p.add_argument("--tool-call-parser", default=None, choices=["hermes"], metavar="NAME",
                    help="parse tool calls out of chat completions (vLLM's names; hermes: <tool_call>{json}</tool_call>)")
     p.add_argument("--enable-auto-tool-choice", action="store_true",
                    help='accept tool_choice "auto" (the default when a request has tools): calls in the output come back as '
                    "tool_calls (needs --tool-call-parser, as in vLLM)")
+    from distserve.engine.grammar_backends import STRUCTURED_OUTPUT_BACKENDS
+
+    p.add_argument("--structured-output-backend", default=None, choices=sorted(STRUCTURED_OUTPUT_BACKENDS), metavar="NAME",
+                   help="grammar library for response_format / guided_* / forced tool calls (llguidance (default) or xgrammar; "
+                   "see experiments/results/bench_structured_output.md)")
+    p.add_argument("--chat-template", default=None, metavar="FILE|TEMPLATE",
+                   help="a Jinja chat template (a file, or the template itself) used instead of the tokenizer's (vLLM's flag)")
+    p.add_argument("--max-model-len", type=_token_count, default=None, metavar="TOKENS",
+                   help="context length: prompt + output tokens of a request (default: the placement's, else the model's)")
+    p.add_argument("--max-num-seqs", type=_positive_int, default=None, metavar="N",
+                   help="sequences per batch of every instance (default: the placement's, else 64); an instance's own cap "
+                   "in the Placement JSON still applies to it")
+    p.add_argument("--max-num-batched-tokens", type=_token_count, default=None, metavar="TOKENS",
+                   help="tokens per step of every instance (default: the placement's, else 2048; --prefill-chunk sets "
+                   "prefill instances' own)")
+    p.add_argument("--allowed-origins", type=_string_list, default=None, metavar="LIST",
+                   help='CORS: origins whose pages may call the API, e.g. \'["https://app.example"]\' or \'["*"]\' '
+                   "(vLLM's flag; default: no CORS headers, where vLLM allows every origin)")
+    p.add_argument("--allowed-methods", type=_string_list, default=("*",), metavar="LIST", help='CORS methods (default ["*"])')
+    p.add_argument("--allowed-headers", type=_string_list, default=("*",), metavar="LIST", help='CORS headers (default ["*"])')
+    p.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials (cookies, Authorization)")
     p.add_argument("--ray-serve", action="store_true", help="run as a Ray Serve application (default: plain uvicorn)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
 

@@ -82,7 +82,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 
     if args.step_overhead_ms < 0:
         raise InvalidConfigError(f"--step-overhead-ms must be >= 0, got {args.step_overhead_ms}")
-    placement = placement_from_args(args)
+    # The flags override a Placement JSON's batch caps, as `distserve serve`'s do.
+    placement = placement_from_args(args).with_caps(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_batched_tokens)
     config = SimConfig(
         num_blocks=args.num_blocks, step_overhead_s=args.step_overhead_ms / 1e3, router=args.router,
         admission=admission_config_of(args, args.tpot),

@@ -37,6 +37,12 @@ from distserve.engine.sequence import Sequence
 _EMPTY_BLAKE2B = hashlib.blake2b(digest_size=8)  # copying it is cheaper than a new hasher
 
 
+def _computes_whole_prompt(seq: Sequence) -> bool:
+    """A prompt whose logprobs were asked for is computed whole: a cached block has no logits (as vLLM,
+    such a request takes no prefix-cache hits; it still publishes its blocks for others)."""
+    return seq.sampling.prompt_logprobs is not None and seq.num_tokens == seq.num_prompt_tokens
+
+
 def hash_block(prefix_hash: int | None, token_ids: Seq[int]) -> int:
     """Stable 63-bit content hash of a full block, chained to the hash of the blocks before it."""
     h = _EMPTY_BLAKE2B.copy()
@@ -111,7 +117,7 @@ class BlockManager:
 
     def _match_prefix(self, seq: Sequence) -> list[int]:
         """Ids of cached blocks covering the longest prefix of ``seq`` (never its last token)."""
-        if not self.enable_prefix_caching:
+        if not self.enable_prefix_caching or _computes_whole_prompt(seq):
             return []
         hits: list[int] = []
         bs = self.block_size
@@ -134,7 +140,7 @@ class BlockManager:
         """Leading full blocks of ``seq`` past its cached prefix that another live sequence here is
         filling right now: admitting ``seq`` now would compute them a second time."""
         in_flight = self._in_flight
-        if not in_flight:
+        if not in_flight or _computes_whole_prompt(seq):
             return 0
         num_hits = len(self._match_prefix(seq))  # also hashes every candidate block
         hashes = seq.prefix_hashes

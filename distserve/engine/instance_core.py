@@ -25,14 +25,17 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable, Sequence as Seq
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from distserve.config import SchedulerConfig
 from distserve.decode.scheduler import DecodeScheduler, Reservation
 from distserve.engine.block_manager import BlockManager
+from distserve.engine.logprobs import PromptLogprobs, TopLogprobs
 from distserve.engine.scheduler import Scheduler
 from distserve.engine.step_plan import SampledToken, StepPlan, attributed_to
+from distserve.engine.structured_output import GrammarCompiler, SequenceGrammars
+from distserve.engine.step_stats import ITERATION_TOKEN_BOUNDS, STEP_SECONDS_BOUNDS, CumulativeHistogram
 from distserve.engine.sequence import Sequence, SequenceStatus
 from distserve.prefill.scheduler import PrefillScheduler
 
@@ -41,6 +44,8 @@ SCHEDULERS: dict[str, type[Scheduler]] = {
     "prefill": PrefillScheduler,
     "decode": DecodeScheduler,
 }
+# The scheduler's cumulative counters, which outlive a ``reset`` (a new scheduler starts them at 0).
+SCHEDULER_COUNTERS = ("num_prefix_cache_hit_tokens", "num_prefix_cache_query_tokens", "num_preemptions")
 
 
 @dataclass
@@ -55,6 +60,8 @@ class SeqUpdate:
     num_cached_tokens: int
     awaiting_migration: bool = False
     error: str | None = None  # with finish_reason "error"
+    new_top_logprobs: list[TopLogprobs] = field(default_factory=list)  # per new token, if the request asked
+    prompt_logprobs: PromptLogprobs | None = None  # with the request's first token, if it asked
 
 
 @dataclass(slots=True)
@@ -80,6 +87,7 @@ class InstanceCore:
     Args:
         phase: ``colocated``, ``prefill`` or ``decode`` (``SCHEDULERS``).
         pipeline_depth: plans that may be in flight at once (the instance's pp degree).
+        grammar_compiler: compiles the grammars of structured-output requests (``engine.structured_output``).
     """
 
     def __init__(
@@ -93,6 +101,7 @@ class InstanceCore:
         *,
         enable_prefix_caching: bool = True,
         pipeline_depth: int = 1,
+        grammar_compiler: GrammarCompiler | None = None,
     ) -> None:
         if phase not in SCHEDULERS:
             raise ValueError(f"unknown phase {phase!r}; choose from {sorted(SCHEDULERS)}")
@@ -103,23 +112,30 @@ class InstanceCore:
         self.eos_token_ids = eos_token_ids
         self.enable_prefix_caching = enable_prefix_caching
         self.pipeline_depth = pipeline_depth
+        self.grammar_compiler = grammar_compiler  # structured output (None: requests with a grammar are not served here)
         self.num_steps = 0
         self.last_step_s = 0.0
         self.max_plans_in_flight = 0  # high-water mark, counting plans that compute tokens
         self.num_overlapped_launches = 0  # plans launched while another that computes tokens was in flight
         self.num_prefill_tokens_computed = 0  # prompt (and recomputed) tokens of the plans applied
-        self._num_hit_tokens_before_reset = 0
+        self.iteration_tokens = CumulativeHistogram(ITERATION_TOKEN_BOUNDS)  # tokens per observed step
+        self.step_seconds = CumulativeHistogram(STEP_SECONDS_BOUNDS)  # duration of each observed step
+        self._counts_before_reset = dict.fromkeys(SCHEDULER_COUNTERS, 0)
         self.reset()
 
     def reset(self) -> None:
         """Forget every request, plan and KV block (after a failed step); counters stay."""
         if hasattr(self, "scheduler"):
-            self._num_hit_tokens_before_reset += self.scheduler.num_prefix_cache_hit_tokens
+            for key in SCHEDULER_COUNTERS:
+                self._counts_before_reset[key] += getattr(self.scheduler, key)
         self.block_manager = BlockManager(self.num_blocks, self.block_size, self.enable_prefix_caching)
         self.scheduler = SCHEDULERS[self.phase](
             self.config, self.block_manager, self.max_model_len, self.eos_token_ids, pipeline_depth=self.pipeline_depth
         )
         self.seqs: dict[str, Sequence] = {}
+        # Constrained decoding: one matcher per sequence with a grammar (None: this driver has no compiler).
+        self.grammars = SequenceGrammars(self.grammar_compiler) if self.grammar_compiler is not None else None
+        self.scheduler.grammars = self.grammars
         self.in_flight: deque[PlanInFlight] = deque()  # oldest first
         self._deferred: list[tuple[str, Callable[[], None]]] = []  # (seq_id, op) waiting for its plans
         self._reported: dict[str, int] = {}  # output tokens already reported per request (``delta``)
@@ -146,6 +162,8 @@ class InstanceCore:
                 self._reported[s.seq_id] = s.num_output_tokens
             self.scheduler.add(seq)
 
+        if self.grammars is not None:
+            self.grammars.prefetch(seq)
         self.defer(seq.seq_id, run)
 
     def abort(self, seq_id: str, reason: str = "abort") -> None:
@@ -165,6 +183,8 @@ class InstanceCore:
 
     def _forget(self, seq_id: str) -> Sequence | None:
         self._reported.pop(seq_id, None)
+        if self.grammars is not None:
+            self.grammars.drop(seq_id)
         return self.seqs.pop(seq_id, None)
 
     def kv_source(self, seq_id: str) -> list[int]:
@@ -193,6 +213,8 @@ class InstanceCore:
         if reservation is not None:
             self.seqs[seq.seq_id] = seq
             self._reported[seq.seq_id] = seq.num_output_tokens
+            if self.grammars is not None:
+                self.grammars.prefetch(seq)
         return reservation
 
     def complete(self, seq_id: str) -> Sequence | None:
@@ -255,6 +277,8 @@ class InstanceCore:
             plan = self.scheduler.schedule()
         if plan.is_empty and not (send_finished and plan.finished_seq_ids):
             return None
+        if self.grammars is not None:
+            self.grammars.fill_bitmasks(plan, self.seqs)
         if plan.chunks and self.in_flight:
             computing = sum(1 for p in self.in_flight if p.plan.chunks)
             if computing:
@@ -277,6 +301,8 @@ class InstanceCore:
         simulator): the step budget learns from it."""
         self.scheduler.observe_step(plan, seconds, num_lazy_decodes, lazy_decode_ctx)
         self.num_steps += 1
+        self.iteration_tokens.observe(plan.num_batched_tokens)
+        self.step_seconds.observe(seconds)
 
     def apply_oldest(self, sampled: Seq[SampledToken], now: float) -> list[Sequence]:
         """Apply the oldest plan in flight: its sampled tokens, stop rules, the ops that waited for
@@ -296,9 +322,12 @@ class InstanceCore:
         seqs = self.seqs
         updated = self.scheduler.update_from_output(p.plan, sampled, seqs, now)
         finished = SequenceStatus.FINISHED
+        grammars = self.grammars
         for seq in updated:  # the simulator's hot loop: status compared inline
             if seq.status is finished:
                 seqs.pop(seq.seq_id, None)
+                if grammars is not None:
+                    grammars.drop(seq.seq_id)
         return updated
 
     def step(self, execute: Callable[[StepPlan], list[SampledToken]], clock: Callable[[], float]) -> list[Sequence]:
@@ -325,6 +354,7 @@ class InstanceCore:
         return SeqUpdate(
             seq.seq_id, seq.output_token_ids[seen:], seq.logprobs[seen:] if seq.logprobs else [], seq.is_finished,
             seq.finish_reason, seq.num_cached_tokens, awaiting, seq.error,
+            seq.top_logprobs[seen:] if seq.top_logprobs else [], seq.prompt_logprobs if not seen else None,
         )
 
     # ---- what the router and /metrics see ------------------------------------------------------
@@ -341,10 +371,14 @@ class InstanceCore:
     def num_free_blocks(self) -> int:
         return self.block_manager.num_free_blocks
 
+    def scheduler_count(self, key: str) -> int:
+        """One of ``SCHEDULER_COUNTERS`` since the instance started (resets included)."""
+        return self._counts_before_reset[key] + int(getattr(self.scheduler, key))
+
     @property
     def num_prefix_cache_hit_tokens(self) -> int:
         """Prompt tokens admissions here took from the prefix cache instead of computing them."""
-        return self._num_hit_tokens_before_reset + self.scheduler.num_prefix_cache_hit_tokens
+        return self.scheduler_count("num_prefix_cache_hit_tokens")
 
     def stats(self) -> dict[str, Any]:
         s = self.scheduler
@@ -357,6 +391,12 @@ class InstanceCore:
             "num_steps": self.num_steps,
             "prefill_tokens_computed_total": self.num_prefill_tokens_computed,
             "prefix_cache_hit_tokens_total": self.num_prefix_cache_hit_tokens,
+            "prefix_cache_query_tokens_total": self.scheduler_count("num_prefix_cache_query_tokens"),
+            "num_preemptions_total": self.scheduler_count("num_preemptions"),
+            "iteration_tokens": self.iteration_tokens.as_dict(),
+            "step_seconds_histogram": self.step_seconds.as_dict(),
+            "cache_config": {"block_size": self.block_size, "num_gpu_blocks": self.num_blocks,
+                             "enable_prefix_caching": self.enable_prefix_caching},
         }
         if isinstance(s, PrefillScheduler):
             out["num_requests_awaiting_migration"] = s.num_awaiting_migration

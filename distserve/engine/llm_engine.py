@@ -6,6 +6,7 @@ Engine step = ``schedule`` → ``execute`` → ``postprocess`` (detokenize, stop
 from __future__ import annotations
 
 import time
+from typing import Any
 
 from distserve.config import CacheConfig, SchedulerConfig
 from distserve.engine.block_manager import BlockManager
@@ -40,7 +41,8 @@ class LLMEngine(EngineBase):
         super().__init__(loaded, cache_config, scheduler_config)
         cc = self.cache_config
         self.core = InstanceCore("colocated", self.scheduler_config, self.num_blocks, cc.block_size, self.max_model_len,
-                                 self.eos_token_ids, enable_prefix_caching=cc.enable_prefix_caching)
+                                 self.eos_token_ids, enable_prefix_caching=cc.enable_prefix_caching,
+                                 grammar_compiler=self.grammar_compiler)
         self.runner = ModelRunner(loaded.config, loaded.state_dict, self.num_blocks, cc.block_size, self.eos_token_ids, device,
                                   decode_attention=cc.decode_attention)
 
@@ -87,19 +89,10 @@ class LLMEngine(EngineBase):
         stamp_prefill_starts(plan, self._seqs, time.monotonic())
         return self.runner.execute(plan)
 
-    def stats(self) -> dict[str, float]:
-        """Gauges for monitoring: queue lengths, KV usage, prefix-cache hit rate, preemptions, and the
-        cumulative prompt tokens computed and taken from the prefix cache."""
+    def stats(self) -> dict[str, Any]:
+        """Gauges and counters for monitoring (``InstanceCore.stats``: queue lengths, KV usage, prefix-cache
+        and preemption counts, step histograms) and the prefix-cache hit rate."""
         bm = self.block_manager
-        return {
-            "num_requests_waiting": self.scheduler.num_waiting,
-            "num_requests_running": self.scheduler.num_running,
-            "kv_cache_usage_perc": bm.usage,
-            "prefix_cache_hit_rate": bm.num_prefix_hit_tokens / max(1, bm.num_prefix_query_tokens),
-            "num_preemptions": self.scheduler.num_preemptions,
-            "prefill_tokens_computed_total": self.core.num_prefill_tokens_computed,
-            "prefix_cache_hit_tokens_total": self.core.num_prefix_cache_hit_tokens,
-        }
-
+        return {**self.core.stats(), "prefix_cache_hit_rate": bm.num_prefix_hit_tokens / max(1, bm.num_prefix_query_tokens)}
 
 __all__ = ["LLMEngine", "RequestOutput", "RequestMetrics"]

@@ -17,6 +17,7 @@ import torch
 from distserve.config import ModelConfig
 from distserve.engine.model import TORCH_DTYPES, LlamaForCausalLM, prepack_linears
 from distserve.engine.parallel import ParallelState, ShardSpec
+from distserve.engine.logprobs import PromptLogprobsBuilder
 from distserve.engine.sampler import Sampler
 from distserve.engine.step_plan import SampledToken, ScheduledChunk, StepPlan, fork_rows
 from kernels.backends import decode_attention_for, default_decode_attention
@@ -83,6 +84,7 @@ class ModelRunner:
         self.kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(num_layers)]
         self.sampler = Sampler()
         self._generators: dict[str, torch.Generator] = {}
+        self._prompt_logprobs = PromptLogprobsBuilder()
         self.step_faults: dict[str, str] = {}  # test hook: request id -> "raise" | "exit" (see inject_step_fault)
 
     def inject_step_fault(self, seq_id: str, kind: str = "raise") -> None:
@@ -147,8 +149,7 @@ class ModelRunner:
             done = self.run(self.begin(plan))
             assert done is not None
             return done
-        for seq_id in plan.finished_seq_ids:
-            self._generators.pop(seq_id, None)
+        self._forget(plan.finished_seq_ids)
         self.copy_blocks(plan.block_copies)
         if not plan.chunks:
             return []
@@ -170,8 +171,7 @@ class ModelRunner:
         """Start ``plan``: its block copies, inputs and embeddings; ``run`` computes its layers."""
         shard = self.parallel.shard
         assert shard.is_first_stage and shard.is_last_stage, "a plan runs layer by layer with pp = 1 only"
-        for seq_id in plan.finished_seq_ids:
-            self._generators.pop(seq_id, None)
+        self._forget(plan.finished_seq_ids)
         self.copy_blocks(plan.block_copies)
         if not plan.chunks:
             return LayerPass(plan)
@@ -201,7 +201,11 @@ class ModelRunner:
 
     def _sample_rows(self, plan: StepPlan, hidden: torch.Tensor, sample_rows: list[int]) -> list[SampledToken]:
         """The tokens of ``plan``'s sampling chunks from their rows of ``hidden`` (``[T, hidden]``), on the driver."""
-        if not sample_rows or not self.parallel.shard.is_driver:
+        if not self.parallel.shard.is_driver:
+            return []
+        if any(c.history is not None and c.sampling.prompt_logprobs is not None for c in plan.chunks):
+            self._gather_prompt_logprobs(plan, hidden)
+        if not sample_rows:
             return []
         logits = self.model.compute_logits(hidden[sample_rows])  # [N, V]
         chunks = [c for c in plan.chunks if c.sample]
@@ -219,26 +223,59 @@ class ModelRunner:
                     sampled.append(SampledToken(chunk.seq_id, -1, None, f"sampling failed: {type(exc).__name__}: {exc}"))
             return sampled
 
+    def _gather_prompt_logprobs(self, plan: StepPlan, hidden: torch.Tensor) -> None:
+        """Prompt logprobs from the rows of ``hidden`` (``[T, hidden]``) of each chunk that computes
+        part of a prompt whose request asked for them (before its first token only)."""
+        offset = 0
+        for c in plan.chunks:
+            n = len(c.token_ids)
+            k = c.sampling.prompt_logprobs
+            if k is not None and c.history is not None and not c.num_output_tokens:
+                targets = c.history[c.start_pos + 1 : c.start_pos + n + 1]  # the prompt tokens these rows predict
+                self._prompt_logprobs.add_chunk(c.seq_id, c.start_pos, hidden[offset : offset + len(targets)],
+                                                targets, k, self.model.compute_logits)
+            offset += n
+
     def _sample(self, logits: torch.Tensor, chunks: list[ScheduledChunk]) -> list[SampledToken]:
         """One token per row of ``logits`` (``[N, V]``), row i for ``chunks[i]``."""
         out = self.sampler(
             logits,
             [c.sampling for c in chunks],
-            [self._generator(c.seq_id, c.sampling.seed) for c in chunks],
+            [self._generator(c) for c in chunks],
             [c.num_output_tokens for c in chunks],
             self.eos_token_ids,
+            [c.history for c in chunks],
+            [c.token_bitmask for c in chunks],
         )
-        want = any(c.sampling.logprobs for c in chunks)
-        return [
-            SampledToken(c.seq_id, tok, out.logprobs[i] if want and out.logprobs and c.sampling.logprobs else None)
-            for i, (c, tok) in enumerate(zip(chunks, out.token_ids))
-        ]
+        tokens = [SampledToken(c.seq_id, tok) for c, tok in zip(chunks, out.token_ids)]
+        for i, (c, token) in enumerate(zip(chunks, tokens)):
+            sp = c.sampling
+            if sp.logprobs and out.logprobs is not None:
+                token.logprob = out.logprobs[i]
+                if sp.top_logprobs and out.top_logprobs is not None:
+                    token.top_logprobs = out.top_logprobs[i]
+            if sp.prompt_logprobs is not None and not c.num_output_tokens:
+                token.prompt_logprobs = self._prompt_logprobs.pop(c.seq_id)
+        return tokens
 
-    def _generator(self, seq_id: str, seed: int | None) -> torch.Generator | None:
+    def _generator(self, chunk: ScheduledChunk) -> torch.Generator | None:
+        """The chunk's request's generator: seeded, and advanced past the draws of the tokens it
+        already has when it is new here (a decode instance after migration, a re-run), so a seeded
+        request gets the same tokens wherever each of them is sampled."""
+        seed = chunk.sampling.seed
         if seed is None:
             return None
-        gen = self._generators.get(seq_id)
+        gen = self._generators.get(chunk.seq_id)
         if gen is None:
             gen = torch.Generator(device=self.device).manual_seed(seed)
-            self._generators[seq_id] = gen
+            if not chunk.sampling.greedy:
+                for _ in range(chunk.num_output_tokens):  # one draw per sampled token (``sampler._uniforms``)
+                    torch.rand(1, dtype=torch.float64, generator=gen)
+            self._generators[chunk.seq_id] = gen
         return gen
+
+    def _forget(self, seq_ids: list[str]) -> None:
+        """Drop the per-request state of finished requests."""
+        for seq_id in seq_ids:
+            self._generators.pop(seq_id, None)
+        self._prompt_logprobs.discard(seq_ids)

@@ -16,9 +16,12 @@ from distserve.cluster.admission import check_timeout
 from distserve.cluster.classes import RequestClass, check_request_class
 from distserve.cluster.recovery import blame, poison_message
 from distserve.config import PRIORITY_MAX, PRIORITY_MIN, CacheConfig, SamplingParams, SchedulerConfig
+from distserve.engine.logprobs import PromptLogprobs, TopLogprobs
 from distserve.engine.request_metrics import RequestMetrics
 from distserve.engine.sequence import Sequence, SequenceStatus, completion_sampling, completion_seq_id
-from distserve.engine.tokenizer import IncrementalDetokenizer, Tokenizer
+from distserve.engine.detokenizer import Detokenizer
+from distserve.engine.structured_output import shared_compiler
+from distserve.engine.tokenizer import Tokenizer
 from distserve.engine.weights import LoadedModel
 from distserve.errors import (
     DistServeError,
@@ -49,7 +52,9 @@ class RequestOutput:
     finished: bool
     finish_reason: str | None
     metrics: RequestMetrics
-    logprobs: list[float] | None = None
+    logprobs: list[float] | None = None  # of each output token so far, if the request asked
+    top_logprobs: list[TopLogprobs] | None = None  # per output token so far, if the request asked
+    prompt_logprobs: PromptLogprobs | None = None  # prompt tokens 1.. (``engine.logprobs``), if asked
     error: str | None = None  # set with finish_reason "error": why this request failed
     error_kind: str | None = None  # with ``error``: "timeout" when it waited past its ``timeout`` (HTTP 408), else None
     # ``n`` > 1: which completion this output is about. ``finished`` is then the request's (all n
@@ -59,7 +64,7 @@ class RequestOutput:
 
 @dataclass
 class _TextState:
-    detok: IncrementalDetokenizer
+    detok: Detokenizer
     num_tokens_reported: int = 0
     text_reported: int = 0  # chars of ``text`` already returned
     text: str = ""
@@ -70,13 +75,23 @@ class _TextState:
 class OutputProcessor:
     """Incremental detokenization and stop strings; stop-string hits are finished via ``finish``."""
 
-    def __init__(self, tokenizer: Tokenizer) -> None:
+    def __init__(self, tokenizer: Tokenizer, eos_token_ids: Seq[int] = ()) -> None:
         self.tokenizer = tokenizer
+        self.eos_token_ids = frozenset(eos_token_ids)
         self._text: dict[str, _TextState] = {}
 
     def add(self, seq: Sequence) -> None:
-        hold = max((len(s) for s in seq.sampling.stop), default=1) - 1
-        self._text[seq.seq_id] = _TextState(self.tokenizer.detokenizer(seq.prompt_token_ids), hold_back=hold)
+        sp = seq.sampling
+        hold = max((len(s) for s in sp.stop), default=1) - 1
+        detok = self.tokenizer.detokenizer(seq.prompt_token_ids, skip_special_tokens=sp.skip_special_tokens)
+        self._text[seq.seq_id] = _TextState(detok, hold_back=hold)
+
+    def _stopped_by_token(self, seq: Sequence, state: _TextState) -> bool:
+        """Whether ``seq``'s last token ended it (an eos or a stop token id), not a stop string or a limit."""
+        if seq.finish_reason != "stop" or state.stop_hit or seq.num_output_tokens == 0:
+            return False
+        token, sp = seq.token_ids[-1], seq.sampling
+        return token in sp.stop_token_ids or (not sp.ignore_eos and token in self.eos_token_ids)
 
     def discard(self, request_id: str) -> None:
         self._text.pop(request_id, None)
@@ -86,7 +101,9 @@ class OutputProcessor:
         state = self._text[seq.seq_id]
         sp = seq.sampling
         new_ids = seq.token_ids[seq.num_prompt_tokens + state.num_tokens_reported :]
-        for tok in new_ids:
+        # As vLLM: the token that stopped the request is not text (an eos stays out even when special tokens are kept).
+        drop_last = bool(new_ids) and not sp.include_stop_str_in_output and self._stopped_by_token(seq, state)
+        for tok in new_ids[:-1] if drop_last else new_ids:
             state.detok.push(tok)
         if seq.is_finished:
             state.detok.flush()
@@ -123,6 +140,8 @@ class OutputProcessor:
             finish_reason=seq.finish_reason,
             metrics=RequestMetrics.of(seq),
             logprobs=list(seq.logprobs) if sp.logprobs else None,
+            top_logprobs=list(seq.top_logprobs) if sp.top_logprobs else None,
+            prompt_logprobs=seq.prompt_logprobs,
             error=seq.error,
             index=seq.index,
         )
@@ -180,7 +199,9 @@ class RequestFrontend(ABC):
         # A sequence can never hold more tokens than a whole cache.
         self.max_model_len = min(model_len, self.num_blocks * self.cache_config.block_size)
         self.eos_token_ids = tuple(sorted(set(self.model_config.eos_token_ids) | set(self.tokenizer.eos_token_ids)))
-        self.outputs = OutputProcessor(self.tokenizer)
+        self.outputs = OutputProcessor(self.tokenizer, self.eos_token_ids)
+        # Structured output: one compiler per tokenizer and backend in the process, shared with the instances here.
+        self.grammar_compiler = shared_compiler(self.scheduler_config.structured_output_backend, self.tokenizer, self.eos_token_ids)
         self._seqs: dict[str, Sequence] = {}
         self._groups: dict[str, set[str]] = {}  # request id -> its unfinished completions' seq ids (``n`` > 1)
         self._ids = itertools.count()
@@ -225,6 +246,11 @@ class RequestFrontend(ABC):
         bad = [t for t in sampling.stop_token_ids if t >= vocab]
         if bad:
             raise InvalidSamplingParamsError(f"stop_token_ids must be below the vocabulary size {vocab}, got {bad[:3]}", "stop_token_ids")
+        bad = [t for t, _ in sampling.logit_bias if t >= vocab]
+        if bad:
+            raise InvalidSamplingParamsError(f"logit_bias keys must be token ids below the vocabulary size {vocab}, got {bad[:3]}", "logit_bias")
+        if sampling.structured is not None:
+            self.grammar_compiler.check(sampling.structured)  # compiled once; a bad or too complex spec names its param
         room = self.max_model_len - len(prompt_ids)
         if sampling.max_tokens > room:
             raise PromptTooLongError(

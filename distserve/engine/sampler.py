@@ -1,4 +1,6 @@
-"""Turns one step's logits into next tokens: min_tokens, greedy, temperature, top-k/top-p, seeds."""
+"""Turns one step's logits into next tokens: a pipeline of logits processors (min_tokens, logit_bias,
+penalties), then greedy argmax or temperature, min_p, top-k/top-p and a seeded draw; and the raw
+log-probabilities a request asks for."""
 
 from __future__ import annotations
 
@@ -9,6 +11,8 @@ import numpy as np
 import torch
 
 from distserve.config import SamplingParams
+from distserve.engine.logprobs import TopLogprobs, top_logprobs
+from distserve.engine.structured_output import apply_token_bitmasks
 
 # Logits arrive as float32, so a nucleus whose mass equals top_p exactly (0.5 + 0.3 vs 0.8) is off
 # by ~1e-7 and, without this relative slack, would pull in one token more than intended.
@@ -20,18 +24,20 @@ _CDF_BLOCK = 256
 
 @dataclass
 class SamplerOutput:
-    """One token per row and, if any row asked, its log-probability under the raw logits."""
+    """One token per row and, if any row asked, log-probabilities under the raw logits: the chosen
+    token's (every row) and the top alternatives (``[]`` for rows with ``top_logprobs`` 0)."""
 
     token_ids: list[int]
     logprobs: list[float] | None
+    top_logprobs: list[TopLogprobs] | None = None
 
 
 class Sampler:
     """Stateless batch sampler; seeded requests bring their own ``torch.Generator``.
 
     Sampled rows draw one uniform each and invert the row's CDF, so a seeded row's token depends
-    only on its own logits, params and generator. Greedy rows consume no randomness. Top-k and
-    top-p keep every token tied with the last one kept (as vLLM does).
+    only on its own logits, params, tokens so far and generator. Greedy rows consume no randomness.
+    Top-k and top-p keep every token tied with the last one kept (as vLLM does).
     """
 
     def __call__(
@@ -41,6 +47,8 @@ class Sampler:
         generators: Sequence[torch.Generator | None],
         num_output_tokens: Sequence[int],
         eos_token_ids: Sequence[int],
+        histories: Sequence[Sequence[int] | None] | None = None,
+        token_bitmasks: Sequence[np.ndarray | None] | None = None,
     ) -> SamplerOutput:
         """Pick the next token of each row of ``logits`` (``[N, V]``, any float dtype, not mutated).
 
@@ -51,33 +59,71 @@ class Sampler:
             num_output_tokens: tokens each row's request has generated so far (for ``min_tokens``).
             eos_token_ids: the model's EOS ids, banned together with ``stop_token_ids`` until
                 ``min_tokens`` is reached.
+            histories: per row, the request's tokens so far (prompt, then its ``num_output_tokens``
+                outputs); needed by the rows with penalties (``SamplingParams.has_penalties``).
+            token_bitmasks: per row, the tokens its grammar allows (structured output), or None.
         Returns:
-            The chosen ids and, if any row set ``logprobs``, every row's log-probability.
+            The chosen ids and, if any row set ``logprobs``, log-probabilities.
         """
         logits = logits.detach()
+        processed = process_logits(logits, params, num_output_tokens, eos_token_ids, histories, token_bitmasks)  # [N, V]
         num_rows = logits.shape[0]
-        masked = _mask_min_tokens(logits, params, num_output_tokens, eos_token_ids)  # [N, V]
         sampled_rows = [i for i, p in enumerate(params) if not p.greedy]
         if not sampled_rows:
-            token_ids = _argmax(masked)  # [N]
+            token_ids = _argmax(processed)  # [N]
         elif len(sampled_rows) == num_rows:
-            token_ids = _sample(masked, params, generators)
+            token_ids = _sample(processed, params, generators)
         else:
             greedy_idx = torch.tensor([i for i, p in enumerate(params) if p.greedy])  # [G]
             sampled_idx = torch.tensor(sampled_rows)  # [S]
             token_ids = torch.empty(num_rows, dtype=torch.long)
-            token_ids[greedy_idx] = _argmax(masked[greedy_idx])
+            token_ids[greedy_idx] = _argmax(processed[greedy_idx])
             token_ids[sampled_idx] = _sample(
-                masked[sampled_idx],
+                processed[sampled_idx],
                 [params[i] for i in sampled_rows],
                 [generators[i] for i in sampled_rows],
             )
         logprobs: list[float] | None = None
+        top: list[TopLogprobs] | None = None
         if any(p.logprobs for p in params):
-            raw = logits.float()  # [N, V]
-            chosen = raw.gather(1, token_ids[:, None]).squeeze(1)  # [N]
-            logprobs = (chosen - torch.logsumexp(raw, dim=-1)).tolist()
-        return SamplerOutput(token_ids=token_ids.tolist(), logprobs=logprobs)
+            raw = torch.log_softmax(logits.float(), dim=-1)  # [N, V]
+            logprobs = raw.gather(1, token_ids[:, None]).squeeze(1).tolist()
+            if any(p.top_logprobs for p in params):
+                top = top_logprobs(raw, [p.top_logprobs for p in params])
+        return SamplerOutput(token_ids=token_ids.tolist(), logprobs=logprobs, top_logprobs=top)
+
+
+def process_logits(
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    num_output_tokens: Sequence[int],
+    eos_token_ids: Sequence[int],
+    histories: Sequence[Sequence[int] | None] | None = None,
+    token_bitmasks: Sequence[np.ndarray | None] | None = None,
+) -> torch.Tensor:
+    """The logits processors, in vLLM's order: each step returns its input when no row uses it, so a
+    batch that uses none gets ``logits`` itself back (no copy); the first step that changes
+    something makes one float32 copy, and later steps work on it in place."""
+    out = _mask_min_tokens(logits, logits, params, num_output_tokens, eos_token_ids)
+    out = _apply_logit_bias(logits, out, params)
+    out = _apply_penalties(logits, out, params, num_output_tokens, histories)
+    out = _apply_token_bitmasks(logits, out, token_bitmasks)
+    return out
+
+
+def _apply_token_bitmasks(raw: torch.Tensor, logits: torch.Tensor, token_bitmasks: Sequence[np.ndarray | None] | None) -> torch.Tensor:
+    """Structured output: each constrained row keeps only the tokens its grammar allows next
+    (``engine.structured_output``); the others at -inf."""
+    if token_bitmasks is None or all(b is None for b in token_bitmasks):
+        return logits
+    out = _writable(raw, logits)
+    apply_token_bitmasks(out, token_bitmasks)
+    return out
+
+
+def _writable(raw: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+    """``logits`` if it is already the pipeline's own copy, else a float32 copy of it."""
+    return logits.to(torch.float32, copy=True) if logits is raw else logits
 
 
 def _argmax(logits: torch.Tensor) -> torch.Tensor:
@@ -87,13 +133,13 @@ def _argmax(logits: torch.Tensor) -> torch.Tensor:
 
 
 def _mask_min_tokens(
+    raw: torch.Tensor,
     logits: torch.Tensor,
     params: Sequence[SamplingParams],
     num_output_tokens: Sequence[int],
     eos_token_ids: Sequence[int],
 ) -> torch.Tensor:
-    """``logits`` with EOS and stop ids at -inf in rows short of ``min_tokens`` (a float32 copy
-    if anything is masked, else ``logits`` itself)."""
+    """EOS and stop ids at -inf in rows short of ``min_tokens``."""
     vocab_size = logits.shape[1]
     rows: list[int] = []
     cols: list[int] = []
@@ -104,9 +150,82 @@ def _mask_min_tokens(
             cols.extend(banned)
     if not rows:
         return logits
-    masked = logits.to(torch.float32, copy=True)  # [N, V]
-    masked[torch.tensor(rows), torch.tensor(cols)] = float("-inf")
-    return masked
+    logits = _writable(raw, logits)  # [N, V]
+    logits[torch.tensor(rows), torch.tensor(cols)] = float("-inf")
+    return logits
+
+
+def _apply_logit_bias(raw: torch.Tensor, logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """OpenAI's ``logit_bias``: each listed token's bias added to its logit."""
+    if not any(p.logit_bias for p in params):
+        return logits
+    rows: list[np.ndarray] = []
+    cols: list[np.ndarray] = []
+    biases: list[np.ndarray] = []
+    for i, p in enumerate(params):
+        if p.logit_bias:
+            ids, values = zip(*p.logit_bias)  # unique ids per row (``SamplingParams`` dedups them)
+            rows.append(np.full(len(ids), i, dtype=np.int64))
+            cols.append(np.fromiter(ids, dtype=np.int64, count=len(ids)))  # ~10x faster than torch.tensor(list)
+            biases.append(np.fromiter(values, dtype=np.float32, count=len(ids)))
+    col = np.concatenate(cols)  # [B]
+    in_vocab = col < logits.shape[1]  # checked against the vocabulary at submission; a guard here
+    index = (torch.from_numpy(np.concatenate(rows)[in_vocab]), torch.from_numpy(col[in_vocab]))  # [B], [B]
+    logits = _writable(raw, logits)  # [N, V]
+    logits[index] += torch.from_numpy(np.concatenate(biases)[in_vocab])
+    return logits
+
+
+def _apply_penalties(
+    raw: torch.Tensor,
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    num_output_tokens: Sequence[int],
+    histories: Sequence[Sequence[int] | None] | None,
+) -> torch.Tensor:
+    """vLLM's ``apply_penalties``: ``repetition_penalty`` over every token of the prompt and output (a
+    positive logit divided by it, a negative one multiplied), then, over the output tokens only,
+    ``frequency_penalty`` times each token's count and ``presence_penalty`` once per token present,
+    both subtracted (OpenAI's definition).
+
+    Only the (row, token) pairs a row has seen change, so only they are touched: gathered, penalised
+    and written back (dense ``[N, V]`` masks, as vLLM builds on a GPU, cost ~10x more at 32 rows on a CPU).
+    """
+    rows = [i for i, p in enumerate(params) if p.has_penalties]
+    if not rows:
+        return logits
+    if histories is None or any(histories[i] is None for i in rows):
+        raise ValueError("penalties need each penalised row's tokens so far (histories)")
+    num_rows, vocab_size = logits.shape
+    tokens = [np.asarray(histories[i], dtype=np.int64) for i in rows]  # each [L]: prompt, then outputs
+    # Each (row, token) pair as one key, row * V + token, so one np.unique serves every row.
+    seen_keys = np.concatenate([_keys(row, t, vocab_size) for row, t in zip(rows, tokens)])
+    output_keys = np.concatenate([_keys(row, t[len(t) - num_output_tokens[row] :], vocab_size) for row, t in zip(rows, tokens)])
+    seen = np.unique(seen_keys)  # [S], sorted
+    output_ids, output_counts = np.unique(output_keys, return_counts=True)
+    counts = np.zeros(len(seen), dtype=np.float32)  # [S]: each pair's count in the row's output
+    counts[np.searchsorted(seen, output_ids)] = output_counts
+    seen_rows = seen // vocab_size  # [S]
+
+    def per_pair(name: str, neutral: float) -> torch.Tensor:  # [S]: the pair's row's parameter
+        values = np.full(num_rows, neutral, dtype=np.float32)
+        values[rows] = [getattr(params[i], name) for i in rows]
+        return torch.from_numpy(values[seen_rows])
+
+    index = (torch.from_numpy(seen_rows), torch.from_numpy(seen % vocab_size))  # [S], [S]
+    count_t = torch.from_numpy(counts)  # [S]
+    repetition = per_pair("repetition_penalty", 1.0)
+    logits = _writable(raw, logits)  # [N, V]
+    values = logits[index]  # [S]
+    values = torch.where(values > 0, values / repetition, values * repetition)
+    values -= per_pair("frequency_penalty", 0.0) * count_t + per_pair("presence_penalty", 0.0) * (count_t > 0)
+    logits[index] = values
+    return logits
+
+
+def _keys(row: int, tokens: np.ndarray, vocab_size: int) -> np.ndarray:
+    """``row * vocab_size + token`` for each token id of ``tokens`` within the vocabulary."""
+    return row * vocab_size + tokens[(tokens >= 0) & (tokens < vocab_size)]
 
 
 def _sample(
@@ -119,6 +238,12 @@ def _sample(
     logits = logits.float()
     # One buffer updated in place: fresh 6 MB tensors cost more in page faults than the math.
     weights = (logits - logits.amax(dim=-1, keepdim=True)).div_(temperature[:, None]).exp_()
+    if any(p.min_p for p in params):
+        # Weights are probabilities scaled so the top one is 1: min_p's cut (min_p x the top
+        # probability) is min_p itself. Applied before top-k and top-p, as vLLM does.
+        min_p = np.array([p.min_p for p in params], dtype=np.float32)  # [M]
+        weights_np = weights.numpy()  # [M, V], shares memory
+        np.multiply(weights_np, weights_np >= min_p[:, None], out=weights_np)
     threshold = _filter_thresholds(weights, params)  # [M]
     if threshold is not None:
         # Multiplying by a bool mask in numpy is ~5x faster than torch's masked_fill_ on CPU.

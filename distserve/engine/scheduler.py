@@ -22,7 +22,8 @@ from distserve.engine.prefix_grouping import PrefixGrouping
 from distserve.engine.rank_order import RECENT_ADMISSIONS, AdmissionRankOrder
 from distserve.engine.sequence import Sequence, SequenceStatus
 from distserve.engine.step_budget import StaticBudget, make_step_budget
-from distserve.engine.step_plan import SampledToken, ScheduledChunk, StepPlan
+from distserve.engine.step_plan import SampledToken, ScheduledChunk, StepPlan, chunk_history
+from distserve.engine.structured_output import SequenceGrammars
 from distserve.errors import StepFailedError
 
 
@@ -60,6 +61,8 @@ class Scheduler(AdmissionRankOrder):
     clears_isolation = True
     forks_run_here = True  # a prompt's ``n`` completions decode here: admitting it takes n running slots
     phase = "colocated"  # the instance role this scheduler serves (``PrefillScheduler``: prefill; ``DecodeScheduler``: decode)
+    # Constrained decoding: the instance's grammar matchers, advanced as tokens are appended (set by ``InstanceCore``).
+    grammars: SequenceGrammars | None = None
 
     def __init__(
         self,
@@ -101,7 +104,8 @@ class Scheduler(AdmissionRankOrder):
         self._order = 0
         self._groups = GroupArrivals()
         self.num_preemptions = 0
-        self.num_prefix_cache_hit_tokens = 0  # prompt tokens admissions took from the prefix cache
+        self.num_prefix_cache_query_tokens = 0  # tokens of the sequences admissions looked up in the prefix cache
+        self.num_prefix_cache_hit_tokens = 0  # ... and those taken from it
         self.forking: dict[str, Sequence] = {}  # leaders (``n`` > 1) whose completions are not forked yet
         self.num_forked_completions = 0  # completions that took their prompt's KV from a fork, not a prefill
 
@@ -311,9 +315,12 @@ class Scheduler(AdmissionRankOrder):
                 # _chunk inlined (this loop runs per sequence per step); a decode's one token without a slice.
                 end = start + n
                 num_tokens = len(token_ids)
+                sampling = seq.sampling
+                num_output_tokens = num_tokens - len(seq.prompt_token_ids)
                 chunk = ScheduledChunk(
                     seq.seq_id, [token_ids[start]] if n == 1 else token_ids[start:end], start, seq.block_table[:],
-                    end == num_tokens, seq.sampling, num_tokens - len(seq.prompt_token_ids),
+                    end == num_tokens, sampling, num_output_tokens,
+                    chunk_history(token_ids, sampling, num_output_tokens) if sampling.needs_history else None,
                 )
                 (decodes if n == 1 else prefills).append(chunk)
                 budget -= n
@@ -368,6 +375,10 @@ class Scheduler(AdmissionRankOrder):
             f.token_ids.append(token.token_id)
             if token.logprob is not None:
                 f.logprobs.append(token.logprob)
+                if token.top_logprobs is not None:
+                    f.top_logprobs.append(token.top_logprobs)
+            if lead is not None and lead.prompt_logprobs is not None:
+                f.prompt_logprobs = lead.prompt_logprobs  # the same prompt: computed once, for the leader
             f.first_token_time = now
             reason = self.check_token_stop(f)
             if reason is not None:
@@ -421,8 +432,7 @@ class Scheduler(AdmissionRankOrder):
                     n = room
             self._pop_waiting(w)
             self._recent_ranks.append(seq.admission_rank)
-            block_manager.allocate(seq)
-            self.num_prefix_cache_hit_tokens += seq.num_cached_tokens
+            self._allocate(seq)
             n = min(n, seq.num_uncomputed_tokens)
             seq.status = SequenceStatus.RUNNING
             self._append_running(seq)
@@ -430,6 +440,12 @@ class Scheduler(AdmissionRankOrder):
             (decodes if chunk.is_decode else prefills).append(chunk)
             budget -= n
         return budget
+
+    def _allocate(self, seq: Sequence) -> None:
+        """Give waiting ``seq`` its blocks (the caller checked they fit), counting its prefix-cache lookup."""
+        self.block_manager.allocate(seq)
+        self.num_prefix_cache_query_tokens += seq.num_tokens
+        self.num_prefix_cache_hit_tokens += seq.num_cached_tokens
 
     def _fits(self, seq: Sequence) -> bool:
         """Whether waiting ``seq`` may take its blocks now (a phase may keep some back: ``PrefillScheduler``)."""
@@ -467,8 +483,7 @@ class Scheduler(AdmissionRankOrder):
         else:
             if not bm.can_allocate(seq):
                 return False
-            bm.allocate(seq)
-            self.num_prefix_cache_hit_tokens += seq.num_cached_tokens
+            self._allocate(seq)
         n = seq.num_uncomputed_tokens
         if self._chunk_prefills:
             n = min(n, self.config.max_num_batched_tokens)
@@ -507,8 +522,10 @@ class Scheduler(AdmissionRankOrder):
 
     def _chunk(self, seq: Sequence, n: int) -> ScheduledChunk:
         start = seq.num_computed_tokens
+        sp, num_output_tokens = seq.sampling, seq.num_output_tokens
         return ScheduledChunk(seq.seq_id, seq.token_ids[start : start + n], start, list(seq.block_table),
-                              start + n == seq.num_tokens, seq.sampling, seq.num_output_tokens)
+                              start + n == seq.num_tokens, sp, num_output_tokens,
+                              chunk_history(seq.token_ids, sp, num_output_tokens) if sp.needs_history else None)
 
     def update_from_output(
         self, plan: StepPlan, sampled: list[SampledToken], seqs: dict[str, Sequence], now: float
@@ -551,8 +568,12 @@ class Scheduler(AdmissionRankOrder):
             seq.token_ids.append(token.token_id)
             if token.logprob is not None:
                 seq.logprobs.append(token.logprob)
+                if token.top_logprobs is not None:
+                    seq.top_logprobs.append(token.top_logprobs)
             if seq.first_token_time is None:
                 seq.first_token_time = now
+                if token.prompt_logprobs is not None:
+                    seq.prompt_logprobs = token.prompt_logprobs
             reason = check_token_stop(seq)
             if reason is not None:
                 seq.finish_time = now
@@ -572,6 +593,10 @@ class Scheduler(AdmissionRankOrder):
                 return "stop"
             if token in sp.stop_token_ids:
                 return "stop"
+        if sp.structured is not None and self.grammars is not None:
+            reason = self.grammars.accept(seq)  # its grammar complete: "stop" (EOS would be the only token left)
+            if reason is not None:
+                return reason
         if num_output_tokens >= sp.max_tokens or num_tokens >= self.max_model_len:
             return "length"
         return None

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 from distserve.cluster.classes import DEFAULT_CLASS, RequestClass
 from distserve.config import SamplingParams
+from distserve.engine.logprobs import PromptLogprobs, TopLogprobs
 
 
 class SequenceStatus(enum.Enum):
@@ -41,7 +42,9 @@ class Sequence:
     first_token_time: float | None = None
     finish_time: float | None = None
     finish_reason: str | None = None
-    logprobs: list[float] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)  # of each output token, if ``sampling.logprobs``
+    top_logprobs: list[TopLogprobs] = field(default_factory=list)  # per output token, if ``sampling.top_logprobs``
+    prompt_logprobs: PromptLogprobs | None = None  # once its prompt is computed, if ``sampling.prompt_logprobs``
     order: int = 0  # admission counter; breaks arrival-time ties deterministically
     error: str | None = None  # why it failed (finish_reason "error"): this request's fault or misfortune alone
     num_crashes: int = 0  # failed steps (instance deaths) it was computed in; see distserve.cluster.recovery
@@ -96,6 +99,8 @@ class Sequence:
             hashed_block_size=self.hashed_block_size,
             first_token_time=self.first_token_time,
             logprobs=list(self.logprobs),
+            top_logprobs=list(self.top_logprobs),
+            prompt_logprobs=self.prompt_logprobs,
             num_crashes=self.num_crashes,
             isolate=self.isolate,
             request_class=self.request_class,

@@ -10,7 +10,10 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from distserve.config import SamplingParams
+from distserve.engine.logprobs import PromptLogprobs, TopLogprobs
 from distserve.errors import StepFailedError
 
 
@@ -25,6 +28,12 @@ class ScheduledChunk:
     sample: bool
     sampling: SamplingParams
     num_output_tokens: int
+    # The request's tokens so far (prompt + outputs), only for requests whose sampling reads them
+    # (penalties; prompt logprobs while the prompt is computed: ``chunk_history``); else None.
+    history: list[int] | None = None
+    # Constrained decoding: int32[ceil(V / 32)], the tokens the sequence's grammar allows next
+    # (``engine.structured_output``); set by the instance core for sampling chunks, else None.
+    token_bitmask: np.ndarray | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -82,12 +91,21 @@ def attributed_to(plan: StepPlan) -> Iterator[None]:
         raise StepFailedError(f"{type(exc).__name__}: {exc}", [c.seq_id for c in plan.chunks]) from exc
 
 
+def chunk_history(token_ids: list[int], sampling: SamplingParams, num_output_tokens: int) -> list[int] | None:
+    """``ScheduledChunk.history`` for a request with these tokens: a copy when its sampling reads it."""
+    if sampling.has_penalties or (sampling.prompt_logprobs is not None and not num_output_tokens):
+        return token_ids[:]
+    return None
+
+
 @dataclass(slots=True)
 class SampledToken:
     seq_id: str
     token_id: int
     logprob: float | None = None
     error: str | None = None  # sampling this request failed: it fails alone, with this message
+    top_logprobs: TopLogprobs | None = None  # with ``logprob``, if the request asked for alternatives
+    prompt_logprobs: PromptLogprobs | None = None  # with a request's first token, if it asked for them
 
 
-__all__ = ["SampledToken", "ScheduledChunk", "StepPlan", "attributed_to", "fork_rows"]
+__all__ = ["SampledToken", "ScheduledChunk", "StepPlan", "attributed_to", "chunk_history", "fork_rows"]

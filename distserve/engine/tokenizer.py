@@ -1,12 +1,15 @@
-"""Tokenizer wrapper over HF tokenizers: encode/decode, chat templates, incremental detokenization."""
+"""Tokenizer wrapper over HF tokenizers: encode/decode, chat templates, and the incremental detokenizer of an output
+(``distserve.engine.detokenizer``)."""
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from distserve.engine.detokenizer import Detokenizer, make_detokenizer
 from distserve.errors import InvalidConfigError, ModelNotFoundError
 
 if TYPE_CHECKING:
@@ -15,8 +18,34 @@ if TYPE_CHECKING:
 # Turn terminators that chat models emit instead of (or besides) their nominal eos token.
 _END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end_of_text|>", "<|endoftext|>", "<end_of_turn>", "<|end|>")
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
-_NUM_CONTEXT_TOKENS = 5
-_REPLACEMENT_CHAR = "\ufffd"
+
+
+def load_chat_template(value: str) -> str:
+    """A chat template given as a file or as the template itself (vLLM's ``--chat-template``): a value that
+    names no readable file is the template if it has Jinja's ``{``/``}`` or a newline (escapes such as
+    ``\\n`` decoded, as vLLM does), else an error. The template must compile (Jinja syntax)."""
+    import codecs
+
+    import jinja2
+    import jinja2.ext
+    import jinja2.sandbox
+
+    try:
+        with open(value, encoding="utf-8") as f:
+            template = f.read()
+    except OSError as exc:
+        if not any(c in value for c in "{}\n"):
+            raise InvalidConfigError(f"{value!r} looks like a file path but cannot be read: {exc.strerror or exc}",
+                                     "chat_template") from None
+        template = codecs.decode(value, "unicode_escape")
+    except UnicodeDecodeError as exc:
+        raise InvalidConfigError(f"{value!r} is not UTF-8 text: {exc}", "chat_template") from None
+    try:  # the environment transformers renders chat templates in
+        env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+        env.parse(template)
+    except jinja2.TemplateSyntaxError as exc:
+        raise InvalidConfigError(f"the chat template is not valid Jinja (line {exc.lineno}): {exc.message}", "chat_template") from None
+    return template
 
 
 class Tokenizer:
@@ -27,6 +56,7 @@ class Tokenizer:
         self._extra_eos_token_ids: tuple[int, ...] = ()
         self._skipped_ids: frozenset[int] | None = None
         self._eos_token_ids: tuple[int, ...] | None = None
+        self._reserved_kwargs: frozenset[str] | None = None
 
     @classmethod
     def from_pretrained(cls, path: str) -> Tokenizer:
@@ -99,92 +129,51 @@ class Tokenizer:
             list(token_ids), skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False
         )
 
-    @property
-    def supports_tools(self) -> bool:
-        """Whether the chat template renders ``tools`` (it mentions them), as tool calling needs."""
-        template = getattr(self.hf, "chat_template", None)
+    def supports_tools(self, chat_template: str | None = None) -> bool:
+        """Whether the chat template (``chat_template``, else the tokenizer's) renders ``tools`` (it
+        mentions them), as tool calling needs."""
+        template = chat_template if chat_template is not None else getattr(self.hf, "chat_template", None)
         if isinstance(template, dict):  # named templates: the "tool_use" one, or any that reads tools
             return any("tools" in t for t in template.values())
         return bool(template) and "tools" in template
 
-    def chat_prompt_text(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, tools: list[dict[str, Any]] | None = None) -> str:
-        """Render ``messages`` (and the ``tools`` the model may call) with the tokenizer's chat template."""
-        if not getattr(self.hf, "chat_template", None):
+    def chat_template_reserved_kwargs(self) -> frozenset[str]:
+        """Names a request's ``chat_template_kwargs`` may not use: ``apply_chat_template``'s own parameters."""
+        if self._reserved_kwargs is None:
+            params = inspect.signature(self.hf.apply_chat_template).parameters
+            names = {n for n, p in params.items() if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)}
+            self._reserved_kwargs = frozenset(names | {"messages", "self"})
+        return self._reserved_kwargs
+
+    def chat_prompt_text(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, tools: list[dict[str, Any]] | None = None,
+        *, chat_template: str | None = None, continue_final_message: bool = False, template_kwargs: dict[str, Any] | None = None,
+    ) -> str:
+        """Render ``messages`` (and the ``tools`` the model may call) with ``chat_template`` (default: the
+        tokenizer's); ``template_kwargs`` are extra variables the template reads (e.g. ``enable_thinking``)."""
+        if chat_template is None and not getattr(self.hf, "chat_template", None):
             raise InvalidConfigError(
-                "this model's tokenizer has no chat template; use a plain completion prompt instead"
+                "this model's tokenizer has no chat template; use a plain completion prompt instead (or serve --chat-template)"
             )
-        text = self.hf.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=add_generation_prompt)
+        text = self.hf.apply_chat_template(
+            messages, tools=tools, chat_template=chat_template, tokenize=False, add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message, **(template_kwargs or {}),
+        )
         if not isinstance(text, str):
             raise InvalidConfigError(f"chat template rendered {type(text).__name__}, expected str")
         return text
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, tools: list[dict[str, Any]] | None = None) -> list[int]:
-        """Token ids of the rendered chat; the template supplies any bos/special tokens itself."""
-        return self.encode(self.chat_prompt_text(messages, add_generation_prompt, tools), add_special_tokens=False)
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, tools: list[dict[str, Any]] | None = None,
+        *, chat_template: str | None = None, continue_final_message: bool = False, template_kwargs: dict[str, Any] | None = None,
+        add_special_tokens: bool = False,
+    ) -> list[int]:
+        """Token ids of the rendered chat; the template supplies any bos/special tokens itself
+        (``add_special_tokens`` adds the tokenizer's on top, as vLLM's request field does)."""
+        text = self.chat_prompt_text(messages, add_generation_prompt, tools, chat_template=chat_template,
+                                     continue_final_message=continue_final_message, template_kwargs=template_kwargs)
+        return self.encode(text, add_special_tokens=add_special_tokens)
 
-    def detokenizer(self, prompt_token_ids: Sequence[int] = ()) -> IncrementalDetokenizer:
-        return IncrementalDetokenizer(self, prompt_token_ids)
-
-
-class IncrementalDetokenizer:
-    """Turns a stream of token ids into text deltas; never emits a partial UTF-8 character.
-
-    Each step decodes only a short window (vLLM's prefix_offset/read_offset technique): the text of
-    ``window[prefix_offset:read_offset]`` was already emitted, so the delta is what decoding
-    ``window[prefix_offset:]`` adds beyond it. Decoding from ``prefix_offset`` rather than
-    ``read_offset`` keeps SentencePiece leading spaces, which are stripped from a decode's first token.
-    Special tokens are kept out of the window because ``decode`` skips them anyway.
-    """
-
-    def __init__(self, tokenizer: Tokenizer, prompt_token_ids: Sequence[int] = ()) -> None:
-        self._tokenizer = tokenizer
-        self._skipped = tokenizer.skipped_token_ids
-        context = [t for t in prompt_token_ids if t not in self._skipped][-_NUM_CONTEXT_TOKENS:]
-        if _REPLACEMENT_CHAR in tokenizer.decode(context):
-            context = []
-        self._window: list[int] = context
-        self._prefix_offset = 0
-        self._read_offset = len(context)
-        self._token_ids: list[int] = []
-        self._text = ""
-
-    def push(self, token_id: int) -> str:
-        """Add one generated token; return the text that became stable (possibly "")."""
-        self._token_ids.append(token_id)
-        if token_id in self._skipped:
-            return ""
-        self._window.append(token_id)
-        prefix_text = self._tokenizer.decode(self._window[self._prefix_offset : self._read_offset])
-        new_text = self._tokenizer.decode(self._window[self._prefix_offset :])
-        if len(new_text) <= len(prefix_text) or new_text.endswith(_REPLACEMENT_CHAR):
-            return ""
-        delta = new_text[len(prefix_text) :]
-        self._advance()
-        self._text += delta
-        return delta
-
-    def flush(self) -> str:
-        """End of stream: emit any held-back text (e.g. an incomplete UTF-8 sequence as '\\ufffd')."""
-        if self._read_offset == len(self._window):
-            return ""
-        prefix_text = self._tokenizer.decode(self._window[self._prefix_offset : self._read_offset])
-        new_text = self._tokenizer.decode(self._window[self._prefix_offset :])
-        delta = new_text[len(prefix_text) :]
-        self._advance()
-        self._text += delta
-        return delta
-
-    def _advance(self) -> None:
-        self._window = self._window[self._read_offset :]
-        self._prefix_offset = 0
-        self._read_offset = len(self._window)
-
-    @property
-    def text(self) -> str:
-        """All stable text emitted so far."""
-        return self._text
-
-    @property
-    def token_ids(self) -> list[int]:
-        """Generated token ids pushed so far (prompt ids excluded)."""
-        return list(self._token_ids)
+    def detokenizer(self, prompt_token_ids: Sequence[int] = (), skip_special_tokens: bool = True) -> Detokenizer:
+        """An incremental detokenizer of one output (``DecodeStream`` for fast tokenizers)."""
+        return make_detokenizer(self, prompt_token_ids, skip_special_tokens)

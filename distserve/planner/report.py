@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import math
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -323,20 +322,10 @@ def plot_goodput(req: PlanRequest, result: PlanResult, path: str | Path, max_bar
     plt.close(fig)
 
 
-def serve_argv(model: str, placement_path: str | Path, sim_config: SimConfig | None = None) -> list[str]:
-    """``distserve serve`` flags that deploy a plan: the model and the Placement JSON (which carries
-    the SLO and the instances' batch caps); the batch caps the plan was simulated with where serve takes them."""
-    from distserve.cli.args import build_parser
-
-    argv = ["distserve", "serve", "--model", model, "--placement", str(Path(placement_path).resolve())]
-    caps: list[str] = []
-    if sim_config is not None:
-        sched = sim_config.scheduler
-        caps = ["--max-num-seqs", str(sched.max_num_seqs), "--max-num-batched-tokens", str(sched.max_num_batched_tokens)]
-    serve_flags = next(a for a in build_parser()._subparsers._group_actions if isinstance(a, argparse._SubParsersAction)).choices["serve"]._option_string_actions
-    if all(flag in serve_flags for flag in caps[::2]):  # a serve without these flags deploys with its defaults (the same)
-        argv += caps
-    return argv
+def serve_argv(model: str, placement_path: str | Path) -> list[str]:
+    """``distserve serve`` flags that deploy a plan: the model and the Placement JSON, which carries the SLO
+    and the batch caps the plan was simulated with."""
+    return ["distserve", "serve", "--model", model, "--placement", str(Path(placement_path).resolve())]
 
 
 def serve_config(model: str, placement_path: str | Path, host: str = "127.0.0.1", port: int = 8000) -> dict[str, Any]:
@@ -350,7 +339,9 @@ def serve_config(model: str, placement_path: str | Path, host: str = "127.0.0.1"
             "name": "distserve",
             "route_prefix": "/",
             "import_path": "distserve.serving.app:build_app",
-            "args": {"model": model, "placement": str(Path(placement_path).resolve())},
+            # A model folder by its absolute path: `serve run` may start elsewhere.
+            "args": {"model": str(Path(model).resolve()) if Path(model).exists() else model,
+                     "placement": str(Path(placement_path).resolve())},
         }],
     }
 
@@ -371,7 +362,7 @@ def write_bundle(req: PlanRequest, result: PlanResult, model: str, save_dir: str
     write_candidates_csv(result, paths["candidates.csv"])
     plot(req, result, paths["attainment.png"])
     plot_goodput(req, result, paths["goodput.png"])
-    paths["serve_command.txt"].write_text(shlex.join(serve_argv(model, paths["placement.json"], req.sim_config)) + "\n")
+    paths["serve_command.txt"].write_text(shlex.join(serve_argv(model, paths["placement.json"])) + "\n")
     config = serve_config(model, paths["placement.json"])
     header = "# Ray Serve config of the plan: serve run serve_config.yaml (or serve deploy)\n"
     paths["serve_config.yaml"].write_text(header + yaml.safe_dump(config, sort_keys=False))

@@ -37,7 +37,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from distserve.errors import InvalidConfigError
-from distserve.placement import InstanceSpec, Placement
+from distserve.placement import CAPS, InstanceSpec, Placement
 from distserve.planner.candidates import assign_nodes, decode_bound, parallel_configs, prefill_bound, replicate_units
 from distserve.planner.classes import ClassComparison, compare_pools, workload_objectives
 from distserve.planner.plan import Candidate, PlanOption, PlanRequest, PlanResult
@@ -408,8 +408,20 @@ class Planner:
         option = PlanOption(f"{shared.name} + class pools", placement, shared.num_gpus, rate, self._verify(placement, rate))
         option.predicted.update({"rate": rate, "goodput_per_gpu": option.per_gpu, "num_gpus": option.num_gpus, "kind": option.name,
                                  "class_goodput": dict(classes.chosen.goodput), "class_goodput_shared": dict(classes.shared.goodput)})
-        option.placement = replace(placement, predicted=dict(option.predicted), slo=self.req.slo.default)
+        option.placement = self._deployable(placement, option.predicted)
         return option
+
+    def _deployable(self, placement: Placement, predicted: dict[str, Any], config: SimConfig | None = None) -> Placement:
+        """``placement`` as ``distserve serve`` deploys it: with its predicted figures, the SLO and the batch
+        caps it was simulated with (the placement-wide ones; an instance's own where its phase's differ)."""
+        cfg = config or self.req.sim_config
+        main = cfg.scheduler if placement.colocated else cfg.decode_scheduler
+        caps = {k: getattr(main, k) for k in CAPS}
+        own = {k: getattr(cfg.prefill_scheduler, k) for k in CAPS}
+        if placement.prefill and own != caps:  # prefill instances were simulated with caps of their own
+            prefill = tuple(replace(s, **{k: v for k, v in own.items() if getattr(s, k) is None}) for s in placement.prefill)
+            placement = replace(placement, prefill=prefill)
+        return replace(placement, predicted=dict(predicted), slo=self.req.slo.default, max_model_len=cfg.max_model_len, **caps)
 
     def _option(self, name: str, placement: Placement, rate: float, step_budget: str | None = None) -> PlanOption:
         placement = assign_nodes(placement, self.req.cluster) if "low" not in name else placement
@@ -419,7 +431,7 @@ class Planner:
         option.predicted.update({"rate": rate, "goodput_per_gpu": option.per_gpu, "num_gpus": option.num_gpus, "kind": name})
         if step_budget is not None:
             option.predicted["step_budget"] = step_budget
-        option.placement = replace(placement, predicted=dict(option.predicted), slo=self.req.slo.default)
+        option.placement = self._deployable(placement, option.predicted, config)
         return option
 
     def _closest(self, candidates: list[Candidate]) -> str:

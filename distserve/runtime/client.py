@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator, Sequence as Seq
 from distserve.cluster.classes import RequestClass
 from distserve.config import SamplingParams
 from distserve.engine.outputs import RequestOutput
+from distserve.engine.structured_output import GrammarCompiler
 from distserve.engine.tokenizer import Tokenizer
 
 
@@ -22,6 +23,9 @@ class EngineClient(ABC):
     model_name: str
     tokenizer: Tokenizer
     max_model_len: int
+    # Compiles structured-output grammars in this process (the HTTP layer checks a request's spec with it,
+    # off the engine's thread); None: the client serves no structured output.
+    grammar_compiler: GrammarCompiler | None = None
 
     @abstractmethod
     def generate(

@@ -66,6 +66,10 @@ class DeploymentConfig:
         check_router(self.router)
         if not isinstance(self.admission, AdmissionConfig):
             raise InvalidConfigError(f"admission must be an AdmissionConfig, got {type(self.admission).__name__}", "admission")
+        backends = {c.structured_output_backend for c in (self.scheduler_config, self.prefill_scheduler_config) if c is not None}
+        if len(backends) > 1:  # a grammar is compiled by the front end and by each instance: all with one library
+            raise InvalidConfigError(f"scheduler_config and prefill_scheduler_config name different structured output backends "
+                                     f"({', '.join(sorted(backends))})", "structured_output_backend")
         if not (_is_int(self.max_instance_restarts) and self.max_instance_restarts >= 0):
             raise InvalidConfigError(f"max_instance_restarts must be an integer >= 0, got {self.max_instance_restarts!r}")
 

@@ -333,6 +333,9 @@ class Controller(AdmissionDriver, RequestFrontend, KVMigrations, InstanceRecover
                 continue
             seq.token_ids.extend(up.new_token_ids)
             seq.logprobs.extend(up.new_logprobs)
+            seq.top_logprobs.extend(up.new_top_logprobs)
+            if up.prompt_logprobs is not None:
+                seq.prompt_logprobs = up.prompt_logprobs
             seq.error = up.error
             if inst.solo_pending.pop(seq.seq_id, None) is not None and inst.phase != "prefill":
                 seq.isolate = False  # as the instance's scheduler did (clears_isolation)

@@ -47,6 +47,8 @@ from distserve.engine.instance_core import SCHEDULERS, InstanceCore, PlanInFligh
 from distserve.engine.parallel import ShardSpec
 from distserve.engine.preemptible import PreemptibleSteps
 from distserve.engine.step_plan import attributed_to
+from distserve.engine.structured_output import shared_compiler
+from distserve.engine.weights import load_model
 from distserve.engine.sequence import Sequence
 from distserve.kvtransfer.layout import KVLayout
 from distserve.runtime.worker import TransferResult, Worker, WorkerSpec
@@ -96,9 +98,12 @@ class InstanceServer:
         if spec.phase not in SCHEDULERS:
             raise ValueError(f"unknown phase {spec.phase!r}")
         self.spec = spec
+        # Structured output: this process compiles the grammars itself (requests carry the spec, not a matcher).
+        tokenizer = load_model(spec.model, spec.dtype, weights=False).tokenizer
         self.core = InstanceCore(
             spec.phase, spec.scheduler, spec.num_blocks, spec.cache.block_size, spec.max_model_len, spec.eos_token_ids,
             enable_prefix_caching=spec.cache.enable_prefix_caching, pipeline_depth=spec.pp,
+            grammar_compiler=shared_compiler(spec.scheduler.structured_output_backend, tokenizer, spec.eos_token_ids),
         )
         self._lock = threading.Lock()  # guards the core: requests arrive on other threads than ``step``
         self._pending: dict[str, set[int]] = {}  # transfer key (``_transfer_key``) -> ranks still busy

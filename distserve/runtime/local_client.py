@@ -3,6 +3,7 @@ built on the engine thread of a ``ThreadedEngineClient``."""
 
 from __future__ import annotations
 
+from distserve.config import SchedulerConfig
 from distserve.engine.llm_engine import LLMEngine
 from distserve.engine.outputs import EngineBase
 from distserve.errors import InvalidConfigError
@@ -34,9 +35,10 @@ def build_local_engine_client(config: DeploymentConfig) -> ThreadedEngineClient:
     def build() -> list[EngineBase]:
         loaded = load_model(config.model, resolve_dtype(config.dtype))
         if placement.colocated:
+            base = config.scheduler_config or SchedulerConfig()
             return [
-                LLMEngine(loaded, cache_config=config.cache_config, scheduler_config=config.scheduler_config)
-                for _ in placement.colocated
+                LLMEngine(loaded, cache_config=config.cache_config, scheduler_config=spec.scheduler_config(base))
+                for spec in placement.colocated
             ]
         return [
             LocalDisaggEngine(

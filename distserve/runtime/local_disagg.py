@@ -182,7 +182,8 @@ class LocalDisaggEngine(EngineBase):
 
         def instance(phase: str, i: int, config: SchedulerConfig, spec: InstanceSpec = InstanceSpec()) -> LocalInstance:
             core = InstanceCore(phase, spec.scheduler_config(config), self.num_blocks, cc.block_size, self.max_model_len,
-                                self.eos_token_ids, enable_prefix_caching=cc.enable_prefix_caching)
+                                self.eos_token_ids, enable_prefix_caching=cc.enable_prefix_caching,
+                                grammar_compiler=self.grammar_compiler)
             return LocalInstance(f"{phase}-{i}", core, runner_factory(loaded, self.num_blocks, cc, self.eos_token_ids),
                                  RouteState(pool=spec.pool), clock=clock)
 
@@ -392,6 +393,11 @@ class LocalDisaggEngine(EngineBase):
             self.on_migration(seq.seq_id, src.instance_id, dst.instance_id)
         return True
 
+    @property
+    def num_requests_awaiting_migration(self) -> int:
+        """Requests prefilled whose KV waits for a decode instance with room (the migration queue)."""
+        return len(self._pending)
+
     def stats(self) -> dict[str, object]:
         prefill = {i.instance_id: i.stats() for i in self.prefill}
         decode = {i.instance_id: i.stats() for i in self.decode}
@@ -401,6 +407,6 @@ class LocalDisaggEngine(EngineBase):
             "kv_migration_blocks_total": self.counters.num_blocks_migrated,
             "kv_migration_seconds_total": self.counters.migration_s,
             **self.counters.migration_stats(),
-            "num_requests_awaiting_migration": len(self._pending),
+            "num_requests_awaiting_migration": self.num_requests_awaiting_migration,
             **prefill_totals([*prefill.values(), *decode.values()]),
         }

@@ -5,9 +5,16 @@
     {
         "instances": [
             {"instance": "prefill-0", "phase": "prefill",      # phase: prefill | decode | colocated
-             "num_requests_waiting": 0, "num_requests_running": 1, "kv_cache_usage_perc": 0.02},
+             "num_requests_waiting": 0, "num_requests_running": 1, "kv_cache_usage_perc": 0.02,
+             "prefill_tokens_computed_total": 4096,            # cumulative counters of the instance (optional, each)
+             "prefix_cache_query_tokens_total": 8192, "prefix_cache_hit_tokens_total": 4096, "num_preemptions_total": 0,
+             "iteration_tokens": {"bounds": [1.0, 2.0, ...], "counts": [3, 0, ...], "sum": 812.0},  # histograms (optional):
+             "step_seconds_histogram": {"bounds": [...], "counts": [...], "sum": 1.7},           # engine.step_stats
+             "cache_config": {"block_size": 16, "num_gpu_blocks": 2048, "enable_prefix_caching": True},  # (optional)
+             "num_requests_migrating": 0},                     # decode instances: KV arriving (optional)
             {"instance": "decode-0", "phase": "decode", ...},
         ],
+        "num_requests_awaiting_migration": 0,                  # prefilled, waiting for a decode instance (optional)
         "kv_migration_bytes_total": 123456,                    # cumulative since start
         "kv_migration_blocks_skipped_total": 16,               # cumulative: prefix blocks the receiver held
         "kv_migration_failures_total": 1,                      # cumulative: failed or timed-out migrations (optional)
@@ -26,22 +33,22 @@
         },
     }
 
-Each instance's dict may carry its own ``prefill_tokens_computed_total`` and
-``prefix_cache_hit_tokens_total``; where the top-level totals are missing, ``normalize_stats``
-sums them. Prefill tokens computed are the tokens of prompts (and of recomputations after a
-preemption or a failed migration) an instance computed, decodes excluded; prefix-cache hit tokens
-are the prompt tokens its admissions took from its prefix cache instead (a decode instance's
-prompt blocks shared by prefix-aware migration are ``kv_migration_blocks_skipped_total``).
+Each instance's dict may carry its own ``PREFILL_COUNTER_KEYS``; where the top-level totals are
+missing, ``normalize_stats`` sums them. Prefill tokens computed are the tokens of prompts (and of
+recomputations after a preemption or a failed migration) an instance computed, decodes excluded;
+prefix-cache query tokens are the tokens of the sequences its admissions looked up in its prefix
+cache, hit tokens those taken from it instead of computed (a decode instance's prompt blocks
+shared by prefix-aware migration are ``kv_migration_blocks_skipped_total``).
 
 ``kv_cache_usage_perc`` is a fraction in [0, 1] (1 = full), as in vLLM. The top-level migration
-figures are exported with ``instance="all", phase="decode"`` (the pulling side); a runtime that
+figures are exported with ``engine="all", phase="decode"`` (the pulling side); a runtime that
 knows which decode instance pulled may instead put the same keys in that instance's dict.
 ``normalize_stats`` also accepts what ``LLMEngine.stats()`` and ``LocalDisaggEngine.stats()`` return.
 
 ``admission`` is ``distserve.cluster.admission.AdmissionQueue.stats()``, from wherever requests
 queue: a ``LocalDisaggEngine``'s own queue, the threaded client's queue in front of colocated
 engines, or the Ray controller's; a runtime with several queues reports their sum
-(``merge_admission_stats``). Its per-tenant figures are exported by ``serving.metrics``.
+(``merge_admission_stats``). Its per-tenant figures are exported by ``serving.engine_metrics``.
 """
 
 from __future__ import annotations
@@ -49,7 +56,9 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any, NotRequired, TypedDict, cast
 
-AGGREGATE_INSTANCE = "all"
+from distserve.engine.step_stats import HistogramCounts
+
+AGGREGATE_INSTANCE = "all"  # the /metrics ``engine`` of a figure a runtime knows only in total
 
 
 class InstanceStats(TypedDict):
@@ -65,6 +74,12 @@ class InstanceStats(TypedDict):
     kv_migration_seconds: NotRequired[list[float]]
     prefill_tokens_computed_total: NotRequired[float]
     prefix_cache_hit_tokens_total: NotRequired[float]
+    prefix_cache_query_tokens_total: NotRequired[float]
+    num_preemptions_total: NotRequired[float]
+    num_requests_migrating: NotRequired[float]
+    iteration_tokens: NotRequired[HistogramCounts]
+    step_seconds_histogram: NotRequired[HistogramCounts]
+    cache_config: NotRequired[dict[str, Any]]
 
 
 class TenantAdmissionStats(TypedDict):
@@ -102,10 +117,17 @@ class ClientStats(TypedDict):
     failed_steps_total: NotRequired[float]
     prefill_tokens_computed_total: NotRequired[float]
     prefix_cache_hit_tokens_total: NotRequired[float]
+    prefix_cache_query_tokens_total: NotRequired[float]
+    num_preemptions_total: NotRequired[float]
+    num_requests_awaiting_migration: NotRequired[float]
 
 
 # Counted per instance; a runtime's total is their sum.
-PREFILL_COUNTER_KEYS = ("prefill_tokens_computed_total", "prefix_cache_hit_tokens_total")
+PREFILL_COUNTER_KEYS = (
+    "prefill_tokens_computed_total", "prefix_cache_hit_tokens_total", "prefix_cache_query_tokens_total", "num_preemptions_total",
+)
+# Passed on from an instance's stats as they are, when present.
+_INSTANCE_EXTRAS = ("num_requests_migrating", "iteration_tokens", "step_seconds_histogram", "cache_config")
 
 
 def instance_stats(raw: Mapping[str, Any], instance: str, phase: str) -> InstanceStats:
@@ -119,6 +141,9 @@ def instance_stats(raw: Mapping[str, Any], instance: str, phase: str) -> Instanc
     for key in PREFILL_COUNTER_KEYS:
         if key in raw:
             out[key] = float(raw[key])  # type: ignore[literal-required]
+    for key in _INSTANCE_EXTRAS:
+        if key in raw:
+            out[key] = raw[key]  # type: ignore[literal-required]
     return out
 
 
@@ -171,6 +196,8 @@ def normalize_stats(raw: Mapping[str, Any]) -> ClientStats:
         "requests_failed_poison_total": float(raw.get("requests_failed_poison_total", 0)),
         "failed_steps_total": float(raw.get("failed_steps_total", 0)),
     }
+    if "num_requests_awaiting_migration" in raw:
+        out["num_requests_awaiting_migration"] = float(raw["num_requests_awaiting_migration"])
     for key, total in prefill_totals(instances).items():
         out[key] = float(raw.get(key, total))  # type: ignore[literal-required]
     admission = raw.get("admission")

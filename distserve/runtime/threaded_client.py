@@ -132,6 +132,7 @@ class ThreadedEngineClient(EngineClient):
         self.engines = engine_list
         self.model_name = model_name or first.model_config.name
         self.tokenizer = first.tokenizer
+        self.grammar_compiler = first.grammar_compiler
         self.max_model_len = min(e.max_model_len for e in engine_list)
         self.max_queued_requests = max_queued_requests
         self._streams: dict[str, tuple[_Stream, _EngineSlot]] = {}  # engine thread only: dispatched to an engine
@@ -385,18 +386,19 @@ class ThreadedEngineClient(EngineClient):
 
     def _collect_stats(self) -> ClientStats:
         instances: list[InstanceStats] = []
-        total_bytes = total_skipped = 0
+        migration: dict[str, float] = {}  # ClusterCounters.migration_stats, summed over the engines
         durations: list[float] = []
+        num_awaiting_migration = 0
         for slot in self._slots:
             engine = slot.engine
             if isinstance(engine, LocalDisaggEngine):
                 for phase, group in (("prefill", engine.prefill), ("decode", engine.decode)):
                     for inst in group:
                         instances.append(instance_stats(inst.stats(), _qualified(inst.instance_id, slot), phase))
-                m = engine.counters
-                total_bytes += m.num_bytes_migrated
-                total_skipped += m.num_blocks_skipped
-                durations.extend(m.drain_migration_durations())  # each reported once; the engine keeps none
+                for key, value in engine.counters.migration_stats().items():
+                    migration[key] = migration.get(key, 0) + value
+                durations.extend(engine.counters.drain_migration_durations())  # each reported once; the engine keeps none
+                num_awaiting_migration += engine.num_requests_awaiting_migration
             elif isinstance(engine, LLMEngine):
                 instances.append(instance_stats(engine.stats(), f"colocated-{slot.index}", "colocated"))
             else:
@@ -408,9 +410,12 @@ class ThreadedEngineClient(EngineClient):
         return {
             "instances": instances,
             "admission": merge_admission_stats(q.stats() for q in queues),
-            "kv_migration_bytes_total": total_bytes,
-            "kv_migration_blocks_skipped_total": total_skipped,
+            "kv_migration_bytes_total": migration.get("kv_migration_bytes_total", 0),
+            "kv_migration_blocks_skipped_total": migration.get("kv_migration_blocks_skipped_total", 0),
+            "kv_migration_failures_total": migration.get("kv_migration_failures_total", 0),
+            "kv_migration_timeouts_total": migration.get("kv_migration_timeouts_total", 0),
             "kv_migration_seconds": durations,
+            "num_requests_awaiting_migration": num_awaiting_migration,
             "requests_failed_poison_total": sum(slot.engine.num_poison_requests for slot in self._slots),
             "failed_steps_total": sum(slot.engine.num_failed_steps for slot in self._slots),
             **prefill_totals(instances),  # type: ignore[typeddict-item]

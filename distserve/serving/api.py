@@ -14,8 +14,8 @@ import signal
 import socket
 import threading
 import time
-import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import NamedTuple
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
@@ -23,12 +23,13 @@ from fastapi.responses import JSONResponse, Response
 from distserve.cluster.classes import RequestClass
 from distserve.config import SamplingParams
 from distserve.engine.outputs import RequestOutput
-from distserve.errors import InvalidConfigError, ServiceUnavailableError
+from distserve.errors import DistServeError, InvalidConfigError, ServiceUnavailableError
 from distserve.runtime.client import EngineClient
 from distserve.dataflow.limits import DEFAULT_LIMITS, SessionLimits
 from distserve.dataflow.sessions import SessionManager
 from distserve.serving.api_keys import ApiKeys
 from distserve.serving.auth import ApiKeyAuth, tenant_of
+from distserve.serving.cors import CorsOptions, add_cors
 from distserve.serving.dataflow_routes import add_dataflow_routes
 from distserve.serving.http_errors import (
     ClientDisconnected,
@@ -38,7 +39,13 @@ from distserve.serving.http_errors import (
     error_response,
     unavailable,
 )
-from distserve.serving.metrics import CONTENT_TYPE, RequestTimer, ServingMetrics, rejection_reason
+from distserve.serving.metrics import CONTENT_TYPE, MetricsPeers, RequestTimer, ServingMetrics, rejection_reason
+from distserve.serving.logprobs import LogprobsRenderer
+from distserve.serving.metrics_exposition import OWN_PREFIX
+from distserve.serving.ops_routes import add_ops_routes
+from distserve.serving.prompts import chat_prompt, text_prompt, truncate
+from distserve.serving.request_fields import check_request_fields
+from distserve.serving.request_ids import InFlightIds, RequestIdHeader
 from distserve.serving.request_log import RequestLog
 from distserve.serving.protocol import (
     APIError,
@@ -48,16 +55,13 @@ from distserve.serving.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
     ChatDelta,
-    ChatLogprobs,
     ChatMessageOut,
-    ChatTokenLogprob,
     DeltaFunctionCall,
     DeltaToolCall,
     FunctionCallOut,
     ToolCallOut,
     CompletionChoice,
     CompletionChunk,
-    CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
     ModelCard,
@@ -66,7 +70,7 @@ from distserve.serving.protocol import (
     finish_reason,
     sse,
 )
-from distserve.serving.tool_parsers import ParsedToolCall, ToolCallStream, get_tool_parser
+from distserve.serving.tool_parsers import ForcedToolCallParser, ParsedToolCall, ToolCallStream, get_tool_parser
 from distserve.serving.streams import SSEResponse, aclose_stream, sse_events, unless_disconnected
 from distserve.slo import SLO
 
@@ -78,6 +82,15 @@ HEALTH_TIMEOUT_S = 5.0
 ENGINE_WATCH_INTERVAL_S = 0.5
 
 
+class Started(NamedTuple):
+    """A request the engine took: its id (``serving.request_ids``), its outputs' stream and the first output."""
+
+    request_id: str
+    stream: AsyncIterator[RequestOutput]
+    first: RequestOutput
+    timer: RequestTimer
+
+
 class _Server:
     """Per-app state shared by the route handlers."""
 
@@ -85,9 +98,11 @@ class _Server:
         self.client = client
         self.served_model_name = served_model_name
         self.metrics = metrics
+        self.request_ids = InFlightIds()
         names = {served_model_name, *MODEL_ALIASES.get(served_model_name, ())}
         names.update(MODEL_ALIASES.get(getattr(client, "model_name", ""), ()))
         self.accepted_models = names
+        self.logprobs = LogprobsRenderer(client.tokenizer)
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model not in self.accepted_models:
@@ -98,31 +113,38 @@ class _Server:
         request: Request,
         prompt: str | list[int],
         sampling: SamplingParams,
-        request_id: str,
+        id_prefix: str,
+        body_request_id: str | None,
         priority: int,
         timeout_s: float | None,
         prompt_param: str,
         param_names: dict[str, str] | None = None,
-    ) -> tuple[AsyncIterator[RequestOutput], RequestOutput, RequestTimer]:
-        """Submit for the request's tenant and wait for the first output, so bad input and a full
-        queue become HTTP errors."""
+    ) -> Started:
+        """Submit for the request's tenant (under its client's id, ``serving.request_ids``) and wait for the
+        first output, so bad input and a full queue become HTTP errors."""
         tenant = tenant_of(request)
-        timer = self.metrics.request_timer(tenant=tenant.name)
-        stream = self.client.generate(prompt, sampling, request_id, priority,
-                                      request_class=RequestClass(tenant=tenant.name, tier=tenant.tier), timeout_s=timeout_s)
+        timer = self.metrics.request_timer(tenant=tenant.name, sampling=sampling)
+        request_id = self.request_ids.request_id(request, id_prefix, body_request_id)
+        stream = self.request_ids.held_by(
+            self.client.generate(prompt, sampling, request_id, priority,
+                                 request_class=RequestClass(tenant=tenant.name, tier=tenant.tier), timeout_s=timeout_s),
+            request_id,
+        )
         try:
             first = check_output(await unless_disconnected(request, anext(stream)))
         except ClientDisconnected:
+            self.request_ids.release(request_id)  # the stream may have been cancelled before it started
             timer.finish("abort")
             raise
         except Exception as exc:
             await aclose_stream(stream)
+            self.request_ids.release(request_id)
             error = engine_error(exc, prompt_param, param_names)
             timer.reject(rejection_reason(error.status_code))
             raise error from exc
         timer.admitted()
         timer.observe(first)
-        return stream, first, timer
+        return Started(request_id, stream, first, timer)
 
     async def collect(
         self, request: Request, stream: AsyncIterator[RequestOutput], first: RequestOutput, timer: RequestTimer
@@ -149,19 +171,19 @@ class _Server:
             timer.fail()
             raise engine_error(exc, "prompt") from exc
 
-    def token_text(self, token_id: int) -> str:
-        return self.client.tokenizer.decode([token_id], skip_special_tokens=False)
-
-    def new_logprobs(self, out: RequestOutput) -> list[tuple[str, float]]:
-        if out.logprobs is None or not out.new_token_ids:
-            return []
-        lps = out.logprobs[len(out.logprobs) - len(out.new_token_ids) :]
-        return [(self.token_text(t), lp) for t, lp in zip(out.new_token_ids, lps)]
-
-    def all_logprobs(self, out: RequestOutput) -> list[tuple[str, float]]:
-        if out.logprobs is None:
-            return []
-        return [(self.token_text(t), lp) for t, lp in zip(out.token_ids, out.logprobs)]
+    async def check_structured(self, sampling: SamplingParams) -> None:
+        """Compile the request's grammar (cached) in a thread, not on the engine's: a bad or too complex
+        one is a 400 naming its field."""
+        spec = sampling.structured
+        if spec is None:
+            return
+        compiler = self.client.grammar_compiler
+        if compiler is None:
+            raise APIError(400, "this server does not serve structured output", param=spec.param)
+        try:
+            await asyncio.to_thread(compiler.check, spec)
+        except DistServeError as exc:
+            raise APIError(400, str(exc), param=exc.param or spec.param) from exc
 
 
 def _prompt_ids(client: EngineClient, prompt: str | list[int]) -> list[int]:
@@ -190,35 +212,23 @@ def _tool_call_out(call: ParsedToolCall) -> ToolCallOut:
     return ToolCallOut(id=call.id, function=FunctionCallOut(name=call.name, arguments=call.arguments))
 
 
-def _completion_logprobs(pairs: list[tuple[str, float]], offset: int, top: bool) -> CompletionLogprobs:
-    offsets: list[int] = []
-    for tok, _ in pairs:
-        offsets.append(offset)
-        offset += len(tok)
-    return CompletionLogprobs(
-        tokens=[t for t, _ in pairs],
-        token_logprobs=[lp for _, lp in pairs],
-        top_logprobs=[{t: lp} for t, lp in pairs] if top else None,
-        text_offset=offsets,
-    )
-
-
-def _chat_logprobs(pairs: list[tuple[str, float]]) -> ChatLogprobs:
-    return ChatLogprobs(
-        content=[ChatTokenLogprob(token=t, logprob=lp, bytes=list(t.encode("utf-8"))) for t, lp in pairs]
-    )
-
-
 def build_fastapi_app(
     client: EngineClient, served_model_name: str, *, metrics: ServingMetrics | None = None,
     session_limits: SessionLimits = DEFAULT_LIMITS, api_keys: ApiKeys | None = None,
-    tool_call_parser: str | None = None, enable_auto_tool_choice: bool = False,
+    tool_call_parser: str | None = None, enable_auto_tool_choice: bool = False, metrics_prefix: str = OWN_PREFIX,
+    chat_template: str | None = None, cors: CorsOptions | None = None, metrics_peers: MetricsPeers | None = None,
 ) -> FastAPI:
     """``/v1/completions``, ``/v1/chat/completions``, ``/v1/models``, ``/health`` and ``/metrics`` over ``client``,
-    and the semantic-variable routes. With ``api_keys`` every route but ``/health`` and ``/metrics``
+    vLLM's ``/tokenize``, ``/detokenize``, ``/version`` and ``/ping`` (``serving.ops_routes``), and the
+    semantic-variable routes. With ``api_keys`` every route but ``/health``, ``/ping`` and ``/metrics``
     needs a tenant's key (``serving.auth``); without, every request is the anonymous tenant's.
     ``tool_call_parser`` (``serving.tool_parsers``) and ``enable_auto_tool_choice``: vLLM's
-    ``--tool-call-parser`` and ``--enable-auto-tool-choice``, which ``tool_choice: "auto"`` needs."""
+    ``--tool-call-parser`` and ``--enable-auto-tool-choice``, which ``tool_choice: "auto"`` needs.
+    ``metrics_prefix``: of the ``ServingMetrics`` made here when ``metrics`` is None (``--metrics-prefix``);
+    a ``metrics`` without a ``model_name`` gets ``served_model_name``.
+    ``chat_template``: a Jinja chat template in place of the tokenizer's (``--chat-template``); ``cors``:
+    ``serving.cors`` (None: no CORS headers). ``metrics_peers``: the other servers over the same engine
+    (Ray Serve replicas), whose request-side series ``/metrics`` adds to this one's."""
     if enable_auto_tool_choice and tool_call_parser is None:
         raise InvalidConfigError("--enable-auto-tool-choice needs --tool-call-parser", "tool_call_parser")
     try:
@@ -226,11 +236,17 @@ def build_fastapi_app(
     except ValueError as exc:
         raise InvalidConfigError(f"--tool-call-parser: {exc}", "tool_call_parser") from exc
     app = FastAPI(title="distserve", description="OpenAI-compatible API of a disaggregated LLM server")
-    server = _Server(client, served_model_name, metrics or ServingMetrics(tenants=api_keys.tenant_names if api_keys else ()))
+    if metrics is None:
+        metrics = ServingMetrics(tenants=api_keys.tenant_names if api_keys else (), prefix=metrics_prefix, model_name=served_model_name)
+    metrics.model_name = metrics.model_name or served_model_name
+    server = _Server(client, served_model_name, metrics)
     app.state.server = server
     add_error_handlers(app)
     if api_keys is not None:
         app.add_middleware(ApiKeyAuth, keys=api_keys, metrics=server.metrics)
+    app.add_middleware(RequestIdHeader)  # outside the key check: a 401 carries the id too
+    if cors is not None:
+        add_cors(app, cors)  # outermost: preflights carry no key
     app.state.sessions = SessionManager(client, session_limits)
     add_dataflow_routes(app, app.state.sessions, {served_model_name, client.model_name}, server.metrics)
 
@@ -245,6 +261,8 @@ def build_fastapi_app(
             return error_response(unavailable(f"the engine did not answer a health check within {HEALTH_TIMEOUT_S:g} s"))
         return JSONResponse({"status": "ok"})
 
+    add_ops_routes(app, client, server.check_model, chat_template, served_model_name, health)
+
     @app.get("/v1/models")
     async def list_models() -> ModelList:
         return ModelList(data=[ModelCard(id=served_model_name, root=client.model_name, max_model_len=client.max_model_len)])
@@ -255,35 +273,44 @@ def build_fastapi_app(
             server.metrics.update_engine_stats(await asyncio.wait_for(client.stats(), STATS_TIMEOUT_S))
         except Exception as exc:  # noqa: BLE001 - the request-side metrics are still worth serving
             logger.warning("engine stats unavailable for /metrics: %s", exc)
+        if metrics_peers is not None:
+            try:
+                await asyncio.wait_for(server.metrics.exchange(metrics_peers), STATS_TIMEOUT_S)
+            except Exception as exc:  # noqa: BLE001 - the peers' previous figures are served instead
+                logger.warning("the other replicas' metrics are unavailable for /metrics: %s", exc)
         return Response(server.metrics.render(), media_type=CONTENT_TYPE)
 
     @app.post("/v1/completions", response_model=None)
     async def create_completion(body: CompletionRequest, request: Request) -> Response | CompletionResponse:
+        check_request_fields(body)
         server.check_model(body.model)
-        prompt = body.prompt_input()
+        prompt = text_prompt(client.tokenizer, body.prompt_input(), body.add_special_tokens, body.truncate_prompt_tokens,
+                             client.max_model_len)
         # ``"max_tokens": null`` asks for the rest of the context, which depends on the prompt's length.
         num_prompt_tokens = None if body.max_tokens is not None else len(_prompt_ids(client, prompt))
         sampling = body.to_sampling_params(client.max_model_len, num_prompt_tokens)
-        request_id = f"cmpl-{uuid.uuid4().hex}"
-        stream, first, timer = await server.start(request, prompt, sampling, request_id, body.priority, body.timeout, "prompt")
+        await server.check_structured(sampling)
+        request_id, stream, first, timer = await server.start(request, prompt, sampling, "cmpl", body.request_id, body.priority,
+                                                              body.timeout, "prompt",
+                                                              {"top_logprobs": "logprobs"})
         want_logprobs = body.logprobs is not None
-        top = bool(body.logprobs)
+        k = body.logprobs or 0
+        fmt = server.logprobs
+        # vLLM's echo: the prompt as given, or decoded when given as token ids.
+        echo_text = (prompt if isinstance(prompt, str) else client.tokenizer.decode(prompt)) if body.echo else ""
         if not body.stream:
             outs = await server.collect(request, stream, first, timer)
-            return CompletionResponse(
-                id=request_id,
-                model=served_model_name,
-                choices=[
-                    CompletionChoice(
-                        index=out.index, text=out.text, finish_reason=finish_reason(out.finish_reason),
-                        logprobs=_completion_logprobs(server.all_logprobs(out), 0, top) if want_logprobs else None,
-                    )
-                    for out in outs
-                ],
-                usage=_usage(outs),
-            )
+            choices = []
+            for out in outs:
+                entries = (fmt.prompt_entries(out) if body.echo else []) + fmt.output_entries(out)
+                choices.append(CompletionChoice(
+                    index=out.index, text=echo_text + out.text, finish_reason=finish_reason(out.finish_reason),
+                    logprobs=fmt.completion(entries, 0, k) if want_logprobs else None,
+                    prompt_logprobs=fmt.prompt_logprobs(out, body.prompt_logprobs) if body.prompt_logprobs is not None else None,
+                ))
+            return CompletionResponse(id=request_id, model=served_model_name, choices=choices, usage=_usage(outs))
         created = int(time.time())
-        emitted: dict[int, int] = {}  # chars streamed per completion
+        emitted: dict[int, int] = {}  # chars streamed per completion (its echoed prompt's included)
         usage = _Usage()
 
         def chunk(choices: list[CompletionChoice], usage: UsageInfo | None = None) -> str:
@@ -293,12 +320,17 @@ def build_fastapi_app(
         def render(out: RequestOutput) -> list[str]:
             usage.observe(out)
             done = out.finish_reason is not None  # this completion ended (the request: ``out.finished``)
-            if not (out.new_text or done or (want_logprobs and out.new_token_ids)):
+            starts = out.index not in emitted  # its first chunk carries the echoed prompt
+            if not (out.new_text or done or (want_logprobs and out.new_token_ids) or (starts and body.echo)):
                 return []
             offset = emitted.get(out.index, 0)
-            logprobs = _completion_logprobs(server.new_logprobs(out), offset, top) if want_logprobs else None
-            emitted[out.index] = offset + len(out.new_text)
-            return [chunk([CompletionChoice(index=out.index, text=out.new_text, logprobs=logprobs,
+            text = echo_text + out.new_text if starts else out.new_text
+            logprobs = None
+            if want_logprobs:
+                entries = (fmt.prompt_entries(out) if starts and body.echo else []) + fmt.output_entries(out, new_only=True)
+                logprobs = fmt.completion(entries, offset, k)
+            emitted[out.index] = offset + len(text)
+            return [chunk([CompletionChoice(index=out.index, text=text, logprobs=logprobs,
                                             finish_reason=finish_reason(out.finish_reason))])]
 
         events = sse_events(stream, first, timer, render, body.include_usage, lambda _: chunk([], usage.info()))
@@ -306,16 +338,12 @@ def build_fastapi_app(
 
     @app.post("/v1/chat/completions", response_model=None)
     async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response | ChatCompletionResponse:
+        check_request_fields(body)
         server.check_model(body.model)
-        messages = body.chat_messages()
-        tools = body.tool_dicts()
-        if tools is not None and not client.tokenizer.supports_tools:
-            raise APIError(400, f"the chat template of model `{served_model_name}` does not support tools", param="tools")
-        parser = tool_parser if body.tool_mode(enable_auto_tool_choice) == "auto" else None
-        try:
-            prompt = client.tokenizer.apply_chat_template(messages, add_generation_prompt=body.add_generation_prompt, tools=tools)
-        except Exception as exc:  # noqa: BLE001 - template errors are the caller's messages' fault
-            raise APIError(400, f"cannot apply the chat template: {exc}", param="messages") from exc
+        mode = body.tool_mode(enable_auto_tool_choice)
+        parser = tool_parser if mode == "auto" else ForcedToolCallParser(body.forced_function) if mode == "forced" else None
+        prompt = truncate(chat_prompt(client.tokenizer, body, chat_template, served_model_name), body.truncate_prompt_tokens,
+                          client.max_model_len)
         one_call = body.parallel_tool_calls is False
         if len(prompt) >= client.max_model_len:
             raise APIError(
@@ -326,9 +354,11 @@ def build_fastapi_app(
                 code="context_length_exceeded",
             )
         sampling = body.to_sampling_params(len(prompt), client.max_model_len)
-        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        await server.check_structured(sampling)
         names = {"max_tokens": "max_completion_tokens"} if body.max_completion_tokens is not None else None
-        stream, first, timer = await server.start(request, prompt, sampling, request_id, body.priority, body.timeout, "messages", names)
+        request_id, stream, first, timer = await server.start(request, prompt, sampling, "chatcmpl", body.request_id, body.priority,
+                                                              body.timeout, "messages", names)
+        fmt, k = server.logprobs, body.top_logprobs or 0
         if not body.stream:
             outs = await server.collect(request, stream, first, timer)
             choices = []
@@ -341,10 +371,12 @@ def build_fastapi_app(
                 choices.append(ChatChoice(
                     index=out.index,
                     message=ChatMessageOut(content=content, tool_calls=[_tool_call_out(c) for c in calls]),
-                    logprobs=_chat_logprobs(server.all_logprobs(out)) if body.logprobs else None,
+                    logprobs=fmt.chat(fmt.output_entries(out), k) if body.logprobs else None,
                     finish_reason="tool_calls" if calls else finish_reason(out.finish_reason),
                 ))
-            return ChatCompletionResponse(id=request_id, model=served_model_name, choices=choices, usage=_usage(outs))
+            prompt_logprobs = fmt.prompt_logprobs(outs[0], body.prompt_logprobs) if body.prompt_logprobs is not None else None
+            return ChatCompletionResponse(id=request_id, model=served_model_name, choices=choices, usage=_usage(outs),
+                                          prompt_logprobs=prompt_logprobs)
         created = int(time.time())
         role_sent: set[int] = set()  # completions whose first chunk (the role) is out
         usage = _Usage()
@@ -371,7 +403,7 @@ def build_fastapi_app(
                     text += rest
                     calls = calls[:1] if one_call else calls
             if text or (done and not calls) or (body.logprobs and out.new_token_ids):
-                logprobs = _chat_logprobs(server.new_logprobs(out)) if body.logprobs else None
+                logprobs = fmt.chat(fmt.output_entries(out, new_only=True), k) if body.logprobs else None
                 delta = ChatDelta(content=text) if text else ChatDelta()
                 events.append(chunk([ChatChunkChoice(index=out.index, delta=delta, logprobs=logprobs,
                                                      finish_reason=None if calls else finish_reason(out.finish_reason))]))
@@ -416,6 +448,9 @@ def run_server(
     request_log: RequestLog | None = None,
     tool_call_parser: str | None = None,
     enable_auto_tool_choice: bool = False,
+    metrics_prefix: str = OWN_PREFIX,
+    chat_template: str | None = None,
+    cors: CorsOptions | None = None,
 ) -> int:
     """Serve on the bound ``sock`` with plain uvicorn until SIGINT/SIGTERM, then shut ``client`` down.
 
@@ -425,6 +460,7 @@ def run_server(
     engine died for good (``EngineClient.is_dead``) — the server stops then, so that a supervisor
     (systemd, Kubernetes) starts a fresh process instead of leaving one that answers 503 forever.
     ``request_log``: where each finished request is written (closed when the server stops).
+    ``metrics_prefix``: of the series vLLM also exports (``serving.metrics_exposition``).
     """
     import uvicorn
 
@@ -433,9 +469,11 @@ def run_server(
 
     async def main() -> int:
         engine_client = client if isinstance(client, EngineClient) else await client()
-        metrics = ServingMetrics(slo=slo, tenants=api_keys.tenant_names if api_keys else (), request_log=request_log)
+        metrics = ServingMetrics(slo=slo, tenants=api_keys.tenant_names if api_keys else (), request_log=request_log,
+                                 prefix=metrics_prefix, model_name=served_model_name)
         app = build_fastapi_app(engine_client, served_model_name, metrics=metrics, session_limits=session_limits, api_keys=api_keys,
-                                tool_call_parser=tool_call_parser, enable_auto_tool_choice=enable_auto_tool_choice)
+                                tool_call_parser=tool_call_parser, enable_auto_tool_choice=enable_auto_tool_choice,
+                                chat_template=chat_template, cors=cors)
         config = uvicorn.Config(
             app, host=host, port=port, log_level=log_level, access_log=False, timeout_graceful_shutdown=5
         )

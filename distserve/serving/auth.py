@@ -4,8 +4,8 @@ With keys configured (``serve --api-keys FILE``, ``distserve.serving.api_keys``)
 must carry ``Authorization: Bearer <key>``; a missing or wrong key is a 401 in OpenAI's shape
 (``code: invalid_api_key``, with ``WWW-Authenticate: Bearer``) before any route runs — the OpenAI
 routes, the semantic-variable routes, ``/v1/models``, the API docs and unknown paths alike. Only
-``OPEN_PATHS`` stay open: ``/health``, because liveness probes (Kubernetes, load balancers)
-carry no credentials and it says only up or down; ``/metrics``, because Prometheus scrapes it as
+``OPEN_PATHS`` stay open: ``/health`` and ``/ping`` (vLLM's alias of it), because liveness probes
+(Kubernetes, load balancers, SageMaker) carry no credentials and they say only up or down; ``/metrics``, because Prometheus scrapes it as
 infrastructure and it holds counts and latencies labelled by tenant name, never a key, prompt or
 id — and any key would be the wrong gate for it anyway, since every tenant would then read every
 other tenant's series. Keep ``/metrics`` on a network only the scraper reaches.
@@ -25,7 +25,7 @@ from distserve.serving.http_errors import error_response
 from distserve.serving.metrics import ServingMetrics
 from distserve.serving.protocol import APIError
 
-OPEN_PATHS = frozenset({"/health", "/metrics"})
+OPEN_PATHS = frozenset({"/health", "/ping", "/metrics"})
 TENANT_SCOPE_KEY = "distserve.tenant"
 _MISSING = "Missing API key: send it in an `Authorization: Bearer <key>` header."
 _WRONG = "Incorrect API key provided."  # never echoes the key, not even a prefix

@@ -8,8 +8,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from distserve.config import SamplingParams
+from distserve.config import MAX_LOGPROBS, SamplingParams, StructuredOutput
 from distserve.errors import InvalidSamplingParamsError
+from distserve.serving.structured_request import structured_output_of, tool_call_output
 
 FinishReason = Literal["stop", "length", "abort", "tool_calls"]
 FINISH_REASONS: tuple[FinishReason, ...] = ("stop", "length", "abort")  # the engine's; "tool_calls" is the API's
@@ -67,7 +68,8 @@ def bad_request(message: str, param: str | None = None) -> APIError:
 
 # ---- requests --------------------------------------------------------------------------------
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="allow")  # unknown OpenAI fields are ignored, as vLLM does
+    # Undeclared fields are kept for ``request_fields.check_request_fields``: refused if unsupported, else logged once.
+    model_config = ConfigDict(extra="allow")
 
 
 class StreamOptions(_Request):
@@ -94,7 +96,21 @@ class _SamplingRequest(_Request):
     user: str | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
+    repetition_penalty: float | None = None  # extension (vLLM's): 1 is off
+    min_p: float | None = None  # extension (vLLM's)
+    logit_bias: dict[str, Any] | None = None  # token id (a string) -> bias; checked by SamplingParams, naming logit_bias
+    prompt_logprobs: int | None = None  # extension (vLLM's): logprobs of the prompt tokens, with this many alternatives
+    truncate_prompt_tokens: int | None = Field(default=None, ge=1)  # vLLM's: only the prompt's last k tokens are used
+    skip_special_tokens: bool = True  # vLLM's: false keeps special tokens' text in the output
+    request_id: str | None = None  # vLLM's: the request's id when it has no X-Request-Id header
+    # Structured output (``serving.structured_request``): OpenAI's, and vLLM's extensions; checked by hand
+    # so a malformed one is a 400 naming the field.
+    response_format: Any = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    structured_outputs: Any = None
 
     @property
     def include_usage(self) -> bool:
@@ -103,19 +119,23 @@ class _SamplingRequest(_Request):
     def _check_supported(self) -> None:
         if self.best_of is not None and self.best_of != self.n:
             raise bad_request(f"best_of must equal n ({self.n}): returning the best of more candidates is not supported, got {self.best_of}", "best_of")
-        for name in ("presence_penalty", "frequency_penalty"):
-            value = getattr(self, name)
-            if value not in (None, 0, 0.0):
-                raise bad_request(f"{name} is not supported (must be 0 or omitted), got {value}", name)
-        if self.logit_bias:
-            raise bad_request("logit_bias is not supported", "logit_bias")
+        if self.prompt_logprobs is not None and self.stream:
+            raise bad_request("prompt_logprobs is not available when stream is true", "prompt_logprobs")
         if self.stream_options is not None and not self.stream:
             raise bad_request("stream_options is only allowed when stream is true", "stream_options")
 
-    def _sampling(self, max_tokens: int, max_tokens_param: str, logprobs: bool) -> SamplingParams:
+    def _sampling(
+        self, max_tokens: int, max_tokens_param: str, logprobs: bool, top_logprobs: int = 0,
+        prompt_logprobs: int | None = None, param_names: dict[str, str] | None = None,
+        structured: StructuredOutput | None = None,
+    ) -> SamplingParams:
+        """``prompt_logprobs``: what the response needs of the prompt (default: the request's own field);
+        ``param_names``: the request's name of a ``SamplingParams`` field that it names differently."""
         self._check_supported()
         stop: tuple[str, ...] = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+        names = {"max_tokens": max_tokens_param, **(param_names or {})}
         try:
+            structured = structured or structured_output_of(self.__dict__)
             return SamplingParams(
                 max_tokens=max_tokens,
                 temperature=1.0 if self.temperature is None else self.temperature,
@@ -129,9 +149,18 @@ class _SamplingRequest(_Request):
                 logprobs=logprobs,
                 include_stop_str_in_output=self.include_stop_str_in_output,
                 n=self.n,
+                presence_penalty=self.presence_penalty or 0.0,
+                frequency_penalty=self.frequency_penalty or 0.0,
+                repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+                min_p=self.min_p or 0.0,
+                logit_bias=self.logit_bias or (),  # type: ignore[arg-type]  # checked there
+                top_logprobs=top_logprobs,
+                prompt_logprobs=self.prompt_logprobs if prompt_logprobs is None else prompt_logprobs,
+                skip_special_tokens=self.skip_special_tokens,
+                structured=structured,
             )
         except InvalidSamplingParamsError as exc:
-            param = max_tokens_param if exc.param == "max_tokens" else exc.param
+            param = names.get(exc.param, exc.param) if exc.param is not None else None
             raise bad_request(str(exc), param) from exc
 
 
@@ -140,7 +169,7 @@ class CompletionRequest(_SamplingRequest):
     max_tokens: int | None = 16
     logprobs: int | None = None
     echo: bool = False
-    suffix: str | None = None
+    add_special_tokens: bool = True  # vLLM's: the tokenizer's special tokens (e.g. BOS) before a text prompt
 
     def prompt_input(self) -> str | list[int]:
         """The single prompt (text or token ids); batches of prompts are refused."""
@@ -158,19 +187,17 @@ class CompletionRequest(_SamplingRequest):
 
     def to_sampling_params(self, max_model_len: int, num_prompt_tokens: int | None = None) -> SamplingParams:
         """``num_prompt_tokens`` is needed only when ``max_tokens`` is null (the rest of the context)."""
-        if self.echo:
-            raise bad_request("echo is not supported", "echo")
-        if self.suffix:
-            raise bad_request("suffix is not supported", "suffix")
-        if self.logprobs is not None and not 0 <= self.logprobs <= 1:
-            raise bad_request(
-                f"logprobs must be 0 or 1 (only the chosen token's logprob is returned), got {self.logprobs}", "logprobs"
-            )
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise bad_request(f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs}", "logprobs")
         if self.max_tokens is not None:
             max_tokens = self.max_tokens
         else:
             max_tokens = max(1, max_model_len - (num_prompt_tokens or 0))
-        return self._sampling(max_tokens, "max_tokens", self.logprobs is not None)
+        prompt_logprobs = self.prompt_logprobs
+        if self.echo and self.logprobs is not None:  # the echoed prompt's tokens come with their logprobs
+            prompt_logprobs = max(prompt_logprobs or 0, self.logprobs)
+        return self._sampling(max_tokens, "max_tokens", self.logprobs is not None, self.logprobs or 0, prompt_logprobs,
+                              {"top_logprobs": "logprobs"})
 
 
 class ContentPart(_Request):
@@ -254,22 +281,35 @@ class ChatMessage(_Request):
         return "\n".join(texts)
 
 
-class ChatCompletionRequest(_SamplingRequest):
+class ChatInput(_Request):
+    """A chat as the chat template renders it: what chat completions and ``/tokenize`` share."""
+
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
-    logprobs: bool = False
-    top_logprobs: int | None = None
     add_generation_prompt: bool = True  # extension
+    continue_final_message: bool = False  # vLLM's: the last (assistant) message is left open for the model to continue
+    add_special_tokens: bool = False  # vLLM's: the tokenizer's special tokens on top of the chat template's
+    chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: extra variables of the chat template (enable_thinking, ...)
     tools: list[ChatTool] | None = None
-    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
-    parallel_tool_calls: bool | None = None  # False: at most one call is returned
 
     def chat_messages(self) -> list[dict[str, Any]]:
         return [m.template_dict(i) for i, m in enumerate(self.messages)]
 
-    def tool_mode(self, auto_tool_choice: bool) -> Literal["none", "auto"]:
-        """Whether the output is parsed for tool calls (``auto``) or not (``none``); 400 for what is not supported.
+    def tool_dicts(self) -> list[dict[str, Any]] | None:
+        """``tools`` as chat templates read them (OpenAI's shape), or None."""
+        return [t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None
+
+
+class ChatCompletionRequest(_SamplingRequest, ChatInput):
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None  # False: at most one call is returned
+
+    def tool_mode(self, auto_tool_choice: bool) -> Literal["none", "auto", "forced"]:
+        """Whether the output is parsed for tool calls (``auto``), is the call(s) (``forced``: "required" or a
+        named function, decoded under the calls' JSON schema) or neither (``none``); 400 for what is not supported.
 
         ``auto_tool_choice``: the server runs with ``--enable-auto-tool-choice`` and a ``--tool-call-parser``
         (vLLM's rule: without them "auto" is refused rather than returning calls as text)."""
@@ -283,31 +323,34 @@ class ChatCompletionRequest(_SamplingRequest):
         if isinstance(choice, NamedToolChoice) or choice == "required":
             if isinstance(choice, NamedToolChoice) and choice.function.name not in {t.function.name for t in self.tools}:
                 raise bad_request(f"tool_choice names the function {choice.function.name!r}, which is not in tools", "tool_choice")
-            what = "a named function" if isinstance(choice, NamedToolChoice) else '"required"'
-            raise bad_request(f"tool_choice {what} needs constrained decoding of the call, which this server does not do; "
-                              'use "auto" or "none"', "tool_choice")
+            return "forced"
         if not auto_tool_choice:
             raise bad_request('"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set', "tool_choice")
         return "auto"
 
-    def tool_dicts(self) -> list[dict[str, Any]] | None:
-        """``tools`` as chat templates read them (OpenAI's shape), or None."""
-        return [t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None
+    @property
+    def forced_function(self) -> str | None:
+        """The function ``tool_choice`` names, or None."""
+        return self.tool_choice.function.name if isinstance(self.tool_choice, NamedToolChoice) else None
 
     def to_sampling_params(self, num_prompt_tokens: int, max_model_len: int) -> SamplingParams:
         """Without a token limit the answer may fill the rest of the context, as in vLLM."""
-        if self.top_logprobs not in (None, 0):
-            raise bad_request(
-                f"top_logprobs must be 0 (only the chosen token's logprob is returned), got {self.top_logprobs}",
-                "top_logprobs",
-            )
         if self.max_completion_tokens is not None:
             max_tokens, param = self.max_completion_tokens, "max_completion_tokens"
         elif self.max_tokens is not None:
             max_tokens, param = self.max_tokens, "max_tokens"
         else:
             max_tokens, param = max(1, max_model_len - num_prompt_tokens), "max_tokens"
-        return self._sampling(max_tokens, param, self.logprobs)
+        structured = None
+        if self.tools and (self.tool_choice == "required" or isinstance(self.tool_choice, NamedToolChoice)):
+            try:
+                if structured_output_of(self.__dict__) is not None:
+                    raise bad_request('tool_choice "required" or a named function already constrains the output; '
+                                      "it takes no response_format or guided decoding", "tool_choice")
+                structured = tool_call_output(self.tool_dicts() or [], self.forced_function, self.parallel_tool_calls)
+            except InvalidSamplingParamsError as exc:
+                raise bad_request(str(exc), exc.param) from exc
+        return self._sampling(max_tokens, param, self.logprobs, self.top_logprobs or 0, structured=structured)
 
 
 # ---- responses -------------------------------------------------------------------------------
@@ -326,10 +369,24 @@ class UsageInfo(BaseModel):
 
 
 class CompletionLogprobs(BaseModel):
+    """Per token: its text, logprob, top alternatives (text -> logprob, the token itself included) and
+    character offset; an echoed prompt's first token has no logprob (null)."""
+
     tokens: list[str] = Field(default_factory=list)
-    token_logprobs: list[float] = Field(default_factory=list)
-    top_logprobs: list[dict[str, float]] | None = None
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] | None = None
     text_offset: list[int] = Field(default_factory=list)
+
+
+class PromptTokenLogprob(BaseModel):
+    """vLLM's ``Logprob``: an entry of ``prompt_logprobs`` (keyed by token id)."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+PromptLogprobsOut = list[dict[str, PromptTokenLogprob] | None]  # per prompt token; the first is null
 
 
 class CompletionChoice(BaseModel):
@@ -337,6 +394,7 @@ class CompletionChoice(BaseModel):
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: FinishReason | None = None
+    prompt_logprobs: PromptLogprobsOut | None = None  # vLLM's extension
 
 
 class CompletionResponse(BaseModel):
@@ -358,11 +416,17 @@ class CompletionChunk(BaseModel):
     usage: UsageInfo | None = None
 
 
+class ChatTopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
 class ChatTokenLogprob(BaseModel):
     token: str
     logprob: float
     bytes: list[int] | None = None
-    top_logprobs: list[dict[str, Any]] = Field(default_factory=list)
+    top_logprobs: list[ChatTopLogprob] = Field(default_factory=list)
 
 
 class ChatLogprobs(BaseModel):
@@ -413,6 +477,7 @@ class ChatCompletionResponse(BaseModel):
     choices: list[ChatChoice]
     usage: UsageInfo
     system_fingerprint: str | None = None
+    prompt_logprobs: PromptLogprobsOut | None = None  # vLLM's extension
 
 
 class ChatDelta(BaseModel):

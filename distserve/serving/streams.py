@@ -23,10 +23,12 @@ T = TypeVar("T")
 
 
 async def wait_for_disconnect(request: Request) -> None:
-    while True:
-        message = await request.receive()
-        if message["type"] == "http.disconnect":
-            return
+    """Until the client leaves: uvicorn says ``http.disconnect``, Ray Serve's ``receive`` raises (``TaskCancelledError``)."""
+    with suppress(Exception):
+        while True:
+            message = await request.receive()
+            if message["type"] == "http.disconnect":
+                return
 
 
 async def unless_disconnected(request: Request, awaitable: Awaitable[T]) -> T:
@@ -77,7 +79,8 @@ class SSEResponse(StreamingResponse):
                     group.cancel_scope.cancel()
 
                 group.start_soon(stream)
-                await self.listen_for_disconnect(receive)
+                with suppress(Exception):  # Ray Serve's receive raises when the client left
+                    await self.listen_for_disconnect(receive)
                 group.cancel_scope.cancel()
         finally:
             aclose = getattr(self._events, "aclose", None)

@@ -77,6 +77,32 @@ def _parse_call(body: str) -> ParsedToolCall | None:
     return ParsedToolCall(obj["name"], json.dumps(arguments, ensure_ascii=False))
 
 
+class ForcedToolCallParser(ToolParser):
+    """The output of a forced call (``tool_choice`` "required" or a named function), decoded under the
+    calls' JSON schema (``serving.structured_request.tool_call_output``): the named function's arguments,
+    or a list of ``{"name", "parameters"}``. The whole output is the call(s), so nothing streams as content
+    (``start`` is empty); output that is not complete JSON (cut by ``max_tokens``) is content, no call."""
+
+    start = ""
+
+    def __init__(self, function_name: str | None = None) -> None:
+        self.function_name = function_name
+
+    def extract(self, text: str) -> ExtractedToolCalls:
+        try:
+            obj = json.loads(text)
+        except ValueError:
+            return ExtractedToolCalls(text, [])
+        if self.function_name is not None:
+            if isinstance(obj, dict):
+                return ExtractedToolCalls(None, [ParsedToolCall(self.function_name, text)])
+            return ExtractedToolCalls(text, [])
+        calls = [_parse_call(json.dumps(item, ensure_ascii=False)) for item in obj] if isinstance(obj, list) else []
+        if not calls or any(c is None for c in calls):
+            return ExtractedToolCalls(text, [])
+        return ExtractedToolCalls(None, [c for c in calls if c is not None])
+
+
 TOOL_PARSERS: dict[str, type[ToolParser]] = {"hermes": HermesToolParser}
 
 
@@ -129,4 +155,4 @@ def _partial_suffix(text: str, tag: str) -> int:
     return 0
 
 
-__all__ = ["ExtractedToolCalls", "HermesToolParser", "ParsedToolCall", "TOOL_PARSERS", "ToolCallStream", "ToolParser", "get_tool_parser"]
+__all__ = ["ExtractedToolCalls", "ForcedToolCallParser", "HermesToolParser", "ParsedToolCall", "TOOL_PARSERS", "ToolCallStream", "ToolParser", "get_tool_parser"]

@@ -275,7 +275,7 @@ def test_serving_metrics_judge_a_request_by_its_class() -> None:
             timer.observe(RequestOutput(f"r-{objective}", [1], list(range(i + 1)), "", [i], "", i == 2, "length" if i == 2 else None,
                                         RequestMetrics(0.0, None, None, 1, 0, i + 1)))
     text = metrics.render().decode()
-    assert 'distserve:request_slo_total{met="true",objective="throughput"} 1.0' in text
-    assert 'distserve:request_slo_total{met="false",objective="default"} 1.0' in text
+    assert 'distserve:request_slo_total{met="true",model_name="",objective="throughput"} 1.0' in text
+    assert 'distserve:request_slo_total{met="false",model_name="",objective="default"} 1.0' in text
     with pytest.raises(ValueError, match="objective"):
         metrics.request_timer("urgent")

@@ -121,3 +121,35 @@ def test_a_failed_migration_requeues_and_cancels() -> None:
 def test_unknown_phase_is_refused() -> None:
     with pytest.raises(ValueError, match="unknown phase"):
         core("sideways")
+
+
+def test_stats_count_preemptions_prefix_lookups_and_steps_across_a_reset() -> None:
+    """What /metrics exports per instance: preemptions, prefix-cache lookups (tokens queried and hit),
+    tokens per step and step seconds as cumulative histograms; a reset (after a failed step) keeps them."""
+    c = InstanceCore("colocated", SchedulerConfig(), 6, 4, 256)  # 6 blocks of 4: three 7-token prompts must preempt
+    clock = itertools.count(1.0, 0.5).__next__
+    for i in range(3):
+        c.add(seq(f"s{i}", 7, SamplingParams(max_tokens=6, ignore_eos=True, temperature=0)))
+    num_tokens: list[int] = []  # per executed plan
+
+    def execute(plan: StepPlan) -> list[SampledToken]:
+        num_tokens.append(sum(ch.num_tokens for ch in plan.chunks))
+        return fake_execute(plan)
+
+    while c.has_work():
+        c.step(execute, clock)
+    stats = c.stats()
+    assert stats["num_preemptions_total"] >= 1
+    # Every admission looked its whole sequence up: the three prompts, then each recompute (prompt + tokens so far).
+    assert stats["prefix_cache_query_tokens_total"] > 3 * 7
+    assert stats["prefix_cache_hit_tokens_total"] <= stats["prefix_cache_query_tokens_total"]
+    tokens, seconds = stats["iteration_tokens"], stats["step_seconds_histogram"]
+    assert sum(tokens["counts"]) == sum(seconds["counts"]) == c.num_steps
+    assert tokens["sum"] == sum(num_tokens) and len(num_tokens) == c.num_steps
+    assert seconds["sum"] == pytest.approx(0.5 * c.num_steps) and seconds["counts"][seconds["bounds"].index(0.5)] == c.num_steps
+    assert stats["cache_config"] == {"block_size": 4, "num_gpu_blocks": 6, "enable_prefix_caching": True}
+    before = {k: stats[k] for k in ("num_preemptions_total", "prefix_cache_query_tokens_total", "prefix_cache_hit_tokens_total")}
+    c.reset()
+    after = c.stats()
+    assert {k: after[k] for k in before} == before
+    assert after["iteration_tokens"] == tokens

@@ -5,6 +5,7 @@ prompt run alone, and a held sibling never starves when its holder is aborted or
 from __future__ import annotations
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from distserve.config import CacheConfig, SamplingParams, SchedulerConfig
 from distserve.engine.llm_engine import LLMEngine
@@ -101,10 +102,14 @@ def test_disaggregated_prefill_computes_the_prefix_once(tiny: LoadedModel, alone
     assert stats["prefill"]["prefill-0"]["prefix_cache_hit_tokens_total"] == 5 * len(PREFIX)  # type: ignore[index]
     assert stats["decode"]["decode-0"]["prefill_tokens_computed_total"] == 0  # type: ignore[index]
 
-    metrics = ServingMetrics()
+    metrics = ServingMetrics(model_name="tiny")
     metrics.update_engine_stats(stats)
     text = metrics.render().decode()
     computed = float(len(PREFIX) + NUM_UNSHARED)
-    assert f'distserve:prefill_tokens_computed_total{{instance="all",phase="all"}} {computed}' in text
-    assert f'distserve:prefill_tokens_computed_total{{instance="prefill-0",phase="prefill"}} {computed}' in text
-    assert f'distserve:prefix_cache_hit_tokens_total{{instance="all",phase="all"}} {5.0 * len(PREFIX)}' in text
+    prefill, decode = 'engine="prefill-0",model_name="tiny",phase="prefill"', 'engine="decode-0",model_name="tiny",phase="decode"'
+    assert f"distserve:prefill_tokens_computed_total{{{prefill}}} {computed}" in text
+    assert f"distserve:prefill_tokens_computed_total{{{decode}}} 0.0" in text
+    engines = {s.labels["engine"] for f in text_string_to_metric_families(text) if f.name == "distserve:prefill_tokens_computed" for s in f.samples}
+    assert engines == {"prefill-0", "decode-0"}  # per instance only: their sum() is the total
+    assert f"distserve:prefix_cache_hits_total{{{prefill}}} {5.0 * len(PREFIX)}" in text
+    assert f"distserve:prefix_cache_queries_total{{{prefill}}} {float(sum(len(p) for p in PROMPTS))}" in text

@@ -9,7 +9,8 @@ from collections.abc import Sequence
 
 import pytest
 
-from distserve.engine.tokenizer import IncrementalDetokenizer, Tokenizer
+from distserve.engine.detokenizer import DecodeStreamDetokenizer, Detokenizer, WindowDetokenizer
+from distserve.engine.tokenizer import Tokenizer
 from distserve.engine.weights import build_tiny_hf_model, build_tiny_tokenizer, resolve_model_dir
 from distserve.errors import DistServeError, InvalidConfigError
 
@@ -31,7 +32,10 @@ def tiny() -> Tokenizer:
     return build_tiny_tokenizer()
 
 
-def stream(detok: IncrementalDetokenizer, token_ids: Sequence[int]) -> list[str]:
+DETOKENIZERS = [DecodeStreamDetokenizer, WindowDetokenizer]
+
+
+def stream(detok: Detokenizer, token_ids: Sequence[int]) -> list[str]:
     deltas = [detok.push(t) for t in token_ids]
     deltas.append(detok.flush())
     return deltas
@@ -112,10 +116,11 @@ def test_from_pretrained_reads_generation_config_eos(tmp_path: pathlib.Path) -> 
     assert loaded.encode("ok 🙂") == tokenizer.encode("ok 🙂")
 
 
-def test_detokenizer_never_emits_partial_characters(tiny: Tokenizer) -> None:
+@pytest.mark.parametrize("kind", DETOKENIZERS)
+def test_detokenizer_never_emits_partial_characters(tiny: Tokenizer, kind: type[Detokenizer]) -> None:
     text = "ab 日本 🎉 é!"
     ids = tiny.encode(text, add_special_tokens=False)
-    detok = tiny.detokenizer()
+    detok = kind(tiny)
     deltas = stream(detok, ids)
     assert all("\ufffd" not in d for d in deltas)
     assert "".join(deltas) == detok.text == tiny.decode(ids) == text
@@ -125,9 +130,10 @@ def test_detokenizer_never_emits_partial_characters(tiny: Tokenizer) -> None:
     assert deltas[first_byte_of_cjk + 2] == "日"
 
 
-def test_detokenizer_flushes_incomplete_tail(tiny: Tokenizer) -> None:
+@pytest.mark.parametrize("kind", DETOKENIZERS)
+def test_detokenizer_flushes_incomplete_tail(tiny: Tokenizer, kind: type[Detokenizer]) -> None:
     ids = tiny.encode("ok 🎉", add_special_tokens=False)[:-2]
-    detok = tiny.detokenizer()
+    detok = kind(tiny)
     assert "".join(detok.push(t) for t in ids) == "ok "
     tail = detok.flush()
     assert tail and set(tail) == {"\ufffd"}
@@ -135,27 +141,43 @@ def test_detokenizer_flushes_incomplete_tail(tiny: Tokenizer) -> None:
     assert detok.flush() == ""
 
 
-def test_detokenizer_skips_special_tokens_and_uses_prompt_context(tiny: Tokenizer) -> None:
+@pytest.mark.parametrize("kind", DETOKENIZERS)
+def test_detokenizer_skips_special_tokens_and_uses_prompt_context(tiny: Tokenizer, kind: type[Detokenizer]) -> None:
     prompt = tiny.encode("Grüß 日本")
     output = tiny.encode("é</s>x 🎉</s>", add_special_tokens=False) + [tiny.bos_token_id]
-    detok = tiny.detokenizer(prompt)
+    detok = kind(tiny, prompt)
     deltas = stream(detok, output)
     assert all("\ufffd" not in d for d in deltas)
     assert detok.text == tiny.decode(output) == "éx 🎉"
     assert detok.token_ids == output
 
 
-def test_detokenizer_matches_decode_on_random_bytes(tiny: Tokenizer) -> None:
+@pytest.mark.parametrize("kind", DETOKENIZERS)
+def test_detokenizer_keeps_special_tokens_when_asked(tiny: Tokenizer, kind: type[Detokenizer]) -> None:
+    output = tiny.encode("é</s>x 🎉<pad>", add_special_tokens=False)
+    detok = kind(tiny, tiny.encode("Grüß"), skip_special_tokens=False)
+    deltas = stream(detok, output)
+    assert all("\ufffd" not in d for d in deltas)
+    assert detok.text == tiny.decode(output, skip_special_tokens=False) == "é</s>x 🎉<pad>"
+
+
+def test_fast_tokenizers_detokenize_with_decode_stream(tiny: Tokenizer) -> None:
+    assert isinstance(tiny.detokenizer(), DecodeStreamDetokenizer)
+    assert isinstance(tiny.detokenizer(skip_special_tokens=False), DecodeStreamDetokenizer)
+
+
+@pytest.mark.parametrize("kind", DETOKENIZERS)
+def test_detokenizer_matches_decode_on_random_bytes(tiny: Tokenizer, kind: type[Detokenizer]) -> None:
     rng = random.Random(0)
     for trial in range(200):
         ids = [rng.randrange(tiny.vocab_size) for _ in range(rng.randrange(1, 30))]
         prompt = [rng.randrange(tiny.vocab_size) for _ in range(rng.randrange(0, 8))]
-        detok = tiny.detokenizer(prompt)
+        detok = kind(tiny, prompt)
         deltas = stream(detok, ids)
         assert detok.text == "".join(deltas) == tiny.decode(ids), (trial, prompt, ids)
 
 
-def test_detokenizer_decodes_a_bounded_window(tiny: Tokenizer, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_window_detokenizer_decodes_a_bounded_window(tiny: Tokenizer, monkeypatch: pytest.MonkeyPatch) -> None:
     lengths: list[int] = []
     real_decode = Tokenizer.decode
 
@@ -164,7 +186,7 @@ def test_detokenizer_decodes_a_bounded_window(tiny: Tokenizer, monkeypatch: pyte
         return real_decode(self, token_ids, skip_special_tokens)
 
     ids = tiny.encode("streaming 🎉 text, 日本語 " * 40, add_special_tokens=False)
-    detok = tiny.detokenizer(tiny.encode("a long prompt " * 20))
+    detok = WindowDetokenizer(tiny, tiny.encode("a long prompt " * 20))
     monkeypatch.setattr(Tokenizer, "decode", spy)
     stream(detok, ids)
     monkeypatch.undo()
@@ -173,23 +195,25 @@ def test_detokenizer_decodes_a_bounded_window(tiny: Tokenizer, monkeypatch: pyte
     assert detok.text == tiny.decode(ids)
 
 
-def test_detokenizer_sentencepiece_leading_spaces() -> None:
+@pytest.mark.parametrize("kind", DETOKENIZERS)
+def test_detokenizer_sentencepiece_leading_spaces(kind: type[Detokenizer]) -> None:
     sp = sentencepiece_style_tokenizer()
     pieces = ["▁Hello", "▁world", "▁", "<0xE6>", "<0x97>", "<0xA5>", "!", "</s>", "▁the", "end"]
     ids = sp_ids(sp, pieces)
     assert sp.decode(sp_ids(sp, ["▁world"])) == "world"
     assert sp.decode(ids) == "Hello world 日! theend"
-    detok = sp.detokenizer()
+    detok = kind(sp)
     deltas = stream(detok, ids)
     assert deltas[:7] == ["Hello", " world", " ", "", "", "日", "!"]
     assert detok.text == sp.decode(ids)
 
 
-def test_detokenizer_sentencepiece_continues_prompt() -> None:
+@pytest.mark.parametrize("kind", DETOKENIZERS)
+def test_detokenizer_sentencepiece_continues_prompt(kind: type[Detokenizer]) -> None:
     sp = sentencepiece_style_tokenizer()
     prompt = sp_ids(sp, ["<s>", "▁Hello"])
     output = sp_ids(sp, ["▁world", "!"])
-    detok = sp.detokenizer(prompt)
+    detok = kind(sp, prompt)
     stream(detok, output)
     assert detok.text == " world!"
     assert sp.decode(prompt) + detok.text == sp.decode(prompt + output)

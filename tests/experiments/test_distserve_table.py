@@ -22,8 +22,10 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 _load = load_experiment
 
 
-for _shared in ("harness", "sweep_systems", "sweeper", "distserve_setting"):
+for _shared in ("harness", "sweep_systems", "sweeper", "distserve_setting", "distserve_table_report"):
     _load(_shared)
+setting = _load("distserve_setting")
+report = _load("distserve_table_report")
 table = _load("distserve_table")
 
 
@@ -40,7 +42,7 @@ def quick(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], dic
 
 def test_rows_and_ratios(quick: tuple[dict[str, Any], dict[str, Any], Path]) -> None:
     figures, saved, out = quick
-    rows = {r.key: r for r in table.ROWS}
+    rows = {r.key: r for r in setting.ROWS}
     assert list(figures["rows"]) == list(table.QUICK_ROWS)
     assert figures["ablations"] == list(table.QUICK_ABLATIONS) and figures["mode"] == "separate"
     for key, f in figures["rows"].items():
@@ -51,7 +53,7 @@ def test_rows_and_ratios(quick: tuple[dict[str, Any], dict[str, Any], Path]) -> 
         assert all(x >= 0 and math.isfinite(x) for x in g.values())
         assert g["distserve"] > 0 and g["vllm-2023"] > 0  # a trickle meets these SLOs on every layout
         assert f["ratio"] == pytest.approx(g["distserve"] / g["vllm-2023"], abs=1e-3)
-        assert f["reproduced"] == table.within(f["ratio"], row.published)
+        assert f["reproduced"] == report.within(f["ratio"], row.published)
         assert f["same_direction"] == (f["ratio"] > 1)
         assert f["ablation_ratios"]["baseline"] == f["ratio"]
         assert set(f["reproduced_by"]) <= set(f["ablation_ratios"])
@@ -65,11 +67,11 @@ def test_layouts_and_engines(quick: tuple[dict[str, Any], dict[str, Any], Path])
     """DistServe's layout and vLLM's TP are the launch script's; OPT-66B's vllm-steps ran on vLLM's own fit."""
     _, saved, _ = quick
     for r in saved["rows"]:
-        vllm_tp, layout = table.PARALLEL_PARAMS[r["model"]]
+        vllm_tp, layout = setting.PARALLEL_PARAMS[r["model"]]
         assert r["vllm_tp"] == vllm_tp and r["distserve_layout"] == list(layout)
         assert r["num_gpus"]["distserve"] == layout[0] * layout[1] + layout[2] * layout[3]
         assert r["num_gpus"]["vllm-2023"] == vllm_tp
-        assert r["plan"]["cluster"].startswith(f"{next(x for x in table.ROWS if x.key == r['key']).plan_nodes} x 8")
+        assert r["plan"]["cluster"].startswith(f"{next(x for x in setting.ROWS if x.key == r['key']).plan_nodes} x 8")
         assert r["ablations"]["vllm-steps"]["vllm_engine"] == "vllm"  # both quick rows' models have vLLM coefficients
         assert "Fitted" in r["latency_model"]
 
@@ -98,7 +100,7 @@ def test_slo_scale_curves(quick: tuple[dict[str, Any], dict[str, Any], Path]) ->
 
 
 def test_within_band() -> None:
-    assert table.within(2.0, (2.0, 4.6)) and table.within(1.5, (2.0, 4.6)) and table.within(5.9, (2.0, 4.6))
-    assert not table.within(1.3, (2.0, 4.6)) and not table.within(6.1, (2.0, 4.6))
-    assert table.within(4.0, (5.7, 5.7)) and not table.within(3.9, (5.7, 5.7)) and not table.within(None, (4.3, 4.3))
-    assert not table.within(0.9, (0.5, 1.0))  # the wrong direction never counts
+    assert report.within(2.0, (2.0, 4.6)) and report.within(1.5, (2.0, 4.6)) and report.within(5.9, (2.0, 4.6))
+    assert not report.within(1.3, (2.0, 4.6)) and not report.within(6.1, (2.0, 4.6))
+    assert report.within(4.0, (5.7, 5.7)) and not report.within(3.9, (5.7, 5.7)) and not report.within(None, (4.3, 4.3))
+    assert not report.within(0.9, (0.5, 1.0))  # the wrong direction never counts

@@ -41,7 +41,18 @@ CHECKS = {
                                              for g in f["cascade_grid"].values())
     and f["cascade_rule_min_saved_tokens"] > 0 and 0 <= f["cascade_rule_right"] <= 1 and f["step_speedup_cascade"] > 0 and f["step_cascade_planned"]
     and len(f["model_step"]) == 4 and all(r["greedy_same"] == 1.0 for r in f["model_step"].values()),
+    # Both detokenizers timed on the tiny tokenizer (each checked against decode() by the script).
+    "bench_detokenizer": lambda f: f["quick"] and all(r["decode_stream"] > 0 and r["window"] > 0 and r["num_tokens"] > 0
+                                                      for r in f["tokenizers"].values()) and "tiny" in f["tokenizers"],
     "bench_engine": lambda f: f["greedy_same_as_hf_float32"] == 1.0 and f["ours_tok_s_batch_float32"] > 0,
+    # Both grammar backends compiled and replayed every case and ran the real engine to the same token count;
+    # every answer of the default backend (llguidance) under a bounded schema parsed and validated (the tiny
+    # model's noise: xgrammar lets raw control characters into its JSON strings, which JSON forbids).
+    "bench_structured_output": lambda f: f["backends"] == ["llguidance", "xgrammar"] and f["default_backend"] == "llguidance"
+    and all(len(f[f"{b}_compile_ms"]) == 9 and all(v > 0 for v in f[f"{b}_mask_us_mean"].values()) and f[f"{b}_setup_s"] > 0
+            and 0 <= f[f"e2e_{b}_num_valid"] <= f["e2e_num_prompts"] and f[f"e2e_{b}_tok_s"] > 0
+            and f[f"e2e_{b}_num_tokens"] == f["e2e_unconstrained_num_tokens"] for b in f["backends"])
+    and f["e2e_llguidance_num_valid"] == f["e2e_num_prompts"] and f["e2e_unconstrained_tok_s"] > 0,
     # Every deployment simulated every request to the end and measured a speed; the JSON says which latency model.
     "bench_simulator": lambda f: f["target_requests_per_s"] == 100_000 and all(
         f[f"{d}_num_completed"] == f[f"{d}_num_requests"] == f["num_requests"]

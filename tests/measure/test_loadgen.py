@@ -19,7 +19,9 @@ from distserve.config import CacheConfig
 from distserve.engine.llm_engine import LLMEngine
 from distserve.engine.model import resolve_dtype
 from distserve.engine.weights import load_model
-from distserve.measure.loadgen import run_load, summarize
+from distserve.measure import load_summary
+from distserve.measure.load_summary import summarize
+from distserve.measure.loadgen import run_load
 from distserve.measure.stream_client import RequestResult
 from distserve.measure.workload import Workload, build_requests, words_for
 from distserve.runtime.threaded_client import ThreadedEngineClient
@@ -134,10 +136,10 @@ def test_known_misses_and_the_miss_budget() -> None:
     results = [*finished, open_slow_ttft, open_slow_tpot, open_fine, unsent]
     # At 5.2 s: two finished misses; the open request has waited 0.2 s (< TTFT SLO); with at most 11
     # tokens, 0.4 s of tokens is a TPOT of at least 0.04 s: a known miss.
-    assert loadgen.num_known_misses(results, slo, max_tokens=11, now_s=5.2) == 3
-    assert loadgen.num_known_misses(results, slo, max_tokens=11, now_s=5.4) == 4  # now past the TTFT SLO
-    assert loadgen.num_known_misses(results, slo, max_tokens=20, now_s=5.2) == 2  # 0.4 / 19 < 0.03: not yet known
-    assert loadgen.num_known_misses(results, SLO(), max_tokens=11, now_s=100.0) == 0
+    assert load_summary.num_known_misses(results, slo, max_tokens=11, now_s=5.2) == 3
+    assert load_summary.num_known_misses(results, slo, max_tokens=11, now_s=5.4) == 4  # now past the TTFT SLO
+    assert load_summary.num_known_misses(results, slo, max_tokens=20, now_s=5.2) == 2  # 0.4 / 19 < 0.03: not yet known
+    assert load_summary.num_known_misses(results, SLO(), max_tokens=11, now_s=100.0) == 0
     assert [max_misses(n, 0.9) for n in (1, 9, 10, 40, 41)] == [0, 0, 1, 4, 4]
     assert max_misses(40, 1.0) == 0 and max_misses(40, 0.0) == 40
 
@@ -262,7 +264,7 @@ def test_cli_json(live: LiveServer, capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_async_api_runs_in_a_running_loop(live: LiveServer) -> None:
-    async def main() -> loadgen.LoadResult:
+    async def main() -> load_summary.LoadResult:
         return await loadgen.run_load_async(live.base_url, "tiny", Workload(2, float("inf"), 16, 3, ignore_eos=True))
 
     assert asyncio.run(main()).summary.num_completed == 2

@@ -90,6 +90,10 @@ def test_serve_config_follows_ray_serves_schema(bundle: tuple[Path, dict]) -> No
     assert app.import_path == "distserve.serving.app:build_app" and app.route_prefix == "/"
     assert app.args["model"] == "facebook/opt-13b"
     assert Placement.load(app.args["placement"]) == Placement.load(out / "placement.json")
+    from distserve.serving.app_config import ServeAppConfig
+
+    deployment = ServeAppConfig.from_args(app.args).resolve().deployment  # the app's args as the app reads them
+    assert deployment.placement == Placement.load(out / "placement.json") and deployment.model == "facebook/opt-13b"
 
 
 def test_save_dir_that_is_a_file_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -97,3 +101,13 @@ def test_save_dir_that_is_a_file_is_refused(tmp_path: Path, capsys: pytest.Captu
     not_a_dir.write_text("x")
     assert main([*PLAN, "--save-dir", str(not_a_dir)]) == 2
     assert "--save-dir" in capsys.readouterr().err
+
+
+def test_placement_carries_the_batch_caps_it_was_simulated_with(bundle: tuple[Path, dict]) -> None:
+    from distserve.config import SchedulerConfig
+
+    out, _ = bundle
+    data = json.loads((out / "placement.json").read_text())
+    default = SchedulerConfig()
+    assert (data["max_num_seqs"], data["max_num_batched_tokens"]) == (default.max_num_seqs, default.max_num_batched_tokens)
+    assert "--max-num-seqs" not in (out / "serve_command.txt").read_text()  # the placement carries them

@@ -1,5 +1,6 @@
 """``n`` > 1 on the Ray runtime (1P1D): one prefill on the prefill instance samples the n first tokens,
-each completion migrates (the shared full blocks once) and decodes on the decode instance; abort ends all."""
+each completion migrates (the shared full blocks once) and decodes on the decode instance; abort ends all;
+penalties and logprobs give what the colocated engine gives."""
 
 from __future__ import annotations
 
@@ -53,5 +54,27 @@ def test_n_completions_on_ray(ray_cluster: Any) -> None:
         rt.run(abort_midway(), timeout_s=120)
         assert wait_until(rt.all_freed, 30), rt.stats()
         assert not rt.controller._seqs and not rt.controller._groups
+
+        # Penalties, bias, min_p and logprobs: the prefill instance computes the prompt logprobs and the first
+        # tokens, the decode workers the rest from the token history in their plans; the same as colocated.
+        features = SamplingParams(max_tokens=6, temperature=0.9, seed=7, ignore_eos=True, n=2, repetition_penalty=1.3,
+                                  frequency_penalty=0.5, presence_penalty=0.5, min_p=0.05, logit_bias={9: -5.0},
+                                  logprobs=True, top_logprobs=3, prompt_logprobs=2)
+        colocated = LLMEngine(load_model("tiny", "float32"), cache_config=CACHE)
+        colocated.add_request(PROMPT, features, request_id="ref")
+        expected = {}
+        while colocated.has_unfinished_requests():
+            expected.update({o.index: o for o in colocated.step() if o.finish_reason is not None})
+        got = {o.index: o for o in rt.run(collect("features", features), timeout_s=120) if o.finish_reason is not None}
+        assert sorted(got) == sorted(expected) == [0, 1]
+        for index, out in got.items():
+            ref = expected[index]
+            assert out.error is None and out.token_ids == ref.token_ids
+            assert out.logprobs == pytest.approx(ref.logprobs, abs=1e-4)
+            assert out.top_logprobs is not None and ref.top_logprobs is not None
+            assert [[t for t, _ in top] for top in out.top_logprobs] == [[t for t, _ in top] for top in ref.top_logprobs]
+            assert out.prompt_logprobs is not None and ref.prompt_logprobs is not None
+            assert out.prompt_logprobs.logprobs == pytest.approx(ref.prompt_logprobs.logprobs, abs=1e-4)
+            assert out.prompt_logprobs.ranks == ref.prompt_logprobs.ranks
     finally:
         rt.close()

@@ -9,8 +9,7 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
-from serving_util import HttpServer, wait_until
+from serving_util import HttpServer, Samples, metric_samples, wait_until
 
 from distserve.cluster.admission import AdmissionConfig
 from distserve.config import CacheConfig
@@ -31,7 +30,6 @@ keys:
   {NIGHTLY_KEY}: nightly
   {BETA_KEY}: beta
 """
-Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 
 
 @pytest.fixture(scope="module")
@@ -54,11 +52,6 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[HttpServer]:
 
 def http(server: HttpServer, key: str) -> httpx.Client:
     return httpx.Client(base_url=server.url, timeout=60, headers={"Authorization": f"Bearer {key}"})
-
-
-def metric_samples(url: str) -> Samples:
-    text = httpx.get(f"{url}/metrics").text
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value for family in text_string_to_metric_families(text) for s in family.samples}
 
 
 def value(samples: Samples, name: str, **labels: str) -> float:

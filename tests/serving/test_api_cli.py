@@ -3,11 +3,7 @@
 from __future__ import annotations
 
 import pathlib
-import signal
 import socket
-import subprocess
-import sys
-import time
 
 import httpx
 import openai
@@ -15,6 +11,7 @@ import pytest
 
 from distserve.cli import main
 from distserve.serving.request_log import read_request_log
+from serving_util import serve_process, stop_process
 
 
 @pytest.mark.parametrize(
@@ -25,7 +22,8 @@ from distserve.serving.request_log import read_request_log
         (["--placement", "no-such-plan.json"], "--placement no-such-plan.json"),
         (["--placement", "plan.json", "--prefill", "2"], "--placement"),
         (["--colocated", "2", "--prefill", "1"], "--colocated"),
-        (["--ray-serve", "--prefill-tp", "2"], "--ray-serve"),
+        (["--ray-serve", "--runtime", "local"], "--runtime local"),
+        (["--ray-serve", "--placement", "no-such-plan.json"], "--placement no-such-plan.json"),
         (["--runtime", "local", "--kv-transfer-timeout", "5"], "--kv-transfer-timeout"),
         (["--request-log", "/no-such-dir/requests.jsonl"], "--request-log"),
         (["--ray-serve", "--request-log", "requests.jsonl"], "--request-log"),
@@ -64,47 +62,21 @@ def test_busy_port_exits_2_before_loading(capsys: pytest.CaptureFixture[str]) ->
     assert "--port" in capsys.readouterr().err
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.mark.integration  # runs `distserve serve` as a process
 @pytest.mark.timeout(120)
 def test_serve_process_answers_and_stops_on_sigint(tmp_path: pathlib.Path) -> None:
-    port = _free_port()
     request_log = tmp_path / "requests.jsonl"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "distserve.cli", "serve", "--model", "tiny", "--port", str(port), "--log-level", "warning",
-         "--ttft-slo", "30", "--tpot-slo", "5", "--threads", "1", "--request-log", str(request_log)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 90
-        while True:
-            assert proc.poll() is None, proc.communicate()
-            assert time.monotonic() < deadline, "server did not become healthy"
-            try:
-                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.2)
+    with serve_process("--ttft-slo", "30", "--tpot-slo", "5", "--threads", "1", "--request-log", str(request_log), "--metrics-prefix", "vllm") as (proc, url):
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
         resp = client.chat.completions.create(
             model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=4, temperature=0
         )
         assert resp.usage is not None and resp.usage.completion_tokens >= 1
-        assert 'distserve:request_slo_total{met="true",objective="default"} 1.0' in httpx.get(f"{url}/metrics").text
-        proc.send_signal(signal.SIGINT)
-        out, err = proc.communicate(timeout=30)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
+        metrics = httpx.get(f"{url}/metrics").text
+        assert 'distserve:request_slo_total{met="true",model_name="tiny",objective="default"} 1.0' in metrics  # our own series
+        assert 'vllm:time_to_first_token_seconds_count{model_name="tiny"} 1.0' in metrics  # vLLM's, under its prefix
+        assert "distserve:time_to_first_token_seconds" not in metrics
+        out, err = stop_process(proc)
     assert proc.returncode == 0, err
     assert f"{url}/v1" in out and "curl " in out
     assert "Traceback" not in err

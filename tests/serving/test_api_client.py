@@ -266,11 +266,20 @@ def test_colocated_engines_share_load(tiny: LoadedModel) -> None:
 def test_normalize_raw_engine_stats(tiny: LoadedModel) -> None:
     disagg = normalize_stats(LocalDisaggEngine(tiny, cache_config=CACHE).stats())
     assert [i["phase"] for i in disagg["instances"]] == ["prefill", "decode"]
-    colocated = normalize_stats(LLMEngine(tiny, cache_config=CACHE).stats())
+    engine = LLMEngine(tiny, cache_config=CACHE)
+    [out] = engine.generate(["hi"], SamplingParams(max_tokens=3, ignore_eos=True))
+    colocated = normalize_stats(engine.stats())
     assert colocated["instances"][0]["instance"] == "colocated-0"
-    metrics = ServingMetrics()
+    metrics = ServingMetrics(model_name="tiny")
     metrics.update_engine_stats({**disagg, "kv_migration_seconds": [0.001, 0.002]})
-    assert b'distserve:kv_migration_seconds_count{instance="all",phase="decode"} 2.0' in metrics.render()
+    assert b'distserve:kv_migration_seconds_count{engine="all",model_name="tiny",phase="decode"} 2.0' in metrics.render()
+    metrics.update_engine_stats(colocated)  # the colocated engine's step histograms and counters, as its InstanceCore counts them
+    text = metrics.render().decode()
+    labels = 'engine="colocated-0",model_name="tiny",phase="colocated"'
+    assert f"distserve:iteration_tokens_total_count{{{labels}}} 3.0" in text  # the prompt's step, then two decodes
+    assert f"distserve:engine_step_seconds_count{{{labels}}} 3.0" in text
+    assert f"distserve:prefix_cache_queries_total{{{labels}}} {float(len(out.prompt_token_ids))}" in text
+    assert f"distserve:num_preemptions_total{{{labels}}} 0.0" in text
 
 
 def test_sse_response_closes_its_generator_on_disconnect() -> None:
@@ -319,7 +328,7 @@ def test_metrics_count_requests_meeting_the_deployment_slo(tiny: LoadedModel) ->
                 body = {"prompt": "x", "max_tokens": 4, "min_tokens": 4, "stream": True}
                 assert (await h.post("/v1/completions", json=body)).status_code == 200
                 text = (await h.get("/metrics")).text
-                assert f'distserve:request_slo_total{{met="{met}",objective="default"}} 1.0' in text, text
+                assert f'distserve:request_slo_total{{met="{met}",model_name="tiny",objective="default"}} 1.0' in text, text
         return text
 
     try:
@@ -329,9 +338,10 @@ def test_metrics_count_requests_meeting_the_deployment_slo(tiny: LoadedModel) ->
 
 
 def test_ray_serve_options_carry_the_tpot_slo_to_the_decoding_instances() -> None:
-    from distserve.serving.app import ServeOptions
+    from distserve.runtime.local_client import build_local_engine_client
+    from distserve.serving.app_config import ServeAppConfig
 
-    client = ServeOptions.from_args({"model": "tiny", "tpot_slo": "0.1"}).build_client()
+    client = build_local_engine_client(ServeAppConfig.from_args({"model": "tiny", "tpot_slo": "0.1"}).resolve().deployment)
     try:
         engine = client.engines[0]
         assert isinstance(engine, LocalDisaggEngine)

@@ -13,11 +13,10 @@ from collections.abc import Iterator
 import httpx
 import openai
 import pytest
-from serving_util import wait_until
+from serving_util import metric_samples, wait_until
 import uvicorn
 from openai.types import Completion
 from openai.types.chat import ChatCompletionMessageParam
-from prometheus_client.parser import text_string_to_metric_families
 
 from distserve.cli import main as cli_main
 from distserve.config import CacheConfig, SamplingParams
@@ -68,15 +67,6 @@ class LiveServer:
         self.thread.join(10)
         self.client.close()
         self.sock.close()
-
-
-def metric_samples(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    text = httpx.get(f"{url}/metrics").text
-    return {
-        (s.name, tuple(sorted(s.labels.items()))): s.value
-        for family in text_string_to_metric_families(text)
-        for s in family.samples
-    }
 
 
 @pytest.fixture(scope="module")
@@ -294,8 +284,8 @@ def test_disconnect_mid_stream_aborts_and_frees_both_sides(tiny: LoadedModel, en
         assert wait_until(lambda: _all_freed(engine, server.client)), engine.stats()
         assert len(aborted) == 1
         samples = metric_samples(server.url)
-        assert samples[("distserve:request_success_total", (("finish_reason", "abort"),))] == 1
-        assert ("distserve:request_success_total", (("finish_reason", "length"),)) not in samples
+        assert samples[("distserve:request_success_total", (("finished_reason", "abort"),))] == 1
+        assert samples[("distserve:request_success_total", (("finished_reason", "length"),))] == 0
     finally:
         server.stop()
 
@@ -354,11 +344,11 @@ def test_metrics_histograms_and_gauges(disagg: LiveServer) -> None:
     assert count(after, "distserve:generation_tokens_total") == count(before, "distserve:generation_tokens_total") + 6
     assert count(after, "distserve:prompt_tokens_total") > count(before, "distserve:prompt_tokens_total")
     for phase, instance in (("prefill", "prefill-0"), ("decode", "decode-0")):
-        labels = (("instance", instance), ("phase", phase))
+        labels = (("engine", instance), ("phase", phase))
         assert ("distserve:num_requests_waiting", labels) in after
         assert ("distserve:num_requests_running", labels) in after
         assert 0.0 <= after[("distserve:kv_cache_usage_perc", labels)] <= 1.0
-    mig = (("instance", "all"), ("phase", "decode"))
+    mig = (("engine", "all"), ("phase", "decode"))
     assert after[("distserve:kv_migration_bytes_total", mig)] > before.get(("distserve:kv_migration_bytes_total", mig), 0.0)
     assert ("distserve:kv_migration_blocks_skipped_total", mig) in after
     assert after[("distserve:kv_migration_seconds_count", mig)] >= 1

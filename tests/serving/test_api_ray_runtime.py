@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -10,12 +11,13 @@ import httpx
 import openai
 import pytest
 
-from distserve.config import CacheConfig, SamplingParams
+from distserve.config import CacheConfig, SamplingParams, StructuredOutput
 from distserve.engine.llm_engine import LLMEngine
 from distserve.engine.weights import load_model
 from distserve.runtime.config import DeploymentConfig
 from distserve.placement import Placement
 from distserve.runtime.ray_client import ControllerClient
+from promql_util import VLLM_DASHBOARD_QUERIES, dashboard_queries, exported_series, unanswered
 from serving_util import HttpServer
 
 pytestmark = pytest.mark.timeout(300)
@@ -60,7 +62,21 @@ def test_openai_client_greedy_matches_engine(server: HttpServer) -> None:
     )
     assert streamed == expected
     metrics = httpx.get(f"{server.url}/metrics").text
-    assert 'distserve:kv_migration_bytes_total{instance="all",phase="decode"}' in metrics
+    assert 'distserve:kv_migration_bytes_total{engine="all",model_name="tiny",phase="decode"}' in metrics
+
+
+def test_structured_output_matches_the_colocated_engine(server: HttpServer) -> None:
+    """The decode actor rebuilds each matcher from the spec and the token the prefill actor sampled."""
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer", "minimum": 0, "maximum": 99}},
+              "required": ["ok", "n"], "additionalProperties": False}
+    engine = LLMEngine(load_model("tiny"), cache_config=CACHE)
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0)
+    for field, spec in (("guided_json", schema), ("guided_regex", r"[a-c]{2,6}-[0-9]{2}")):
+        kind = "json" if field == "guided_json" else "regex"
+        structured = StructuredOutput(kind, json.dumps(spec) if kind == "json" else spec, field)  # type: ignore[arg-type]
+        expected = engine.generate([PROMPT], SamplingParams(max_tokens=32, temperature=0.0, structured=structured))[0]
+        got = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=32, temperature=0, extra_body={field: spec}).choices[0]
+        assert got.text == expected.text and got.finish_reason == expected.finish_reason == "stop"
 
 
 def test_disconnect_frees_kv_on_both_instances(server: HttpServer) -> None:
@@ -77,3 +93,19 @@ def test_disconnect_frees_kv_on_both_instances(server: HttpServer) -> None:
             break
         time.sleep(0.1)
     assert all(i["kv_cache_usage_perc"] == 0.0 for i in stats(server)["instances"])
+
+
+def test_dashboards_read_only_series_the_ray_runtime_exports(server: HttpServer) -> None:
+    """Our dashboard's queries, and vLLM's under the default prefix, against the Ray runtime's /metrics
+    (its instance figures cross from the actors: step histograms, cache configs, prefix-cache counters)."""
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0)
+    client.completions.create(model="tiny", prompt=PROMPT, max_tokens=4, temperature=0, stream=False)
+    text = httpx.get(f"{server.url}/metrics").text
+    exported = exported_series(text)
+    vllm_queries = [q.replace("vllm:", "distserve:") for panel in VLLM_DASHBOARD_QUERIES.values() for q in panel]
+    # Goodput/attainment read distserve:request_slo_total, which exists only with an SLO (this server has none).
+    ours = [q for q in dashboard_queries() if "request_slo_total" not in q]
+    assert unanswered(ours + vllm_queries, exported) == {}
+    for engine, phase in (("prefill-0", "prefill"), ("decode-0", "decode")):
+        assert f'distserve:engine_step_seconds_count{{engine="{engine}",model_name="tiny",phase="{phase}"}}' in text
+        assert f'distserve:cache_config_info{{block_size="16",enable_prefix_caching="True",engine="{engine}"' in text

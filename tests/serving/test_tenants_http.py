@@ -16,8 +16,7 @@ import httpx
 import openai
 import pytest
 import uvicorn
-from prometheus_client.parser import text_string_to_metric_families
-from serving_util import wait_until
+from serving_util import metric_samples, wait_until
 
 from distserve.cluster.classes import RequestClass
 from distserve.config import CacheConfig
@@ -101,11 +100,6 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     srv = Server(path)
     yield srv
     srv.stop()
-
-
-def metric_samples(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    text = httpx.get(f"{url}/metrics").text  # no key: /metrics stays open
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value for family in text_string_to_metric_families(text) for s in family.samples}
 
 
 def call(http: httpx.Client, auth: dict[str, Any], template: str, placeholders: list[dict[str, Any]], **extra: Any) -> httpx.Response:
