@@ -44,7 +44,9 @@ depend on block tables), observers of every plan (``Simulation.on_plan``), prefi
 colocated instance next to decode instances while prefills wait for room, crash suspects, forks
 (``n`` > 1), live prefix groups. With TPOT backpressure (it reads each step's time) nothing is
 jumped, but the decodes stay compact. ``_next_plan_seq`` (plan numbers, which only the Ray
-runtime reads) is not advanced by a pp = 1 instance's lazy steps.
+runtime reads) is not advanced by a pp = 1 instance's lazy steps, and the instance core's step
+histograms (``iteration_tokens``, ``step_seconds``: the runtime's /metrics) do not count jumped
+steps: a simulation reports neither.
 """
 
 from __future__ import annotations

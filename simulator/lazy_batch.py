@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 
 from distserve.engine.instance_core import InstanceCore, PlanInFlight
 from distserve.engine.sequence import Sequence
-from distserve.engine.step_plan import ScheduledChunk, StepPlan
+from distserve.engine.step_plan import ScheduledChunk, StepPlan, chunk_history
 from simulator.fast_forward import apply_update
 
 if TYPE_CHECKING:
@@ -178,17 +178,23 @@ class LazyBatch:
     def plan(self, finished_seq_ids: list[str]) -> StepPlan:
         """Step k's plan for the members, as ``schedule()`` made it (after ``bring_up``)."""
         token, k = self.token_id, self.k
-        return StepPlan([ScheduledChunk(seq.seq_id, [token], base + k, seq.block_table[:], True, seq.sampling, seq.num_output_tokens)
-                         for seq, base, a in zip(self.seqs, self.bases, self.alive) if a], finished_seq_ids=finished_seq_ids)
+        chunks = []
+        for seq, base, a in zip(self.seqs, self.bases, self.alive):
+            if a:
+                sp, outputs = seq.sampling, seq.num_output_tokens
+                history = chunk_history(seq.token_ids, sp, outputs) if sp.needs_history else None
+                chunks.append(ScheduledChunk(seq.seq_id, [token], base + k, seq.block_table[:], True, sp, outputs, history))
+        return StepPlan(chunks, finished_seq_ids=finished_seq_ids)
 
 
 def plain(seq: Sequence, start: int, num_output_tokens: int, token_id: int, eos_token_ids: tuple[int, ...], block_size: int) -> bool:
     """Whether ``seq``, decoding position ``start`` next with ``num_output_tokens`` outputs, is a plain
-    decode a batch can hold: nothing but its length stops it (every step samples ``token_id``), no
-    crash suspicion or forks, its full blocks committed."""
+    decode a batch can hold: nothing but its length stops it (every step samples ``token_id``; no
+    grammar), no crash suspicion or forks, its full blocks committed."""
     sp = seq.sampling
     return (num_output_tokens >= 1 and not seq.isolate and not seq.forks and token_id not in sp.stop_token_ids
-            and (sp.ignore_eos or token_id not in eos_token_ids) and len(seq.block_hashes) == start // block_size)
+            and (sp.ignore_eos or token_id not in eos_token_ids) and sp.structured is None
+            and len(seq.block_hashes) == start // block_size)
 
 
 def usable(sim: Simulation, inst: SimInstance) -> bool:

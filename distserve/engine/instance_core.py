@@ -301,7 +301,7 @@ class InstanceCore:
         simulator): the step budget learns from it."""
         self.scheduler.observe_step(plan, seconds, num_lazy_decodes, lazy_decode_ctx)
         self.num_steps += 1
-        self.iteration_tokens.observe(plan.num_batched_tokens)
+        self.iteration_tokens.observe(plan.num_batched_tokens + num_lazy_decodes)
         self.step_seconds.observe(seconds)
 
     def apply_oldest(self, sampled: Seq[SampledToken], now: float) -> list[Sequence]:
