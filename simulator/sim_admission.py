@@ -26,6 +26,7 @@ if TYPE_CHECKING:
     from simulator.workload import Request
 
 SAMPLED_TOKEN = 1  # the token every simulated step "samples"; never an EOS (ignore_eos is set anyway)
+_SAMPLING: dict[int, SamplingParams] = {}  # a synthetic request's sampling, by its output length
 
 
 class SimAdmission:
@@ -38,7 +39,6 @@ class SimAdmission:
     decodes: list[SimInstance]
     shared: SharedCompute | None
     _sampled: dict[str, SampledToken]
-    _sampling: dict[int, SamplingParams]
     _filler_hashes: list[int]
     _admit_due: bool
     _admission_stale: bool
@@ -55,9 +55,9 @@ class SimAdmission:
             prompt = prompts.get(r.prompt_len)
             if prompt is None:
                 prompt = prompts[r.prompt_len] = [SAMPLED_TOKEN] * r.prompt_len
-        sampling = self._sampling.get(r.output_len)
-        if sampling is None:  # frozen: one per output length
-            sampling = self._sampling[r.output_len] = SamplingParams(max_tokens=r.output_len, ignore_eos=True)
+        sampling = _SAMPLING.get(r.output_len)
+        if sampling is None:  # frozen: one per output length, for every simulation
+            sampling = _SAMPLING[r.output_len] = SamplingParams(max_tokens=r.output_len, ignore_eos=True)
         seq = Sequence(str(r.req_id), prompt, sampling, arrival_time=r.arrival_s, priority=r.priority, request_class=r.request_class)
         if r.prompt_token_ids is None:  # the hashes the block manager would compute, block by block (``_hashes_upto``)
             seq.prefix_hashes = self._filler_hashes[: (r.prompt_len + r.output_len) // self.config.block_size]

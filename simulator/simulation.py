@@ -58,7 +58,6 @@ from typing import TYPE_CHECKING
 from distserve.cluster.counters import ClusterCounters
 from distserve.cluster.migration_queue import MigrationQueue
 from distserve.cluster.routing import decode_lane
-from distserve.config import SamplingParams
 from distserve.engine.block_manager import prefix_block_hashes
 from distserve.engine.instance_core import InstanceCore
 from distserve.engine.step_plan import SampledToken, StepPlan
@@ -188,7 +187,6 @@ class Simulation(SimAdmission, SimMigrations):
         self._due: list[SimInstance] = []  # instances to launch at the end of this instant
         # One SampledToken per live request, reused every step: update_from_output only reads it.
         self._sampled: dict[str, SampledToken] = {}
-        self._sampling: dict[int, SamplingParams] = {}
         self.counters = ClusterCounters()
         self.admission = self.config.admission.queue()
         self._admit_due = False  # something arrived or a step ended: try to dispatch at the end of the instant
