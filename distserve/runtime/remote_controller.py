@@ -23,7 +23,8 @@ from distserve.cluster.admission import check_timeout
 from distserve.cluster.classes import RequestClass, check_request_class
 from distserve.config import SamplingParams
 from distserve.engine.model import resolve_dtype
-from distserve.engine.outputs import RequestFrontend, RequestOutput
+from distserve.engine.frontend import RequestFrontend
+from distserve.engine.outputs import RequestOutput
 from distserve.engine.sequence import Sequence
 from distserve.engine.weights import load_model
 from distserve.errors import DistServeError, ServiceUnavailableError

@@ -47,12 +47,11 @@ from distserve.serving.prompts import chat_prompt, text_prompt, truncate
 from distserve.serving.request_fields import check_request_fields
 from distserve.serving.request_ids import InFlightIds, RequestIdHeader
 from distserve.serving.request_log import RequestLog
-from distserve.serving.protocol import (
-    APIError,
+from distserve.serving.protocol import APIError, ChatCompletionRequest, CompletionRequest
+from distserve.serving.responses import (
     ChatChoice,
     ChatChunkChoice,
     ChatCompletionChunk,
-    ChatCompletionRequest,
     ChatCompletionResponse,
     ChatDelta,
     ChatMessageOut,
@@ -62,7 +61,6 @@ from distserve.serving.protocol import (
     ToolCallOut,
     CompletionChoice,
     CompletionChunk,
-    CompletionRequest,
     CompletionResponse,
     ModelCard,
     ModelList,

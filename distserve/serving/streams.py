@@ -17,7 +17,7 @@ from starlette.types import Receive, Scope, Send
 from distserve.engine.outputs import RequestOutput
 from distserve.serving.http_errors import ClientDisconnected, check_output, engine_error
 from distserve.serving.metrics import RequestTimer
-from distserve.serving.protocol import SSE_DONE, UsageInfo, sse
+from distserve.serving.responses import SSE_DONE, UsageInfo, sse
 
 T = TypeVar("T")
 
