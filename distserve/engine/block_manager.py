@@ -316,23 +316,34 @@ class BlockManager:
             ref_counts.append(1)
             return block_id
         block_id, _ = self._free.popitem(last=False)
+        if self._block_hash:
+            self._evict(block_id)
+        ref_counts[block_id] = 1
+        return block_id
+
+    def _evict(self, block_id: int) -> None:
+        """A freed block handed out again leaves the prefix cache, if it was in it."""
         h = self._block_hash.pop(block_id, None)
-        if h is not None:  # evicted from the prefix cache
+        if h is not None:
             if self._hash_to_block.get(h) == block_id:
                 del self._hash_to_block[h]
             del self._block_tokens[block_id]
-        ref_counts[block_id] = 1
-        return block_id
 
     def _take_free_blocks(self, num_blocks: int) -> list[int]:
         """``num_blocks`` ``_take_free_block``s, in order (never-used blocks in one go)."""
         ref_counts = self.ref_counts
         first = len(ref_counts)
         new = min(num_blocks, self.num_blocks - first)
-        if new <= 0:
-            return [self._take_free_block() for _ in range(num_blocks)]
-        ref_counts.extend([1] * new)
-        taken = list(range(first, first + new))
-        if new < num_blocks:
-            taken.extend(self._take_free_block() for _ in range(num_blocks - new))
+        if new > 0:
+            ref_counts.extend([1] * new)
+            taken = list(range(first, first + new))
+        else:
+            new, taken = 0, []
+        popitem, hashed = self._free.popitem, self._block_hash
+        for _ in range(num_blocks - new):  # freed ones, least recently freed first (``_take_free_block`` inlined)
+            block_id, _ = popitem(last=False)
+            if hashed:
+                self._evict(block_id)
+            ref_counts[block_id] = 1
+            taken.append(block_id)
         return taken
