@@ -17,7 +17,7 @@ real plans in flight (``drop``) and the step is planned as usual.
 
 Between such launches ``advance`` replays the instance's own events — plan ends, launches waiting
 for stage 0 — in the event loop's order and with its clock arithmetic (``Simulation._try_launch``),
-up to the ``horizon``, as ``simulator.fast_forward_pipeline`` does; it stops before the oldest
+up to the ``horizon`` (``simulator.fast_forward``'s rules); it stops before the oldest
 lane's end when that lane has a rest (its update is the real ``InstanceCore``'s, in the event loop),
 when another lane ends at the same instant or one waits already (they would share a plan), and
 before a finish that frees room something waiting could take. One marker event (a ``STEP_DONE``

@@ -25,10 +25,12 @@ launch — a step sees everything that happened before it starts, as the runtime
 finished transfers and new requests before it schedules. ``tests/cluster/test_equivalence.py``
 checks that this makes the plans and migrations of ``LocalDisaggEngine``'s rounds.
 
-Fast-forward (``SimConfig.fast_forward``, on by default): a stretch of decode steps where nothing
+Fast-forward (``SimConfig.fast_forward``, on by default): an instance's decoding sequences are
+kept in a compact form from step to step (``simulator.lazy_decodes``, pp > 1: ``simulator.lazy_lanes``),
+the real scheduler planning only what else a step computes, and a stretch of steps where nothing
 can change but the contexts (no prompt, preemption or arrival, no migration into the instance, no
-event that reads it) is applied in one jump by ``simulator.fast_forward``, with the results of
-running it step by step; the real scheduler plans every step where anything else happens.
+event that reads it) is applied in one jump (``simulator.fast_forward``), with the results of
+running it step by step.
 
 Layer preemption (``SchedulerConfig.layer_preemption``): a prefill instance of one worker runs its
 plans through the runtime's ``PreemptibleSteps`` (``simulator.layer_preemption``): a backlogged
@@ -178,7 +180,7 @@ class Simulation(SimAdmission, SimMigrations):
         # Steady decode stretches are skipped in one jump (``simulator.fast_forward``), unless an
         # observer wants every plan or steps share compute.
         self._fast_forward = self.config.fast_forward and self.on_plan is None and self.shared is None
-        self.num_fast_forward_steps = 0  # steps applied in jumps, without a schedule() each
+        self.num_fast_forward_steps = 0  # steps whose decodes the scheduler did not plan one by one (lazy)
         self._stop = False
         # Finished prefills waiting for room, FCFS: (source, its sequence, the copy the decode side gets).
         # The copy is made once; a failed ``reserve`` leaves it untouched, so retries reuse it.

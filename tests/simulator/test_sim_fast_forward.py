@@ -3,8 +3,9 @@ every instance's figures and the simulated duration equal the step-by-step run's
 (``SimConfig(fast_forward=False)``), on colocated and disaggregated deployments, chunked prefill,
 fair admission of a flood, preemption under KV pressure, pipelines, classes and priorities, runs that
 stop early, instant prefills, the SLO step budget and a prefix cache, and pipelined (pp > 1)
-instances' micro-batches. Each case also checks that
-the jump happened (steps skipped), so a fast-forward that never fires cannot pass as identical."""
+instances' micro-batches. Each case also checks that lazy decodes carried steps (``skipped``), so a
+fast-forward that never fires cannot pass as identical. The simulation's skipped dispatch retries
+are checked the same way, against retries at every instant."""
 
 from __future__ import annotations
 
@@ -58,7 +59,7 @@ def both(placement: Placement, requests: list[Request], config: SimConfig = SimC
 
 
 def skipped(sim: Simulation, res: SimResult) -> float:
-    """The share of all steps the jumps applied without a schedule()."""
+    """The share of all steps whose decodes the scheduler did not plan one by one (lazy decodes)."""
     return sim.num_fast_forward_steps / sum(i["num_steps"] for i in res.instances.values())
 
 
@@ -149,7 +150,7 @@ PIPELINES = {
 
 @pytest.mark.parametrize("case", sorted(PIPELINES))
 def test_pipelined_instances_jump(case: str) -> None:
-    """pp > 1 instances jump their micro-batches (``fast_forward_pipeline``): every record, step count
+    """pp > 1 instances jump their micro-batches (``simulator.lazy_lanes``): every record, step count
     and clock equals the step-by-step run's, and most steps were jumped."""
     placement, rate, config = PIPELINES[case]
     requests = chat(rate, 150, seed=1)
