@@ -40,12 +40,13 @@ from distserve.planner.search import Planner
 from harness import Outputs
 from simulator import DISTSERVE_A100_PROFILE as DEFAULT_PROFILE
 TARGET_S, GOAL_S = 10.0, 1.0
+DEFAULT_MODEL = "facebook/opt-66b"
 CLI_DEFAULTS = {"workers": 1, "num_requests": 300}
 
 
 def parse_args() -> argparse.Namespace:
     p = harness.parser(__doc__, "OPT-13B on 1 x 4, 50 requests (the test suite's run)")
-    p.add_argument("--model", default="facebook/opt-66b")
+    p.add_argument("--model", default=DEFAULT_MODEL)
     p.add_argument("--gpu", default="a100-80g")
     p.add_argument("--nodes", type=int, default=4)
     p.add_argument("--gpus-per-node", type=int, default=8)
@@ -128,7 +129,8 @@ def time_one(args: argparse.Namespace, profile: str | None, workers: int, num_re
 
 def main() -> None:
     args = parse_args()
-    out = Outputs.for_run(args, "bench_planner")
+    # Another model's results go next to the default's (bench_planner_opt-13b.*), not over them.
+    out = Outputs.for_run(args, "bench_planner", tag="" if args.model == DEFAULT_MODEL else args.model.split("/")[-1].lower())
     profile_used = Path(args.profile).is_file()
     profile = args.profile if profile_used else None
     if not profile_used:

@@ -12,9 +12,9 @@ DistServe's fitted OPT-13B profile (A100-80G) if the file is there, else from ou
 Figures per deployment: simulated requests, steps (``schedule()`` calls) and token-steps (one
 scheduled sequence, one sampled token) per wall-clock second, the same per CPU second of the
 simulating process (steadier on a shared machine), and the ratio to the issue's target of 100k
-requests/s. With ``--baseline-ref REF`` it also times the scheduler, block manager, sequence and
-simulation-loop files as they were at git ``REF`` (copied into a temporary tree, the rest of the
-package as it is now), interleaved with the current code, and reports the speed-up; with
+requests/s. With ``--baseline-ref REF`` it also times the packages (``distserve``, ``simulator``,
+``kernels``) as they were at git ``REF`` (extracted into a temporary tree), interleaved with the
+current code, and reports the speed-up; with
 ``--baseline-step-by-step`` the baseline is the current code with ``SimConfig(fast_forward=False)``
 (every decode step through the scheduler, no jumps over steady stretches). Every measurement runs
 in its own subprocess. Writes JSON + markdown + PNG under --out-dir; the last
@@ -24,12 +24,13 @@ stdout line is the JSON.
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import os
-import shutil
 import statistics
 import subprocess
 import sys
+import tarfile
 import tempfile
 import time
 from pathlib import Path
@@ -44,12 +45,7 @@ MODEL, HARDWARE = "facebook/opt-13b", "a100-80g"
 TARGET_REQUESTS_PER_S = 100_000
 # name -> (num_prefill, num_decode); (n, 0) is n colocated instances
 DEPLOYMENTS = {"1p1d": (1, 1), "4p2d": (4, 2), "colocated1": (1, 0)}
-# What the speed-up of the scheduler hot path changed; --baseline-ref takes these from git.
-HOT_PATH_FILES = (
-    "distserve/engine/scheduler.py", "distserve/engine/block_manager.py", "distserve/engine/sequence.py",
-    "distserve/prefill/scheduler.py", "distserve/decode/scheduler.py", "simulator/simulation.py",
-)
-PACKAGES = ("distserve", "simulator", "kernels")
+PACKAGES = ("distserve", "simulator", "kernels")  # what --baseline-ref takes from git
 
 
 # ---- one measurement (runs in a subprocess whose PYTHONPATH picks the code under test) ----------
@@ -85,7 +81,7 @@ def measure(deployment: str, num_requests: int, rate_per_entry: float, profile: 
         "num_token_steps": sum(r.num_output_tokens for r in records),
         "num_preemptions": sum(i["num_preemptions"] for i in result.instances.values()),
         "simulated_s": result.duration_s, "wall_s": wall_s, "cpu_s": cpu_s,
-        "num_fast_forward_steps": getattr(sim, "num_fast_forward_steps", 0),  # steps applied without a schedule()
+        "num_fast_forward_steps": getattr(sim, "num_fast_forward_steps", 0),  # steps whose decodes were lazy
         "latency_model": repr(latency), "scheduler_source": scheduler_module.__file__,
     }
 
@@ -108,14 +104,12 @@ def run_worker(src_root: Path, args: argparse.Namespace, deployment: str, profil
 
 
 def baseline_tree(ref: str, dest: Path) -> Path:
-    """The packages as they are now, with ``HOT_PATH_FILES`` as they were at git ``ref``."""
-    for pkg in PACKAGES:
-        shutil.copytree(ROOT / pkg, dest / pkg, ignore=shutil.ignore_patterns("__pycache__"))
-    for rel in HOT_PATH_FILES:
-        old = subprocess.run(["git", "show", f"{ref}:{rel}"], cwd=ROOT, capture_output=True, text=True, check=False)
-        if old.returncode != 0:
-            raise RuntimeError(f"git show {ref}:{rel} failed: {old.stderr.strip()}")
-        (dest / rel).write_text(old.stdout)
+    """``PACKAGES`` as they were at git ``ref``, extracted into ``dest``."""
+    archive = subprocess.run(["git", "archive", "--format=tar", ref, *PACKAGES], cwd=ROOT, capture_output=True, check=False)
+    if archive.returncode != 0:
+        raise RuntimeError(f"git archive {ref} failed: {archive.stderr.decode().strip()}")
+    with tarfile.open(fileobj=io.BytesIO(archive.stdout)) as tar:
+        tar.extractall(dest, filter="data")
     return dest
 
 
@@ -165,15 +159,15 @@ def write_outputs(out: Outputs, rows: list[dict[str, Any]], figures: dict[str, A
         if has_baseline:
             line += f" {f['baseline_requests_per_s']:.0f} | {f['speedup']:.2f}x | {f['cpu_speedup']:.2f}x |"
         md.append(line)
-    md.append("\nSteps applied by fast-forward jumps (no `schedule()` each, `simulator.fast_forward`): " + ", ".join(
+    md.append("\nSteps whose decodes the scheduler did not plan one by one (lazy decodes, `simulator.fast_forward`): " + ", ".join(
         f"{d} {figures[f'{d}_fast_forward_steps_fraction']:.0%}" for d in deployments) + ".")
     if figures["baseline_ref"] == "step-by-step":
         md.append("\nBaseline: the same code with `SimConfig(fast_forward=False)` (every decode step through the "
                   "scheduler); the same workloads and results (steps, tokens, simulated time), interleaved with the "
                   "fast-forward runs.")
     elif has_baseline:
-        md.append(f"\nBaseline: {', '.join(f'`{p}`' for p in HOT_PATH_FILES)} as of `{figures['baseline_ref']}`, "
-                  "the rest of the tree as now; same workloads and results, interleaved with the current code.")
+        md.append(f"\nBaseline: {', '.join(f'`{p}`' for p in PACKAGES)} as of `{figures['baseline_ref']}`; "
+                  "same workloads and results, interleaved with the current code.")
     out.markdown(md)
 
     fig, ax = harness.pyplot().subplots(figsize=(8, 3.6))

@@ -10,11 +10,14 @@ that decide whether it would end at or above ``min_rate`` are simulated, most de
 if it would not, the search stops there (``below``). The outcome is exactly the full search's.
 
 A probe stops as soon as its verdict is certain (``early_stop``): once more requests have missed
-their SLO than the attainment target allows, no later request can make it pass. Its attainment is
-then a lower bound (the open requests count as misses) and ``Probe.stopped_early`` says so; the
+their SLO than the attainment target allows, no later request can make it pass; and, with
+``early_pass``, once enough have met it that no later one can make it fail. Its attainment is then
+a lower bound (the open requests count as misses) and ``Probe.stopped_early`` says so; the
 pass/fail outcome, hence the goodput, is exactly the full simulation's (``binding`` is read off the
-requests finished by then). The ``SimResult`` a ``GoodputResult`` hands back is a complete run
-(an early-stopped one is simulated again), except for a search stopped by ``min_rate``.
+requests finished by then, and only failed probes' is reported). The ``SimResult`` a
+``GoodputResult`` hands back is a complete run (an early-stopped one is simulated again), except
+for a search stopped by ``min_rate`` and with ``early_pass`` (a caller that needs only the rates,
+as the planner).
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from dataclasses import dataclass, field
 
 from distserve.errors import InvalidConfigError
 from distserve.placement import Placement
-from distserve.slo import SLOSpec, attainment, max_misses, meets
+from distserve.slo import SLOSpec, attainment, max_misses, meets, slo_for_objective
 from simulator.latency import LatencyModel
 from simulator.metrics import RequestRecord, SimResult
 from simulator.simulation import SimConfig, Simulation, with_rate
@@ -41,23 +44,42 @@ class Probe:
 
 
 class _MissCounter:
-    """``Simulation.run``'s ``stop_when``: True once the probe is certain to miss the target."""
+    """``Simulation.run``'s ``stop_when``: True once the probe is certain to miss the target (or,
+    ``passes``, to meet it), each finished request judged as ``attainment`` judges it."""
 
-    def __init__(self, num_requests: int, slo: SLOSpec) -> None:
+    def __init__(self, num_requests: int, slo: SLOSpec, passes: bool = False) -> None:
         # meets() needs hits / n >= target, so at most this many misses (of one kind, or joint) pass.
         self.allowed = max_misses(num_requests, slo.default.attainment - 1e-12)  # the tolerance as ``meets``
+        # Hits (of each kind, or joint) that leave at most ``allowed`` misses whatever the rest do
+        # (requests never finishing, refused or expired, are among the rest).
+        self.needed = num_requests - self.allowed if passes else num_requests + 1
         self.slo = slo
         self.joint = slo.mode == "joint"
         self.misses = [0, 0, 0]  # ttft, tpot, either
+        self.hits = [0, 0, 0]  # ttft, tpot, both
+        self.passed = False  # it stopped because it is certain to pass
 
     def __call__(self, rec: RequestRecord) -> bool:
-        target = self.slo.for_class(rec.slo_class)
-        ttft_miss, tpot_miss = not rec.meets_ttft(target), not rec.meets_tpot(target)
-        m = self.misses
-        m[0] += ttft_miss
-        m[1] += tpot_miss
-        m[2] += ttft_miss or tpot_miss
-        return m[2] > self.allowed if self.joint else max(m[0], m[1]) > self.allowed
+        target = slo_for_objective(self.slo.for_class(rec.slo_class), rec.objective)
+        ttft_hit, tpot_hit = rec.meets_ttft(target), rec.meets_tpot(target)
+        m, h = self.misses, self.hits
+        m[0] += not ttft_hit
+        m[1] += not tpot_hit
+        m[2] += not (ttft_hit and tpot_hit)
+        h[0] += ttft_hit
+        h[1] += tpot_hit
+        h[2] += ttft_hit and tpot_hit
+        if (m[2] if self.joint else max(m[0], m[1])) > self.allowed:
+            return True
+        self.passed = (h[2] if self.joint else min(h[0], h[1])) >= self.needed
+        return self.passed
+
+    def finishes_to_decide(self) -> int:
+        """The fewest more finished requests after which this could return True (``Simulation.run``)."""
+        m, h = self.misses, self.hits
+        if self.joint:
+            return min(self.allowed + 1 - m[2], self.needed - h[2])
+        return min(self.allowed + 1 - max(m[0], m[1]), self.needed - min(h[0], h[1]))
 
 
 @dataclass
@@ -102,6 +124,7 @@ def find_goodput(
     max_rate: float | None = None,
     min_rate: float | None = None,
     early_stop: bool = True,
+    early_pass: bool = False,
 ) -> GoodputResult:
     """Bisection on the arrival rate; ``unit_rate_requests`` arrive at 1 request/s on average.
 
@@ -109,7 +132,9 @@ def find_goodput(
     however long a finite workload hides it): a probe passing there ends the search.
     ``min_rate``: if the search would find less, stop as soon as that is certain, with ``rate`` 0
     and ``below`` = ``min_rate``; otherwise the result is the same as without it.
-    ``early_stop``: end each probe once its verdict is certain (same outcome, less simulating).
+    ``early_stop``: end each probe once its verdict is certain to fail (same outcome, less
+    simulating); ``early_pass`` also once it is certain to pass (then ``result`` may be a run that
+    stopped early: its attainment a lower bound).
     """
     if not unit_rate_requests:
         raise InvalidConfigError("the workload has no requests")
@@ -124,15 +149,20 @@ def find_goodput(
     outcomes: dict[float, bool] = {}  # every simulated rate: the search may ask for one twice
     binding_at: dict[float, str] = {}
 
-    def simulate_at(rate: float, stop: bool) -> SimResult:
+    def simulate_at(rate: float, stop: bool) -> tuple[SimResult, bool]:
+        """The probe's simulation, and whether it stopped because it is certain to pass."""
         # A fresh Simulation per probe: it validates the placement and owns the run's state.
-        stop_when = _MissCounter(len(unit_rate_requests), slo) if stop else None
-        return Simulation(placement, latency, config).run(with_rate(unit_rate_requests, rate), stop_when)
+        stop_when = _MissCounter(len(unit_rate_requests), slo, early_pass) if stop else None
+        res = Simulation(placement, latency, config).run(with_rate(unit_rate_requests, rate), stop_when)
+        return res, stop_when is not None and stop_when.passed
 
     def probe(rate: float) -> bool:
         if rate not in outcomes:
-            res = simulate_at(rate, early_stop)
+            res, passed = simulate_at(rate, early_stop)
             att = attainment(res.records, slo)
+            if res.stopped_early and meets(att, slo) != passed:  # (rounding at the bound: never seen)
+                res, _ = simulate_at(rate, False)
+                att = attainment(res.records, slo)
             outcomes[rate] = meets(att, slo)
             # Which SLO binds, from the requests that finished (all of them unless stopped early).
             done = [r for r in res.records if r.finish_s is not None] if res.stopped_early else None
@@ -144,7 +174,7 @@ def find_goodput(
     def complete(rate: float) -> SimResult:
         """The full simulation at a probed rate (its probe's attainment made exact)."""
         if results[rate].stopped_early:
-            results[rate] = simulate_at(rate, False)
+            results[rate], _ = simulate_at(rate, False)
             i = next(i for i, p in enumerate(probes) if p.rate == rate)
             probes[i] = Probe(rate, attainment(results[rate].records, slo), outcomes[rate])
         return results[rate]

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -91,6 +91,15 @@ class LatencyModel(ABC):
     @abstractmethod
     def supports(self, tp: int, pp: int) -> bool:
         """Whether ``step_time`` can answer for this parallel layout."""
+
+    def decode_step_fn(self, tp: int, pp: int, scale: float = 1.0, overhead_s: float = 0.0) -> Callable[[int, int, int], float]:
+        """``scale * step_time + overhead_s`` of a decode-only batch as a function of (num_decode,
+        decode_ctx, decode_max_ctx): the same float as from that ``BatchShape`` (``scale`` 1: no
+        product; the simulator's fast-forward calls it once per step it skips)."""
+        step_time = self.step_time
+        if scale == 1.0:
+            return lambda n, ctx, max_ctx: step_time(BatchShape(0, 0, 0, n, ctx, max_ctx), tp, pp) + overhead_s
+        return lambda n, ctx, max_ctx: scale * step_time(BatchShape(0, 0, 0, n, ctx, max_ctx), tp, pp) + overhead_s
 
     def prefill_time(self, prompt_lens: Sequence[int], tp: int = 1, pp: int = 1) -> float:
         """Whole-model latency (all pp stages) of one prefill batch of whole prompts."""
@@ -353,6 +362,26 @@ class FittedLatencyModel(LatencyModel):
         if pp != 1:
             return time_s / pp + self.pp_stage_overhead_s
         return time_s
+
+    def decode_step_fn(self, tp: int, pp: int, scale: float = 1.0, overhead_s: float = 0.0) -> Callable[[int, int, int], float]:
+        if self.cascade_decode or tp not in self._by_tp or self.padded_decode:
+            return super().decode_step_fn(tp, pp, scale, overhead_s)
+        c = self._by_tp[tp]
+        threshold, small, large = c[9], c[3:6], c[6:9]
+        stage_s = self.pp_stage_overhead_s
+        unscaled = scale == 1.0
+
+        def decode_step(n: int, ctx: int, max_ctx: int) -> float:  # step_time's arithmetic, in its order
+            if not n:
+                time_s = 0.0
+            else:
+                a, b, k = small if n <= threshold else large
+                time_s = a + b * ctx + k * n
+                if pp != 1:
+                    time_s = time_s / pp + stage_s
+            return time_s + overhead_s if unscaled else scale * time_s + overhead_s
+
+        return decode_step
 
     @classmethod
     def from_profile(

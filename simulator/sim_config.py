@@ -44,8 +44,9 @@ class SimConfig:
     router: str = DEFAULT_ROUTER  # the entry rule, by name (``distserve.cluster.routing.ROUTERS``), as ``serve --router``
     # Admission (``distserve.cluster.admission``): policy, tenants, backpressure — the runtime's defaults.
     admission: AdmissionConfig = AdmissionConfig()
-    # Skip steady stretches of decode steps in one jump (``simulator.fast_forward``): the same
-    # results, step for step; off, every step goes through the scheduler (to compare).
+    # Keep decoding sequences compact and skip steady stretches of decode steps in one jump
+    # (``simulator.fast_forward``): the same results, step for step; off, every step goes through
+    # the scheduler one sequence at a time (to compare).
     fast_forward: bool = True
 
     def __post_init__(self) -> None:

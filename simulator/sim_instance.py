@@ -22,9 +22,12 @@ from simulator.latency import BatchShape, LatencyModel
 if TYPE_CHECKING:
     from kernels.cascade_attention import CascadeRule
     from simulator.layer_preemption import LayeredPrefill
+    from simulator.lazy_decodes import LazyDecodes
+    from simulator.lazy_lanes import LazyLanes
     from simulator.workload import Request
 
 StepTimeFn = Callable[[BatchShape], float]
+DecodeTimeFn = Callable[[int, int, int], float]  # (num_decode, decode_ctx, decode_max_ctx) -> seconds
 
 
 class SimInstance:
@@ -55,6 +58,9 @@ class SimInstance:
         self.fast_forward_log: list[tuple[float, int, float]] | None = None
         self.busy_s = 0.0
         self.step_time = step_time_fn
+        self.decode_time: DecodeTimeFn = lambda n, ctx, max_ctx: step_time_fn(BatchShape(0, 0, 0, n, ctx, max_ctx))
+        # Its decoding sequences in a compact form (``simulator.lazy_decodes``, pp > 1: ``simulator.lazy_lanes``).
+        self.lazy: LazyDecodes | LazyLanes | None = None
         self.cascade = cascade
         self.layered: LayeredPrefill | None = None  # prefill plans yield between layers (``simulator.layer_preemption``)
         self._savings: dict[tuple, tuple[int, int]] = {}  # batch_shape's memo of shared-prefix savings

@@ -44,6 +44,7 @@ class SimMigrations:
     _events: list[tuple[float, int, int, object]]
     _seq_no: Iterator[int]
     _migrate_at: float
+    _admission_stale: bool
 
     def _launch_at_end(self, inst: SimInstance) -> None: ...  # Simulation's
 
@@ -82,6 +83,7 @@ class SimMigrations:
     def _migrated(self, src: SimInstance, dst: SimInstance, seq_id: int, now: float) -> None:
         """A transfer arrived: the decode instance takes the request, the prefill instance frees it."""
         dst.rx_ends.popleft()
+        self._admission_stale = True  # the entry (prefill) instance changed
         src.core.release(seq_id)
         src.route.release(seq_id)
         dst.core.complete(seq_id)

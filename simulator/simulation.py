@@ -25,10 +25,12 @@ launch — a step sees everything that happened before it starts, as the runtime
 finished transfers and new requests before it schedules. ``tests/cluster/test_equivalence.py``
 checks that this makes the plans and migrations of ``LocalDisaggEngine``'s rounds.
 
-Fast-forward (``SimConfig.fast_forward``, on by default): a stretch of decode steps where nothing
+Fast-forward (``SimConfig.fast_forward``, on by default): an instance's decoding sequences are
+kept in a compact form from step to step (``simulator.lazy_decodes``, pp > 1: ``simulator.lazy_lanes``),
+the real scheduler planning only what else a step computes, and a stretch of steps where nothing
 can change but the contexts (no prompt, preemption or arrival, no migration into the instance, no
-event that reads it) is applied in one jump by ``simulator.fast_forward``, with the results of
-running it step by step; the real scheduler plans every step where anything else happens.
+event that reads it) is applied in one jump (``simulator.fast_forward``), with the results of
+running it step by step.
 
 Layer preemption (``SchedulerConfig.layer_preemption``): a prefill instance of one worker runs its
 plans through the runtime's ``PreemptibleSteps`` (``simulator.layer_preemption``): a backlogged
@@ -55,35 +57,33 @@ from dataclasses import replace
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from distserve.cluster.admission import AdmissionItem, EntryLoad, entry_load, measured_tpot_s
 from distserve.cluster.counters import ClusterCounters
 from distserve.cluster.migration_queue import MigrationQueue
-from distserve.cluster.routing import decode_lane, entry_hashes, pick_entry
-from distserve.config import SamplingParams
+from distserve.cluster.routing import decode_lane
 from distserve.engine.block_manager import prefix_block_hashes
 from distserve.engine.instance_core import InstanceCore
 from distserve.engine.step_plan import SampledToken, StepPlan
 from distserve.engine.sequence import Sequence, SequenceStatus
-from distserve.errors import InvalidConfigError, QueueFullError
+from distserve.errors import InvalidConfigError
 from distserve.placement import InstanceSpec, Placement
-from simulator.fast_forward import fast_forward, undo_after
-from simulator.fast_forward_pipeline import fast_forward_pipeline
+from simulator.fast_forward import undo_after
 from simulator.layer_preemption import layered_prefill
+from simulator.lazy_decodes import LazyDecodes
+from simulator.lazy_lanes import LazyLanes
 from simulator.latency import LatencyModel
 from simulator.metrics import RequestRecord, SimResult
 from simulator.sim_config import SimConfig
+from simulator.sim_admission import SAMPLED_TOKEN, SimAdmission
 from simulator.sim_events import ARRIVE, LAUNCH, MIGRATE, MIGRATED, STEP_DONE
 from simulator.sim_migration import SimMigrations
-from simulator.sim_instance import SharedCompute, SimInstance, cascade_rule_of, check_fits, hold_every_prompt, route_of, step_time_fn
+from simulator.sim_instance import SharedCompute, SimInstance, cascade_rule_of, check_fits, hold_every_prompt, step_time_fn
 
 if TYPE_CHECKING:
     from collections.abc import Sequence as Seq
 
     from simulator.workload import Request
 
-SAMPLED_TOKEN = 1  # the token every simulated step "samples"; never an EOS (ignore_eos is set anyway)
-
-class Simulation(SimMigrations):
+class Simulation(SimAdmission, SimMigrations):
     """Run a list of requests through a placement; ``run()`` returns a ``SimResult``."""
 
     def __init__(self, placement: Placement, latency: LatencyModel, config: SimConfig | None = None) -> None:
@@ -111,6 +111,8 @@ class Simulation(SimMigrations):
             fn = step_time_fn(latency, spec.tp, spec.pp, cfg.step_overhead_s, cfg.step_time_scale,
                                cfg.prefill_scale, instant=cfg.instant_prefill and kind == "prefill")
             inst = SimInstance(kind, idx, spec, core, fn, len(self.instances), cascade=cascade)
+            if not (cfg.instant_prefill and kind == "prefill"):
+                inst.decode_time = latency.decode_step_fn(spec.tp, spec.pp, cfg.step_time_scale, cfg.step_overhead_s)
             inst.layered = layered_prefill(inst, model.num_layers, not cfg.instant_prefill)
             self.instances.append(inst)
         self.entry = [i for i in self.instances if i.kind in ("colocated", "prefill")]
@@ -149,7 +151,9 @@ class Simulation(SimMigrations):
     def run(self, requests: Seq[Request], stop_when: Callable[[RequestRecord], bool] | None = None) -> SimResult:
         """Simulate ``requests`` until all finish, or until ``stop_when(record)``, called with each
         request as it finishes, returns True (then ``SimResult.stopped_early`` is set and the
-        unfinished requests' records stay open)."""
+        unfinished requests' records stay open). A ``stop_when`` with a ``finishes_to_decide()``
+        method (the fewest more finished requests after which it could return True) keeps
+        fast-forward jumps from running past that point."""
         if not requests:
             raise InvalidConfigError("the workload has no requests")
         if self.config.instant_prefill:
@@ -169,12 +173,14 @@ class Simulation(SimMigrations):
         self.records = records
         self._stop_when = stop_when
         self.stop_when_set = stop_when is not None
+        self._finishes_to_decide = getattr(stop_when, "finishes_to_decide", None)
+        self._finishes_ahead = 0  # requests jumps finished whose records are still to come (events)
         self._arrival_times = sorted(r.arrival_s for r in requests)  # the heap pops arrivals in this order
         self._num_arrived = 0
         # Steady decode stretches are skipped in one jump (``simulator.fast_forward``), unless an
         # observer wants every plan or steps share compute.
         self._fast_forward = self.config.fast_forward and self.on_plan is None and self.shared is None
-        self.num_fast_forward_steps = 0  # steps applied in jumps, without a schedule() each
+        self.num_fast_forward_steps = 0  # steps whose decodes the scheduler did not plan one by one (lazy)
         self._stop = False
         # Finished prefills waiting for room, FCFS: (source, its sequence, the copy the decode side gets).
         # The copy is made once; a failed ``reserve`` leaves it untouched, so retries reuse it.
@@ -186,6 +192,10 @@ class Simulation(SimMigrations):
         self.counters = ClusterCounters()
         self.admission = self.config.admission.queue()
         self._admit_due = False  # something arrived or a step ended: try to dispatch at the end of the instant
+        # Whether the admission queue or an entry instance changed since the last dispatch attempt, which
+        # stopped at a head no entry accepted: until then a retry does nothing (as ``horizon`` relies on).
+        self._admission_stale = True
+        tpot_backpressure = self.config.admission.tpot_slo_s is not None  # (it reads every step's time)
         unfinished = len(requests)
         now = 0.0
         prompts: dict[int, list[int]] = {}
@@ -203,13 +213,13 @@ class Simulation(SimMigrations):
                         continue  # superseded: shared compute moved this step's completion
                     # else superseded by a pipeline's jump, which applied it: only the instant's end below
                 else:
-                    if plan is None:  # the end of a fast-forward: its steps are applied, launch the next
-                        inst.fast_forward_log = None
-                        self._launch_at_end(inst)
+                    if plan is None:  # lazy decodes' marker: their step in flight ends, or they launch again
+                        unfinished -= inst.lazy.on_marker(self, now)  # type: ignore[union-attr]
                     elif type(plan) is list:  # requests a fast-forward finished in its step ending now
                         for seq in plan:
                             self._record_finish(inst, seq, now)
                         unfinished -= len(plan)
+                        self._finishes_ahead -= len(plan)
                     else:
                         if inst.plan_in_flight is not None:
                             self._push_completions(self.shared.stop(inst, now))  # type: ignore[union-attr]
@@ -218,6 +228,8 @@ class Simulation(SimMigrations):
                         else:
                             unfinished -= self._step_done(inst, plan, now)
                     self._admit_due = True
+                    if inst.kind != "decode":
+                        self._admission_stale = True
                     if self._stop:
                         break
                     if self.pending:
@@ -234,7 +246,8 @@ class Simulation(SimMigrations):
                 inst.launch_pending = False
                 self._launch_at_end(inst)
             if (self._due or self._admit_due) and (not events or events[0][0] > now):
-                if self._admit_due and self.admission:
+                if self._admit_due and self.admission and (
+                        self._admission_stale or tpot_backpressure or self.admission.next_deadline() <= now):
                     unfinished -= self._admit(now)
                 self._admit_due = False
                 self._launch_due(now)
@@ -260,62 +273,6 @@ class Simulation(SimMigrations):
             admission=self.admission.stats(),
         )
 
-    # ---- admission ------------------------------------------------------------------------------
-    def _arrive(self, r: Request, now: float, prompts: dict[int, list[int]]) -> int:
-        """Queue an arriving request for admission; returns 1 if it was refused (it ends here)."""
-        if r.prompt_token_ids is not None:
-            prompt = list(r.prompt_token_ids)
-        else:
-            prompt = prompts.get(r.prompt_len)
-            if prompt is None:
-                prompt = prompts[r.prompt_len] = [SAMPLED_TOKEN] * r.prompt_len
-        seq = Sequence(
-            str(r.req_id), prompt, SamplingParams(max_tokens=r.output_len, ignore_eos=True), arrival_time=r.arrival_s,
-            priority=r.priority, request_class=r.request_class,
-        )
-        if r.prompt_token_ids is None:  # the hashes the block manager would compute, block by block (``_hashes_upto``)
-            seq.prefix_hashes = self._filler_hashes[: (r.prompt_len + r.output_len) // self.config.block_size]
-            seq.hashed_block_size = self.config.block_size
-        item = AdmissionItem(seq.seq_id, r.request_class, r.prompt_len + r.output_len, r.arrival_s, r.priority, r.timeout_s, seq,
-                             num_prompt_tokens=r.prompt_len)
-        try:
-            self.admission.push(item, now)
-        except QueueFullError:
-            self.records[seq.seq_id].dropped = "rejected"
-            return 1
-        self._admit_due = True
-        return 0
-
-    def _admit(self, now: float) -> int:
-        """Drop the requests past their deadline, then dispatch while entry instances accept
-        (``AdmissionQueue.dispatch``); returns how many were dropped."""
-        expired = self.admission.expire(now)
-        for item in expired:
-            rec = self.records[item.request_id]
-            rec.dropped, rec.admission_wait_s = "expired", item.wait_s
-        tpot = measured_tpot_s((i.core.scheduler.num_running, i.core.last_step_s) for i in self.decodes or self.entry) \
-            if self.config.admission.tpot_slo_s is not None else None
-        block_size, prefix_caching, router = self.config.block_size, self.config.enable_prefix_caching, self.config.router
-
-        def load(inst: SimInstance) -> EntryLoad:
-            return entry_load(inst.core.scheduler, tpot)
-
-        def place(item: AdmissionItem, accepting: list[SimInstance]) -> SimInstance:
-            seq: Sequence = item.payload
-            seq.dispatch_time, seq.admission_rank = now, item.rank  # the entry scheduler keeps the admission order
-            hashes = entry_hashes(seq, block_size, prefix_caching)
-            return pick_entry(accepting, route_of, hashes, router, seq.seq_id, seq.request_class)
-
-        for item, inst in self.admission.dispatch(now, self.entry, load, place):
-            seq = item.payload
-            self._sampled[seq.seq_id] = SampledToken(seq.seq_id, SAMPLED_TOKEN)
-            self.records[seq.seq_id].admission_wait_s = item.wait_s
-            inst.core.add(seq)
-            if inst.layered is not None:
-                self._push_completions(inst.layered.arrived(seq, now, self.shared))
-            self._launch_at_end(inst)
-        return len(expired)
-
     # ---- one instant's order --------------------------------------------------------------------
     def _launch_at_end(self, inst: SimInstance) -> None:
         if not inst.launch_due:
@@ -335,9 +292,13 @@ class Simulation(SimMigrations):
 
     def _try_launch(self, inst: SimInstance, now: float) -> None:
         core = inst.core
+        if inst.kind != "decode":
+            self._admission_stale = True  # its load may change: the next dispatch attempt reads it again
         if inst.layered is not None:
             self._push_completions(inst.layered.launch(now, self.shared, self.on_plan))
             return
+        if inst.lazy is not None and inst.lazy.try_launch(self, now, self._finished_in_jump):
+            return  # busy, or launched with its lazy decodes (else handed back: planned as usual)
         if len(core.in_flight) >= inst.pp or inst.launch_pending:
             return
         if inst.stage_free[0] > now:  # stage 0 still busy with the previous micro-batch
@@ -365,18 +326,16 @@ class Simulation(SimMigrations):
             stage_free[s] = end
         if inst.pp > 1:
             inst.plan_ends.append(end)
-        if (self._fast_forward and inst.cascade is None
-                and (inst.kind == "decode" or (inst.kind == "colocated" and not self.pending))):
-            num_steps = inst.core.num_steps
+        if self._fast_forward and inst.kind != "prefill":  # its decodes go on in a compact form (``simulator.fast_forward``)
             if inst.pp == 1:
-                jumped = fast_forward(self, inst, plan, now, end, SAMPLED_TOKEN, self._finished_in_jump)
-                if jumped is not None:  # its last step in flight, or (no plan) a marker that relaunches it then
-                    self.num_fast_forward_steps += inst.core.num_steps - num_steps
-                    end, last = jumped
-                    heapq.heappush(self._events, (end, STEP_DONE, next(self._seq_no), (inst, last, inst.step_version)))
+                lazy = LazyDecodes.enter(self, inst, plan, end, SAMPLED_TOKEN)
+                if lazy is not None:
+                    inst.lazy = lazy
+                    lazy.advance(self, now, self._finished_in_jump)
                     return
-            elif fast_forward_pipeline(self, inst, now, SAMPLED_TOKEN, self._finished_in_jump, self._push):
-                self.num_fast_forward_steps += inst.core.num_steps - num_steps
+            elif (lanes := LazyLanes.enter(self, inst, SAMPLED_TOKEN)) is not None:  # each micro-batch a lane
+                inst.lazy = lanes
+                lanes.advance(self, now, inst.stage_free[0] if len(lanes.lanes) < inst.pp else None, self._finished_in_jump)
                 return
         heapq.heappush(self._events, (end, STEP_DONE, next(self._seq_no), (inst, plan, inst.step_version)))
         if inst.pp > 1 and len(core.in_flight) < inst.pp:
@@ -434,6 +393,13 @@ class Simulation(SimMigrations):
         """A fast-forward finished ``seqs`` in its step ending at ``end_s``: record them then, in
         the event order of the step-by-step run (``stop_when`` sees them in time order)."""
         heapq.heappush(self._events, (end_s, STEP_DONE, next(self._seq_no), (inst, seqs, inst.step_version)))
+        self._finishes_ahead += len(seqs)
+
+    def finishes_left(self) -> float:
+        """How many more requests a jump may finish before ``stop_when`` could end the run (inf: any)."""
+        if self._finishes_to_decide is None:
+            return float("inf")
+        return self._finishes_to_decide() - self._finishes_ahead
 
 
 def simulate(

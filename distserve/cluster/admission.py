@@ -220,6 +220,7 @@ class AdmissionQueue(Generic[T]):
     ) -> None:
         self.policy_name = check_admission_policy(policy)
         self.tenants: dict[str, TenantSpec] = dict(tenants or {})
+        self._unconfigured: dict[str, TenantSpec] = {}
         for name, spec in self.tenants.items():
             if not isinstance(spec, TenantSpec) or spec.name != name:
                 raise InvalidConfigError(f"tenants must map each name to its TenantSpec, got {name!r}: {spec!r:.80}", "tenants")
@@ -237,7 +238,11 @@ class AdmissionQueue(Generic[T]):
     # ---- tenants -------------------------------------------------------------------------------
     def spec(self, tenant: str) -> TenantSpec:
         spec = self.tenants.get(tenant)
-        return spec if spec is not None else TenantSpec(tenant)
+        if spec is None:  # an unconfigured tenant: the defaults, made once (it is frozen)
+            spec = self._unconfigured.get(tenant)
+            if spec is None:
+                spec = self._unconfigured[tenant] = TenantSpec(tenant)
+        return spec
 
     def weight_of(self, tenant: str) -> float:
         spec = self.tenants.get(tenant)

@@ -17,10 +17,11 @@ prompt waits), ``commit`` and prefix-affinity routing all read the same list. It
 because ``token_ids`` only grow (preemption and crash re-runs keep the tokens so far), and a
 block's hash depends only on the tokens up to its end.
 
-Blocks are created on first use: a simulation builds thousands of block managers (one per instance
-per probe) and touches a fraction of their blocks. The free order is the one of a queue that starts
-as ``0 .. num_blocks - 1``: never-used blocks (ids ``>= len(blocks)``, taken in id order) come
-first, then the freed ones, least recently freed first.
+A block is a ref count in a list (``ref_counts``), and a content hash and its tokens in two dicts
+once it is hashed; it comes into being on first use: a simulation builds thousands of block
+managers (one per instance per probe), and takes blocks by the million. The free order is the one
+of a queue that starts as ``0 .. num_blocks - 1``: never-used blocks (ids ``>= len(ref_counts)``,
+taken in id order) come first, then the freed ones, least recently freed first.
 """
 
 from __future__ import annotations
@@ -29,7 +30,6 @@ import hashlib
 from array import array
 from collections import OrderedDict
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass, field
 
 from distserve.engine.sequence import Sequence
 
@@ -81,14 +81,6 @@ def _extend_hashes(hashes: list[int], token_ids: Seq[int], block_size: int, num_
     return hashes
 
 
-@dataclass(slots=True)
-class Block:
-    block_id: int
-    ref_count: int = 0
-    content_hash: int | None = None
-    token_ids: list[int] = field(default_factory=list)  # content of a hashed block, to rule out collisions
-
-
 class BlockManager:
     """Allocates fixed-size KV blocks to sequences. Methods that can fail say no by returning False/None."""
 
@@ -96,7 +88,9 @@ class BlockManager:
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.enable_prefix_caching = enable_prefix_caching
-        self.blocks: list[Block] = []  # block i exists once it has been taken: i < len(blocks)
+        self.ref_counts: list[int] = []  # of each block used so far (block i exists once taken: i < len)
+        self._block_hash: dict[int, int] = {}  # block -> its content hash, for the hashed blocks
+        self._block_tokens: dict[int, list[int]] = {}  # block -> its content, to rule out hash collisions
         self._free: OrderedDict[int, None] = OrderedDict()  # freed blocks, least recently freed first
         self._hash_to_block: dict[int, int] = {}
         self.num_prefix_hit_tokens = 0
@@ -107,7 +101,7 @@ class BlockManager:
     # ---- queries -------------------------------------------------------------------------
     @property
     def num_free_blocks(self) -> int:
-        return self.num_blocks - len(self.blocks) + len(self._free)
+        return self.num_blocks - len(self.ref_counts) + len(self._free)
 
     @property
     def usage(self) -> float:
@@ -133,7 +127,7 @@ class BlockManager:
         token_ids = seq.token_ids
         for i in range(num_candidates):
             block_id = self._hash_to_block.get(hashes[i])
-            if block_id is None or self.blocks[block_id].token_ids != token_ids[i * bs : (i + 1) * bs]:
+            if block_id is None or self._block_tokens[block_id] != token_ids[i * bs : (i + 1) * bs]:
                 break
             hits.append(block_id)
         return hits
@@ -163,7 +157,8 @@ class BlockManager:
         """Room for ``seq``'s blocks, and for one more block per completion forked from it (``n`` > 1:
         each completion's first token copies the shared last block, or opens a new one)."""
         hits = self._match_prefix(seq)
-        revived = sum(1 for b in hits if self.blocks[b].ref_count == 0)
+        ref_counts = self.ref_counts
+        revived = sum(1 for b in hits if ref_counts[b] == 0)
         return self.num_blocks_for(seq.num_tokens) - len(hits) + revived + len(seq.forks) <= self.num_free_blocks
 
     def allocate(self, seq: Sequence) -> bool:
@@ -172,13 +167,13 @@ class BlockManager:
         if not self.can_allocate(seq):
             return False
         hits = self._match_prefix(seq)
+        ref_counts = self.ref_counts
         for block_id in hits:
-            block = self.blocks[block_id]
-            if block.ref_count == 0:
+            if ref_counts[block_id] == 0:
                 del self._free[block_id]
-            block.ref_count += 1
-        seq.block_table = hits + [self._take_free_block() for _ in range(self.num_blocks_for(seq.num_tokens) - len(hits))]
-        seq.block_hashes = [self.blocks[b].content_hash for b in hits]  # type: ignore[misc]
+            ref_counts[block_id] += 1
+        seq.block_table = hits + self._take_free_blocks(self.num_blocks_for(seq.num_tokens) - len(hits))
+        seq.block_hashes = [self._block_hash[b] for b in hits]
         seq.num_cached_tokens = len(hits) * self.block_size
         seq.num_computed_tokens = seq.num_cached_tokens
         self.num_prefix_hit_tokens += seq.num_cached_tokens
@@ -207,7 +202,7 @@ class BlockManager:
         """Raw blocks for a caller that fills them itself (e.g. KV received from another instance)."""
         if num_blocks > self.num_free_blocks:
             return None
-        return [self._take_free_block() for _ in range(num_blocks)]
+        return self._take_free_blocks(num_blocks)
 
     def _slots_needed(self, seq: Sequence, num_new_tokens: int) -> tuple[int, bool]:
         """(new blocks to add, whether the block receiving the first new token must be copied)."""
@@ -216,7 +211,7 @@ class BlockManager:
         table = seq.block_table
         grow = (computed + num_new_tokens + bs - 1) // bs - len(table)
         first = computed // bs
-        cow = first < len(table) and self.blocks[table[first]].ref_count > 1
+        cow = first < len(table) and self.ref_counts[table[first]] > 1
         return (grow if grow > 0 else 0), cow
 
     def can_append(self, seq: Sequence, num_new_tokens: int = 1) -> bool:
@@ -236,24 +231,24 @@ class BlockManager:
         num_held = len(table)
         grow = (computed + num_new_tokens + bs - 1) // bs - num_held
         first = computed // bs
-        cow = first < num_held and self.blocks[table[first]].ref_count > 1
+        cow = first < num_held and self.ref_counts[table[first]] > 1
         if grow <= 0:
             if not cow:
                 return []  # the common decode step: room in the last block, nothing shared
             grow = 0
-        if grow + cow > self.num_blocks - len(self.blocks) + len(self._free):
+        if grow + cow > self.num_blocks - len(self.ref_counts) + len(self._free):
             return None
         copies: list[tuple[int, int]] = []
         if cow:
             src = table[first]
             dst = self._take_free_block()
-            self.blocks[src].ref_count -= 1
+            self.ref_counts[src] -= 1
             table[first] = dst
             copies.append((src, dst))
         if grow == 1:
             table.append(self._take_free_block())
         elif grow:
-            table.extend([self._take_free_block() for _ in range(grow)])
+            table.extend(self._take_free_blocks(grow))
         return copies
 
     def commit(self, seq: Sequence) -> None:
@@ -274,19 +269,20 @@ class BlockManager:
                 continue
             if self._in_flight.get(h) is seq:
                 del self._in_flight[h]
-            block = self.blocks[seq.block_table[i]]
-            if h not in self._hash_to_block and block.content_hash is None:
-                block.content_hash = h
-                block.token_ids = token_ids[i * bs : (i + 1) * bs]
-                self._hash_to_block[h] = block.block_id
+            block_id = seq.block_table[i]
+            if h not in self._hash_to_block and block_id not in self._block_hash:
+                self._block_hash[block_id] = h
+                self._block_tokens[block_id] = token_ids[i * bs : (i + 1) * bs]
+                self._hash_to_block[h] = block_id
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """Share every block of ``parent`` with ``child`` (copy-on-write on the next append): the blocks
         hold the same KV, so neither recomputes it; a partly filled block is copied by whichever of
         them appends to it while it is shared (``append_slots``)."""
         assert not child.block_table
+        ref_counts = self.ref_counts
         for b in parent.block_table:
-            self.blocks[b].ref_count += 1
+            ref_counts[b] += 1
         child.block_table = list(parent.block_table)
         child.block_hashes = list(parent.block_hashes)
         child.num_computed_tokens = parent.num_computed_tokens
@@ -296,35 +292,58 @@ class BlockManager:
         """Release ``seq``'s blocks; hashed ones stay reusable until evicted."""
         if self._in_flight:
             self._drop_in_flight(seq)
-        blocks, free = self.blocks, self._free
+        ref_counts, free = self.ref_counts, self._free
         for b in reversed(seq.block_table):  # free_block inlined: one call per block adds up
-            block = blocks[b]
-            assert block.ref_count > 0, f"double free of block {b}"
-            block.ref_count -= 1
-            if block.ref_count == 0:
+            n = ref_counts[b]
+            assert n > 0, f"double free of block {b}"
+            ref_counts[b] = n - 1
+            if n == 1:
                 free[b] = None
         seq.block_table = []
         seq.block_hashes = []
 
     def free_block(self, block_id: int) -> None:
-        block = self.blocks[block_id]
-        assert block.ref_count > 0, f"double free of block {block_id}"
-        block.ref_count -= 1
-        if block.ref_count == 0:
+        n = self.ref_counts[block_id]
+        assert n > 0, f"double free of block {block_id}"
+        self.ref_counts[block_id] = n - 1
+        if n == 1:
             self._free[block_id] = None
 
     def _take_free_block(self) -> int:
-        blocks = self.blocks
-        block_id = len(blocks)
+        ref_counts = self.ref_counts
+        block_id = len(ref_counts)
         if block_id < self.num_blocks:  # a never-used block: first in the free order
-            blocks.append(Block(block_id, 1))
+            ref_counts.append(1)
             return block_id
         block_id, _ = self._free.popitem(last=False)
-        block = self.blocks[block_id]
-        if block.content_hash is not None:
-            if self._hash_to_block.get(block.content_hash) == block_id:
-                del self._hash_to_block[block.content_hash]
-            block.content_hash = None
-            block.token_ids = []
-        block.ref_count = 1
+        if self._block_hash:
+            self._evict(block_id)
+        ref_counts[block_id] = 1
         return block_id
+
+    def _evict(self, block_id: int) -> None:
+        """A freed block handed out again leaves the prefix cache, if it was in it."""
+        h = self._block_hash.pop(block_id, None)
+        if h is not None:
+            if self._hash_to_block.get(h) == block_id:
+                del self._hash_to_block[h]
+            del self._block_tokens[block_id]
+
+    def _take_free_blocks(self, num_blocks: int) -> list[int]:
+        """``num_blocks`` ``_take_free_block``s, in order (never-used blocks in one go)."""
+        ref_counts = self.ref_counts
+        first = len(ref_counts)
+        new = min(num_blocks, self.num_blocks - first)
+        if new > 0:
+            ref_counts.extend([1] * new)
+            taken = list(range(first, first + new))
+        else:
+            new, taken = 0, []
+        popitem, hashed = self._free.popitem, self._block_hash
+        for _ in range(num_blocks - new):  # freed ones, least recently freed first (``_take_free_block`` inlined)
+            block_id, _ = popitem(last=False)
+            if hashed:
+                self._evict(block_id)
+            ref_counts[block_id] = 1
+            taken.append(block_id)
+        return taken

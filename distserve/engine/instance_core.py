@@ -259,17 +259,22 @@ class InstanceCore:
         self._deferred = waiting
 
     # ---- the step ------------------------------------------------------------------------------
-    def launch(self, send_finished: bool = True, *, preempting: bool = False) -> PlanInFlight | None:
+    def launch(self, send_finished: bool = True, *, preempting: bool = False, num_lazy_decodes: int = 0,
+               lazy_decode_ctx: int = 0, num_lazy_in_flight: int = 0, lazy_in_flight_ctx: int = 0) -> PlanInFlight | None:
         """The next plan, numbered and in flight, if the pipeline has room and there is something
         to send: tokens to compute, or (``send_finished``) finished ids whose per-request state the
         workers drop; else None. A driver without such state (the simulator) passes False.
         ``preempting``: one plan more than the pipeline holds, to run while a suspended one waits
-        (``engine.preemptible``)."""
+        (``engine.preemptible``). ``num_lazy_*``: running sequences the driver decodes itself
+        (``Scheduler.schedule``; the plan then holds only the others)."""
         if self._deferred:
             self.run_deferred()
         if len(self.in_flight) >= self.pipeline_depth + preempting:
             return None
-        plan = self.scheduler.schedule()
+        if num_lazy_decodes or num_lazy_in_flight:
+            plan = self.scheduler.schedule(num_lazy_decodes, lazy_decode_ctx, num_lazy_in_flight, lazy_in_flight_ctx)
+        else:
+            plan = self.scheduler.schedule()
         if plan.is_empty and not (send_finished and plan.finished_seq_ids):
             return None
         if self.grammars is not None:
@@ -291,11 +296,12 @@ class InstanceCore:
         plan launched while ``p`` is suspended must not compute them again (``engine.preemptible``)."""
         self.scheduler.in_flight.update(c.seq_id for c in p.plan.chunks)
 
-    def observe(self, plan: StepPlan, seconds: float) -> None:
-        """How long ``plan`` took (measured, or modelled in the simulator): the step budget learns from it."""
-        self.scheduler.observe_step(plan, seconds)
+    def observe(self, plan: StepPlan, seconds: float, num_lazy_decodes: int = 0, lazy_decode_ctx: int = 0) -> None:
+        """How long ``plan`` (with its lazy decodes: ``launch``) took (measured, or modelled in the
+        simulator): the step budget learns from it."""
+        self.scheduler.observe_step(plan, seconds, num_lazy_decodes, lazy_decode_ctx)
         self.num_steps += 1
-        self.iteration_tokens.observe(plan.num_batched_tokens)
+        self.iteration_tokens.observe(plan.num_batched_tokens + num_lazy_decodes)
         self.step_seconds.observe(seconds)
 
     def apply_oldest(self, sampled: Seq[SampledToken], now: float) -> list[Sequence]:

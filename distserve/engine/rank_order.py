@@ -62,11 +62,10 @@ class AdmissionRankOrder:
         """Prompt tokens held and not yet computed (waiting, isolated, partly prefilled), by admission
         rank (index): what admission's token backpressure reads (``cluster.backpressure.EntryLoad``)."""
         pending: list[int] = []
-        for seqs, partial_only in ((self.waiting, False), (self.isolated, False), (self.running, True)):
+        prompting = [s for s in self.running if len(s.token_ids) - s.num_computed_tokens > 1]  # (not the decodes)
+        for seqs in (self.waiting, self.isolated, prompting):
             for seq in seqs:
                 n = len(seq.token_ids) - seq.num_computed_tokens
-                if partial_only and n <= 1:
-                    continue  # a decode
                 rank = seq.admission_rank
                 if rank >= len(pending):
                     pending.extend([0] * (rank + 1 - len(pending)))
@@ -117,13 +116,15 @@ class AdmissionRankOrder:
             return False
         return seq.admission_rank > self._step_rank
 
-    def _overtaken(self, order: list[Sequence]) -> tuple[list[Sequence], int | None]:
+    def _overtaken(self, order: list[Sequence], start: int = 0) -> tuple[list[Sequence], int | None]:
         """``order`` with the partly computed prompts that rank after the first waiting sequence moved to
         its end, and where they start: with chunked prefill, a prompt dispatched ahead of another's
-        (a higher class or admission rank) does not wait for the other's remaining chunks."""
+        (a higher class or admission rank) does not wait for the other's remaining chunks. The first
+        ``start`` are decodes (the scheduler's lazy decodes): they stay."""
         first_waiting = self.policy(self.waiting[0])
         policy = self.policy
-        late = [s for s in order if len(s.token_ids) - s.num_computed_tokens > 1 and policy(s) > first_waiting]
+        late = [s for s in (order[start:] if start else order)
+                if len(s.token_ids) - s.num_computed_tokens > 1 and policy(s) > first_waiting]
         if not late:
             return order, None
         moved = set(map(id, late))

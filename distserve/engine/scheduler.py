@@ -39,6 +39,8 @@ _priority_key: PolicyKey = attrgetter("class_rank", "admission_rank", "priority"
 
 SCHEDULING_POLICIES: dict[str, PolicyKey] = {"fcfs": _fcfs_key, "priority": _priority_key}
 
+_LAZY_DECODE: ScheduledChunk = None  # type: ignore[assignment]  # a lazy decode's place in a plan (``schedule``)
+
 
 def get_policy(name: str) -> PolicyKey:
     if name not in SCHEDULING_POLICIES:
@@ -206,13 +208,22 @@ class Scheduler(AdmissionRankOrder):
         self._enqueue(seq)
 
     # ---- the step ------------------------------------------------------------------------------
-    def schedule(self) -> StepPlan:
+    def schedule(self, num_lazy_decodes: int = 0, lazy_decode_ctx: int = 0, num_lazy_in_flight: int = 0,
+                 lazy_in_flight_ctx: int = 0) -> StepPlan:
         """The next step's plan. A failure while deciding one sequence's share is blamed on that
         sequence (``StepFailedError``): a request that breaks scheduling fails alone, as one that
-        breaks the model does."""
+        breaks the model does.
+
+        Lazy decodes (the simulator keeps decoding sequences in a compact form): the first
+        ``num_lazy_decodes + num_lazy_in_flight`` running sequences are the driver's, their state
+        unread; ``num_lazy_decodes`` of them (contexts ``lazy_decode_ctx``) decode one token each in
+        this plan, in its budget and cap but without a chunk (the driver made their slots and
+        applies them), the others are in plans in flight. The driver vouches that the decoding ones
+        fit (budget, cap, policy order) and nothing is isolated or waits for a prompts-alone step:
+        the plan is ``schedule()``'s less their chunks."""
         self._scheduling = None
         try:
-            plan = self._schedule()
+            plan = self._schedule(num_lazy_decodes, lazy_decode_ctx, num_lazy_in_flight, lazy_in_flight_ctx)
             if self.forking:
                 self._plan_forks(plan)
             return plan
@@ -222,7 +233,7 @@ class Scheduler(AdmissionRankOrder):
                 raise
             raise StepFailedError(f"scheduling {seq.seq_id} failed: {type(exc).__name__}: {exc}", [seq.seq_id]) from exc
 
-    def _schedule(self) -> StepPlan:
+    def _schedule(self, num_lazy: int = 0, lazy_ctx: int = 0, num_lazy_in_flight: int = 0, lazy_in_flight_ctx: int = 0) -> StepPlan:
         plan = StepPlan([], [], [], self._finished_since_plan)
         self._finished_since_plan = []
         if self.isolated and not self.in_flight and self._schedule_isolated(plan):
@@ -233,9 +244,12 @@ class Scheduler(AdmissionRankOrder):
             budget = self.config.max_num_batched_tokens
         else:
             # The sequences that decode this step (one token left to compute): their TPOT is what a budget protects.
-            decoding = [len(s.token_ids) for s in self.running if len(s.token_ids) - s.num_computed_tokens <= 1]
-            budget = self.step_budget.tokens(len(decoding), sum(decoding))
-        decodes: list[ScheduledChunk] = []
+            head = num_lazy + num_lazy_in_flight
+            decoding = [len(s.token_ids) for s in (self.running[head:] if head else self.running)
+                        if len(s.token_ids) - s.num_computed_tokens <= 1]
+            budget = self.step_budget.tokens(head + len(decoding), lazy_ctx + lazy_in_flight_ctx + sum(decoding))
+        # The lazy decodes hold their places in the batch (counts and emptiness below), not a chunk.
+        decodes: list[ScheduledChunk] = [_LAZY_DECODE] * num_lazy
         prefills: list[ScheduledChunk] = []
         preempted = False
         block_manager = self.block_manager
@@ -247,18 +261,21 @@ class Scheduler(AdmissionRankOrder):
         if not self._running_sorted:  # removals keep the order; only _append_running can break it
             running.sort(key=self.policy)
             self._running_sorted = True
-        i = 0
+        i = num_lazy + num_lazy_in_flight
         in_flight = self.in_flight
         max_seqs = self.config.max_num_seqs  # per plan: with pp > 1, each micro-batch gets its share
         # ``running`` itself, or prefix groups together when the step cannot take them all and cannot preempt.
-        order = self.prefix_grouping.selection_order(running, len(in_flight), budget, max_seqs, block_manager)
+        order = self.prefix_grouping.selection_order(running, len(in_flight) + num_lazy_in_flight, budget, max_seqs, block_manager)
+        if i:
+            assert order is running and num_lazy <= min(budget, max_seqs), "lazy decodes must all fit, in policy order"
+            budget -= num_lazy
         # The running sequences before the waiting ones, except partly computed prompts that rank after
         # the first waiting one: those go after (``_overtaken``).
         self._step_rank = None
         prompt_tokens = 0  # prompt tokens this step computes so far (``_backlog_room``)
         split: int | None = None  # where the overtaken prompts start in ``order`` (None: none are)
         if self._chunk_prefills and self.waiting:
-            order, split = self._overtaken(order)
+            order, split = self._overtaken(order, num_lazy + num_lazy_in_flight)
         waiting = [] if self._prompts_alone else self.waiting  # "vllm-2023": prompts never join decodes
         for late in (False, True):
             # len(order) each time: preemption may shrink ``order`` (it can be ``running`` itself)
@@ -314,6 +331,8 @@ class Scheduler(AdmissionRankOrder):
                     break
                 i = split
         self._scheduling = None
+        if num_lazy:
+            del decodes[:num_lazy]
         if prefills:
             decodes.extend(prefills)
         plan.chunks = decodes
@@ -476,11 +495,12 @@ class Scheduler(AdmissionRankOrder):
             self.in_flight.add(seq.seq_id)
         return True
 
-    def observe_step(self, plan: StepPlan, seconds: float) -> None:
-        """The executor's report of how long ``plan`` took (measured, or modelled in the simulator)."""
-        if (self._static_budget and not self._observe_prompts) or not plan.chunks:
+    def observe_step(self, plan: StepPlan, seconds: float, num_lazy_decodes: int = 0, lazy_decode_ctx: int = 0) -> None:
+        """The executor's report of how long ``plan`` took (measured, or modelled in the simulator),
+        with the lazy decodes it was scheduled with (``schedule``)."""
+        if (self._static_budget and not self._observe_prompts) or not (plan.chunks or num_lazy_decodes):
             return
-        num_decodes = decode_ctx = prefill_tokens = 0
+        num_decodes, decode_ctx, prefill_tokens = num_lazy_decodes, lazy_decode_ctx, 0
         for chunk in plan.chunks:
             n = len(chunk.token_ids)
             if n == 1:

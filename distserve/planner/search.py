@@ -84,7 +84,7 @@ _Evaluation = tuple[float, str | None, list[tuple[float, dict[str, float], bool]
 def _evaluate(job: _Job) -> _Evaluation:
     g: GoodputResult = find_goodput(job.placement, job.latency, job.unit_requests, job.slo, job.config,
                                     rel_tol=job.rel_tol, start_rate=job.start_rate, max_rate=job.max_rate,
-                                    min_rate=job.min_rate, early_stop=job.early_stop)
+                                    min_rate=job.min_rate, early_stop=job.early_stop, early_pass=job.early_stop)
     return (g.rate, g.binding, [(p.rate, p.attainment, p.meets) for p in g.probes], g.below,
             sum(p.stopped_early for p in g.probes))
 

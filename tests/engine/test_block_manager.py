@@ -46,7 +46,7 @@ def test_prefix_hit_shares_committed_blocks() -> None:
     assert b.num_cached_tokens == 8 and b.num_computed_tokens == 8
     assert b.block_table[:2] == a.block_table[:2]
     assert b.block_table[2] != a.block_table[2]
-    assert bm.blocks[a.block_table[0]].ref_count == 2
+    assert bm.ref_counts[a.block_table[0]] == 2
 
 
 def test_no_prefix_hit_on_last_token_block() -> None:
@@ -98,7 +98,7 @@ def test_copy_on_write_after_fork() -> None:
     child = make_seq("c", list(range(6)))
     bm.fork(parent, child)
     shared_tail = parent.block_table[1]
-    assert bm.blocks[shared_tail].ref_count == 2
+    assert bm.ref_counts[shared_tail] == 2
     # The child appends token 7 into the shared, partially filled block: it must get a copy.
     child.token_ids.append(42)
     copies = bm.append_slots(child, 1)
@@ -107,7 +107,7 @@ def test_copy_on_write_after_fork() -> None:
     assert src == shared_tail and dst != shared_tail
     assert child.block_table[1] == dst and parent.block_table[1] == shared_tail
     assert child.block_table[0] == parent.block_table[0]  # full block still shared
-    assert bm.blocks[shared_tail].ref_count == 1
+    assert bm.ref_counts[shared_tail] == 1
     # The parent now owns its tail alone: no copy.
     parent.token_ids.append(7)
     assert bm.append_slots(parent, 1) == []

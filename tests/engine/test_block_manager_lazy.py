@@ -12,11 +12,11 @@ def make_seq(seq_id: str, num_tokens: int, base: int = 0) -> Sequence:
 
 def test_a_large_manager_builds_no_block_until_one_is_taken() -> None:
     bm = BlockManager(num_blocks=1_000_000, block_size=16)
-    assert len(bm.blocks) == 0 and bm.num_free_blocks == 1_000_000 and bm.usage == 0.0
+    assert len(bm.ref_counts) == 0 and bm.num_free_blocks == 1_000_000 and bm.usage == 0.0
     s = make_seq("a", 40)  # 3 blocks
     assert bm.allocate(s)
-    assert s.block_table == [0, 1, 2] and len(bm.blocks) == 3
-    assert bm.num_free_blocks == 999_997 and [bm.blocks[b].ref_count for b in s.block_table] == [1, 1, 1]
+    assert s.block_table == [0, 1, 2] and len(bm.ref_counts) == 3
+    assert bm.num_free_blocks == 999_997 and [bm.ref_counts[b] for b in s.block_table] == [1, 1, 1]
 
 
 def test_never_used_blocks_come_before_freed_ones_in_id_order() -> None:

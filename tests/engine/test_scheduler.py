@@ -273,3 +273,39 @@ def test_group_memory_is_bounded_and_a_forgotten_group_starts_anew() -> None:
 def test_latency_max_num_seqs_must_be_positive() -> None:
     with pytest.raises(InvalidConfigError, match="latency_max_num_seqs"):
         SchedulerConfig(latency_max_num_seqs=0)
+
+
+@pytest.mark.parametrize("cfg", [{}, {"max_num_batched_tokens": 24, "enable_chunked_prefill": True},
+                                 {"step_budget": "slo", "tpot_slo_s": 0.05, "min_prefill_chunk": 4}])
+def test_lazy_decodes_leave_the_plan_as_it_was(cfg: dict[str, object]) -> None:
+    """``schedule(num_lazy_decodes=n)`` (the simulator's fast-forward: the driver made the first n
+    running sequences' slots and applies their update) plans exactly the rest of ``schedule()``'s
+    plan: the same admissions, chunks, blocks and budget, less the lazy decodes' chunks."""
+
+    def setup() -> tuple[Scheduler, dict[str, Sequence]]:
+        sched, seqs = make(num_blocks=256, **cfg)
+        for i in range(4):
+            add(sched, seqs, f"d{i}", 5 + i, max_tokens=50)
+        for step in range(3):  # they decode now; the SLO budget has seen steps with and without prompts
+            plan = sched.schedule()
+            sched.observe_step(plan, 0.01 + 0.001 * plan.num_batched_tokens)
+            sched.update_from_output(plan, fake_run(plan), seqs, float(step))
+        for i in range(3):
+            add(sched, seqs, f"p{i}", 9 + 3 * i)  # waiting prompts
+        return sched, seqs
+
+    full, _ = setup()
+    lazy, _ = setup()
+    plan = full.schedule()
+    n = 3  # the first three running sequences are lazy: their slots first, as the real loop would take them
+    for seq in lazy.running[:n]:
+        assert lazy.block_manager.append_slots(seq, 1) == []
+    ctx = sum(len(s.token_ids) for s in lazy.running[:n])
+    rest = lazy.schedule(num_lazy_decodes=n, lazy_decode_ctx=ctx)
+    assert len(plan.chunks) > n + 1 and any(len(c.token_ids) > 1 for c in plan.chunks)  # decodes and admitted prompts
+    assert [(c.seq_id, c.token_ids, c.start_pos, c.block_table, c.sample) for c in rest.chunks] == \
+        [(c.seq_id, c.token_ids, c.start_pos, c.block_table, c.sample) for c in plan.chunks[n:]]
+    assert [s.seq_id for s in lazy.running] == [s.seq_id for s in full.running]
+    assert [s.seq_id for s in lazy.waiting] == [s.seq_id for s in full.waiting]
+    assert [s.block_table for s in lazy.running] == [s.block_table for s in full.running]
+    assert lazy.block_manager.num_free_blocks == full.block_manager.num_free_blocks

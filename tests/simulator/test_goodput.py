@@ -1,8 +1,10 @@
-"""find_goodput's ``min_rate``: it stops a search that cannot reach a rate, and changes nothing else."""
+"""find_goodput's ``min_rate`` (it stops a search that cannot reach a rate) and probes that end once
+their verdict is certain change nothing else."""
 
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import pytest
 
@@ -104,6 +106,29 @@ def test_probes_stop_once_they_cannot_pass_with_the_full_search_outcome(mode: st
     assert res.rate == 0 and res.result is not None and not res.result.stopped_early
     low = min(res.probes, key=lambda p: p.rate)
     assert not low.stopped_early and low.attainment == min(ref.probes, key=lambda p: p.rate).attainment
+
+
+@pytest.mark.parametrize("mode", ["joint", "separate"])
+def test_probes_also_stop_once_they_cannot_fail(mode: str) -> None:
+    """``early_pass``: a probe also ends once enough requests met the SLO that no later one can make
+    it fail; every verdict and the goodput are the complete probes', a passed probe's attainment is a
+    lower bound that still meets the target. Requests of the throughput objective are judged as
+    ``attainment`` judges them (no latency targets) in either direction."""
+    latency = FittedLatencyModel("facebook/opt-13b", {1: OPT13B_A100}, hardware="a100-80g")
+    unit = [replace(r, objective="throughput" if r.req_id % 5 == 0 else "default")
+            for r in generate_requests("chatbot", 1.0, 200, seed=5, max_total_len=2048)]
+    slo = SLOSpec(SLO(0.25, 0.1, 0.9), mode=mode)
+    for placement in (Placement.disaggregated(1, 1), Placement.colocated_instances(1)):
+        full = find_goodput(placement, latency, unit, slo, rel_tol=0.05, early_stop=False)
+        fast = find_goodput(placement, latency, unit, slo, rel_tol=0.05, early_pass=True)
+        assert fast.rate == full.rate > 0 and fast.binding == full.binding
+        assert [(p.rate, p.meets) for p in fast.probes] == [(p.rate, p.meets) for p in full.probes]
+        passed = [p for p in fast.probes if p.stopped_early and p.meets]
+        assert passed and any(p.stopped_early and not p.meets for p in fast.probes)
+        exact = {p.rate: p.attainment for p in full.probes}
+        for p in passed:
+            key = "joint" if mode == "joint" else "ttft"
+            assert 0.9 - 1e-12 <= p.attainment[key] <= exact[p.rate][key] + 1e-12
 
 
 def test_stop_when_ends_a_simulation_early() -> None:

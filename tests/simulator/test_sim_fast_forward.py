@@ -3,8 +3,9 @@ every instance's figures and the simulated duration equal the step-by-step run's
 (``SimConfig(fast_forward=False)``), on colocated and disaggregated deployments, chunked prefill,
 fair admission of a flood, preemption under KV pressure, pipelines, classes and priorities, runs that
 stop early, instant prefills, the SLO step budget and a prefix cache, and pipelined (pp > 1)
-instances' micro-batches. Each case also checks that
-the jump happened (steps skipped), so a fast-forward that never fires cannot pass as identical."""
+instances' micro-batches. Each case also checks that lazy decodes carried steps (``skipped``), so a
+fast-forward that never fires cannot pass as identical. The simulation's skipped dispatch retries
+are checked the same way, against retries at every instant."""
 
 from __future__ import annotations
 
@@ -58,7 +59,7 @@ def both(placement: Placement, requests: list[Request], config: SimConfig = SimC
 
 
 def skipped(sim: Simulation, res: SimResult) -> float:
-    """The share of all steps the jumps applied without a schedule()."""
+    """The share of all steps whose decodes the scheduler did not plan one by one (lazy decodes)."""
     return sim.num_fast_forward_steps / sum(i["num_steps"] for i in res.instances.values())
 
 
@@ -149,7 +150,7 @@ PIPELINES = {
 
 @pytest.mark.parametrize("case", sorted(PIPELINES))
 def test_pipelined_instances_jump(case: str) -> None:
-    """pp > 1 instances jump their micro-batches (``fast_forward_pipeline``): every record, step count
+    """pp > 1 instances jump their micro-batches (``simulator.lazy_lanes``): every record, step count
     and clock equals the step-by-step run's, and most steps were jumped."""
     placement, rate, config = PIPELINES[case]
     requests = chat(rate, 150, seed=1)
@@ -225,3 +226,36 @@ def test_off_is_the_default_path_and_on_is_the_default() -> None:
     sim = Simulation(Placement.colocated_instances(1), opt13b(), SimConfig(fast_forward=False))
     sim.run(chat(2.0, 30))
     assert sim.num_fast_forward_steps == 0
+
+
+class RetryEveryInstant(Simulation):
+    """Retries dispatch at the end of every instant something arrived or a step ended, as before the
+    simulation skipped retries where nothing they read had changed."""
+
+    @property
+    def _admission_stale(self) -> bool:
+        return True
+
+    @_admission_stale.setter
+    def _admission_stale(self, value: bool) -> None:
+        pass
+
+
+@pytest.mark.parametrize("case", ["flood", "deadlines", "colocated"])
+def test_dispatch_retries_skipped_only_where_they_do_nothing(case: str) -> None:
+    """Requests held back by backpressure (a flood of one tenant; deadlines past the knee): the
+    retries the simulation skips (only decode instances changed since the last one, no deadline
+    due) would have dispatched and expired nothing."""
+    if case == "flood":
+        placement, requests, config = Placement.disaggregated(1, 2), flood_workload(7.0, 300, max_total_len=2048), \
+            SimConfig(admission=AdmissionConfig("fair"))
+    else:
+        requests = [replace(r, timeout_s=1.0 if r.req_id % 3 == 0 else None) for r in chat(60.0, 250, seed=4)]
+        placement = Placement.disaggregated(1, 2) if case == "deadlines" else Placement.colocated_instances(2)
+        config = SimConfig(admission=AdmissionConfig(max_waiting=2))
+    for fast_forward in (True, False):
+        cfg = replace(config, fast_forward=fast_forward)
+        every, skipping = RetryEveryInstant(placement, opt13b(), cfg).run(requests), Simulation(placement, opt13b(), cfg).run(requests)
+        assert records(skipping) == records(every) and skipping.admission == every.admission
+        assert skipping.instances == every.instances
+        assert any(r.admission_wait_s for r in every.records) and (case == "flood" or any(r.dropped == "expired" for r in every.records))

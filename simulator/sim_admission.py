@@ -1,0 +1,104 @@
+"""Admission in the simulation (a mixin of ``Simulation``): arriving requests wait in the runtime's
+admission queue (``distserve.cluster.admission``) until an entry (prefill or colocated) instance
+accepts them under backpressure, and are routed by the runtime's rules (``distserve.cluster.routing``).
+
+A dispatch attempt at the end of an instant reads the queue's head and the entry instances' loads
+and takes no time into account; one that dispatched nothing is not repeated until the queue or an
+entry instance changed (or a deadline or the TPOT rule calls for it): it would do nothing again
+(``_admission_stale``; ``Simulation.run`` checks it).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from distserve.cluster.admission import AdmissionItem, AdmissionQueue, EntryLoad, entry_load, measured_tpot_s
+from distserve.cluster.routing import entry_hashes, pick_entry
+from distserve.config import SamplingParams
+from distserve.engine.sequence import Sequence
+from distserve.engine.step_plan import SampledToken
+from distserve.errors import QueueFullError
+from simulator.sim_config import SimConfig
+from simulator.sim_instance import SharedCompute, SimInstance, route_of
+
+if TYPE_CHECKING:
+    from simulator.metrics import RequestRecord
+    from simulator.workload import Request
+
+SAMPLED_TOKEN = 1  # the token every simulated step "samples"; never an EOS (ignore_eos is set anyway)
+_SAMPLING: dict[int, SamplingParams] = {}  # a synthetic request's sampling, by its output length
+
+
+class SimAdmission:
+    """``Simulation``'s admission: the attributes below are ``Simulation``'s."""
+
+    config: SimConfig
+    admission: AdmissionQueue
+    records: dict[str, RequestRecord]
+    entry: list[SimInstance]
+    decodes: list[SimInstance]
+    shared: SharedCompute | None
+    _sampled: dict[str, SampledToken]
+    _filler_hashes: list[int]
+    _admit_due: bool
+    _admission_stale: bool
+
+    def _launch_at_end(self, inst: SimInstance) -> None: ...  # Simulation's
+
+    def _push_completions(self, group: list[SimInstance]) -> None: ...  # Simulation's
+
+    def _arrive(self, r: Request, now: float, prompts: dict[int, list[int]]) -> int:
+        """Queue an arriving request for admission; returns 1 if it was refused (it ends here)."""
+        if r.prompt_token_ids is not None:
+            prompt = list(r.prompt_token_ids)
+        else:
+            prompt = prompts.get(r.prompt_len)
+            if prompt is None:
+                prompt = prompts[r.prompt_len] = [SAMPLED_TOKEN] * r.prompt_len
+        sampling = _SAMPLING.get(r.output_len)
+        if sampling is None:  # frozen: one per output length, for every simulation
+            sampling = _SAMPLING[r.output_len] = SamplingParams(max_tokens=r.output_len, ignore_eos=True)
+        seq = Sequence(str(r.req_id), prompt, sampling, arrival_time=r.arrival_s, priority=r.priority, request_class=r.request_class)
+        if r.prompt_token_ids is None:  # the hashes the block manager would compute, block by block (``_hashes_upto``)
+            seq.prefix_hashes = self._filler_hashes[: (r.prompt_len + r.output_len) // self.config.block_size]
+            seq.hashed_block_size = self.config.block_size
+        item = AdmissionItem(seq.seq_id, r.request_class, r.prompt_len + r.output_len, r.arrival_s, r.priority, r.timeout_s, seq,
+                             num_prompt_tokens=r.prompt_len)
+        try:
+            self.admission.push(item, now)
+        except QueueFullError:
+            self.records[seq.seq_id].dropped = "rejected"
+            return 1
+        self._admit_due = self._admission_stale = True
+        return 0
+
+    def _admit(self, now: float) -> int:
+        """Drop the requests past their deadline, then dispatch while entry instances accept
+        (``AdmissionQueue.dispatch``); returns how many were dropped."""
+        self._admission_stale = False  # (a dispatched request's entry launches: stale again then)
+        expired = self.admission.expire(now)
+        for item in expired:
+            rec = self.records[item.request_id]
+            rec.dropped, rec.admission_wait_s = "expired", item.wait_s
+        tpot = measured_tpot_s((i.core.scheduler.num_running, i.core.last_step_s) for i in self.decodes or self.entry) \
+            if self.config.admission.tpot_slo_s is not None else None
+        block_size, prefix_caching, router = self.config.block_size, self.config.enable_prefix_caching, self.config.router
+
+        def load(inst: SimInstance) -> EntryLoad:
+            return entry_load(inst.core.scheduler, tpot)
+
+        def place(item: AdmissionItem, accepting: list[SimInstance]) -> SimInstance:
+            seq: Sequence = item.payload
+            seq.dispatch_time, seq.admission_rank = now, item.rank  # the entry scheduler keeps the admission order
+            hashes = entry_hashes(seq, block_size, prefix_caching)
+            return pick_entry(accepting, route_of, hashes, router, seq.seq_id, seq.request_class)
+
+        for item, inst in self.admission.dispatch(now, self.entry, load, place):
+            seq = item.payload
+            self._sampled[seq.seq_id] = SampledToken(seq.seq_id, SAMPLED_TOKEN)
+            self.records[seq.seq_id].admission_wait_s = item.wait_s
+            inst.core.add(seq)
+            if inst.layered is not None:
+                self._push_completions(inst.layered.arrived(seq, now, self.shared))
+            self._launch_at_end(inst)
+        return len(expired)
