@@ -4,7 +4,7 @@ Every step the scheduler decides how many new tokens each sequence computes (a d
 token; a prefill is the uncached part of the prompt, possibly chunked) under a token budget and a
 sequence cap, allocating KV blocks as it goes and preempting by recompute when blocks run out.
 The result is a plain ``StepPlan``; whoever executes it reports sampled tokens back through
-``update_from_output``.
+``update_from_output`` (``engine.step_outputs``). ``n`` > 1 completions are forked in ``engine.forks``.
 """
 
 from __future__ import annotations
@@ -19,10 +19,12 @@ from distserve.cluster.recovery import solo_order
 from distserve.config import SchedulerConfig
 from distserve.engine.block_manager import BlockManager
 from distserve.engine.prefix_grouping import PrefixGrouping
+from distserve.engine.forks import ForkedCompletions
 from distserve.engine.rank_order import RECENT_ADMISSIONS, AdmissionRankOrder
 from distserve.engine.sequence import Sequence, SequenceStatus
 from distserve.engine.step_budget import StaticBudget, make_step_budget
-from distserve.engine.step_plan import SampledToken, ScheduledChunk, StepPlan, chunk_history
+from distserve.engine.step_outputs import StepOutputs
+from distserve.engine.step_plan import ScheduledChunk, StepPlan, chunk_history
 from distserve.engine.structured_output import SequenceGrammars
 from distserve.errors import StepFailedError
 
@@ -48,7 +50,7 @@ def get_policy(name: str) -> PolicyKey:
     return SCHEDULING_POLICIES[name]
 
 
-class Scheduler(AdmissionRankOrder):
+class Scheduler(AdmissionRankOrder, ForkedCompletions, StepOutputs):
     """Colocated continuous batching: running sequences first, then admissions by policy.
 
     Crash suspects (``Sequence.isolate``, set by ``distserve.cluster.recovery``) wait in
@@ -180,22 +182,6 @@ class Scheduler(AdmissionRankOrder):
         self._finished_since_plan.append(seq.seq_id)
         if seq.forks:
             self._unfork(seq)
-
-    def _unfork(self, leader: Sequence) -> None:
-        """``leader`` ended before its completions were forked: the live ones run on their own."""
-        self.forking.pop(leader.seq_id, None)
-        forks, leader.forks = leader.forks, []
-        for f in forks:
-            if f.status is not SequenceStatus.FINISHED:
-                self._follow(leader, f)
-                self._enqueue(f)
-
-    def _follow(self, leader: Sequence, f: Sequence) -> None:
-        """Give completion ``f`` its leader's admission order (it was dispatched with it)."""
-        f.dispatch_time, f.admission_rank = leader.dispatch_time, leader.admission_rank
-        if f.prefill_start_time is None:
-            f.prefill_start_time = leader.prefill_start_time
-        self._stamp(f)
 
     def _preempt(self, seq: Sequence) -> None:
         """Recompute later: drop its KV and put it back in the waiting queue."""
@@ -340,52 +326,6 @@ class Scheduler(AdmissionRankOrder):
             in_flight.update(c.seq_id for c in decodes)
         return plan
 
-    def _plan_forks(self, plan: StepPlan) -> None:
-        """Completions (``n`` > 1) sample from their leader's row of the step that ends its prompt."""
-        forking = self.forking
-        for chunk in plan.chunks:
-            leader = forking.get(chunk.seq_id) if chunk.sample else None
-            if leader is not None:
-                plan.forks[chunk.seq_id] = [(f.seq_id, f.sampling) for f in leader.forks if f.status is not SequenceStatus.FINISHED]
-
-    def _fork(self, leader: Sequence, get_token: Callable[[str], SampledToken | None], now: float, updated: list[Sequence]) -> None:
-        """``leader``'s prompt KV is computed: each of its completions shares its blocks (copy-on-write,
-        ``BlockManager.fork``) and takes the token sampled for it from the same logits. One that got
-        no token (a runner that does not sample forks) is queued to prefill on its own."""
-        self.forking.pop(leader.seq_id, None)
-        forks, leader.forks = leader.forks, []
-        lead = get_token(leader.seq_id)
-        for f in forks:
-            if f.status is SequenceStatus.FINISHED:
-                continue  # aborted while the step ran
-            self._follow(leader, f)
-            token = get_token(f.seq_id)
-            error = lead.error if lead is not None and lead.error is not None else (token.error if token is not None else None)
-            if error is not None:
-                f.error, f.finish_time, f.status, f.finish_reason = error, now, SequenceStatus.FINISHED, "error"
-                updated.append(f)
-                continue
-            if token is None:
-                self._enqueue(f)
-                continue
-            self.block_manager.fork(leader, f)
-            f.status = SequenceStatus.RUNNING
-            self._append_running(f)
-            self.num_forked_completions += 1
-            f.token_ids.append(token.token_id)
-            if token.logprob is not None:
-                f.logprobs.append(token.logprob)
-                if token.top_logprobs is not None:
-                    f.top_logprobs.append(token.top_logprobs)
-            if lead is not None and lead.prompt_logprobs is not None:
-                f.prompt_logprobs = lead.prompt_logprobs  # the same prompt: computed once, for the leader
-            f.first_token_time = now
-            reason = self.check_token_stop(f)
-            if reason is not None:
-                f.finish_time = now
-                self.finish(f, reason)
-            updated.append(f)
-
     def _admit_waiting(
         self, waiting: list[Sequence], budget: int, preempted: bool, decodes: list[ScheduledChunk],
         prefills: list[ScheduledChunk], max_seqs: int,
@@ -495,24 +435,6 @@ class Scheduler(AdmissionRankOrder):
             self.in_flight.add(seq.seq_id)
         return True
 
-    def observe_step(self, plan: StepPlan, seconds: float, num_lazy_decodes: int = 0, lazy_decode_ctx: int = 0) -> None:
-        """The executor's report of how long ``plan`` took (measured, or modelled in the simulator),
-        with the lazy decodes it was scheduled with (``schedule``)."""
-        if (self._static_budget and not self._observe_prompts) or not (plan.chunks or num_lazy_decodes):
-            return
-        num_decodes, decode_ctx, prefill_tokens = num_lazy_decodes, lazy_decode_ctx, 0
-        for chunk in plan.chunks:
-            n = len(chunk.token_ids)
-            if n == 1:
-                num_decodes += 1
-                decode_ctx += chunk.start_pos + 1
-            else:
-                prefill_tokens += n
-        if prefill_tokens and self._observe_prompts:
-            self.observe_prompt_cost(prefill_tokens, seconds)
-        if not self._static_budget:
-            self.step_budget.observe(num_decodes, decode_ctx, prefill_tokens, seconds)
-
     def _preemption_victim(self) -> Sequence | None:
         """The lowest-ranked running sequence that no in-flight plan is computing."""
         for seq in reversed(self.running):
@@ -526,77 +448,3 @@ class Scheduler(AdmissionRankOrder):
         return ScheduledChunk(seq.seq_id, seq.token_ids[start : start + n], start, list(seq.block_table),
                               start + n == seq.num_tokens, sp, num_output_tokens,
                               chunk_history(seq.token_ids, sp, num_output_tokens) if sp.needs_history else None)
-
-    def update_from_output(
-        self, plan: StepPlan, sampled: list[SampledToken], seqs: dict[str, Sequence], now: float
-    ) -> list[Sequence]:
-        """Advance computed counts, append sampled tokens, apply token-level stop rules.
-
-        Returns the sequences that received a token this step (finished ones included).
-        """
-        by_id = {s.seq_id: s for s in sampled}
-        updated: list[Sequence] = []
-        in_flight = self.in_flight
-        commit = self.block_manager.commit
-        check_token_stop = self.check_token_stop
-        running_status = SequenceStatus.RUNNING
-        get_seq = seqs.get
-        get_token = by_id.get
-        forks = plan.forks
-        for chunk in plan.chunks:
-            seq_id = chunk.seq_id
-            if in_flight:
-                in_flight.discard(seq_id)
-            seq = get_seq(seq_id)
-            if seq is None or seq.status is not running_status:
-                continue  # aborted or preempted while the step ran
-            seq.num_computed_tokens = chunk.start_pos + len(chunk.token_ids)
-            commit(seq)
-            if seq.isolate and self.clears_isolation:
-                seq.isolate = False  # it ran a step alone: a later crash is not blamed on it alone
-            if forks and seq_id in forks and seq.forks:
-                self._fork(seq, get_token, now, updated)  # before the leader's token: a stop would free the blocks
-            token = get_token(seq_id)
-            if token is None:
-                continue
-            if token.error is not None:
-                seq.error = token.error
-                seq.finish_time = now
-                self.finish(seq, "error")
-                updated.append(seq)
-                continue
-            seq.token_ids.append(token.token_id)
-            if token.logprob is not None:
-                seq.logprobs.append(token.logprob)
-                if token.top_logprobs is not None:
-                    seq.top_logprobs.append(token.top_logprobs)
-            if seq.first_token_time is None:
-                seq.first_token_time = now
-                if token.prompt_logprobs is not None:
-                    seq.prompt_logprobs = token.prompt_logprobs
-            reason = check_token_stop(seq)
-            if reason is not None:
-                seq.finish_time = now
-                self.finish(seq, reason)
-            updated.append(seq)
-        return updated
-
-    def check_token_stop(self, seq: Sequence) -> str | None:
-        """Stop reason from the last token alone (stop strings are the engine's job), or None."""
-        sp = seq.sampling
-        token_ids = seq.token_ids
-        num_tokens = len(token_ids)
-        num_output_tokens = num_tokens - len(seq.prompt_token_ids)
-        if num_output_tokens >= sp.min_tokens:
-            token = token_ids[-1]
-            if not sp.ignore_eos and token in self.eos_token_ids:
-                return "stop"
-            if token in sp.stop_token_ids:
-                return "stop"
-        if sp.structured is not None and self.grammars is not None:
-            reason = self.grammars.accept(seq)  # its grammar complete: "stop" (EOS would be the only token left)
-            if reason is not None:
-                return reason
-        if num_output_tokens >= sp.max_tokens or num_tokens >= self.max_model_len:
-            return "length"
-        return None
