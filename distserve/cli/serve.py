@@ -15,10 +15,12 @@ if TYPE_CHECKING:
     from distserve.config import SchedulerConfig
     from distserve.placement import Placement
     from distserve.serving.cors import CorsOptions
+    from distserve.serving.limits import HttpLimits
 
 
 def _check_serve_args(args: argparse.Namespace) -> None:
     from distserve.errors import InvalidConfigError
+    from distserve.serving.limits import HttpLimits
 
     parallel = any(getattr(args, f) != 1 for f in ("prefill_tp", "prefill_pp", "decode_tp", "decode_pp"))
     if args.runtime == "local" and (parallel or args.placement is not None):
@@ -53,7 +55,8 @@ def _check_serve_args(args: argparse.Namespace) -> None:
     ray_serve_unsupported = {"--chat-template": args.chat_template is not None, "--max-model-len": args.max_model_len is not None,
                              "--max-num-seqs": args.max_num_seqs is not None,
                              "--max-num-batched-tokens": args.max_num_batched_tokens is not None,
-                             "--allowed-origins": args.allowed_origins is not None}
+                             "--allowed-origins": args.allowed_origins is not None,
+                             "--max-request-body-bytes/--h11-*/--timeout-keep-alive/--request-read-timeout": http_limits_of(args) != HttpLimits()}
     if args.ray_serve and any(ray_serve_unsupported.values()):
         flags = "/".join(f for f, given in ray_serve_unsupported.items() if given)
         raise InvalidConfigError(f"{flags}: only for plain `distserve serve`, not --ray-serve")
@@ -144,6 +147,15 @@ def cors_of(args: argparse.Namespace) -> "CorsOptions | None":
     return CorsOptions(args.allowed_origins, args.allowed_methods, args.allowed_headers, args.allow_credentials)
 
 
+def http_limits_of(args: argparse.Namespace) -> "HttpLimits":
+    """``serving.limits.HttpLimits`` from --max-request-body-bytes, --h11-max-*, --timeout-keep-alive, --request-read-timeout."""
+    from distserve.serving.limits import HttpLimits
+
+    return HttpLimits(max_request_body_bytes=args.max_request_body_bytes, max_header_bytes=args.h11_max_incomplete_event_size,
+                      max_header_count=args.h11_max_header_count, timeout_keep_alive_s=args.timeout_keep_alive,
+                      request_read_timeout_s=args.request_read_timeout)
+
+
 def structured_output_backend(args: argparse.Namespace) -> dict[str, str]:
     """``SchedulerConfig``'s grammar library from --structured-output-backend (its default without the flag)."""
     return {} if args.structured_output_backend is None else {"structured_output_backend": args.structured_output_backend}
@@ -229,7 +241,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             session_limits=session_limits(args), api_keys=api_keys, request_log=request_log,
             tool_call_parser=args.tool_call_parser, enable_auto_tool_choice=args.enable_auto_tool_choice,
             metrics_prefix=args.metrics_prefix,
-            chat_template=chat_template, cors=cors_of(args),
+            chat_template=chat_template, cors=cors_of(args), http_limits=http_limits_of(args),
         )
 
     from distserve.runtime.local_client import build_local_engine_client
@@ -238,4 +250,5 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return run_server(client, served, sock, on_ready=lambda url: _print_ready(url, served, layout), log_level=args.log_level, slo=slo,
                       session_limits=session_limits(args), api_keys=api_keys, request_log=request_log,
                       tool_call_parser=args.tool_call_parser, enable_auto_tool_choice=args.enable_auto_tool_choice,
-                      metrics_prefix=args.metrics_prefix, chat_template=chat_template, cors=cors_of(args))
+                      metrics_prefix=args.metrics_prefix, chat_template=chat_template, cors=cors_of(args),
+                      http_limits=http_limits_of(args))

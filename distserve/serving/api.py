@@ -31,6 +31,7 @@ from distserve.serving.api_keys import ApiKeys
 from distserve.serving.auth import ApiKeyAuth, tenant_of
 from distserve.serving.cors import CorsOptions, add_cors
 from distserve.serving.dataflow_routes import add_dataflow_routes
+from distserve.serving.limits import DEFAULT_HTTP_LIMITS, HttpLimits, add_request_limits, uvicorn_config
 from distserve.serving.http_errors import (
     ClientDisconnected,
     add_error_handlers,
@@ -216,7 +217,7 @@ def build_fastapi_app(
     client: EngineClient, served_model_name: str, *, metrics: ServingMetrics | None = None,
     session_limits: SessionLimits = DEFAULT_LIMITS, api_keys: ApiKeys | None = None,
     tool_call_parser: str | None = None, enable_auto_tool_choice: bool = False, metrics_prefix: str = OWN_PREFIX,
-    chat_template: str | None = None, cors: CorsOptions | None = None,
+    chat_template: str | None = None, cors: CorsOptions | None = None, http_limits: HttpLimits = DEFAULT_HTTP_LIMITS,
 ) -> FastAPI:
     """``/v1/completions``, ``/v1/chat/completions``, ``/v1/models``, ``/health`` and ``/metrics`` over ``client``,
     vLLM's ``/tokenize``, ``/detokenize``, ``/version`` and ``/ping`` (``serving.ops_routes``), and the
@@ -227,7 +228,7 @@ def build_fastapi_app(
     ``metrics_prefix``: of the ``ServingMetrics`` made here when ``metrics`` is None (``--metrics-prefix``);
     a ``metrics`` without a ``model_name`` gets ``served_model_name``.
     ``chat_template``: a Jinja chat template in place of the tokenizer's (``--chat-template``); ``cors``:
-    ``serving.cors`` (None: no CORS headers)."""
+    ``serving.cors`` (None: no CORS headers); ``http_limits``: body size, header count and read time (``serving.limits``)."""
     if enable_auto_tool_choice and tool_call_parser is None:
         raise InvalidConfigError("--enable-auto-tool-choice needs --tool-call-parser", "tool_call_parser")
     try:
@@ -243,6 +244,7 @@ def build_fastapi_app(
     add_error_handlers(app)
     if api_keys is not None:
         app.add_middleware(ApiKeyAuth, keys=api_keys, metrics=server.metrics)
+    add_request_limits(app, http_limits)  # outside the key check: a body is bounded before anything else runs
     app.add_middleware(RequestIdHeader)  # outside the key check: a 401 carries the id too
     if cors is not None:
         add_cors(app, cors)  # outermost: preflights carry no key
@@ -445,6 +447,7 @@ def run_server(
     metrics_prefix: str = OWN_PREFIX,
     chat_template: str | None = None,
     cors: CorsOptions | None = None,
+    http_limits: HttpLimits = DEFAULT_HTTP_LIMITS,
 ) -> int:
     """Serve on the bound ``sock`` with plain uvicorn until SIGINT/SIGTERM, then shut ``client`` down.
 
@@ -454,7 +457,8 @@ def run_server(
     engine died for good (``EngineClient.is_dead``) — the server stops then, so that a supervisor
     (systemd, Kubernetes) starts a fresh process instead of leaving one that answers 503 forever.
     ``request_log``: where each finished request is written (closed when the server stops).
-    ``metrics_prefix``: of the series vLLM also exports (``serving.metrics_exposition``).
+    ``metrics_prefix``: of the series vLLM also exports (``serving.metrics_exposition``); ``http_limits``:
+    ``serving.limits``, on the app and on uvicorn's connections.
     """
     import uvicorn
 
@@ -467,10 +471,8 @@ def run_server(
                                  prefix=metrics_prefix, model_name=served_model_name)
         app = build_fastapi_app(engine_client, served_model_name, metrics=metrics, session_limits=session_limits, api_keys=api_keys,
                                 tool_call_parser=tool_call_parser, enable_auto_tool_choice=enable_auto_tool_choice,
-                                chat_template=chat_template, cors=cors)
-        config = uvicorn.Config(
-            app, host=host, port=port, log_level=log_level, access_log=False, timeout_graceful_shutdown=5
-        )
+                                chat_template=chat_template, cors=cors, http_limits=http_limits)
+        config = uvicorn_config(app, http_limits, host=host, port=port, log_level=log_level, access_log=False, timeout_graceful_shutdown=5)
         server = uvicorn.Server(config)
         try:
             task = asyncio.create_task(server.serve(sockets=[sock]))
