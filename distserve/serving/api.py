@@ -28,7 +28,7 @@ from distserve.runtime.client import EngineClient
 from distserve.dataflow.limits import DEFAULT_LIMITS, SessionLimits
 from distserve.dataflow.sessions import SessionManager
 from distserve.serving.api_keys import ApiKeys
-from distserve.serving.auth import ApiKeyAuth, tenant_of
+from distserve.serving.auth import ApiKeyAuth, owner_of, tenant_of
 from distserve.serving.cors import CorsOptions, add_cors
 from distserve.serving.dataflow_routes import add_dataflow_routes
 from distserve.serving.limits import DEFAULT_HTTP_LIMITS, HttpLimits, add_request_limits, uvicorn_config
@@ -172,9 +172,10 @@ class _Server:
             timer.fail()
             raise engine_error(exc, "prompt") from exc
 
-    async def check_structured(self, sampling: SamplingParams) -> None:
-        """Compile the request's grammar (cached) in a thread, not on the engine's: a bad or too complex
-        one is a 400 naming its field."""
+    async def check_structured(self, sampling: SamplingParams, request: Request) -> None:
+        """Compile the request's grammar (cached) in the compiler's threads, not the engine's, for the request's
+        tenant or client (``GrammarCompiler.check_async``): a bad or too complex one is a 400 naming its field,
+        one refused because the compile threads are busy a 429."""
         spec = sampling.structured
         if spec is None:
             return
@@ -182,9 +183,9 @@ class _Server:
         if compiler is None:
             raise APIError(400, "this server does not serve structured output", param=spec.param)
         try:
-            await asyncio.to_thread(compiler.check, spec)
+            await compiler.check_async(spec, owner_of(request))
         except DistServeError as exc:
-            raise APIError(400, str(exc), param=exc.param or spec.param) from exc
+            raise engine_error(exc, spec.param) from exc
 
 
 def _prompt_ids(client: EngineClient, prompt: str | list[int]) -> list[int]:
@@ -285,7 +286,7 @@ def build_fastapi_app(
         # ``"max_tokens": null`` asks for the rest of the context, which depends on the prompt's length.
         num_prompt_tokens = None if body.max_tokens is not None else len(_prompt_ids(client, prompt))
         sampling = body.to_sampling_params(client.max_model_len, num_prompt_tokens)
-        await server.check_structured(sampling)
+        await server.check_structured(sampling, request)
         request_id, stream, first, timer = await server.start(request, prompt, sampling, "cmpl", body.request_id, body.priority,
                                                               body.timeout, "prompt",
                                                               {"top_logprobs": "logprobs"})
@@ -350,7 +351,7 @@ def build_fastapi_app(
                 code="context_length_exceeded",
             )
         sampling = body.to_sampling_params(len(prompt), client.max_model_len)
-        await server.check_structured(sampling)
+        await server.check_structured(sampling, request)
         names = {"max_tokens": "max_completion_tokens"} if body.max_completion_tokens is not None else None
         request_id, stream, first, timer = await server.start(request, prompt, sampling, "chatcmpl", body.request_id, body.priority,
                                                               body.timeout, "messages", names)
