@@ -281,10 +281,11 @@ def build_fastapi_app(
     async def create_completion(body: CompletionRequest, request: Request) -> Response | CompletionResponse:
         check_request_fields(body)
         server.check_model(body.model)
-        prompt = text_prompt(client.tokenizer, body.prompt_input(), body.add_special_tokens, body.truncate_prompt_tokens,
-                             client.max_model_len)
+        # Tokenizing is done in a thread: a long prompt takes seconds, and the event loop serves everyone.
+        prompt = await asyncio.to_thread(text_prompt, client.tokenizer, body.prompt_input(), body.add_special_tokens,
+                                         body.truncate_prompt_tokens, client.max_model_len)
         # ``"max_tokens": null`` asks for the rest of the context, which depends on the prompt's length.
-        num_prompt_tokens = None if body.max_tokens is not None else len(_prompt_ids(client, prompt))
+        num_prompt_tokens = None if body.max_tokens is not None else len(await asyncio.to_thread(_prompt_ids, client, prompt))
         sampling = body.to_sampling_params(client.max_model_len, num_prompt_tokens)
         await server.check_structured(sampling, request)
         request_id, stream, first, timer = await server.start(request, prompt, sampling, "cmpl", body.request_id, body.priority,
@@ -339,8 +340,8 @@ def build_fastapi_app(
         server.check_model(body.model)
         mode = body.tool_mode(enable_auto_tool_choice)
         parser = tool_parser if mode == "auto" else ForcedToolCallParser(body.forced_function) if mode == "forced" else None
-        prompt = truncate(chat_prompt(client.tokenizer, body, chat_template, served_model_name), body.truncate_prompt_tokens,
-                          client.max_model_len)
+        prompt = truncate(await asyncio.to_thread(chat_prompt, client.tokenizer, body, chat_template, served_model_name,
+                                                  client.max_model_len), body.truncate_prompt_tokens, client.max_model_len)
         one_call = body.parallel_tool_calls is False
         if len(prompt) >= client.max_model_len:
             raise APIError(

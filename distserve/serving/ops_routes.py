@@ -8,6 +8,7 @@ completion with the same fields would be prefilled with (``serving.prompts``: th
 
 from __future__ import annotations
 
+import asyncio
 import importlib.metadata
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -85,11 +86,14 @@ def add_ops_routes(
         check_request_fields(body)
         check_model(body.model)
         tokenizer = client.tokenizer
-        if isinstance(body, TokenizeChatRequest):
-            ids = chat_prompt(tokenizer, body, chat_template, model_name)
-        else:
+
+        def tokens() -> list[int]:  # in a thread: a long prompt takes seconds
+            if isinstance(body, TokenizeChatRequest):
+                return chat_prompt(tokenizer, body, chat_template, model_name, client.max_model_len)
             prompt = text_prompt(tokenizer, body.prompt, body.add_special_tokens, None, client.max_model_len)
-            ids = tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
+            return tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
+
+        ids = await asyncio.to_thread(tokens)
         strs = tokenizer.hf.convert_ids_to_tokens(ids) if body.return_token_strs else None
         return TokenizeResponse(count=len(ids), max_model_len=client.max_model_len, tokens=ids, token_strs=strs)
 
@@ -101,7 +105,8 @@ def add_ops_routes(
         bad = [t for t in body.tokens if not 0 <= t < vocab]
         if bad:
             raise APIError(400, f"token ids must be in [0, {vocab}), got {bad[:5]}", param="tokens")
-        return DetokenizeResponse(prompt=client.tokenizer.decode(body.tokens, skip_special_tokens=False))  # as vLLM's
+        text = await asyncio.to_thread(client.tokenizer.decode, body.tokens, skip_special_tokens=False)  # as vLLM's
+        return DetokenizeResponse(prompt=text)
 
     @app.get("/version")
     async def get_version() -> dict[str, str]:

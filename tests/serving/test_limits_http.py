@@ -18,7 +18,7 @@ from serving_util import HttpServer
 
 pytestmark = pytest.mark.timeout(120)
 
-LIMITS = HttpLimits(max_request_body_bytes=4096, max_header_bytes=4096, max_header_count=24, timeout_keep_alive_s=1.0,
+LIMITS = HttpLimits(max_request_body_bytes=65536, max_header_bytes=4096, max_header_count=24, timeout_keep_alive_s=1.0,
                     request_read_timeout_s=1.0)
 PLAIN = {"model": "tiny", "prompt": "Hello", "max_tokens": 2, "temperature": 0}
 
@@ -69,9 +69,9 @@ def test_a_body_over_the_limit_is_413_before_it_is_read(server: HttpServer) -> N
         sock.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 1000000\r\n\r\n".encode())
         status, headers, body, _ = read_response(sock)
         error = json.loads(body)["error"]
-        assert status == 413 and error["param"] == "body" and error["code"] == "request_too_large" and "4096" in error["message"]
+        assert status == 413 and error["param"] == "body" and error["code"] == "request_too_large" and "65536" in error["message"]
         assert headers["connection"] == "close"
-    resp = httpx.post(f"{server.url}/v1/completions", json={**PLAIN, "prompt": "x" * 5000})
+    resp = httpx.post(f"{server.url}/v1/completions", json={**PLAIN, "prompt": "x" * 70_000})
     assert resp.status_code == 413 and resp.json()["error"]["param"] == "body"
     assert_served(server)
 
@@ -79,7 +79,7 @@ def test_a_body_over_the_limit_is_413_before_it_is_read(server: HttpServer) -> N
 def test_a_chunked_body_is_counted_as_it_arrives(server: HttpServer) -> None:
     def chunks() -> Iterator[bytes]:
         for _ in range(10):
-            yield b"x" * 1000
+            yield b"x" * 10_000
 
     resp = httpx.post(f"{server.url}/v1/completions", content=chunks(), headers={"Content-Type": "application/json"})
     assert resp.status_code == 413 and resp.json()["error"]["param"] == "body"
@@ -137,3 +137,21 @@ def test_slow_headers_slow_bodies_and_silent_connections_are_cut_off(server: Htt
     silent.settimeout(10)
     assert silent.recv(10) == b""  # closed without a word after the keep-alive timeout
     assert time.monotonic() - t0 < 5.0
+
+
+def test_a_prompt_that_cannot_fit_is_refused_before_it_is_tokenized(server: HttpServer) -> None:
+    """More characters than the context's tokens of the longest token cannot fit: 400 at once, never seconds of tokenizing."""
+    assert server.client is not None
+    max_chars = server.client.max_model_len * server.client.tokenizer.max_token_chars
+    long = "y" * (max_chars + 1)
+    assert len(long) < LIMITS.max_request_body_bytes - 1000
+    for route, body, param in (("/v1/completions", {**PLAIN, "prompt": long}, "prompt"),
+                               ("/v1/completions", {**PLAIN, "prompt": long, "max_tokens": None}, "prompt"),
+                               ("/v1/chat/completions", {"messages": [{"role": "user", "content": long}], "max_tokens": 2}, "messages"),
+                               ("/tokenize", {"prompt": long}, "prompt"),
+                               ("/tokenize", {"messages": [{"role": "user", "content": long}]}, "messages")):
+        resp = httpx.post(f"{server.url}{route}", json=body, timeout=30)
+        error = resp.json()["error"]
+        assert resp.status_code == 400 and error["param"] == param and error["code"] == "context_length_exceeded", (route, resp.text[:300])
+        assert "cannot fit" in error["message"]
+    assert_served(server)
