@@ -7,7 +7,8 @@ Two layers enforce them, because a hostile client attacks both:
 
 * ``RequestLimits`` (ASGI middleware, every route): a ``Content-Length`` over the limit is a 413 before a
   byte of the body is read; a body without one (chunked) is read up to the limit; the whole body must
-  arrive within the read timeout (408); more headers than the limit is a 431. Each answer is OpenAI's
+  arrive within the read timeout (408); more headers than the limit is a 431; a body that is not UTF-8, or
+  holds a JSON escape of half a surrogate pair (``"\\ud800"``: text nothing downstream can encode), a 400. Each answer is OpenAI's
   error body naming the ``param`` and closes the connection (the rest of the body is never read). The
   body is read here, whole, before the route (every route reads its body whole anyway), so no route can
   be held by a slow body.
@@ -28,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -126,6 +128,10 @@ class RequestLimits:
             return
         if disconnected:
             return  # the client left: nobody to answer
+        unreadable = _unreadable(body)
+        if unreadable is not None:
+            await error_response(APIError(400, unreadable, param="body"))(scope, receive, send)
+            return
         await self.app(scope, _replay(body, receive), send)
 
 
@@ -148,6 +154,31 @@ async def _read_body(receive: Receive, limits: HttpLimits) -> tuple[bytes, bool]
         chunks.append(chunk)
         if not message.get("more_body", False):
             return b"".join(chunks), False
+
+
+_JSON_ESCAPE = re.compile(rb"\\(?:u([0-9a-fA-F]{4})|.)", re.DOTALL)
+
+
+def _unreadable(body: bytes) -> str | None:
+    """Why ``body`` is no text at all (None: it is): not UTF-8, or a JSON ``\\u`` escape of half a surrogate
+    pair. Python's JSON parser accepts both, as strings no encoder, tokenizer or JSON response can take."""
+    try:
+        body.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        return f"the body is not UTF-8 text (byte {exc.start})"
+    high_end = -1  # where the last high-surrogate escape ended, while it waits for its low half
+    for m in _JSON_ESCAPE.finditer(body):
+        code = int(m.group(1), 16) if m.group(1) is not None else None
+        if high_end >= 0:
+            if m.start() == high_end and code is not None and 0xDC00 <= code <= 0xDFFF:
+                high_end = -1
+                continue
+            return f"the body has a lone surrogate escape before byte {m.start()}"
+        if code is not None and 0xD800 <= code <= 0xDBFF:
+            high_end = m.end()
+        elif code is not None and 0xDC00 <= code <= 0xDFFF:
+            return f"the body has a lone surrogate escape at byte {m.start()}"
+    return None if high_end < 0 else "the body ends in half a surrogate pair"
 
 
 def _replay(body: bytes, receive: Receive) -> Receive:

@@ -155,3 +155,19 @@ def test_a_prompt_that_cannot_fit_is_refused_before_it_is_tokenized(server: Http
         assert resp.status_code == 400 and error["param"] == param and error["code"] == "context_length_exceeded", (route, resp.text[:300])
         assert "cannot fit" in error["message"]
     assert_served(server)
+
+
+@pytest.mark.parametrize("body", [
+    b'{"model": "tiny", "prompt": "\\ud800", "max_tokens": 2}', b'{"model": "\\udfff", "prompt": "hi"}',
+    b'{"prompt": "hi", "session_auth": "\\ud800x"}', b'{"prompt": "\xed\xa0\x80"}',
+])
+def test_bodies_that_are_no_text_are_400_on_every_route(server: HttpServer, body: bytes) -> None:
+    """Lone surrogates (a fuzzing find): Python's JSON parser takes them, then the tokenizer, a session token's compare
+    or a JSON response raised (500). Now the body is refused where it enters, whatever the route."""
+    headers = {"Content-Type": "application/json"}
+    for method, path in (("POST", "/v1/completions"), ("POST", "/v1/chat/completions"), ("POST", "/tokenize"), ("POST", "/detokenize"),
+                         ("POST", "/v1/semantic_var"), ("GET", "/v1/session/1")):
+        resp = httpx.request(method, f"{server.url}{path}", content=body, headers=headers)
+        assert resp.status_code == 400 and resp.json()["error"]["param"] == "body", (path, resp.text[:300])
+    pair = httpx.post(f"{server.url}/tokenize", content=b'{"prompt": "\\ud83d\\ude00 \\\\ud800"}', headers=headers)
+    assert pair.status_code == 200 and pair.json()["count"] > 0  # a whole pair, and an escaped backslash, are text
