@@ -157,6 +157,7 @@ async def _read_body(receive: Receive, limits: HttpLimits) -> tuple[bytes, bool]
 
 
 _JSON_ESCAPE = re.compile(rb"\\(?:u([0-9a-fA-F]{4})|.)", re.DOTALL)
+_LOW_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][c-fC-F][0-9a-fA-F]{2}")
 
 
 def _unreadable(body: bytes) -> str | None:
@@ -166,19 +167,14 @@ def _unreadable(body: bytes) -> str | None:
         body.decode("utf-8")
     except UnicodeDecodeError as exc:
         return f"the body is not UTF-8 text (byte {exc.start})"
-    high_end = -1  # where the last high-surrogate escape ended, while it waits for its low half
+    low_at = -1  # where the low half of the last pair starts (it is not lone)
     for m in _JSON_ESCAPE.finditer(body):
-        code = int(m.group(1), 16) if m.group(1) is not None else None
-        if high_end >= 0:
-            if m.start() == high_end and code is not None and 0xDC00 <= code <= 0xDFFF:
-                high_end = -1
-                continue
-            return f"the body has a lone surrogate escape before byte {m.start()}"
-        if code is not None and 0xD800 <= code <= 0xDBFF:
-            high_end = m.end()
-        elif code is not None and 0xDC00 <= code <= 0xDFFF:
-            return f"the body has a lone surrogate escape at byte {m.start()}"
-    return None if high_end < 0 else "the body ends in half a surrogate pair"
+        code = int(m.group(1), 16) if m.group(1) is not None else -1
+        if 0xD800 <= code <= 0xDBFF and _LOW_SURROGATE_ESCAPE.match(body, m.end()):
+            low_at = m.end()
+        elif 0xD800 <= code <= 0xDFFF and m.start() != low_at:
+            return f"the body has a JSON escape of half a surrogate pair at byte {m.start()}"
+    return None
 
 
 def _replay(body: bytes, receive: Receive) -> Receive:
