@@ -303,6 +303,9 @@ class SequenceGrammars:
             entry.num_accepted = num_output
             if entry.error is None:
                 entry.matcher.fill_bitmask(entry.bitmask)
+                failed = entry.matcher.error()
+                if failed is not None:  # a library limit: the mask is not the grammar's, so nothing may be sampled from it
+                    entry.error = f"structured output: {failed} ({seq.sampling.structured.param})"  # type: ignore[union-attr]
         return entry
 
     def drop(self, seq_id: str) -> None:
