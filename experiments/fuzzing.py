@@ -17,6 +17,7 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
+from urllib.parse import quote
 
 import httpx
 from hypothesis import HealthCheck, Phase, given, seed, settings
@@ -213,7 +214,7 @@ def semantic_request(draw: st.DrawFn) -> tuple[str, str, Any]:
                                                                                          {"session_id": "$SID"}]) | json_value)
     if not isinstance(auth, dict):
         auth = {"session_id": auth, "session_auth": "$AUTH"}
-    var = draw(st.sampled_from(["$VAR", "$VAR", "s0-v0", "../x", "", "%00"]) | text)
+    var = quote(draw(st.sampled_from(["$VAR", "$VAR", "s0-v0", "../x", "", "%00"]) | text), safe="$")
     read = {"timeout": draw(st.sampled_from([0.05, 0.2, 0.5]) | st.sampled_from([0, -1, "x", 1e9, None])),
             "criteria": draw(st.sampled_from(["latency", "throughput"]) | text)}
     kind = draw(st.sampled_from(["call", "call", "call", "var", "set", "get", "stream", "list", "info", "delete", "native", "new"]))

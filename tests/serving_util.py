@@ -5,13 +5,17 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import json
+import os
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -203,6 +207,124 @@ def colocated_server(cache: CacheConfig, model: str = "tiny") -> HttpServer:
     return HttpServer(make_client)
 
 
+def _ppid(pid: int) -> int | None:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return int(stat.rsplit(")", 1)[1].split()[1])
+
+
+def process_alive(pid: int) -> bool:
+    """``pid`` runs (a zombie does not count)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def descendants(root: int) -> dict[int, str]:
+    """The processes started from ``root`` (children, their children, ...), by pid, with their command lines."""
+    parents = {int(p.name): _ppid(int(p.name)) for p in Path("/proc").iterdir() if p.name.isdigit()}
+    ours = {root}
+    grew = True
+    while grew:
+        new = {pid for pid, parent in parents.items() if parent in ours and pid not in ours}
+        ours |= new
+        grew = bool(new)
+    ours.discard(root)
+    return {pid: _cmdline(pid) for pid in ours}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class ServeRun:
+    """``serve run CONFIG`` (Ray Serve's CLI) in a process of its own, which starts a private Ray on loopback.
+
+    ``config`` is a Serve config (the mapping a YAML file holds): it is written to ``workdir`` with the
+    proxy moved to a free port (``url``). ``stop`` sends Ctrl-C, as a user would, and returns the
+    processes that were running then and are still alive afterwards (which it then kills).
+    """
+
+    READY_TIMEOUT_S = 240.0
+
+    def __init__(self, config: dict[str, Any], workdir: Path) -> None:
+        import yaml
+
+        self.port = free_port()
+        config = {**config, "http_options": {**config.get("http_options", {}), "host": "127.0.0.1", "port": self.port}}
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.path = workdir / "serve_config.yaml"
+        self.path.write_text(yaml.safe_dump(config, sort_keys=False))
+        self.log_path = workdir / "serve_run.log"
+        ray_tmp = tempfile.mkdtemp(prefix="sr", dir="/tmp")  # Ray's socket paths must stay short
+        env = {
+            **os.environ, "RAY_AUTH_MODE": "disabled", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_TMPDIR": ray_tmp,
+            "RAY_OVERRIDE_RESOURCES": json.dumps({"CPU": 8}),  # ray.init(num_cpus=8): the actors ask 0.1 CPU each
+            "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH", "")]),
+        }
+        env.pop("RAY_ADDRESS", None)
+        serve_cli = Path(sys.executable).parent / "serve"
+        with open(self.log_path, "wb") as log:
+            self.proc = subprocess.Popen([str(serve_cli), "run", str(self.path)], cwd=workdir, env=env, stdout=log,
+                                         stderr=subprocess.STDOUT, start_new_session=True)
+        self.ray_tmp = ray_tmp
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def wait_ready(self, timeout_s: float = READY_TIMEOUT_S) -> None:
+        """Until ``GET /v1/models`` answers 200 (the app is deployed), or fail with the log's tail."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"serve run exited ({self.proc.returncode}):\n{self.log()[-4000:]}")
+            try:
+                if httpx.get(f"{self.url}/v1/models", timeout=5).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(1.0)
+        raise AssertionError(f"serve run not ready after {timeout_s:g} s:\n{self.log()[-4000:]}")
+
+    def stop(self, timeout_s: float = 60.0) -> dict[int, str]:
+        """Ctrl-C; the processes it had started that are still alive once it exited (killed then)."""
+        import shutil
+        import signal
+
+        running = descendants(self.proc.pid)
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        deadline = time.monotonic() + 30
+        while any(process_alive(pid) for pid in running) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        left = {pid: cmd for pid, cmd in running.items() if process_alive(pid)}
+        for pid in left:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        shutil.rmtree(self.ray_tmp, ignore_errors=True)
+        return left
+
+
 class ScriptedTokens:
     """Wraps an engine's runner: the model runs as usual, then each sampled token is replaced by the
     script's token at that output position (the script ends with EOS), while a script is set."""
@@ -232,9 +354,7 @@ def serve_process(*flags: str, startup_timeout_s: float = 90.0) -> Iterator[tupl
     the process and its base URL. Killed on the way out if still running (``stop_process`` ends it cleanly)."""
     import httpx
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = int(s.getsockname()[1])
+    port = free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "distserve.cli", "serve", "--model", "tiny", "--port", str(port), "--log-level", "warning", *flags],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,

@@ -10,6 +10,7 @@ from distserve.cli.args import admission_config_of, check_placement_args, placem
 
 if TYPE_CHECKING:
     from distserve.dataflow.limits import SessionLimits
+    from distserve.runtime.config import DeploymentConfig
     from distserve.serving.api_keys import ApiKeys
     from distserve.slo import SLO
     from distserve.config import SchedulerConfig
@@ -30,17 +31,11 @@ def _check_serve_args(args: argparse.Namespace) -> None:
     check_placement_args(args)
     if args.kv_transfer_timeout is not None and args.runtime == "local":
         raise InvalidConfigError("--kv-transfer-timeout applies to the Ray runtime; --runtime local copies KV in-process")
-    if args.ray_serve and args.threads is not None:
-        raise InvalidConfigError("--threads applies to plain `distserve serve` (local or Ray runtime), not --ray-serve")
     for flag, given in (("--prefill-chunk", args.prefill_chunk is not None), ("--no-layer-preemption", args.no_layer_preemption)):
-        if given and (args.colocated is not None or args.ray_serve):
-            raise InvalidConfigError(f"{flag} applies to prefill instances (a disaggregated placement of plain `distserve serve`)")
+        if given and args.colocated is not None:
+            raise InvalidConfigError(f"{flag} applies to prefill instances (a disaggregated placement)")
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
         raise InvalidConfigError("--enable-auto-tool-choice needs --tool-call-parser (e.g. --tool-call-parser hermes)")
-    if args.ray_serve and (args.tool_call_parser is not None or args.enable_auto_tool_choice):
-        raise InvalidConfigError("--tool-call-parser/--enable-auto-tool-choice apply to plain `distserve serve`, not --ray-serve")
-    if args.ray_serve and args.structured_output_backend is not None:
-        raise InvalidConfigError("--structured-output-backend applies to plain `distserve serve`, not --ray-serve")
     if args.structured_output_backend == "xgrammar":
         from distserve.engine.grammar_backends import import_xgrammar
 
@@ -49,24 +44,17 @@ def _check_serve_args(args: argparse.Namespace) -> None:
         except InvalidConfigError as exc:
             raise InvalidConfigError(f"--structured-output-backend: {exc}") from exc
     if args.ray_serve and args.request_log is not None:
-        raise InvalidConfigError("--request-log applies to plain `distserve serve`, not --ray-serve")
-    if args.ray_serve and args.tpot_backpressure:
-        raise InvalidConfigError("--tpot-backpressure applies to plain `distserve serve`, not --ray-serve")
-    ray_serve_unsupported = {"--chat-template": args.chat_template is not None, "--max-model-len": args.max_model_len is not None,
-                             "--max-num-seqs": args.max_num_seqs is not None,
-                             "--max-num-batched-tokens": args.max_num_batched_tokens is not None,
-                             "--allowed-origins": args.allowed_origins is not None,
-                             "--max-request-body-bytes/--h11-*/--timeout-keep-alive/--request-read-timeout": http_limits_of(args) != HttpLimits()}
-    if args.ray_serve and any(ray_serve_unsupported.values()):
-        flags = "/".join(f for f, given in ray_serve_unsupported.items() if given)
-        raise InvalidConfigError(f"{flags}: only for plain `distserve serve`, not --ray-serve")
+        raise InvalidConfigError("--request-log applies to plain `distserve serve`, not --ray-serve (each replica would write its own)")
+    if args.ray_serve and args.runtime == "local":
+        raise InvalidConfigError("--ray-serve deploys the placement on the Ray runtime; --runtime local does not apply")
+    if args.ray_serve and http_limits_of(args) != HttpLimits():  # Ray Serve's proxy owns the connections
+        raise InvalidConfigError("--max-request-body-bytes/--h11-*/--timeout-keep-alive/--request-read-timeout: only for plain "
+                                 "`distserve serve`, not --ray-serve")
     cors_given = {"--allowed-methods": args.allowed_methods != ("*",), "--allowed-headers": args.allowed_headers != ("*",),
                   "--allow-credentials": args.allow_credentials}
     if args.allowed_origins is None and any(cors_given.values()):
         flags = "/".join(f for f, given in cors_given.items() if given)
         raise InvalidConfigError(f"{flags}: only with --allowed-origins (without it the server sends no CORS headers)")
-    if args.ray_serve and (parallel or args.placement is not None or args.runtime == "ray"):
-        raise InvalidConfigError("--ray-serve serves in-process engines; use plain `distserve serve --runtime ray` for placements")
 
 
 def serve_slo(args: argparse.Namespace, placement: "Placement | None") -> "SLO | None":
@@ -161,6 +149,37 @@ def structured_output_backend(args: argparse.Namespace) -> dict[str, str]:
     return {} if args.structured_output_backend is None else {"structured_output_backend": args.structured_output_backend}
 
 
+def deployment_config_of(
+    args: argparse.Namespace, placement: "Placement", slo: "SLO | None", api_keys: "ApiKeys | None",
+) -> "DeploymentConfig":
+    """What ``distserve serve`` (and the Ray Serve app, whose fields are these flags) deploys: ``placement``
+    with the model, cache, scheduler and admission flags; ``slo`` the deployment's (``serve_slo``)."""
+    from distserve.config import CacheConfig, SchedulerConfig, slo_scheduler_config
+    from distserve.runtime.config import DeploymentConfig
+
+    return DeploymentConfig(
+        args.model, placement, dtype=args.dtype,
+        cache_config=CacheConfig(block_size=args.block_size, kv_cache_memory_gb=args.kv_cache_gb, decode_attention=args.decode_attention),
+        # Prefill steps hold no decodes whose TPOT a step budget would protect.
+        scheduler_config=slo_scheduler_config(slo.tpot_s if slo else None,
+                                              placement.scheduler_config(SchedulerConfig(
+                                                  layer_preemption=not args.no_layer_preemption, **structured_output_backend(args)))),
+        prefill_scheduler_config=prefill_scheduler_config(args, placement),
+        max_queued_requests=args.max_queued_requests, num_threads_per_worker=args.threads, router=args.router,
+        admission=admission_config_of(args, slo.tpot_s if slo else None, tuple(api_keys.tenants.values()) if api_keys else ()),
+        **({} if args.kv_transfer_timeout is None else {"kv_transfer_timeout_s": args.kv_transfer_timeout}),
+    )
+
+
+def ray_layout(placement: "Placement") -> str:
+    """``1x prefill tp1pp1 + 1x decode tp1pp1``: the placement's instances, for the ready message."""
+    return " + ".join(
+        f"{len(specs)}x {kind} tp{specs[0].tp}pp{specs[0].pp}"
+        for kind, specs in (("prefill", placement.prefill), ("decode", placement.decode), ("colocated", placement.colocated))
+        if specs
+    )
+
+
 def _print_ready(url: str, model: str, layout: str) -> None:
     body = json.dumps({"model": model, "messages": [{"role": "user", "content": "What is the capital of France?"}], "max_tokens": 32})
     print(f"distserve: serving {model!r} ({layout}) at {url}/v1  (metrics: {url}/metrics)")
@@ -177,32 +196,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
     else:
         layout = f"{args.prefill or 1}P{args.decode or 1}D disaggregated"
     if args.ray_serve:
-        from distserve.serving.app import ServeOptions, run_ray_serve
+        from distserve.serving.app import run_ray_serve
+        from distserve.serving.app_config import ServeAppConfig
 
-        options = ServeOptions(
-            model=args.model,
-            served_model_name=served,
-            colocated=args.colocated or 0,
-            prefill=args.prefill or 1,
-            decode=args.decode or 1,
-            dtype=args.dtype,
-            kv_cache_gb=args.kv_cache_gb,
-            block_size=args.block_size,
-            decode_attention=args.decode_attention,
-            max_queued_requests=args.max_queued_requests,
-            tpot_slo=args.tpot_slo,
-            router=args.router,
-            session_limits=session_limits(args),
-            api_keys=api_keys,
-            admission_policy=args.admission_policy,
-            max_waiting=None if args.no_backpressure else args.max_waiting,
-            waiting_unit=args.waiting_unit,
-            metrics_prefix=args.metrics_prefix,
-        )
-        run_ray_serve(options, args.host, args.port, on_ready=lambda url: _print_ready(url, served, f"{layout}, Ray Serve"))
+        placement_from_args(args)  # a bad --placement is refused naming the flag, before Ray starts
+        app = ServeAppConfig.from_cli_args(args).resolve()
+        ready = f"{ray_layout(app.deployment.placement)}, Ray Serve"
+        run_ray_serve(app, args.host, args.port, on_ready=lambda url: _print_ready(url, served, ready))
         return 0
-    from distserve.config import CacheConfig, SchedulerConfig, slo_scheduler_config
-    from distserve.runtime.config import DeploymentConfig
     from distserve.serving.api import open_listen_socket, run_server
     from distserve.serving.request_log import RequestLog
 
@@ -215,29 +216,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
         placement = placement.with_threads(args.threads)
     slo = serve_slo(args, placement if on_ray else None)
     sock = open_listen_socket(args.host, args.port)
-    config = DeploymentConfig(
-        args.model, placement, dtype=args.dtype,
-        cache_config=CacheConfig(block_size=args.block_size, kv_cache_memory_gb=args.kv_cache_gb, decode_attention=args.decode_attention),
-        # Prefill steps hold no decodes whose TPOT a step budget would protect.
-        scheduler_config=slo_scheduler_config(slo.tpot_s if slo else None,
-                                              placement.scheduler_config(SchedulerConfig(
-                                                  layer_preemption=not args.no_layer_preemption, **structured_output_backend(args)))),
-        prefill_scheduler_config=prefill_scheduler_config(args, placement),
-        max_queued_requests=args.max_queued_requests, num_threads_per_worker=args.threads, router=args.router,
-        admission=admission_config_of(args, slo.tpot_s if slo else None, tuple(api_keys.tenants.values()) if api_keys else ()),
-        **({} if args.kv_transfer_timeout is None else {"kv_transfer_timeout_s": args.kv_transfer_timeout}),
-    )
+    config = deployment_config_of(args, placement, slo, api_keys)
     if on_ray:
         from distserve.runtime.ray_client import ControllerClient
 
-        ray_layout = " + ".join(
-            f"{len(specs)}x {kind} tp{specs[0].tp}pp{specs[0].pp}"
-            for kind, specs in (("prefill", placement.prefill), ("decode", placement.decode), ("colocated", placement.colocated))
-            if specs
-        )
         return run_server(
             lambda: ControllerClient.create(config), served, sock,
-            on_ready=lambda url: _print_ready(url, served, f"{ray_layout}, Ray runtime"), log_level=args.log_level, slo=slo,
+            on_ready=lambda url: _print_ready(url, served, f"{ray_layout(placement)}, Ray runtime"), log_level=args.log_level, slo=slo,
             session_limits=session_limits(args), api_keys=api_keys, request_log=request_log,
             tool_call_parser=args.tool_call_parser, enable_auto_tool_choice=args.enable_auto_tool_choice,
             metrics_prefix=args.metrics_prefix,

@@ -13,7 +13,8 @@ from distserve.engine.block_manager import BlockManager
 from distserve.engine.instance_core import InstanceCore
 from distserve.engine.model import resolve_dtype
 from distserve.engine.model_runner import ModelRunner
-from distserve.engine.outputs import EngineBase, RequestMetrics, RequestOutput
+from distserve.engine.frontend import EngineBase
+from distserve.engine.outputs import RequestMetrics, RequestOutput
 from distserve.engine.request_metrics import stamp_prefill_starts
 from distserve.engine.scheduler import Scheduler
 from distserve.engine.sequence import Sequence

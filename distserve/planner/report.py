@@ -339,7 +339,9 @@ def serve_config(model: str, placement_path: str | Path, host: str = "127.0.0.1"
             "name": "distserve",
             "route_prefix": "/",
             "import_path": "distserve.serving.app:build_app",
-            "args": {"model": model, "placement": str(Path(placement_path).resolve())},
+            # A model folder by its absolute path: `serve run` may start elsewhere.
+            "args": {"model": str(Path(model).resolve()) if Path(model).exists() else model,
+                     "placement": str(Path(placement_path).resolve())},
         }],
     }
 

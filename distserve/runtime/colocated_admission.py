@@ -27,7 +27,8 @@ from distserve.cluster.admission import (
 from distserve.cluster.classes import RequestClass, check_request_class
 from distserve.config import SamplingParams
 from distserve.engine.llm_engine import LLMEngine
-from distserve.engine.outputs import EngineBase, RequestMetrics, RequestOutput
+from distserve.engine.frontend import EngineBase
+from distserve.engine.outputs import RequestMetrics, RequestOutput
 
 S = TypeVar("S")  # the client's slot type
 IDLE_POLL_S = 0.05  # longest idle wait while requests are queued and no engine has work

@@ -32,7 +32,8 @@ from distserve.cluster.recovery import CrashLedger
 from distserve.cluster.classes import RequestClass
 from distserve.config import SamplingParams
 from distserve.engine.model import resolve_dtype
-from distserve.engine.outputs import RequestFrontend, RequestOutput
+from distserve.engine.frontend import RequestFrontend
+from distserve.engine.outputs import RequestOutput
 from distserve.engine.sequence import Sequence, SequenceStatus
 from distserve.engine.weights import load_model
 from distserve.errors import DistServeError, InvalidConfigError, QueueFullError, ServiceUnavailableError, StepFailedError

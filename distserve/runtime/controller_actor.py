@@ -5,6 +5,13 @@ The actor owns its instance actors and placement groups, so they die with it. Ea
 the outputs of all its requests from one long-lived Ray streaming generator (``outputs``), each item
 a batch of ``(request_id, output)`` pairs: one streamed item per engine step for every request in
 flight rather than one per request.
+
+A named actor can be **shared** by several callers (the ingress replicas of a Ray Serve app): each
+``attach``es as a holder, ``start`` deploys the placement once whoever calls it first, and the
+holder whose ``detach`` leaves none tears the deployment down. Holders that die without detaching
+(a crashed replica) are noticed by ``check_holders``, run every ``HOLDER_CHECK_INTERVAL_S``: when
+none is left alive, the actor tears itself down. Holders may ``publish`` a snapshot of their own
+state (their HTTP metrics) for the others to read (``published``).
 """
 
 from __future__ import annotations
@@ -30,6 +37,8 @@ CONTROLLER_CPUS = 0.1  # Ray bookkeeping only, like the workers
 CONTROL_CONCURRENCY = 256
 MAX_EARLY_ABORTS = 4096  # ids aborted before they were submitted, remembered to refuse them on arrival
 SHUTDOWN_TIMEOUT_S = 30.0
+HOLDER_CHECK_INTERVAL_S = 10.0  # how often a shared controller checks that its holders are alive
+HOLDER_PING_TIMEOUT_S = 30.0  # a holder that does not answer within it is alive but busy, not dead
 
 # What a proxy's stream carries for one request: an output, the error that ended it, or ``None``
 # once it ended otherwise (after its finished output, or aborted without one).
@@ -43,14 +52,22 @@ class _Outbox:
         self.items: list[tuple[str, StreamItem]] = []
         self.ready = asyncio.Event()
         self.relays: dict[str, asyncio.Task[None]] = {}  # request id -> task relaying its outputs here
+        self.closed = False
 
     def put(self, request_id: str, item: StreamItem) -> None:
         self.items.append((request_id, item))
         self.ready.set()
 
-    async def take(self) -> list[tuple[str, StreamItem]]:
-        """Everything put since the previous call, waiting for at least one item."""
+    def close(self) -> None:
+        """End the stream once its pending items are taken (its proxy left)."""
+        self.closed = True
+        self.ready.set()
+
+    async def take(self) -> list[tuple[str, StreamItem]] | None:
+        """Everything put since the previous call, waiting for at least one item; None once closed and empty."""
         while not self.items:
+            if self.closed:
+                return None
             self.ready.clear()
             await self.ready.wait()
         items, self.items = self.items, []
@@ -68,12 +85,107 @@ class ControllerActor:
     def __init__(self, config: DeploymentConfig) -> None:
         self.config = config
         self.controller: Controller | None = None
+        self._starting: asyncio.Future[None] | None = None
         self._outboxes: dict[str, _Outbox] = {}  # proxy id -> its outbox
         self._early_aborts: OrderedDict[str, None] = OrderedDict()
+        self._holders: dict[str, Any] = {}  # holder id -> its actor handle (None: not an actor, never checked)
+        self._published: dict[str, tuple[Any, bool]] = {}  # holder id -> (its latest snapshot, whether it is attached)
+        self._closing = False  # the last holder left: no holder may attach any more
+        self._watch: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
+        """Deploy the placement; later and concurrent calls wait for the first call's outcome (and raise its error)."""
+        if self._starting is None:
+            self._starting = asyncio.ensure_future(self._start())
+        await asyncio.shield(self._starting)
+
+    async def _start(self) -> None:
         self.controller = Controller(self.config)
         await self.controller.start()
+
+    def attach(self, holder_id: str, holder: Any = None) -> bool:
+        """Register a holder (``holder``: its actor handle, so that its death is noticed); False if
+        the deployment is being torn down (the caller should wait for this actor to die and make a new one)."""
+        if self._closing:
+            return False
+        self._holders[holder_id] = holder
+        if holder is not None and self._watch is None:
+            self._watch = asyncio.create_task(self._watch_holders())
+        return True
+
+    def detach(self, holder_id: str, proxy_ids: list[str]) -> bool:
+        """Forget a holder and end its output streams (aborting its requests); True if it was the
+        last one, in which case the caller tears the deployment down (``shutdown``) and kills this actor."""
+        for proxy_id in proxy_ids:
+            box = self._outboxes.get(proxy_id)
+            if box is not None:
+                box.close()
+        self._forget(holder_id)
+        if not self._holders:
+            self._closing = True
+        return self._closing
+
+    def _forget(self, holder_id: str) -> None:
+        self._holders.pop(holder_id, None)
+        if holder_id in self._published:
+            self._published[holder_id] = (self._published[holder_id][0], False)
+
+    async def check_holders(self) -> int:
+        """Forget the holders whose actor died; with none left, tear the deployment down and exit. The holders left."""
+        import ray
+
+        async def dead(holder: Any) -> bool:
+            try:
+                await asyncio.wait_for(holder.__ray_ready__.remote(), HOLDER_PING_TIMEOUT_S)
+            except ray.exceptions.RayActorError:
+                return True
+            except (asyncio.TimeoutError, ray.exceptions.RayError):
+                pass
+            return False
+
+        watched = [(h, a) for h, a in self._holders.items() if a is not None]
+        for (holder_id, _), gone in zip(watched, await asyncio.gather(*(dead(a) for _, a in watched))):
+            if gone:
+                log.warning("holder %s of the shared controller died without detaching", holder_id)
+                self._forget(holder_id)
+        if not self._holders and not self._closing:
+            self._closing = True
+            log.warning("every holder of the shared controller is gone; tearing the deployment down")
+            await self._teardown_and_exit()
+        return len(self._holders)
+
+    async def _watch_holders(self) -> None:
+        while not self._closing:
+            await asyncio.sleep(HOLDER_CHECK_INTERVAL_S)
+            try:
+                await self.check_holders()
+            except Exception:  # noqa: BLE001 - keep watching
+                log.exception("checking the shared controller's holders failed")
+
+    async def _teardown_and_exit(self) -> None:
+        import ray
+        from ray.util.placement_group import remove_placement_group
+
+        groups = self.placement_groups()
+        try:
+            await asyncio.wait_for(self.shutdown(), SHUTDOWN_TIMEOUT_S)
+        finally:
+            for group in groups:
+                try:
+                    remove_placement_group(group)
+                except Exception:  # noqa: BLE001 - already removed
+                    pass
+            # Killed rather than ``exit_actor()``, which only exits from an actor call, not from the watch task.
+            ray.kill(ray.get_runtime_context().current_actor, no_restart=True)
+
+    def publish(self, holder_id: str, snapshot: Any) -> None:
+        """Keep ``snapshot`` as the holder's latest (what it is, e.g. its HTTP metrics, is the holders' business)."""
+        self._published[holder_id] = (snapshot, holder_id in self._holders)
+
+    def published(self) -> list[tuple[str, Any, bool]]:
+        """Every holder's latest snapshot, with whether the holder is still attached (a detached or
+        dead holder's last snapshot is kept: its counters still count)."""
+        return [(holder_id, snapshot, attached) for holder_id, (snapshot, attached) in self._published.items()]
 
     def _started(self) -> Controller:
         if self.controller is None:
@@ -93,8 +205,8 @@ class ControllerActor:
         """
         box = self._outbox(proxy_id)
         try:
-            while True:
-                yield await box.take()
+            while (batch := await box.take()) is not None:
+                yield batch
         finally:
             if self._outboxes.get(proxy_id) is box:
                 del self._outboxes[proxy_id]

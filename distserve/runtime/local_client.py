@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from distserve.config import SchedulerConfig
 from distserve.engine.llm_engine import LLMEngine
-from distserve.engine.outputs import EngineBase
+from distserve.engine.frontend import EngineBase
 from distserve.errors import InvalidConfigError
 from distserve.runtime.config import DeploymentConfig
 from distserve.runtime.local_disagg import LocalDisaggEngine

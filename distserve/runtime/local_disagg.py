@@ -37,7 +37,8 @@ from distserve.engine.instance_core import InstanceCore
 from distserve.engine.model import resolve_dtype
 from distserve.engine.model_runner import LayerPass, ModelRunner
 from distserve.engine.preemptible import PreemptibleSteps
-from distserve.engine.outputs import EngineBase, RequestOutput
+from distserve.engine.frontend import EngineBase
+from distserve.engine.outputs import RequestOutput
 from distserve.engine.request_metrics import stamp_prefill_starts
 from distserve.engine.step_plan import SampledToken, StepPlan
 from distserve.engine.sequence import Sequence, SequenceStatus

@@ -25,13 +25,17 @@ class ControllerClient(EngineClient):
         self._owns_ray = owns_ray
 
     @classmethod
-    async def create(cls, config: DeploymentConfig, *, ray_temp_dir: str | None = None) -> "ControllerClient":
+    async def create(
+        cls, config: DeploymentConfig, *, ray_temp_dir: str | None = None, shared_name: str | None = None,
+    ) -> "ControllerClient":
+        """Deploy ``config`` (starting a local Ray if none is initialised); ``shared_name``: attach to the
+        shared controller of that name instead, deploying it only if it does not exist yet (``RemoteController``)."""
         import ray
 
         owns_ray = not ray.is_initialized()
         init_ray_local(ray_temp_dir)
         try:
-            controller = RemoteController(config)
+            controller = RemoteController(config, shared_name=shared_name)
             await controller.start()  # tears the deployment down itself if it fails
         except BaseException:
             if owns_ray:

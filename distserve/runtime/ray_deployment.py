@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from distserve.cluster.routing import RouteState
-from distserve.engine.outputs import RequestFrontend
+from distserve.engine.frontend import RequestFrontend
 from distserve.errors import InvalidConfigError
 from distserve.kvtransfer.layout import KVLayout
 from distserve.placement import InstanceSpec, Placement

@@ -3,6 +3,10 @@
 It tokenizes and validates locally (no actor hop), submits with plain actor calls, reads all its
 requests' outputs from the actor's one stream on a reader thread and hands each request its own,
 unwraps errors to their own types and turns a dead controller into a ``ServiceUnavailableError``.
+
+With a ``shared_name`` it attaches to the named, detached controller of that name, creating it if
+none exists (a Ray Serve app's replicas share one deployment this way): the placement is deployed
+once, and ``shutdown`` only detaches unless this handle is the last one.
 """
 
 from __future__ import annotations
@@ -19,7 +23,8 @@ from distserve.cluster.admission import check_timeout
 from distserve.cluster.classes import RequestClass, check_request_class
 from distserve.config import SamplingParams
 from distserve.engine.model import resolve_dtype
-from distserve.engine.outputs import RequestFrontend, RequestOutput
+from distserve.engine.frontend import RequestFrontend
+from distserve.engine.outputs import RequestOutput
 from distserve.engine.sequence import Sequence
 from distserve.engine.weights import load_model
 from distserve.errors import DistServeError, ServiceUnavailableError
@@ -27,6 +32,8 @@ from distserve.runtime.config import DeploymentConfig
 from distserve.runtime.controller_actor import CONTROL_CONCURRENCY, CONTROLLER_CPUS, SHUTDOWN_TIMEOUT_S, ControllerActor, StreamItem
 
 log = logging.getLogger(__name__)
+
+SHARED_NAMESPACE = "distserve"  # the Ray namespace of shared (named) controllers
 
 
 class _Tokenizer(RequestFrontend):
@@ -40,13 +47,16 @@ class RemoteController:
     """The callers' handle on a ``ControllerActor``: the ``Controller``'s async interface over actor calls.
 
     Construct, then ``await start()``; ``shutdown()`` stops the deployment and kills the actor.
+    ``shared_name``: attach to the shared controller of that name (see the module docstring).
     """
 
-    def __init__(self, config: DeploymentConfig) -> None:
+    def __init__(self, config: DeploymentConfig, *, shared_name: str | None = None) -> None:
         import ray
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
         self.config = config
+        self.shared_name = shared_name
+        self._holder_id = uuid.uuid4().hex  # this handle, to a shared controller
         self.model_name = config.model
         loaded = load_model(config.model, resolve_dtype(config.dtype), weights=False)
         self._frontend = _Tokenizer(loaded, config.cache_config, config.scheduler_config)
@@ -58,19 +68,24 @@ class RemoteController:
         # Open requests -> (the output stream they were submitted to, their outputs).
         self._requests: dict[str, tuple[str, asyncio.Queue[StreamItem]]] = {}
         self._proxy_id = ""  # names the current output stream to the actor; new for each stream opened
+        self._proxy_ids: list[str] = []  # every stream opened, ended when this handle detaches from a shared controller
         self._reader: threading.Thread | None = None  # reads the current output stream
         self._reader_loop: asyncio.AbstractEventLoop | None = None  # where it hands the outputs
         self._shutting_down = False
         self._actor_died = False
         here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
-        self.actor = (
-            ray.remote(ControllerActor)
-            .options(
-                num_cpus=CONTROLLER_CPUS, max_concurrency=CONTROL_CONCURRENCY,
-                max_restarts=0, scheduling_strategy=here,
-            )
-            .remote(config)
-        )
+        self._actor_options: dict[str, Any] = {
+            "num_cpus": CONTROLLER_CPUS, "max_concurrency": CONTROL_CONCURRENCY, "max_restarts": 0, "scheduling_strategy": here,
+        }
+        if shared_name is not None:
+            # Detached: it must outlive whichever holder happened to create it.
+            self._actor_options.update(name=shared_name, namespace=SHARED_NAMESPACE, get_if_exists=True, lifetime="detached")
+        self.actor = self._make_actor()
+
+    def _make_actor(self) -> Any:
+        import ray
+
+        return ray.remote(ControllerActor).options(**self._actor_options).remote(self.config)
 
     def encode_prompt(self, prompt: str | Seq[int]) -> list[int]:
         return self._frontend.encode_prompt(prompt)
@@ -85,11 +100,22 @@ class RemoteController:
     async def start(self) -> None:
         """Deploy the placement; on failure the deployment is torn down and the error re-raised."""
         try:
+            if self.shared_name is not None:
+                await self._attach()
             await _call(self.actor.start.remote())
             self._placement_groups = await _call(self.actor.placement_groups.remote())
         except BaseException:
             await self.shutdown()
             raise
+
+    async def _attach(self) -> None:
+        """Become a holder of the shared controller; one being torn down is waited out and made anew."""
+        deadline = time.monotonic() + SHUTDOWN_TIMEOUT_S
+        while not await _call(self.actor.attach.remote(self._holder_id, _current_actor())):
+            await _wait_dead(self.actor, deadline)
+            if time.monotonic() >= deadline:
+                raise ServiceUnavailableError(f"the shared controller {self.shared_name!r} did not finish shutting down")
+            self.actor = self._make_actor()
 
     async def generate(
         self, prompt: str | Seq[int], sampling: SamplingParams, request_id: str, priority: int = 0,
@@ -137,6 +163,7 @@ class RemoteController:
         loop = asyncio.get_running_loop()
         if self._reader is None or not self._reader.is_alive() or self._reader_loop is not loop:
             self._proxy_id = uuid.uuid4().hex
+            self._proxy_ids.append(self._proxy_id)
             self._reader_loop = loop
             self._reader = threading.Thread(target=self._read, args=(self._proxy_id, loop), name="distserve-outputs", daemon=True)
             self._reader.start()
@@ -221,12 +248,27 @@ class RemoteController:
     async def worker_pids(self) -> dict[str, list[int]]:
         return await _call(self.actor.worker_pids.remote())  # type: ignore[no-any-return]
 
+    async def publish(self, snapshot: Any) -> None:
+        """Make ``snapshot`` this handle's latest for the shared controller's other holders (``published``)."""
+        await _call(self.actor.publish.remote(self._holder_id, snapshot))
+
+    async def published(self) -> list[tuple[Any, bool]]:
+        """The other holders' latest snapshots, each with whether its holder is still attached."""
+        entries = await _call(self.actor.published.remote())
+        return [(snapshot, attached) for holder_id, snapshot, attached in entries if holder_id != self._holder_id]
+
     async def shutdown(self) -> None:
-        """Stop the instances, remove their placement groups and kill the controller actor."""
+        """Stop the instances, remove their placement groups and kill the controller actor; of a
+        shared controller, only detach unless this is its last holder."""
         import ray
         from ray.util.placement_group import remove_placement_group
 
         self._shutting_down = True
+        if self.shared_name is not None and not await self._detach_was_last():
+            deadline = time.monotonic() + SHUTDOWN_TIMEOUT_S
+            while self._reader is not None and self._reader.is_alive() and time.monotonic() < deadline:
+                await asyncio.sleep(0.01)  # the actor ends its stream
+            return
         try:
             self._placement_groups = await asyncio.wait_for(_call(self.actor.placement_groups.remote()), SHUTDOWN_TIMEOUT_S)
             await asyncio.wait_for(_call(self.actor.shutdown.remote()), SHUTDOWN_TIMEOUT_S)
@@ -246,6 +288,27 @@ class RemoteController:
                     remove_placement_group(group)
                 except Exception:  # noqa: BLE001 - already removed
                     pass
+
+
+    async def _detach_was_last(self) -> bool:
+        """Detach from the shared controller: True if no holder is left (or its actor is gone), so this one tears it down."""
+        try:
+            return bool(await asyncio.wait_for(_call(self.actor.detach.remote(self._holder_id, self._proxy_ids)), SHUTDOWN_TIMEOUT_S))
+        except ServiceUnavailableError:
+            return True  # its actor died: what is left to remove is its placement groups
+        except Exception as exc:  # noqa: BLE001 - leave a deployment others may use standing
+            log.warning("detaching from the shared controller %r failed (%r); leaving it to its other holders", self.shared_name, exc)
+            return False
+
+
+def _current_actor() -> Any:
+    """The handle of the actor this runs in (a Ray Serve replica), or None in a driver."""
+    import ray
+
+    try:
+        return ray.get_runtime_context().current_actor
+    except RuntimeError:
+        return None
 
 
 async def _wait_dead(actor: Any, deadline: float) -> None:

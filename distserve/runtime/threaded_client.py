@@ -19,7 +19,8 @@ from distserve.cluster.classes import RequestClass, check_request_class
 from distserve.cluster.routing import DEFAULT_ROUTER, RouteState, check_router, pick_entry
 from distserve.engine.compute_thread import use_compute_threads
 from distserve.engine.llm_engine import LLMEngine
-from distserve.engine.outputs import EngineBase, RequestOutput
+from distserve.engine.frontend import EngineBase
+from distserve.engine.outputs import RequestOutput
 from distserve.errors import DistServeError, EngineDeadError, InvalidConfigError, QueueFullError
 from distserve.runtime.client import EngineClient
 from distserve.runtime.colocated_admission import ColocatedAdmission, QueuedRequest

@@ -40,7 +40,7 @@ from distserve.serving.http_errors import (
     error_response,
     unavailable,
 )
-from distserve.serving.metrics import CONTENT_TYPE, RequestTimer, ServingMetrics, rejection_reason
+from distserve.serving.metrics import CONTENT_TYPE, MetricsPeers, RequestTimer, ServingMetrics, rejection_reason
 from distserve.serving.logprobs import LogprobsRenderer
 from distserve.serving.metrics_exposition import OWN_PREFIX
 from distserve.serving.ops_routes import add_ops_routes
@@ -48,12 +48,11 @@ from distserve.serving.prompts import chat_prompt, text_prompt, truncate
 from distserve.serving.request_fields import check_request_fields
 from distserve.serving.request_ids import InFlightIds, RequestIdHeader
 from distserve.serving.request_log import RequestLog
-from distserve.serving.protocol import (
-    APIError,
+from distserve.serving.protocol import APIError, ChatCompletionRequest, CompletionRequest
+from distserve.serving.responses import (
     ChatChoice,
     ChatChunkChoice,
     ChatCompletionChunk,
-    ChatCompletionRequest,
     ChatCompletionResponse,
     ChatDelta,
     ChatMessageOut,
@@ -63,7 +62,6 @@ from distserve.serving.protocol import (
     ToolCallOut,
     CompletionChoice,
     CompletionChunk,
-    CompletionRequest,
     CompletionResponse,
     ModelCard,
     ModelList,
@@ -218,7 +216,8 @@ def build_fastapi_app(
     client: EngineClient, served_model_name: str, *, metrics: ServingMetrics | None = None,
     session_limits: SessionLimits = DEFAULT_LIMITS, api_keys: ApiKeys | None = None,
     tool_call_parser: str | None = None, enable_auto_tool_choice: bool = False, metrics_prefix: str = OWN_PREFIX,
-    chat_template: str | None = None, cors: CorsOptions | None = None, http_limits: HttpLimits = DEFAULT_HTTP_LIMITS,
+    chat_template: str | None = None, cors: CorsOptions | None = None, metrics_peers: MetricsPeers | None = None,
+    http_limits: HttpLimits = DEFAULT_HTTP_LIMITS,
 ) -> FastAPI:
     """``/v1/completions``, ``/v1/chat/completions``, ``/v1/models``, ``/health`` and ``/metrics`` over ``client``,
     vLLM's ``/tokenize``, ``/detokenize``, ``/version`` and ``/ping`` (``serving.ops_routes``), and the
@@ -229,7 +228,9 @@ def build_fastapi_app(
     ``metrics_prefix``: of the ``ServingMetrics`` made here when ``metrics`` is None (``--metrics-prefix``);
     a ``metrics`` without a ``model_name`` gets ``served_model_name``.
     ``chat_template``: a Jinja chat template in place of the tokenizer's (``--chat-template``); ``cors``:
-    ``serving.cors`` (None: no CORS headers); ``http_limits``: body size, header count and read time (``serving.limits``)."""
+    ``serving.cors`` (None: no CORS headers). ``metrics_peers``: the other servers over the same engine
+    (Ray Serve replicas), whose request-side series ``/metrics`` adds to this one's. ``http_limits``: body size,
+    header count and read time (``serving.limits``)."""
     if enable_auto_tool_choice and tool_call_parser is None:
         raise InvalidConfigError("--enable-auto-tool-choice needs --tool-call-parser", "tool_call_parser")
     try:
@@ -275,6 +276,11 @@ def build_fastapi_app(
             server.metrics.update_engine_stats(await asyncio.wait_for(client.stats(), STATS_TIMEOUT_S))
         except Exception as exc:  # noqa: BLE001 - the request-side metrics are still worth serving
             logger.warning("engine stats unavailable for /metrics: %s", exc)
+        if metrics_peers is not None:
+            try:
+                await asyncio.wait_for(server.metrics.exchange(metrics_peers), STATS_TIMEOUT_S)
+            except Exception as exc:  # noqa: BLE001 - the peers' previous figures are served instead
+                logger.warning("the other replicas' metrics are unavailable for /metrics: %s", exc)
         return Response(server.metrics.render(), media_type=CONTENT_TYPE)
 
     @app.post("/v1/completions", response_model=None)

@@ -1,165 +1,140 @@
-"""Ray Serve application: the OpenAI API as a Serve ingress deployment (``serve run distserve.serving.app:build_app model=tiny``).
+"""Ray Serve application: any Placement (TP/PP, xPyD, a plan's JSON) behind ingress replicas that share one controller.
 
-``api_keys=FILE`` turns on API keys (``distserve.serving.api_keys``): the file is read and checked
-when the application is built, and only the keys' digests travel to the replicas.
+``serve run examples/serve_config.yaml``, ``serve run distserve.serving.app:build_app model=tiny placement=plan.json``
+or ``distserve serve --ray-serve``. The app's args are a ``ServeAppConfig`` (``serving.app_config``), resolved
+when the app is built. Every ingress replica attaches to one named, detached ``ControllerActor``
+(get-or-create by ``ServeApp.controller_name``), which deploys the placement once: requests through any
+replica share one admission queue and one KV pool. A replica is the FastAPI app of ``serving.api`` over
+its handle on that controller; the last replica to stop tears the deployment down, and a controller
+whose replicas all died tears itself down (``runtime.controller_actor``).
+
+``/metrics`` on any replica shows the whole app: the engine's series come from the shared controller
+(every instance), and the request-side series are summed over the replicas — each replica publishes
+its own to the controller every ``METRICS_PUBLISH_INTERVAL_S`` and when scraped, and adds the others'
+latest (``ServingMetrics.exchange``). Each response names the replica that answered in the
+``x-distserve-replica`` header.
 """
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import signal
 import threading
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from contextlib import suppress
 from typing import Any
 
 from fastapi import FastAPI
 from ray import serve
 from ray.serve import Application
 
-from distserve.cluster.admission import DEFAULT_MAX_WAITING, DEFAULT_WAITING_UNIT, AdmissionConfig
-from distserve.cluster.fair_queue import DEFAULT_ADMISSION_POLICY
-from distserve.cluster.routing import DEFAULT_ROUTER
-from distserve.config import CacheConfig, SchedulerConfig, slo_scheduler_config
-from distserve.dataflow.limits import DEFAULT_LIMITS, SessionLimits
-from distserve.errors import DistServeError, InvalidConfigError
-from distserve.placement import Placement
-from distserve.runtime.config import SERVER_MAX_QUEUED_REQUESTS, DeploymentConfig
+from distserve.errors import ServiceUnavailableError
+from distserve.runtime.ray_client import ControllerClient
 from distserve.runtime.ray_env import init_ray_local
-from distserve.runtime.local_client import build_local_engine_client
-from distserve.runtime.threaded_client import ThreadedEngineClient
-from distserve.serving.api_keys import ApiKeys, load_api_keys
-from distserve.serving.metrics_exposition import OWN_PREFIX, check_prefix
+from distserve.serving.app_config import REPLICA_CPUS, ServeApp, ServeAppConfig
+from distserve.serving.metrics import ServingMetrics
+
+log = logging.getLogger(__name__)
 
 APP_NAME = "distserve"
+REPLICA_HEADER = "x-distserve-replica"
+METRICS_PUBLISH_INTERVAL_S = 5.0  # how stale another replica's request series may be on /metrics
+HEALTH_CHECK_TIMEOUT_S = 10.0  # within Serve's own health-check timeout (30 s)
 
 
-# ``distserve serve`` flags of the semantic-variable sessions -> their type; ``session_ttl`` is ``SessionLimits.ttl_s``.
-_SESSION_LIMIT_ARGS: dict[str, Callable[[Any], Any]] = {
-    "session_ttl": float, "max_sessions": int, "max_variables": int, "max_pending_calls": int, "max_value_chars": int,
-}
-_LIMIT_FIELD = {"session_ttl": "ttl_s"}
+class _ReplicaHeader:
+    """ASGI middleware naming the replica in every HTTP response (plain ASGI: streaming and disconnects pass through)."""
+
+    def __init__(self, app: Any, replica_id: str) -> None:
+        self.app = app
+        self.header = (REPLICA_HEADER.encode(), replica_id.encode())
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+
+        async def send_named(message: Any) -> None:
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", []), self.header]}
+            await send(message)
+
+        await self.app(scope, receive, send_named)
 
 
-def _optional_int(value: Any) -> int | None:
-    return None if str(value).strip().lower() in ("none", "null") else int(value)
-
-
-@dataclass(frozen=True)
-class ServeOptions:
-    """What the ingress deployment runs, from ``key=value`` args (all strings on the ``serve run`` command line)."""
-
-    model: str = "smollm2-135m"
-    served_model_name: str | None = None
-    colocated: int = 0
-    prefill: int = 1
-    decode: int = 1
-    dtype: str = "auto"
-    kv_cache_gb: float = 0.5
-    block_size: int = 16
-    decode_attention: str | None = None  # a kernels.backends name; None: the device's default (cascade on CPU)
-    max_queued_requests: int = SERVER_MAX_QUEUED_REQUESTS
-    tpot_slo: float | None = None  # seconds: steps of decoding instances stay within it ("slo" step budget)
-    router: str = DEFAULT_ROUTER  # entry routing among the prefill instances (``cluster.routing.ROUTERS``)
-    session_limits: SessionLimits = DEFAULT_LIMITS  # semantic-variable sessions (args ``session_ttl``, ``max_sessions``, ...)
-    api_keys: ApiKeys | None = None  # tenants and their keys (arg ``api_keys``: the key file); None: no keys, one anonymous tenant
-    admission_policy: str = DEFAULT_ADMISSION_POLICY  # fair | fcfs | priority (``cluster.fair_queue``)
-    max_waiting: int | None = DEFAULT_MAX_WAITING  # backpressure (``cluster.admission``); arg ``max_waiting=none``: dispatch at once
-    waiting_unit: str = DEFAULT_WAITING_UNIT  # tokens | requests (``cluster.backpressure``)
-    metrics_prefix: str = OWN_PREFIX  # of the series vLLM also exports (``serving.metrics_exposition``)
-
-    @classmethod
-    def from_args(cls, args: Mapping[str, Any]) -> ServeOptions:
-        fields: dict[str, Callable[[Any], Any]] = {
-            "model": str,
-            "served_model_name": str,
-            "colocated": int,
-            "prefill": int,
-            "decode": int,
-            "dtype": str,
-            "kv_cache_gb": float,
-            "block_size": int,
-            "decode_attention": str,
-            "max_queued_requests": int,
-            "tpot_slo": float,
-            "router": str,
-            "api_keys": load_api_keys,
-            "admission_policy": str,
-            "max_waiting": _optional_int,
-            "waiting_unit": str,
-            "metrics_prefix": check_prefix,
-            **_SESSION_LIMIT_ARGS,
-        }
-        unknown = sorted(set(args) - set(fields))
-        if unknown:
-            raise InvalidConfigError(f"unknown app args {unknown}; expected some of {sorted(fields)}")
-        values: dict[str, Any] = {}
-        for key, value in args.items():
-            if value is None:
-                continue
-            try:
-                values[key] = fields[key](value)
-            except DistServeError as exc:
-                raise InvalidConfigError(f"app arg {key}: {exc}") from None
-            except (TypeError, ValueError) as exc:
-                raise InvalidConfigError(f"app arg {key}={value!r} is not a valid {fields[key].__name__}") from exc
-        limits = {_LIMIT_FIELD.get(key, key): values.pop(key) for key in _SESSION_LIMIT_ARGS if key in values}
-        return cls(**values, session_limits=SessionLimits(**limits))
-
-    def deployment(self) -> DeploymentConfig:
-        if self.colocated < 0:
-            raise InvalidConfigError(f"app arg colocated must be >= 0, got {self.colocated}")
-        placement = (
-            Placement.colocated_instances(self.colocated) if self.colocated > 0 else Placement.disaggregated(self.prefill, self.decode)
-        )
-        return DeploymentConfig(
-            self.model, placement, dtype=self.dtype,
-            cache_config=CacheConfig(block_size=self.block_size, kv_cache_memory_gb=self.kv_cache_gb, decode_attention=self.decode_attention),
-            scheduler_config=slo_scheduler_config(self.tpot_slo), prefill_scheduler_config=SchedulerConfig(),
-            max_queued_requests=self.max_queued_requests, router=self.router,
-            admission=AdmissionConfig(self.admission_policy, tuple(self.api_keys.tenants.values()) if self.api_keys else (),
-                                      max_waiting=self.max_waiting, waiting_unit=self.waiting_unit),
-        )
-
-    def build_client(self) -> ThreadedEngineClient:
-        return build_local_engine_client(self.deployment())
-
-
-@serve.deployment(ray_actor_options={"num_cpus": 0.1})
+@serve.deployment(ray_actor_options={"num_cpus": REPLICA_CPUS})
 @serve.ingress()
 class DistServeIngress:
-    """One replica: a ``ThreadedEngineClient`` over in-process engines behind the FastAPI app."""
+    """One ingress replica: the OpenAI API over a handle on the app's shared controller.
 
-    def __init__(self, options: ServeOptions) -> None:
-        self.options = options
-        self.client = options.build_client()
+    (``serve_app``, not ``app``: Serve's ingress wrapper owns ``app``.)"""
 
-    def __serve_build_asgi_app__(self) -> FastAPI:
+    async def __init__(self, app: ServeApp) -> None:
+        context = serve.get_replica_context()
+        self.serve_app = app
+        self.replica_id = context.replica_id.unique_id
+        self.client = await ControllerClient.create(app.deployment, shared_name=app.controller_name(context.app_name))
+        self.metrics = ServingMetrics(slo=app.slo, tenants=app.api_keys.tenant_names if app.api_keys else (),
+                                      prefix=app.metrics_prefix, model_name=app.served_model_name)
+        self._publisher = asyncio.create_task(self._publish_metrics())
+
+    async def _publish_metrics(self) -> None:
+        """Keep this replica's request series on the controller, for /metrics on the other replicas."""
+        while True:
+            await asyncio.sleep(METRICS_PUBLISH_INTERVAL_S)
+            try:
+                await self.client.controller.publish(self.metrics.request_families())
+            except Exception as exc:  # noqa: BLE001 - the next round tries again
+                log.warning("publishing replica %s's metrics failed: %s", self.replica_id, exc)
+
+    def __serve_build_asgi_app__(self) -> Any:
         from distserve.serving.api import build_fastapi_app
 
-        return build_fastapi_app(
-            self.client, self.options.served_model_name or self.options.model, session_limits=self.options.session_limits,
-            api_keys=self.options.api_keys, metrics_prefix=self.options.metrics_prefix,
+        api: FastAPI = build_fastapi_app(
+            self.client, self.serve_app.served_model_name, metrics=self.metrics, session_limits=self.serve_app.session_limits,
+            api_keys=self.serve_app.api_keys, tool_call_parser=self.serve_app.tool_call_parser,
+            enable_auto_tool_choice=self.serve_app.enable_auto_tool_choice, chat_template=self.serve_app.chat_template,
+            cors=self.serve_app.cors, metrics_peers=self.client.controller,
         )
+        return _ReplicaHeader(api, self.replica_id)
 
-    def check_health(self) -> None:
-        """Serve's replica health check: a dead engine makes Serve replace this replica."""
+    async def check_health(self) -> None:
+        """Serve's replica health check: only a dead controller fails it (Serve then replaces the replicas, and the
+        new ones deploy the placement anew); an outage of instances the controller is restarting does not."""
+        with suppress(ServiceUnavailableError, asyncio.TimeoutError):
+            await asyncio.wait_for(self.client.check_health(), HEALTH_CHECK_TIMEOUT_S)
         if self.client.is_dead:
-            raise RuntimeError("the engine of this replica is dead")
+            raise RuntimeError("the shared controller of this app is dead")
 
-    def __del__(self) -> None:
+    async def __del__(self) -> None:
+        publisher = getattr(self, "_publisher", None)
+        if publisher is not None:
+            publisher.cancel()
         client = getattr(self, "client", None)
-        if client is not None:
-            client.close()
+        if client is None:
+            return
+        try:  # this replica's counters keep counting after it is gone
+            await client.controller.publish(self.metrics.request_families())
+        except Exception:  # noqa: BLE001 - the controller may already be gone
+            pass
+        await client.shutdown()  # detaches; the last replica tears the deployment down
+
+
+def bind(app: ServeApp) -> Application:
+    """The Serve application of ``app``: its ingress deployment with ``num_replicas`` and ``max_ongoing_requests``."""
+    return DistServeIngress.options(  # type: ignore[attr-defined,no-any-return]
+        num_replicas=app.num_replicas, max_ongoing_requests=app.max_ongoing_requests,
+        ray_actor_options={"num_cpus": app.replica_cpus},
+    ).bind(app)
 
 
 def build_app(args: Mapping[str, Any]) -> Application:
-    """The Serve application for ``serve run distserve.serving.app:build_app model=tiny prefill=1 decode=1``."""
-    return DistServeIngress.bind(ServeOptions.from_args(args))  # type: ignore[attr-defined]
+    """The Serve application of ``args`` (a ``ServeAppConfig``): ``serve run distserve.serving.app:build_app model=tiny``."""
+    return bind(ServeAppConfig.from_args(args).resolve())
 
 
-def run_ray_serve(
-    options: ServeOptions, host: str, port: int, *, on_ready: Callable[[str], None] | None = None
-) -> None:
+def run_ray_serve(app: ServeApp, host: str, port: int, *, on_ready: Callable[[str], None] | None = None) -> None:
     """Deploy on Ray Serve with the HTTP proxy on ``host:port`` and block until SIGINT/SIGTERM, then tear down."""
     import ray
 
@@ -169,7 +144,7 @@ def run_ray_serve(
     try:
         started_ray = init_ray_local()
         serve.start(http_options={"host": host, "port": port})
-        serve.run(DistServeIngress.bind(options), name=APP_NAME, route_prefix="/")  # type: ignore[attr-defined]
+        serve.run(bind(app), name=APP_NAME, route_prefix="/")
         if on_ready is not None:
             on_ready(f"http://{host}:{port}")
         while not stop.wait(0.5):

@@ -58,7 +58,8 @@ from distserve.errors import DataflowError
 from distserve.serving.auth import tenant_of
 from distserve.serving.http_errors import check_output, engine_error
 from distserve.serving.metrics import ServingMetrics, rejection_reason
-from distserve.serving.protocol import SSE_DONE, APIError, sse
+from distserve.serving.protocol import APIError
+from distserve.serving.responses import SSE_DONE, sse
 from distserve.serving.streams import SSEResponse, aclose_stream
 
 MAX_GET_TIMEOUT_S = 3600.0

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from distserve.engine.logprobs import PromptLogprobs, TopLogprobs
 from distserve.engine.outputs import RequestOutput
 from distserve.engine.tokenizer import Tokenizer
-from distserve.serving.protocol import (
+from distserve.serving.responses import (
     ChatLogprobs,
     ChatTokenLogprob,
     ChatTopLogprob,

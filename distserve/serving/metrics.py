@@ -40,6 +40,11 @@ doing, the KV migration: disaggregated runtimes only), ``request_decode_time_sec
 
 The engine figures it exports come from ``EngineClient.stats()``, whose shape is
 ``distserve.runtime.stats.ClientStats``.
+
+Several servers over one engine (the replicas of a Ray Serve app, sharing one controller) each
+measure the requests they answer; with ``exchange`` a server publishes its request-side families to
+the others (``MetricsPeers``) and takes theirs, so that its ``/metrics`` shows the requests of all of
+them (``metrics_exposition.merge``) next to the engine's series, which the shared engine reports whole.
 """
 
 from __future__ import annotations
@@ -47,7 +52,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Iterable, Iterator, Mapping
-from typing import Any
+from typing import Any, Protocol
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import Metric
@@ -59,7 +64,7 @@ from distserve.cluster.classes import DEFAULT, OBJECTIVES
 from distserve.cluster.tenants import ANONYMOUS
 from distserve.serving.api_keys import OTHER_TENANT
 from distserve.serving.engine_metrics import EngineCollector
-from distserve.serving.metrics_exposition import ENGINE_LABEL, OWN_PREFIX, check_prefix, render
+from distserve.serving.metrics_exposition import ENGINE_LABEL, OWN_PREFIX, check_prefix, merge, render
 from distserve.serving.request_log import RequestLog
 from distserve.slo import SLO, slo_for_objective, tpot
 
@@ -190,6 +195,17 @@ class RequestTimer:
             m.request_slo.labels(met="true" if met else "false", objective=self.objective).inc()
 
 
+class MetricsPeers(Protocol):
+    """Where the servers over one engine publish their request-side families and read each other's
+    (``RemoteController`` of a shared controller)."""
+
+    async def publish(self, snapshot: Any) -> None:
+        """Make ``snapshot`` this server's latest."""
+
+    async def published(self) -> list[tuple[Any, bool]]:
+        """The other servers' latest snapshots, each with whether its server is still live."""
+
+
 class ServingMetrics:
     """All metrics of one app, in their own registry. ``prefix``: of the series vLLM also has
     (``metrics_exposition.METRICS_PREFIXES``); ``model_name``: the ``model_name`` label of every
@@ -265,8 +281,8 @@ class ServingMetrics:
                 self.tenant_rejected.labels(tenant=tenant, reason=reason)
         for met, objective in itertools.product(("true", "false"), OBJECTIVES if slo is not None else ()):
             self.request_slo.labels(met=met, objective=objective)
-        self._engine = EngineCollector(self.tenant_label, self.tenants | {OTHER_TENANT})
-        r.register(self._engine)
+        self._engine = EngineCollector(self.tenant_label, self.tenants | {OTHER_TENANT})  # not in ``registry``: see ``families``
+        self._peer_snapshots: list[tuple[Any, bool]] = []  # the other servers' request-side families (``exchange``)
 
     def tenant_label(self, tenant: str) -> str:
         """``tenant`` if it is one of the configured tenants (or anonymous), else ``other``."""
@@ -305,9 +321,21 @@ class ServingMetrics:
             for seconds in inst.get("kv_migration_seconds", []):
                 self.kv_migration_seconds.labels(engine=inst["instance"], phase=inst["phase"]).observe(seconds)
 
+    def request_families(self) -> list[Metric]:
+        """This server's own request-side families (everything it measured itself), bare names."""
+        return list(self.registry.collect())
+
+    async def exchange(self, peers: MetricsPeers) -> None:
+        """Publish this server's request-side families to ``peers`` and take theirs, which ``families`` merges in from now on."""
+        await peers.publish(self.request_families())
+        self._peer_snapshots = await peers.published()
+
     def families(self) -> Iterator[Metric]:
-        """Every family under its bare name (``metrics_exposition.exposed`` names them)."""
-        return iter(self.registry.collect())
+        """Every family under its bare name (``metrics_exposition.exposed`` names them): the request
+        side merged with the peers' latest (after ``exchange``), then the engine's."""
+        own = self.registry.collect()
+        requests = merge([(own, True), *self._peer_snapshots]) if self._peer_snapshots else own
+        return itertools.chain(requests, self._engine.collect())
 
     def render(self) -> bytes:
         """The ``/metrics`` text: every family, named under ``prefix`` and labelled ``model_name``."""

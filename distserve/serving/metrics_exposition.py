@@ -12,7 +12,7 @@
 * every sample gets ``model_name`` (the served model name, as vLLM labels its series).
 
 Keeping the families bare until this step is what lets a front end that gathers several replicas'
-families (Ray Serve) merge them first and name them once.
+families (Ray Serve) merge them first (``merge``) and name them once.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from collections.abc import Callable, Iterable, Iterator
 
 from prometheus_client import generate_latest
 from prometheus_client.core import Metric
+from prometheus_client.samples import Sample
 from prometheus_client.registry import Collector
 
 from distserve.errors import InvalidConfigError
@@ -71,6 +72,34 @@ def exposed(families: Iterable[Metric], prefix: str, model_name: str) -> Iterato
         yield out
 
 
+def merge(snapshots: Iterable[tuple[Iterable[Metric], bool]]) -> list[Metric]:
+    """Several servers' families (bare names) as one server's: the samples of a name and label set
+    summed (counters, histogram buckets, sums and counts, gauges of requests in flight), except
+    ``_created`` timestamps, of which the earliest is kept. Each snapshot comes with whether its
+    server is live: a gone server's gauges are left out (they describe a server that no longer
+    runs), its counters and histograms still count, so that totals never go down."""
+    families: dict[str, Metric] = {}
+    samples: dict[str, dict[tuple[str, tuple[tuple[str, str], ...]], Sample]] = {}
+    for snapshot, live in snapshots:
+        for family in snapshot:
+            out = families.setdefault(family.name, Metric(family.name, family.documentation, family.type, family.unit))
+            into = samples.setdefault(family.name, {})
+            if family.type == "gauge" and not live:
+                continue
+            for sample in family.samples:
+                key = (sample.name, tuple(sorted(sample.labels.items())))
+                seen = into.get(key)
+                if seen is None:
+                    into[key] = sample
+                elif sample.name.endswith("_created"):
+                    into[key] = seen._replace(value=min(seen.value, sample.value))
+                else:
+                    into[key] = seen._replace(value=seen.value + sample.value)
+    for name, out in families.items():
+        out.samples = list(samples[name].values())
+    return list(families.values())
+
+
 class _Exposed(Collector):
     def __init__(self, families: Callable[[], Iterable[Metric]], prefix: str, model_name: str) -> None:
         self.families, self.prefix, self.model_name = families, prefix, model_name
@@ -86,5 +115,5 @@ def render(families: Callable[[], Iterable[Metric]], prefix: str, model_name: st
 
 __all__ = [
     "ENGINE_LABEL", "METRICS_PREFIXES", "MODEL_LABEL", "OWN_PREFIX", "VLLM_SERIES",
-    "check_prefix", "exposed", "render", "series_name",
+    "check_prefix", "exposed", "merge", "render", "series_name",
 ]

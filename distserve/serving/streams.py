@@ -17,16 +17,18 @@ from starlette.types import Receive, Scope, Send
 from distserve.engine.outputs import RequestOutput
 from distserve.serving.http_errors import ClientDisconnected, check_output, engine_error
 from distserve.serving.metrics import RequestTimer
-from distserve.serving.protocol import SSE_DONE, UsageInfo, sse
+from distserve.serving.responses import SSE_DONE, UsageInfo, sse
 
 T = TypeVar("T")
 
 
 async def wait_for_disconnect(request: Request) -> None:
-    while True:
-        message = await request.receive()
-        if message["type"] == "http.disconnect":
-            return
+    """Until the client leaves: uvicorn says ``http.disconnect``, Ray Serve's ``receive`` raises (``TaskCancelledError``)."""
+    with suppress(Exception):
+        while True:
+            message = await request.receive()
+            if message["type"] == "http.disconnect":
+                return
 
 
 async def unless_disconnected(request: Request, awaitable: Awaitable[T]) -> T:
@@ -77,7 +79,8 @@ class SSEResponse(StreamingResponse):
                     group.cancel_scope.cancel()
 
                 group.start_soon(stream)
-                await self.listen_for_disconnect(receive)
+                with suppress(Exception):  # Ray Serve's receive raises when the client left
+                    await self.listen_for_disconnect(receive)
                 group.cancel_scope.cancel()
         finally:
             aclose = getattr(self._events, "aclose", None)

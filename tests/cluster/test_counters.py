@@ -5,7 +5,7 @@ from __future__ import annotations
 from distserve.cluster.counters import ClusterCounters
 from distserve.config import CacheConfig, SamplingParams
 from distserve.runtime.local_disagg import LocalDisaggEngine
-from distserve.runtime.stats import ClientStats, normalize_stats
+from distserve.runtime.stats import PREFILL_COUNTER_KEYS, ClientStats, normalize_stats
 
 # The counters the Ray runtime's ``stats()`` reports, in its order (tests and the HTTP metrics read them).
 RUNTIME_KEYS = [
@@ -85,7 +85,7 @@ def test_local_engine_counts_into_its_counters() -> None:
     assert list(stats) == [
         "prefill", "decode", "kv_migration_blocks_total", "kv_migration_seconds_total", "kv_migration_blocks_skipped_total",
         "kv_migration_bytes_total", "kv_migration_failures_total", "kv_migration_timeouts_total", "num_requests_awaiting_migration",
-        "prefill_tokens_computed_total", "prefix_cache_hit_tokens_total",
+        *PREFILL_COUNTER_KEYS,
     ]
     assert stats["kv_migration_blocks_total"] == c.num_blocks_migrated and stats["kv_migration_bytes_total"] == c.num_bytes_migrated
     assert stats["kv_migration_failures_total"] == 1 and stats["kv_migration_timeouts_total"] == 1

@@ -114,12 +114,12 @@ def test_smollm2_greedy_identical_with_cascade_on_and_off(cascade_steps: list[Ca
 
 def test_backend_names_are_checked_where_configured() -> None:
     from distserve.errors import InvalidConfigError
-    from distserve.serving.app import ServeOptions
+    from distserve.serving.app_config import ServeAppConfig
 
     with pytest.raises(InvalidConfigError, match="decode_attention must be one of"):
         CacheConfig(decode_attention="flash9")
-    options = ServeOptions.from_args({"decode_attention": "exact", "model": "tiny"})
-    assert options.deployment().cache_config.decode_attention == "exact"
+    app = ServeAppConfig.from_args({"decode_attention": "exact", "model": "tiny"}).resolve()
+    assert app.deployment.cache_config is not None and app.deployment.cache_config.decode_attention == "exact"
 
 
 def test_a_backend_that_cannot_run_here_is_refused_at_start(tiny: LoadedModel, monkeypatch: pytest.MonkeyPatch) -> None:

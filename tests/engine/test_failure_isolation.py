@@ -12,7 +12,8 @@ import pytest
 from distserve.cluster.recovery import MAX_CRASHES_PER_REQUEST
 from distserve.config import CacheConfig, SamplingParams
 from distserve.engine.llm_engine import LLMEngine
-from distserve.engine.outputs import MAX_CONSECUTIVE_FAILED_STEPS, EngineBase, RequestOutput
+from distserve.engine.frontend import MAX_CONSECUTIVE_FAILED_STEPS, EngineBase
+from distserve.engine.outputs import RequestOutput
 from distserve.engine.weights import LoadedModel, load_model
 from distserve.errors import EngineDeadError
 from distserve.runtime.local_disagg import LocalDisaggEngine

@@ -8,7 +8,8 @@ import pytest
 from distserve.config import CacheConfig, SamplingParams, SchedulerConfig
 from distserve.engine.block_manager import BlockManager
 from distserve.engine.llm_engine import LLMEngine
-from distserve.engine.outputs import EngineBase, RequestOutput
+from distserve.engine.frontend import EngineBase
+from distserve.engine.outputs import RequestOutput
 from distserve.engine.sequence import Sequence, completion_sampling
 from distserve.engine.weights import LoadedModel, load_model
 from distserve.errors import InvalidSamplingParamsError

@@ -7,7 +7,8 @@ import pytest
 
 from distserve.config import CacheConfig, SamplingParams, SchedulerConfig
 from distserve.engine.llm_engine import LLMEngine
-from distserve.engine.outputs import EngineBase, RequestOutput
+from distserve.engine.frontend import EngineBase
+from distserve.engine.outputs import RequestOutput
 from distserve.engine.weights import LoadedModel, load_model
 from distserve.runtime.local_disagg import LocalDisaggEngine
 

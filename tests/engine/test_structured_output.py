@@ -20,7 +20,8 @@ import torch
 from distserve.config import CacheConfig, SamplingParams, SchedulerConfig, StructuredOutput
 from distserve.engine.grammar_backends import STRUCTURED_OUTPUT_BACKENDS, choice_regex
 from distserve.engine.llm_engine import LLMEngine
-from distserve.engine.outputs import EngineBase, RequestOutput
+from distserve.engine.frontend import EngineBase
+from distserve.engine.outputs import RequestOutput
 from distserve.engine.sampler import process_logits
 from distserve.engine.structured_output import MAX_PENDING_COMPILES, GrammarCompiler
 from distserve.engine.weights import LoadedModel, load_model

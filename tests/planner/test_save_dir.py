@@ -90,6 +90,10 @@ def test_serve_config_follows_ray_serves_schema(bundle: tuple[Path, dict]) -> No
     assert app.import_path == "distserve.serving.app:build_app" and app.route_prefix == "/"
     assert app.args["model"] == "facebook/opt-13b"
     assert Placement.load(app.args["placement"]) == Placement.load(out / "placement.json")
+    from distserve.serving.app_config import ServeAppConfig
+
+    deployment = ServeAppConfig.from_args(app.args).resolve().deployment  # the app's args as the app reads them
+    assert deployment.placement == Placement.load(out / "placement.json") and deployment.model == "facebook/opt-13b"
 
 
 def test_save_dir_that_is_a_file_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -338,9 +338,10 @@ def test_metrics_count_requests_meeting_the_deployment_slo(tiny: LoadedModel) ->
 
 
 def test_ray_serve_options_carry_the_tpot_slo_to_the_decoding_instances() -> None:
-    from distserve.serving.app import ServeOptions
+    from distserve.runtime.local_client import build_local_engine_client
+    from distserve.serving.app_config import ServeAppConfig
 
-    client = ServeOptions.from_args({"model": "tiny", "tpot_slo": "0.1"}).build_client()
+    client = build_local_engine_client(ServeAppConfig.from_args({"model": "tiny", "tpot_slo": "0.1"}).resolve().deployment)
     try:
         engine = client.engines[0]
         assert isinstance(engine, LocalDisaggEngine)

@@ -22,7 +22,8 @@ from distserve.cli import main as cli_main
 from distserve.config import CacheConfig, SamplingParams
 from distserve.engine.llm_engine import LLMEngine
 from distserve.engine.model import resolve_dtype
-from distserve.engine.outputs import EngineBase, RequestOutput
+from distserve.engine.frontend import EngineBase
+from distserve.engine.outputs import RequestOutput
 from distserve.engine.weights import LoadedModel, load_model
 from distserve.serving.api import build_fastapi_app
 from distserve.serving.metrics import ServingMetrics

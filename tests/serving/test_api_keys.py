@@ -145,11 +145,12 @@ def test_serve_refuses_a_bad_key_file_with_exit_2_naming_the_flag_and_line(tmp_p
 
 
 def test_ray_serve_app_args_load_the_key_file(tmp_path: Path) -> None:
-    from distserve.serving.app import ServeOptions
+    from distserve.serving.app_config import ServeAppConfig
 
-    options = ServeOptions.from_args({"model": "tiny", "api_keys": str(write(tmp_path, GOOD_YAML))})
-    assert options.api_keys is not None and options.api_keys.authenticate(NIGHTLY_KEY) == TenantSpec("nightly", tier="batch",
-                                                                                                      max_queued_requests=1000,
-                                                                                                      tokens_per_minute=2_000_000)
-    with pytest.raises(InvalidConfigError, match="app arg api_keys: .*line 3: tenant 'acme': weight"):
-        ServeOptions.from_args({"api_keys": str(write(tmp_path, "tenants:\n  acme:\n    weight: -1\n", "bad.yaml"))})
+    app = ServeAppConfig.from_args({"model": "tiny", "api_keys": str(write(tmp_path, GOOD_YAML))}).resolve()
+    assert app.api_keys is not None and app.api_keys.authenticate(NIGHTLY_KEY) == TenantSpec("nightly", tier="batch",
+                                                                                              max_queued_requests=1000,
+                                                                                              tokens_per_minute=2_000_000)
+    assert {t.name for t in app.deployment.admission.tenants} == set(app.api_keys.tenant_names)
+    with pytest.raises(InvalidConfigError, match="app config: api_keys .*line 3: tenant 'acme': weight"):
+        ServeAppConfig.from_args({"api_keys": str(write(tmp_path, "tenants:\n  acme:\n    weight: -1\n", "bad.yaml"))}).resolve()

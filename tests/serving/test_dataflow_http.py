@@ -278,13 +278,13 @@ def test_idle_sessions_end_in_the_background_and_their_calls_are_aborted(engine_
 def test_serve_flags_and_ray_serve_args_set_the_session_limits() -> None:
     from distserve.cli.args import build_parser
     from distserve.cli.serve import session_limits
-    from distserve.serving.app import ServeOptions
+    from distserve.serving.app_config import ServeAppConfig
 
     flags = ["serve", "--session-ttl", "5", "--max-sessions", "3", "--max-variables", "7", "--max-pending-calls", "2", "--max-value-chars", "99"]
     expected = SessionLimits(ttl_s=5, max_sessions=3, max_variables=7, max_pending_calls=2, max_value_chars=99)
     assert session_limits(build_parser().parse_args(flags)) == expected
     assert session_limits(build_parser().parse_args(["serve"])) == SessionLimits()
-    assert ServeOptions.from_args({"session_ttl": "5", "max_sessions": "3", "max_variables": "7", "max_pending_calls": "2",
-                                   "max_value_chars": "99"}).session_limits == expected
+    assert ServeAppConfig.from_args({"session_ttl": "5", "max_sessions": "3", "max_variables": "7", "max_pending_calls": "2",
+                                     "max_value_chars": "99"}).resolve().session_limits == expected
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "--max-sessions", "0"])

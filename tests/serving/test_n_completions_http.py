@@ -9,7 +9,7 @@ import pytest
 
 from distserve.config import CacheConfig
 from distserve.engine.llm_engine import LLMEngine
-from distserve.engine.outputs import EngineBase
+from distserve.engine.frontend import EngineBase
 from distserve.engine.weights import LoadedModel, load_model
 from distserve.runtime.local_disagg import LocalDisaggEngine
 from distserve.runtime.threaded_client import ThreadedEngineClient

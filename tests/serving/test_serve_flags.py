@@ -19,8 +19,7 @@ TEMPLATE = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}{% i
     (["--chat-template", "{% if %}"], "--chat-template"),
     (["--allow-credentials"], "--allowed-origins"),
     (["--allowed-methods", '["GET"]'], "--allowed-origins"),
-    (["--ray-serve", "--max-num-seqs", "4"], "--max-num-seqs"),
-    (["--ray-serve", "--chat-template", TEMPLATE], "--chat-template"),
+    (["--ray-serve", "--chat-template", "templates/missing.jinja"], "--chat-template"),  # before Ray starts
 ])
 def test_bad_combinations_exit_2_naming_the_flag(capsys: pytest.CaptureFixture[str], argv: list[str], needle: str) -> None:
     assert main(["serve", "--model", "tiny", "--port", "0", *argv]) == 2

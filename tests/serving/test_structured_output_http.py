@@ -147,7 +147,7 @@ def test_bad_structured_requests_are_400_naming_the_field(oai: openai.OpenAI, bo
     assert exc.value.body["param"] == param, exc.value.body  # type: ignore[index]
 
 
-@pytest.mark.parametrize("argv", [["--structured-output-backend", "outlines"], ["--structured-output-backend", "xgrammar", "--ray-serve"]])
+@pytest.mark.parametrize("argv", [["--structured-output-backend", "outlines"], ["--structured-output-backend", "outlines", "--ray-serve"]])
 def test_serve_backend_flag_is_checked(capsys: pytest.CaptureFixture[str], argv: list[str]) -> None:
     from distserve.cli import main
 

@@ -227,7 +227,6 @@ def test_streaming_parser_equals_the_whole_text_parse(text: str) -> None:
 
 @pytest.mark.parametrize("argv,needle", [
     (["--enable-auto-tool-choice"], "--tool-call-parser"),
-    (["--tool-call-parser", "hermes", "--ray-serve"], "--ray-serve"),
     (["--tool-call-parser", "nope"], "--tool-call-parser"),
 ])
 def test_serve_tool_flags_are_checked(capsys: pytest.CaptureFixture[str], argv: list[str], needle: str) -> None:
