@@ -33,7 +33,7 @@ IDLE_TIMEOUT_S = 120.0
 
 def serve_flags(args: Any) -> list[str]:
     # A short context bounds what a generated request may ask for, so thousands of cases stay quick.
-    return ["--runtime", args.runtime, "--max-model-len", "96", "--max-num-seqs", "8", "--threads", "1",
+    return ["--runtime", args.runtime, "--max-model-len", "64", "--max-num-seqs", "4", "--threads", "1",
             "--request-read-timeout", str(READ_TIMEOUT_S), "--timeout-keep-alive", str(KEEP_ALIVE_S)]
 
 
@@ -94,7 +94,13 @@ def main() -> None:
     root = server.base_url.removesuffix("/v1")
     try:
         t0 = time.monotonic()
-        tallies = fuzz_server(root, per_family, args.deadline, args.seed)
+        def progress(stage: str, so_far: dict[str, Any]) -> None:
+            partial = {name: t.summary() for name, t in so_far.items()}
+            out.json({"partial_after": stage, "families": partial}, suffix="_partial")
+            print(f"{time.monotonic() - t0:.0f} s: {stage} done: " + ", ".join(
+                f"{n} {f['num_requests']} ({f['num_5xx']} 5xx, {f['num_hangs']} hangs)" for n, f in partial.items()), flush=True)
+
+        tallies = fuzz_server(root, per_family, args.deadline, args.seed, on_progress=progress)
         fuzz_s = time.monotonic() - t0
         probes, during = run_probes(root, MAX_BODY_BYTES, READ_TIMEOUT_S, KEEP_ALIVE_S)
         checks = final_checks(root)
@@ -107,6 +113,7 @@ def main() -> None:
               "families": families, "totals": totals, "probes": probes_json(probes), "during_probes": during, "checks": checks,
               "processes_left": stopped["processes_left"], "server_flags": serve_flags(args)}
     out.json(report)
+    out.path("_partial.json").unlink(missing_ok=True)
     out.markdown(markdown(report))
     print("\n".join(markdown(report)), flush=True)
     harness.finish({

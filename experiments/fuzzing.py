@@ -41,6 +41,7 @@ class FamilyTally:
     num_requests: int = 0
     by_status: Counter[str] = field(default_factory=Counter)  # "200", "400", ..., "hang", "error:<type>"
     examples_5xx: list[str] = field(default_factory=list)
+    generator_errors: list[str] = field(default_factory=list)  # the fuzzer's own failures (not the server's)
     seconds: float = 0.0
 
     def record(self, status: int | str, what: str) -> None:
@@ -61,7 +62,7 @@ class FamilyTally:
         return {"num_requests": self.num_requests, "by_status": dict(sorted(self.by_status.items())), "num_5xx": self.num_5xx,
                 "num_hangs": self.num_hangs, "num_2xx": sum(n for s, n in self.by_status.items() if s.startswith("2")),
                 "num_4xx": sum(n for s, n in self.by_status.items() if s.startswith("4")),
-                "examples_5xx": self.examples_5xx, "seconds": round(self.seconds, 1)}
+                "examples_5xx": self.examples_5xx, "generator_errors": self.generator_errors, "seconds": round(self.seconds, 1)}
 
 
 def family_of(path: str) -> str:
@@ -214,7 +215,7 @@ def semantic_request(draw: st.DrawFn) -> tuple[str, str, Any]:
                                                                                          {"session_id": "$SID"}]) | json_value)
     if not isinstance(auth, dict):
         auth = {"session_id": auth, "session_auth": "$AUTH"}
-    var = quote(draw(st.sampled_from(["$VAR", "$VAR", "s0-v0", "../x", "", "%00"]) | text), safe="$")
+    var = quote(draw(st.sampled_from(["$VAR", "$VAR", "s0-v0", "../x", "", "%00"]) | text).encode("utf-8", "surrogatepass"), safe="$")
     read = {"timeout": draw(st.sampled_from([0.05, 0.2, 0.5]) | st.sampled_from([0, -1, "x", 1e9, None])),
             "criteria": draw(st.sampled_from(["latency", "throughput"]) | text)}
     kind = draw(st.sampled_from(["call", "call", "call", "var", "set", "get", "stream", "list", "info", "delete", "native", "new"]))
@@ -350,7 +351,13 @@ def fuzz_strategy(base_url: str, family: str, strategy: st.SearchStrategy[Any], 
                 tally.seconds += time.monotonic() - t0
 
             before = tally.num_requests
-            run()
+            try:
+                run()
+            except Exception as exc:  # noqa: BLE001 - a generator's own bug must not end the run: next batch, new seed
+                tally.generator_errors.append(f"{type(exc).__name__}: {exc}"[:300])
+                if len(tally.generator_errors) >= 5:
+                    break
+                continue
             if tally.num_requests == before:
                 break
 
@@ -374,13 +381,18 @@ STRATEGIES: dict[str, Callable[[], st.SearchStrategy[Any]]] = {
 }
 
 
-def fuzz_server(base_url: str, per_family: int, deadline_s: float = 30.0, rng_seed: int = 0,
-                families: tuple[str, ...] = FAMILIES) -> dict[str, FamilyTally]:
-    """At least ``per_family`` generated requests per family against the server at ``base_url`` (no ``/v1``)."""
+def fuzz_server(base_url: str, per_family: int, deadline_s: float = 30.0, rng_seed: int = 0, families: tuple[str, ...] = FAMILIES,
+                on_progress: Callable[[str, dict[str, FamilyTally]], None] | None = None) -> dict[str, FamilyTally]:
+    """At least ``per_family`` generated requests per family against the server at ``base_url`` (no ``/v1``);
+    ``on_progress(stage, tallies)`` after the schema's cases and after each family."""
     tallies = {f: FamilyTally() for f in FAMILIES}
     fuzz_openapi(base_url, per_family // 2, tallies, deadline_s, rng_seed)  # half from the schema, the rest below
+    if on_progress is not None:
+        on_progress("openapi", tallies)
     for family in families:
         fuzz_strategy(base_url, family, STRATEGIES[family](), per_family, tallies[family], deadline_s, rng_seed)
+        if on_progress is not None:
+            on_progress(family, tallies)
     return {f: tallies[f] for f in families}
 
 
