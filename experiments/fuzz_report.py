@@ -3,7 +3,7 @@ request-limit probes, then whether the server still serves and has freed every K
 
 Families (``fuzzing.py``): OpenAI completions, chat, the semantic-variable API, structured-output specs, the
 operational routes (/tokenize, /detokenize, /v1/models, /health, /metrics, /version, /ping, unknown paths) and odd
-headers; each gets at least ``--per-family`` generated requests (2,000; ``--quick``: 25), half of the schema
+headers; each gets at least ``--per-family`` generated requests (2,000; ``--quick``: 20), half of the schema
 families' from schemathesis over /openapi.json, the rest from hypothesis strategies for what the schema cannot
 describe. Every request has a deadline (``--deadline``); one that outlives it is a hang. The probes
 (``hostile_probes.py``) send an oversized body, too many and too large headers, a slowloris head and body, a silent
@@ -79,13 +79,13 @@ def markdown(report: dict[str, Any]) -> list[str]:
 
 
 def main() -> None:
-    p = harness.parser(__doc__, "25 requests per family and the probes (about a minute)")
+    p = harness.parser(__doc__, "20 requests per family and the probes (about a minute)")
     p.add_argument("--runtime", choices=["local", "ray"], default="local")
     p.add_argument("--per-family", type=int, default=None, help="generated requests per route family (default 2000; --quick 25)")
     p.add_argument("--deadline", type=float, default=30.0, help="seconds a request may take before it counts as a hang")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()
-    per_family = args.per_family or (25 if args.quick else 2000)
+    per_family = args.per_family or (20 if args.quick else 2000)
     out = Outputs.for_run(args, "fuzz_report", tag="" if args.runtime == "local" else args.runtime)
     from distserve.measure.benchserve import ServerProcess, distserve_serve_argv
 
