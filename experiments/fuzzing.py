@@ -41,6 +41,7 @@ class FamilyTally:
     num_requests: int = 0
     by_status: Counter[str] = field(default_factory=Counter)  # "200", "400", ..., "hang", "error:<type>"
     examples_5xx: list[str] = field(default_factory=list)
+    examples_other: list[str] = field(default_factory=list)  # hangs and requests that got no HTTP answer
     generator_errors: list[str] = field(default_factory=list)  # the fuzzer's own failures (not the server's)
     seconds: float = 0.0
 
@@ -49,6 +50,8 @@ class FamilyTally:
         self.by_status[str(status)] += 1
         if (isinstance(status, int) and status >= 500) and len(self.examples_5xx) < 5:
             self.examples_5xx.append(what[:600])
+        if isinstance(status, str) and len(self.examples_other) < 5:
+            self.examples_other.append(f"{status}: {what[:600]}")
 
     @property
     def num_5xx(self) -> int:
@@ -62,7 +65,7 @@ class FamilyTally:
         return {"num_requests": self.num_requests, "by_status": dict(sorted(self.by_status.items())), "num_5xx": self.num_5xx,
                 "num_hangs": self.num_hangs, "num_2xx": sum(n for s, n in self.by_status.items() if s.startswith("2")),
                 "num_4xx": sum(n for s, n in self.by_status.items() if s.startswith("4")),
-                "examples_5xx": self.examples_5xx, "generator_errors": self.generator_errors, "seconds": round(self.seconds, 1)}
+                "examples_5xx": self.examples_5xx, "examples_other": self.examples_other, "generator_errors": self.generator_errors, "seconds": round(self.seconds, 1)}
 
 
 def family_of(path: str) -> str:

@@ -59,6 +59,12 @@ def _parse(model: type[BaseModel], data: Any) -> Any:
         raise RequestValidationError([{**e, "loc": ("body", *e["loc"])} for e in exc.errors()]) from None
 
 
+def check_token_ids(ids: list[int], vocab_size: int, param: str) -> None:
+    bad = [t for t in ids if not 0 <= t < vocab_size]
+    if bad:
+        raise APIError(400, f"token ids must be in [0, {vocab_size}), got {bad[:5]}", param=param)
+
+
 def version() -> str:
     """The installed distserve's version (package metadata)."""
     try:
@@ -86,6 +92,8 @@ def add_ops_routes(
         check_request_fields(body)
         check_model(body.model)
         tokenizer = client.tokenizer
+        if isinstance(body, TokenizeCompletionRequest) and not isinstance(body.prompt, str):
+            check_token_ids(body.prompt, tokenizer.vocab_size, "prompt")  # converting them to strings would fail (500)
 
         def tokens() -> list[int]:  # in a thread: a long prompt takes seconds
             if isinstance(body, TokenizeChatRequest):
@@ -101,10 +109,7 @@ def add_ops_routes(
     async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
         check_request_fields(body)
         check_model(body.model)
-        vocab = client.tokenizer.vocab_size
-        bad = [t for t in body.tokens if not 0 <= t < vocab]
-        if bad:
-            raise APIError(400, f"token ids must be in [0, {vocab}), got {bad[:5]}", param="tokens")
+        check_token_ids(body.tokens, client.tokenizer.vocab_size, "tokens")
         text = await asyncio.to_thread(client.tokenizer.decode, body.tokens, skip_special_tokens=False)  # as vLLM's
         return DetokenizeResponse(prompt=text)
 

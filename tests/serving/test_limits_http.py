@@ -171,3 +171,13 @@ def test_bodies_that_are_no_text_are_400_on_every_route(server: HttpServer, body
         assert resp.status_code == 400 and resp.json()["error"]["param"] == "body", (path, resp.text[:300])
     pair = httpx.post(f"{server.url}/tokenize", content=b'{"prompt": "\\ud83d\\ude00 \\\\ud800"}', headers=headers)
     assert pair.status_code == 200 and pair.json()["count"] > 0  # a whole pair, and an escaped backslash, are text
+
+
+def test_tokenize_refuses_ids_outside_the_vocabulary(server: HttpServer) -> None:
+    """A fuzzing find: ``/tokenize`` of token ids with ``return_token_strs`` converted ids past the vocabulary (500)."""
+    for ids in ([1, 262144], [-1], [2**40]):
+        for strs in (True, False):
+            resp = httpx.post(f"{server.url}/tokenize", json={"prompt": ids, "return_token_strs": strs})
+            assert resp.status_code == 400 and resp.json()["error"]["param"] == "prompt", resp.text[:300]
+    ok = httpx.post(f"{server.url}/tokenize", json={"prompt": [1, 2, 3], "return_token_strs": True}).json()
+    assert ok["count"] == 3 and len(ok["token_strs"]) == 3
