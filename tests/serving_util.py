@@ -29,6 +29,7 @@ from distserve.runtime.config import DeploymentConfig
 from distserve.placement import Placement
 from distserve.serving.api import build_fastapi_app
 from distserve.serving.api_keys import ApiKeys
+from distserve.serving.limits import DEFAULT_HTTP_LIMITS, uvicorn_config
 from distserve.runtime.client import EngineClient
 from distserve.runtime.controller import Controller
 
@@ -164,7 +165,8 @@ class HttpServer:
                 self.failure = exc
                 return
             app = self.app = build_fastapi_app(self.client, "tiny", api_keys=api_keys, **app_kw)
-            self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=1))
+            limits = app_kw.get("http_limits", DEFAULT_HTTP_LIMITS)  # the connections' side too, as in `distserve serve`
+            self.server = uvicorn.Server(uvicorn_config(app, limits, log_level="warning", access_log=False, timeout_graceful_shutdown=1))
             try:
                 await self.server.serve(sockets=[self.sock])
             finally:

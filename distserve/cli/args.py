@@ -316,6 +316,19 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--allowed-methods", type=_string_list, default=("*",), metavar="LIST", help='CORS methods (default ["*"])')
     p.add_argument("--allowed-headers", type=_string_list, default=("*",), metavar="LIST", help='CORS headers (default ["*"])')
     p.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials (cookies, Authorization)")
+    from distserve.serving.limits import DEFAULT_HTTP_LIMITS as HTTP
+
+    p.add_argument("--max-request-body-bytes", type=_positive_int, default=HTTP.max_request_body_bytes, metavar="N",
+                   help="a request body over N bytes is refused with 413 before it is read (default 8 MiB)")
+    p.add_argument("--h11-max-incomplete-event-size", type=_positive_int, default=HTTP.max_header_bytes, metavar="N",
+                   help="bytes of a request's line and headers before 431 (vLLM's flag; default 64 KiB)")
+    p.add_argument("--h11-max-header-count", type=_positive_int, default=HTTP.max_header_count, metavar="N",
+                   help="headers of a request before 431 (vLLM's flag; default 256)")
+    p.add_argument("--timeout-keep-alive", type=_positive_float, default=HTTP.timeout_keep_alive_s, metavar="S",
+                   help="an idle connection (or one that sends nothing) is closed after S seconds (default 5, uvicorn's)")
+    p.add_argument("--request-read-timeout", type=_positive_float, default=HTTP.request_read_timeout_s, metavar="S",
+                   help="a request's line and headers, and then its body, must each arrive within S seconds, else 408 and "
+                   "the connection is closed (slow clients cannot hold connections; default 30)")
     p.add_argument("--ray-serve", action="store_true", help="run as a Ray Serve application (default: plain uvicorn)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
 

@@ -16,10 +16,12 @@ if TYPE_CHECKING:
     from distserve.config import SchedulerConfig
     from distserve.placement import Placement
     from distserve.serving.cors import CorsOptions
+    from distserve.serving.limits import HttpLimits
 
 
 def _check_serve_args(args: argparse.Namespace) -> None:
     from distserve.errors import InvalidConfigError
+    from distserve.serving.limits import HttpLimits
 
     parallel = any(getattr(args, f) != 1 for f in ("prefill_tp", "prefill_pp", "decode_tp", "decode_pp"))
     if args.runtime == "local" and (parallel or args.placement is not None):
@@ -45,6 +47,9 @@ def _check_serve_args(args: argparse.Namespace) -> None:
         raise InvalidConfigError("--request-log applies to plain `distserve serve`, not --ray-serve (each replica would write its own)")
     if args.ray_serve and args.runtime == "local":
         raise InvalidConfigError("--ray-serve deploys the placement on the Ray runtime; --runtime local does not apply")
+    if args.ray_serve and http_limits_of(args) != HttpLimits():  # Ray Serve's proxy owns the connections
+        raise InvalidConfigError("--max-request-body-bytes/--h11-*/--timeout-keep-alive/--request-read-timeout: only for plain "
+                                 "`distserve serve`, not --ray-serve")
     cors_given = {"--allowed-methods": args.allowed_methods != ("*",), "--allowed-headers": args.allowed_headers != ("*",),
                   "--allow-credentials": args.allow_credentials}
     if args.allowed_origins is None and any(cors_given.values()):
@@ -130,6 +135,15 @@ def cors_of(args: argparse.Namespace) -> "CorsOptions | None":
     return CorsOptions(args.allowed_origins, args.allowed_methods, args.allowed_headers, args.allow_credentials)
 
 
+def http_limits_of(args: argparse.Namespace) -> "HttpLimits":
+    """``serving.limits.HttpLimits`` from --max-request-body-bytes, --h11-max-*, --timeout-keep-alive, --request-read-timeout."""
+    from distserve.serving.limits import HttpLimits
+
+    return HttpLimits(max_request_body_bytes=args.max_request_body_bytes, max_header_bytes=args.h11_max_incomplete_event_size,
+                      max_header_count=args.h11_max_header_count, timeout_keep_alive_s=args.timeout_keep_alive,
+                      request_read_timeout_s=args.request_read_timeout)
+
+
 def structured_output_backend(args: argparse.Namespace) -> dict[str, str]:
     """``SchedulerConfig``'s grammar library from --structured-output-backend (its default without the flag)."""
     return {} if args.structured_output_backend is None else {"structured_output_backend": args.structured_output_backend}
@@ -212,7 +226,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             session_limits=session_limits(args), api_keys=api_keys, request_log=request_log,
             tool_call_parser=args.tool_call_parser, enable_auto_tool_choice=args.enable_auto_tool_choice,
             metrics_prefix=args.metrics_prefix,
-            chat_template=chat_template, cors=cors_of(args),
+            chat_template=chat_template, cors=cors_of(args), http_limits=http_limits_of(args),
         )
 
     from distserve.runtime.local_client import build_local_engine_client
@@ -221,4 +235,5 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return run_server(client, served, sock, on_ready=lambda url: _print_ready(url, served, layout), log_level=args.log_level, slo=slo,
                       session_limits=session_limits(args), api_keys=api_keys, request_log=request_log,
                       tool_call_parser=args.tool_call_parser, enable_auto_tool_choice=args.enable_auto_tool_choice,
-                      metrics_prefix=args.metrics_prefix, chat_template=chat_template, cors=cors_of(args))
+                      metrics_prefix=args.metrics_prefix, chat_template=chat_template, cors=cors_of(args),
+                      http_limits=http_limits_of(args))

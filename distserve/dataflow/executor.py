@@ -27,6 +27,7 @@ waiting readers return at once.
 from __future__ import annotations
 
 import asyncio
+import functools
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterable
 
 from distserve.cluster.classes import RequestClass
@@ -172,15 +173,20 @@ class DataflowSession:
     async def _run(self, node: CallNode) -> None:
         try:
             builder = PromptBuilder(self.client.tokenizer, node.call.model_type)
+            # The pieces before each output are tokenized (and transformed) in a thread: a template or value
+            # may be ~1M characters, seconds of tokenizing that must not hold the event loop.
+            pieces: list[Callable[[], None]] = []
             for chunk in node.call.chunks:
                 if isinstance(chunk, TextChunk):
-                    builder.add_text(chunk.text)
+                    pieces.append(functools.partial(builder.add_text, chunk.text))
                     continue
                 ph = node.call.placeholders[chunk.name]
                 if not ph.is_output:
                     value, ids = self.graph.input_value(node, ph)
-                    builder.add_input(value, ids, ph.transforms)
+                    pieces.append(functools.partial(builder.add_input, value, ids, ph.transforms))
                     continue
+                await asyncio.to_thread(_add_all, pieces)
+                pieces = []
                 text, ids = await self._generate(node, ph, builder.prompt)
                 builder.add_output(text, ids)
                 self.graph.set_output(node, ph.name, text, ids)
@@ -246,6 +252,11 @@ def _value(var: SemanticVariable) -> str:
         raise VariableFailed(f"variable {var.var_id} ({var.name}) has no value: {var.error}", "var_id")
     assert var.value is not None
     return var.value
+
+
+def _add_all(pieces: list[Callable[[], None]]) -> None:
+    for add in pieces:
+        add()
 
 
 __all__ = ["DataflowSession", "SessionEnded", "VariableFailed"]

@@ -6,7 +6,8 @@ value when the call is rendered:
 
 ==================  ========================================================================
 ``strip``           trim whitespace (or the characters in ``chars``)
-``regex``           the first match of ``pattern`` (at most ``MAX_PATTERN_CHARS``), its group
+``regex``           the first match of ``pattern`` (at most ``MAX_PATTERN_CHARS``, and at most
+                    ``MAX_PATTERN_EXPANSION`` atoms with its counted repeats unrolled), its group
                     ``group`` (default 0); searched with a time limit (``MATCH_TIMEOUT_S``)
 ``json_parse``      the text as JSON (object, array, string, number, ...)
 ``json_path``       a value inside parsed JSON: ``$.key``, ``$.list[2]``, ``$["odd key"]``
@@ -34,6 +35,10 @@ from distserve.errors import DataflowError
 
 MAX_TRANSFORMS = 16
 MAX_PATTERN_CHARS = 512
+# The regex module unrolls counted repeats when it compiles: ``((a{1000}){1000}){1000}`` (23 characters) takes
+# ~250 bytes per unrolled atom, i.e. all the memory of the machine. 20k atoms is ~5 MB at most.
+MAX_PATTERN_EXPANSION = 20_000
+_COUNTED_REPEAT = regex.compile(r"\{(\d*)(?:,(\d*))?\}")
 MATCH_TIMEOUT_S = 0.1
 MAX_PATH_CHARS = 256
 
@@ -91,6 +96,9 @@ def _check(op: str, args: dict[str, Any], at: str) -> None:
         pattern = args.get("pattern")
         if not isinstance(pattern, str) or not pattern or len(pattern) > MAX_PATTERN_CHARS:
             raise bad(f"pattern must be a non-empty string of at most {MAX_PATTERN_CHARS} characters")
+        size = pattern_expansion(pattern)
+        if size > MAX_PATTERN_EXPANSION:
+            raise bad(f"pattern unrolls to {size} atoms (its counted repeats {{m}}/{{m,n}} multiplied out); at most {MAX_PATTERN_EXPANSION}")
         try:
             compiled = regex.compile(pattern)
         except regex.error as exc:
@@ -113,6 +121,71 @@ def _check(op: str, args: dict[str, Any], at: str) -> None:
         n = args.get("max_tokens")
         if not _is_int(n) or n < 1:
             raise bad(f"max_tokens must be an integer >= 1, got {n!r}")
+
+
+def pattern_expansion(pattern: str) -> int:
+    """An upper bound on the atoms of ``pattern`` once every counted repeat is unrolled (nested ones multiply;
+    ``*``, ``+`` and ``?`` are not unrolled). Syntax it does not know counts as literal atoms, which only overcounts."""
+    pos, end = 0, len(pattern)
+
+    def sequence() -> int:
+        nonlocal pos
+        total = last = 0
+        while pos < end and pattern[pos] != ")":
+            ch = pattern[pos]
+            if ch == "{" and (m := _COUNTED_REPEAT.match(pattern, pos)) and (m.group(1) or m.group(2)):
+                count = max(int(m.group(1) or 0), int(m.group(2) or 0))
+                total += last * (count - 1)
+                last *= count
+                pos = m.end()
+                continue
+            if ch in "*+?|":
+                pos += 1
+                last = 0 if ch == "|" else last
+                continue
+            if ch == "(":
+                pos += 1
+                atom = sequence() + 1
+                pos += 1  # its ")"
+            elif ch == "[":
+                pos = _class_end(pattern, pos)
+                atom = 1
+            else:
+                pos += 2 if ch == "\\" else 1
+                atom = 1
+            total += atom
+            last = atom
+        return total
+
+    size = 0
+    while pos < end:  # an unbalanced ")" ends a sequence early: go on after it
+        size += sequence()
+        pos += 1
+    return size
+
+
+def _class_end(pattern: str, start: int) -> int:
+    """The index after the character class opening at ``start`` (nested classes of the regex module included)."""
+    depth, pos = 0, start
+    while pos < len(pattern):
+        ch = pattern[pos]
+        if ch == "\\":
+            pos += 2
+            continue
+        if ch == "[":
+            depth += 1
+            pos += 1
+            if pos < len(pattern) and pattern[pos] == "^":
+                pos += 1
+            if pos < len(pattern) and pattern[pos] == "]":
+                pos += 1  # a leading "]" is literal
+            continue
+        pos += 1
+        if ch == "]":
+            depth -= 1
+            if depth == 0:
+                return pos
+    return pos
 
 
 def apply_transforms(value: str, transforms: Sequence[Transform], count_tokens: Callable[[str, int], str] | None = None) -> str:
@@ -150,6 +223,8 @@ def _apply(t: Transform, value: Any, truncate: Callable[[str, int], str] | None)
             return json.loads(value)
         except json.JSONDecodeError as exc:
             raise TransformFailed(f"json_parse: not JSON ({exc.msg} at {exc.pos})") from None
+        except RecursionError:
+            raise TransformFailed("json_parse: the JSON is nested too deeply") from None
     if t.op == "split":
         pieces = value.split(t.arg("sep"))
         index = t.arg("index")

@@ -81,6 +81,7 @@ class RequestFrontend(ABC):
     def encode_prompt(self, prompt: str | Seq[int]) -> list[int]:
         """Token ids of ``prompt``, validated against the vocabulary and the context length."""
         if isinstance(prompt, str):
+            self.tokenizer.check_text_fits(prompt, self.max_model_len)
             ids = self.tokenizer.encode(prompt)
         else:
             ids = [int(t) for t in prompt]

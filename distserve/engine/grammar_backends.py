@@ -36,6 +36,10 @@ class GrammarMatcher(ABC):
     def accept(self, token_id: int) -> bool:
         """Advance past ``token_id``; False if the grammar does not allow it (the matcher is then unusable)."""
 
+    def error(self) -> str | None:
+        """Why the matcher failed (a library limit hit while computing a mask), or None."""
+        return None
+
 
 class GrammarBackend(ABC):
     """Compiles specs for one tokenizer (``vocab_size`` ids; ``stop_token_ids`` end an accepted output)."""
@@ -71,6 +75,9 @@ class _LLGuidanceMatcher(GrammarMatcher):
 
     def accept(self, token_id: int) -> bool:
         return bool(self._m.consume_token(token_id)) and not self._m.is_error()
+
+    def error(self) -> str | None:
+        return str(self._m.get_error()) if self._m.is_error() else None
 
 
 class LLGuidanceBackend(GrammarBackend):
@@ -111,7 +118,30 @@ class LLGuidanceBackend(GrammarBackend):
         template = self._llg.LLMatcher(self._tokenizer, grammar, log_level=0, limits=self._limits)
         if template.is_error():
             raise ValueError(template.get_error())
+        self._probe(template)
         return template
+
+    def _probe(self, template: Any) -> None:
+        """Walk two fresh copies two tokens in, here rather than in an engine step: a grammar that outgrows the
+        parser's limits (``((a{1000}){1000}){1000}``: too many lexer expressions, which copies share; 2,000
+        alternatives: a parser row over its item bound) otherwise yields masks its matcher then refuses, or EOS
+        alone; now it is a bad spec."""
+        row = np.zeros((self.vocab_size + 31) // 32, dtype=np.int32)
+        stop = set(self.stop_token_ids)
+        for _ in range(2):
+            probe = _LLGuidanceMatcher(template.deep_copy())
+            for _ in range(2):
+                probe.fill_bitmask(row)
+                allowed = np.flatnonzero(np.unpackbits(row.view(np.uint8), bitorder="little")[: self.vocab_size])
+                token = next((int(t) for t in allowed if int(t) not in stop), None)
+                if probe.error() is not None:
+                    raise ValueError(f"the grammar exceeds the parser's limits: {probe.error()}")
+                if token is None:
+                    if not probe._m.is_accepting():
+                        raise ValueError("the grammar exceeds the parser's limits: it allows no output")
+                    break
+                if not probe.accept(token):
+                    raise ValueError(f"the grammar exceeds the parser's limits: {probe.error() or 'its mask and matcher disagree'}")
 
     def matcher(self, compiled: object) -> GrammarMatcher:
         return _LLGuidanceMatcher(compiled.deep_copy())  # type: ignore[attr-defined]

@@ -17,10 +17,19 @@ Compiling is slow for some grammars under some backends, so it runs once per spe
 background thread, within ``COMPILE_TIMEOUT_S``: the HTTP layer compiles before it submits (a bad spec is
 a 400 naming its param, and the engine thread finds it compiled), and an instance starts compiling a
 request's grammar when the request arrives, before its first step.
+
+A compile cannot be stopped once it runs (the libraries are native code), so one that outlives its timeout
+keeps its thread until it ends. So that a hostile client cannot occupy every compile thread, the HTTP layer
+compiles for an *owner* (its tenant, or for anonymous requests its client address, ``check_async``): an
+owner has at most ``MAX_COMPILES_PER_OWNER`` new specs compiling at once (a further one waits, asynchronously,
+for the owner's earlier compile, and within the timeout), and at most ``MAX_PENDING_COMPILES`` are queued or
+running in all; past either, or when a spec could not even start within the timeout because the threads were
+busy, the request is refused with ``QueueFullError`` (HTTP 429), never held. Cached specs are never refused.
 """
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import weakref
 from collections import OrderedDict
@@ -35,7 +44,7 @@ import torch
 
 from distserve.config import StructuredOutput
 from distserve.engine.grammar_backends import STRUCTURED_OUTPUT_BACKENDS, GrammarBackend, GrammarMatcher
-from distserve.errors import InvalidConfigError, InvalidSamplingParamsError, StepFailedError
+from distserve.errors import InvalidConfigError, InvalidSamplingParamsError, QueueFullError, StepFailedError
 
 if TYPE_CHECKING:
     from distserve.engine.sequence import Sequence
@@ -44,7 +53,10 @@ if TYPE_CHECKING:
 
 COMPILE_TIMEOUT_S = 10.0  # a spec that takes longer is refused (a hostile schema must not hold a request for long)
 MAX_CACHED_GRAMMARS = 512
+MAX_COMPILES_PER_OWNER = 1  # new specs compiling at once for one tenant (or anonymous client): at most one thread each
+MAX_PENDING_COMPILES = 8  # new specs queued or running for all owners together
 _COMPILE_THREADS = 2
+_POLL_S = (0.002, 0.05)  # first and longest pause between looks at a compile in progress
 
 
 def bitmask_width(vocab_size: int) -> int:
@@ -73,7 +85,9 @@ class GrammarCompiler:
         self._cache: OrderedDict[tuple[str, str], Future[object]] = OrderedDict()
         self._pool: ThreadPoolExecutor | None = None
         self._non_stop: np.ndarray | None = None
+        self._in_flight: dict[str, set[Future[object]]] = {}  # owner -> its compiles not yet done
         self.num_compiles = 0  # specs compiled (cache misses)
+        self.num_refused = 0  # compiles refused for an owner at its bound or a full queue
 
     def backend(self) -> GrammarBackend:
         with self._backend_lock:
@@ -92,15 +106,25 @@ class GrammarCompiler:
             self._non_stop = np.packbits(bits, bitorder="little").view("<i4").astype(np.int32)
         return self._non_stop
 
-    def submit(self, spec: StructuredOutput) -> Future[object]:
+    def submit(self, spec: StructuredOutput, owner: str | None = None) -> Future[object]:
         """The compile of ``spec``: cached, else started in the background. Failed compiles stay cached too,
-        so a bad spec sent again fails at once."""
+        so a bad spec sent again fails at once. For an ``owner`` (see the module docstring) a new spec is
+        refused with ``QueueFullError`` when the owner or the queue is at its bound."""
         key = (spec.kind, spec.spec)
         with self._lock:
             future = self._cache.get(key)
-            if future is not None:
+            if future is not None and not future.cancelled():
                 self._cache.move_to_end(key)
                 return future
+            if owner is not None:
+                if len(self._in_flight.get(owner, ())) >= MAX_COMPILES_PER_OWNER:
+                    self.num_refused += 1
+                    raise QueueFullError(f"{spec.param}: an earlier grammar of this client is still compiling; retry once it "
+                                         "is done", spec.param, retry_after_s=1.0)
+                if sum(len(f) for f in self._in_flight.values()) >= MAX_PENDING_COMPILES:
+                    self.num_refused += 1
+                    raise QueueFullError(f"{spec.param}: {MAX_PENDING_COMPILES} grammars are compiling; retry shortly",
+                                         spec.param, retry_after_s=1.0)
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(_COMPILE_THREADS, thread_name_prefix="grammar-compile")
             future = self._pool.submit(self._compile, spec)
@@ -111,7 +135,63 @@ class GrammarCompiler:
                 if not self._cache[oldest].done():
                     break
                 del self._cache[oldest]
+            if owner is not None:
+                self._in_flight.setdefault(owner, set()).add(future)
+        if owner is not None:  # outside the lock: a compile already done runs the callback here and now
+            future.add_done_callback(lambda f: self._compile_done(owner, f))
         return future
+
+    def _compile_done(self, owner: str, future: Future[object]) -> None:
+        with self._lock:
+            futures = self._in_flight.get(owner)
+            if futures is not None:
+                futures.discard(future)
+                if not futures:
+                    del self._in_flight[owner]
+
+    def num_in_flight(self, owner: str | None = None) -> int:
+        """New specs compiling (or queued) for ``owner`` (None: for every owner)."""
+        with self._lock:
+            return sum(len(f) for o, f in self._in_flight.items() if owner is None or o == owner)
+
+    async def check_async(self, spec: StructuredOutput, owner: str) -> None:
+        """Raise what ``compiled`` raises for a bad or too complex spec, or ``QueueFullError`` (see the module
+        docstring), waiting without holding a thread; ``owner`` names who the compile is for."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.timeout_s
+        pause = _POLL_S[0]
+        while True:
+            try:
+                future = self.submit(spec, owner)
+                break
+            except QueueFullError:
+                if self.num_in_flight(owner) == 0 or loop.time() + pause > deadline:
+                    raise  # the queue as a whole is full, or the owner's earlier compile did not end in time
+            await asyncio.sleep(pause)
+            pause = min(2 * pause, _POLL_S[1])
+        while not future.done() and loop.time() < deadline:
+            await asyncio.sleep(pause)
+            pause = min(2 * pause, _POLL_S[1])
+        self._outcome(spec, future)
+
+    def _outcome(self, spec: StructuredOutput, future: Future[object]) -> object:
+        """The compiled grammar of a done compile; a compile still running after the timeout is too complex, and
+        one that never started (the threads were busy) is cancelled and refused as busy."""
+        if not future.done():
+            if future.cancel():
+                with self._lock:
+                    if self._cache.get((spec.kind, spec.spec)) is future:
+                        del self._cache[(spec.kind, spec.spec)]
+            else:
+                raise InvalidSamplingParamsError(f"{spec.param}: the grammar took longer than {self.timeout_s:g} s to compile "
+                                                 "(too complex)", spec.param)
+        if future.cancelled():
+            raise QueueFullError(f"{spec.param}: the server was busy compiling other grammars for {self.timeout_s:g} s; retry",
+                                 spec.param, retry_after_s=1.0)
+        try:
+            return future.result()
+        except ValueError as exc:
+            raise InvalidSamplingParamsError(f"{spec.param} is invalid: {exc}", spec.param) from None
 
     def _compile(self, spec: StructuredOutput) -> object:
         return self.backend().compile(spec)
@@ -119,13 +199,12 @@ class GrammarCompiler:
     def compiled(self, spec: StructuredOutput) -> object:
         """``spec`` compiled (waiting up to the timeout); an ``InvalidSamplingParamsError`` naming
         ``spec.param`` if it is invalid or too slow to compile."""
+        future = self.submit(spec)
         try:
-            return self.submit(spec).result(timeout=self.timeout_s)
-        except FutureTimeout:
-            raise InvalidSamplingParamsError(f"{spec.param}: the grammar took longer than {self.timeout_s:g} s to compile "
-                                             "(too complex)", spec.param) from None
-        except ValueError as exc:
-            raise InvalidSamplingParamsError(f"{spec.param} is invalid: {exc}", spec.param) from None
+            future.result(timeout=self.timeout_s)
+        except (FutureTimeout, ValueError):
+            pass  # said by ``_outcome``
+        return self._outcome(spec, future)
 
     def check(self, spec: StructuredOutput) -> None:
         """Raise what ``compiled`` raises for a bad spec."""
@@ -224,6 +303,9 @@ class SequenceGrammars:
             entry.num_accepted = num_output
             if entry.error is None:
                 entry.matcher.fill_bitmask(entry.bitmask)
+                failed = entry.matcher.error()
+                if failed is not None:  # a library limit: the mask is not the grammar's, so nothing may be sampled from it
+                    entry.error = f"structured output: {failed} ({seq.sampling.structured.param})"  # type: ignore[union-attr]
         return entry
 
     def drop(self, seq_id: str) -> None:
@@ -249,4 +331,4 @@ def apply_token_bitmasks(logits: torch.Tensor, bitmasks: Seq[np.ndarray | None])
         out[i, width:] = -np.inf
 
 
-__all__ = ["COMPILE_TIMEOUT_S", "GrammarCompiler", "SequenceGrammars", "apply_token_bitmasks", "bitmask_width", "shared_compiler"]
+__all__ = ["COMPILE_TIMEOUT_S", "MAX_COMPILES_PER_OWNER", "MAX_PENDING_COMPILES", "GrammarCompiler", "SequenceGrammars", "apply_token_bitmasks", "bitmask_width", "shared_compiler"]

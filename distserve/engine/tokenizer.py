@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from distserve.engine.detokenizer import Detokenizer, make_detokenizer
-from distserve.errors import InvalidConfigError, ModelNotFoundError
+from distserve.errors import InvalidConfigError, ModelNotFoundError, PromptTooLongError
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -57,6 +57,7 @@ class Tokenizer:
         self._skipped_ids: frozenset[int] | None = None
         self._eos_token_ids: tuple[int, ...] | None = None
         self._reserved_kwargs: frozenset[str] | None = None
+        self._max_token_chars: int | None = None
 
     @classmethod
     def from_pretrained(cls, path: str) -> Tokenizer:
@@ -124,6 +125,21 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(self.hf.encode(text, add_special_tokens=add_special_tokens))
 
+    @property
+    def max_token_chars(self) -> int:
+        """Characters of the vocabulary's longest token (its raw string: at least what it decodes to)."""
+        if self._max_token_chars is None:
+            self._max_token_chars = max((len(t) for t in self.hf.get_vocab()), default=1)
+        return self._max_token_chars
+
+    def check_text_fits(self, text: str, num_tokens: int, param: str = "prompt") -> None:
+        """Refuse, without tokenizing it, text that cannot fit ``num_tokens`` tokens: more characters than
+        ``num_tokens`` of the longest token (tokenizing ~1M characters takes seconds of a core)."""
+        max_chars = num_tokens * self.max_token_chars
+        if len(text) > max_chars:
+            raise PromptTooLongError(f"{param} has {len(text)} characters, more than {num_tokens} tokens of at most "
+                                     f"{self.max_token_chars} characters each: it cannot fit the context of {num_tokens} tokens", param)
+
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self.hf.decode(
             list(token_ids), skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False
@@ -166,12 +182,15 @@ class Tokenizer:
     def apply_chat_template(
         self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, tools: list[dict[str, Any]] | None = None,
         *, chat_template: str | None = None, continue_final_message: bool = False, template_kwargs: dict[str, Any] | None = None,
-        add_special_tokens: bool = False,
+        add_special_tokens: bool = False, max_tokens: int | None = None,
     ) -> list[int]:
         """Token ids of the rendered chat; the template supplies any bos/special tokens itself
-        (``add_special_tokens`` adds the tokenizer's on top, as vLLM's request field does)."""
+        (``add_special_tokens`` adds the tokenizer's on top, as vLLM's request field does). A rendered chat
+        that cannot fit ``max_tokens`` is refused before it is tokenized (``check_text_fits``, naming ``messages``)."""
         text = self.chat_prompt_text(messages, add_generation_prompt, tools, chat_template=chat_template,
                                      continue_final_message=continue_final_message, template_kwargs=template_kwargs)
+        if max_tokens is not None:
+            self.check_text_fits(text, max_tokens, "messages")
         return self.encode(text, add_special_tokens=add_special_tokens)
 
     def detokenizer(self, prompt_token_ids: Sequence[int] = (), skip_special_tokens: bool = True) -> Detokenizer:

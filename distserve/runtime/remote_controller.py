@@ -122,7 +122,8 @@ class RemoteController:
         request_class: RequestClass | None = None, timeout_s: float | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Stream one request's outputs; closing the iterator early aborts the request."""
-        ids = self.encode_prompt(prompt)
+        # Text is tokenized in a thread: a long prompt takes seconds, and this loop serves every request.
+        ids = await asyncio.to_thread(self.encode_prompt, prompt) if isinstance(prompt, str) else self.encode_prompt(prompt)
         self._frontend.check_request(ids, sampling, priority)  # refused here, without a trip to the actor
         request_class = check_request_class(request_class)
         timeout_s = check_timeout(timeout_s)

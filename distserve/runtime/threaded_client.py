@@ -160,6 +160,8 @@ class ThreadedEngineClient(EngineClient):
     ) -> AsyncGenerator[RequestOutput, None]:
         if self._dead is not None:
             raise EngineDeadError(str(self._dead))
+        if isinstance(prompt, str):  # tokenized here, in a thread: a long prompt would hold every request's steps
+            prompt = await asyncio.to_thread(self.engines[0].encode_prompt, prompt)
         with self._count_lock:
             if self._num_outstanding >= self.max_queued_requests:
                 raise QueueFullError(

@@ -28,9 +28,10 @@ from distserve.runtime.client import EngineClient
 from distserve.dataflow.limits import DEFAULT_LIMITS, SessionLimits
 from distserve.dataflow.sessions import SessionManager
 from distserve.serving.api_keys import ApiKeys
-from distserve.serving.auth import ApiKeyAuth, tenant_of
+from distserve.serving.auth import ApiKeyAuth, owner_of, tenant_of
 from distserve.serving.cors import CorsOptions, add_cors
 from distserve.serving.dataflow_routes import add_dataflow_routes
+from distserve.serving.limits import DEFAULT_HTTP_LIMITS, HttpLimits, add_request_limits, uvicorn_config
 from distserve.serving.http_errors import (
     ClientDisconnected,
     add_error_handlers,
@@ -169,9 +170,10 @@ class _Server:
             timer.fail()
             raise engine_error(exc, "prompt") from exc
 
-    async def check_structured(self, sampling: SamplingParams) -> None:
-        """Compile the request's grammar (cached) in a thread, not on the engine's: a bad or too complex
-        one is a 400 naming its field."""
+    async def check_structured(self, sampling: SamplingParams, request: Request) -> None:
+        """Compile the request's grammar (cached) in the compiler's threads, not the engine's, for the request's
+        tenant or client (``GrammarCompiler.check_async``): a bad or too complex one is a 400 naming its field,
+        one refused because the compile threads are busy a 429."""
         spec = sampling.structured
         if spec is None:
             return
@@ -179,9 +181,9 @@ class _Server:
         if compiler is None:
             raise APIError(400, "this server does not serve structured output", param=spec.param)
         try:
-            await asyncio.to_thread(compiler.check, spec)
+            await compiler.check_async(spec, owner_of(request))
         except DistServeError as exc:
-            raise APIError(400, str(exc), param=exc.param or spec.param) from exc
+            raise engine_error(exc, spec.param) from exc
 
 
 def _prompt_ids(client: EngineClient, prompt: str | list[int]) -> list[int]:
@@ -215,6 +217,7 @@ def build_fastapi_app(
     session_limits: SessionLimits = DEFAULT_LIMITS, api_keys: ApiKeys | None = None,
     tool_call_parser: str | None = None, enable_auto_tool_choice: bool = False, metrics_prefix: str = OWN_PREFIX,
     chat_template: str | None = None, cors: CorsOptions | None = None, metrics_peers: MetricsPeers | None = None,
+    http_limits: HttpLimits = DEFAULT_HTTP_LIMITS,
 ) -> FastAPI:
     """``/v1/completions``, ``/v1/chat/completions``, ``/v1/models``, ``/health`` and ``/metrics`` over ``client``,
     vLLM's ``/tokenize``, ``/detokenize``, ``/version`` and ``/ping`` (``serving.ops_routes``), and the
@@ -226,7 +229,8 @@ def build_fastapi_app(
     a ``metrics`` without a ``model_name`` gets ``served_model_name``.
     ``chat_template``: a Jinja chat template in place of the tokenizer's (``--chat-template``); ``cors``:
     ``serving.cors`` (None: no CORS headers). ``metrics_peers``: the other servers over the same engine
-    (Ray Serve replicas), whose request-side series ``/metrics`` adds to this one's."""
+    (Ray Serve replicas), whose request-side series ``/metrics`` adds to this one's. ``http_limits``: body size,
+    header count and read time (``serving.limits``)."""
     if enable_auto_tool_choice and tool_call_parser is None:
         raise InvalidConfigError("--enable-auto-tool-choice needs --tool-call-parser", "tool_call_parser")
     try:
@@ -242,6 +246,7 @@ def build_fastapi_app(
     add_error_handlers(app)
     if api_keys is not None:
         app.add_middleware(ApiKeyAuth, keys=api_keys, metrics=server.metrics)
+    add_request_limits(app, http_limits)  # outside the key check: a body is bounded before anything else runs
     app.add_middleware(RequestIdHeader)  # outside the key check: a 401 carries the id too
     if cors is not None:
         add_cors(app, cors)  # outermost: preflights carry no key
@@ -282,12 +287,13 @@ def build_fastapi_app(
     async def create_completion(body: CompletionRequest, request: Request) -> Response | CompletionResponse:
         check_request_fields(body)
         server.check_model(body.model)
-        prompt = text_prompt(client.tokenizer, body.prompt_input(), body.add_special_tokens, body.truncate_prompt_tokens,
-                             client.max_model_len)
+        # Tokenizing is done in a thread: a long prompt takes seconds, and the event loop serves everyone.
+        prompt = await asyncio.to_thread(text_prompt, client.tokenizer, body.prompt_input(), body.add_special_tokens,
+                                         body.truncate_prompt_tokens, client.max_model_len)
         # ``"max_tokens": null`` asks for the rest of the context, which depends on the prompt's length.
-        num_prompt_tokens = None if body.max_tokens is not None else len(_prompt_ids(client, prompt))
+        num_prompt_tokens = None if body.max_tokens is not None else len(await asyncio.to_thread(_prompt_ids, client, prompt))
         sampling = body.to_sampling_params(client.max_model_len, num_prompt_tokens)
-        await server.check_structured(sampling)
+        await server.check_structured(sampling, request)
         request_id, stream, first, timer = await server.start(request, prompt, sampling, "cmpl", body.request_id, body.priority,
                                                               body.timeout, "prompt",
                                                               {"top_logprobs": "logprobs"})
@@ -340,8 +346,8 @@ def build_fastapi_app(
         server.check_model(body.model)
         mode = body.tool_mode(enable_auto_tool_choice)
         parser = tool_parser if mode == "auto" else ForcedToolCallParser(body.forced_function) if mode == "forced" else None
-        prompt = truncate(chat_prompt(client.tokenizer, body, chat_template, served_model_name), body.truncate_prompt_tokens,
-                          client.max_model_len)
+        prompt = truncate(await asyncio.to_thread(chat_prompt, client.tokenizer, body, chat_template, served_model_name,
+                                                  client.max_model_len), body.truncate_prompt_tokens, client.max_model_len)
         one_call = body.parallel_tool_calls is False
         if len(prompt) >= client.max_model_len:
             raise APIError(
@@ -352,7 +358,7 @@ def build_fastapi_app(
                 code="context_length_exceeded",
             )
         sampling = body.to_sampling_params(len(prompt), client.max_model_len)
-        await server.check_structured(sampling)
+        await server.check_structured(sampling, request)
         names = {"max_tokens": "max_completion_tokens"} if body.max_completion_tokens is not None else None
         request_id, stream, first, timer = await server.start(request, prompt, sampling, "chatcmpl", body.request_id, body.priority,
                                                               body.timeout, "messages", names)
@@ -449,6 +455,7 @@ def run_server(
     metrics_prefix: str = OWN_PREFIX,
     chat_template: str | None = None,
     cors: CorsOptions | None = None,
+    http_limits: HttpLimits = DEFAULT_HTTP_LIMITS,
 ) -> int:
     """Serve on the bound ``sock`` with plain uvicorn until SIGINT/SIGTERM, then shut ``client`` down.
 
@@ -458,7 +465,8 @@ def run_server(
     engine died for good (``EngineClient.is_dead``) — the server stops then, so that a supervisor
     (systemd, Kubernetes) starts a fresh process instead of leaving one that answers 503 forever.
     ``request_log``: where each finished request is written (closed when the server stops).
-    ``metrics_prefix``: of the series vLLM also exports (``serving.metrics_exposition``).
+    ``metrics_prefix``: of the series vLLM also exports (``serving.metrics_exposition``); ``http_limits``:
+    ``serving.limits``, on the app and on uvicorn's connections.
     """
     import uvicorn
 
@@ -471,10 +479,8 @@ def run_server(
                                  prefix=metrics_prefix, model_name=served_model_name)
         app = build_fastapi_app(engine_client, served_model_name, metrics=metrics, session_limits=session_limits, api_keys=api_keys,
                                 tool_call_parser=tool_call_parser, enable_auto_tool_choice=enable_auto_tool_choice,
-                                chat_template=chat_template, cors=cors)
-        config = uvicorn.Config(
-            app, host=host, port=port, log_level=log_level, access_log=False, timeout_graceful_shutdown=5
-        )
+                                chat_template=chat_template, cors=cors, http_limits=http_limits)
+        config = uvicorn_config(app, http_limits, host=host, port=port, log_level=log_level, access_log=False, timeout_graceful_shutdown=5)
         server = uvicorn.Server(config)
         try:
             task = asyncio.create_task(server.serve(sockets=[sock]))

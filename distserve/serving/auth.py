@@ -36,6 +36,15 @@ def tenant_of(request: Request) -> TenantSpec:
     return request.scope.get(TENANT_SCOPE_KEY, ANONYMOUS_TENANT)  # type: ignore[no-any-return]
 
 
+def owner_of(request: Request) -> str:
+    """Who a request's share of a bounded shared resource (grammar compiles) is counted against: its tenant
+    with API keys; without them, the anonymous tenant's client address, the only identity there is."""
+    if TENANT_SCOPE_KEY in request.scope:
+        return tenant_of(request).name
+    client = request.client
+    return f"{ANONYMOUS_TENANT.name}@{client.host if client is not None else '?'}"
+
+
 def bearer_key(scope: Scope) -> str | None:
     """The key of the request's ``Authorization: Bearer`` header (None: no such header)."""
     for name, value in scope.get("headers", ()):
@@ -70,4 +79,4 @@ class ApiKeyAuth:
         await self.app(scope, receive, send)
 
 
-__all__ = ["ApiKeyAuth", "OPEN_PATHS", "TENANT_SCOPE_KEY", "bearer_key", "tenant_of", "unauthorized"]
+__all__ = ["ApiKeyAuth", "OPEN_PATHS", "TENANT_SCOPE_KEY", "bearer_key", "owner_of", "tenant_of", "unauthorized"]

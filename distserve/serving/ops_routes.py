@@ -8,6 +8,7 @@ completion with the same fields would be prefilled with (``serving.prompts``: th
 
 from __future__ import annotations
 
+import asyncio
 import importlib.metadata
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -58,6 +59,12 @@ def _parse(model: type[BaseModel], data: Any) -> Any:
         raise RequestValidationError([{**e, "loc": ("body", *e["loc"])} for e in exc.errors()]) from None
 
 
+def check_token_ids(ids: list[int], vocab_size: int, param: str) -> None:
+    bad = [t for t in ids if not 0 <= t < vocab_size]
+    if bad:
+        raise APIError(400, f"token ids must be in [0, {vocab_size}), got {bad[:5]}", param=param)
+
+
 def version() -> str:
     """The installed distserve's version (package metadata)."""
     try:
@@ -85,11 +92,16 @@ def add_ops_routes(
         check_request_fields(body)
         check_model(body.model)
         tokenizer = client.tokenizer
-        if isinstance(body, TokenizeChatRequest):
-            ids = chat_prompt(tokenizer, body, chat_template, model_name)
-        else:
+        if isinstance(body, TokenizeCompletionRequest) and not isinstance(body.prompt, str):
+            check_token_ids(body.prompt, tokenizer.vocab_size, "prompt")  # converting them to strings would fail (500)
+
+        def tokens() -> list[int]:  # in a thread: a long prompt takes seconds
+            if isinstance(body, TokenizeChatRequest):
+                return chat_prompt(tokenizer, body, chat_template, model_name, client.max_model_len)
             prompt = text_prompt(tokenizer, body.prompt, body.add_special_tokens, None, client.max_model_len)
-            ids = tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
+            return tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
+
+        ids = await asyncio.to_thread(tokens)
         strs = tokenizer.hf.convert_ids_to_tokens(ids) if body.return_token_strs else None
         return TokenizeResponse(count=len(ids), max_model_len=client.max_model_len, tokens=ids, token_strs=strs)
 
@@ -97,11 +109,9 @@ def add_ops_routes(
     async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
         check_request_fields(body)
         check_model(body.model)
-        vocab = client.tokenizer.vocab_size
-        bad = [t for t in body.tokens if not 0 <= t < vocab]
-        if bad:
-            raise APIError(400, f"token ids must be in [0, {vocab}), got {bad[:5]}", param="tokens")
-        return DetokenizeResponse(prompt=client.tokenizer.decode(body.tokens, skip_special_tokens=False))  # as vLLM's
+        check_token_ids(body.tokens, client.tokenizer.vocab_size, "tokens")
+        text = await asyncio.to_thread(client.tokenizer.decode, body.tokens, skip_special_tokens=False)  # as vLLM's
+        return DetokenizeResponse(prompt=text)
 
     @app.get("/version")
     async def get_version() -> dict[str, str]:

@@ -16,6 +16,9 @@ from typing import Any
 from distserve.config import StructuredOutput
 from distserve.errors import DistServeError, InvalidSamplingParamsError
 
+# Objects and arrays nested in a schema: llguidance's parser stops near 128, xgrammar's compile time and memory grow
+# with depth (2,000 levels: seconds and gigabytes); OpenAI allows 10 levels of nested objects (~20 here).
+MAX_SCHEMA_DEPTH = 64
 # structured_outputs keys -> our kinds (vLLM's ``StructuredOutputsParams``); ``json_object`` is a flag there.
 _STRUCTURED_OUTPUTS_KINDS = {"json": "json", "regex": "regex", "choice": "choice", "grammar": "grammar"}
 
@@ -38,9 +41,26 @@ def _schema_text(value: Any, param: str) -> str:
             value = json.loads(value)
         except ValueError as exc:
             raise _bad(f"{param} must be a JSON schema (an object), got text that is not JSON: {exc}", param) from None
+        except RecursionError:
+            raise _bad(f"{param} is nested more than {MAX_SCHEMA_DEPTH} levels deep", param) from None
     if not isinstance(value, (dict, bool)):
         raise _bad(f"{param} must be a JSON schema (an object), got {type(value).__name__}", param)
+    if _depth(value) > MAX_SCHEMA_DEPTH:
+        raise _bad(f"{param} is nested more than {MAX_SCHEMA_DEPTH} levels deep", param)
     return json.dumps(value, ensure_ascii=False)
+
+
+def _depth(value: Any) -> int:
+    """How deeply JSON objects and arrays nest in ``value`` (a scalar: 0); iterative, for any depth."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        item, level = stack.pop()
+        children = item.values() if isinstance(item, dict) else item if isinstance(item, list) else None
+        if children is None:
+            continue
+        deepest = max(deepest, level)
+        stack.extend((child, level + 1) for child in children)
+    return deepest
 
 
 def _text(value: Any, param: str) -> str:

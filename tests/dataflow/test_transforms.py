@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 
 from distserve.dataflow.template import parse_call
-from distserve.dataflow.transforms import TransformFailed, apply_transforms, parse_transforms
+from distserve.dataflow.transforms import MAX_PATTERN_EXPANSION, TransformFailed, apply_transforms, parse_transforms, pattern_expansion
 from distserve.errors import DataflowError
 
 
@@ -33,6 +33,8 @@ def test_each_transform_shapes_the_value() -> None:
         ([{"op": "regex", "pattern": "("}], "does not compile"),
         ([{"op": "regex", "pattern": "a" * 600}], "at most 512"),
         ([{"op": "regex", "pattern": "(a)", "group": 2}], "group must be"),
+        # Compiles to ~36 MB; its 23-character cousin below would take all the machine's memory (a fuzzing find).
+        ([{"op": "regex", "pattern": "(a{300}){300}"}], "unrolls to 90300 atoms"),
         ([{"op": "json_path", "path": "plan.steps"}], "must start with"),
         ([{"op": "json_path", "path": "$.a[x]"}], "neither an index"),
         ([{"op": "split", "sep": ""}], "non-empty"),
@@ -69,6 +71,18 @@ def test_a_catastrophic_pattern_is_stopped_by_the_time_limit() -> None:
     transforms = parse_transforms([{"op": "regex", "pattern": r"^(a|aa)+$"}])  # exponential backtracking
     with pytest.raises(TransformFailed, match="took longer"):
         apply_transforms("a" * 60 + "b", transforms)
+
+
+def test_a_pattern_is_measured_with_its_counted_repeats_unrolled() -> None:
+    assert pattern_expansion("((a{1000}){1000}){1000}") > 10**9  # refused without compiling it
+    assert pattern_expansion(r"(\d{4})-(\d{2})") == 9 and pattern_expansion(r"[{]{3}\{2}") == 6  # a group counts one more; escaped braces are literal
+    assert pattern_expansion("[a-z]{1,10000}") == 10_000 <= MAX_PATTERN_EXPANSION
+    assert run("code: ab12", {"op": "regex", "pattern": r"[a-z]{1,10000}(\d{2})", "group": 1}) == "12"
+
+
+def test_json_nested_too_deeply_fails_the_transform_not_the_server() -> None:
+    with pytest.raises(TransformFailed, match="nested too deeply"):
+        apply_transforms("[" * 100_000, parse_transforms([{"op": "json_parse"}]))
 
 
 def test_outputs_take_no_transforms() -> None:

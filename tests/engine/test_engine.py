@@ -192,6 +192,8 @@ def test_bad_input_errors_keep_engine_usable(tiny: LoadedModel) -> None:
     engine.add_request(PROMPTS[0], GREEDY32, request_id="inflight")
     with pytest.raises(PromptTooLongError):
         engine.add_request("x" * 200)
+    with pytest.raises(PromptTooLongError, match="cannot fit"):  # refused by its length alone, before tokenizing
+        engine.add_request("x" * (64 * engine.tokenizer.max_token_chars + 1))
     with pytest.raises(DistServeError):
         engine.add_request([])
     with pytest.raises(DistServeError):

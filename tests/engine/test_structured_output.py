@@ -5,8 +5,12 @@ grammar ends the output without an extra step, and bad or too complex specs are 
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
+import threading
+import time
+from typing import Any
 
 import jsonschema
 import numpy as np
@@ -19,10 +23,11 @@ from distserve.engine.llm_engine import LLMEngine
 from distserve.engine.frontend import EngineBase
 from distserve.engine.outputs import RequestOutput
 from distserve.engine.sampler import process_logits
-from distserve.engine.structured_output import GrammarCompiler
+from distserve.engine.structured_output import MAX_PENDING_COMPILES, GrammarCompiler
 from distserve.engine.weights import LoadedModel, load_model
-from distserve.errors import InvalidConfigError, InvalidSamplingParamsError
+from distserve.errors import InvalidConfigError, InvalidSamplingParamsError, QueueFullError
 from distserve.runtime.local_disagg import LocalDisaggEngine
+from distserve.serving.structured_request import structured_output_of
 
 pytestmark = pytest.mark.timeout(180)
 CACHE = CacheConfig(num_blocks=512, block_size=4)
@@ -154,3 +159,72 @@ def test_bitmasks_set_disallowed_logits_to_minus_infinity() -> None:
 def test_choice_regex_escapes_metacharacters() -> None:
     pattern = choice_regex(json.dumps(["a.b", "(x|y)", "1+1=2"]))
     assert [bool(re.fullmatch(pattern, s)) for s in ("a.b", "(x|y)", "1+1=2", "axb", "x")] == [True, True, True, False, False]
+
+
+class HangingCompiler(GrammarCompiler):
+    """A real llguidance compiler whose compiles of the regex ``hang...`` block until released: a compile that does
+    not end, as a native library's could (only the hang is simulated; every other compile is real)."""
+
+    def __init__(self, tiny: LoadedModel) -> None:
+        super().__init__("llguidance", tiny.tokenizer, (1,), timeout_s=0.3)
+        self.release = threading.Event()
+
+    def _compile(self, spec: StructuredOutput) -> object:
+        if spec.spec.startswith("hang"):
+            self.release.wait(30)
+        return super()._compile(spec)
+
+
+def test_hung_compiles_cannot_starve_other_tenants(tiny: LoadedModel) -> None:
+    """A tenant's compile that outlives its timeout keeps its thread, so each tenant gets one at most: its own next
+    new spec is a 429, others' compile on the free thread; once every thread hangs, new specs are refused as busy
+    (429, cancelled before they ran), never held; cached specs are always served."""
+    compiler = HangingCompiler(tiny)
+    compiler.backend()
+
+    def check(owner: str, regex: str) -> None:
+        asyncio.run(compiler.check_async(StructuredOutput("regex", regex, "guided_regex"), owner))
+
+    try:
+        with pytest.raises(InvalidSamplingParamsError, match="took longer than") as exc:
+            check("mallory", "hang1")
+        assert exc.value.param == "guided_regex" and compiler.num_in_flight("mallory") == 1
+        with pytest.raises(QueueFullError, match="still compiling"):
+            check("mallory", "[a-z]+")  # waited for mallory's earlier compile, in vain
+        check("alice", "[0-9]{3}")  # the other thread
+        with pytest.raises(InvalidSamplingParamsError, match="took longer than"):
+            check("trudy", "hang2")  # now both threads hang
+        t0 = time.monotonic()
+        with pytest.raises(QueueFullError, match="busy compiling") as busy:
+            check("bob", "[x-z]{2}")
+        assert busy.value.param == "guided_regex" and time.monotonic() - t0 < 2
+        check("bob", "[0-9]{3}")  # alice's, compiled: served from the cache
+        for owner in range(MAX_PENDING_COMPILES - 2):  # queued behind the hung ones, up to the bound
+            compiler.submit(StructuredOutput("regex", f"q{owner}", "guided_regex"), f"o{owner}")
+        with pytest.raises(QueueFullError, match="grammars are compiling"):
+            compiler.submit(StructuredOutput("regex", "one-too-many", "guided_regex"), "carol")
+        compiler.release.set()
+        assert wait_for(lambda: compiler.num_in_flight() == 0)
+        check("mallory", "[a-z]+")
+        check("bob", "[x-z]{2}")  # the cancelled compile was dropped from the cache, so it compiles now
+    finally:
+        compiler.release.set()
+        compiler.close()
+
+
+def wait_for(predicate: Any, timeout_s: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not predicate() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return bool(predicate())
+
+
+def test_schemas_nested_too_deeply_are_refused_before_compiling() -> None:
+    deep: dict[str, Any] = {"type": "string"}
+    for _ in range(40):
+        deep = {"type": "object", "properties": {"a": deep}}  # two levels each
+    for fields in ({"guided_json": deep}, {"guided_json": json.dumps(deep)}, {"guided_json": "[" * 100_000},
+                   {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": deep}}}):
+        with pytest.raises(InvalidSamplingParamsError, match="nested more than 64 levels") as exc:
+            structured_output_of(fields)
+        assert exc.value.param in ("guided_json", "response_format.json_schema.schema")

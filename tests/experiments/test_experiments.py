@@ -138,6 +138,13 @@ CHECKS = {
             and abs(sum(b[p] or 0.0 for p in ("queue_s", "prefill_s", "migration_queue_s", "migration_s", "decode_s")) - b["e2e_s"]) < 1e-3
             and b["prefill_s"] > 0 and b["decode_s"] > 0 and (b["migration_s"] is None) == (s == "colocated")
             for s in f["systems"] for w in f["workloads"]),
+    # Hostile input (issue 20): every route family got its generated requests with no 5xx and no hang, every limit
+    # probe was answered as expected while a plain client kept being served, and afterwards the server served, was
+    # healthy and, idle, held no request and no KV block; no server process left.
+    "fuzz_report": lambda f: f["quick"] and len(f["families"]) == 6 and f["min_family_requests"] >= f["per_family"]
+    and f["total_5xx"] == 0 and f["total_hangs"] == 0 and f["num_probes_ok"] == f["num_probes"] == 10
+    and f["plain_failed_during_probes"] == 0 and f["served_after"] and f["healthy_after"] and f["idle_all_free"]
+    and f["processes_left"] == 0,
     # Every run chose a plan, and every enumerated candidate was either simulated or pruned.
     "bench_planner": lambda f: f["wall_s"] > 0 and f["num_simulated"] > 0 and f["best"] is not None and all(
         r["num_enumerated"] == r["num_candidates_simulated"] + r["num_pruned_by_bound"] + r["num_pruned_by_floor"]

@@ -20,6 +20,7 @@ TEMPLATE = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}{% i
     (["--allow-credentials"], "--allowed-origins"),
     (["--allowed-methods", '["GET"]'], "--allowed-origins"),
     (["--ray-serve", "--chat-template", "templates/missing.jinja"], "--chat-template"),  # before Ray starts
+    (["--ray-serve", "--request-read-timeout", "5"], "--request-read-timeout"),
 ])
 def test_bad_combinations_exit_2_naming_the_flag(capsys: pytest.CaptureFixture[str], argv: list[str], needle: str) -> None:
     assert main(["serve", "--model", "tiny", "--port", "0", *argv]) == 2
@@ -34,6 +35,9 @@ def test_bad_combinations_exit_2_naming_the_flag(capsys: pytest.CaptureFixture[s
     (["--max-num-batched-tokens", "-2k"], "--max-num-batched-tokens"),
     (["--allowed-origins", '["a", 1]'], "--allowed-origins"),
     (["--allowed-headers", "[not json"], "--allowed-headers"),
+    (["--max-request-body-bytes", "0"], "--max-request-body-bytes"),
+    (["--h11-max-header-count", "-1"], "--h11-max-header-count"),
+    (["--request-read-timeout", "x"], "--request-read-timeout"),
 ])
 def test_bad_values_exit_2_naming_the_flag(capsys: pytest.CaptureFixture[str], argv: list[str], needle: str) -> None:
     with pytest.raises(SystemExit) as exc:
