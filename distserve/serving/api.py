@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import signal
 import socket
 import threading
@@ -80,6 +81,10 @@ MODEL_ALIASES: dict[str, tuple[str, ...]] = {"smollm2-135m": ("HuggingFaceTB/Smo
 STATS_TIMEOUT_S = 5.0
 HEALTH_TIMEOUT_S = 5.0
 ENGINE_WATCH_INTERVAL_S = 0.5
+# On SIGINT/SIGTERM: requests in flight get ``shutdown_grace_s`` (``serve --shutdown-grace``) to finish, then the
+# engine is shut down, which ends the rest with an error event; uvicorn cuts what is left after the slack.
+DEFAULT_SHUTDOWN_GRACE_S = 10.0
+SHUTDOWN_SLACK_S = 5.0
 
 
 class Started(NamedTuple):
@@ -451,6 +456,7 @@ def run_server(
     metrics_prefix: str = OWN_PREFIX,
     chat_template: str | None = None,
     cors: CorsOptions | None = None,
+    shutdown_grace_s: float = DEFAULT_SHUTDOWN_GRACE_S,
 ) -> int:
     """Serve on the bound ``sock`` with plain uvicorn until SIGINT/SIGTERM, then shut ``client`` down.
 
@@ -459,6 +465,8 @@ def run_server(
     once uvicorn accepts connections. Returns the process exit status: 0 after a signal, 1 if the
     engine died for good (``EngineClient.is_dead``) — the server stops then, so that a supervisor
     (systemd, Kubernetes) starts a fresh process instead of leaving one that answers 503 forever.
+    On a signal it stops accepting connections at once, gives the requests in flight
+    ``shutdown_grace_s`` to finish and then fails the rest clearly (an SSE error event, or a 503).
     ``request_log``: where each finished request is written (closed when the server stops).
     ``metrics_prefix``: of the series vLLM also exports (``serving.metrics_exposition``).
     """
@@ -469,15 +477,24 @@ def run_server(
 
     async def main() -> int:
         engine_client = client if isinstance(client, EngineClient) else await client()
+        if in_main:  # ray.init installs a SIGTERM handler that exits with status 15 when uvicorn re-raises the signal
+            signal.signal(signal.SIGTERM, lambda *_: None)
         metrics = ServingMetrics(slo=slo, tenants=api_keys.tenant_names if api_keys else (), request_log=request_log,
                                  prefix=metrics_prefix, model_name=served_model_name)
         app = build_fastapi_app(engine_client, served_model_name, metrics=metrics, session_limits=session_limits, api_keys=api_keys,
                                 tool_call_parser=tool_call_parser, enable_auto_tool_choice=enable_auto_tool_choice,
                                 chat_template=chat_template, cors=cors)
         config = uvicorn.Config(
-            app, host=host, port=port, log_level=log_level, access_log=False, timeout_graceful_shutdown=5
+            app, host=host, port=port, log_level=log_level, access_log=False,
+            timeout_graceful_shutdown=math.ceil(shutdown_grace_s + SHUTDOWN_SLACK_S),
         )
         server = uvicorn.Server(config)
+        drain: asyncio.Task[None] | None = None  # the engine's shutdown once the grace period is over
+
+        async def shut_down_after_grace() -> None:
+            await asyncio.sleep(shutdown_grace_s)
+            await engine_client.shutdown()  # the requests still in flight end with an error, their streams close
+
         try:
             task = asyncio.create_task(server.serve(sockets=[sock]))
             while not server.started and not task.done():
@@ -485,16 +502,22 @@ def run_server(
             if server.started and on_ready is not None:
                 on_ready(f"http://{url_host}:{port}")
             while not task.done():
-                if engine_client.is_dead:
+                if engine_client.is_dead and drain is None:  # not the shutdown of the grace period
                     logger.critical("the engine is dead; stopping the server (exit status 1) so it can be restarted")
                     server.should_exit = True
                     await task
                     return 1
+                if server.should_exit and drain is None:
+                    drain = asyncio.create_task(shut_down_after_grace())
                 await asyncio.wait({task}, timeout=ENGINE_WATCH_INTERVAL_S)
             await task
             return 0
         finally:
-            await engine_client.shutdown()
+            if drain is not None and not drain.done():
+                drain.cancel()
+                await asyncio.gather(drain, return_exceptions=True)
+            if drain is None or drain.cancelled() or drain.exception() is not None:
+                await engine_client.shutdown()
 
     # uvicorn re-raises the signal it caught once it has stopped; a no-op handler makes that a clean exit.
     in_main = threading.current_thread() is threading.main_thread()

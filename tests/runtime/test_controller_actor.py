@@ -268,7 +268,9 @@ def test_errors_keep_their_types_abort_ends_a_stream_and_a_dead_controller_fails
             await bad.actor.pid.remote()  # a failed start leaves no actor behind
 
         before = live_placement_groups()
-        rc = RemoteController(DeploymentConfig("tiny", Placement.disaggregated(), dtype="float32", cache_config=CACHE, max_queued_requests=1))
+        # No controller restarts allowed: its death is final (test_controller_restart.py redeploys it).
+        rc = RemoteController(DeploymentConfig("tiny", Placement.disaggregated(), dtype="float32", cache_config=CACHE, max_queued_requests=1,
+                                               max_controller_restarts=0))
         await rc.start()
         try:
             held = rc.generate(PROMPTS[0], LONG, "held")
