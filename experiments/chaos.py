@@ -303,7 +303,8 @@ async def storm(run: Run) -> None:
 
 
 async def shutdown(run: Run) -> None:
-    """SIGTERM with a wave in flight: it must end (complete or fail clearly), refuse new requests, and leave no process."""
+    """SIGTERM with a wave in flight: it must end (complete, or fail clearly once --shutdown-grace is over), new
+    requests get 503 with Retry-After, and no process is left."""
     jobs = cc.make_jobs(run.args.in_flight, run.args.max_tokens, run.args.seed)
     tasks = [asyncio.ensure_future(run.send("graceful shutdown", j)) for j in jobs]
     while sum(r.first_s is not None for r in run.ledger.records if r.scenario == "graceful shutdown") < len(jobs) // 4:
@@ -324,7 +325,7 @@ async def shutdown(run: Run) -> None:
         await asyncio.sleep(0.2)
     left = len(session_pids(run.server.sid or 0))
     run.row("graceful shutdown", exit_s, 0, exit_code=run.server.proc.returncode, processes_left=left,
-            new_request_refused=late.outcome in ("error", "dropped") and late.status != 200)
+            new_request_refused=late.outcome == "error" and late.status == 503 and late.retry_after is not None)
 
 
 async def scenarios(args: argparse.Namespace, server: ServerProcess) -> Run:

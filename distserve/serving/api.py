@@ -31,6 +31,7 @@ from distserve.dataflow.sessions import SessionManager
 from distserve.serving.api_keys import ApiKeys
 from distserve.serving.auth import ApiKeyAuth, tenant_of
 from distserve.serving.cors import CorsOptions, add_cors
+from distserve.serving.draining import DrainGate, DrainingServer
 from distserve.serving.dataflow_routes import add_dataflow_routes
 from distserve.serving.http_errors import (
     ClientDisconnected,
@@ -81,10 +82,8 @@ MODEL_ALIASES: dict[str, tuple[str, ...]] = {"smollm2-135m": ("HuggingFaceTB/Smo
 STATS_TIMEOUT_S = 5.0
 HEALTH_TIMEOUT_S = 5.0
 ENGINE_WATCH_INTERVAL_S = 0.5
-# On SIGINT/SIGTERM: requests in flight get ``shutdown_grace_s`` (``serve --shutdown-grace``) to finish, then the
-# engine is shut down, which ends the rest with an error event; uvicorn cuts what is left after the slack.
-DEFAULT_SHUTDOWN_GRACE_S = 10.0
-SHUTDOWN_SLACK_S = 5.0
+DEFAULT_SHUTDOWN_GRACE_S = 10.0  # on SIGINT/SIGTERM, for the requests in flight to finish (``serving.draining``)
+SHUTDOWN_SLACK_S = 5.0  # then uvicorn cuts what is left
 
 
 class Started(NamedTuple):
@@ -465,8 +464,8 @@ def run_server(
     once uvicorn accepts connections. Returns the process exit status: 0 after a signal, 1 if the
     engine died for good (``EngineClient.is_dead``) — the server stops then, so that a supervisor
     (systemd, Kubernetes) starts a fresh process instead of leaving one that answers 503 forever.
-    On a signal it stops accepting connections at once, gives the requests in flight
-    ``shutdown_grace_s`` to finish and then fails the rest clearly (an SSE error event, or a 503).
+    On a signal it answers new requests 503 at once, gives the requests in flight ``shutdown_grace_s``
+    to finish and then fails the rest clearly (an SSE error event), then stops (``serving.draining``).
     ``request_log``: where each finished request is written (closed when the server stops).
     ``metrics_prefix``: of the series vLLM also exports (``serving.metrics_exposition``).
     """
@@ -484,16 +483,12 @@ def run_server(
         app = build_fastapi_app(engine_client, served_model_name, metrics=metrics, session_limits=session_limits, api_keys=api_keys,
                                 tool_call_parser=tool_call_parser, enable_auto_tool_choice=enable_auto_tool_choice,
                                 chat_template=chat_template, cors=cors)
+        gate = DrainGate(app)
         config = uvicorn.Config(
-            app, host=host, port=port, log_level=log_level, access_log=False,
-            timeout_graceful_shutdown=math.ceil(shutdown_grace_s + SHUTDOWN_SLACK_S),
+            gate, host=host, port=port, log_level=log_level, access_log=False, timeout_graceful_shutdown=math.ceil(SHUTDOWN_SLACK_S),
         )
-        server = uvicorn.Server(config)
-        drain: asyncio.Task[None] | None = None  # the engine's shutdown once the grace period is over
-
-        async def shut_down_after_grace() -> None:
-            await asyncio.sleep(shutdown_grace_s)
-            await engine_client.shutdown()  # the requests still in flight end with an error, their streams close
+        server = DrainingServer(config, gate)
+        drain: asyncio.Task[bool] | None = None  # once signalled: waits for the requests in flight, fails what outlasts the grace
 
         try:
             task = asyncio.create_task(server.serve(sockets=[sock]))
@@ -507,8 +502,8 @@ def run_server(
                     server.should_exit = True
                     await task
                     return 1
-                if server.should_exit and drain is None:
-                    drain = asyncio.create_task(shut_down_after_grace())
+                if server.signalled_at is not None and drain is None:
+                    drain = asyncio.create_task(server.drain(shutdown_grace_s, engine_client.shutdown))
                 await asyncio.wait({task}, timeout=ENGINE_WATCH_INTERVAL_S)
             await task
             return 0
@@ -516,8 +511,8 @@ def run_server(
             if drain is not None and not drain.done():
                 drain.cancel()
                 await asyncio.gather(drain, return_exceptions=True)
-            if drain is None or drain.cancelled() or drain.exception() is not None:
-                await engine_client.shutdown()
+            if drain is None or drain.cancelled() or drain.exception() is not None or not drain.result():
+                await engine_client.shutdown()  # unless the drain did
 
     # uvicorn re-raises the signal it caught once it has stopped; a no-op handler makes that a clean exit.
     in_main = threading.current_thread() is threading.main_thread()

@@ -237,6 +237,22 @@ def test_early_close_aborts_and_frees_kv_on_both_instances(llm: DisaggLLM) -> No
     assert wait_until(lambda: all_freed(llm), timeout_s=20)
 
 
+def test_an_outbox_nobody_reads_is_dropped_and_its_requests_aborted(llm: DisaggLLM) -> None:
+    """Issue 20 (soak): requests submitted for a proxy that never opens its stream (it left) must not run
+    and keep their outputs for ever."""
+    import ray
+
+    actor = llm.controller.actor
+    before = ray.get(actor.num_outboxes.remote())
+    ray.get(actor.submit.remote("gone-proxy", llm.controller.encode_prompt(PROMPTS[0]), LONG, "orphan"))
+    assert ray.get(actor.num_outboxes.remote()) == before + 1
+    assert wait_until(lambda: any(i["kv_cache_usage_perc"] > 0 for i in llm.stats()["instances"]), timeout_s=20)
+    assert ray.get(actor.sweep_orphans.remote(3600.0)) == 0  # read recently enough: kept
+    assert ray.get(actor.sweep_orphans.remote(0.0)) == 1
+    assert ray.get(actor.num_outboxes.remote()) == before
+    assert wait_until(lambda: all_freed(llm), timeout_s=20)
+
+
 def test_shutdown_leaves_no_actor_and_no_placement_group(ray_cluster: Any) -> None:
     import ray
 
