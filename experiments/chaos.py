@@ -53,7 +53,7 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--max-tokens", type=int, default=16, help="output tokens per request (exact)")
     ap.add_argument("--cache-tokens", type=int, default=4096, help="KV cache per instance, in tokens")
     ap.add_argument("--kv-transfer-timeout", type=float, default=3.0)
-    ap.add_argument("--faults", default=",".join(FAULTS))
+    ap.add_argument("--faults", default=None, help=f"comma-separated, of {','.join(FAULTS)} (default: all; --quick: decode-worker,controller)")
     ap.add_argument("--storm", type=int, default=500, help="clients in the disconnect storm")
     ap.add_argument("--overload-s", type=float, default=120.0)
     ap.add_argument("--soak-s", type=float, default=1200.0)
@@ -63,8 +63,9 @@ def parse_args() -> argparse.Namespace:
     args = ap.parse_args()
     if args.quick:
         args.model, args.in_flight, args.max_tokens, args.cache_tokens = "tiny", 24, 12, 768
-        args.faults, args.storm, args.overload_s, args.soak_s, args.deadline = "decode-worker,controller", 30, 3.0, 10.0, 150.0
-    args.faults = [f for f in args.faults.split(",") if f]
+        args.storm, args.overload_s, args.soak_s, args.deadline = 30, 3.0, 10.0, 150.0
+        args.faults = args.faults or "decode-worker,controller"
+    args.faults = [f for f in (args.faults or ",".join(FAULTS)).split(",") if f]
     bad = set(args.faults) - set(FAULTS)
     if bad:
         ap.error(f"--faults: unknown {sorted(bad)}; choose from {','.join(FAULTS)}")

@@ -23,6 +23,7 @@ import json
 import random
 import time
 from collections import Counter
+from collections.abc import AsyncIterator
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -65,6 +66,7 @@ class Record:
     first_s: float | None = None
     end_s: float | None = None
     num_chunks: int = 0
+    done: bool = False  # its stream ended with [DONE]
 
 
 @dataclass
@@ -119,23 +121,28 @@ def request_body(model: str, job: Job, stream: bool = True) -> tuple[str, dict[s
     return "/v1/completions", {**body, "prompt": job.prompt, "max_tokens": job.max_tokens}
 
 
+async def _sse(resp: httpx.Response, rec: Record) -> AsyncIterator[dict[str, Any]]:
+    """``resp``'s SSE events, parsed, up to ``[DONE]`` (``rec.done``); an error status is recorded in ``rec`` instead."""
+    rec.status = resp.status_code
+    if resp.status_code != 200:
+        rec.retry_after = resp.headers.get("retry-after")
+        rec.error = _error_text(resp.status_code, await resp.aread())
+        return
+    async for line in resp.aiter_lines():
+        if line.startswith("data:"):
+            data = line[5:].strip()
+            if data == "[DONE]":
+                rec.done = True
+                return
+            yield json.loads(data)
+
+
 async def _stream_openai(client: httpx.AsyncClient, root: str, model: str, job: Job, rec: Record, ledger: Ledger,
                          leave_after_first: bool) -> bool | None:
     """Stream a chat or completion job into ``rec``: True if it finished with ``[DONE]``, None if the client left."""
     path, body = request_body(model, job)
     async with client.stream("POST", root + path, json=body) as resp:
-        rec.status = resp.status_code
-        if resp.status_code != 200:
-            rec.retry_after = resp.headers.get("retry-after")
-            rec.error = _error_text(resp.status_code, await resp.aread())
-            return False
-        async for line in resp.aiter_lines():
-            if not line.startswith("data:"):
-                continue
-            data = line[5:].strip()
-            if data == "[DONE]":
-                return True
-            chunk = json.loads(data)
+        async for chunk in _sse(resp, rec):
             if chunk.get("error"):
                 err = chunk["error"]
                 rec.error = f"stream error: {err.get('message', err) if isinstance(err, dict) else err}"
@@ -149,7 +156,7 @@ async def _stream_openai(client: httpx.AsyncClient, root: str, model: str, job: 
                         rec.first_s = ledger.now()
             if leave_after_first and rec.num_chunks:
                 return None  # closing the response here drops the connection mid-stream
-    return False
+    return rec.done
 
 
 async def _post(client: httpx.AsyncClient, url: str, payload: dict[str, Any], method: str = "POST") -> dict[str, Any]:
@@ -182,17 +189,7 @@ async def _run_dataflow(client: httpx.AsyncClient, root: str, job: Job, rec: Rec
         title = await call(TITLE_TEMPLATE, "s", summary, "title")
         await _post(client, root + f"/v1/semantic_var/{doc}", {**auth, "content": job.prompt})
         async with client.stream("GET", root + f"/v1/semantic_var/{title}/stream", json={**auth, "criteria": "latency"}) as resp:
-            rec.status = resp.status_code
-            if resp.status_code != 200:
-                rec.error = _error_text(resp.status_code, await resp.aread())
-                return False
-            async for line in resp.aiter_lines():
-                if not line.startswith("data:"):
-                    continue
-                data = line[5:].strip()
-                if data == "[DONE]":
-                    return True
-                event = json.loads(data)
+            async for event in _sse(resp, rec):
                 if "error" in event:
                     rec.error = f"stream error ({event.get('status')}): {event['error']}"
                     return False
@@ -202,7 +199,7 @@ async def _run_dataflow(client: httpx.AsyncClient, root: str, job: Job, rec: Rec
                         rec.first_s = ledger.now()
                 if "content" in event:
                     rec.text = event["content"]
-        return False
+        return rec.done
     finally:
         try:
             await client.request("DELETE", root + f"/v1/session/{auth['session_id']}", json=auth)
