@@ -88,7 +88,8 @@ class Ledger:
         return Counter(r.outcome for r in self.records if r.scenario == scenario)
 
     def dump(self) -> list[dict[str, Any]]:
-        return [asdict(r) for r in self.records]
+        """Every record; the text only where it is not the reference's (an identical one is the reference)."""
+        return [{**asdict(r), "text": None if r.outcome == "identical" else r.text} for r in self.records]
 
 
 def make_jobs(num: int, max_tokens: int, seed: int, num_prompts: int = 12, words: tuple[int, int] = (6, 24)) -> list[Job]:

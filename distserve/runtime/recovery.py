@@ -246,6 +246,7 @@ class InstanceRecovery:
         for inst, exc in zip(alive, await asyncio.gather(*(death(i) for i in alive))):
             if exc is not None:
                 self._on_death(inst, exc)
+                inst.kick()  # its idle step loop wakes and ends
 
     async def inject_step_fault(self, request_id: str, kind: str = "raise") -> None:
         """Test hook: every step computing ``request_id`` fails on every instance, replacements
