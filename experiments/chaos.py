@@ -1,5 +1,5 @@
 """Reliability under faults, overload and shutdown (issue 20): `distserve serve --runtime ray` (1 prefill,
-1 decode with TP=2, a KV cache smaller than the load) driven by streaming clients, with a ledger of every
+1 decode with TP=2, or PP=2 for a model whose heads do not split in two; a KV cache smaller than the load) driven by streaming clients, with a ledger of every
 request (``chaos_client.py``: how each ended, and whether its text equals its greedy reference).
 
 Rows, each on the same server, in order:
@@ -17,7 +17,9 @@ Rows, each on the same server, in order:
 - graceful shutdown: SIGTERM with a wave in flight.
 After every row the server must go idle with every KV block free, and new requests must succeed.
 Recovery time: kill -> the replacement is up (restart counted; for the controller: /health answers
-again); stall -> the first request completing after the stopped process resumed; shutdown -> exit.
+again); stall -> the first request completing after the stopped process resumed; overload -> a probe's
+TTFT is back within 2x the idle one, counted from when the burst's admitted requests have all ended
+(``drain_s``: how long after the last arrival that was); shutdown -> exit.
 """
 
 from __future__ import annotations
@@ -251,12 +253,14 @@ async def overload_and_soak(run: Run, goodput: float, slo: tuple[float, float]) 
     rss: list[int] = []
     base_rss = sum(run.rss_by_process().values())
     burst = await poisson("overload 10x", 10 * goodput, args.overload_s, lambda: rss.append(sum(run.rss_by_process().values())))
-    burst_end = time.monotonic()
+    drained = time.monotonic()  # the burst's admitted requests have all ended
+    last_arrival = max((r.sent_s for r in burst), default=0.0)
+    drain_s = max((r.end_s or 0.0 for r in burst), default=0.0) - last_arrival
     back_s = None
-    while time.monotonic() - burst_end < 120:
+    while time.monotonic() - drained < 120:
         ttft = await single_ttft(run)
         if ttft is not None and ttft <= 2 * idle_ttft:
-            back_s = time.monotonic() - burst_end
+            back_s = time.monotonic() - drained
             break
         await asyncio.sleep(0.5)
     admitted = [r for r in burst if r.status == 200]
@@ -264,7 +268,7 @@ async def overload_and_soak(run: Run, goodput: float, slo: tuple[float, float]) 
     meets = [r for r in admitted if r.outcome == "identical" and r.first_s is not None and r.end_s is not None
              and r.first_s - r.sent_s <= slo[0] and (r.end_s - r.first_s) / max(1, args.max_tokens - 1) <= slo[1]]
     leaked = await run.idle_leak()
-    run.row("overload 10x", back_s, leaked, rate_rps=round(10 * goodput, 2), admitted=len(admitted), rejected_429=len(rejected),
+    run.row("overload 10x", back_s, leaked, rate_rps=round(10 * goodput, 2), drain_s=round(drain_s, 2), admitted=len(admitted), rejected_429=len(rejected),
             rejected_with_retry_after=sum(r.retry_after is not None for r in rejected),
             admitted_slo_attainment=round(len(meets) / len(admitted), 3) if admitted else None,
             rss_mb_before=round(base_rss / 1024), rss_mb_max=round(max(rss, default=base_rss) / 1024), new_requests_ok=await run.new_requests_ok("overload 10x"))
@@ -354,7 +358,8 @@ async def scenarios(args: argparse.Namespace, server: ServerProcess) -> Run:
 def report(args: argparse.Namespace, run: Run, server: ServerProcess) -> None:
     out = harness.Outputs.for_run(args, "chaos")
     rows = run.rows
-    lines = [f"# Chaos suite: {args.model} ({args.dtype}), 1 prefill + 1 decode (TP=2) on the Ray runtime, {os.cpu_count()} cores",
+    lines = [f"# Chaos suite: {args.model} ({args.dtype}), 1 prefill + 1 decode ({args.decode_parallel.upper()}=2) on the Ray runtime, "
+             f"{os.cpu_count()} cores",
              "", f"Waves of {args.in_flight} requests in flight, {args.max_tokens} output tokens each; KV cache "
              f"{args.cache_tokens} tokens per instance; planned goodput {run.figures['planned_goodput_rps']} req/s (measured).", "",
              "| fault | requests sent | completed identical | ended with error | lost | hung | blocks leaked | recovery time (s) |",
@@ -374,9 +379,11 @@ def main() -> None:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwinds through the finally that stops the server
     from distserve.engine.weights import load_model
 
-    per_token = load_model(args.model, args.dtype, weights=False).config.kv_bytes_per_token
-    kv_gb = args.cache_tokens * per_token / (1 << 30)
-    flags = ["--runtime", "ray", "--prefill", "1", "--decode", "1", "--decode-tp", "2", "--block-size", "16",
+    config = load_model(args.model, args.dtype, weights=False).config
+    kv_gb = args.cache_tokens * config.kv_bytes_per_token / (1 << 30)
+    # The decode instance gets a second rank (a worker actor): TP=2 where the heads split in two, else PP=2 (SmolLM2's 9 heads).
+    args.decode_parallel = "tp" if config.num_heads % 2 == 0 and config.num_kv_heads % 2 == 0 else "pp"
+    flags = ["--runtime", "ray", "--prefill", "1", "--decode", "1", f"--decode-{args.decode_parallel}", "2", "--block-size", "16",
              "--kv-cache-gb", f"{kv_gb:.9f}", "--kv-transfer-timeout", str(args.kv_transfer_timeout),
              "--max-queued-requests", str(max(256, args.in_flight + 16))]
     server = ServerProcess("chaos", distserve_serve_argv(args.model, args.dtype, flags), args.startup_timeout)
@@ -389,7 +396,7 @@ def main() -> None:
         stop = server.stop()
         if stop["num_left"]:
             print(f"WARNING: {stop['num_left']} server processes left after SIGKILL", file=sys.stderr)
-    run.figures.update(model=args.model, quick=args.quick, in_flight=args.in_flight, duration_s=round(time.monotonic() - t0, 1),
+    run.figures.update(model=args.model, quick=args.quick, decode_parallel=args.decode_parallel, in_flight=args.in_flight, duration_s=round(time.monotonic() - t0, 1),
                        rows={r["scenario"]: {k: v for k, v in r.items() if k not in ("scenario", "errors")} for r in run.rows},
                        total_lost=sum(r["lost"] for r in run.rows), total_hung=sum(r["hung"] for r in run.rows),
                        total_blocks_leaked=sum(r["blocks_leaked"] for r in run.rows))
