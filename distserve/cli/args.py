@@ -254,6 +254,9 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--kv-transfer-timeout", type=_positive_float, default=None, metavar="S",
                    help="seconds before a KV migration is failed and the request re-prefilled (Ray runtime; default 30)")
+    p.add_argument("--shutdown-grace", type=_positive_float, default=None, metavar="S",
+                   help="on SIGINT/SIGTERM: seconds requests in flight get to finish before the rest are failed with an error "
+                   "(new connections are refused at once; default 10)")
     p.add_argument("--threads", type=_positive_int, default=None, metavar="N",
                    help="torch threads per engine (local runtime; default: all cores) or per Ray worker "
                    "(default: the placement's per-instance threads, else 1)")

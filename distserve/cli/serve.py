@@ -43,6 +43,8 @@ def _check_serve_args(args: argparse.Namespace) -> None:
             import_xgrammar()
         except InvalidConfigError as exc:
             raise InvalidConfigError(f"--structured-output-backend: {exc}") from exc
+    if args.ray_serve and args.shutdown_grace is not None:
+        raise InvalidConfigError("--shutdown-grace applies to plain `distserve serve`; Ray Serve drains its replicas itself")
     if args.ray_serve and args.request_log is not None:
         raise InvalidConfigError("--request-log applies to plain `distserve serve`, not --ray-serve (each replica would write its own)")
     if args.ray_serve and args.runtime == "local":
@@ -125,6 +127,11 @@ def chat_template_of(args: argparse.Namespace) -> "str | None":
         return load_chat_template(args.chat_template)
     except DistServeError as exc:
         raise type(exc)(f"--chat-template: {exc}", "chat_template") from None
+
+
+def shutdown_grace(args: argparse.Namespace) -> dict[str, float]:
+    """``run_server``'s grace period from --shutdown-grace (its default without the flag)."""
+    return {} if args.shutdown_grace is None else {"shutdown_grace_s": args.shutdown_grace}
 
 
 def cors_of(args: argparse.Namespace) -> "CorsOptions | None":
@@ -226,7 +233,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             session_limits=session_limits(args), api_keys=api_keys, request_log=request_log,
             tool_call_parser=args.tool_call_parser, enable_auto_tool_choice=args.enable_auto_tool_choice,
             metrics_prefix=args.metrics_prefix,
-            chat_template=chat_template, cors=cors_of(args), http_limits=http_limits_of(args),
+            chat_template=chat_template, cors=cors_of(args), http_limits=http_limits_of(args), **shutdown_grace(args),
         )
 
     from distserve.runtime.local_client import build_local_engine_client
@@ -236,4 +243,4 @@ def cmd_serve(args: argparse.Namespace) -> int:
                       session_limits=session_limits(args), api_keys=api_keys, request_log=request_log,
                       tool_call_parser=args.tool_call_parser, enable_auto_tool_choice=args.enable_auto_tool_choice,
                       metrics_prefix=args.metrics_prefix, chat_template=chat_template, cors=cors_of(args),
-                      http_limits=http_limits_of(args))
+                      http_limits=http_limits_of(args), **shutdown_grace(args))

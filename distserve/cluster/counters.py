@@ -12,12 +12,18 @@ in-process a failure is injected before any transfer starts.
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
+
+# Migration durations kept between drains (a /metrics scrape drains them): a server nobody scrapes keeps
+# only the newest, rather than one float per migration for ever (issue 20's soak).
+MAX_UNDRAINED_DURATIONS = 10_000
 
 
 @dataclass
 class ClusterCounters:
-    """Cumulative since the driver started, except ``migration_durations_s`` (since the last drain)."""
+    """Cumulative since the driver started, except ``migration_durations_s`` (the newest
+    ``MAX_UNDRAINED_DURATIONS`` since the last drain)."""
 
     num_migrations: int = 0  # migrations started
     num_blocks_migrated: int = 0  # KV blocks to send, of the migrations started
@@ -29,7 +35,7 @@ class ClusterCounters:
     num_requests_rerun: int = 0  # re-run from prompt + tokens so far after their instance died
     num_requests_failed_poison: int = 0  # failed for a second death of the instance computing them
     migration_s: float = 0.0  # total duration of the migrations that completed
-    migration_durations_s: list[float] = field(default_factory=list)  # each completed migration, until drained
+    migration_durations_s: deque[float] = field(default_factory=lambda: deque(maxlen=MAX_UNDRAINED_DURATIONS))
 
     def record_migration(self, num_blocks_skipped: int, num_blocks: int = 0, num_bytes: int = 0) -> None:
         """A migration started: ``num_blocks`` blocks (``num_bytes`` bytes, when known now) to send,
@@ -66,7 +72,8 @@ class ClusterCounters:
 
     def drain_migration_durations(self) -> list[float]:
         """The durations recorded since the previous drain (the Ray runtime reports each once)."""
-        durations, self.migration_durations_s = self.migration_durations_s, []
+        durations = list(self.migration_durations_s)
+        self.migration_durations_s.clear()
         return durations
 
     def migration_stats(self) -> dict[str, int]:

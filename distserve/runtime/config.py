@@ -20,6 +20,7 @@ from distserve.placement import Placement
 
 DEFAULT_KV_TRANSFER_TIMEOUT_S = 30.0
 DEFAULT_MAX_INSTANCE_RESTARTS = 3  # per instance; then it stays dead and its phase runs on the survivors
+DEFAULT_MAX_CONTROLLER_RESTARTS = 3  # per deployment; then a dead controller actor stays dead (the server exits)
 DEFAULT_MAX_QUEUED_REQUESTS = 1024  # requests in flight before QueueFullError, for library use (DisaggLLM)
 SERVER_MAX_QUEUED_REQUESTS = 256  # the HTTP server's default (``serve --max-queued-requests``): 429 beyond it
 
@@ -32,8 +33,8 @@ class DeploymentConfig:
     ``prefill_scheduler_config`` to prefill instances (``None``: the same as ``scheduler_config``).
     ``num_threads_per_worker`` is the torch threads each worker computes with where the placement's
     instance does not say (``InstanceSpec.threads``); ``None`` means 1 per Ray worker, and torch's
-    default for the in-process engine thread. ``kv_transfer_timeout_s`` and ``max_instance_restarts``
-    apply to the Ray runtime (the in-process engines copy KV in memory and do not restart).
+    default for the in-process engine thread. ``kv_transfer_timeout_s``, ``max_instance_restarts`` and
+    ``max_controller_restarts`` (the controller actor redeployed after it died) apply to the Ray runtime (the in-process engines copy KV in memory and do not restart).
     ``router`` names the rule that picks a new request's entry instance on both runtimes, and
     ``admission`` how requests wait before it (policy, tenants, backpressure), on both runtimes too.
     """
@@ -48,6 +49,7 @@ class DeploymentConfig:
     num_threads_per_worker: int | None = None
     kv_transfer_timeout_s: float = DEFAULT_KV_TRANSFER_TIMEOUT_S
     max_instance_restarts: int = DEFAULT_MAX_INSTANCE_RESTARTS
+    max_controller_restarts: int = DEFAULT_MAX_CONTROLLER_RESTARTS
     router: str = DEFAULT_ROUTER  # the entry rule, by name (``cluster.routing.ROUTERS``)
     admission: AdmissionConfig = AdmissionConfig()  # fair queueing, tenants and backpressure before the entry instances
 
@@ -70,8 +72,9 @@ class DeploymentConfig:
         if len(backends) > 1:  # a grammar is compiled by the front end and by each instance: all with one library
             raise InvalidConfigError(f"scheduler_config and prefill_scheduler_config name different structured output backends "
                                      f"({', '.join(sorted(backends))})", "structured_output_backend")
-        if not (_is_int(self.max_instance_restarts) and self.max_instance_restarts >= 0):
-            raise InvalidConfigError(f"max_instance_restarts must be an integer >= 0, got {self.max_instance_restarts!r}")
+        for name in ("max_instance_restarts", "max_controller_restarts"):
+            if not (_is_int(getattr(self, name)) and getattr(self, name) >= 0):
+                raise InvalidConfigError(f"{name} must be an integer >= 0, got {getattr(self, name)!r}")
 
 
 def _is_int(value: object) -> bool:

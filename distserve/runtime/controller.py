@@ -248,7 +248,10 @@ class Controller(AdmissionDriver, RequestFrontend, KVMigrations, InstanceRecover
     async def _loop(self, inst: DeployedInstance) -> None:
         import ray
 
+        actor = inst.actor  # a replacement gets a loop of its own
         while not self._closed:
+            if not inst.alive or inst.actor is not actor:
+                return  # its death was noticed elsewhere (``_notice_deaths``), not by a step of this loop
             if not inst.has_work:
                 inst.wake.clear()
                 await inst.wake.wait()

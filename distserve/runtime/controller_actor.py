@@ -8,7 +8,11 @@ flight rather than one per request.
 
 A named actor can be **shared** by several callers (the ingress replicas of a Ray Serve app): each
 ``attach``es as a holder, ``start`` deploys the placement once whoever calls it first, and the
-holder whose ``detach`` leaves none tears the deployment down. Holders that die without detaching
+holder whose ``detach`` leaves none tears the deployment down.
+
+An outbox whose stream is never read (its proxy left before opening it, or submitted after its stream
+closed) would keep its requests running and their outputs for ever: ``sweep_orphans``, run every
+``ORPHAN_CHECK_INTERVAL_S``, drops one unread for ``ORPHAN_TIMEOUT_S``, aborting its requests. Holders that die without detaching
 (a crashed replica) are noticed by ``check_holders``, run every ``HOLDER_CHECK_INTERVAL_S``: when
 none is left alive, the actor tears itself down. Holders may ``publish`` a snapshot of their own
 state (their HTTP metrics) for the others to read (``published``).
@@ -19,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator
 from typing import Any
@@ -39,6 +44,8 @@ MAX_EARLY_ABORTS = 4096  # ids aborted before they were submitted, remembered to
 SHUTDOWN_TIMEOUT_S = 30.0
 HOLDER_CHECK_INTERVAL_S = 10.0  # how often a shared controller checks that its holders are alive
 HOLDER_PING_TIMEOUT_S = 30.0  # a holder that does not answer within it is alive but busy, not dead
+ORPHAN_CHECK_INTERVAL_S = 30.0
+ORPHAN_TIMEOUT_S = 60.0  # an outbox nobody has read for this long belongs to a proxy that is gone
 
 # What a proxy's stream carries for one request: an output, the error that ended it, or ``None``
 # once it ended otherwise (after its finished output, or aborted without one).
@@ -53,6 +60,8 @@ class _Outbox:
         self.ready = asyncio.Event()
         self.relays: dict[str, asyncio.Task[None]] = {}  # request id -> task relaying its outputs here
         self.closed = False
+        self.reading = False  # its stream is open
+        self.last_read = time.monotonic()  # when its stream last took items (or when it was made)
 
     def put(self, request_id: str, item: StreamItem) -> None:
         self.items.append((request_id, item))
@@ -71,6 +80,7 @@ class _Outbox:
             self.ready.clear()
             await self.ready.wait()
         items, self.items = self.items, []
+        self.last_read = time.monotonic()
         return items
 
 
@@ -92,6 +102,7 @@ class ControllerActor:
         self._published: dict[str, tuple[Any, bool]] = {}  # holder id -> (its latest snapshot, whether it is attached)
         self._closing = False  # the last holder left: no holder may attach any more
         self._watch: asyncio.Task[None] | None = None
+        self._sweep: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
         """Deploy the placement; later and concurrent calls wait for the first call's outcome (and raise its error)."""
@@ -204,10 +215,12 @@ class ControllerActor:
         When the stream closes (its proxy left or was cancelled), that proxy's requests are aborted.
         """
         box = self._outbox(proxy_id)
+        box.reading = True
         try:
             while (batch := await box.take()) is not None:
                 yield batch
         finally:
+            box.reading = False
             if self._outboxes.get(proxy_id) is box:
                 del self._outboxes[proxy_id]
             for relay in box.relays.values():
@@ -220,6 +233,8 @@ class ControllerActor:
         """Start a request whose outputs go to ``proxy_id``'s stream; raises if the Controller refuses it."""
         controller = self._started()
         box = self._outbox(proxy_id)
+        if self._sweep is None:
+            self._sweep = asyncio.create_task(self._sweep_orphans_periodically())
         if request_id in self._early_aborts:
             del self._early_aborts[request_id]
             box.put(request_id, None)  # its caller left before it was submitted
@@ -245,6 +260,26 @@ class ControllerActor:
             box.put(request_id, None if task.cancelled() else _sendable(task.exception()))
 
         relay.add_done_callback(done)
+
+    def sweep_orphans(self, max_age_s: float = ORPHAN_TIMEOUT_S) -> int:
+        """Drop the outboxes whose stream is not open and has not been read for ``max_age_s``, aborting
+        their requests; how many were dropped."""
+        now = time.monotonic()
+        orphans = [pid for pid, box in self._outboxes.items() if not box.reading and now - box.last_read >= max_age_s]
+        for proxy_id in orphans:
+            box = self._outboxes.pop(proxy_id)
+            log.warning("dropping the outbox of proxy %s, unread for %.0f s (%d requests aborted)", proxy_id, now - box.last_read, len(box.relays))
+            for relay in list(box.relays.values()):
+                relay.cancel()  # closes the Controller's stream, which aborts the request
+        return len(orphans)
+
+    async def _sweep_orphans_periodically(self) -> None:
+        while True:
+            await asyncio.sleep(ORPHAN_CHECK_INTERVAL_S)
+            self.sweep_orphans()
+
+    def num_outboxes(self) -> int:
+        return len(self._outboxes)
 
     async def abort(self, request_id: str) -> None:
         """Stop the request and free its KV everywhere; its stream ends without an error."""

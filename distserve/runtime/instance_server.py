@@ -94,6 +94,10 @@ class StepResult:
 
 
 class InstanceServer:
+    def __repr__(self) -> str:
+        """Ray names the actor's process by it in its logs (``:actor_name:``): e.g. ``InstanceServer(prefill-0)``."""
+        return f"InstanceServer({self.spec.instance_id})"
+
     def __init__(self, spec: InstanceServerSpec, create_remote_worker: Callable[[WorkerSpec], Any] | None = None) -> None:
         if spec.phase not in SCHEDULERS:
             raise ValueError(f"unknown phase {spec.phase!r}")
@@ -118,6 +122,7 @@ class InstanceServer:
             return WorkerSpec(
                 spec.model, spec.dtype, spec.num_blocks, spec.cache.block_size, spec.eos_token_ids, shard,
                 list(spec.global_ranks), spec.num_threads, spec.kv_transfer_timeout_s, spec.cache.decode_attention,
+                spec.instance_id,
             )
 
         world = spec.tp * spec.pp

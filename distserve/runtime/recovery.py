@@ -31,6 +31,7 @@ from distserve.runtime.ray_deployment import DeployedInstance, create_instance_a
 log = logging.getLogger(__name__)
 
 RESTART_TIMEOUT_S = 300.0  # a replacement that is not up (loaded and in the new world) by then stays dead
+LIVENESS_TIMEOUT_S = 10.0  # before a restart, every live instance's ranks must answer within it to count as alive
 
 
 class InstanceRecovery:
@@ -162,57 +163,90 @@ class InstanceRecovery:
                 queue.put_nowait(exc)
 
     async def _restart(self, inst: DeployedInstance) -> None:
-        """Replace a dead instance in its placement group and form the world anew with it."""
+        """Replace a dead instance in its placement group and form the world anew with it.
+
+        Every other instance dead by then (noticed or not) is replaced in the same world: the world
+        needs all its ranks, so replacing one while another is dead would wait for that one's ranks
+        until ``RESTART_TIMEOUT_S``, or fail (two instances killed at once).
+        """
         import ray
 
         async with self._world_lock, self._migration_lock:
+            if inst.alive or not inst.restarting:
+                return  # replaced along with another dead instance
             self._running.clear()
+            group = [inst]
             try:
                 while self._steps_in_flight and not self._closed:
-                    await asyncio.sleep(0.005)  # let every step in flight return
+                    await asyncio.sleep(0.005)  # let every step in flight return (a dead instance's is noticed then)
                 if self._closed:
                     return
-                log.info("restart %s: steps paused", inst.spec.instance_id)
-                try:
-                    ray.kill(inst.actor, no_restart=True)  # what is left of it (its workers die with it)
-                except Exception:  # noqa: BLE001 - already gone
-                    pass
-                inst.actor = create_instance_actor(inst)
+                await self._notice_deaths()
+                group = [i for i in self.instances if i.restarting and not i.alive]
+                names = ", ".join(i.spec.instance_id for i in group)
+                log.info("restart %s: steps paused", names)
+                for dead in group:
+                    try:
+                        ray.kill(dead.actor, no_restart=True)  # what is left of it (its workers die with it)
+                    except Exception:  # noqa: BLE001 - already gone
+                        pass
+                    dead.actor = create_instance_actor(dead)
                 survivors = [i for i in self.instances if i.alive]
                 method = init_method(self.placement)
                 await asyncio.wait_for(
                     asyncio.gather(
-                        inst.actor.init.remote(method, self._world_size),
+                        *(dead.actor.init.remote(method, self._world_size) for dead in group),
                         *(i.actor.reinit.remote(method, self._world_size) for i in survivors),
                     ),
                     RESTART_TIMEOUT_S,
                 )
-                inst.layout = await inst.actor.layout.remote()
-                for request_id, kind in self._step_faults.items():
-                    await inst.actor.inject_step_fault.remote(request_id, kind)
-                log.info("restart %s: the new world of %d ranks is formed", inst.spec.instance_id, self._world_size)
-            except Exception as exc:  # noqa: BLE001 - the instance stays dead; survivors that broke fail their next step
-                log.error("restarting instance %s failed: %r", inst.spec.instance_id, exc)
-                inst.restarting = False
+                for dead in group:
+                    dead.layout = await dead.actor.layout.remote()
+                    for request_id, kind in self._step_faults.items():
+                        await dead.actor.inject_step_fault.remote(request_id, kind)
+                log.info("restart %s: the new world of %d ranks is formed", names, self._world_size)
+            except Exception as exc:  # noqa: BLE001 - the instances stay dead; survivors that broke fail their next step
+                log.error("restarting instance(s) %s failed: %r", ", ".join(i.spec.instance_id for i in group), exc)
+                for dead in group:
+                    dead.restarting = False
                 self._admit()  # parked re-runs go to a survivor, if any
                 self._fail_stranded()
                 return
             finally:
                 self._running.set()
-            inst.restarts += 1
-            self.counters.record_instance_restart()
-            inst.route = RouteState(pool=inst.route.pool)
-            inst.last_step, inst.num_added, inst.unseen = None, 0, []  # the new actor has seen no request
-            inst.has_work = inst.kicked = False
-            inst.restarting = False
-            inst.alive = True
-            self._tasks.append(asyncio.create_task(self._loop(inst)))
+            for dead in group:
+                dead.restarts += 1
+                self.counters.record_instance_restart()
+                dead.route = RouteState(pool=dead.route.pool)
+                dead.last_step, dead.num_added, dead.unseen = None, 0, []  # the new actor has seen no request
+                dead.has_work = dead.kicked = False
+                dead.restarting = False
+                dead.alive = True
+                self._tasks.append(asyncio.create_task(self._loop(dead)))
             for i in self.instances:
                 if i.alive:
                     i.kick()  # cancelled transfers are reported at their next step
         self._admit()  # parked re-runs first, then the admission queue
         if self._pending:
             await self._migrate_pending()
+
+    async def _notice_deaths(self) -> None:
+        """Handle the death of every instance that died unnoticed (idle: no step of it failed yet), so that
+        the world is formed without waiting for its ranks: each rank must answer (its pid)."""
+        async def death(inst: DeployedInstance) -> Exception | None:
+            try:
+                await asyncio.wait_for(inst.actor.worker_pids.remote(), LIVENESS_TIMEOUT_S)
+            except asyncio.TimeoutError:
+                return None  # alive but busy (or stopped): its next step tells
+            except Exception as exc:  # noqa: BLE001 - a dead rank
+                return exc
+            return None
+
+        alive = [i for i in self.instances if i.alive]
+        for inst, exc in zip(alive, await asyncio.gather(*(death(i) for i in alive))):
+            if exc is not None:
+                self._on_death(inst, exc)
+                inst.kick()  # its idle step loop wakes and ends
 
     async def inject_step_fault(self, request_id: str, kind: str = "raise") -> None:
         """Test hook: every step computing ``request_id`` fails on every instance, replacements

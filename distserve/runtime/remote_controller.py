@@ -4,6 +4,11 @@ It tokenizes and validates locally (no actor hop), submits with plain actor call
 requests' outputs from the actor's one stream on a reader thread and hands each request its own,
 unwraps errors to their own types and turns a dead controller into a ``ServiceUnavailableError``.
 
+When the controller actor dies (a crash, an OOM kill), the handle deploys a new one (up to
+``DeploymentConfig.max_controller_restarts`` times) and submits its open requests again: each re-run
+continues the stream where the client is (``rerun.StreamedSoFar``), or fails clearly if its tokens
+differ. Requests that arrive meanwhile wait for the new controller.
+
 With a ``shared_name`` it attaches to the named, detached controller of that name, creating it if
 none exists (a Ray Serve app's replicas share one deployment this way): the placement is deployed
 once, and ``shutdown`` only detaches unless this handle is the last one.
@@ -17,6 +22,7 @@ import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Sequence as Seq
+from contextlib import aclosing, suppress
 from typing import Any, NoReturn
 
 from distserve.cluster.admission import check_timeout
@@ -30,10 +36,15 @@ from distserve.engine.weights import load_model
 from distserve.errors import DistServeError, ServiceUnavailableError
 from distserve.runtime.config import DeploymentConfig
 from distserve.runtime.controller_actor import CONTROL_CONCURRENCY, CONTROLLER_CPUS, SHUTDOWN_TIMEOUT_S, ControllerActor, StreamItem
+from distserve.runtime.rerun import StreamedSoFar
 
 log = logging.getLogger(__name__)
 
 SHARED_NAMESPACE = "distserve"  # the Ray namespace of shared (named) controllers
+
+
+class ControllerDiedError(ServiceUnavailableError):
+    """The controller actor a call went to died (the handle redeploys it, ``RemoteController._recover``)."""
 
 
 class _Tokenizer(RequestFrontend):
@@ -71,8 +82,11 @@ class RemoteController:
         self._proxy_ids: list[str] = []  # every stream opened, ended when this handle detaches from a shared controller
         self._reader: threading.Thread | None = None  # reads the current output stream
         self._reader_loop: asyncio.AbstractEventLoop | None = None  # where it hands the outputs
+        self._reader_actor: Any = None  # the actor whose stream it reads
         self._shutting_down = False
-        self._actor_died = False
+        self._actor_died = False  # dead for good: not redeployed (again)
+        self._recovery: asyncio.Future[None] | None = None  # redeploying the controller after its actor died
+        self.num_controller_restarts = 0
         here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
         self._actor_options: dict[str, Any] = {
             "num_cpus": CONTROLLER_CPUS, "max_concurrency": CONTROL_CONCURRENCY, "max_restarts": 0, "scheduling_strategy": here,
@@ -121,7 +135,8 @@ class RemoteController:
         self, prompt: str | Seq[int], sampling: SamplingParams, request_id: str, priority: int = 0,
         request_class: RequestClass | None = None, timeout_s: float | None = None,
     ) -> AsyncIterator[RequestOutput]:
-        """Stream one request's outputs; closing the iterator early aborts the request."""
+        """Stream one request's outputs; closing the iterator early aborts the request. If the controller
+        actor dies meanwhile, the request runs again on its replacement and its stream continues."""
         # Text is tokenized in a thread: a long prompt takes seconds, and this loop serves every request.
         ids = await asyncio.to_thread(self.encode_prompt, prompt) if isinstance(prompt, str) else self.encode_prompt(prompt)
         self._frontend.check_request(ids, sampling, priority)  # refused here, without a trip to the actor
@@ -129,14 +144,44 @@ class RemoteController:
         timeout_s = check_timeout(timeout_s)
         if request_id in self._requests:
             raise DistServeError(f"request id {request_id!r} is already in flight")
-        proxy_id = self._open_stream()
+        so_far = StreamedSoFar()
+        while True:
+            actor = await self._live_actor()
+            try:
+                async with aclosing(self._attempt(actor, ids, sampling, request_id, priority, request_class, timeout_s)) as outs:
+                    async for out in outs:
+                        unseen = so_far.continue_with(out)
+                        if unseen is not None:
+                            so_far.record(unseen)
+                            yield unseen
+                return
+            except ControllerDiedError:
+                if self._shutting_down:
+                    raise ServiceUnavailableError("the controller was shut down") from None
+                await self._recover(actor)  # raises if it is not redeployed
+                log.warning("re-running request %s on the redeployed controller", request_id)
+
+    async def _live_actor(self) -> Any:
+        """The controller actor to submit to: once a redeployment in progress is done."""
+        if self._recovery is not None and not self._recovery.done():
+            await asyncio.shield(self._recovery)
+        if self._actor_died and not self._shutting_down:
+            raise ServiceUnavailableError("the controller actor died and was not redeployed")
+        return self.actor
+
+    async def _attempt(
+        self, actor: Any, ids: list[int], sampling: SamplingParams, request_id: str, priority: int,
+        request_class: RequestClass | None, timeout_s: float | None,
+    ) -> AsyncIterator[RequestOutput]:
+        """One submission of the request to ``actor``, streamed; ``ControllerDiedError`` if the actor dies."""
+        proxy_id = self._open_stream(actor)
         queue: asyncio.Queue[StreamItem] = asyncio.Queue()
         entry = (proxy_id, queue)
         self._requests[request_id] = entry  # before submitting: its first output may beat the reply
         over = False  # the actor's side of the request has ended: nothing to abort
         try:
             try:
-                await _call(self.actor.submit.remote(proxy_id, ids, sampling, request_id, priority, request_class, timeout_s))
+                await _call(actor.submit.remote(proxy_id, ids, sampling, request_id, priority, request_class, timeout_s))
             except Exception:
                 over = True
                 raise
@@ -156,20 +201,21 @@ class RemoteController:
             if self._requests.get(request_id) is entry:
                 del self._requests[request_id]
             if not over:
-                self.actor.abort.remote(request_id)  # not awaited: this may run in a cancelled task
+                actor.abort.remote(request_id)  # not awaited: this may run in a cancelled task
 
-    def _open_stream(self) -> str:
-        """The id of the output stream read for this event loop, opened (with its reader thread) if need be."""
+    def _open_stream(self, actor: Any) -> str:
+        """The id of ``actor``'s output stream read for this event loop, opened (with its reader thread) if need be."""
         loop = asyncio.get_running_loop()
-        if self._reader is None or not self._reader.is_alive() or self._reader_loop is not loop:
+        if self._reader is None or not self._reader.is_alive() or self._reader_loop is not loop or self._reader_actor is not actor:
             self._proxy_id = uuid.uuid4().hex
             self._proxy_ids.append(self._proxy_id)
             self._reader_loop = loop
-            self._reader = threading.Thread(target=self._read, args=(self._proxy_id, loop), name="distserve-outputs", daemon=True)
+            self._reader_actor = actor
+            self._reader = threading.Thread(target=self._read, args=(actor, self._proxy_id, loop), name="distserve-outputs", daemon=True)
             self._reader.start()
         return self._proxy_id
 
-    def _read(self, proxy_id: str, loop: asyncio.AbstractEventLoop) -> None:
+    def _read(self, actor: Any, proxy_id: str, loop: asyncio.AbstractEventLoop) -> None:
         """The reader thread: hand each batch of the stream to the event loop, then how the stream ended.
 
         A thread blocked on the stream costs half the CPU per item of an ``async for`` over it.
@@ -178,12 +224,12 @@ class RemoteController:
 
         failure: BaseException = RuntimeError("the controller closed the output stream")
         try:
-            for ref in self.actor.outputs.remote(proxy_id):
+            for ref in actor.outputs.remote(proxy_id):
                 loop.call_soon_threadsafe(self._dispatch, proxy_id, ray.get(ref))
         except BaseException as exc:  # noqa: BLE001 - every open request gets it
             failure = exc
         try:
-            loop.call_soon_threadsafe(self._stream_ended, proxy_id, failure)
+            loop.call_soon_threadsafe(self._stream_ended, actor, proxy_id, failure)
         except RuntimeError:  # the event loop is closed: nothing waits on it
             pass
 
@@ -193,12 +239,16 @@ class RemoteController:
             if entry is not None and entry[0] == proxy_id:  # else it was closed early or is over
                 entry[1].put_nowait(item)
 
-    def _stream_ended(self, proxy_id: str, failure: BaseException) -> None:
+    def _stream_ended(self, actor: Any, proxy_id: str, failure: BaseException) -> None:
+        import ray
+
         if proxy_id == self._proxy_id:
             self._reader = None  # the next request opens a new stream
         for stream_id, queue in self._requests.values():
             if stream_id == proxy_id:
                 queue.put_nowait(self._stream_error(failure))
+        if isinstance(failure, ray.exceptions.RayActorError) and not self._shutting_down:
+            self._recover_soon(actor)  # even with no request left waiting for it
 
     def _stream_error(self, exc: BaseException) -> BaseException:
         """What a request open when the output stream failed with ``exc`` raises."""
@@ -210,8 +260,7 @@ class RemoteController:
         if self._shutting_down:
             err = ServiceUnavailableError("the controller was shut down")
         elif isinstance(exc, ray.exceptions.RayActorError):
-            self._actor_died = True
-            err = ServiceUnavailableError(f"the controller actor died: {exc}")
+            err = ControllerDiedError(f"the controller actor died: {exc}")
         else:
             err = ServiceUnavailableError(f"the controller's output stream failed: {exc!r}")
         err.__cause__ = exc
@@ -222,19 +271,81 @@ class RemoteController:
 
     @property
     def is_dead(self) -> bool:
-        """The controller actor died: this deployment can never serve again."""
+        """The controller actor died and was not redeployed: this deployment can never serve again."""
         return self._actor_died and not self._shutting_down
 
     async def check_health(self) -> None:
+        """Raises ``ServiceUnavailableError`` in an outage, e.g. while a dead controller is redeployed (which it starts)."""
         import ray
 
+        if self._recovery is not None and not self._recovery.done():
+            raise ServiceUnavailableError("the controller actor died; a new one is being deployed")
+        if self._actor_died:
+            raise ServiceUnavailableError("the controller actor died and was not redeployed")
+        actor = self.actor
         try:
-            await self.actor.check_health.remote()
+            await actor.check_health.remote()
         except ray.exceptions.RayActorError as exc:
-            self._actor_died = True
-            raise ServiceUnavailableError(f"the controller actor died: {exc}") from exc
+            if not self._shutting_down:
+                self._recover_soon(actor)
+            raise ServiceUnavailableError(f"the controller actor died; a new one is being deployed ({exc})") from exc
         except ray.exceptions.RayError as exc:
             _reraise(exc)
+
+    def _recover_soon(self, dead: Any) -> None:
+        """Start redeploying the controller in place of ``dead`` (unless done or under way) without waiting."""
+        task = asyncio.ensure_future(self._recover(dead))
+        task.add_done_callback(lambda t: t.cancelled() or t.exception())  # its failure is is_dead's business
+
+    async def _recover(self, dead: Any) -> None:
+        """Deploy a new controller actor in place of ``dead``, once however many callers found it dead;
+        raises ``ServiceUnavailableError`` if it is not redeployed (``is_dead`` then)."""
+        if self.actor is dead and (self._recovery is None or self._recovery.done()) and not self._actor_died:
+            self._recovery = asyncio.ensure_future(self._redeploy(dead))
+        if self._recovery is not None and not self._recovery.done():
+            await asyncio.shield(self._recovery)
+        if self._actor_died:
+            raise ServiceUnavailableError("the controller actor died and was not redeployed")
+
+    async def _redeploy(self, dead: Any) -> None:
+        """Replace ``dead`` by a new controller actor and deploy the placement again; a failed attempt
+        (e.g. a worker OOM-killed while loading) is retried while the restart budget lasts."""
+        import ray
+        from ray.util.placement_group import remove_placement_group
+
+        limit = self.config.max_controller_restarts
+        while True:
+            if self.num_controller_restarts >= limit or self._shutting_down:
+                log.error("the controller actor died; not redeploying it (%d of %d restarts done)", self.num_controller_restarts, limit)
+                self._actor_died = True
+                return
+            self.num_controller_restarts += 1
+            log.warning("the controller actor died; deploying a new one (restart %d of %d)", self.num_controller_restarts, limit)
+            started = time.monotonic()
+            try:
+                ray.kill(dead, no_restart=True)
+            except Exception:  # noqa: BLE001 - already gone
+                pass
+            await _wait_dead(dead, time.monotonic() + SHUTDOWN_TIMEOUT_S)
+            for group in self._placement_groups:  # the dead deployment's resources, for the new one
+                try:
+                    remove_placement_group(group)
+                except Exception:  # noqa: BLE001 - already removed
+                    pass
+            self._placement_groups = []
+            self.actor = dead = self._make_actor()
+            try:
+                if self.shared_name is not None:
+                    await self._attach()
+                await _call(self.actor.start.remote())
+                self._placement_groups = await _call(self.actor.placement_groups.remote())
+            except Exception as exc:  # noqa: BLE001 - tried again, as a new death
+                log.error("redeploying the controller failed: %r", exc)
+                with suppress(Exception):
+                    self._placement_groups = await asyncio.wait_for(_call(self.actor.placement_groups.remote()), 5.0)
+                continue
+            log.warning("the controller is redeployed (%.1f s)", time.monotonic() - started)
+            return
 
     async def inject_step_fault(self, request_id: str, kind: str = "raise") -> None:
         await _call(self.actor.inject_step_fault.remote(request_id, kind))
@@ -264,6 +375,8 @@ class RemoteController:
         from ray.util.placement_group import remove_placement_group
 
         self._shutting_down = True
+        if self._recovery is not None and not self._recovery.done():
+            await asyncio.gather(self._recovery, return_exceptions=True)  # then tear down what it deployed
         if self.shared_name is not None and not await self._detach_was_last():
             deadline = time.monotonic() + SHUTDOWN_TIMEOUT_S
             while self._reader is not None and self._reader.is_alive() and time.monotonic() < deadline:
@@ -342,5 +455,5 @@ def _reraise(exc: BaseException) -> NoReturn:
     if isinstance(exc, ray.exceptions.RayTaskError) and isinstance(exc.cause, Exception):
         raise exc.cause from exc
     if isinstance(exc, ray.exceptions.RayActorError):
-        raise ServiceUnavailableError(f"the controller actor died: {exc}") from exc
+        raise ControllerDiedError(f"the controller actor died: {exc}") from exc
     raise exc

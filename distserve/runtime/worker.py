@@ -46,6 +46,7 @@ class WorkerSpec:
     num_threads: int = 1
     kv_transfer_timeout_s: float = 30.0  # one side of one transfer, from when this worker starts it
     decode_attention: str | None = None  # a kernels.backends name; None: the device's default
+    instance_id: str = ""  # of the instance this rank belongs to (names the actor in logs)
 
 
 @dataclass
@@ -58,6 +59,11 @@ class TransferResult:
 
 
 class Worker:
+    def __repr__(self) -> str:
+        """Ray names the actor's process by it in its logs (``:actor_name:``): which instance and rank it is."""
+        shard = self.spec.shard
+        return f"Worker({self.spec.instance_id} rank {shard.pp_rank * shard.tp + shard.tp_rank})"
+
     def __init__(self, spec: WorkerSpec) -> None:
         self.spec = spec
         self.runner: ModelRunner | None = None

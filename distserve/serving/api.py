@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import signal
 import socket
 import threading
@@ -30,6 +31,7 @@ from distserve.dataflow.sessions import SessionManager
 from distserve.serving.api_keys import ApiKeys
 from distserve.serving.auth import ApiKeyAuth, owner_of, tenant_of
 from distserve.serving.cors import CorsOptions, add_cors
+from distserve.serving.draining import DrainGate, DrainingServer
 from distserve.serving.dataflow_routes import add_dataflow_routes
 from distserve.serving.limits import DEFAULT_HTTP_LIMITS, HttpLimits, add_request_limits, uvicorn_config
 from distserve.serving.http_errors import (
@@ -79,6 +81,8 @@ MODEL_ALIASES: dict[str, tuple[str, ...]] = {"smollm2-135m": ("HuggingFaceTB/Smo
 STATS_TIMEOUT_S = 5.0
 HEALTH_TIMEOUT_S = 5.0
 ENGINE_WATCH_INTERVAL_S = 0.5
+DEFAULT_SHUTDOWN_GRACE_S = 10.0  # on SIGINT/SIGTERM, for the requests in flight to finish (``serving.draining``)
+SHUTDOWN_SLACK_S = 5.0  # then uvicorn cuts what is left
 
 
 class Started(NamedTuple):
@@ -456,6 +460,7 @@ def run_server(
     chat_template: str | None = None,
     cors: CorsOptions | None = None,
     http_limits: HttpLimits = DEFAULT_HTTP_LIMITS,
+    shutdown_grace_s: float = DEFAULT_SHUTDOWN_GRACE_S,
 ) -> int:
     """Serve on the bound ``sock`` with plain uvicorn until SIGINT/SIGTERM, then shut ``client`` down.
 
@@ -464,24 +469,30 @@ def run_server(
     once uvicorn accepts connections. Returns the process exit status: 0 after a signal, 1 if the
     engine died for good (``EngineClient.is_dead``) — the server stops then, so that a supervisor
     (systemd, Kubernetes) starts a fresh process instead of leaving one that answers 503 forever.
+    On a signal it answers new requests 503 at once, gives the requests in flight ``shutdown_grace_s``
+    to finish and then fails the rest clearly (an SSE error event), then stops (``serving.draining``).
     ``request_log``: where each finished request is written (closed when the server stops).
     ``metrics_prefix``: of the series vLLM also exports (``serving.metrics_exposition``); ``http_limits``:
     ``serving.limits``, on the app and on uvicorn's connections.
     """
-    import uvicorn
-
     host, port = sock.getsockname()[:2]
     url_host = f"[{host}]" if ":" in host else host
 
     async def main() -> int:
         engine_client = client if isinstance(client, EngineClient) else await client()
+        if in_main:  # ray.init installs a SIGTERM handler that exits with status 15 when uvicorn re-raises the signal
+            signal.signal(signal.SIGTERM, lambda *_: None)
         metrics = ServingMetrics(slo=slo, tenants=api_keys.tenant_names if api_keys else (), request_log=request_log,
                                  prefix=metrics_prefix, model_name=served_model_name)
         app = build_fastapi_app(engine_client, served_model_name, metrics=metrics, session_limits=session_limits, api_keys=api_keys,
                                 tool_call_parser=tool_call_parser, enable_auto_tool_choice=enable_auto_tool_choice,
                                 chat_template=chat_template, cors=cors, http_limits=http_limits)
-        config = uvicorn_config(app, http_limits, host=host, port=port, log_level=log_level, access_log=False, timeout_graceful_shutdown=5)
-        server = uvicorn.Server(config)
+        gate = DrainGate(app)
+        config = uvicorn_config(gate, http_limits, host=host, port=port, log_level=log_level, access_log=False,
+                                timeout_graceful_shutdown=math.ceil(SHUTDOWN_SLACK_S))
+        server = DrainingServer(config, gate)
+        drain: asyncio.Task[bool] | None = None  # once signalled: waits for the requests in flight, fails what outlasts the grace
+
         try:
             task = asyncio.create_task(server.serve(sockets=[sock]))
             while not server.started and not task.done():
@@ -489,16 +500,22 @@ def run_server(
             if server.started and on_ready is not None:
                 on_ready(f"http://{url_host}:{port}")
             while not task.done():
-                if engine_client.is_dead:
+                if engine_client.is_dead and drain is None:  # not the shutdown of the grace period
                     logger.critical("the engine is dead; stopping the server (exit status 1) so it can be restarted")
                     server.should_exit = True
                     await task
                     return 1
+                if server.signalled_at is not None and drain is None:
+                    drain = asyncio.create_task(server.drain(shutdown_grace_s, engine_client.shutdown))
                 await asyncio.wait({task}, timeout=ENGINE_WATCH_INTERVAL_S)
             await task
             return 0
         finally:
-            await engine_client.shutdown()
+            if drain is not None and not drain.done():
+                drain.cancel()
+                await asyncio.gather(drain, return_exceptions=True)
+            if drain is None or drain.cancelled() or drain.exception() is not None or not drain.result():
+                await engine_client.shutdown()  # unless the drain did
 
     # uvicorn re-raises the signal it caught once it has stopped; a no-op handler makes that a clean exit.
     in_main = threading.current_thread() is threading.main_thread()

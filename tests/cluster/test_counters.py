@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from distserve.cluster.counters import ClusterCounters
+from distserve.cluster.counters import MAX_UNDRAINED_DURATIONS, ClusterCounters
 from distserve.config import CacheConfig, SamplingParams
 from distserve.runtime.local_disagg import LocalDisaggEngine
 from distserve.runtime.stats import PREFILL_COUNTER_KEYS, ClientStats, normalize_stats
@@ -53,7 +53,7 @@ def test_draining_durations_keeps_the_total() -> None:
     assert c.drain_migration_durations() == [0.25, 0.5]
     assert c.drain_migration_durations() == []  # each duration is reported once
     c.record_migration_duration(1.0)
-    assert c.migration_durations_s == [1.0] and c.migration_s == 1.75
+    assert list(c.migration_durations_s) == [1.0] and c.migration_s == 1.75
 
 
 def test_stats_keys_are_the_runtimes() -> None:
@@ -89,3 +89,12 @@ def test_local_engine_counts_into_its_counters() -> None:
     ]
     assert stats["kv_migration_blocks_total"] == c.num_blocks_migrated and stats["kv_migration_bytes_total"] == c.num_bytes_migrated
     assert stats["kv_migration_failures_total"] == 1 and stats["kv_migration_timeouts_total"] == 1
+
+
+def test_undrained_migration_durations_are_bounded() -> None:
+    """Issue 20 (soak): a server whose /metrics nobody scrapes keeps the newest durations, not every one for ever."""
+    c = ClusterCounters()
+    for i in range(MAX_UNDRAINED_DURATIONS + 5):
+        c.record_migration_duration(float(i))
+    assert len(c.migration_durations_s) == MAX_UNDRAINED_DURATIONS and c.migration_durations_s[0] == 5.0
+    assert c.drain_migration_durations()[-1] == MAX_UNDRAINED_DURATIONS + 4 and not c.drain_migration_durations()

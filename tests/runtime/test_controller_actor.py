@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
 import threading
 import time
 from collections import defaultdict
@@ -30,6 +31,7 @@ PROMPTS = ["Hello, my name is", "The capital of France is", "a b c d e f g h i j
 SP = SamplingParams(max_tokens=16, min_tokens=16, temperature=0.0)
 LONG = SamplingParams(max_tokens=400, min_tokens=400, temperature=0.0)
 CACHE = CacheConfig(num_blocks=256, block_size=4)
+RESTART_SP = SamplingParams(max_tokens=48, min_tokens=48, temperature=0.0)  # long enough to kill the controller mid-stream
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -237,6 +239,22 @@ def test_early_close_aborts_and_frees_kv_on_both_instances(llm: DisaggLLM) -> No
     assert wait_until(lambda: all_freed(llm), timeout_s=20)
 
 
+def test_an_outbox_nobody_reads_is_dropped_and_its_requests_aborted(llm: DisaggLLM) -> None:
+    """Issue 20 (soak): requests submitted for a proxy that never opens its stream (it left) must not run
+    and keep their outputs for ever."""
+    import ray
+
+    actor = llm.controller.actor
+    before = ray.get(actor.num_outboxes.remote())
+    ray.get(actor.submit.remote("gone-proxy", llm.controller.encode_prompt(PROMPTS[0]), LONG, "orphan"))
+    assert ray.get(actor.num_outboxes.remote()) == before + 1
+    assert wait_until(lambda: any(i["kv_cache_usage_perc"] > 0 for i in llm.stats()["instances"]), timeout_s=20)
+    assert ray.get(actor.sweep_orphans.remote(3600.0)) == 0  # read recently enough: kept
+    assert ray.get(actor.sweep_orphans.remote(0.0)) == 1
+    assert ray.get(actor.num_outboxes.remote()) == before
+    assert wait_until(lambda: all_freed(llm), timeout_s=20)
+
+
 def test_shutdown_leaves_no_actor_and_no_placement_group(ray_cluster: Any) -> None:
     import ray
 
@@ -268,7 +286,9 @@ def test_errors_keep_their_types_abort_ends_a_stream_and_a_dead_controller_fails
             await bad.actor.pid.remote()  # a failed start leaves no actor behind
 
         before = live_placement_groups()
-        rc = RemoteController(DeploymentConfig("tiny", Placement.disaggregated(), dtype="float32", cache_config=CACHE, max_queued_requests=1))
+        # No controller restarts allowed: its death is final (test_controller_restart.py redeploys it).
+        rc = RemoteController(DeploymentConfig("tiny", Placement.disaggregated(), dtype="float32", cache_config=CACHE, max_queued_requests=1,
+                                               max_controller_restarts=0))
         await rc.start()
         try:
             held = rc.generate(PROMPTS[0], LONG, "held")
@@ -305,3 +325,55 @@ def test_errors_keep_their_types_abort_ends_a_stream_and_a_dead_controller_fails
     # Its instances and placement groups die with the controller.
     assert wait_until(lambda: not any(process_alive(p) for p in pids), timeout_s=30)
     assert wait_until(lambda: not (live_placement_groups() & ours), timeout_s=30)
+
+
+def test_a_killed_controller_is_redeployed_its_streams_continue_and_the_budget_is_kept(ray_cluster: Any) -> None:
+    import ray
+
+    reference = [o.token_ids for o in LLMEngine(load_model("tiny"), cache_config=CACHE).generate(PROMPTS[:3], RESTART_SP)]
+
+    async def collect(rc: RemoteController, prompt: str, rid: str, started: asyncio.Event) -> list[int]:
+        tokens: list[int] = []
+        async for out in rc.generate(prompt, RESTART_SP, rid):
+            tokens += out.new_token_ids
+            started.set()
+        return tokens
+
+    async def scenario() -> tuple[list[int], set[str]]:
+        before = live_placement_groups()
+        rc = RemoteController(DeploymentConfig("tiny", Placement.disaggregated(), dtype="float32", cache_config=CACHE,
+                                               max_controller_restarts=2))
+        await rc.start()
+        try:
+            old_pids = [await rc.actor.pid.remote()] + [p for ranks in (await rc.worker_pids()).values() for p in ranks]
+            old_groups = live_placement_groups() - before
+            # Killed while every request streams: each is re-run and its stream continues where its client is.
+            events = [asyncio.Event() for _ in PROMPTS[:3]]
+            runs = [asyncio.ensure_future(collect(rc, p, f"r{i}", e)) for i, (p, e) in enumerate(zip(PROMPTS[:3], events))]
+            await asyncio.wait_for(asyncio.gather(*(e.wait() for e in events)), 60)
+            os.kill(old_pids[0], signal.SIGKILL)  # the controller actor's process, as a crash
+            assert await asyncio.wait_for(asyncio.gather(*runs), 180) == reference  # no token twice or missing
+            assert rc.num_controller_restarts == 1 and not rc.is_dead
+            assert all(i["kv_cache_usage_perc"] == 0.0 for i in (await rc.stats())["instances"])
+
+            # Killed while idle: the health check notices and redeploys; a request arriving meanwhile waits for it.
+            ray.kill(rc.actor, no_restart=True)
+            with pytest.raises(ServiceUnavailableError, match="being deployed"):
+                await rc.check_health()
+            late = [t async for out in rc.generate(PROMPTS[0], RESTART_SP, "late") for t in out.new_token_ids]
+            assert late == reference[0] and rc.num_controller_restarts == 2
+            await rc.check_health()
+
+            # The budget (2) is spent: the next death is final, as with max_controller_restarts=0.
+            ray.kill(rc.actor, no_restart=True)
+            with pytest.raises(ServiceUnavailableError):
+                [out async for out in rc.generate(PROMPTS[1], RESTART_SP, "final")]
+            assert rc.is_dead
+        finally:
+            await rc.shutdown()
+        return old_pids, old_groups
+
+    old_pids, old_groups = asyncio.run(scenario())
+    # The first deployment's instances and placement groups are gone.
+    assert wait_until(lambda: not any(process_alive(p) for p in old_pids), timeout_s=30)
+    assert wait_until(lambda: not (live_placement_groups() & old_groups), timeout_s=30)

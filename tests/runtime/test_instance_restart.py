@@ -100,3 +100,20 @@ def test_max_instance_restarts_must_be_a_count() -> None:
     for bad in (-1, 1.5):
         with pytest.raises(InvalidConfigError, match="max_instance_restarts"):
             DeploymentConfig("tiny", Placement.disaggregated(), max_instance_restarts=bad)  # type: ignore[arg-type]
+
+
+def test_two_instances_killed_at_once_are_restarted_together(runtime: ControllerRuntime, reference: list[list[int]]) -> None:
+    """Issue 20: the world needs every rank, so the two replacements join one new world (one restart
+    alone would wait for the other's ranks until the restart timeout)."""
+    async def all_of() -> list[list[int]]:
+        return list(await asyncio.gather(*(runtime._one(p, None) for p in PROMPTS)))
+
+    before = runtime.stats()
+    pids = runtime.run(runtime.controller.worker_pids())
+    future = asyncio.run_coroutine_threadsafe(all_of(), runtime.loop)
+    assert wait_until(lambda: any(i["num_requests_running"] > 0 for i in runtime.stats()["instances"] if i["instance"] == "decode-0"), 30)
+    os.kill(pids["prefill-0"][0], signal.SIGKILL)
+    os.kill(pids["decode-0"][1], signal.SIGKILL)
+    assert future.result(240) == reference
+    assert wait_until(lambda: restarted(runtime, before["instance_restarts_total"] + 2), 60), runtime.stats()
+

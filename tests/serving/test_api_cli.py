@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import pathlib
+import signal
 import socket
+import time
 
 import httpx
 import openai
@@ -83,3 +85,25 @@ def test_serve_process_answers_and_stops_on_sigint(tmp_path: pathlib.Path) -> No
     [record] = read_request_log(str(request_log))  # one line per finished request, with its breakdown
     assert record["num_output_tokens"] == resp.usage.completion_tokens and record["migration_end_time"] is not None
     assert abs(sum(record["breakdown"].values()) - record["e2e_s"]) <= 1e-3
+
+
+@pytest.mark.integration  # runs `distserve serve` as a process
+@pytest.mark.timeout(120)
+def test_sigterm_refuses_new_requests_and_fails_what_outlasts_the_grace_clearly() -> None:
+    """Issue 20: after SIGTERM new requests get 503 with Retry-After at once; a stream still running when
+    --shutdown-grace is over ends with an error event and [DONE] (not a cut connection); the process exits 0."""
+    with serve_process("--threads", "1", "--shutdown-grace", "1") as (proc, url):
+        body = {"model": "tiny", "prompt": "hi", "max_tokens": 1000, "min_tokens": 1000, "temperature": 0, "stream": True}
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as resp:
+            lines = (line for line in resp.iter_lines() if line.startswith("data:"))
+            next(lines)  # streaming has begun
+            signalled = time.monotonic()
+            proc.send_signal(signal.SIGTERM)
+            time.sleep(0.3)
+            refused = httpx.post(f"{url}/v1/completions", json={**body, "stream": False}, timeout=5)
+            assert refused.status_code == 503 and refused.headers["retry-after"] and "shutting down" in refused.text
+            events = list(lines)
+        assert events[-1] == "data: [DONE]" and '"error"' in events[-2] and "shut" in events[-2], events[-3:]
+        assert time.monotonic() - signalled < 10
+        proc.communicate(timeout=30)
+    assert proc.returncode == 0

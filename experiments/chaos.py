@@ -1,0 +1,408 @@
+"""Reliability under faults, overload and shutdown (issue 20): `distserve serve --runtime ray` (1 prefill,
+1 decode with TP=2, or PP=2 for a model whose heads do not split in two; a KV cache smaller than the load) driven by streaming clients, with a ledger of every
+request (``chaos_client.py``: how each ended, and whether its text equals its greedy reference).
+
+Rows, each on the same server, in order:
+- fault-free: a wave of requests in flight (chat, completions, a two-call dataflow program every tenth);
+- the same wave with a fault injected once a quarter of it streams: SIGKILL of the decode instance's
+  second rank (a worker actor), of the prefill instance actor, of both at once, of the controller
+  actor; SIGSTOP of the KV sender (prefill) or receiver (decode worker) for 2.5x the KV-transfer
+  timeout (the transfer stalls past its deadline), then SIGCONT;
+- KV exhaustion: long prompts that together exceed the cache (preemption, no error), and one prompt
+  larger than the whole cache (400 at admission);
+- disconnect storm: clients dropping their connection after the first streamed chunk;
+- overload: Poisson arrivals at 10x the planned goodput (planned goodput: the fault-free wave's measured
+  throughput, i.e. the measured knee at that concurrency); then back to normal latency;
+- soak at 70% of the planned goodput: RSS of every server process after warm-up vs at the end;
+- graceful shutdown: SIGTERM with a wave in flight.
+After every row the server must go idle with every KV block free, and new requests must succeed.
+Recovery time: kill -> the replacement is up (restart counted; for the controller: /health answers
+again); stall -> the first request completing after the stopped process resumed; overload -> a probe's
+TTFT is back within 2x the idle one, counted from when the burst's admitted requests have all ended
+(``drain_s``: how long after the last arrival that was); shutdown -> exit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import random
+import re
+import signal
+import sys
+import time
+from collections.abc import Awaitable, Callable
+from glob import glob
+from typing import Any
+
+import chaos_client as cc
+import harness
+import httpx
+
+from distserve.measure.benchserve import ServerProcess, distserve_serve_argv, metric_sums, session_pids
+
+FAULTS = ("decode-worker", "prefill-instance", "both", "controller", "stall-sender", "stall-receiver")
+GAUGE = re.compile(r'^distserve:(\w+)\{([^}]*)\}\s+(\S+)$', re.MULTILINE)
+IDLE_TIMEOUT_S = 90.0
+
+
+def parse_args() -> argparse.Namespace:
+    ap = harness.parser(__doc__, "tiny model, 24 in flight, two faults (decode worker, controller), seconds of overload and soak")
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--dtype", type=harness.model_dtype, default="float32")
+    ap.add_argument("--in-flight", type=int, default=200, help="requests per wave, all sent at once")
+    ap.add_argument("--max-tokens", type=int, default=16, help="output tokens per request (exact)")
+    ap.add_argument("--cache-tokens", type=int, default=4096, help="KV cache per instance, in tokens")
+    ap.add_argument("--kv-transfer-timeout", type=float, default=3.0)
+    ap.add_argument("--faults", default=None, help=f"comma-separated, of {','.join(FAULTS)} (default: all; --quick: decode-worker,controller)")
+    ap.add_argument("--storm", type=int, default=500, help="clients in the disconnect storm")
+    ap.add_argument("--overload-s", type=float, default=120.0)
+    ap.add_argument("--soak-s", type=float, default=1200.0)
+    ap.add_argument("--deadline", type=float, default=600.0, help="seconds after which a request counts as hung")
+    ap.add_argument("--startup-timeout", type=float, default=600.0)
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+    if args.quick:
+        args.model, args.in_flight, args.max_tokens, args.cache_tokens = "tiny", 24, 12, 768
+        args.storm, args.overload_s, args.soak_s, args.deadline = 30, 3.0, 10.0, 150.0
+        args.faults = args.faults or "decode-worker,controller"
+    args.faults = [f for f in (args.faults or ",".join(FAULTS)).split(",") if f]
+    bad = set(args.faults) - set(FAULTS)
+    if bad:
+        ap.error(f"--faults: unknown {sorted(bad)}; choose from {','.join(FAULTS)}")
+    return args
+
+
+class Run:
+    """The server under test, the ledger and the figures measured so far."""
+
+    def __init__(self, args: argparse.Namespace, server: ServerProcess, client: httpx.AsyncClient) -> None:
+        self.args, self.server, self.client = args, server, client
+        self.root = server.base_url.removesuffix("/v1")
+        self.ledger = cc.Ledger()
+        self.refs: dict[str, str] = {}
+        self.rows: list[dict[str, Any]] = []
+        self.figures: dict[str, Any] = {}
+
+    # ---- the server's state ----------------------------------------------------------------------
+    def actor_pids(self) -> dict[str, int]:
+        """Live actor processes by the name Ray logs for them (``InstanceServer(prefill-0)``, ``ControllerActor``...)."""
+        assert self.server.sid is not None
+        live = set(session_pids(self.server.sid))
+        names: dict[str, int] = {}
+        for path in glob(str(self.server.work_dir / "ray" / "session_*" / "logs" / "worker-*.out")):
+            pid = int(path.rsplit("-", 1)[1].removesuffix(".out"))
+            if pid in live:
+                with open(path, errors="replace") as f:
+                    head = [line for line in f.read(16384).splitlines() if line.startswith(":actor_name:")]
+                if head:
+                    names[head[-1].removeprefix(":actor_name:")] = pid
+        return names
+
+    def gauges(self, name: str) -> dict[str, float]:
+        """One ``distserve:`` gauge per engine label."""
+        try:
+            text = httpx.get(self.root + "/metrics", timeout=5.0).text
+        except httpx.HTTPError:
+            return {}
+        out = {}
+        for metric, labels, value in GAUGE.findall(text):
+            engine = re.search(r'engine="([^"]*)"', labels)
+            if metric == name and engine:
+                out[engine.group(1)] = float(value)
+        return out
+
+    def num_blocks(self) -> dict[str, int]:
+        text = httpx.get(self.root + "/metrics", timeout=5.0).text
+        return {e: int(n) for e, n in re.findall(r'cache_config_info\{[^}]*engine="([^"]*)"[^}]*num_gpu_blocks="(\d+)"', text)}
+
+    def counter(self, suffix: str) -> float:
+        return (metric_sums(self.server.base_url, (suffix,)) or {}).get(suffix, 0.0)
+
+    def healthy(self) -> bool:
+        try:
+            return httpx.get(self.root + "/health", timeout=5.0).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    async def idle_leak(self) -> int:
+        """Wait until no request is left anywhere; the KV blocks still in use then (0: none leaked)."""
+        deadline = time.monotonic() + IDLE_TIMEOUT_S
+        while True:
+            busy = sum((await asyncio.to_thread(metric_sums, self.server.base_url,
+                                                ("num_requests_running", "num_requests_waiting", "num_requests_awaiting_migration")) or {"?": 1}).values())
+            usage = await asyncio.to_thread(self.gauges, "kv_cache_usage_perc")
+            if (not busy and usage and not any(usage.values())) or time.monotonic() > deadline:
+                break
+            await asyncio.sleep(0.5)
+        blocks = await asyncio.to_thread(self.num_blocks)
+        return sum(round(usage.get(e, 1.0) * n) for e, n in blocks.items())
+
+    def rss_by_process(self) -> dict[str, int]:
+        """RSS (kB) of every process of the server, named by command line and pid."""
+        assert self.server.sid is not None
+        out = {}
+        for pid in session_pids(self.server.sid):
+            try:
+                status = open(f"/proc/{pid}/status").read()
+                cmd = open(f"/proc/{pid}/cmdline").read().replace("\0", " ").strip()[:60]
+            except OSError:
+                continue
+            match = re.search(r"VmRSS:\s+(\d+)", status)
+            if match:
+                out[f"{pid} {cmd}"] = int(match.group(1))
+        return out
+
+    # ---- requests --------------------------------------------------------------------------------
+    async def send(self, scenario: str, job: cc.Job, leave_after_first: bool = False) -> cc.Record:
+        rec = self.ledger.add(scenario, job.kind)
+        expected = None if leave_after_first else self.refs.get(job.key)
+        return await cc.run_job(self.client, self.root, self.args.model, job, expected, rec, self.ledger, self.args.deadline, leave_after_first)
+
+    async def new_requests_ok(self, scenario: str) -> bool:
+        """After a row: one request of each kind, sent anew, completes with its reference."""
+        jobs = cc.make_jobs(10, self.args.max_tokens, self.args.seed)
+        probes = [jobs[0], jobs[1], jobs[9]]
+        return all(r.outcome == "identical" for r in await asyncio.gather(*(self.send(f"{scenario} (after)", j) for j in probes)))
+
+    def row(self, scenario: str, recovery_s: float | None, leaked: int, **extra: Any) -> dict[str, Any]:
+        counts = self.ledger.counts(scenario)
+        row = {"scenario": scenario, "sent": sum(counts.values()), "identical": counts["identical"], "error": counts["error"],
+               "lost": sum(counts[o] for o in cc.LOST), "hung": counts["hung"], "disconnected": counts["disconnected"],
+               "blocks_leaked": leaked, "recovery_s": None if recovery_s is None else round(recovery_s, 2), **extra}
+        errors = sorted({(r.error or "")[:120] for r in self.ledger.records if r.scenario == scenario and r.error})
+        row["errors"] = errors[:5]
+        self.rows.append(row)
+        print(f"{scenario}: {({k: v for k, v in row.items() if k != 'errors'})}", flush=True)
+        for e in errors[:3]:
+            print(f"  e.g. {e}", flush=True)
+        return row
+
+    async def wave(self, scenario: str, jobs: list[cc.Job], fault: Callable[[], Awaitable[Callable[[], bool]]] | None = None,
+                   **extra: Any) -> dict[str, Any]:
+        """Send ``jobs`` at once; ``fault`` (once a quarter of them stream) returns when it has recovered."""
+        t0 = time.monotonic()
+        tasks = [asyncio.ensure_future(self.send(scenario, job)) for job in jobs]
+        recovery_s = None
+        if fault is not None:
+            quarter = max(1, len(jobs) // 4)
+            while sum(r.first_s is not None for r in self.ledger.records if r.scenario == scenario) < quarter and not all(t.done() for t in tasks):
+                await asyncio.sleep(0.05)
+            t_fault = time.monotonic()
+            recovered = await fault()
+            while not await asyncio.to_thread(recovered) and time.monotonic() - t_fault < self.args.deadline:
+                await asyncio.sleep(0.25)
+            recovery_s = time.monotonic() - t_fault
+        await asyncio.gather(*tasks)
+        elapsed = time.monotonic() - t0
+        leaked = await self.idle_leak()
+        return self.row(scenario, recovery_s, leaked, wave_s=round(elapsed, 2), new_requests_ok=await self.new_requests_ok(scenario), **extra)
+
+    # ---- faults ------------------------------------------------------------------------------------
+    def fault(self, kind: str) -> Callable[[], Awaitable[Callable[[], bool]]]:
+        names = {"decode-worker": ["Worker(decode-0 rank 1)"], "prefill-instance": ["InstanceServer(prefill-0)"],
+                 "both": ["Worker(decode-0 rank 1)", "InstanceServer(prefill-0)"], "controller": ["ControllerActor"],
+                 "stall-sender": ["InstanceServer(prefill-0)"], "stall-receiver": ["Worker(decode-0 rank 1)"]}[kind]
+
+        async def inject() -> Callable[[], bool]:
+            pids = self.actor_pids()
+            targets = [pids[n] for n in names]
+            if kind.startswith("stall"):
+                for pid in targets:
+                    os.kill(pid, signal.SIGSTOP)
+                await asyncio.sleep(2.5 * self.args.kv_transfer_timeout)
+                for pid in targets:
+                    os.kill(pid, signal.SIGCONT)
+                resumed = self.ledger.now()
+                return lambda: any(r.end_s is not None and r.end_s > resumed and r.outcome == "identical" for r in self.ledger.records)
+            restarts = self.counter("instance_restarts_total")
+            for pid in targets:
+                os.kill(pid, signal.SIGKILL)
+            if kind == "controller":
+                gone = pids["ControllerActor"]
+                return lambda: self.healthy() and self.actor_pids().get("ControllerActor", gone) != gone and len(self.gauges("kv_cache_usage_perc")) == 2
+            return lambda: self.counter("instance_restarts_total") >= restarts + len(targets) and self.healthy()
+
+        return inject
+
+
+async def overload_and_soak(run: Run, goodput: float, slo: tuple[float, float]) -> None:
+    args = run.args
+    run.refs.update(await cc.references(run.client, run.root, args.model, args.dtype,
+                                        cc.make_jobs(20, args.max_tokens, args.seed + 1), run.ledger))
+    idle_ttft = await single_ttft(run)
+
+    async def poisson(scenario: str, rate: float, duration_s: float, on_tick: Callable[[], None]) -> list[cc.Record]:
+        rng = random.Random(args.seed)
+        arrivals, t = [], rng.expovariate(rate)
+        while t < duration_s:
+            arrivals.append(t)
+            t += rng.expovariate(rate)
+        jobs = cc.make_jobs(len(arrivals), args.max_tokens, args.seed + 1)
+        tasks, t0, next_tick = [], time.monotonic(), 0.0
+        for at, job in zip(arrivals, jobs):  # on schedule (all that are due at once when behind), not paced by sleeps
+            await asyncio.sleep(max(0.0, t0 + at - time.monotonic()))
+            tasks.append(asyncio.ensure_future(run.send(scenario, job)))
+            if at >= next_tick:
+                on_tick()
+                next_tick += 1.0
+        return list(await asyncio.gather(*tasks))
+
+    # Overload: 10x the planned goodput.
+    rss: list[int] = []
+    base_rss = sum(run.rss_by_process().values())
+    burst = await poisson("overload 10x", 10 * goodput, args.overload_s, lambda: rss.append(sum(run.rss_by_process().values())))
+    drained = time.monotonic()  # the burst's admitted requests have all ended
+    last_arrival = max((r.sent_s for r in burst), default=0.0)
+    drain_s = max((r.end_s or 0.0 for r in burst), default=0.0) - last_arrival
+    back_s = None
+    while time.monotonic() - drained < 120:
+        ttft = await single_ttft(run)
+        if ttft is not None and ttft <= 2 * idle_ttft:
+            back_s = time.monotonic() - drained
+            break
+        await asyncio.sleep(0.5)
+    admitted = [r for r in burst if r.status == 200]
+    rejected = [r for r in burst if r.status == 429]
+    meets = [r for r in admitted if r.outcome == "identical" and r.first_s is not None and r.end_s is not None
+             and r.first_s - r.sent_s <= slo[0] and (r.end_s - r.first_s) / max(1, args.max_tokens - 1) <= slo[1]]
+    leaked = await run.idle_leak()
+    run.row("overload 10x", back_s, leaked, rate_rps=round(10 * goodput, 2), drain_s=round(drain_s, 2), admitted=len(admitted), rejected_429=len(rejected),
+            rejected_with_retry_after=sum(r.retry_after is not None for r in rejected),
+            admitted_slo_attainment=round(len(meets) / len(admitted), 3) if admitted else None,
+            rss_mb_before=round(base_rss / 1024), rss_mb_max=round(max(rss, default=base_rss) / 1024), new_requests_ok=await run.new_requests_ok("overload 10x"))
+    # Soak at 70% of the planned goodput: RSS per process after warm-up vs at the end.
+    samples: list[dict[str, int]] = []
+    await poisson("soak 70%", 0.7 * goodput, args.soak_s, lambda: samples.append(run.rss_by_process()))
+    warm = samples[len(samples) // 4] if samples else {}
+    end = run.rss_by_process()
+    growth = {p: (end[p] - warm[p]) / warm[p] for p in warm if p in end and warm[p] > 0}
+    worst = max(growth, key=lambda p: growth[p], default=None)
+    run.row("soak 70%", None, await run.idle_leak(), rate_rps=round(0.7 * goodput, 2), duration_s=args.soak_s,
+            rss_max_growth=round(growth[worst], 4) if worst else None, rss_worst_process=worst,
+            new_requests_ok=await run.new_requests_ok("soak 70%"))
+
+
+async def single_ttft(run: Run) -> float | None:
+    """TTFT of one short completion (None if it failed)."""
+    rec = await run.send("latency probe", cc.Job("completion", "Latency probe", 2))
+    return rec.first_s - rec.sent_s if rec.outcome == "identical" and rec.first_s is not None else None
+
+
+async def kv_exhaustion(run: Run, cache_tokens: int) -> None:
+    args = run.args
+    preempted = run.counter("num_preemptions_total")
+    long_jobs = [j for j in cc.make_jobs(args.in_flight, args.max_tokens, args.seed + 2, words=(40, 80)) if j.kind != "dataflow"]
+    run.refs.update(await cc.references(run.client, run.root, args.model, args.dtype, long_jobs, run.ledger))
+    await run.wave("KV exhaustion: prompts together > cache", long_jobs, preemptions=int(run.counter("num_preemptions_total") - preempted))
+    words = " ".join(["word"] * cache_tokens)  # at least one token per word, with any tokenizer here
+    rec = await run.send("KV exhaustion: one prompt > cache", cc.Job("completion", words, 4))
+    run.row("KV exhaustion: one prompt > cache", None, await run.idle_leak(), status=rec.status, refused_at_admission=rec.status == 400)
+
+
+async def storm(run: Run) -> None:
+    jobs = [j for j in cc.make_jobs(run.args.storm, 64, run.args.seed + 3) if j.kind != "dataflow"]
+    await asyncio.gather(*(run.send("disconnect storm", j, leave_after_first=True) for j in jobs))
+    run.row("disconnect storm", None, await run.idle_leak(), new_requests_ok=await run.new_requests_ok("disconnect storm"))
+
+
+async def shutdown(run: Run) -> None:
+    """SIGTERM with a wave in flight: it must end (complete, or fail clearly once --shutdown-grace is over), new
+    requests get 503 with Retry-After, and no process is left."""
+    jobs = cc.make_jobs(run.args.in_flight, run.args.max_tokens, run.args.seed)
+    tasks = [asyncio.ensure_future(run.send("graceful shutdown", j)) for j in jobs]
+    while sum(r.first_s is not None for r in run.ledger.records if r.scenario == "graceful shutdown") < len(jobs) // 4:
+        await asyncio.sleep(0.05)
+    assert run.server.proc is not None
+    t0 = time.monotonic()
+    run.server.proc.send_signal(signal.SIGTERM)
+    await asyncio.sleep(0.5)
+    late = await run.send("graceful shutdown (after SIGTERM)", jobs[0])
+    await asyncio.gather(*tasks)
+    try:
+        await asyncio.to_thread(run.server.proc.wait, 60)
+    except Exception:  # noqa: BLE001 - reported as not exited
+        pass
+    exit_s = time.monotonic() - t0
+    deadline = time.monotonic() + 30
+    while session_pids(run.server.sid or 0) and time.monotonic() < deadline:
+        await asyncio.sleep(0.2)
+    left = len(session_pids(run.server.sid or 0))
+    run.row("graceful shutdown", exit_s, 0, exit_code=run.server.proc.returncode, processes_left=left,
+            new_request_refused=late.outcome == "error" and late.status == 503 and late.retry_after is not None)
+
+
+async def scenarios(args: argparse.Namespace, server: ServerProcess) -> Run:
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(args.deadline, connect=30.0), limits=limits, trust_env=False) as client:
+        run = Run(args, server, client)
+        jobs = cc.make_jobs(args.in_flight, args.max_tokens, args.seed)
+        run.refs = await cc.references(client, run.root, args.model, args.dtype, jobs, run.ledger)
+        base = await run.wave("fault-free", jobs)
+        goodput = base["identical"] / base["wave_s"]  # requests/s completed with the wave in flight: the planned goodput
+        ttfts = sorted(r.first_s - r.sent_s for r in run.ledger.records if r.scenario == "fault-free" and r.first_s is not None)
+        tpots = sorted((r.end_s - r.first_s) / max(1, args.max_tokens - 1) for r in run.ledger.records
+                       if r.scenario == "fault-free" and r.first_s is not None and r.end_s is not None)
+        slo = (2 * ttfts[int(0.9 * (len(ttfts) - 1))], 2 * tpots[int(0.9 * (len(tpots) - 1))])
+        run.figures.update(planned_goodput_rps=round(goodput, 3), slo_ttft_s=round(slo[0], 3), slo_tpot_s=round(slo[1], 4))
+        for kind in args.faults:
+            await run.wave(f"kill {kind}" if not kind.startswith("stall") else f"KV {kind}", jobs, run.fault(kind))
+        await kv_exhaustion(run, args.cache_tokens)
+        await storm(run)
+        await overload_and_soak(run, goodput, slo)
+        await shutdown(run)
+        return run
+
+
+def report(args: argparse.Namespace, run: Run, server: ServerProcess) -> None:
+    out = harness.Outputs.for_run(args, "chaos")
+    rows = run.rows
+    lines = [f"# Chaos suite: {args.model} ({args.dtype}), 1 prefill + 1 decode ({args.decode_parallel.upper()}=2) on the Ray runtime, "
+             f"{os.cpu_count()} cores",
+             "", f"Waves of {args.in_flight} requests in flight, {args.max_tokens} output tokens each; KV cache "
+             f"{args.cache_tokens} tokens per instance; planned goodput {run.figures['planned_goodput_rps']} req/s (measured).", "",
+             "| fault | requests sent | completed identical | ended with error | lost | hung | blocks leaked | recovery time (s) |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        lines.append(f"| {r['scenario']} | {r['sent']} | {r['identical']} | {r['error']} | {r['lost']} | {r['hung']} | "
+                     f"{r['blocks_leaked']} | {'-' if r['recovery_s'] is None else r['recovery_s']} |")
+    lines += ["", "Per row (JSON): " + str(out.path(".json").name) + "; every request: " + out.path("_ledger.json").name]
+    out.markdown(lines)
+    out.json({"figures": run.figures, "rows": rows})
+    out.json(run.ledger.dump(), "_ledger", indent=None)
+    print("\n".join(lines), flush=True)
+
+
+def main() -> None:
+    args = parse_args()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwinds through the finally that stops the server
+    from distserve.engine.weights import load_model
+
+    config = load_model(args.model, args.dtype, weights=False).config
+    kv_gb = args.cache_tokens * config.kv_bytes_per_token / (1 << 30)
+    # The decode instance gets a second rank (a worker actor): TP=2 where the heads split in two, else PP=2 (SmolLM2's 9 heads).
+    args.decode_parallel = "tp" if config.num_heads % 2 == 0 and config.num_kv_heads % 2 == 0 else "pp"
+    flags = ["--runtime", "ray", "--prefill", "1", "--decode", "1", f"--decode-{args.decode_parallel}", "2", "--block-size", "16",
+             "--kv-cache-gb", f"{kv_gb:.9f}", "--kv-transfer-timeout", str(args.kv_transfer_timeout),
+             "--max-queued-requests", str(max(256, args.in_flight + 16))]
+    server = ServerProcess("chaos", distserve_serve_argv(args.model, args.dtype, flags), args.startup_timeout)
+    t0 = time.monotonic()
+    try:
+        server.start()
+        print(f"server up in {server.startup_s:.1f} s at {server.base_url}", flush=True)
+        run = asyncio.run(scenarios(args, server))
+    finally:
+        stop = server.stop()
+        if stop["num_left"]:
+            print(f"WARNING: {stop['num_left']} server processes left after SIGKILL", file=sys.stderr)
+    run.figures.update(model=args.model, quick=args.quick, decode_parallel=args.decode_parallel, in_flight=args.in_flight, duration_s=round(time.monotonic() - t0, 1),
+                       rows={r["scenario"]: {k: v for k, v in r.items() if k not in ("scenario", "errors")} for r in run.rows},
+                       total_lost=sum(r["lost"] for r in run.rows), total_hung=sum(r["hung"] for r in run.rows),
+                       total_blocks_leaked=sum(r["blocks_leaked"] for r in run.rows))
+    report(args, run, server)
+    harness.finish(run.figures)
+
+
+if __name__ == "__main__":
+    main()
