@@ -234,7 +234,7 @@ def main() -> None:
     md += ["| " + " | ".join(r) + " |" for r in rows]
     md += ["", "| run | tok/s | tokens | valid JSON | others' cores |", "|---|---|---|---|---|"]
     md += ["| " + " | ".join(r) + " |" for r in e2e_rows]
-    md += ["", f"Backend set-up (vocabulary tables): " + ", ".join(f"{b} {micro[b]['setup_s']:.2f} s" for b in backends) + "."]
+    md += ["", "Backend set-up (vocabulary tables): " + ", ".join(f"{b} {micro[b]['setup_s']:.2f} s" for b in backends) + "."]
     out.markdown(md)
     harness.finish(figures)
 
