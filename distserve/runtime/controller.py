@@ -96,6 +96,7 @@ class Controller(AdmissionDriver, RequestFrontend, KVMigrations, InstanceRecover
         self._background: set[asyncio.Task[None]] = set()
         self._closed = False
         self._crashes = CrashLedger()
+        self._blamed_in_episode: set[str] = set()  # requests blamed for a death since the last world was formed
         self._step_faults: dict[str, str] = {}  # test hook: request id -> fault kind, armed on every instance
         self.counters = ClusterCounters()  # migrations and recovery events (``stats()`` reports them)
         self._migration_started: dict[str, float] = {}

@@ -261,9 +261,9 @@ class ControllerActor:
 
         relay.add_done_callback(done)
 
-    def sweep_orphans(self, max_age_s: float = ORPHAN_TIMEOUT_S) -> int:
+    def sweep_orphans(self, max_age_s: float = ORPHAN_TIMEOUT_S) -> list[str]:
         """Drop the outboxes whose stream is not open and has not been read for ``max_age_s``, aborting
-        their requests; how many were dropped."""
+        their requests; the proxy ids dropped."""
         now = time.monotonic()
         orphans = [pid for pid, box in self._outboxes.items() if not box.reading and now - box.last_read >= max_age_s]
         for proxy_id in orphans:
@@ -271,7 +271,7 @@ class ControllerActor:
             log.warning("dropping the outbox of proxy %s, unread for %.0f s (%d requests aborted)", proxy_id, now - box.last_read, len(box.relays))
             for relay in list(box.relays.values()):
                 relay.cancel()  # closes the Controller's stream, which aborts the request
-        return len(orphans)
+        return orphans
 
     async def _sweep_orphans_periodically(self) -> None:
         while True:

@@ -5,7 +5,8 @@ are re-run (prompt + tokens so far) on a surviving entry instance — or, when n
 until the replacement is up (``admission_driver``: a re-run never queues for admission again) —
 and the controller restarts it in its placement group (up to ``max_instance_restarts`` times). A
 death is blamed on the requests it was computing (``cluster.recovery``, the policy): one blamed
-twice is poison and fails instead. The replacement must join the torch.distributed world, which
+twice is poison and fails instead (at most once per fault episode: deaths noticed before the world
+is formed anew). The replacement must join the torch.distributed world, which
 cannot grow a member back, so the world is formed anew: every instance pauses between steps,
 cancels its KV transfers in flight (those requests are prefilled again) and rebuilds its process
 groups, keeping its model and KV cache; then all resume.
@@ -47,6 +48,7 @@ class InstanceRecovery:
     _queues: dict[str, asyncio.Queue[RequestOutput | BaseException]]
     _pending: MigrationQueue[tuple[DeployedInstance, str]]
     _crashes: CrashLedger
+    _blamed_in_episode: set[str]
     _closed: bool
     _running: asyncio.Event
     _steps_in_flight: int
@@ -76,13 +78,20 @@ class InstanceRecovery:
         blamed a second time is poison and fails instead of being re-run, and the restarts its
         deaths caused are not charged to ``max_instance_restarts``.
         """
+        if not any(i.restarting and not i.alive for i in self.instances):
+            self._blamed_in_episode.clear()  # the first death of a fault episode
         inst.alive = False
         lost = [sid for sid, owner in self._owner.items() if owner is inst]
         lost += [sid for sid, src in self._source.items() if src is inst and sid not in lost]
         failure = getattr(exc, "cause", None) or exc  # a RayTaskError carries what the step raised
         blamed = suspects_of(failure, lost, inst.solo_pending)
         inst.solo_pending.clear()
-        suspects = [seq for sid in blamed if (seq := self._seqs.get(sid)) is not None and not seq.is_finished]
+        # One fault, one blame: the deaths noticed until the world is formed anew (steps are paused from
+        # the first one's restart until then) are one episode, so a request held by both ends of its
+        # migration, or computing on an instance whose peer was killed, is not blamed twice for it.
+        suspects = [seq for sid in blamed if (seq := self._seqs.get(sid)) is not None and not seq.is_finished
+                    and sid not in self._blamed_in_episode]
+        self._blamed_in_episode.update(seq.seq_id for seq in suspects)
         convicted = blame(suspects)
         for instance_id in self._crashes.record(inst.spec.instance_id, suspects, convicted, set(self._seqs)):
             refunded = next(i for i in self.instances if i.spec.instance_id == instance_id)

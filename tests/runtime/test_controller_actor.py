@@ -249,9 +249,9 @@ def test_an_outbox_nobody_reads_is_dropped_and_its_requests_aborted(llm: DisaggL
     ray.get(actor.submit.remote("gone-proxy", llm.controller.encode_prompt(PROMPTS[0]), LONG, "orphan"))
     assert ray.get(actor.num_outboxes.remote()) == before + 1
     assert wait_until(lambda: any(i["kv_cache_usage_perc"] > 0 for i in llm.stats()["instances"]), timeout_s=20)
-    assert ray.get(actor.sweep_orphans.remote(3600.0)) == 0  # read recently enough: kept
-    assert ray.get(actor.sweep_orphans.remote(0.0)) == 1
-    assert ray.get(actor.num_outboxes.remote()) == before
+    assert "gone-proxy" not in ray.get(actor.sweep_orphans.remote(3600.0))  # read recently enough: kept
+    assert "gone-proxy" in ray.get(actor.sweep_orphans.remote(0.0))  # (with any earlier test's idle outbox)
+    assert ray.get(actor.num_outboxes.remote()) <= before
     assert wait_until(lambda: all_freed(llm), timeout_s=20)
 
 
