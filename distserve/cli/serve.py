@@ -211,7 +211,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         ready = f"{ray_layout(app.deployment.placement)}, Ray Serve"
         run_ray_serve(app, args.host, args.port, on_ready=lambda url: _print_ready(url, served, ready))
         return 0
-    from distserve.serving.api import open_listen_socket, run_server
+    from distserve.serving.server import open_listen_socket, run_server
     from distserve.serving.request_log import RequestLog
 
     request_log = RequestLog(args.request_log) if args.request_log is not None else None  # before the model loads: a bad path fails at once

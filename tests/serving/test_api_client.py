@@ -141,7 +141,7 @@ def test_engine_crash_over_http(tiny: LoadedModel) -> None:
 def test_server_exits_1_when_the_engine_dies(tiny: LoadedModel) -> None:
     """A dead engine stops ``run_server`` with status 1 (so a supervisor restarts the process),
     instead of a server that answers 503 forever; a poison request alone does not kill it."""
-    from distserve.serving.api import open_listen_socket, run_server
+    from distserve.serving.server import open_listen_socket, run_server
 
     engine = LLMEngine(tiny, cache_config=CACHE)
     engine.runner.inject_step_fault("poison")
