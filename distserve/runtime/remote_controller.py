@@ -1,8 +1,8 @@
 """``RemoteController``: the callers' handle on a ``ControllerActor`` (the ``Controller``'s async interface over actor calls).
 
 It tokenizes and validates locally (no actor hop), submits with plain actor calls, reads all its
-requests' outputs from the actor's one stream on a reader thread and hands each request its own,
-unwraps errors to their own types and turns a dead controller into a ``ServiceUnavailableError``.
+requests' outputs from the actor's one stream (``output_streams.OutputStreams``) and hands each request
+its own, unwraps errors to their own types and turns a dead controller into a ``ServiceUnavailableError``.
 
 When the controller actor dies (a crash, an OOM kill), the handle deploys a new one (up to
 ``DeploymentConfig.max_controller_restarts`` times) and submits its open requests again: each re-run
@@ -18,12 +18,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Sequence as Seq
 from contextlib import aclosing, suppress
-from typing import Any, NoReturn
+from typing import Any
 
 from distserve.cluster.admission import check_timeout
 from distserve.cluster.classes import RequestClass, check_request_class
@@ -35,16 +34,13 @@ from distserve.engine.sequence import Sequence
 from distserve.engine.weights import load_model
 from distserve.errors import DistServeError, ServiceUnavailableError
 from distserve.runtime.config import DeploymentConfig
-from distserve.runtime.controller_actor import CONTROL_CONCURRENCY, CONTROLLER_CPUS, SHUTDOWN_TIMEOUT_S, ControllerActor, StreamItem
+from distserve.runtime.controller_actor import CONTROL_CONCURRENCY, CONTROLLER_CPUS, SHUTDOWN_TIMEOUT_S, ControllerActor
+from distserve.runtime.output_streams import ControllerDiedError, OutputStreams, call as _call, reraise as _reraise
 from distserve.runtime.rerun import StreamedSoFar
 
 log = logging.getLogger(__name__)
 
 SHARED_NAMESPACE = "distserve"  # the Ray namespace of shared (named) controllers
-
-
-class ControllerDiedError(ServiceUnavailableError):
-    """The controller actor a call went to died (the handle redeploys it, ``RemoteController._recover``)."""
 
 
 class _Tokenizer(RequestFrontend):
@@ -76,14 +72,8 @@ class RemoteController:
         self.max_model_len = self._frontend.max_model_len
         self.num_blocks = self._frontend.num_blocks
         self._placement_groups: list[Any] = []  # known once started: removed at shutdown whatever became of the actor
-        # Open requests -> (the output stream they were submitted to, their outputs).
-        self._requests: dict[str, tuple[str, asyncio.Queue[StreamItem]]] = {}
-        self._proxy_id = ""  # names the current output stream to the actor; new for each stream opened
-        self._proxy_ids: list[str] = []  # every stream opened, ended when this handle detaches from a shared controller
-        self._reader: threading.Thread | None = None  # reads the current output stream
-        self._reader_loop: asyncio.AbstractEventLoop | None = None  # where it hands the outputs
-        self._reader_actor: Any = None  # the actor whose stream it reads
         self._shutting_down = False
+        self._streams = OutputStreams(self._recover_soon, lambda: self._shutting_down)  # the open requests' outputs
         self._actor_died = False  # dead for good: not redeployed (again)
         self._recovery: asyncio.Future[None] | None = None  # redeploying the controller after its actor died
         self.num_controller_restarts = 0
@@ -142,7 +132,7 @@ class RemoteController:
         self._frontend.check_request(ids, sampling, priority)  # refused here, without a trip to the actor
         request_class = check_request_class(request_class)
         timeout_s = check_timeout(timeout_s)
-        if request_id in self._requests:
+        if request_id in self._streams:
             raise DistServeError(f"request id {request_id!r} is already in flight")
         so_far = StreamedSoFar()
         while True:
@@ -174,10 +164,8 @@ class RemoteController:
         request_class: RequestClass | None, timeout_s: float | None,
     ) -> AsyncIterator[RequestOutput]:
         """One submission of the request to ``actor``, streamed; ``ControllerDiedError`` if the actor dies."""
-        proxy_id = self._open_stream(actor)
-        queue: asyncio.Queue[StreamItem] = asyncio.Queue()
-        entry = (proxy_id, queue)
-        self._requests[request_id] = entry  # before submitting: its first output may beat the reply
+        entry = self._streams.open(actor, request_id)  # before submitting: its first output may beat the reply
+        proxy_id, queue = entry
         over = False  # the actor's side of the request has ended: nothing to abort
         try:
             try:
@@ -198,73 +186,9 @@ class RemoteController:
                 if over:
                     return
         finally:
-            if self._requests.get(request_id) is entry:
-                del self._requests[request_id]
+            self._streams.close(request_id, entry)
             if not over:
                 actor.abort.remote(request_id)  # not awaited: this may run in a cancelled task
-
-    def _open_stream(self, actor: Any) -> str:
-        """The id of ``actor``'s output stream read for this event loop, opened (with its reader thread) if need be."""
-        loop = asyncio.get_running_loop()
-        if self._reader is None or not self._reader.is_alive() or self._reader_loop is not loop or self._reader_actor is not actor:
-            self._proxy_id = uuid.uuid4().hex
-            self._proxy_ids.append(self._proxy_id)
-            self._reader_loop = loop
-            self._reader_actor = actor
-            self._reader = threading.Thread(target=self._read, args=(actor, self._proxy_id, loop), name="distserve-outputs", daemon=True)
-            self._reader.start()
-        return self._proxy_id
-
-    def _read(self, actor: Any, proxy_id: str, loop: asyncio.AbstractEventLoop) -> None:
-        """The reader thread: hand each batch of the stream to the event loop, then how the stream ended.
-
-        A thread blocked on the stream costs half the CPU per item of an ``async for`` over it.
-        """
-        import ray
-
-        failure: BaseException = RuntimeError("the controller closed the output stream")
-        try:
-            for ref in actor.outputs.remote(proxy_id):
-                loop.call_soon_threadsafe(self._dispatch, proxy_id, ray.get(ref))
-        except BaseException as exc:  # noqa: BLE001 - every open request gets it
-            failure = exc
-        try:
-            loop.call_soon_threadsafe(self._stream_ended, actor, proxy_id, failure)
-        except RuntimeError:  # the event loop is closed: nothing waits on it
-            pass
-
-    def _dispatch(self, proxy_id: str, batch: list[tuple[str, StreamItem]]) -> None:
-        for request_id, item in batch:
-            entry = self._requests.get(request_id)
-            if entry is not None and entry[0] == proxy_id:  # else it was closed early or is over
-                entry[1].put_nowait(item)
-
-    def _stream_ended(self, actor: Any, proxy_id: str, failure: BaseException) -> None:
-        import ray
-
-        if proxy_id == self._proxy_id:
-            self._reader = None  # the next request opens a new stream
-        for stream_id, queue in self._requests.values():
-            if stream_id == proxy_id:
-                queue.put_nowait(self._stream_error(failure))
-        if isinstance(failure, ray.exceptions.RayActorError) and not self._shutting_down:
-            self._recover_soon(actor)  # even with no request left waiting for it
-
-    def _stream_error(self, exc: BaseException) -> BaseException:
-        """What a request open when the output stream failed with ``exc`` raises."""
-        import ray
-
-        if isinstance(exc, ray.exceptions.RayTaskError) and isinstance(exc.cause, Exception):
-            return exc.cause  # type: ignore[no-any-return]
-        err: Exception
-        if self._shutting_down:
-            err = ServiceUnavailableError("the controller was shut down")
-        elif isinstance(exc, ray.exceptions.RayActorError):
-            err = ControllerDiedError(f"the controller actor died: {exc}")
-        else:
-            err = ServiceUnavailableError(f"the controller's output stream failed: {exc!r}")
-        err.__cause__ = exc
-        return err
 
     async def abort(self, request_id: str) -> None:
         await _call(self.actor.abort.remote(request_id))
@@ -378,9 +302,7 @@ class RemoteController:
         if self._recovery is not None and not self._recovery.done():
             await asyncio.gather(self._recovery, return_exceptions=True)  # then tear down what it deployed
         if self.shared_name is not None and not await self._detach_was_last():
-            deadline = time.monotonic() + SHUTDOWN_TIMEOUT_S
-            while self._reader is not None and self._reader.is_alive() and time.monotonic() < deadline:
-                await asyncio.sleep(0.01)  # the actor ends its stream
+            await self._streams.wait_reader_done(time.monotonic() + SHUTDOWN_TIMEOUT_S)  # the actor ends its stream
             return
         try:
             self._placement_groups = await asyncio.wait_for(_call(self.actor.placement_groups.remote()), SHUTDOWN_TIMEOUT_S)
@@ -391,9 +313,7 @@ class RemoteController:
             ray.kill(self.actor, no_restart=True)
             deadline = time.monotonic() + SHUTDOWN_TIMEOUT_S
             await _wait_dead(self.actor, deadline)  # ray.kill returns before the actor is gone
-            reader = self._reader
-            while reader is not None and reader.is_alive() and time.monotonic() < deadline:
-                await asyncio.sleep(0.01)  # its stream fails with the actor
+            await self._streams.wait_reader_done(deadline)  # its stream fails with the actor
             # Placement groups outlive the actor that created them until the job ends: remove them
             # here too, for a controller that died or could not shut down.
             for group in self._placement_groups:
@@ -402,11 +322,10 @@ class RemoteController:
                 except Exception:  # noqa: BLE001 - already removed
                     pass
 
-
     async def _detach_was_last(self) -> bool:
         """Detach from the shared controller: True if no holder is left (or its actor is gone), so this one tears it down."""
         try:
-            return bool(await asyncio.wait_for(_call(self.actor.detach.remote(self._holder_id, self._proxy_ids)), SHUTDOWN_TIMEOUT_S))
+            return bool(await asyncio.wait_for(_call(self.actor.detach.remote(self._holder_id, self._streams.proxy_ids)), SHUTDOWN_TIMEOUT_S))
         except ServiceUnavailableError:
             return True  # its actor died: what is left to remove is its placement groups
         except Exception as exc:  # noqa: BLE001 - leave a deployment others may use standing
@@ -436,24 +355,3 @@ async def _wait_dead(actor: Any, deadline: float) -> None:
         except (asyncio.TimeoutError, ray.exceptions.RayError):
             pass
         await asyncio.sleep(0.02)
-
-
-async def _call(ref: Any) -> Any:
-    """Await an actor call, raising the controller's own exception types."""
-    import ray
-
-    try:
-        return await ref
-    except ray.exceptions.RayError as exc:
-        _reraise(exc)
-
-
-def _reraise(exc: BaseException) -> NoReturn:
-    """Raise what the controller raised (a ``ServiceUnavailableError`` if its actor died), chained to ``exc``."""
-    import ray
-
-    if isinstance(exc, ray.exceptions.RayTaskError) and isinstance(exc.cause, Exception):
-        raise exc.cause from exc
-    if isinstance(exc, ray.exceptions.RayActorError):
-        raise ControllerDiedError(f"the controller actor died: {exc}") from exc
-    raise exc

@@ -14,6 +14,7 @@ name and all of its arguments in one delta, which OpenAI's clients accumulate li
 
 from __future__ import annotations
 
+import abc
 import json
 import re
 import uuid
@@ -33,13 +34,14 @@ class ExtractedToolCalls:
     tool_calls: list[ParsedToolCall]
 
 
-class ToolParser:
+class ToolParser(abc.ABC):
     """Finds tool calls in a completion's text. A subclass names the tag that opens a call (``start``)."""
 
     start = ""
 
+    @abc.abstractmethod
     def extract(self, text: str) -> ExtractedToolCalls:
-        raise NotImplementedError
+        """The content before the first call and every call in ``text``; no calls if any is malformed."""
 
 
 class HermesToolParser(ToolParser):
