@@ -146,6 +146,10 @@ def _add_admission_args(p: argparse.ArgumentParser, tpot_flag: str) -> None:
     p.add_argument("--no-backpressure", action="store_true", help="dispatch every request on arrival (no admission queueing)")
     p.add_argument("--tpot-backpressure", action="store_true",
                    help=f"backpressure also holds requests while the measured decode TPOT exceeds {tpot_flag}")
+    p.add_argument("--max-queue-delay", type=latency_type("--max-queue-delay"), default=None, metavar="LATENCY",
+                   help="refuse at once (429 with Retry-After) a request whose predicted wait in the admission queue (the requests "
+                   f"ahead of it, at the rate the queue drains while backlogged) exceeds LATENCY ({LATENCY_HELP}); typically the "
+                   "TTFT SLO, so that under overload the admitted requests still meet it (default: no bound)")
 
 
 def admission_config_of(args: argparse.Namespace, tpot_slo_s: float | None, tenants: tuple["TenantSpec", ...] = ()) -> "AdmissionConfig":
@@ -157,7 +161,8 @@ def admission_config_of(args: argparse.Namespace, tpot_slo_s: float | None, tena
         raise InvalidConfigError("--tpot-backpressure needs a TPOT SLO (--tpot-slo, or a placement that carries one)")
     return AdmissionConfig(
         args.admission_policy, tenants, max_waiting=None if args.no_backpressure else args.max_waiting,
-        tpot_slo_s=tpot_slo_s if args.tpot_backpressure and not args.no_backpressure else None, waiting_unit=args.waiting_unit)
+        tpot_slo_s=tpot_slo_s if args.tpot_backpressure and not args.no_backpressure else None, waiting_unit=args.waiting_unit,
+        max_queue_delay_s=args.max_queue_delay)
 
 
 def _add_colocated_policy_arg(p: argparse.ArgumentParser) -> None:

@@ -6,9 +6,12 @@ one ``AdmissionQueue`` and drives it with plain calls and its own clock (``now``
 
 * ``push(item, now)`` on arrival: refused with ``QueueFullError`` (HTTP 429) when the tenant's
   queue (``TenantSpec.max_queued_requests``) or the whole queue (``max_queued_requests``) is at its
-  bound — ``retry_after_s`` is the time one slot takes to drain at the measured dispatch rate — or
-  when the tenant's tokens per minute (``TenantSpec.tokens_per_minute``, a token bucket charged
-  prompt + max output tokens) are spent: ``retry_after_s`` is the time until they refill.
+  bound — ``retry_after_s`` is the time one slot takes to drain at the measured dispatch rate —,
+  when the wait it would have (the requests queued ahead of it at the rate the queue drains while
+  it is backlogged, ``BacklogRate``) exceeds ``max_queue_delay_s`` — a request that cannot meet its
+  TTFT SLO is refused at once, and the ones admitted keep meeting it under overload —, or when the
+  tenant's tokens per minute (``TenantSpec.tokens_per_minute``, a token bucket charged prompt + max
+  output tokens) are spent: ``retry_after_s`` is the time until they refill.
 * ``expire(now)``: removes the items past their deadline (``timeout``); the driver fails them with
   ``timeout_error`` (a ``RequestTimeoutError``, HTTP 408).
 * ``dispatch(now, instances, load, place)``: releases items in the policy's order
@@ -31,6 +34,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
+from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
@@ -48,6 +52,7 @@ TIMED_OUT = "timeout"  # ``RequestOutput.error_kind`` of a request failed by ``t
 DEFAULT_RETRY_AFTER_S = 1.0  # before any dispatch rate is measured
 MIN_RETRY_AFTER_S, MAX_RETRY_AFTER_S = 0.05, 60.0
 RATE_SMOOTHING = 0.2  # EWMA weight of the newest gap between dispatches
+BACKLOG_WINDOW = 64  # dispatches whose gaps measure the backlogged drain rate
 
 T = TypeVar("T")
 
@@ -79,6 +84,14 @@ class AdmissionItem:
         return self.request_class.tenant
 
 
+def _check_delay(max_queue_delay_s: object) -> float | None:
+    if max_queue_delay_s is not None and (isinstance(max_queue_delay_s, bool) or not isinstance(max_queue_delay_s, (int, float))
+                                          or not (max_queue_delay_s > 0 and math.isfinite(max_queue_delay_s))):
+        raise InvalidConfigError(f"max_queue_delay_s must be null or a positive number of seconds, got {max_queue_delay_s!r:.80}",
+                                 "max_queue_delay_s")
+    return None if max_queue_delay_s is None else float(max_queue_delay_s)
+
+
 def _check_bound(max_queued_requests: object) -> int | None:
     if max_queued_requests is not None and not (
             isinstance(max_queued_requests, int) and not isinstance(max_queued_requests, bool) and max_queued_requests >= 1):
@@ -97,7 +110,8 @@ class AdmissionConfig:
     or ``max_waiting`` requests waiting (``requests``; ``max_waiting`` None: dispatch every request
     at once under either) or, with ``tpot_slo_s``, while decoding is slower than it; ``quantum`` the
     tokens a weight-1 tenant sends per round under ``fair``; ``max_queued_requests`` bounds the whole
-    queue (None: only the tenants' bounds and the server's in-flight bound apply).
+    queue (None: only the tenants' bounds and the server's in-flight bound apply);
+    ``max_queue_delay_s`` bounds the predicted wait in it (None: unbounded; typically the TTFT SLO).
     """
 
     policy: str = DEFAULT_ADMISSION_POLICY
@@ -107,6 +121,7 @@ class AdmissionConfig:
     quantum: int = DEFAULT_QUANTUM_TOKENS
     max_queued_requests: int | None = None
     waiting_unit: str = DEFAULT_WAITING_UNIT
+    max_queue_delay_s: float | None = None
 
     def __post_init__(self) -> None:
         check_admission_policy(self.policy)
@@ -118,6 +133,7 @@ class AdmissionConfig:
             raise InvalidConfigError(f"admission quantum must be an integer >= 1, got {self.quantum!r}", "quantum")
         self.backpressure  # validates max_waiting and tpot_slo_s
         _check_bound(self.max_queued_requests)
+        _check_delay(self.max_queue_delay_s)
 
     @property
     def backpressure(self) -> Backpressure:
@@ -126,7 +142,7 @@ class AdmissionConfig:
     def queue(self) -> AdmissionQueue[Any]:
         """A fresh, empty admission queue with these settings (one per driver, or per run)."""
         return AdmissionQueue(self.policy, {t.name: t for t in self.tenants}, max_queued_requests=self.max_queued_requests,
-                              backpressure=self.backpressure, quantum=self.quantum)
+                              backpressure=self.backpressure, quantum=self.quantum, max_queue_delay_s=self.max_queue_delay_s)
 
 
 class DrainRate:
@@ -155,6 +171,33 @@ class DrainRate:
         rate = self.per_s(now)
         seconds = DEFAULT_RETRY_AFTER_S if rate is None else num_ahead / rate
         return min(MAX_RETRY_AFTER_S, max(MIN_RETRY_AFTER_S, seconds))
+
+
+class BacklogRate:
+    """The time between dispatches while the queue is backlogged: the mean of the last
+    ``BACKLOG_WINDOW`` gaps during which some request waited throughout (a request that found the
+    queue empty ends no gap), so idle periods do not read as a slow drain."""
+
+    def __init__(self) -> None:
+        self._gaps: deque[float] = deque(maxlen=BACKLOG_WINDOW)
+        self._sum = 0.0
+        self._last: float | None = None
+
+    def record(self, now: float, enqueued_at: float) -> None:
+        """A request queued since ``enqueued_at`` was dispatched at ``now``."""
+        if self._last is not None and enqueued_at <= self._last:  # it waited through the whole gap
+            if len(self._gaps) == self._gaps.maxlen:
+                self._sum -= self._gaps[0]
+            gap = max(0.0, now - self._last)
+            self._gaps.append(gap)
+            self._sum += gap
+        self._last = now
+
+    def wait_s(self, num_ahead: int) -> float | None:
+        """The predicted wait behind ``num_ahead`` queued requests (None: nothing measured yet)."""
+        if not self._gaps:
+            return None
+        return num_ahead * max(0.0, self._sum) / len(self._gaps)
 
 
 class TokenBucket:
@@ -205,6 +248,7 @@ class AdmissionQueue(Generic[T]):
         policy: ``fair`` (default), ``fcfs`` or ``priority`` (``fair_queue.ADMISSION_POLICIES``).
         tenants: the configured tenants by name; others get ``TenantSpec(name)`` (weight 1, no limits).
         max_queued_requests: bound of the whole queue (None: unbounded).
+        max_queue_delay_s: bound of a request's predicted wait in the queue (None: unbounded).
         backpressure: when an entry instance takes a request (``NO_BACKPRESSURE``: always).
         quantum: tokens a weight-1 tenant may send per round under ``fair``.
     """
@@ -217,6 +261,7 @@ class AdmissionQueue(Generic[T]):
         max_queued_requests: int | None = None,
         backpressure: Backpressure = Backpressure(),
         quantum: int = DEFAULT_QUANTUM_TOKENS,
+        max_queue_delay_s: float | None = None,
     ) -> None:
         self.policy_name = check_admission_policy(policy)
         self.tenants: dict[str, TenantSpec] = dict(tenants or {})
@@ -225,6 +270,8 @@ class AdmissionQueue(Generic[T]):
             if not isinstance(spec, TenantSpec) or spec.name != name:
                 raise InvalidConfigError(f"tenants must map each name to its TenantSpec, got {name!r}: {spec!r:.80}", "tenants")
         self.max_queued_requests = _check_bound(max_queued_requests)
+        self.max_queue_delay_s = _check_delay(max_queue_delay_s)
+        self.backlog = BacklogRate()
         self.backpressure = backpressure
         self.policy = ADMISSION_POLICIES[policy](self.weight_of, quantum)
         self.counters: dict[str, TenantCounters] = {}
@@ -281,6 +328,14 @@ class AdmissionQueue(Generic[T]):
             c.num_rejected_full += 1
             raise QueueFullError(
                 f"the admission queue holds {len(self._items)} requests, its limit", None, self.drain.retry_after_s(now))
+        if self.max_queue_delay_s is not None:
+            wait = self.backlog.wait_s(len(self._items))
+            if wait is not None and wait > self.max_queue_delay_s:
+                c.num_rejected_full += 1
+                raise QueueFullError(
+                    f"the admission queue holds {len(self._items)} requests, a predicted wait of {wait:.2f} s, over its "
+                    f"limit of {self.max_queue_delay_s:g} s", None,
+                    min(MAX_RETRY_AFTER_S, max(MIN_RETRY_AFTER_S, wait - self.max_queue_delay_s)))
         bucket = self._bucket(spec, now)
         if bucket is not None:
             wait = bucket.wait_s(item.cost, now)
@@ -371,6 +426,7 @@ class AdmissionQueue(Generic[T]):
             c.wait_s_total += item.wait_s
             c.drain.record(now)
             self.drain.record(now)
+            self.backlog.record(now, item.enqueued_at)
             out.append((item, chosen))
         return out
 
@@ -418,6 +474,6 @@ def check_timeout(value: object) -> float | None:
 
 
 __all__ = [
-    "AT_ONCE", "TIMED_OUT", "AdmissionConfig", "AdmissionItem", "AdmissionQueue", "Backpressure", "DEFAULT_MAX_WAITING", "DrainRate", "EntryLoad", "NO_BACKPRESSURE", "TOKENS", "REQUESTS", "WAITING_UNITS", "entry_load",
+    "AT_ONCE", "TIMED_OUT", "AdmissionConfig", "AdmissionItem", "AdmissionQueue", "BacklogRate", "Backpressure", "DEFAULT_MAX_WAITING", "DrainRate", "EntryLoad", "NO_BACKPRESSURE", "TOKENS", "REQUESTS", "WAITING_UNITS", "entry_load",
     "TenantCounters", "TokenBucket", "check_timeout", "measured_tpot_s", "timeout_error",
 ]

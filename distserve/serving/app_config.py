@@ -83,6 +83,7 @@ class ServeAppConfig(BaseModel):
     max_waiting: PositiveInt = DEFAULT_MAX_WAITING
     no_backpressure: bool = False
     tpot_backpressure: bool = False
+    max_queue_delay: float | None = None  # seconds, or a latency such as "2s"
     prefill_chunk: PositiveInt | None = None
     no_layer_preemption: bool = False
     session_ttl: PositiveFloat = DEFAULT_LIMITS.ttl_s
@@ -110,7 +111,7 @@ class ServeAppConfig(BaseModel):
         default=None, description=f"requests one replica takes at once; default max_queued_requests + {MAX_ONGOING_HEADROOM}")
     replica_cpus: float = Field(default=REPLICA_CPUS, gt=0)
 
-    @field_validator("ttft_slo", "tpot_slo", mode="before")
+    @field_validator("ttft_slo", "tpot_slo", "max_queue_delay", mode="before")
     @classmethod
     def _latency(cls, value: Any, info: ValidationInfo) -> Any:
         if isinstance(value, str):
@@ -120,7 +121,7 @@ class ServeAppConfig(BaseModel):
                 raise ValueError(str(exc).removeprefix(f"{info.field_name} ")) from None
         return value
 
-    @field_validator("ttft_slo", "tpot_slo")
+    @field_validator("ttft_slo", "tpot_slo", "max_queue_delay")
     @classmethod
     def _positive_latency(cls, value: float | None) -> float | None:
         if value is not None and not value > 0:

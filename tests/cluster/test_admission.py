@@ -190,6 +190,34 @@ def test_bounds_raise_queue_full_with_retry_after_from_the_drain_rate() -> None:
     assert q.counters["small"].num_rejected_full == 1 and q.counters["other"].num_rejected_full == 1
 
 
+def test_max_queue_delay_refuses_what_would_wait_too_long_at_the_backlogged_rate() -> None:
+    """A backlogged queue draining one request per 0.5 s with a 2 s bound takes a request with 4 ahead
+    of it and refuses one with 5 ahead, with Retry-After = its predicted wait beyond the bound. Idle
+    time does not read as a slow drain: a request that found the queue empty ends no gap."""
+    q = AdmissionQueue("fcfs", max_queue_delay_s=2.0, backpressure=Backpressure(max_waiting=1, waiting_unit="requests"))
+    f = Feeder(q)
+
+    def step(now: float) -> int:  # an instance with nothing waiting takes one request
+        return len(q.dispatch(now, ["i0"], lambda inst: EntryLoad(0), lambda item, ok: ok[0]))
+
+    assert q.backlog.wait_s(10) is None
+    f.push(k=8, now=0.0)  # nothing measured yet: admitted whatever the length
+    assert [step(0.5 * k) for k in range(1, 8)] == [1] * 7
+    assert q.backlog.wait_s(4) == pytest.approx(2.0) and len(q) == 1
+    f.push(k=4, now=3.5)  # 1 to 4 ahead: predicted 0.5 to 2.0 s, within the bound
+    with pytest.raises(QueueFullError, match="predicted wait of 2.50 s, over its limit of 2 s") as info:
+        f.push(now=3.5)
+    assert info.value.retry_after_s == pytest.approx(0.5)
+    assert q.counters["anonymous"].num_rejected_full == 1
+    assert [step(3.5 + 0.5 * k) for k in range(1, 6)] == [1] * 5 and len(q) == 0
+    f.push(now=64.0)  # after a minute idle
+    assert step(65.0) == 1
+    assert q.backlog.wait_s(4) == pytest.approx(2.0)  # the idle minute is not a gap
+    with pytest.raises(InvalidConfigError, match="max_queue_delay_s"):
+        AdmissionConfig(max_queue_delay_s=0)
+    assert AdmissionConfig(max_queue_delay_s=1.5).queue().max_queue_delay_s == 1.5
+
+
 def test_a_stalled_queue_drains_slowly() -> None:
     rate = DrainRate()
     for t in (0.0, 0.1, 0.2):
