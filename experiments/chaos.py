@@ -2,7 +2,7 @@
 1 decode with TP=2, or PP=2 for a model whose heads do not split in two; a KV cache smaller than the load) driven by streaming clients, with a ledger of every
 request (``chaos_client.py``: how each ended, and whether its text equals its greedy reference).
 
-Rows, each on the same server, in order:
+Rows, in order (``--rows`` picks some; the fault-free wave always runs first):
 - fault-free: a wave of requests in flight (chat, completions, a two-call dataflow program every tenth);
 - the same wave with a fault injected once a quarter of it streams: SIGKILL of the decode instance's
   second rank (a worker actor), of the prefill instance actor, of both at once, of the controller
@@ -12,7 +12,10 @@ Rows, each on the same server, in order:
   larger than the whole cache (400 at admission);
 - disconnect storm: clients dropping their connection after the first streamed chunk;
 - overload: Poisson arrivals at 10x the planned goodput (planned goodput: the fault-free wave's measured
-  throughput, i.e. the measured knee at that concurrency); then back to normal latency;
+  throughput, i.e. the measured knee at that concurrency); then back to normal latency. The SLO is twice
+  the fault-free wave's p90 TTFT and TPOT; the server is restarted before this row configured for it
+  (``slo_flags``: ``--max-queue-delay`` half the TTFT SLO, ``--tpot-backpressure`` at half the TPOT SLO),
+  as an operator deploys for an SLO, and every later row runs on that server;
 - soak at 70% of the planned goodput: RSS of every server process after warm-up vs at the end;
 - graceful shutdown: SIGTERM with a wave in flight.
 After every row the server must go idle with every KV block free, and new requests must succeed.
@@ -42,6 +45,7 @@ import httpx
 
 from distserve.measure.benchserve import ServerProcess, distserve_serve_argv, metric_sums, session_pids
 
+ROWS = ("faults", "kv", "storm", "overload", "soak", "shutdown")
 FAULTS = ("decode-worker", "prefill-instance", "both", "controller", "stall-sender", "stall-receiver")
 GAUGE = re.compile(r'^distserve:(\w+)\{([^}]*)\}\s+(\S+)$', re.MULTILINE)
 IDLE_TIMEOUT_S = 90.0
@@ -62,12 +66,17 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--deadline", type=float, default=600.0, help="seconds after which a request counts as hung")
     ap.add_argument("--startup-timeout", type=float, default=600.0)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--rows", default=",".join(ROWS), help=f"comma-separated, of {','.join(ROWS)} (default: all; fault-free always runs: "
+                    "it measures the planned goodput and the SLO)")
     args = ap.parse_args()
     if args.quick:
         args.model, args.in_flight, args.max_tokens, args.cache_tokens = "tiny", 24, 12, 768
         args.storm, args.overload_s, args.soak_s, args.deadline = 30, 3.0, 10.0, 150.0
         args.faults = args.faults or "decode-worker,controller"
     args.faults = [f for f in (args.faults or ",".join(FAULTS)).split(",") if f]
+    args.rows = [r for r in args.rows.split(",") if r]
+    if set(args.rows) - set(ROWS):
+        ap.error(f"--rows: unknown {sorted(set(args.rows) - set(ROWS))}; choose from {','.join(ROWS)}")
     bad = set(args.faults) - set(FAULTS)
     if bad:
         ap.error(f"--faults: unknown {sorted(bad)}; choose from {','.join(FAULTS)}")
@@ -77,13 +86,16 @@ def parse_args() -> argparse.Namespace:
 class Run:
     """The server under test, the ledger and the figures measured so far."""
 
-    def __init__(self, args: argparse.Namespace, server: ServerProcess, client: httpx.AsyncClient) -> None:
-        self.args, self.server, self.client = args, server, client
+    def __init__(self, args: argparse.Namespace, servers: list[ServerProcess], client: httpx.AsyncClient) -> None:
+        self.args, self.server, self.client = args, servers[-1], client
+        self.servers = servers  # every server started (the last one is running)
+        server = self.server
         self.root = server.base_url.removesuffix("/v1")
         self.ledger = cc.Ledger()
         self.refs: dict[str, str] = {}
         self.rows: list[dict[str, Any]] = []
         self.figures: dict[str, Any] = {}
+        self._names: dict[int, str] = {}
 
     # ---- the server's state ----------------------------------------------------------------------
     def actor_pids(self) -> dict[str, int]:
@@ -140,19 +152,44 @@ class Run:
         return sum(round(usage.get(e, 1.0) * n) for e, n in blocks.items())
 
     def rss_by_process(self) -> dict[str, int]:
-        """RSS (kB) of every process of the server, named by command line and pid."""
+        """RSS (kB) of every process of the server, by ``process_name`` (a Ray worker's title changes with
+        its task, so the name is read once per pid)."""
         assert self.server.sid is not None
         out = {}
         for pid in session_pids(self.server.sid):
             try:
                 status = open(f"/proc/{pid}/status").read()
-                cmd = open(f"/proc/{pid}/cmdline").read().replace("\0", " ").strip()[:60]
             except OSError:
                 continue
             match = re.search(r"VmRSS:\s+(\d+)", status)
             if match:
-                out[f"{pid} {cmd}"] = int(match.group(1))
+                out[self.process_name(pid)] = int(match.group(1))
         return out
+
+    def process_name(self, pid: int) -> str:
+        """``pid`` and what runs there: the actor's name for a Ray actor, else the program (``gcs_server``, ``raylet``...)."""
+        if pid not in self._names:
+            actors = {p: n for n, p in self.actor_pids().items()}
+            try:
+                argv = open(f"/proc/{pid}/cmdline").read().split("\0")
+            except OSError:
+                argv = ["?"]
+            program = os.path.basename(argv[0]) or "?"
+            if program.startswith("python"):
+                module = next((a for a in argv[1:] if not a.startswith("-")), "")
+                program = f"python {os.path.basename(module)}"
+            self._names[pid] = f"{pid} {actors.get(pid, program.split()[0] if program.startswith('ray::') else program)}"
+        return self._names[pid]
+
+    async def restart(self, extra_flags: list[str]) -> None:
+        """Stop the server (every process must exit) and start it again with ``extra_flags`` added."""
+        stop = await asyncio.to_thread(self.server.stop)
+        self.figures.setdefault("restarts", []).append({"processes_left": stop["num_left"], "flags": extra_flags})
+        server = ServerProcess(self.server.name, self.server.argv + extra_flags, self.server.startup_timeout_s)
+        self.servers.append(server)
+        await asyncio.to_thread(server.start)
+        print(f"server restarted with {' '.join(extra_flags)} in {server.startup_s:.1f} s", flush=True)
+        self.server, self.root, self._names = server, server.base_url.removesuffix("/v1"), {}
 
     # ---- requests --------------------------------------------------------------------------------
     async def send(self, scenario: str, job: cc.Job, leave_after_first: bool = False) -> cc.Record:
@@ -227,32 +264,53 @@ class Run:
         return inject
 
 
-async def overload_and_soak(run: Run, goodput: float, slo: tuple[float, float]) -> None:
+# A semantic-variable program whose call was refused for overload ends with a 424 naming the refusal (QueueFullError's text).
+REFUSED = ("requests in flight (max", "the admission queue holds")
+
+
+def refused(r: cc.Record) -> bool:
+    """Refused for overload: a 429, or a program whose call got one."""
+    return r.status == 429 or (r.outcome == "error" and any(m in (r.error or "") for m in REFUSED))
+
+
+async def poisson(run: Run, scenario: str, rate: float, duration_s: float, on_tick: Callable[[], None]) -> list[cc.Record]:
+    """Poisson arrivals at ``rate`` for ``duration_s``, sent on schedule (all that are due at once when behind,
+    not paced by sleeps); ``on_tick`` about once a second."""
+    args = run.args
+    rng = random.Random(args.seed)
+    arrivals, t = [], rng.expovariate(rate)
+    while t < duration_s:
+        arrivals.append(t)
+        t += rng.expovariate(rate)
+    jobs = cc.make_jobs(len(arrivals), args.max_tokens, args.seed + 1)
+    tasks, t0, next_tick = [], time.monotonic(), 0.0
+    for at, job in zip(arrivals, jobs):
+        await asyncio.sleep(max(0.0, t0 + at - time.monotonic()))
+        tasks.append(asyncio.ensure_future(run.send(scenario, job)))
+        if at >= next_tick:
+            on_tick()
+            next_tick += 1.0
+    return list(await asyncio.gather(*tasks))
+
+
+def slo_flags(slo: tuple[float, float]) -> list[str]:
+    """The server's configuration for its SLO: the admission queue refuses a request predicted to wait
+    more than half the TTFT SLO (the other half for the prefill and its wait on the instance), and
+    backpressure holds requests while decoding is slower than half the TPOT SLO (headroom for the
+    steps of the requests already admitted)."""
+    return ["--ttft-slo", f"{slo[0]:.3f}", "--tpot-slo", f"{slo[1] / 2:.4f}", "--tpot-backpressure", "--max-queue-delay", f"{slo[0] / 2:.3f}"]
+
+
+async def overload(run: Run, goodput: float, slo: tuple[float, float]) -> None:
+    """Poisson arrivals at 10x the planned goodput: refusals are 429s with Retry-After, admitted requests meet the
+    SLO, memory stays bounded, and latency is back to normal within seconds once the burst has drained."""
     args = run.args
     run.refs.update(await cc.references(run.client, run.root, args.model, args.dtype,
                                         cc.make_jobs(20, args.max_tokens, args.seed + 1), run.ledger))
     idle_ttft = await single_ttft(run)
-
-    async def poisson(scenario: str, rate: float, duration_s: float, on_tick: Callable[[], None]) -> list[cc.Record]:
-        rng = random.Random(args.seed)
-        arrivals, t = [], rng.expovariate(rate)
-        while t < duration_s:
-            arrivals.append(t)
-            t += rng.expovariate(rate)
-        jobs = cc.make_jobs(len(arrivals), args.max_tokens, args.seed + 1)
-        tasks, t0, next_tick = [], time.monotonic(), 0.0
-        for at, job in zip(arrivals, jobs):  # on schedule (all that are due at once when behind), not paced by sleeps
-            await asyncio.sleep(max(0.0, t0 + at - time.monotonic()))
-            tasks.append(asyncio.ensure_future(run.send(scenario, job)))
-            if at >= next_tick:
-                on_tick()
-                next_tick += 1.0
-        return list(await asyncio.gather(*tasks))
-
-    # Overload: 10x the planned goodput.
     rss: list[int] = []
     base_rss = sum(run.rss_by_process().values())
-    burst = await poisson("overload 10x", 10 * goodput, args.overload_s, lambda: rss.append(sum(run.rss_by_process().values())))
+    burst = await poisson(run, "overload 10x", 10 * goodput, args.overload_s, lambda: rss.append(sum(run.rss_by_process().values())))
     drained = time.monotonic()  # the burst's admitted requests have all ended
     last_arrival = max((r.sent_s for r in burst), default=0.0)
     drain_s = max((r.end_s or 0.0 for r in burst), default=0.0) - last_arrival
@@ -263,25 +321,42 @@ async def overload_and_soak(run: Run, goodput: float, slo: tuple[float, float]) 
             back_s = time.monotonic() - drained
             break
         await asyncio.sleep(0.5)
-    admitted = [r for r in burst if r.status == 200]
     rejected = [r for r in burst if r.status == 429]
+    admitted = [r for r in burst if not refused(r)]
     meets = [r for r in admitted if r.outcome == "identical" and r.first_s is not None and r.end_s is not None
              and r.first_s - r.sent_s <= slo[0] and (r.end_s - r.first_s) / max(1, args.max_tokens - 1) <= slo[1]]
+    span = max((r.end_s or 0.0 for r in admitted), default=0.0) - min((r.sent_s for r in admitted), default=0.0)
     leaked = await run.idle_leak()
-    run.row("overload 10x", back_s, leaked, rate_rps=round(10 * goodput, 2), drain_s=round(drain_s, 2), admitted=len(admitted), rejected_429=len(rejected),
+    run.row("overload 10x", back_s, leaked, rate_rps=round(10 * goodput, 2), drain_s=round(drain_s, 2), admitted=len(admitted),
+            admitted_rps=round(len(admitted) / span, 3) if span > 0 else None, rejected_429=len(rejected),
             rejected_with_retry_after=sum(r.retry_after is not None for r in rejected),
+            programs_refused=sum(r.status != 429 and refused(r) for r in burst),
             admitted_slo_attainment=round(len(meets) / len(admitted), 3) if admitted else None,
+            admitted_ttft_p90_s=_p90([r.first_s - r.sent_s for r in admitted if r.first_s is not None]),
+            admitted_tpot_p90_s=_p90([(r.end_s - r.first_s) / max(1, args.max_tokens - 1) for r in admitted
+                                      if r.first_s is not None and r.end_s is not None]),
             rss_mb_before=round(base_rss / 1024), rss_mb_max=round(max(rss, default=base_rss) / 1024), new_requests_ok=await run.new_requests_ok("overload 10x"))
-    # Soak at 70% of the planned goodput: RSS per process after warm-up vs at the end.
+
+
+async def soak(run: Run, goodput: float) -> None:
+    """Poisson arrivals at 70% of the planned goodput for --soak-s: RSS of every process after warm-up (a quarter in)
+    vs at the end."""
+    args = run.args
     samples: list[dict[str, int]] = []
-    await poisson("soak 70%", 0.7 * goodput, args.soak_s, lambda: samples.append(run.rss_by_process()))
+    await poisson(run, "soak 70%", 0.7 * goodput, args.soak_s, lambda: samples.append(run.rss_by_process()))
     warm = samples[len(samples) // 4] if samples else {}
     end = run.rss_by_process()
     growth = {p: (end[p] - warm[p]) / warm[p] for p in warm if p in end and warm[p] > 0}
     worst = max(growth, key=lambda p: growth[p], default=None)
     run.row("soak 70%", None, await run.idle_leak(), rate_rps=round(0.7 * goodput, 2), duration_s=args.soak_s,
             rss_max_growth=round(growth[worst], 4) if worst else None, rss_worst_process=worst,
+            rss_growth_by_process={p: round(g, 4) for p, g in sorted(growth.items(), key=lambda kv: -kv[1])},
+            rss_mb_at_end={p: round(kb / 1024) for p, kb in end.items()},
             new_requests_ok=await run.new_requests_ok("soak 70%"))
+
+
+def _p90(values: list[float]) -> float | None:
+    return round(sorted(values)[int(0.9 * (len(values) - 1))], 3) if values else None
 
 
 async def single_ttft(run: Run) -> float | None:
@@ -333,10 +408,10 @@ async def shutdown(run: Run) -> None:
             new_request_refused=late.outcome == "error" and late.status == 503 and late.retry_after is not None)
 
 
-async def scenarios(args: argparse.Namespace, server: ServerProcess) -> Run:
+async def scenarios(args: argparse.Namespace, servers: list[ServerProcess]) -> Run:
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
     async with httpx.AsyncClient(timeout=httpx.Timeout(args.deadline, connect=30.0), limits=limits, trust_env=False) as client:
-        run = Run(args, server, client)
+        run = Run(args, servers, client)
         jobs = cc.make_jobs(args.in_flight, args.max_tokens, args.seed)
         run.refs = await cc.references(client, run.root, args.model, args.dtype, jobs, run.ledger)
         base = await run.wave("fault-free", jobs)
@@ -346,16 +421,25 @@ async def scenarios(args: argparse.Namespace, server: ServerProcess) -> Run:
                        if r.scenario == "fault-free" and r.first_s is not None and r.end_s is not None)
         slo = (2 * ttfts[int(0.9 * (len(ttfts) - 1))], 2 * tpots[int(0.9 * (len(tpots) - 1))])
         run.figures.update(planned_goodput_rps=round(goodput, 3), slo_ttft_s=round(slo[0], 3), slo_tpot_s=round(slo[1], 4))
-        for kind in args.faults:
-            await run.wave(f"kill {kind}" if not kind.startswith("stall") else f"KV {kind}", jobs, run.fault(kind))
-        await kv_exhaustion(run, args.cache_tokens)
-        await storm(run)
-        await overload_and_soak(run, goodput, slo)
-        await shutdown(run)
+        if "faults" in args.rows:
+            for kind in args.faults:
+                await run.wave(f"kill {kind}" if not kind.startswith("stall") else f"KV {kind}", jobs, run.fault(kind))
+        if "kv" in args.rows:
+            await kv_exhaustion(run, args.cache_tokens)
+        if "storm" in args.rows:
+            await storm(run)
+        if "overload" in args.rows or "soak" in args.rows:
+            await run.restart(slo_flags(slo))  # the deployment configured for the SLO measured above
+        if "overload" in args.rows:
+            await overload(run, goodput, slo)
+        if "soak" in args.rows:
+            await soak(run, goodput)
+        if "shutdown" in args.rows:
+            await shutdown(run)
         return run
 
 
-def report(args: argparse.Namespace, run: Run, server: ServerProcess) -> None:
+def report(args: argparse.Namespace, run: Run) -> None:
     out = harness.Outputs.for_run(args, "chaos")
     rows = run.rows
     lines = [f"# Chaos suite: {args.model} ({args.dtype}), 1 prefill + 1 decode ({args.decode_parallel.upper()}=2) on the Ray runtime, "
@@ -385,22 +469,22 @@ def main() -> None:
     args.decode_parallel = "tp" if config.num_heads % 2 == 0 and config.num_kv_heads % 2 == 0 else "pp"
     flags = ["--runtime", "ray", "--prefill", "1", "--decode", "1", f"--decode-{args.decode_parallel}", "2", "--block-size", "16",
              "--kv-cache-gb", f"{kv_gb:.9f}", "--kv-transfer-timeout", str(args.kv_transfer_timeout),
-             "--max-queued-requests", str(max(256, args.in_flight + 16))]
-    server = ServerProcess("chaos", distserve_serve_argv(args.model, args.dtype, flags), args.startup_timeout)
+             "--max-queued-requests", str(max(256, args.in_flight + 16, args.storm + 16))]  # every wave and the whole storm in flight
+    servers = [ServerProcess("chaos", distserve_serve_argv(args.model, args.dtype, flags), args.startup_timeout)]
     t0 = time.monotonic()
     try:
-        server.start()
-        print(f"server up in {server.startup_s:.1f} s at {server.base_url}", flush=True)
-        run = asyncio.run(scenarios(args, server))
+        servers[0].start()
+        print(f"server up in {servers[0].startup_s:.1f} s at {servers[0].base_url}", flush=True)
+        run = asyncio.run(scenarios(args, servers))
     finally:
-        stop = server.stop()
+        stop = servers[-1].stop()
         if stop["num_left"]:
             print(f"WARNING: {stop['num_left']} server processes left after SIGKILL", file=sys.stderr)
     run.figures.update(model=args.model, quick=args.quick, decode_parallel=args.decode_parallel, in_flight=args.in_flight, duration_s=round(time.monotonic() - t0, 1),
                        rows={r["scenario"]: {k: v for k, v in r.items() if k not in ("scenario", "errors")} for r in run.rows},
                        total_lost=sum(r["lost"] for r in run.rows), total_hung=sum(r["hung"] for r in run.rows),
                        total_blocks_leaked=sum(r["blocks_leaked"] for r in run.rows))
-    report(args, run, server)
+    report(args, run)
     harness.finish(run.figures)
 
 

@@ -26,6 +26,7 @@ from distserve.kvtransfer.layout import KVLayout
 from distserve.placement import InstanceSpec, Placement
 from distserve.runtime.config import DeploymentConfig
 from distserve.runtime.instance_server import InstanceServer, InstanceServerSpec, StepResult
+from distserve.runtime.ray_env import ACTOR_TASK_EVENTS
 from distserve.runtime.worker import Worker, WorkerSpec
 
 CPUS_PER_WORKER = 0.1  # Ray bookkeeping only: on 2 cores, the OS shares the cores among workers.
@@ -46,7 +47,7 @@ class RayWorkerFactory:
         return (
             ray.remote(Worker)
             # Threads: one per plan waiting its turn (up to pp), plus transfers, polls and control calls.
-            .options(num_cpus=CPUS_PER_WORKER, max_concurrency=spec.shard.pp + 4, scheduling_strategy=strategy)
+            .options(num_cpus=CPUS_PER_WORKER, max_concurrency=spec.shard.pp + 4, scheduling_strategy=strategy, **ACTOR_TASK_EVENTS)
             .remote(spec)
         )
 
@@ -145,7 +146,7 @@ def create_instance_actor(inst: DeployedInstance) -> Any:
     strategy = PlacementGroupSchedulingStrategy(inst.placement_group, placement_group_bundle_index=0)
     return (
         ray.remote(InstanceServer)
-        .options(num_cpus=CPUS_PER_WORKER, max_concurrency=8, max_restarts=0, scheduling_strategy=strategy)
+        .options(num_cpus=CPUS_PER_WORKER, max_concurrency=8, max_restarts=0, scheduling_strategy=strategy, **ACTOR_TASK_EVENTS)
         .remote(inst.spec, RayWorkerFactory(inst.placement_group))
     )
 

@@ -6,6 +6,10 @@ import os
 from typing import Any
 
 RAY_NUM_CPUS = 8
+# Ray records every call of every actor as a task event, for its dashboard and ``ray list tasks``, and
+# keeps up to 100,000 of them in the GCS: our actors make many calls per step, so that memory grew for
+# the whole of a 20-minute soak (experiments/chaos.py), and each event costs CPU. Our actors record none.
+ACTOR_TASK_EVENTS: dict[str, Any] = {"enable_task_events": False}
 LOOPBACK_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
 
 

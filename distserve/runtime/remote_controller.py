@@ -36,6 +36,7 @@ from distserve.errors import DistServeError, ServiceUnavailableError
 from distserve.runtime.config import DeploymentConfig
 from distserve.runtime.controller_actor import CONTROL_CONCURRENCY, CONTROLLER_CPUS, SHUTDOWN_TIMEOUT_S, ControllerActor
 from distserve.runtime.output_streams import ControllerDiedError, OutputStreams, call as _call, reraise as _reraise
+from distserve.runtime.ray_env import ACTOR_TASK_EVENTS
 from distserve.runtime.rerun import StreamedSoFar
 
 log = logging.getLogger(__name__)
@@ -80,6 +81,7 @@ class RemoteController:
         here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
         self._actor_options: dict[str, Any] = {
             "num_cpus": CONTROLLER_CPUS, "max_concurrency": CONTROL_CONCURRENCY, "max_restarts": 0, "scheduling_strategy": here,
+            **ACTOR_TASK_EVENTS,
         }
         if shared_name is not None:
             # Detached: it must outlive whichever holder happened to create it.

@@ -50,7 +50,8 @@ CHECKS = {
             for k in ("fault-free", "kill decode-worker", "kill controller", "KV exhaustion: prompts together > cache", "soak 70%"))
     and f["rows"]["kill controller"]["recovery_s"] > 0 and f["rows"]["KV exhaustion: one prompt > cache"]["refused_at_admission"]
     and f["rows"]["disconnect storm"]["disconnected"] == f["rows"]["disconnect storm"]["sent"] > 0
-    and (o := f["rows"]["overload 10x"])["admitted"] + o["rejected_429"] == o["sent"] and o["rejected_with_retry_after"] == o["rejected_429"]
+    and (o := f["rows"]["overload 10x"])["admitted"] + o["rejected_429"] + o["programs_refused"] == o["sent"]
+    and o["rejected_with_retry_after"] == o["rejected_429"] and all(r["processes_left"] == 0 for r in f["restarts"])
     and (g := f["rows"]["graceful shutdown"])["processes_left"] == 0 and g["new_request_refused"] and g["exit_code"] == 0,
     # Both detokenizers timed on the tiny tokenizer (each checked against decode() by the script).
     "bench_detokenizer": lambda f: f["quick"] and all(r["decode_stream"] > 0 and r["window"] > 0 and r["num_tokens"] > 0
