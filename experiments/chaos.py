@@ -265,7 +265,7 @@ class Run:
 
 
 # A semantic-variable program whose call was refused for overload ends with a 424 naming the refusal (QueueFullError's text).
-REFUSED = ("requests in flight (max", "the admission queue holds")
+REFUSED = ("requests in flight (max", "the admission queue holds", "(max_queue_delay)")
 
 
 def refused(r: cc.Record) -> bool:

@@ -79,7 +79,7 @@ class SimAdmission:
         expired = self.admission.expire(now)
         for item in expired:
             rec = self.records[item.request_id]
-            rec.dropped, rec.admission_wait_s = "expired", item.wait_s
+            rec.dropped, rec.admission_wait_s = "rejected" if item.shed else "expired", item.wait_s
         tpot = measured_tpot_s((i.core.scheduler.num_running, i.core.last_step_s) for i in self.decodes or self.entry) \
             if self.config.admission.tpot_slo_s is not None else None
         block_size, prefix_caching, router = self.config.block_size, self.config.enable_prefix_caching, self.config.router

@@ -148,8 +148,9 @@ def _add_admission_args(p: argparse.ArgumentParser, tpot_flag: str) -> None:
                    help=f"backpressure also holds requests while the measured decode TPOT exceeds {tpot_flag}")
     p.add_argument("--max-queue-delay", type=latency_type("--max-queue-delay"), default=None, metavar="LATENCY",
                    help="refuse at once (429 with Retry-After) a request whose predicted wait in the admission queue (the requests "
-                   f"ahead of it, at the rate the queue drains while backlogged) exceeds LATENCY ({LATENCY_HELP}); typically the "
-                   "TTFT SLO, so that under overload the admitted requests still meet it (default: no bound)")
+                   f"ahead of it, at the rate the queue drains while backlogged) exceeds LATENCY ({LATENCY_HELP}), and end with a 429 "
+                   "any request that has waited that long there; e.g. part of the TTFT SLO, so that under overload the admitted "
+                   "requests still meet it (default: no bound)")
 
 
 def admission_config_of(args: argparse.Namespace, tpot_slo_s: float | None, tenants: tuple["TenantSpec", ...] = ()) -> "AdmissionConfig":

@@ -12,8 +12,11 @@ one ``AdmissionQueue`` and drives it with plain calls and its own clock (``now``
   TTFT SLO is refused at once, and the ones admitted keep meeting it under overload —, or when the
   tenant's tokens per minute (``TenantSpec.tokens_per_minute``, a token bucket charged prompt + max
   output tokens) are spent: ``retry_after_s`` is the time until they refill.
-* ``expire(now)``: removes the items past their deadline (``timeout``); the driver fails them with
-  ``timeout_error`` (a ``RequestTimeoutError``, HTTP 408).
+* ``expire(now)``: removes the items past their deadline (``timeout``) and, with ``max_queue_delay_s``,
+  those that have waited that long (the prediction at ``push`` lags a drain that slows down, e.g.
+  when a burst hits a cold server: no request waits longer than the bound, whatever the estimate);
+  the driver fails each with ``expired_error``: a ``RequestTimeoutError`` (HTTP 408, ``error_kind``
+  ``TIMED_OUT``) or, for the latter, a ``QueueFullError`` (HTTP 429, ``error_kind`` ``SHED``).
 * ``dispatch(now, instances, load, place)``: releases items in the policy's order
   (``distserve.cluster.fair_queue``: ``fair`` by default, ``fcfs``, ``priority``) while some entry
   instance accepts one under ``Backpressure``, and returns (item, instance) pairs; ``place`` (the
@@ -48,7 +51,8 @@ from distserve.cluster.backpressure import (
 from distserve.cluster.tenants import DEFAULT_TIER, TenantSpec, tier_rank
 from distserve.errors import InvalidConfigError, QueueFullError, RequestTimeoutError
 
-TIMED_OUT = "timeout"  # ``RequestOutput.error_kind`` of a request failed by ``timeout_error`` (HTTP 408)
+TIMED_OUT = "timeout"  # ``RequestOutput.error_kind`` of a request that waited past its timeout (HTTP 408)
+SHED = "shed"  # ``RequestOutput.error_kind`` of a request that waited max_queue_delay_s in the queue (HTTP 429)
 DEFAULT_RETRY_AFTER_S = 1.0  # before any dispatch rate is measured
 MIN_RETRY_AFTER_S, MAX_RETRY_AFTER_S = 0.05, 60.0
 RATE_SMOOTHING = 0.2  # EWMA weight of the newest gap between dispatches
@@ -78,6 +82,12 @@ class AdmissionItem:
     enqueued_at: float = 0.0  # the driver's clock at push
     deadline: float = math.inf
     wait_s: float | None = None  # time queued, set at dispatch (a TTFT breakdown's first term)
+    shed: bool = False  # set by ``expire``: it waited max_queue_delay_s (rather than past its own timeout)
+
+    @property
+    def expired_kind(self) -> str:
+        """The ``RequestOutput.error_kind`` of this item once expired: ``SHED`` or ``TIMED_OUT``."""
+        return SHED if self.shed else TIMED_OUT
 
     @property
     def tenant(self) -> str:
@@ -378,8 +388,18 @@ class AdmissionQueue(Generic[T]):
         return item
 
     def expire(self, now: float) -> list[AdmissionItem]:
-        """Remove and return the items whose deadline passed (counted as expired)."""
+        """Remove and return the items whose deadline passed (counted as expired) and those that waited
+        ``max_queue_delay_s`` (``shed``, counted as refused)."""
         expired: list[AdmissionItem] = []
+        if self.max_queue_delay_s is not None:
+            for item in self._items.values():  # in push order: the longest waiting first
+                if item.enqueued_at + self.max_queue_delay_s > now:
+                    break
+                expired.append(item)
+            for item in expired:
+                self.remove(item.request_id)
+                item.shed, item.wait_s = True, now - item.enqueued_at
+                self.counters_of(item.tenant).num_rejected_full += 1
         heap = self._deadlines
         while heap and heap[0][0] <= now:
             item = heapq.heappop(heap)[2]
@@ -446,7 +466,10 @@ class AdmissionQueue(Generic[T]):
         heap = self._deadlines
         while heap and self._items.get(heap[0][2].request_id) is not heap[0][2]:
             heapq.heappop(heap)  # dispatched or removed since it was pushed
-        return heap[0][0] if heap else math.inf
+        deadline = heap[0][0] if heap else math.inf
+        if self.max_queue_delay_s is not None and self._items:
+            deadline = min(deadline, next(iter(self._items.values())).enqueued_at + self.max_queue_delay_s)
+        return deadline
 
     def stats(self) -> dict[str, Any]:
         """Per-tenant counters and the queue's length, for ``stats()`` and /metrics."""
@@ -457,8 +480,12 @@ class AdmissionQueue(Generic[T]):
 AT_ONCE = AdmissionConfig(max_waiting=None)  # every request dispatched on arrival (no backpressure)
 
 
-def timeout_error(item: AdmissionItem, now: float) -> RequestTimeoutError:
-    """The error a driver fails an expired item with."""
+def expired_error(item: AdmissionItem, now: float) -> RequestTimeoutError | QueueFullError:
+    """The error a driver fails an expired item with (its ``RequestOutput.error_kind``: ``item.expired_kind``)."""
+    if item.shed:
+        return QueueFullError(
+            f"request {item.request_id} waited {now - item.enqueued_at:.3f} s in the admission queue, its limit "
+            f"(max_queue_delay): the server is overloaded", None, DEFAULT_RETRY_AFTER_S)
     return RequestTimeoutError(
         f"request {item.request_id} waited {now - item.enqueued_at:.3f} s in the admission queue, longer than its "
         f"timeout of {item.timeout_s} s", "timeout")
@@ -475,5 +502,5 @@ def check_timeout(value: object) -> float | None:
 
 __all__ = [
     "AT_ONCE", "TIMED_OUT", "AdmissionConfig", "AdmissionItem", "AdmissionQueue", "BacklogRate", "Backpressure", "DEFAULT_MAX_WAITING", "DrainRate", "EntryLoad", "NO_BACKPRESSURE", "TOKENS", "REQUESTS", "WAITING_UNITS", "entry_load",
-    "TenantCounters", "TokenBucket", "check_timeout", "measured_tpot_s", "timeout_error",
+    "SHED", "TenantCounters", "TokenBucket", "check_timeout", "expired_error", "measured_tpot_s",
 ]

@@ -31,7 +31,7 @@ class RequestOutput:
     top_logprobs: list[TopLogprobs] | None = None  # per output token so far, if the request asked
     prompt_logprobs: PromptLogprobs | None = None  # prompt tokens 1.. (``engine.logprobs``), if asked
     error: str | None = None  # set with finish_reason "error": why this request failed
-    error_kind: str | None = None  # with ``error``: "timeout" when it waited past its ``timeout`` (HTTP 408), else None
+    error_kind: str | None = None  # with ``error``: "timeout" (HTTP 408) or "shed" (429) from the admission queue, else None
     # ``n`` > 1: which completion this output is about. ``finished`` is then the request's (all n
     # completions done); a completion is done once its ``finish_reason`` is set.
     index: int = 0

@@ -23,7 +23,7 @@ import time
 from typing import TYPE_CHECKING
 
 from distserve.cluster.backpressure import add_pending, step_capacity
-from distserve.cluster.admission import TIMED_OUT, AdmissionItem, AdmissionQueue, EntryLoad, measured_tpot_s, timeout_error
+from distserve.cluster.admission import AdmissionItem, AdmissionQueue, EntryLoad, expired_error, measured_tpot_s
 from distserve.cluster.routing import entry_hashes, pick_entry
 from distserve.config import CacheConfig
 from distserve.engine.outputs import RequestOutput
@@ -144,7 +144,7 @@ class AdmissionDriver:
             seq = self._seqs.get(item.request_id)
             if seq is None:
                 continue
-            out = self._fail(seq, str(timeout_error(item, now)), now, kind=TIMED_OUT)
+            out = self._fail(seq, str(expired_error(item, now)), now, kind=item.expired_kind)
             queue = self._queues.get(item.request_id)
             if queue is not None:
                 queue.put_nowait(out)

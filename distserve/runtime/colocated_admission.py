@@ -22,7 +22,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Generic, TypeVar
 
 from distserve.cluster.admission import (
-    TIMED_OUT, AdmissionConfig, AdmissionItem, AdmissionQueue, EntryLoad, check_timeout, entry_load, measured_tpot_s, timeout_error,
+    AdmissionConfig, AdmissionItem, AdmissionQueue, EntryLoad, check_timeout, entry_load, expired_error, measured_tpot_s,
 )
 from distserve.cluster.classes import RequestClass, check_request_class
 from distserve.config import SamplingParams
@@ -91,7 +91,7 @@ class ColocatedAdmission(Generic[S]):
         return [r for r in (self.remove(rid) for rid in self.queue.request_ids()) if r is not None]
 
     def expire(self, now: float) -> list[tuple[QueuedRequest, RequestOutput]]:
-        """The requests past their deadline, each with its last output (``error_kind`` TIMED_OUT)."""
+        """The requests past their deadline or shed, each with its last output (``error_kind`` TIMED_OUT or SHED)."""
         return [(item.payload, timed_out_output(item, item.payload, now)) for item in self.queue.expire(now)]
 
     def dispatch(
@@ -114,7 +114,8 @@ class ColocatedAdmission(Generic[S]):
 
 
 def timed_out_output(item: AdmissionItem, request: QueuedRequest, now: float) -> RequestOutput:
-    """The one output of a request that waited past its timeout: nothing generated, ``error_kind`` TIMED_OUT."""
+    """The one output of a request that waited past its timeout or was shed: nothing generated, ``error_kind``
+    TIMED_OUT or SHED."""
     return RequestOutput(
         request_id=item.request_id,
         prompt_token_ids=list(request.prompt),  # type: ignore[arg-type]  # token ids once queued
@@ -125,8 +126,8 @@ def timed_out_output(item: AdmissionItem, request: QueuedRequest, now: float) ->
         finished=True,
         finish_reason="error",
         metrics=RequestMetrics(item.arrival, None, now, len(request.prompt), 0, 0),
-        error=str(timeout_error(item, now)),
-        error_kind=TIMED_OUT,
+        error=str(expired_error(item, now)),
+        error_kind=item.expired_kind,
     )
 
 

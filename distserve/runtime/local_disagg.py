@@ -28,7 +28,7 @@ from typing import Protocol
 
 import torch
 
-from distserve.cluster.admission import TIMED_OUT, AdmissionConfig, AdmissionItem, AdmissionQueue, EntryLoad, entry_load, measured_tpot_s, timeout_error
+from distserve.cluster.admission import AdmissionConfig, AdmissionItem, AdmissionQueue, EntryLoad, entry_load, expired_error, measured_tpot_s
 from distserve.cluster.counters import ClusterCounters
 from distserve.cluster.migration_queue import MigrationQueue
 from distserve.cluster.routing import DEFAULT_ROUTER, RouteState, check_router, decode_lane, decode_order, entry_hashes, pick_entry
@@ -241,7 +241,7 @@ class LocalDisaggEngine(EngineBase):
         for item in self.admission.expire(now):
             seq = self._seqs.get(item.request_id)
             if seq is not None:
-                outputs.append(self._fail(seq, str(timeout_error(item, now)), now, kind=TIMED_OUT))
+                outputs.append(self._fail(seq, str(expired_error(item, now)), now, kind=item.expired_kind))
         if not self.admission:
             return outputs
         tpot = measured_tpot_s((i.core.scheduler.num_running, i.core.last_step_s) for i in self.decode) \

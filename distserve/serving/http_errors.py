@@ -17,7 +17,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from distserve.engine.outputs import RequestOutput
-from distserve.cluster.admission import TIMED_OUT
+from distserve.cluster.admission import DEFAULT_RETRY_AFTER_S, SHED, TIMED_OUT
 from distserve.errors import DistServeError, PromptTooLongError, QueueFullError, RequestTimeoutError, ServiceUnavailableError
 from distserve.serving.protocol import APIError
 
@@ -84,10 +84,13 @@ def request_failed(message: str) -> APIError:
 
 def check_output(out: RequestOutput) -> RequestOutput:
     """``out``, unless it reports that its request failed (``finish_reason`` "error"): then a 408
-    if it waited past its ``timeout`` in the admission queue, else a 500."""
+    if it waited past its ``timeout`` in the admission queue, a 429 if it waited the queue's
+    ``max_queue_delay`` there, else a 500."""
     if out.error is not None:
         if out.error_kind == TIMED_OUT:
             raise engine_error(RequestTimeoutError(out.error, "timeout"), "timeout")
+        if out.error_kind == SHED:
+            raise engine_error(QueueFullError(out.error, None, DEFAULT_RETRY_AFTER_S), "prompt")
         raise request_failed(out.error)
     return out
 

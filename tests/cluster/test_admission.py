@@ -8,7 +8,7 @@ from collections import Counter
 import pytest
 
 from distserve.cluster.admission import (
-    NO_BACKPRESSURE, AdmissionConfig, AdmissionItem, AdmissionQueue, Backpressure, DrainRate, EntryLoad, measured_tpot_s, timeout_error,
+    NO_BACKPRESSURE, AdmissionConfig, AdmissionItem, AdmissionQueue, Backpressure, DrainRate, EntryLoad, expired_error, measured_tpot_s,
 )
 from distserve.cluster.classes import RequestClass
 from distserve.cluster.fair_queue import ADMISSION_POLICIES, BACKLOGGED, FRESH, LEVELS, SPARSE
@@ -213,6 +213,16 @@ def test_max_queue_delay_refuses_what_would_wait_too_long_at_the_backlogged_rate
     f.push(now=64.0)  # after a minute idle
     assert step(65.0) == 1
     assert q.backlog.wait_s(4) == pytest.approx(2.0)  # the idle minute is not a gap
+    # Whatever the estimate, no request waits longer than the bound: those that did are shed (HTTP 429).
+    f.push(k=3, now=70.0)
+    f.push(now=71.0)
+    assert q.expire(71.9) == [] and q.next_deadline() == pytest.approx(72.0)
+    shed = q.expire(72.0)
+    assert [i.request_id for i in shed] == ["r13", "r14", "r15"] and len(q) == 1 and q.next_deadline() == pytest.approx(73.0)
+    assert all(i.shed and i.expired_kind == "shed" for i in shed) and shed[0].wait_s == pytest.approx(2.0)
+    err = expired_error(shed[0], 72.0)
+    assert isinstance(err, QueueFullError) and "waited 2.000 s in the admission queue" in str(err) and err.retry_after_s == 1.0
+    assert q.counters["anonymous"].num_rejected_full == 4 and q.counters["anonymous"].num_expired == 0
     with pytest.raises(InvalidConfigError, match="max_queue_delay_s"):
         AdmissionConfig(max_queue_delay_s=0)
     assert AdmissionConfig(max_queue_delay_s=1.5).queue().max_queue_delay_s == 1.5
@@ -252,7 +262,7 @@ def test_deadlines_expire_items_and_count_them() -> None:
     expired = q.expire(1.2)
     assert [i.request_id for i in expired] == short and expired[0].wait_s == pytest.approx(1.2)
     assert len(q) == 2 and q.counters["t"].num_expired == 1 and q.counters["t"].num_queued == 1
-    err = timeout_error(expired[0], 1.2)
+    err = expired_error(expired[0], 1.2)
     assert isinstance(err, RequestTimeoutError) and err.param == "timeout" and "waited 1.200 s" in str(err)
     with pytest.raises(InvalidConfigError, match="timeout"):
         f.push("t", 10, timeout_s=-1.0)

@@ -1,5 +1,5 @@
 """Admission over HTTP: a request's ``timeout`` (seconds it may wait in the admission queue) ends it
-with a 408 in OpenAI's shape once it waited too long, a bad ``timeout`` is a 400 naming it, the
+with a 408 in OpenAI's shape once it waited too long, the queue's ``max_queue_delay_s`` with a 429, a bad ``timeout`` is a 400 naming it, the
 other requests are unharmed; and the serve/simulate admission flags build the ``AdmissionConfig``
 the runtimes and the simulator share (tiny model, in-process 1P1D engine, 127.0.0.1)."""
 
@@ -10,6 +10,7 @@ import socket
 import threading
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 
 import httpx
 import pytest
@@ -39,12 +40,12 @@ class SlowDisagg(LocalDisaggEngine):
         return super().step()
 
 
-@pytest.fixture(scope="module")
-def url() -> Iterator[str]:
+@contextmanager
+def serving(admission: AdmissionConfig) -> Iterator[str]:
     def build() -> LocalDisaggEngine:
         # One prompt per prefill step and one request waiting in the prefill scheduler: the rest wait in admission.
         return SlowDisagg(load_model("tiny"), cache_config=CacheConfig(num_blocks=512, block_size=16),
-                          prefill_scheduler_config=SchedulerConfig(max_num_seqs=1), admission=AdmissionConfig(max_waiting=1))
+                          prefill_scheduler_config=SchedulerConfig(max_num_seqs=1), admission=admission)
 
     client = ThreadedEngineClient(build, max_queued_requests=64)
     app = build_fastapi_app(client, "tiny")
@@ -54,11 +55,19 @@ def url() -> Iterator[str]:
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     assert wait_until(lambda: server.started, 30), "server did not start"
-    yield f"http://127.0.0.1:{sock.getsockname()[1]}"
-    server.should_exit = True
-    thread.join(15)
-    client.close()
-    sock.close()
+    try:
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        thread.join(15)
+        client.close()
+        sock.close()
+
+
+@pytest.fixture(scope="module")
+def url() -> Iterator[str]:
+    with serving(AdmissionConfig(max_waiting=1)) as root:
+        yield root
 
 
 def body(prompt: str, **extra: object) -> dict[str, object]:
@@ -84,6 +93,27 @@ def test_a_request_that_waits_past_its_timeout_gets_408_and_the_others_complete(
     # A generous timeout changes nothing for a request served at once.
     ok = httpx.post(f"{url}/v1/completions", json=body("patient", timeout=60), timeout=60)
     assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 4
+
+
+def test_requests_that_wait_the_max_queue_delay_get_429_with_retry_after_and_the_others_complete() -> None:
+    """A burst on a cold server (no drain rate measured: every request is queued): one request is
+    dispatched per >= 10 ms step, so those still queued after 60 ms are shed with a 429."""
+    async def run(root: str) -> list[httpx.Response]:
+        async with httpx.AsyncClient(base_url=root, timeout=120) as http:
+            return list(await asyncio.gather(*(http.post("/v1/completions", json=body(f"request number {i} of the burst"))
+                                               for i in range(30))))
+
+    with serving(AdmissionConfig(max_waiting=1, max_queue_delay_s=0.06)) as root:
+        responses = asyncio.run(run(root))
+    codes = [r.status_code for r in responses]
+    assert set(codes) == {200, 429}, codes
+    for r in responses:
+        if r.status_code == 200:
+            assert r.json()["usage"]["completion_tokens"] == 4
+        else:
+            err = r.json()["error"]
+            assert err["type"] == "rate_limit_error" and err["code"] == "queue_full" and float(r.headers["Retry-After"]) > 0
+    assert any("max_queue_delay" in r.json()["error"]["message"] for r in responses if r.status_code == 429)
 
 
 @pytest.mark.parametrize("timeout", [-1, 0, "soon", float("inf")])
