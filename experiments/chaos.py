@@ -29,6 +29,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gzip
+import json
 import os
 import random
 import re
@@ -451,10 +453,11 @@ def report(args: argparse.Namespace, run: Run) -> None:
     for r in rows:
         lines.append(f"| {r['scenario']} | {r['sent']} | {r['identical']} | {r['error']} | {r['lost']} | {r['hung']} | "
                      f"{r['blocks_leaked']} | {'-' if r['recovery_s'] is None else r['recovery_s']} |")
-    lines += ["", "Per row (JSON): " + str(out.path(".json").name) + "; every request: " + out.path("_ledger.json").name]
+    lines += ["", "Per row (JSON): " + str(out.path(".json").name) + "; every request: " + out.path("_ledger.json.gz").name]
     out.markdown(lines)
     out.json({"figures": run.figures, "rows": rows})
-    out.json(run.ledger.dump(), "_ledger", indent=None)
+    with gzip.open(out.path("_ledger.json.gz"), "wt") as f:  # tens of thousands of records
+        json.dump(run.ledger.dump(), f)
     print("\n".join(lines), flush=True)
 
 
