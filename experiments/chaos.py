@@ -11,12 +11,13 @@ Rows, in order (``--rows`` picks some; the fault-free wave always runs first):
 - KV exhaustion: long prompts that together exceed the cache (preemption, no error), and one prompt
   larger than the whole cache (400 at admission);
 - disconnect storm: clients dropping their connection after the first streamed chunk;
+- soak at 70% of the planned goodput (on the server every row above ran on): RSS of every server
+  process after warm-up vs at the end;
 - overload: Poisson arrivals at 10x the planned goodput (planned goodput: the fault-free wave's measured
   throughput, i.e. the measured knee at that concurrency); then back to normal latency. The SLO is twice
   the fault-free wave's p90 TTFT and TPOT; the server is restarted before this row configured for it
   (``slo_flags``: ``--max-queue-delay`` half the TTFT SLO, ``--tpot-backpressure`` at half the TPOT SLO),
-  as an operator deploys for an SLO, and every later row runs on that server;
-- soak at 70% of the planned goodput: RSS of every server process after warm-up vs at the end;
+  as an operator deploys for an SLO, and the shutdown row runs on that server;
 - graceful shutdown: SIGTERM with a wave in flight.
 After every row the server must go idle with every KV block free, and new requests must succeed.
 Recovery time: kill -> the replacement is up (restart counted; for the controller: /health answers
@@ -47,7 +48,7 @@ import httpx
 
 from distserve.measure.benchserve import ServerProcess, distserve_serve_argv, metric_sums, session_pids
 
-ROWS = ("faults", "kv", "storm", "overload", "soak", "shutdown")
+ROWS = ("faults", "kv", "storm", "soak", "overload", "shutdown")
 FAULTS = ("decode-worker", "prefill-instance", "both", "controller", "stall-sender", "stall-receiver")
 GAUGE = re.compile(r'^distserve:(\w+)\{([^}]*)\}\s+(\S+)$', re.MULTILINE)
 IDLE_TIMEOUT_S = 90.0
@@ -430,12 +431,11 @@ async def scenarios(args: argparse.Namespace, servers: list[ServerProcess]) -> R
             await kv_exhaustion(run, args.cache_tokens)
         if "storm" in args.rows:
             await storm(run)
-        if "overload" in args.rows or "soak" in args.rows:
-            await run.restart(slo_flags(slo))  # the deployment configured for the SLO measured above
-        if "overload" in args.rows:
-            await overload(run, goodput, slo)
-        if "soak" in args.rows:
+        if "soak" in args.rows:  # on the server that went through every row above
             await soak(run, goodput)
+        if "overload" in args.rows:
+            await run.restart(slo_flags(slo))  # the deployment configured for the SLO measured above
+            await overload(run, goodput, slo)
         if "shutdown" in args.rows:
             await shutdown(run)
         return run
