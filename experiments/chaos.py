@@ -169,6 +169,19 @@ class Run:
                 out[self.process_name(pid)] = int(match.group(1))
         return out
 
+    def server_cpu_s(self) -> float:
+        """CPU seconds (user + system) the server's processes have used (those alive now)."""
+        assert self.server.sid is not None
+        tick, total = os.sysconf("SC_CLK_TCK"), 0.0
+        for pid in session_pids(self.server.sid):
+            try:
+                stat = open(f"/proc/{pid}/stat").read()
+            except OSError:
+                continue
+            fields = stat[stat.rindex(")") + 2:].split()
+            total += (int(fields[11]) + int(fields[12])) / tick
+        return total
+
     def process_name(self, pid: int) -> str:
         """``pid`` and what runs there: the actor's name for a Ray actor, else the program (``gcs_server``, ``raylet``...)."""
         if pid not in self._names:
@@ -313,7 +326,10 @@ async def overload(run: Run, goodput: float, slo: tuple[float, float]) -> None:
     idle_ttft = await single_ttft(run)
     rss: list[int] = []
     base_rss = sum(run.rss_by_process().values())
+    cpu0, client0, wall0 = run.server_cpu_s(), time.process_time(), time.monotonic()
     burst = await poisson(run, "overload 10x", 10 * goodput, args.overload_s, lambda: rss.append(sum(run.rss_by_process().values())))
+    # Who had the machine's cores during the burst: the load generator (this process) shares them with the server.
+    cpu_server, cpu_client, wall = run.server_cpu_s() - cpu0, time.process_time() - client0, time.monotonic() - wall0
     drained = time.monotonic()  # the burst's admitted requests have all ended
     last_arrival = max((r.sent_s for r in burst), default=0.0)
     drain_s = max((r.end_s or 0.0 for r in burst), default=0.0) - last_arrival
@@ -338,6 +354,7 @@ async def overload(run: Run, goodput: float, slo: tuple[float, float]) -> None:
             admitted_ttft_p90_s=_p90([r.first_s - r.sent_s for r in admitted if r.first_s is not None]),
             admitted_tpot_p90_s=_p90([(r.end_s - r.first_s) / max(1, args.max_tokens - 1) for r in admitted
                                       if r.first_s is not None and r.end_s is not None]),
+            cpu_cores=os.cpu_count(), server_cpu_cores_used=round(cpu_server / wall, 2), client_cpu_cores_used=round(cpu_client / wall, 2),
             rss_mb_before=round(base_rss / 1024), rss_mb_max=round(max(rss, default=base_rss) / 1024), new_requests_ok=await run.new_requests_ok("overload 10x"))
 
 

@@ -65,7 +65,8 @@ class SimAdmission:
         item = AdmissionItem(seq.seq_id, r.request_class, r.prompt_len + r.output_len, r.arrival_s, r.priority, r.timeout_s, seq,
                              num_prompt_tokens=r.prompt_len)
         try:
-            self.admission.push(item, now)
+            waiting = 0 if self.admission.max_queue_delay_s is None else sum(i.core.scheduler.num_waiting for i in self.entry)
+            self.admission.push(item, now, waiting)
         except QueueFullError:
             self.records[seq.seq_id].dropped = "rejected"
             return 1

@@ -7,7 +7,8 @@ one ``AdmissionQueue`` and drives it with plain calls and its own clock (``now``
 * ``push(item, now)`` on arrival: refused with ``QueueFullError`` (HTTP 429) when the tenant's
   queue (``TenantSpec.max_queued_requests``) or the whole queue (``max_queued_requests``) is at its
   bound — ``retry_after_s`` is the time one slot takes to drain at the measured dispatch rate —,
-  when the wait it would have (the requests queued ahead of it at the rate the queue drains while
+  when the wait it would have (the requests queued ahead of it, and those dispatched that still wait
+  in the entry instances — ``push(item, now, waiting_ahead)`` —, at the rate the queue drains while
   it is backlogged, ``BacklogRate``) exceeds ``max_queue_delay_s`` — a request that cannot meet its
   TTFT SLO is refused at once, and the ones admitted keep meeting it under overload —, or when the
   tenant's tokens per minute (``TenantSpec.tokens_per_minute``, a token bucket charged prompt + max
@@ -56,7 +57,8 @@ SHED = "shed"  # ``RequestOutput.error_kind`` of a request that waited max_queue
 DEFAULT_RETRY_AFTER_S = 1.0  # before any dispatch rate is measured
 MIN_RETRY_AFTER_S, MAX_RETRY_AFTER_S = 0.05, 60.0
 RATE_SMOOTHING = 0.2  # EWMA weight of the newest gap between dispatches
-BACKLOG_WINDOW = 64  # dispatches whose gaps measure the backlogged drain rate
+BACKLOG_WINDOW_S = 30.0  # seconds of backlogged dispatch gaps that measure the drain rate
+BACKLOG_MIN_S = 2.0  # ... and how many it takes before the rate is trusted
 
 T = TypeVar("T")
 
@@ -184,30 +186,43 @@ class DrainRate:
 
 
 class BacklogRate:
-    """The time between dispatches while the queue is backlogged: the mean of the last
-    ``BACKLOG_WINDOW`` gaps during which some request waited throughout (a request that found the
-    queue empty ends no gap), so idle periods do not read as a slow drain."""
+    """The time between dispatches while the queue is backlogged: over the last ``BACKLOG_WINDOW_S``
+    seconds of gaps during which some request waited throughout (a request that found the queue
+    empty ends no gap, so idle periods do not read as a slow drain), their total time over the
+    requests dispatched at their ends. A dispatch of many at once (an entry instance freeing room
+    for a batch) counts as one gap and many requests, so the rate is right however lumpy the
+    dispatches are; with less than ``BACKLOG_MIN_S`` measured (a burst hitting a cold server, whose
+    instances first take a batch at once) there is no estimate yet."""
 
     def __init__(self) -> None:
-        self._gaps: deque[float] = deque(maxlen=BACKLOG_WINDOW)
-        self._sum = 0.0
+        self._gaps: deque[list[float]] = deque()  # [gap seconds, requests dispatched at its end]
+        self._time = 0.0
+        self._count = 0
         self._last: float | None = None
 
     def record(self, now: float, enqueued_at: float) -> None:
         """A request queued since ``enqueued_at`` was dispatched at ``now``."""
         if self._last is not None and enqueued_at <= self._last:  # it waited through the whole gap
-            if len(self._gaps) == self._gaps.maxlen:
-                self._sum -= self._gaps[0]
             gap = max(0.0, now - self._last)
-            self._gaps.append(gap)
-            self._sum += gap
+            if gap == 0.0:  # dispatched with the one before it: at the end of the same gap, if there was one
+                if self._gaps:
+                    self._gaps[-1][1] += 1
+                    self._count += 1
+            else:
+                self._gaps.append([gap, 1])
+                self._time += gap
+                while len(self._gaps) > 1 and self._time - self._gaps[0][0] >= BACKLOG_WINDOW_S:
+                    old_gap, old_count = self._gaps.popleft()
+                    self._time -= old_gap
+                    self._count -= int(old_count)
+                self._count += 1
         self._last = now
 
     def wait_s(self, num_ahead: int) -> float | None:
-        """The predicted wait behind ``num_ahead`` queued requests (None: nothing measured yet)."""
-        if not self._gaps:
+        """The predicted wait behind ``num_ahead`` requests (None: too little measured yet)."""
+        if self._time < BACKLOG_MIN_S or not self._count:
             return None
-        return num_ahead * max(0.0, self._sum) / len(self._gaps)
+        return num_ahead * self._time / self._count
 
 
 class TokenBucket:
@@ -323,8 +338,11 @@ class AdmissionQueue(Generic[T]):
         return c
 
     # ---- arrival -------------------------------------------------------------------------------
-    def push(self, item: AdmissionItem, now: float) -> None:
-        """Queue ``item`` at ``now``, or raise ``QueueFullError`` (with ``retry_after_s``)."""
+    def push(self, item: AdmissionItem, now: float, waiting_ahead: int = 0) -> None:
+        """Queue ``item`` at ``now``, or raise ``QueueFullError`` (with ``retry_after_s``).
+
+        ``waiting_ahead``: requests dispatched already that wait in the entry instances' scheduler
+        queues (they start before it); with ``max_queue_delay_s`` they count in its predicted wait."""
         if item.request_id in self._items:
             raise InvalidConfigError(f"request {item.request_id!r} is already queued for admission", "request_id")
         check_timeout(item.timeout_s)
@@ -339,11 +357,12 @@ class AdmissionQueue(Generic[T]):
             raise QueueFullError(
                 f"the admission queue holds {len(self._items)} requests, its limit", None, self.drain.retry_after_s(now))
         if self.max_queue_delay_s is not None:
-            wait = self.backlog.wait_s(len(self._items))
+            wait = self.backlog.wait_s(len(self._items) + waiting_ahead)
             if wait is not None and wait > self.max_queue_delay_s:
                 c.num_rejected_full += 1
                 raise QueueFullError(
-                    f"the admission queue holds {len(self._items)} requests, a predicted wait of {wait:.2f} s, over its "
+                    f"the admission queue holds {len(self._items)} requests ({waiting_ahead} more wait in the entry instances), "
+                    f"a predicted wait of {wait:.2f} s, over its "
                     f"limit of {self.max_queue_delay_s:g} s", None,
                     min(MAX_RETRY_AFTER_S, max(MIN_RETRY_AFTER_S, wait - self.max_queue_delay_s)))
         bucket = self._bucket(spec, now)

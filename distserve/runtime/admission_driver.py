@@ -87,7 +87,9 @@ class AdmissionDriver:
                 raise ServiceUnavailableError(reason)
             item = AdmissionItem(seq.seq_id, seq.request_class, seq.num_prompt_tokens + seq.sampling.max_tokens * seq.num_completions,
                                  seq.arrival_time, seq.priority, seq.timeout_s, seq, num_prompt_tokens=seq.num_prompt_tokens)
-            self.admission.push(item, time.monotonic())
+            waiting = 0 if self.admission.max_queue_delay_s is None else \
+                sum(instance_load(i, None).num_waiting for i in self._entry_instances())
+            self.admission.push(item, time.monotonic(), waiting)
         except BaseException:  # it never entered
             self._forget(seq.seq_id)
             raise

@@ -219,7 +219,8 @@ class LocalDisaggEngine(EngineBase):
         item = AdmissionItem(seq.seq_id, seq.request_class, seq.num_prompt_tokens + seq.sampling.max_tokens * seq.num_completions,
                              seq.arrival_time, seq.priority, seq.timeout_s, seq, num_prompt_tokens=seq.num_prompt_tokens)
         try:
-            self.admission.push(item, self.clock())
+            waiting = 0 if self.admission.max_queue_delay_s is None else sum(i.core.scheduler.num_waiting for i in self.prefill)
+            self.admission.push(item, self.clock(), waiting)
         except DistServeError:  # refused (QueueFullError) or malformed: it never entered
             self._forget(seq.seq_id)
             raise

@@ -228,6 +228,33 @@ def test_max_queue_delay_refuses_what_would_wait_too_long_at_the_backlogged_rate
     assert AdmissionConfig(max_queue_delay_s=1.5).queue().max_queue_delay_s == 1.5
 
 
+def test_the_backlogged_rate_is_right_when_an_instance_takes_a_batch_at_once() -> None:
+    """Chaos overload (issue 20): an entry instance freeing room for 64 at once after each 8 s read,
+    with a 64-dispatch window, as a drain of ~0 s per request, and the queue let ~500 in under a 13 s
+    bound. Now: 64 per 8 s is 0.125 s each, whatever the lumps; no estimate before 2 s are measured
+    (a cold server's first batch); requests waiting in the entry instances count as ahead."""
+    q = AdmissionQueue("fcfs", max_queue_delay_s=10.0, backpressure=Backpressure(max_waiting=64, waiting_unit="requests"))
+    f = Feeder(q)
+
+    def batch(now: float) -> int:  # the instance has room for 64
+        return len(q.dispatch(now, ["i0"], lambda inst: EntryLoad(0), lambda item, ok: ok[0]))
+
+    f.push(k=300, now=0.0)
+    assert batch(0.0) == 64  # found the queue empty: no gap
+    assert batch(1.0) == 64 and q.backlog.wait_s(1) is None  # 1 s measured: too little to trust
+    assert batch(9.0) == 64 and q.backlog.wait_s(80) == pytest.approx(80 * 9.0 / 128)
+    assert batch(17.0) == 64 and q.backlog.wait_s(1) == pytest.approx(17.0 / 192)
+    f.push(k=44, now=17.0)  # 44 + 44 queued: 88 x 17/192 = 7.8 s
+    with pytest.raises(QueueFullError, match=r"\(40 more wait in the entry instances\), a predicted wait of 11\.33 s"):
+        q.push(AdmissionItem("late", RequestClass("default"), 100, 17.0, 0, None), 17.0, waiting_ahead=40)
+    assert batch(25.0) == 64 and q.backlog.wait_s(1) == pytest.approx(25.0 / 256)
+    # Gaps older than the last 30 s of them leave the window: one at a time, 0.5 s apart, is the rate.
+    f.push(k=60, now=25.0)  # 84 queued: predicted 8.2 s
+    for k in range(1, 81):
+        assert len(q.dispatch(25.0 + 0.5 * k, ["i0"], lambda inst: EntryLoad(63), lambda item, ok: ok[0])) == 1
+    assert q.backlog.wait_s(1) == pytest.approx(0.5)
+
+
 def test_a_stalled_queue_drains_slowly() -> None:
     rate = DrainRate()
     for t in (0.0, 0.1, 0.2):
