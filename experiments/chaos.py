@@ -397,7 +397,8 @@ async def kv_exhaustion(run: Run, cache_tokens: int) -> None:
 
 
 async def storm(run: Run) -> None:
-    jobs = [j for j in cc.make_jobs(run.args.storm, 64, run.args.seed + 3) if j.kind != "dataflow"]
+    # --storm clients, each a chat or completion stream (a dataflow program's variable outlives its reader by design).
+    jobs = [j for j in cc.make_jobs(2 * run.args.storm, 64, run.args.seed + 3) if j.kind != "dataflow"][: run.args.storm]
     await asyncio.gather(*(run.send("disconnect storm", j, leave_after_first=True) for j in jobs))
     run.row("disconnect storm", None, await run.idle_leak(), new_requests_ok=await run.new_requests_ok("disconnect storm"))
 

@@ -200,9 +200,10 @@ class BacklogRate:
         self._count = 0
         self._last: float | None = None
 
-    def record(self, now: float, enqueued_at: float) -> None:
-        """A request queued since ``enqueued_at`` was dispatched at ``now``."""
-        if self._last is not None and enqueued_at <= self._last:  # it waited through the whole gap
+    def record(self, now: float, queued_since: float) -> None:
+        """A request was dispatched at ``now``; the longest-waiting request queued then (it, or one the
+        policy put after it: a latency-class call overtakes a chat backlog) had waited since ``queued_since``."""
+        if self._last is not None and queued_since <= self._last:  # the queue was backlogged through the whole gap
             gap = max(0.0, now - self._last)
             if gap == 0.0:  # dispatched with the one before it: at the end of the same gap, if there was one
                 if self._gaps:
@@ -455,6 +456,7 @@ class AdmissionQueue(Generic[T]):
             if not accepting:
                 break
             self.policy.pop()
+            queued_since = next(iter(self._items.values())).enqueued_at  # the longest waiting (push order), maybe this one
             del self._items[item.request_id]
             chosen = place(item, accepting)
             loads[id(chosen)] = loads[id(chosen)].with_dispatched(item)
@@ -465,7 +467,7 @@ class AdmissionQueue(Generic[T]):
             c.wait_s_total += item.wait_s
             c.drain.record(now)
             self.drain.record(now)
-            self.backlog.record(now, item.enqueued_at)
+            self.backlog.record(now, queued_since)
             out.append((item, chosen))
         return out
 

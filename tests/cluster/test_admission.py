@@ -255,6 +255,22 @@ def test_the_backlogged_rate_is_right_when_an_instance_takes_a_batch_at_once() -
     assert q.backlog.wait_s(1) == pytest.approx(0.5)
 
 
+def test_calls_that_overtake_the_backlog_do_not_hide_it_from_the_drain_rate() -> None:
+    """Chaos overload (issue 20): a dataflow program's latency-class calls, fresh, went before the chat
+    backlog at every dispatch; the gap was recorded only when the dispatched request had itself waited
+    through it, so no gap ever was, the predicted wait stayed unknown and nothing was refused at push
+    (everything queued waited the bound and was shed). The queue was backlogged all along: it counts."""
+    q = AdmissionQueue("fair", max_queue_delay_s=60.0, backpressure=Backpressure(max_waiting=1, waiting_unit="requests"))
+    f = Feeder(q)
+    f.push(k=20, now=0.0)
+    assert len(q.dispatch(0.0, ["i0"], lambda inst: EntryLoad(0), lambda item, ok: ok[0])) == 1
+    for k in range(1, 6):
+        (latency,) = f.push(objective="latency", now=k - 0.5)
+        ((item, _),) = q.dispatch(float(k), ["i0"], lambda inst: EntryLoad(0), lambda item, ok: ok[0])
+        assert item.request_id == latency
+    assert q.backlog.wait_s(1) == pytest.approx(1.0)
+
+
 def test_a_stalled_queue_drains_slowly() -> None:
     rate = DrainRate()
     for t in (0.0, 0.1, 0.2):
