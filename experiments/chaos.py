@@ -486,7 +486,8 @@ async def scenarios(args: argparse.Namespace, servers: list[ServerProcess]) -> R
 
 
 def report(args: argparse.Namespace, run: Run) -> None:
-    out = harness.Outputs.for_run(args, "chaos")
+    # Some rows only (--rows): chaos_ROW[_ROW...].*, beside the full report's chaos.*.
+    out = harness.Outputs.for_run(args, "chaos", "" if set(args.rows) == set(ROWS) else "_".join(args.rows))
     rows = run.rows
     lines = [f"# Chaos suite: {args.model} ({args.dtype}), 1 prefill + 1 decode ({args.decode_parallel.upper()}=2) on the Ray runtime, "
              f"{os.cpu_count()} cores",
