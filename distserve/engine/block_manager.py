@@ -261,12 +261,13 @@ class BlockManager:
         if len(hashes) >= num_full:
             return  # no block filled up since the last commit (every decode step but one per block)
         content = _hashes_upto(seq, bs, num_full)
+        if not self.enable_prefix_caching:  # nothing to publish: the hashes only
+            hashes.extend(content[len(hashes):num_full])
+            return
         while len(hashes) < num_full:
             i = len(hashes)
             h = content[i]
             hashes.append(h)
-            if not self.enable_prefix_caching:
-                continue
             if self._in_flight.get(h) is seq:
                 del self._in_flight[h]
             block_id = seq.block_table[i]
