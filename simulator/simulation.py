@@ -53,7 +53,8 @@ from __future__ import annotations
 import heapq
 import itertools
 import time
-from dataclasses import replace
+from dataclasses import fields
+from operator import attrgetter
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -77,11 +78,10 @@ from simulator.sim_admission import SAMPLED_TOKEN, SimAdmission
 from simulator.sim_events import ARRIVE, LAUNCH, MIGRATE, MIGRATED, STEP_DONE
 from simulator.sim_migration import SimMigrations
 from simulator.sim_instance import SharedCompute, SimInstance, cascade_rule_of, check_fits, hold_every_prompt, step_time_fn
+from simulator.workload import Request
 
 if TYPE_CHECKING:
     from collections.abc import Sequence as Seq
-
-    from simulator.workload import Request
 
 class Simulation(SimAdmission, SimMigrations):
     """Run a list of requests through a placement; ``run()`` returns a ``SimResult``."""
@@ -411,4 +411,11 @@ def simulate(
 
 def with_rate(requests: Seq[Request], scale: float) -> list[Request]:
     """The same requests with arrival times divided by ``scale`` (a unit-rate workload at rate ``scale``)."""
-    return [replace(r, arrival_s=r.arrival_s / scale) for r in requests]
+    # ``replace(r, arrival_s=...)`` at half its cost (a planner's probe rescales its whole workload).
+    get = _fields_but_arrival
+    return [Request(v[0], r.arrival_s / scale, *v[1:]) for r in requests for v in (get(r),)]
+
+
+_REQUEST_FIELDS = [f.name for f in fields(Request)]
+assert _REQUEST_FIELDS[1] == "arrival_s", _REQUEST_FIELDS  # with_rate passes it second
+_fields_but_arrival = attrgetter(*(_REQUEST_FIELDS[:1] + _REQUEST_FIELDS[2:]))
