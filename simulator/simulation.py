@@ -105,7 +105,8 @@ class Simulation(SimAdmission, SimMigrations):
         for kind, spec, sched_cfg in groups:
             # The placement's caps, then the instance's, as ``distserve serve`` deploys them.
             core = InstanceCore(kind, spec.scheduler_config(placement.scheduler_config(sched_cfg)), self._num_blocks(spec), cfg.block_size, self.max_model_len,
-                                enable_prefix_caching=cfg.enable_prefix_caching, pipeline_depth=spec.pp)
+                                enable_prefix_caching=cfg.enable_prefix_caching, pipeline_depth=spec.pp,
+                                step_histograms=False)  # (the runtime's /metrics: a simulation reports no histograms)
             idx = counters.get(kind, 0)
             counters[kind] = idx + 1
             fn = step_time_fn(latency, spec.tp, spec.pp, cfg.step_overhead_s, cfg.step_time_scale,

@@ -102,6 +102,7 @@ class InstanceCore:
         enable_prefix_caching: bool = True,
         pipeline_depth: int = 1,
         grammar_compiler: GrammarCompiler | None = None,
+        step_histograms: bool = True,
     ) -> None:
         if phase not in SCHEDULERS:
             raise ValueError(f"unknown phase {phase!r}; choose from {sorted(SCHEDULERS)}")
@@ -120,6 +121,8 @@ class InstanceCore:
         self.num_prefill_tokens_computed = 0  # prompt (and recomputed) tokens of the plans applied
         self.iteration_tokens = CumulativeHistogram(ITERATION_TOKEN_BOUNDS)  # tokens per observed step
         self.step_seconds = CumulativeHistogram(STEP_SECONDS_BOUNDS)  # duration of each observed step
+        # Whether ``observe`` fills the two histograms above (/metrics reads them; a simulation does not).
+        self.step_histograms = step_histograms
         self._counts_before_reset = dict.fromkeys(SCHEDULER_COUNTERS, 0)
         self.reset()
 
@@ -301,8 +304,9 @@ class InstanceCore:
         simulator): the step budget learns from it."""
         self.scheduler.observe_step(plan, seconds, num_lazy_decodes, lazy_decode_ctx)
         self.num_steps += 1
-        self.iteration_tokens.observe(plan.num_batched_tokens + num_lazy_decodes)
-        self.step_seconds.observe(seconds)
+        if self.step_histograms:
+            self.iteration_tokens.observe(plan.num_batched_tokens + num_lazy_decodes)
+            self.step_seconds.observe(seconds)
 
     def apply_oldest(self, sampled: Seq[SampledToken], now: float) -> list[Sequence]:
         """Apply the oldest plan in flight: its sampled tokens, stop rules, the ops that waited for
