@@ -60,6 +60,10 @@ class SimMigrations:
 
     def _migrate(self, entry: Pending, now: float) -> bool:
         src, seq, copy = entry
+        # Where no decode instance has room, every ``reserve`` below says no and changes nothing: a
+        # prefill waiting for room is offered again at every step's end, mostly to no avail.
+        if not any(copy.seq_id not in dst.core.seqs and dst.core.decode.can_reserve(copy) for dst in self.decodes):
+            return False
         for dst in decode_order(self.decodes, route_of, seq.request_class, self.config.decode_scheduler.latency_max_num_seqs):
             reservation = dst.core.reserve(copy)
             if reservation is not None:
