@@ -12,8 +12,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from distserve.cluster.admission import AdmissionItem, AdmissionQueue, EntryLoad, entry_load, measured_tpot_s
-from distserve.cluster.backpressure import step_capacity
+from distserve.cluster.admission import AdmissionItem, AdmissionQueue, EntryLoad, measured_tpot_s
 from distserve.cluster.routing import entry_hashes, pick_entry
 from distserve.config import SamplingParams
 from distserve.engine.sequence import Sequence
@@ -87,12 +86,7 @@ class SimAdmission:
         block_size, prefix_caching, router = self.config.block_size, self.config.enable_prefix_caching, self.config.router
 
         def load(inst: SimInstance) -> EntryLoad:
-            if inst.lazy is None:
-                return entry_load(inst.core.scheduler, tpot)
-            # ``entry_load``, the lazy decodes at the head of ``running`` left unread (they hold no prompt tokens).
-            sched = inst.core.scheduler
-            return EntryLoad(sched.num_waiting, tpot, sched.pending_prompt_tokens(inst.lazy.num_members),
-                             *step_capacity(sched.config, sched.phase, sched.pipeline_depth))
+            return inst.entry_load(tpot)
 
         def place(item: AdmissionItem, accepting: list[SimInstance]) -> SimInstance:
             seq: Sequence = item.payload

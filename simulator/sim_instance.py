@@ -12,6 +12,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
+from distserve.cluster.backpressure import EntryLoad, entry_load, step_capacity
 from distserve.cluster.routing import RouteState
 from distserve.engine.instance_core import InstanceCore
 from distserve.engine.step_plan import StepPlan
@@ -86,6 +87,15 @@ class SimInstance:
     @property
     def num_gpus(self) -> int:
         return self.tp * self.pp
+
+    def entry_load(self, tpot_s: float | None) -> EntryLoad:
+        """``cluster.backpressure.entry_load`` of this (entry) instance: its lazy decodes, the head of
+        ``running``, left unread (they hold no prompt tokens)."""
+        sched = self.core.scheduler
+        if self.lazy is None:
+            return entry_load(sched, tpot_s)
+        return EntryLoad(sched.num_waiting, tpot_s, sched.pending_prompt_tokens(self.lazy.num_members),
+                         *step_capacity(sched.config, sched.phase, sched.pipeline_depth))
 
     def summary(self, duration_s: float) -> dict[str, float]:
         """Its figures in ``SimResult.instances``, for a run that lasted ``duration_s``."""

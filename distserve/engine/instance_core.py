@@ -247,7 +247,10 @@ class InstanceCore:
 
     def computes(self, seq_id: str) -> bool:
         """Whether a plan in flight computes ``seq_id`` (its blocks must not be freed yet)."""
-        return any(p.computes(seq_id) for p in self.in_flight)
+        for p in self.in_flight:  # (a loop, not any(): a pipelined prefill instance asks this per release)
+            if p.computes(seq_id):
+                return True
+        return False
 
     def run_deferred(self) -> None:
         """The deferred ops whose request no plan in flight computes any more, in order."""
