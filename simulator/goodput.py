@@ -273,6 +273,15 @@ def _paths(search: _Search, known: dict[float, bool]) -> list[tuple[float, dict[
     return out
 
 
+def _narrowed(paths: list[tuple[float, dict[float, bool]]], rate: float, outcome: bool) -> list[tuple[float, dict[float, bool]]]:
+    """``_paths(search, known)`` from the ``paths`` of ``known`` without ``rate``, now that ``rate``'s
+    ``outcome`` is known: the ways that assumed the other outcome go, the rest lose the assumption.
+    Exactly ``_paths``' answer, in its order (the search tree with ``rate``'s forks cut to one side,
+    walked as before) — and never more than ``_MAX_PATHS`` of them, as those were not."""
+    return [(lo, {r: ok for r, ok in assumed.items() if r != rate} if rate in assumed else assumed)
+            for lo, assumed in paths if assumed.get(rate, outcome) == outcome]
+
+
 def _reaches(search: _Search, probe: Callable[[float], bool],
              known: dict[float, bool], min_rate: float, max_rate: float | None) -> bool:
     """Whether ``search(probe)`` ends at or above ``min_rate``, probing only what it takes to know.
@@ -284,8 +293,13 @@ def _reaches(search: _Search, probe: Callable[[float], bool],
     just below ``min_rate`` that the search would have to pass is tried early, and rates it would
     surely pass are left for last. Without one, the probes follow the search's own order.
     """
+    paths: list[tuple[float, dict[float, bool]]] | None = None
+    learned: float | None = None  # the rate probed last (its outcome is in ``known`` now)
     while True:
-        paths = _paths(search, known)
+        if paths is None or learned is None:
+            paths = _paths(search, known)
+        else:
+            paths = _narrowed(paths, learned, known[learned])
         if paths is None:
             return True  # too many to weigh: run the search itself
         wins = [assumed for lo, assumed in paths if lo >= min_rate]
@@ -297,6 +311,7 @@ def _reaches(search: _Search, probe: Callable[[float], bool],
             step = _run_until_unknown(search, known)
             assert not isinstance(step, tuple)  # some ways are still open: the search has not ended
             probe(step)
+            learned = step
             continue
         rates = {r for _, assumed in paths for r in assumed}
         top = min((r for r, ok in known.items() if not ok), default=1.5 * max_rate)
@@ -313,4 +328,5 @@ def _reaches(search: _Search, probe: Callable[[float], bool],
             w = weight(assumed)
             for r, ok in assumed.items():
                 score[r] += w * (1.0 - p_pass(r) if ok else p_pass(r))  # the chance that r rules this way out
-        probe(max(rates, key=lambda r: (score[r], r)))
+        learned = max(rates, key=lambda r: (score[r], r))
+        probe(learned)
