@@ -99,6 +99,7 @@ class SimAdmission:
             self._sampled[seq.seq_id] = SampledToken(seq.seq_id, SAMPLED_TOKEN)
             self.records[seq.seq_id].admission_wait_s = item.wait_s
             inst.core.add(seq)
+            inst.last_load = None
             if inst.layered is not None:
                 self._push_completions(inst.layered.arrived(seq, now, self.shared))
             self._launch_at_end(inst)

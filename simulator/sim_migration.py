@@ -88,6 +88,7 @@ class SimMigrations:
         """A transfer arrived: the decode instance takes the request, the prefill instance frees it."""
         dst.rx_ends.popleft()
         self._admission_stale = True  # the entry (prefill) instance changed
+        src.last_load = None
         src.core.release(seq_id)
         src.route.release(seq_id)
         dst.core.complete(seq_id)

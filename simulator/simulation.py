@@ -209,6 +209,7 @@ class Simulation(SimAdmission, SimMigrations):
             now, kind, _, payload = pop(events)
             if kind == STEP_DONE:
                 inst, plan, version = payload  # type: ignore[misc]
+                inst.last_load = None
                 if version != inst.step_version:
                     if self.shared is not None:
                         continue  # superseded: shared compute moved this step's completion
@@ -293,6 +294,7 @@ class Simulation(SimAdmission, SimMigrations):
 
     def _try_launch(self, inst: SimInstance, now: float) -> None:
         core = inst.core
+        inst.last_load = None
         if inst.kind != "decode":
             self._admission_stale = True  # its load may change: the next dispatch attempt reads it again
         if inst.layered is not None:
