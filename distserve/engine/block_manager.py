@@ -207,7 +207,7 @@ class BlockManager:
 
     def allocate_blocks(self, num_blocks: int) -> list[int] | None:
         """Raw blocks for a caller that fills them itself (e.g. KV received from another instance)."""
-        if num_blocks > self.num_free_blocks:
+        if num_blocks > self.num_blocks - len(self.ref_counts) + self._num_freed:  # (num_free_blocks)
             return None
         return self._take_free_blocks(num_blocks)
 
@@ -302,12 +302,15 @@ class BlockManager:
             self._drop_in_flight(seq)
         ref_counts, log = self.ref_counts, self._free_log
         num_logged = len(log)
+        append = log.append
         for b in reversed(seq.block_table):  # free_block inlined: one call per block adds up
-            n = ref_counts[b]
-            assert n > 0, f"double free of block {b}"
-            ref_counts[b] = n - 1
-            if n == 1:
-                log.append(b)
+            if ref_counts[b] == 1:  # (the common case first)
+                ref_counts[b] = 0
+                append(b)
+            else:
+                n = ref_counts[b]
+                assert n > 0, f"double free of block {b}"
+                ref_counts[b] = n - 1
         self._num_freed += len(log) - num_logged
         seq.block_table = []
         seq.block_hashes = []

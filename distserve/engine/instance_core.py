@@ -240,7 +240,7 @@ class InstanceCore:
         Ops of one request run in call order: one arriving behind a queued op of its id queues too
         (e.g. the re-run of a request whose earlier attempt's abort is still waiting).
         """
-        if self.computes(seq_id) or any(queued == seq_id for queued, _ in self._deferred):
+        if self.computes(seq_id) or (self._deferred and any(queued == seq_id for queued, _ in self._deferred)):
             self._deferred.append((seq_id, run))
         else:
             run()
