@@ -31,7 +31,7 @@ from distserve.placement import Placement
 from distserve.slo import SLOSpec, attainment, max_misses, meets, slo_for_objective
 from simulator.latency import LatencyModel
 from simulator.metrics import RequestRecord, SimResult
-from simulator.simulation import SimConfig, Simulation, with_rate
+from simulator.simulation import SimConfig, Simulation, gc_paused, with_rate
 from simulator.workload import Request
 
 
@@ -136,6 +136,14 @@ def find_goodput(
     simulating); ``early_pass`` also once it is certain to pass (then ``result`` may be a run that
     stopped early: its attainment a lower bound).
     """
+    with gc_paused():  # (its probes, and weighing the search's ways between them)
+        return _find_goodput(placement, latency, unit_rate_requests, slo, config, rel_tol, start_rate, max_probes,
+                             max_rate, min_rate, early_stop, early_pass)
+
+
+def _find_goodput(placement: Placement, latency: LatencyModel, unit_rate_requests: Sequence[Request], slo: SLOSpec,
+                  config: SimConfig | None, rel_tol: float, start_rate: float | None, max_probes: int,
+                  max_rate: float | None, min_rate: float | None, early_stop: bool, early_pass: bool) -> GoodputResult:
     if not unit_rate_requests:
         raise InvalidConfigError("the workload has no requests")
     if not 0 < rel_tol < 1:
