@@ -193,6 +193,7 @@ class Simulation(SimAdmission, SimMigrations):
         # The copy is made once; a failed ``reserve`` leaves it untouched, so retries reuse it.
         self.pending: MigrationQueue[tuple[SimInstance, Sequence, Sequence]] = MigrationQueue()
         self._migrate_at = -1.0  # the instant a MIGRATE event is queued for
+        self._no_room: set[str] = set()
         self._due: list[SimInstance] = []  # instances to launch at the end of this instant
         # One SampledToken per live request, reused every step: update_from_output only reads it.
         self._sampled: dict[str, SampledToken] = {}
