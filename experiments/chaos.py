@@ -37,6 +37,7 @@ import random
 import re
 import signal
 import sys
+import tempfile
 import time
 from collections.abc import Awaitable, Callable
 from glob import glob
@@ -99,6 +100,7 @@ class Run:
         self.rows: list[dict[str, Any]] = []
         self.figures: dict[str, Any] = {}
         self._names: dict[int, str] = {}
+        self.request_log: str | None = None  # the server's ``--request-log`` (overload row)
 
     # ---- the server's state ----------------------------------------------------------------------
     def actor_pids(self) -> dict[str, int]:
@@ -355,7 +357,26 @@ async def overload(run: Run, goodput: float, slo: tuple[float, float]) -> None:
             admitted_tpot_p90_s=_p90([(r.end_s - r.first_s) / max(1, args.max_tokens - 1) for r in admitted
                                       if r.first_s is not None and r.end_s is not None]),
             cpu_cores=os.cpu_count(), server_cpu_cores_used=round(cpu_server / wall, 2), client_cpu_cores_used=round(cpu_client / wall, 2),
-            rss_mb_before=round(base_rss / 1024), rss_mb_max=round(max(rss, default=base_rss) / 1024), new_requests_ok=await run.new_requests_ok("overload 10x"))
+            rss_mb_before=round(base_rss / 1024), rss_mb_max=round(max(rss, default=base_rss) / 1024),
+            admitted_breakdown_s=breakdown_percentiles(run.request_log),
+            new_requests_ok=await run.new_requests_ok("overload 10x"))
+
+
+def breakdown_percentiles(request_log: str | None) -> dict[str, dict[str, float]] | None:
+    """p50 / p90 of each part of the server's latency breakdown (queueing, prefill, waiting for a decode
+    instance, KV migration, decode: DistServe's Figure 10) over the requests of the server's log that
+    finished with their tokens."""
+    if request_log is None or not os.path.exists(request_log):
+        return None
+    with open(request_log, encoding="utf-8") as f:
+        records = [json.loads(line) for line in f if line.strip()]
+    parts: dict[str, list[float]] = {}
+    for rec in records:
+        if rec.get("finish_reason") in ("length", "stop") and rec.get("breakdown"):
+            for name, value in rec["breakdown"].items():
+                if value is not None:
+                    parts.setdefault(name, []).append(value)
+    return {name: {"p50": round(_pct(v, 0.5), 3), "p90": round(_pct(v, 0.9), 3), "n": len(v)} for name, v in parts.items()} or None
 
 
 async def soak(run: Run, goodput: float) -> None:
@@ -375,8 +396,12 @@ async def soak(run: Run, goodput: float) -> None:
             new_requests_ok=await run.new_requests_ok("soak 70%"))
 
 
+def _pct(values: list[float], q: float) -> float:
+    return sorted(values)[int(q * (len(values) - 1))]
+
+
 def _p90(values: list[float]) -> float | None:
-    return round(sorted(values)[int(0.9 * (len(values) - 1))], 3) if values else None
+    return round(_pct(values, 0.9), 3) if values else None
 
 
 async def single_ttft(run: Run) -> float | None:
@@ -452,7 +477,8 @@ async def scenarios(args: argparse.Namespace, servers: list[ServerProcess]) -> R
         if "soak" in args.rows:  # on the server that went through every row above
             await soak(run, goodput)
         if "overload" in args.rows:
-            await run.restart(slo_flags(slo))  # the deployment configured for the SLO measured above
+            run.request_log = tempfile.mkstemp(prefix="chaos_overload_", suffix=".jsonl")[1]  # where the admitted requests' time went
+            await run.restart(slo_flags(slo) + ["--request-log", run.request_log])  # the deployment configured for the SLO measured above
             await overload(run, goodput, slo)
         if "shutdown" in args.rows:
             await shutdown(run)
@@ -460,7 +486,8 @@ async def scenarios(args: argparse.Namespace, servers: list[ServerProcess]) -> R
 
 
 def report(args: argparse.Namespace, run: Run) -> None:
-    out = harness.Outputs.for_run(args, "chaos")
+    # Some rows only (--rows): chaos_ROW[_ROW...].*, beside the full report's chaos.*.
+    out = harness.Outputs.for_run(args, "chaos", "" if set(args.rows) == set(ROWS) else "_".join(args.rows))
     rows = run.rows
     lines = [f"# Chaos suite: {args.model} ({args.dtype}), 1 prefill + 1 decode ({args.decode_parallel.upper()}=2) on the Ray runtime, "
              f"{os.cpu_count()} cores",
@@ -471,6 +498,16 @@ def report(args: argparse.Namespace, run: Run) -> None:
     for r in rows:
         lines.append(f"| {r['scenario']} | {r['sent']} | {r['identical']} | {r['error']} | {r['lost']} | {r['hung']} | "
                      f"{r['blocks_leaked']} | {'-' if r['recovery_s'] is None else r['recovery_s']} |")
+    over = next((r for r in rows if r["scenario"] == "overload 10x"), None)
+    if over is not None:
+        lines += ["", f"Overload 10x: {over['admitted']} admitted ({over['admitted_rps']} req/s), {over['rejected_429']} refused with 429; "
+                  f"admitted SLO attainment {over['admitted_slo_attainment']} (TTFT p90 {over['admitted_ttft_p90_s']} s vs "
+                  f"{run.figures['slo_ttft_s']}, TPOT p90 {over['admitted_tpot_p90_s']} s vs {run.figures['slo_tpot_s']}); "
+                  f"cores used: server {over['server_cpu_cores_used']}, load generator {over['client_cpu_cores_used']}."]
+        if over.get("admitted_breakdown_s"):
+            lines += ["", "Where the admitted requests' time went (the server's request log; p50 / p90 s):", "",
+                      "| " + " | ".join(over["admitted_breakdown_s"]) + " |", "|" + "---:|" * len(over["admitted_breakdown_s"]),
+                      "| " + " | ".join(f"{v['p50']} / {v['p90']}" for v in over["admitted_breakdown_s"].values()) + " |"]
     lines += ["", "Per row (JSON): " + str(out.path(".json").name) + "; every request: " + out.path("_ledger.json.gz").name]
     out.markdown(lines)
     out.json({"figures": run.figures, "rows": rows})

@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from distserve.cluster.admission import AdmissionItem, AdmissionQueue, EntryLoad, measured_tpot_s
+from distserve.cluster.backpressure import decode_room_tokens, held_prompt_tokens
 from distserve.cluster.routing import entry_hashes, pick_entry
 from distserve.config import SamplingParams
 from distserve.engine.sequence import Sequence
@@ -81,12 +82,16 @@ class SimAdmission:
         for item in expired:
             rec = self.records[item.request_id]
             rec.dropped, rec.admission_wait_s = "rejected" if item.shed else "expired", item.wait_s
-        tpot = measured_tpot_s((i.core.scheduler.num_running, i.core.last_step_s) for i in self.decodes or self.entry) \
-            if self.config.admission.tpot_slo_s is not None else None
         block_size, prefix_caching, router = self.config.block_size, self.config.enable_prefix_caching, self.config.router
+        tpot = room = None
+        if self.config.admission.tpot_slo_s is not None:
+            tpot = measured_tpot_s((i.core.scheduler.num_running, i.core.last_step_s) for i in self.decodes or self.entry)
+            if self.decodes:
+                room = decode_room_tokens((i.core.num_free_blocks * block_size for i in self.decodes),
+                                          (held_prompt_tokens(i.core.scheduler) for i in self.entry))
 
         def load(inst: SimInstance) -> EntryLoad:
-            return inst.entry_load(tpot)
+            return inst.entry_load(tpot, room)
 
         def place(item: AdmissionItem, accepting: list[SimInstance]) -> SimInstance:
             seq: Sequence = item.payload

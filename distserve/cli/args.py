@@ -145,7 +145,9 @@ def _add_admission_args(p: argparse.ArgumentParser, tpot_flag: str) -> None:
                    help=f"with --waiting-unit requests: requests that may wait in an entry instance (default {DEFAULT_MAX_WAITING}, TNG's)")
     p.add_argument("--no-backpressure", action="store_true", help="dispatch every request on arrival (no admission queueing)")
     p.add_argument("--tpot-backpressure", action="store_true",
-                   help=f"backpressure also holds requests while the measured decode TPOT exceeds {tpot_flag}")
+                   help=f"backpressure also holds requests while the measured decode TPOT exceeds {tpot_flag} and, "
+                   "disaggregated, while the decode instances' free KV cannot hold the prompts the prefill instances already "
+                   "have (a prefilled request with nowhere to decode waits after its first token, against its TPOT)")
     p.add_argument("--max-queue-delay", type=latency_type("--max-queue-delay"), default=None, metavar="LATENCY",
                    help="refuse at once (429 with Retry-After) a request whose predicted wait in the admission queue (the requests "
                    f"ahead of it, at the rate the queue drains while backlogged) exceeds LATENCY ({LATENCY_HELP}), and end with a 429 "

@@ -84,6 +84,11 @@ class AdmissionItem:
     shed: bool = False  # set by ``expire``: it waited max_queue_delay_s (rather than past its own timeout)
 
     @property
+    def prompt_tokens(self) -> int:
+        """What its prefill computes (``cost`` when not told)."""
+        return self.cost if self.num_prompt_tokens is None else self.num_prompt_tokens
+
+    @property
     def expired_kind(self) -> str:
         """The ``RequestOutput.error_kind`` of this item once expired: ``SHED`` or ``TIMED_OUT``."""
         return SHED if self.shed else TIMED_OUT
@@ -357,7 +362,7 @@ class AdmissionQueue(Generic[T]):
         out: list[tuple[AdmissionItem, T]] = []
         self.policy.now = now
         while (item := self.policy.peek()) is not None:
-            accepting = [inst for inst in instances if self.backpressure.accepts(loads[id(inst)], item.tier, item.rank)]
+            accepting = [inst for inst in instances if self.backpressure.accepts(loads[id(inst)], item.tier, item.rank, item.prompt_tokens)]
             if not accepting:
                 break
             self.policy.pop()
@@ -365,6 +370,9 @@ class AdmissionQueue(Generic[T]):
             del self._items[item.request_id]
             chosen = place(item, accepting)
             loads[id(chosen)] = loads[id(chosen)].with_dispatched(item)
+            for key, other in loads.items():  # the decode instances' room is every prefill instance's
+                if other.decode_room_tokens is not None:
+                    loads[key] = other.with_decode_room_taken(item.prompt_tokens)
             item.wait_s = now - item.enqueued_at
             c = self.counters_of(item.tenant)
             c.num_queued -= 1

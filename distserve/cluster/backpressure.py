@@ -14,7 +14,12 @@ Two rules, by ``Backpressure.waiting_unit``:
 * ``requests`` (TNG's gateway rule): while fewer than ``max_waiting`` (3) requests wait there.
 
 Under both, batch-tier requests go only to an instance with nothing waiting (TNG), and with a
-decode TPOT SLO (``tpot_slo_s``) none while the measured TPOT of where requests decode exceeds it.
+decode TPOT SLO (``tpot_slo_s``) none while the measured TPOT of where requests decode exceeds it,
+and, on a disaggregated deployment, none while the decode instances lack free KV for what the
+prefill side already holds (``EntryLoad.decode_room_tokens``): a request prefilled with nowhere to
+decode waits for a decode slot after its first token, and that wait is its TPOT's (measured in
+``experiments/chaos.py`` at 10x overload: 13 s of a 25 s time-after-first-token, p50). Held
+back, it waits in the admission queue instead, where ``max_queue_delay_s`` sheds what cannot be served.
 Measured in the simulator (issue 17's flood: one tenant at 10x three chat tenants' rate, OPT-13B
 1P2D, whole prompts per step): the light tenants' P99 TTFT under ``fair`` is 2.6x their TTFT alone
 with ``tokens``, 4.0x with ``requests``, at the same throughput (``tests/simulator/test_fairness_sim.py``).
@@ -22,9 +27,10 @@ with ``tokens``, 4.0x with ``requests``, at the same throughput (``tests/simulat
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Protocol
 
 from distserve.cluster.tenants import BATCH
@@ -52,6 +58,10 @@ class EntryLoad:
     pending_tokens: tuple[int, ...] = ()
     step_tokens: int | None = None
     step_seqs: int | None = None
+    # Disaggregated, under the TPOT rule: the decode instances' free KV tokens less the prompt tokens
+    # every prefill instance holds (waiting, prefilling, awaiting migration): shared by all entry
+    # instances (``decode_room_tokens``). None: not disaggregated, or the rule is off.
+    decode_room_tokens: int | None = None
 
     def tokens_ahead(self, rank: int) -> int:
         """Pending prompt tokens a request of ``rank`` would be computed after."""
@@ -59,8 +69,16 @@ class EntryLoad:
 
     def with_dispatched(self, item: AdmissionItem) -> EntryLoad:
         """This load once ``item`` is added to the instance (a dispatch snapshot's update)."""
-        tokens = item.cost if item.num_prompt_tokens is None else item.num_prompt_tokens
-        return EntryLoad(self.num_waiting + 1, self.tpot_s, add_pending(self.pending_tokens, item.rank, tokens), self.step_tokens, self.step_seqs)
+        tokens = item.prompt_tokens
+        return EntryLoad(self.num_waiting + 1, self.tpot_s, add_pending(self.pending_tokens, item.rank, tokens), self.step_tokens, self.step_seqs,
+                         self.decode_room_tokens)
+
+    def with_decode_room_taken(self, tokens: int) -> EntryLoad:
+        """This load once a request of ``tokens`` prompt tokens went to any prefill instance (the decode
+        room is shared by all of them)."""
+        if self.decode_room_tokens is None:
+            return self
+        return replace(self, decode_room_tokens=self.decode_room_tokens - tokens)
 
 
 def add_pending(pending: tuple[int, ...], rank: int, tokens: int) -> tuple[int, ...]:
@@ -95,10 +113,14 @@ class Backpressure:
         if self.waiting_unit not in WAITING_UNITS:
             raise InvalidConfigError(f"waiting_unit must be one of {', '.join(WAITING_UNITS)}, got {self.waiting_unit!r}", "waiting_unit")
 
-    def accepts(self, load: EntryLoad, tier: str, rank: int = 0) -> bool:
-        """Whether the instance of ``load`` takes a request of ``tier`` and admission ``rank`` now."""
-        if self.tpot_slo_s is not None and load.tpot_s is not None and load.tpot_s > self.tpot_slo_s:
-            return False
+    def accepts(self, load: EntryLoad, tier: str, rank: int = 0, prompt_tokens: int = 0) -> bool:
+        """Whether the instance of ``load`` takes a request of ``tier``, admission ``rank`` and
+        ``prompt_tokens`` now."""
+        if self.tpot_slo_s is not None:
+            if load.tpot_s is not None and load.tpot_s > self.tpot_slo_s:
+                return False
+            if load.decode_room_tokens is not None and load.decode_room_tokens < prompt_tokens:
+                return False
         if self.max_waiting is None:
             return True
         if tier == BATCH and load.num_waiting:
@@ -116,6 +138,23 @@ def measured_tpot_s(decoding: Iterable[tuple[int, float]]) -> float | None:
     requests decode: the best busy instance's last step (None: nothing decodes, so nothing to protect)."""
     times = [step_s for num_running, step_s in decoding if num_running > 0 and step_s > 0]
     return min(times) if times else None
+
+
+def held_prompt_tokens(scheduler: Any) -> int:
+    """The KV tokens a decode instance reserves (prompt and first token, in whole blocks) for every request
+    a prefill instance's scheduler holds: waiting, prefilling, and prefilled awaiting migration
+    (``EntryLoad.decode_room_tokens``); 0 for a colocated one (it decodes its own)."""
+    if scheduler.phase != "prefill":
+        return 0
+    bs = scheduler.block_manager.block_size
+    seqs = itertools.chain(scheduler.waiting, scheduler.running, scheduler.isolated, getattr(scheduler, "awaiting_migration", {}).values())
+    return sum(-(-(s.num_prompt_tokens + 1) // bs) for s in seqs) * bs
+
+
+def decode_room_tokens(decode_free_tokens: Iterable[int], held_tokens: Iterable[int]) -> int:
+    """``EntryLoad.decode_room_tokens``: free KV tokens of the decode instances (free blocks x block
+    size, each as its latest step left it) less the prompt tokens held by the prefill instances."""
+    return sum(decode_free_tokens) - sum(held_tokens)
 
 
 def step_capacity(config: Any, phase: str, pipeline_depth: int = 1) -> tuple[int, int]:
@@ -144,14 +183,14 @@ class PendingPrompts(Protocol):
     def pending_prompt_tokens(self) -> tuple[int, ...]: ...
 
 
-def entry_load(scheduler: PendingPrompts, tpot_s: float | None) -> EntryLoad:
+def entry_load(scheduler: PendingPrompts, tpot_s: float | None, decode_room: int | None = None) -> EntryLoad:
     """An in-process entry instance's load, from its scheduler (a driver whose instances live elsewhere
     builds ``EntryLoad`` from the same figures in their stats)."""
     return EntryLoad(scheduler.num_waiting, tpot_s, scheduler.pending_prompt_tokens(),
-                     *step_capacity(scheduler.config, scheduler.phase, scheduler.pipeline_depth))
+                     *step_capacity(scheduler.config, scheduler.phase, scheduler.pipeline_depth), decode_room)
 
 
 __all__ = [
     "Backpressure", "DEFAULT_MAX_WAITING", "add_pending", "DEFAULT_WAITING_UNIT", "EntryLoad", "NO_BACKPRESSURE", "PendingPrompts", "REQUESTS", "TOKENS",
-    "WAITING_UNITS", "entry_load", "measured_tpot_s", "step_capacity",
+    "WAITING_UNITS", "decode_room_tokens", "entry_load", "held_prompt_tokens", "measured_tpot_s", "step_capacity",
 ]

@@ -22,7 +22,7 @@ import asyncio
 import time
 from typing import TYPE_CHECKING
 
-from distserve.cluster.backpressure import add_pending, step_capacity
+from distserve.cluster.backpressure import add_pending, decode_room_tokens, step_capacity
 from distserve.cluster.admission import AdmissionItem, AdmissionQueue, EntryLoad, expired_error, measured_tpot_s
 from distserve.cluster.routing import entry_hashes, pick_entry
 from distserve.config import CacheConfig
@@ -37,18 +37,24 @@ from distserve.runtime.ray_deployment import DeployedInstance, route_of
 DEADLINE_SLACK_S = 1e-3
 
 
-def instance_load(inst: DeployedInstance, tpot: float | None) -> EntryLoad:
+def _unseen(inst: DeployedInstance) -> list[tuple[int, int, int]]:
+    """The requests sent to ``inst`` that its latest step had not received yet: (add number, rank, prompt tokens)."""
+    seen = inst.last_step.num_added if inst.last_step is not None else 0
+    inst.unseen = [u for u in inst.unseen if u[0] > seen]
+    return inst.unseen
+
+
+def instance_load(inst: DeployedInstance, tpot: float | None, decode_room: int | None = None) -> EntryLoad:
     """What backpressure reads of an entry instance: the waiting requests and pending prompt tokens
     (by admission rank) its latest step reported, plus those sent to it that the step had not
     received yet, and what a step of its scheduler takes."""
     last = inst.last_step
-    seen = last.num_added if last is not None else 0
-    inst.unseen = [u for u in inst.unseen if u[0] > seen]
+    unseen = _unseen(inst)
     pending = last.pending_prompt_tokens if last is not None else ()
-    for _, rank, tokens in inst.unseen:
+    for _, rank, tokens in unseen:
         pending = add_pending(pending, rank, tokens)
-    waiting = (last.num_waiting if last is not None else 0) + inst.num_added - seen
-    return EntryLoad(waiting, tpot, pending, *step_capacity(inst.spec.scheduler, inst.spec.phase, inst.spec.pp))
+    waiting = (last.num_waiting if last is not None else 0) + len(unseen)
+    return EntryLoad(waiting, tpot, pending, *step_capacity(inst.spec.scheduler, inst.spec.phase, inst.spec.pp), decode_room)
 
 
 class AdmissionDriver:
@@ -159,9 +165,10 @@ class AdmissionDriver:
         if not self.admission:
             return
         tpot = self._measured_tpot()
+        room = self._decode_room()
 
         def load(inst: DeployedInstance) -> EntryLoad:
-            return instance_load(inst, tpot)
+            return instance_load(inst, tpot, room)
 
         def place(item: AdmissionItem, accepting: list[DeployedInstance]) -> DeployedInstance:
             self._cancel_deadline(item.request_id)
@@ -179,6 +186,22 @@ class AdmissionDriver:
             (i.last_step.num_running, i.last_step.step_seconds)
             for i in self.instances if i.alive and i.phase != "prefill" and i.last_step is not None
         )
+
+    def _decode_room(self) -> int | None:
+        """``EntryLoad.decode_room_tokens`` under the TPOT rule on a disaggregated deployment (else None):
+        the live decode instances' free KV as their latest steps reported it (all of it before their
+        first), less the prompt tokens the prefill instances hold (their latest steps' count plus
+        what was sent to them since)."""
+        if self.admission.backpressure.tpot_slo_s is None:
+            return None
+        decodes = [i for i in self.instances if i.alive and i.phase == "decode"]
+        if not decodes:
+            return None
+        block_size = self.cache_config.block_size
+        free = ((i.last_step.num_free_blocks if i.last_step is not None else i.spec.num_blocks) * block_size for i in decodes)
+        held = ((i.last_step.held_prompt_tokens if i.last_step is not None else 0) + sum(u[2] for u in _unseen(i))
+                for i in self.instances if i.alive and i.phase == "prefill")
+        return decode_room_tokens(free, held)
 
     # ---- leaving -------------------------------------------------------------------------------
     def _unqueue(self, request_id: str) -> None:

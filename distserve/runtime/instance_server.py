@@ -41,6 +41,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from distserve.cluster.backpressure import held_prompt_tokens
 from distserve.config import CacheConfig, SchedulerConfig
 from distserve.decode.scheduler import Reservation
 from distserve.engine.instance_core import SCHEDULERS, InstanceCore, PlanInFlight, SeqUpdate
@@ -91,6 +92,8 @@ class StepResult:
     num_running: int = 0
     num_added: int = 0
     pending_prompt_tokens: tuple[int, ...] = ()  # prompt tokens not yet computed, by admission rank (``Scheduler.pending_prompt_tokens``)
+    num_free_blocks: int = 0  # of its KV cache (decode room: ``backpressure.decode_room_tokens``)
+    held_prompt_tokens: int = 0  # prefill: of every request it holds (``backpressure.held_prompt_tokens``)
 
 
 class InstanceServer:
@@ -338,6 +341,9 @@ class InstanceServer:
         result.num_waiting, result.num_running = core.scheduler.num_waiting, core.scheduler.num_running
         result.num_added = self._num_added
         result.pending_prompt_tokens = core.scheduler.pending_prompt_tokens()
+        result.num_free_blocks = core.num_free_blocks
+        if core.scheduler.phase == "prefill":
+            result.held_prompt_tokens = held_prompt_tokens(core.scheduler)
 
     def _is_done(self, p: PlanInFlight) -> bool:
         if not p.refs:

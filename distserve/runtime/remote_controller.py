@@ -171,10 +171,13 @@ class RemoteController:
         over = False  # the actor's side of the request has ended: nothing to abort
         try:
             try:
-                await _call(actor.submit.remote(proxy_id, ids, sampling, request_id, priority, request_class, timeout_s))
+                refused = await _call(actor.submit.remote(proxy_id, ids, sampling, request_id, priority, request_class, timeout_s))
             except Exception:
                 over = True
                 raise
+            if refused is not None:
+                over = True
+                raise refused
             while True:
                 item = await queue.get()
                 if item is None:  # ended without a finished output: the request was aborted

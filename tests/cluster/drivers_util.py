@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -74,6 +75,7 @@ class Trace:
     migrations: list[tuple[str, str, str]] = field(default_factory=list)
     max_awaiting_migration: int = 0  # engine only: the most finished prefills that waited for room after a round
     counters: ClusterCounters | None = None  # simulator only: its migration counters
+    records: list[Any] = field(default_factory=list)  # simulator only: its request records
 
     def on_plan(self, instance_id: str, plan: StepPlan) -> None:
         if plan.chunks:
@@ -164,7 +166,7 @@ def run_simulator(
         for i, a in enumerate(arrivals)
     ]
     result = sim.run(requests)
-    trace.counters = sim.counters
+    trace.counters, trace.records = sim.counters, result.records
     assert all(r.num_output_tokens == a.output_len for r, a in zip(sorted(result.records, key=lambda r: r.req_id), arrivals))
     return trace
 

@@ -165,6 +165,21 @@ def test_tpot_backpressure() -> None:
         Backpressure(max_waiting=0)
 
 
+def test_decode_room_is_shared_by_every_prefill_instance() -> None:
+    """Under the TPOT rule, prompts go to prefill instances only while the decode instances' free KV holds
+    them; each dispatch takes from the room every prefill instance reads."""
+    bp = Backpressure(tpot_slo_s=1.0)
+    assert bp.accepts(EntryLoad(0, decode_room_tokens=64), "default", prompt_tokens=64)
+    assert not bp.accepts(EntryLoad(0, decode_room_tokens=63), "default", prompt_tokens=64)
+    assert Backpressure().accepts(EntryLoad(0, decode_room_tokens=0), "default", prompt_tokens=64)  # the rule is the TPOT SLO's
+    q = AdmissionQueue("fcfs", backpressure=bp)
+    for i in range(6):
+        q.push(AdmissionItem(f"r{i}", RequestClass(), 50, float(i), num_prompt_tokens=40), 0.0)
+    out = q.dispatch(0.0, ["p0", "p1"], lambda inst: EntryLoad(0, None, decode_room_tokens=100), lambda item, ok: ok[-1])
+    assert [(item.request_id, inst) for item, inst in out] == [("r0", "p1"), ("r1", "p1")]  # 100 - 2 x 40 < 40: p0 takes none
+    assert len(q) == 4
+
+
 def test_bounds_raise_queue_full_with_retry_after_from_the_drain_rate() -> None:
     q = AdmissionQueue("fair", {"small": TenantSpec("small", max_queued_requests=2)}, max_queued_requests=5, backpressure=NO_BACKPRESSURE)
     f = Feeder(q)

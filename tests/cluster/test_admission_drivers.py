@@ -12,7 +12,7 @@ from distserve.cluster.tenants import TenantSpec
 from distserve.config import SchedulerConfig
 from distserve.engine.weights import LoadedModel, load_model
 from distserve.cluster.admission import AdmissionConfig as Admission
-from drivers_util import Arrival, Setup, run_engine, run_simulator
+from drivers_util import Arrival, Setup, Trace, run_engine, run_simulator
 
 HEAVY, LIGHT = RequestClass(tenant="heavy"), RequestClass(tenant="light")
 BULK = RequestClass("throughput", tenant="bulk")
@@ -68,3 +68,26 @@ def test_both_drivers_admit_alike(tiny: LoadedModel, policy: str) -> None:
         assert min(pos["11"], pos["12"]) > max(pos[str(i)] for i in range(11))  # the batch tier goes last
     assert engine.admission.counters["light"].num_dispatched == 4
     assert engine.admission.counters["bulk"].num_dispatched == 2
+
+
+def test_decode_room_holds_prompts_in_the_admission_queue_on_both_drivers(tiny: LoadedModel) -> None:
+    """Under the TPOT rule a prefill instance takes a prompt only while the decode instance's free KV holds
+    what the prefill side already has: prefilled requests no longer wait for a decode slot after their
+    first token (that wait is their TPOT's); they wait in the admission queue. Both drivers (each reads
+    the decode instance's free KV at its own moment: the engine before a round, the simulator when
+    dispatch runs, so their plans are not compared here)."""
+    setup = Setup(1, 1, 32, SchedulerConfig(max_num_batched_tokens=64), SchedulerConfig(max_num_seqs=16))
+    arrivals = [Arrival(0, tuple(range(10 + 12 * i, 22 + 12 * i)), 30) for i in range(16)]  # 16 x (12 + 30) tokens: 11 blocks each
+    held = Admission("fcfs", tpot_slo_s=1e9)  # a TPOT nothing exceeds: only the decode room binds
+    free, engine = run_engine(tiny, setup, arrivals, admission=Admission("fcfs"))
+    engine_trace, _ = run_engine(tiny, setup, arrivals, admission=held)
+    assert free.max_awaiting_migration == 8  # without the rule: prefilled prompts pile up behind the full decode instance
+    assert engine_trace.max_awaiting_migration == 1  # with it, only while decoding requests grow into the room they left
+    assert len(engine_trace.steps["decode-0"]) <= len(free.steps["decode-0"]) + 1  # in about as many decode steps
+
+    def worst_tpot(trace: Trace) -> float:
+        return max((r.finish_s - r.first_token_s) / (r.num_output_tokens - 1) for r in trace.records)
+
+    sim_free, sim_held = run_simulator(engine, setup, arrivals), run_simulator(engine, setup, arrivals, admission=held)
+    assert worst_tpot(sim_held) < 0.8 * worst_tpot(sim_free)
+    assert max(r.admission_wait_s for r in sim_held.records) > max(r.admission_wait_s for r in sim_free.records)
