@@ -191,8 +191,11 @@ def attainment(records: Sequence[TimedRequest], slo: SLO | SLOSpec) -> dict[str,
         raise InvalidConfigError("no requests to score")
     spec = as_spec(slo)
     ok_ttft = ok_tpot = ok_both = 0
+    targets: dict[tuple[str | None, str], SLO] = {}  # by (class, objective): a planner scores every probe
     for r in records:
-        target = slo_for_objective(spec.for_class(r.slo_class), r.objective)
+        target = targets.get((r.slo_class, r.objective))
+        if target is None:
+            target = targets[r.slo_class, r.objective] = slo_for_objective(spec.for_class(r.slo_class), r.objective)
         a, b = r.meets_ttft(target), r.meets_tpot(target)
         ok_ttft += a
         ok_tpot += b

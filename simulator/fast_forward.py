@@ -54,7 +54,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from distserve.cluster.backpressure import entry_load
 from distserve.engine.sequence import Sequence
 
 if TYPE_CHECKING:
@@ -75,7 +74,7 @@ def horizon(sim: Simulation, inst: SimInstance, now: float) -> float:
         # an arrival, a dispatch or a deadline.
         item = adm.policy.peek()
         if sim.config.admission.tpot_slo_s is not None or item is None or any(
-                adm.backpressure.accepts(entry_load(e.core.scheduler, None), item.tier, item.rank) for e in sim.entry):
+                adm.backpressure.accepts(e.entry_load(None), item.tier, item.rank) for e in sim.entry):
             return float("-inf")
         h = min(h, adm.next_deadline())
         if inst.kind != "decode":

@@ -31,7 +31,7 @@ from distserve.placement import Placement
 from distserve.slo import SLOSpec, attainment, max_misses, meets, slo_for_objective
 from simulator.latency import LatencyModel
 from simulator.metrics import RequestRecord, SimResult
-from simulator.simulation import SimConfig, Simulation, with_rate
+from simulator.simulation import SimConfig, Simulation, gc_paused, with_rate
 from simulator.workload import Request
 
 
@@ -136,6 +136,14 @@ def find_goodput(
     simulating); ``early_pass`` also once it is certain to pass (then ``result`` may be a run that
     stopped early: its attainment a lower bound).
     """
+    with gc_paused():  # (its probes, and weighing the search's ways between them)
+        return _find_goodput(placement, latency, unit_rate_requests, slo, config, rel_tol, start_rate, max_probes,
+                             max_rate, min_rate, early_stop, early_pass)
+
+
+def _find_goodput(placement: Placement, latency: LatencyModel, unit_rate_requests: Sequence[Request], slo: SLOSpec,
+                  config: SimConfig | None, rel_tol: float, start_rate: float | None, max_probes: int,
+                  max_rate: float | None, min_rate: float | None, early_stop: bool, early_pass: bool) -> GoodputResult:
     if not unit_rate_requests:
         raise InvalidConfigError("the workload has no requests")
     if not 0 < rel_tol < 1:
@@ -273,6 +281,15 @@ def _paths(search: _Search, known: dict[float, bool]) -> list[tuple[float, dict[
     return out
 
 
+def _narrowed(paths: list[tuple[float, dict[float, bool]]], rate: float, outcome: bool) -> list[tuple[float, dict[float, bool]]]:
+    """``_paths(search, known)`` from the ``paths`` of ``known`` without ``rate``, now that ``rate``'s
+    ``outcome`` is known: the ways that assumed the other outcome go, the rest lose the assumption.
+    Exactly ``_paths``' answer, in its order (the search tree with ``rate``'s forks cut to one side,
+    walked as before) — and never more than ``_MAX_PATHS`` of them, as those were not."""
+    return [(lo, {r: ok for r, ok in assumed.items() if r != rate} if rate in assumed else assumed)
+            for lo, assumed in paths if assumed.get(rate, outcome) == outcome]
+
+
 def _reaches(search: _Search, probe: Callable[[float], bool],
              known: dict[float, bool], min_rate: float, max_rate: float | None) -> bool:
     """Whether ``search(probe)`` ends at or above ``min_rate``, probing only what it takes to know.
@@ -284,8 +301,13 @@ def _reaches(search: _Search, probe: Callable[[float], bool],
     just below ``min_rate`` that the search would have to pass is tried early, and rates it would
     surely pass are left for last. Without one, the probes follow the search's own order.
     """
+    paths: list[tuple[float, dict[float, bool]]] | None = None
+    learned: float | None = None  # the rate probed last (its outcome is in ``known`` now)
     while True:
-        paths = _paths(search, known)
+        if paths is None or learned is None:
+            paths = _paths(search, known)
+        else:
+            paths = _narrowed(paths, learned, known[learned])
         if paths is None:
             return True  # too many to weigh: run the search itself
         wins = [assumed for lo, assumed in paths if lo >= min_rate]
@@ -297,6 +319,7 @@ def _reaches(search: _Search, probe: Callable[[float], bool],
             step = _run_until_unknown(search, known)
             assert not isinstance(step, tuple)  # some ways are still open: the search has not ended
             probe(step)
+            learned = step
             continue
         rates = {r for _, assumed in paths for r in assumed}
         top = min((r for r, ok in known.items() if not ok), default=1.5 * max_rate)
@@ -313,4 +336,5 @@ def _reaches(search: _Search, probe: Callable[[float], bool],
             w = weight(assumed)
             for r, ok in assumed.items():
                 score[r] += w * (1.0 - p_pass(r) if ok else p_pass(r))  # the chance that r rules this way out
-        probe(max(rates, key=lambda r: (score[r], r)))
+        learned = max(rates, key=lambda r: (score[r], r))
+        probe(learned)

@@ -50,6 +50,11 @@ class LazyDecodes(LazyBatch):
         super().__init__(inst.core, token_id)
         self.inst = inst
 
+    @property
+    def num_members(self) -> int:
+        """The live members: the head of ``running`` (as ``LazyLanes.num_members``)."""
+        return self.num_alive
+
     @classmethod
     def enter(cls, sim: Simulation, inst: SimInstance, plan: StepPlan, end_s: float, token_id: int) -> LazyDecodes | None:
         """From ``plan``, just launched (step 0, ending at ``end_s``): its leading decodes of the head

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from distserve.cluster.admission import AdmissionItem, AdmissionQueue, EntryLoad, entry_load, measured_tpot_s
+from distserve.cluster.admission import AdmissionItem, AdmissionQueue, EntryLoad, measured_tpot_s
 from distserve.cluster.backpressure import decode_room_tokens, held_prompt_tokens
 from distserve.cluster.routing import entry_hashes, pick_entry
 from distserve.config import SamplingParams
@@ -91,7 +91,7 @@ class SimAdmission:
                                           (held_prompt_tokens(i.core.scheduler) for i in self.entry))
 
         def load(inst: SimInstance) -> EntryLoad:
-            return entry_load(inst.core.scheduler, tpot, room)
+            return inst.entry_load(tpot, room)
 
         def place(item: AdmissionItem, accepting: list[SimInstance]) -> SimInstance:
             seq: Sequence = item.payload
@@ -104,6 +104,7 @@ class SimAdmission:
             self._sampled[seq.seq_id] = SampledToken(seq.seq_id, SAMPLED_TOKEN)
             self.records[seq.seq_id].admission_wait_s = item.wait_s
             inst.core.add(seq)
+            inst.last_load = None
             if inst.layered is not None:
                 self._push_completions(inst.layered.arrived(seq, now, self.shared))
             self._launch_at_end(inst)

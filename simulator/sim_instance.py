@@ -12,6 +12,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
+from distserve.cluster.backpressure import EntryLoad, entry_load, step_capacity
 from distserve.cluster.routing import RouteState
 from distserve.engine.instance_core import InstanceCore
 from distserve.engine.step_plan import StepPlan
@@ -63,6 +64,9 @@ class SimInstance:
         self.lazy: LazyDecodes | LazyLanes | None = None
         self.cascade = cascade
         self.layered: LayeredPrefill | None = None  # prefill plans yield between layers (``simulator.layer_preemption``)
+        # ``entry_load``'s last answer, until the instance changes (``Simulation`` forgets it then: a
+        # step ends, it launches, a request is dispatched to it or migrated off it).
+        self.last_load: EntryLoad | None = None
         self._savings: dict[tuple, tuple[int, int]] = {}  # batch_shape's memo of shared-prefix savings
         # Shared compute: the step in flight's solo seconds still to run, its current speed, when
         # those were last brought up to date, and a version that invalidates superseded completions.
@@ -86,6 +90,22 @@ class SimInstance:
     @property
     def num_gpus(self) -> int:
         return self.tp * self.pp
+
+    def entry_load(self, tpot_s: float | None, decode_room: int | None = None) -> EntryLoad:
+        """``cluster.backpressure.entry_load`` of this (entry) instance: its lazy decodes, the head of
+        ``running``, left unread (they hold no prompt tokens). Read at every dispatch attempt and jump
+        (``fast_forward.horizon``), it is computed again only after the instance changed (``last_load``)."""
+        load = self.last_load
+        if load is not None and load.tpot_s == tpot_s and load.decode_room_tokens == decode_room:
+            return load
+        sched = self.core.scheduler
+        if self.lazy is None:
+            load = entry_load(sched, tpot_s, decode_room)
+        else:
+            load = EntryLoad(sched.num_waiting, tpot_s, sched.pending_prompt_tokens(self.lazy.num_members),
+                             *step_capacity(sched.config, sched.phase, sched.pipeline_depth), decode_room)
+        self.last_load = load
+        return load
 
     def summary(self, duration_s: float) -> dict[str, float]:
         """Its figures in ``SimResult.instances``, for a run that lasted ``duration_s``."""

@@ -44,6 +44,7 @@ class SimMigrations:
     _events: list[tuple[float, int, int, object]]
     _seq_no: Iterator[int]
     _migrate_at: float
+    _no_room: set[str]  # the waiting prefills that found no room when last offered
     _admission_stale: bool
 
     def _launch_at_end(self, inst: SimInstance) -> None: ...  # Simulation's
@@ -60,12 +61,19 @@ class SimMigrations:
 
     def _migrate(self, entry: Pending, now: float) -> bool:
         src, seq, copy = entry
+        # A prefill that found no room is offered again at every step's end, mostly to no avail: where
+        # no decode instance has room, every ``reserve`` below says no and changes nothing.
+        if seq.seq_id in self._no_room and not any(
+                copy.seq_id not in dst.core.seqs and dst.core.decode.can_reserve(copy) for dst in self.decodes):
+            return False
         for dst in decode_order(self.decodes, route_of, seq.request_class, self.config.decode_scheduler.latency_max_num_seqs):
             reservation = dst.core.reserve(copy)
             if reservation is not None:
                 break
         else:
+            self._no_room.add(seq.seq_id)
             return False
+        self._no_room.discard(seq.seq_id)
         self.records[seq.seq_id].num_preemptions += seq.num_preemptions
         dst.route.assign(seq.seq_id, seq.request_class)
         num_bytes = reservation.num_blocks_to_transfer * self.config.block_size * self.kv_bytes_per_token
@@ -84,6 +92,7 @@ class SimMigrations:
         """A transfer arrived: the decode instance takes the request, the prefill instance frees it."""
         dst.rx_ends.popleft()
         self._admission_stale = True  # the entry (prefill) instance changed
+        src.last_load = None
         src.core.release(seq_id)
         src.route.release(seq_id)
         dst.core.complete(seq_id)

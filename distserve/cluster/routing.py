@@ -203,6 +203,10 @@ def decode_order(
     another has room: ``SchedulerConfig.latency_max_num_seqs``)."""
     objective = request_class.objective if request_class is not None else DEFAULT
     group = request_class.group if request_class is not None else None
+    if objective == DEFAULT and group is None and all(state(c).pool is None and not state(c).num_latency for c in candidates):
+        # The key below but its last part is the same for every candidate (shared pool, no group,
+        # no latency work: preference 0): fewest assigned, then the earlier. Every migration asks this.
+        return sorted(candidates, key=lambda c: state(c).num_assigned)
     ranks = {id(c): pool_rank(objective, state(c).pool) for c in candidates}
     if any(r < 2 for r in ranks.values()):
         candidates = [c for c in candidates if ranks[id(c)] < 2]

@@ -21,14 +21,16 @@ A block is a ref count in a list (``ref_counts``), and a content hash and its to
 once it is hashed; it comes into being on first use: a simulation builds thousands of block
 managers (one per instance per probe), and takes blocks by the million. The free order is the one
 of a queue that starts as ``0 .. num_blocks - 1``: never-used blocks (ids ``>= len(ref_counts)``,
-taken in id order) come first, then the freed ones, least recently freed first.
+taken in id order) come first, then the freed ones, least recently freed first. The freed ones are a
+log, appended to on free and read from its head on take, so a run of them is taken as one slice; a
+prefix hit that revives a freed block leaves its entry behind, skipped when the head reaches it
+(``_num_stale``: a block's stale entries are always its earliest, as a revival invalidates its latest).
 """
 
 from __future__ import annotations
 
 import hashlib
 from array import array
-from collections import OrderedDict
 from collections.abc import Sequence as Seq
 
 from distserve.engine.sequence import Sequence
@@ -91,7 +93,11 @@ class BlockManager:
         self.ref_counts: list[int] = []  # of each block used so far (block i exists once taken: i < len)
         self._block_hash: dict[int, int] = {}  # block -> its content hash, for the hashed blocks
         self._block_tokens: dict[int, list[int]] = {}  # block -> its content, to rule out hash collisions
-        self._free: OrderedDict[int, None] = OrderedDict()  # freed blocks, least recently freed first
+        # Freed blocks, least recently freed first: ``_free_log[_free_head:]`` less the stale entries.
+        self._free_log: list[int] = []
+        self._free_head = 0
+        self._num_freed = 0  # valid entries in the log: blocks with ref count 0
+        self._num_stale: dict[int, int] = {}  # block -> its entries in the log left by revivals
         self._hash_to_block: dict[int, int] = {}
         self.num_prefix_hit_tokens = 0
         self.num_prefix_query_tokens = 0
@@ -101,7 +107,7 @@ class BlockManager:
     # ---- queries -------------------------------------------------------------------------
     @property
     def num_free_blocks(self) -> int:
-        return self.num_blocks - len(self.ref_counts) + len(self._free)
+        return self.num_blocks - len(self.ref_counts) + self._num_freed
 
     @property
     def usage(self) -> float:
@@ -169,8 +175,9 @@ class BlockManager:
         hits = self._match_prefix(seq)
         ref_counts = self.ref_counts
         for block_id in hits:
-            if ref_counts[block_id] == 0:
-                del self._free[block_id]
+            if ref_counts[block_id] == 0:  # revived: its entry in the free log goes stale
+                self._num_stale[block_id] = self._num_stale.get(block_id, 0) + 1
+                self._num_freed -= 1
             ref_counts[block_id] += 1
         seq.block_table = hits + self._take_free_blocks(self.num_blocks_for(seq.num_tokens) - len(hits))
         seq.block_hashes = [self._block_hash[b] for b in hits]
@@ -200,7 +207,7 @@ class BlockManager:
 
     def allocate_blocks(self, num_blocks: int) -> list[int] | None:
         """Raw blocks for a caller that fills them itself (e.g. KV received from another instance)."""
-        if num_blocks > self.num_free_blocks:
+        if num_blocks > self.num_blocks - len(self.ref_counts) + self._num_freed:  # (num_free_blocks)
             return None
         return self._take_free_blocks(num_blocks)
 
@@ -236,7 +243,7 @@ class BlockManager:
             if not cow:
                 return []  # the common decode step: room in the last block, nothing shared
             grow = 0
-        if grow + cow > self.num_blocks - len(self.ref_counts) + len(self._free):
+        if grow + cow > self.num_blocks - len(self.ref_counts) + self._num_freed:
             return None
         copies: list[tuple[int, int]] = []
         if cow:
@@ -261,12 +268,13 @@ class BlockManager:
         if len(hashes) >= num_full:
             return  # no block filled up since the last commit (every decode step but one per block)
         content = _hashes_upto(seq, bs, num_full)
+        if not self.enable_prefix_caching:  # nothing to publish: the hashes only
+            hashes.extend(content[len(hashes):num_full])
+            return
         while len(hashes) < num_full:
             i = len(hashes)
             h = content[i]
             hashes.append(h)
-            if not self.enable_prefix_caching:
-                continue
             if self._in_flight.get(h) is seq:
                 del self._in_flight[h]
             block_id = seq.block_table[i]
@@ -292,13 +300,18 @@ class BlockManager:
         """Release ``seq``'s blocks; hashed ones stay reusable until evicted."""
         if self._in_flight:
             self._drop_in_flight(seq)
-        ref_counts, free = self.ref_counts, self._free
+        ref_counts, log = self.ref_counts, self._free_log
+        num_logged = len(log)
+        append = log.append
         for b in reversed(seq.block_table):  # free_block inlined: one call per block adds up
-            n = ref_counts[b]
-            assert n > 0, f"double free of block {b}"
-            ref_counts[b] = n - 1
-            if n == 1:
-                free[b] = None
+            if ref_counts[b] == 1:  # (the common case first)
+                ref_counts[b] = 0
+                append(b)
+            else:
+                n = ref_counts[b]
+                assert n > 0, f"double free of block {b}"
+                ref_counts[b] = n - 1
+        self._num_freed += len(log) - num_logged
         seq.block_table = []
         seq.block_hashes = []
 
@@ -307,7 +320,8 @@ class BlockManager:
         assert n > 0, f"double free of block {block_id}"
         self.ref_counts[block_id] = n - 1
         if n == 1:
-            self._free[block_id] = None
+            self._free_log.append(block_id)
+            self._num_freed += 1
 
     def _take_free_block(self) -> int:
         ref_counts = self.ref_counts
@@ -315,11 +329,41 @@ class BlockManager:
         if block_id < self.num_blocks:  # a never-used block: first in the free order
             ref_counts.append(1)
             return block_id
-        block_id, _ = self._free.popitem(last=False)
+        return self._take_freed(1)[0]
+
+    def _take_freed(self, num_blocks: int) -> list[int]:
+        """The ``num_blocks`` least recently freed blocks (the caller checked there are), taken."""
+        log, head, stale = self._free_log, self._free_head, self._num_stale
+        if not stale:  # no stale entry: the next ones in the log, as they are
+            end = head + num_blocks
+            taken = log[head:end]
+        else:
+            taken = []
+            end = head
+            while len(taken) < num_blocks:
+                block_id = log[end]
+                end += 1
+                left = stale.get(block_id)
+                if left is None:
+                    taken.append(block_id)
+                elif left == 1:
+                    del stale[block_id]
+                else:
+                    stale[block_id] = left - 1
+        if end > 4096 and 2 * end > len(log):  # drop the read part now and then (amortised O(1) a block)
+            del log[:end]
+            end = 0
+        self._free_head = end
+        self._num_freed -= num_blocks
+        ref_counts = self.ref_counts
         if self._block_hash:
-            self._evict(block_id)
-        ref_counts[block_id] = 1
-        return block_id
+            for block_id in taken:
+                self._evict(block_id)
+                ref_counts[block_id] = 1
+        else:
+            for block_id in taken:
+                ref_counts[block_id] = 1
+        return taken
 
     def _evict(self, block_id: int) -> None:
         """A freed block handed out again leaves the prefix cache, if it was in it."""
@@ -334,16 +378,10 @@ class BlockManager:
         ref_counts = self.ref_counts
         first = len(ref_counts)
         new = min(num_blocks, self.num_blocks - first)
-        if new > 0:
-            ref_counts.extend([1] * new)
-            taken = list(range(first, first + new))
-        else:
-            new, taken = 0, []
-        popitem, hashed = self._free.popitem, self._block_hash
-        for _ in range(num_blocks - new):  # freed ones, least recently freed first (``_take_free_block`` inlined)
-            block_id, _ = popitem(last=False)
-            if hashed:
-                self._evict(block_id)
-            ref_counts[block_id] = 1
-            taken.append(block_id)
+        if new <= 0:
+            return self._take_freed(num_blocks) if num_blocks > 0 else []
+        ref_counts.extend([1] * new)
+        taken = list(range(first, first + new))
+        if num_blocks > new:  # then freed ones, least recently freed first
+            taken += self._take_freed(num_blocks - new)
         return taken

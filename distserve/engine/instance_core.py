@@ -102,6 +102,7 @@ class InstanceCore:
         enable_prefix_caching: bool = True,
         pipeline_depth: int = 1,
         grammar_compiler: GrammarCompiler | None = None,
+        step_histograms: bool = True,
     ) -> None:
         if phase not in SCHEDULERS:
             raise ValueError(f"unknown phase {phase!r}; choose from {sorted(SCHEDULERS)}")
@@ -120,6 +121,8 @@ class InstanceCore:
         self.num_prefill_tokens_computed = 0  # prompt (and recomputed) tokens of the plans applied
         self.iteration_tokens = CumulativeHistogram(ITERATION_TOKEN_BOUNDS)  # tokens per observed step
         self.step_seconds = CumulativeHistogram(STEP_SECONDS_BOUNDS)  # duration of each observed step
+        # Whether ``observe`` fills the two histograms above (/metrics reads them; a simulation does not).
+        self.step_histograms = step_histograms
         self._counts_before_reset = dict.fromkeys(SCHEDULER_COUNTERS, 0)
         self.reset()
 
@@ -237,14 +240,17 @@ class InstanceCore:
         Ops of one request run in call order: one arriving behind a queued op of its id queues too
         (e.g. the re-run of a request whose earlier attempt's abort is still waiting).
         """
-        if self.computes(seq_id) or any(queued == seq_id for queued, _ in self._deferred):
+        if self.computes(seq_id) or (self._deferred and any(queued == seq_id for queued, _ in self._deferred)):
             self._deferred.append((seq_id, run))
         else:
             run()
 
     def computes(self, seq_id: str) -> bool:
         """Whether a plan in flight computes ``seq_id`` (its blocks must not be freed yet)."""
-        return any(p.computes(seq_id) for p in self.in_flight)
+        for p in self.in_flight:  # (a loop, not any(): a pipelined prefill instance asks this per release)
+            if p.computes(seq_id):
+                return True
+        return False
 
     def run_deferred(self) -> None:
         """The deferred ops whose request no plan in flight computes any more, in order."""
@@ -301,8 +307,9 @@ class InstanceCore:
         simulator): the step budget learns from it."""
         self.scheduler.observe_step(plan, seconds, num_lazy_decodes, lazy_decode_ctx)
         self.num_steps += 1
-        self.iteration_tokens.observe(plan.num_batched_tokens + num_lazy_decodes)
-        self.step_seconds.observe(seconds)
+        if self.step_histograms:
+            self.iteration_tokens.observe(plan.num_batched_tokens + num_lazy_decodes)
+            self.step_seconds.observe(seconds)
 
     def apply_oldest(self, sampled: Seq[SampledToken], now: float) -> list[Sequence]:
         """Apply the oldest plan in flight: its sampled tokens, stop rules, the ops that waited for

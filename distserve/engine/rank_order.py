@@ -58,14 +58,23 @@ class AdmissionRankOrder:
     _recent_ranks: deque[int]  # the admission ranks of the last RECENT_ADMISSIONS admitted prompts
     _prompt_cost: list[float]  # decayed sums of [seconds, prompt tokens] of steps that computed prompts
 
-    def pending_prompt_tokens(self) -> tuple[int, ...]:
+    def pending_prompt_tokens(self, num_head_decodes: int = 0) -> tuple[int, ...]:
         """Prompt tokens held and not yet computed (waiting, isolated, partly prefilled), by admission
-        rank (index): what admission's token backpressure reads (``cluster.backpressure.EntryLoad``)."""
+        rank (index): what admission's token backpressure reads (``cluster.backpressure.EntryLoad``).
+        ``num_head_decodes``: the first running sequences are known to decode (the simulator's lazy
+        decodes, ``Scheduler.schedule``): they hold no prompt tokens and are not read."""
         pending: list[int] = []
-        prompting = [s for s in self.running if len(s.token_ids) - s.num_computed_tokens > 1]  # (not the decodes)
-        for seqs in (self.waiting, self.isolated, prompting):
+        for seqs in (self.waiting, self.isolated):
             for seq in seqs:
-                n = len(seq.token_ids) - seq.num_computed_tokens
+                rank = seq.admission_rank
+                if rank >= len(pending):
+                    pending.extend([0] * (rank + 1 - len(pending)))
+                pending[rank] += len(seq.token_ids) - seq.num_computed_tokens
+        running = self.running
+        for i in range(num_head_decodes, len(running)):
+            seq = running[i]
+            n = len(seq.token_ids) - seq.num_computed_tokens
+            if n > 1:  # (not the decodes)
                 rank = seq.admission_rank
                 if rank >= len(pending):
                     pending.extend([0] * (rank + 1 - len(pending)))

@@ -17,6 +17,7 @@ the simulator compose steps alike.
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
 
 import numpy as np
@@ -87,9 +88,9 @@ class SLOBudget(StepBudget):
             return self.max_tokens  # no decode's TPOT to protect: prompts run whole (TTFT first)
         if self.num_observations < self.MIN_OBSERVATIONS or self.num_prefill_observations < 2:
             return self.max_tokens
-        w0, w1, w2, w3 = self.weights
+        w0, w1, w2, w3 = self.weights.tolist()  # Python floats: the same float64 arithmetic, without numpy scalars' overhead
         base = w0 + w1 * num_decodes + w2 * decode_ctx / 1000.0
-        if not (w3 > 0 and np.isfinite(base)):  # no usable model (also: never a NaN budget)
+        if not (w3 > 0 and math.isfinite(base)):  # no usable model (also: never a NaN budget)
             return self.max_tokens
         prefill = int((self.HEADROOM * self.tpot_slo_s - base) / w3)
         prefill = max(self.min_prefill_tokens, min(prefill, self.max_tokens - num_decodes))
