@@ -33,7 +33,6 @@ import asyncio
 import gzip
 import json
 import os
-import random
 import re
 import signal
 import sys
@@ -46,6 +45,7 @@ from typing import Any
 import chaos_client as cc
 import harness
 import httpx
+from chaos_rows import kv_exhaustion, overload, shutdown, slo_flags, soak, storm
 
 from distserve.measure.benchserve import ServerProcess, distserve_serve_argv, metric_sums, session_pids
 
@@ -280,178 +280,6 @@ class Run:
             return lambda: self.counter("instance_restarts_total") >= restarts + len(targets) and self.healthy()
 
         return inject
-
-
-# A semantic-variable program whose call was refused for overload ends with a 424 naming the refusal (QueueFullError's text).
-REFUSED = ("requests in flight (max", "the admission queue holds", "(max_queue_delay)")
-
-
-def refused(r: cc.Record) -> bool:
-    """Refused for overload: a 429, or a program whose call got one."""
-    return r.status == 429 or (r.outcome == "error" and any(m in (r.error or "") for m in REFUSED))
-
-
-async def poisson(run: Run, scenario: str, rate: float, duration_s: float, on_tick: Callable[[], None]) -> list[cc.Record]:
-    """Poisson arrivals at ``rate`` for ``duration_s``, sent on schedule (all that are due at once when behind,
-    not paced by sleeps); ``on_tick`` about once a second."""
-    args = run.args
-    rng = random.Random(args.seed)
-    arrivals, t = [], rng.expovariate(rate)
-    while t < duration_s:
-        arrivals.append(t)
-        t += rng.expovariate(rate)
-    jobs = cc.make_jobs(len(arrivals), args.max_tokens, args.seed + 1)
-    tasks, t0, next_tick = [], time.monotonic(), 0.0
-    for at, job in zip(arrivals, jobs):
-        await asyncio.sleep(max(0.0, t0 + at - time.monotonic()))
-        tasks.append(asyncio.ensure_future(run.send(scenario, job)))
-        if at >= next_tick:
-            on_tick()
-            next_tick += 1.0
-    return list(await asyncio.gather(*tasks))
-
-
-def slo_flags(slo: tuple[float, float]) -> list[str]:
-    """The server's configuration for its SLO: the admission queue refuses a request predicted to wait
-    more than half the TTFT SLO (the other half for the prefill and its wait on the instance), and
-    backpressure holds requests while decoding is slower than half the TPOT SLO (headroom for the
-    steps of the requests already admitted)."""
-    return ["--ttft-slo", f"{slo[0]:.3f}", "--tpot-slo", f"{slo[1] / 2:.4f}", "--tpot-backpressure", "--max-queue-delay", f"{slo[0] / 2:.3f}"]
-
-
-async def overload(run: Run, goodput: float, slo: tuple[float, float]) -> None:
-    """Poisson arrivals at 10x the planned goodput: refusals are 429s with Retry-After, admitted requests meet the
-    SLO, memory stays bounded, and latency is back to normal within seconds once the burst has drained."""
-    args = run.args
-    run.refs.update(await cc.references(run.client, run.root, args.model, args.dtype,
-                                        cc.make_jobs(20, args.max_tokens, args.seed + 1), run.ledger))
-    idle_ttft = await single_ttft(run)
-    rss: list[int] = []
-    base_rss = sum(run.rss_by_process().values())
-    cpu0, client0, wall0 = run.server_cpu_s(), time.process_time(), time.monotonic()
-    burst = await poisson(run, "overload 10x", 10 * goodput, args.overload_s, lambda: rss.append(sum(run.rss_by_process().values())))
-    # Who had the machine's cores during the burst: the load generator (this process) shares them with the server.
-    cpu_server, cpu_client, wall = run.server_cpu_s() - cpu0, time.process_time() - client0, time.monotonic() - wall0
-    drained = time.monotonic()  # the burst's admitted requests have all ended
-    last_arrival = max((r.sent_s for r in burst), default=0.0)
-    drain_s = max((r.end_s or 0.0 for r in burst), default=0.0) - last_arrival
-    back_s = None
-    while time.monotonic() - drained < 120:
-        ttft = await single_ttft(run)
-        if ttft is not None and ttft <= 2 * idle_ttft:
-            back_s = time.monotonic() - drained
-            break
-        await asyncio.sleep(0.5)
-    rejected = [r for r in burst if r.status == 429]
-    admitted = [r for r in burst if not refused(r)]
-    meets = [r for r in admitted if r.outcome == "identical" and r.first_s is not None and r.end_s is not None
-             and r.first_s - r.sent_s <= slo[0] and (r.end_s - r.first_s) / max(1, args.max_tokens - 1) <= slo[1]]
-    span = max((r.end_s or 0.0 for r in admitted), default=0.0) - min((r.sent_s for r in admitted), default=0.0)
-    leaked = await run.idle_leak()
-    run.row("overload 10x", back_s, leaked, rate_rps=round(10 * goodput, 2), drain_s=round(drain_s, 2), admitted=len(admitted),
-            admitted_rps=round(len(admitted) / span, 3) if span > 0 else None, rejected_429=len(rejected),
-            rejected_with_retry_after=sum(r.retry_after is not None for r in rejected),
-            programs_refused=sum(r.status != 429 and refused(r) for r in burst),
-            admitted_slo_attainment=round(len(meets) / len(admitted), 3) if admitted else None,
-            admitted_ttft_p90_s=_p90([r.first_s - r.sent_s for r in admitted if r.first_s is not None]),
-            admitted_tpot_p90_s=_p90([(r.end_s - r.first_s) / max(1, args.max_tokens - 1) for r in admitted
-                                      if r.first_s is not None and r.end_s is not None]),
-            cpu_cores=os.cpu_count(), server_cpu_cores_used=round(cpu_server / wall, 2), client_cpu_cores_used=round(cpu_client / wall, 2),
-            rss_mb_before=round(base_rss / 1024), rss_mb_max=round(max(rss, default=base_rss) / 1024),
-            admitted_breakdown_s=breakdown_percentiles(run.request_log),
-            new_requests_ok=await run.new_requests_ok("overload 10x"))
-
-
-def breakdown_percentiles(request_log: str | None) -> dict[str, dict[str, float]] | None:
-    """p50 / p90 of each part of the server's latency breakdown (queueing, prefill, waiting for a decode
-    instance, KV migration, decode: DistServe's Figure 10) over the requests of the server's log that
-    finished with their tokens."""
-    if request_log is None or not os.path.exists(request_log):
-        return None
-    with open(request_log, encoding="utf-8") as f:
-        records = [json.loads(line) for line in f if line.strip()]
-    parts: dict[str, list[float]] = {}
-    for rec in records:
-        if rec.get("finish_reason") in ("length", "stop") and rec.get("breakdown"):
-            for name, value in rec["breakdown"].items():
-                if value is not None:
-                    parts.setdefault(name, []).append(value)
-    return {name: {"p50": round(_pct(v, 0.5), 3), "p90": round(_pct(v, 0.9), 3), "n": len(v)} for name, v in parts.items()} or None
-
-
-async def soak(run: Run, goodput: float) -> None:
-    """Poisson arrivals at 70% of the planned goodput for --soak-s: RSS of every process after warm-up (a quarter in)
-    vs at the end."""
-    args = run.args
-    samples: list[dict[str, int]] = []
-    await poisson(run, "soak 70%", 0.7 * goodput, args.soak_s, lambda: samples.append(run.rss_by_process()))
-    warm = samples[len(samples) // 4] if samples else {}
-    end = run.rss_by_process()
-    growth = {p: (end[p] - warm[p]) / warm[p] for p in warm if p in end and warm[p] > 0}
-    worst = max(growth, key=lambda p: growth[p], default=None)
-    run.row("soak 70%", None, await run.idle_leak(), rate_rps=round(0.7 * goodput, 2), duration_s=args.soak_s,
-            rss_max_growth=round(growth[worst], 4) if worst else None, rss_worst_process=worst,
-            rss_growth_by_process={p: round(g, 4) for p, g in sorted(growth.items(), key=lambda kv: -kv[1])},
-            rss_mb_at_end={p: round(kb / 1024) for p, kb in end.items()},
-            new_requests_ok=await run.new_requests_ok("soak 70%"))
-
-
-def _pct(values: list[float], q: float) -> float:
-    return sorted(values)[int(q * (len(values) - 1))]
-
-
-def _p90(values: list[float]) -> float | None:
-    return round(_pct(values, 0.9), 3) if values else None
-
-
-async def single_ttft(run: Run) -> float | None:
-    """TTFT of one short completion (None if it failed)."""
-    rec = await run.send("latency probe", cc.Job("completion", "Latency probe", 2))
-    return rec.first_s - rec.sent_s if rec.outcome == "identical" and rec.first_s is not None else None
-
-
-async def kv_exhaustion(run: Run, cache_tokens: int) -> None:
-    args = run.args
-    preempted = run.counter("num_preemptions_total")
-    long_jobs = [j for j in cc.make_jobs(args.in_flight, args.max_tokens, args.seed + 2, words=(40, 80)) if j.kind != "dataflow"]
-    run.refs.update(await cc.references(run.client, run.root, args.model, args.dtype, long_jobs, run.ledger))
-    await run.wave("KV exhaustion: prompts together > cache", long_jobs, preemptions=int(run.counter("num_preemptions_total") - preempted))
-    words = " ".join(["word"] * cache_tokens)  # at least one token per word, with any tokenizer here
-    rec = await run.send("KV exhaustion: one prompt > cache", cc.Job("completion", words, 4))
-    run.row("KV exhaustion: one prompt > cache", None, await run.idle_leak(), status=rec.status, refused_at_admission=rec.status == 400)
-
-
-async def storm(run: Run) -> None:
-    # --storm clients, each a chat or completion stream (a dataflow program's variable outlives its reader by design).
-    jobs = [j for j in cc.make_jobs(2 * run.args.storm, 64, run.args.seed + 3) if j.kind != "dataflow"][: run.args.storm]
-    await asyncio.gather(*(run.send("disconnect storm", j, leave_after_first=True) for j in jobs))
-    run.row("disconnect storm", None, await run.idle_leak(), new_requests_ok=await run.new_requests_ok("disconnect storm"))
-
-
-async def shutdown(run: Run) -> None:
-    """SIGTERM with a wave in flight: it must end (complete, or fail clearly once --shutdown-grace is over), new
-    requests get 503 with Retry-After, and no process is left."""
-    jobs = cc.make_jobs(run.args.in_flight, run.args.max_tokens, run.args.seed)
-    tasks = [asyncio.ensure_future(run.send("graceful shutdown", j)) for j in jobs]
-    while sum(r.first_s is not None for r in run.ledger.records if r.scenario == "graceful shutdown") < len(jobs) // 4:
-        await asyncio.sleep(0.05)
-    assert run.server.proc is not None
-    t0 = time.monotonic()
-    run.server.proc.send_signal(signal.SIGTERM)
-    await asyncio.sleep(0.5)
-    late = await run.send("graceful shutdown (after SIGTERM)", jobs[0])
-    await asyncio.gather(*tasks)
-    try:
-        await asyncio.to_thread(run.server.proc.wait, 60)
-    except Exception:  # noqa: BLE001 - reported as not exited
-        pass
-    exit_s = time.monotonic() - t0
-    deadline = time.monotonic() + 30
-    while session_pids(run.server.sid or 0) and time.monotonic() < deadline:
-        await asyncio.sleep(0.2)
-    left = len(session_pids(run.server.sid or 0))
-    run.row("graceful shutdown", exit_s, 0, exit_code=run.server.proc.returncode, processes_left=left,
-            new_request_refused=late.outcome == "error" and late.status == 503 and late.retry_after is not None)
 
 
 async def scenarios(args: argparse.Namespace, servers: list[ServerProcess]) -> Run:
