@@ -58,9 +58,9 @@ class EntryLoad:
     pending_tokens: tuple[int, ...] = ()
     step_tokens: int | None = None
     step_seqs: int | None = None
-    # Disaggregated, under the TPOT rule: the decode instances' free KV tokens less the prompt tokens
-    # every prefill instance holds (waiting, prefilling, awaiting migration): shared by all entry
-    # instances (``decode_room_tokens``). None: not disaggregated, or the rule is off.
+    # Disaggregated, under the TPOT rule: the decode instances' free KV tokens less what the requests
+    # every prefill instance holds (waiting, prefilling, awaiting migration) will reserve there: shared
+    # by all entry instances (``decode_room_tokens``). None: not disaggregated, or the rule is off.
     decode_room_tokens: int | None = None
 
     def tokens_ahead(self, rank: int) -> int:
@@ -153,7 +153,7 @@ def held_prompt_tokens(scheduler: Any) -> int:
 
 def decode_room_tokens(decode_free_tokens: Iterable[int], held_tokens: Iterable[int]) -> int:
     """``EntryLoad.decode_room_tokens``: free KV tokens of the decode instances (free blocks x block
-    size, each as its latest step left it) less the prompt tokens held by the prefill instances."""
+    size, each as its latest step left it) less ``held_prompt_tokens`` of the prefill instances."""
     return sum(decode_free_tokens) - sum(held_tokens)
 
 
