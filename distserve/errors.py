@@ -40,14 +40,18 @@ class InvalidConfigError(DistServeError):
 
 class QueueFullError(DistServeError):
     """Admission refused: the request queue (or the tenant's share of it, or its token rate) is at
-    its bound (HTTP 429). ``retry_after_s``: when to retry, from the measured drain rate (None: unknown)."""
+    its bound (HTTP 429). ``retry_after_s``: when to retry, from the measured drain rate (None: unknown).
+    ``shared``: the bound is the whole server's (requests in flight, the queue's length or predicted
+    wait), so any request arriving before ``retry_after_s`` would be refused alike — not one tenant's
+    share, rate or grammar (``serving.overload_gate`` refuses those at the door)."""
 
-    def __init__(self, message: str, param: str | None = None, retry_after_s: float | None = None) -> None:
+    def __init__(self, message: str, param: str | None = None, retry_after_s: float | None = None, shared: bool = False) -> None:
         super().__init__(message, param)
         self.retry_after_s = retry_after_s
+        self.shared = shared
 
-    def __reduce__(self) -> tuple[type, tuple[str, str | None, float | None]]:  # type: ignore[override]
-        return (type(self), (str(self), self.param, self.retry_after_s))
+    def __reduce__(self) -> tuple[type, tuple[str, str | None, float | None, bool]]:  # type: ignore[override]
+        return (type(self), (str(self), self.param, self.retry_after_s, self.shared))
 
 
 class RequestTimeoutError(DistServeError):

@@ -266,7 +266,7 @@ class AdmissionQueue(Generic[T]):
         if self.max_queued_requests is not None and len(self._items) >= self.max_queued_requests:
             c.num_rejected_full += 1
             raise QueueFullError(
-                f"the admission queue holds {len(self._items)} requests, its limit", None, self.drain.retry_after_s(now))
+                f"the admission queue holds {len(self._items)} requests, its limit", None, self.drain.retry_after_s(now), shared=True)
         if self.max_queue_delay_s is not None:
             wait = self.backlog.wait_s(len(self._items) + waiting_ahead)
             if wait is not None and wait > self.max_queue_delay_s:
@@ -275,7 +275,7 @@ class AdmissionQueue(Generic[T]):
                     f"the admission queue holds {len(self._items)} requests ({waiting_ahead} more wait in the entry instances), "
                     f"a predicted wait of {wait:.2f} s, over its "
                     f"limit of {self.max_queue_delay_s:g} s", None,
-                    min(MAX_RETRY_AFTER_S, max(MIN_RETRY_AFTER_S, wait - self.max_queue_delay_s)))
+                    min(MAX_RETRY_AFTER_S, max(MIN_RETRY_AFTER_S, wait - self.max_queue_delay_s)), shared=True)
         bucket = self._bucket(spec, now)
         if bucket is not None:
             wait = bucket.wait_s(item.cost, now)

@@ -182,7 +182,7 @@ class Controller(AdmissionDriver, RequestFrontend, KVMigrations, InstanceRecover
     ) -> AsyncIterator[RequestOutput]:
         """Stream one request's outputs; closing the iterator early aborts the request."""
         if len(self._queues) >= self.max_queued_requests:
-            raise QueueFullError(f"{len(self._queues)} requests in flight (max {self.max_queued_requests})")
+            raise QueueFullError(f"{len(self._queues)} requests in flight (max {self.max_queued_requests})", shared=True)
         if request_id in self._queues or request_id in self._seqs:
             raise DistServeError(f"request id {request_id!r} is already in flight")
         queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()

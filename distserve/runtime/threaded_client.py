@@ -165,7 +165,7 @@ class ThreadedEngineClient(EngineClient):
         with self._count_lock:
             if self._num_outstanding >= self.max_queued_requests:
                 raise QueueFullError(
-                    f"server is at its limit of {self.max_queued_requests} requests in flight; retry later"
+                    f"server is at its limit of {self.max_queued_requests} requests in flight; retry later", shared=True
                 )
             self._num_outstanding += 1
         stream = _Stream(request_id, asyncio.get_running_loop(), asyncio.Queue())

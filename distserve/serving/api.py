@@ -20,7 +20,7 @@ from fastapi.responses import JSONResponse, Response
 from distserve.cluster.classes import RequestClass
 from distserve.config import SamplingParams
 from distserve.engine.outputs import RequestOutput
-from distserve.errors import DistServeError, InvalidConfigError, ServiceUnavailableError
+from distserve.errors import DistServeError, InvalidConfigError, QueueFullError, ServiceUnavailableError
 from distserve.runtime.client import EngineClient
 from distserve.dataflow.limits import DEFAULT_LIMITS, SessionLimits
 from distserve.dataflow.sessions import SessionManager
@@ -40,6 +40,7 @@ from distserve.serving.http_errors import (
 from distserve.serving.metrics import CONTENT_TYPE, MetricsPeers, RequestTimer, ServingMetrics, rejection_reason
 from distserve.serving.logprobs import LogprobsRenderer
 from distserve.serving.metrics_exposition import OWN_PREFIX
+from distserve.serving.overload_gate import OverloadGate
 from distserve.serving.ops_routes import add_ops_routes
 from distserve.serving.prompts import chat_prompt, text_prompt, truncate
 from distserve.serving.request_fields import check_request_fields
@@ -96,6 +97,15 @@ class _Server:
         names.update(MODEL_ALIASES.get(getattr(client, "model_name", ""), ()))
         self.accepted_models = names
         self.logprobs = LogprobsRenderer(client.tokenizer)
+        self.overload = OverloadGate()
+
+    def refuse_if_overloaded(self, request: Request) -> None:
+        """A 429 at once, before the prompt is built, while the last refusal holds for every request (``OverloadGate``)."""
+        try:
+            self.overload.check()
+        except QueueFullError as exc:
+            self.metrics.reject(tenant_of(request).name, "queue_full")
+            raise engine_error(exc, "prompt") from None
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model not in self.accepted_models:
@@ -132,6 +142,7 @@ class _Server:
         except Exception as exc:
             await aclose_stream(stream)
             self.request_ids.release(request_id)
+            self.overload.observe(exc)
             error = engine_error(exc, prompt_param, param_names)
             timer.reject(rejection_reason(error.status_code))
             raise error from exc
@@ -281,6 +292,7 @@ def build_fastapi_app(
     async def create_completion(body: CompletionRequest, request: Request) -> Response | CompletionResponse:
         check_request_fields(body)
         server.check_model(body.model)
+        server.refuse_if_overloaded(request)
         # Tokenizing is done in a thread: a long prompt takes seconds, and the event loop serves everyone.
         prompt = await asyncio.to_thread(text_prompt, client.tokenizer, body.prompt_input(), body.add_special_tokens,
                                          body.truncate_prompt_tokens, client.max_model_len)
@@ -338,6 +350,7 @@ def build_fastapi_app(
     async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response | ChatCompletionResponse:
         check_request_fields(body)
         server.check_model(body.model)
+        server.refuse_if_overloaded(request)
         mode = body.tool_mode(enable_auto_tool_choice)
         parser = tool_parser if mode == "auto" else ForcedToolCallParser(body.forced_function) if mode == "forced" else None
         prompt = truncate(await asyncio.to_thread(chat_prompt, client.tokenizer, body, chat_template, served_model_name,

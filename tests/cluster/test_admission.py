@@ -187,9 +187,11 @@ def test_bounds_raise_queue_full_with_retry_after_from_the_drain_rate() -> None:
     with pytest.raises(QueueFullError, match="tenant 'small' has 2 requests queued") as info:
         f.push("small", 10)
     assert info.value.retry_after_s == 1.0  # nothing dispatched yet: the default
+    assert not info.value.shared  # one tenant's bound: other tenants' requests are still taken
     f.push("other", 10, 3)
-    with pytest.raises(QueueFullError, match="admission queue holds 5"):
+    with pytest.raises(QueueFullError, match="admission queue holds 5") as info:
         f.push("other", 10)
+    assert info.value.shared  # the whole queue's bound: every request would be refused now
     # One request dispatched every 0.25 s: the measured rate (4/s) sets Retry-After.
     q2 = AdmissionQueue("fcfs", {"s": TenantSpec("s", max_queued_requests=1)}, backpressure=NO_BACKPRESSURE)
     g = Feeder(q2)
@@ -222,7 +224,7 @@ def test_max_queue_delay_refuses_what_would_wait_too_long_at_the_backlogged_rate
     f.push(k=4, now=3.5)  # 1 to 4 ahead: predicted 0.5 to 2.0 s, within the bound
     with pytest.raises(QueueFullError, match="predicted wait of 2.50 s, over its limit of 2 s") as info:
         f.push(now=3.5)
-    assert info.value.retry_after_s == pytest.approx(0.5)
+    assert info.value.retry_after_s == pytest.approx(0.5) and info.value.shared
     assert q.counters["anonymous"].num_rejected_full == 1
     assert [step(3.5 + 0.5 * k) for k in range(1, 6)] == [1] * 5 and len(q) == 0
     f.push(now=64.0)  # after a minute idle
@@ -301,7 +303,7 @@ def test_token_bucket_limits_tokens_per_minute() -> None:
     f.push("t", 200, now=0.0)
     with pytest.raises(QueueFullError, match="600 tokens per minute") as info:
         f.push("t", 100, now=0.0)
-    assert info.value.retry_after_s == pytest.approx(10.0)  # 100 tokens at 10 tokens/s
+    assert info.value.retry_after_s == pytest.approx(10.0) and not info.value.shared  # 100 tokens at 10 tokens/s
     f.push("t", 100, now=10.0)
     f.push("t", 5000, now=70.0)  # larger than the bucket: admitted when it is full, leaving a debt
     with pytest.raises(QueueFullError):

@@ -6,6 +6,7 @@ the runtimes and the simulator share (tiny model, in-process 1P1D engine, 127.0.
 from __future__ import annotations
 
 import asyncio
+import re
 import socket
 import threading
 import time
@@ -26,6 +27,7 @@ from distserve.engine.weights import load_model
 from distserve.errors import InvalidConfigError
 from distserve.runtime.local_disagg import LocalDisaggEngine
 from distserve.runtime.threaded_client import ThreadedEngineClient
+from distserve.serving import overload_gate
 from distserve.serving.api import build_fastapi_app
 
 pytestmark = pytest.mark.timeout(300)
@@ -41,13 +43,13 @@ class SlowDisagg(LocalDisaggEngine):
 
 
 @contextmanager
-def serving(admission: AdmissionConfig) -> Iterator[str]:
+def serving(admission: AdmissionConfig, max_queued_requests: int = 64) -> Iterator[str]:
     def build() -> LocalDisaggEngine:
         # One prompt per prefill step and one request waiting in the prefill scheduler: the rest wait in admission.
         return SlowDisagg(load_model("tiny"), cache_config=CacheConfig(num_blocks=512, block_size=16),
                           prefill_scheduler_config=SchedulerConfig(max_num_seqs=1), admission=admission)
 
-    client = ThreadedEngineClient(build, max_queued_requests=64)
+    client = ThreadedEngineClient(build, max_queued_requests=max_queued_requests)
     app = build_fastapi_app(client, "tiny")
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
@@ -114,6 +116,38 @@ def test_requests_that_wait_the_max_queue_delay_get_429_with_retry_after_and_the
             err = r.json()["error"]
             assert err["type"] == "rate_limit_error" and err["code"] == "queue_full" and float(r.headers["Retry-After"]) > 0
     assert any("max_queue_delay" in r.json()["error"]["message"] for r in responses if r.status_code == 429)
+
+
+def test_while_a_refusal_holds_for_every_request_the_next_are_refused_at_the_door(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A request past the server's in-flight bound is refused by the engine; while that refusal holds (30 s
+    here, so the machine's speed does not matter) the next requests get the gate's 429 without reaching the
+    engine, counted as queue_full; a body that breaks the schema still gets its 400, and the request in flight
+    completes."""
+    monkeypatch.setattr(overload_gate, "UNKNOWN_HOLD_S", 30.0)
+    monkeypatch.setattr(overload_gate, "MAX_HOLD_S", 30.0)
+
+    async def run(root: str) -> tuple[list[httpx.Response], httpx.Response, str, str]:
+        async with httpx.AsyncClient(base_url=root, timeout=120) as http:
+            async with http.stream("POST", "/v1/completions", json=body("the one in flight", max_tokens=32, stream=True)) as first:
+                lines = first.aiter_lines()
+                while not (await anext(lines)).startswith("data:"):  # it is in flight once its first token streamed
+                    pass
+                refused = [await http.post("/v1/completions", json=body(f"one too many {i}")) for i in range(3)]
+                bad = await http.post("/v1/completions", json={"model": "tiny", "max_tokens": 4})  # no prompt
+                rest = "".join([line async for line in lines])
+            return refused, bad, rest, (await http.get("/metrics")).text
+
+    with serving(AdmissionConfig(max_waiting=1), max_queued_requests=1) as root:
+        refused, bad, rest, metrics = asyncio.run(run(root))
+    assert [r.status_code for r in refused] == [429] * 3
+    messages = [r.json()["error"]["message"] for r in refused]
+    assert "limit of 1 requests in flight" in messages[0] and "refusing requests for" not in messages[0]  # the engine's
+    for r, message in zip(refused[1:], messages[1:]):  # the gate's, naming the refusal it holds for
+        assert message.startswith("the server is refusing requests for") and "limit of 1 requests in flight" in message
+        assert r.json()["error"]["code"] == "queue_full" and int(r.headers["Retry-After"]) >= 1
+    assert bad.status_code in (400, 422) and bad.json()["error"]["param"] == "prompt"  # the schema is checked first
+    assert rest.rstrip().endswith("[DONE]")
+    assert re.search(r'tenant_requests_rejected_total\{[^}]*reason="queue_full",tenant="anonymous"\} 3\.0', metrics)
 
 
 @pytest.mark.parametrize("timeout", [-1, 0, "soon", float("inf")])
