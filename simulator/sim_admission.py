@@ -85,7 +85,8 @@ class SimAdmission:
         block_size, prefix_caching, router = self.config.block_size, self.config.enable_prefix_caching, self.config.router
         tpot = room = None
         if self.config.admission.tpot_slo_s is not None:
-            tpot = measured_tpot_s((i.core.scheduler.num_running, i.core.last_step_s) for i in self.decodes or self.entry)
+            # A stage takes ``last_step_s`` per micro-batch: a request's token comes every ``pp`` of them.
+            tpot = measured_tpot_s((i.core.scheduler.num_running, i.core.last_step_s * i.pp) for i in self.decodes or self.entry)
             if self.decodes:
                 room = decode_room_tokens((i.core.num_free_blocks * block_size for i in self.decodes),
                                           (held_prompt_tokens(i.core.scheduler) for i in self.entry))

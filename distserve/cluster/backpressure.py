@@ -134,8 +134,9 @@ NO_BACKPRESSURE = Backpressure(max_waiting=None)
 
 
 def measured_tpot_s(decoding: Iterable[tuple[int, float]]) -> float | None:
-    """The TPOT backpressure reads, from (requests decoding, last step seconds) per instance where
-    requests decode: the best busy instance's last step (None: nothing decodes, so nothing to protect)."""
+    """The TPOT backpressure reads, from (requests decoding, seconds between a request's tokens at the last
+    step) per instance where requests decode: the best busy instance's (None: nothing decodes, so nothing
+    to protect). A driver whose steps are micro-batches of a pipeline passes ``pp`` steps' time."""
     times = [step_s for num_running, step_s in decoding if num_running > 0 and step_s > 0]
     return min(times) if times else None
 
