@@ -43,6 +43,11 @@ class OverloadGate:
         if until > self._until:
             self._until, self._reason = until, str(exc)
 
+    @property
+    def shut_for_s(self) -> float:
+        """Seconds the gate stays shut (0 when open)."""
+        return max(0.0, self._until - self.clock())
+
     def check(self) -> None:
         """Raise the gate's ``QueueFullError`` (shared, ``retry_after_s`` the time left) while it is shut."""
         left = self._until - self.clock()

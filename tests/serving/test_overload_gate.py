@@ -26,10 +26,12 @@ def test_a_shared_refusal_shuts_the_gate_for_its_retry_time() -> None:
     gate.check()  # open
     gate.observe(QueueFullError("the admission queue holds 9 requests, its limit", None, 0.4, shared=True))
     clock.t += 0.3
+    assert gate.shut_for_s == pytest.approx(0.1)
     with pytest.raises(QueueFullError, match=r"refusing requests for 0\.10 s more: the admission queue holds 9") as info:
         gate.check()
     assert info.value.shared and info.value.retry_after_s == pytest.approx(0.1)
     clock.t += 0.11
+    assert gate.shut_for_s == 0.0
     gate.check()  # the next request goes through and finds the queue's state
     assert gate.num_refused == 1
 

@@ -75,6 +75,7 @@ class Server:
     def __init__(self, key_file: Path | None) -> None:
         self.client = RecordingClient()
         app = build_fastapi_app(self.client, "tiny", api_keys=load_api_keys(key_file) if key_file else None)
+        self.app = app
         self.sock = socket.socket()
         self.sock.bind(("127.0.0.1", 0))
         self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
@@ -224,6 +225,8 @@ def test_a_full_queue_is_429_with_retry_after_and_counted_per_tenant(server: Ser
             assert r.json()["error"] == {"message": f"server is at its limit of {MAX_IN_FLIGHT} requests in flight; retry later",
                                          "type": "rate_limit_error", "param": None, "code": "queue_full"}
     assert wait_until(lambda: server.client.num_outstanding == 0, 10)
+    # the in-flight refusal shut the overload gate for 0.1 s: the module's next tests find it open
+    assert wait_until(lambda: server.app.state.server.overload.shut_for_s == 0, 5)
     after = metric_samples(server.url)
     rejected = ("distserve:tenant_requests_rejected_total", (("reason", "queue_full"), ("tenant", "acme")))
     assert after[rejected] == before.get(rejected, 0) + 1
