@@ -116,6 +116,10 @@ class InstanceCore:
         self.grammar_compiler = grammar_compiler  # structured output (None: requests with a grammar are not served here)
         self.num_steps = 0
         self.last_step_s = 0.0
+        # Seconds between a running request's tokens at the latest step (pp = 1; ``step_ended``).
+        self.step_interval_s = 0.0
+        self._last_step_end: float | None = None
+        self._running_at_last_end = False
         self.max_plans_in_flight = 0  # high-water mark, counting plans that compute tokens
         self.num_overlapped_launches = 0  # plans launched while another that computes tokens was in flight
         self.num_prefill_tokens_computed = 0  # prompt (and recomputed) tokens of the plans applied
@@ -347,9 +351,22 @@ class InstanceCore:
             t0 = clock()
             sampled = execute(launched.plan)
             now = clock()
-            self.last_step_s = now - t0
-            self.observe(launched.plan, self.last_step_s)
-            return self.apply_oldest(sampled, now)
+            self.observe(launched.plan, now - t0)
+            updated = self.apply_oldest(sampled, now)
+            self.step_ended(now - t0, now)
+            return updated
+
+    def step_ended(self, seconds: float, now: float) -> None:
+        """A step that computed for ``seconds`` ended at ``now`` (the driver's clock; call it after the
+        step's plan was applied). Sets ``last_step_s`` and ``step_interval_s``: the time since the previous
+        step ended when requests were running then — what a decoding request waits between its tokens
+        (with pp = 1): the step plus whatever its driver did between steps (the other instances' steps of
+        an in-process round, the controller's round trip and its work on the Ray runtime) — else the
+        step's own time. TPOT backpressure reads it."""
+        prev, self._last_step_end = self._last_step_end, now
+        busy, self._running_at_last_end = self._running_at_last_end, self.scheduler.num_running > 0
+        self.last_step_s = seconds
+        self.step_interval_s = max(seconds, now - prev) if busy and prev is not None else seconds
 
     def delta(self, seq: Sequence) -> SeqUpdate:
         """The tokens ``seq`` got since its previous delta (for a driver that reports across processes)."""

@@ -152,9 +152,10 @@ class PreemptibleSteps:
         if s is self._suspended:
             self._suspended = self.running_rank = None
         core = self.core
-        core.last_step_s = s.seconds
         core.observe(s.launched.plan, s.seconds)
-        return core.apply(s.launched, sampled, now)
+        updated = core.apply(s.launched, sampled, now)
+        core.step_ended(s.seconds, now)
+        return updated
 
     def stats(self) -> dict[str, int]:
         return {"layer_yields_total": self.num_yields, "layer_preemptions_total": self.num_preemptions}

@@ -179,13 +179,15 @@ class AdmissionDriver:
         self.admission.dispatch(now, entry, load, place)
 
     def _measured_tpot(self) -> float | None:
-        """The TPOT backpressure reads, from the latest step of the live instances where requests decode. A
-        pipelined instance's step launches one micro-batch and ends when the oldest finishes, so a request
-        advances once per ``pp`` steps: its time per token is ``pp`` steps."""
+        """The TPOT backpressure reads, from the latest step of the live instances where requests decode: the
+        time between its steps (``StepResult.step_interval_s``: the step and the round trip through this
+        controller, which under load is most of it). A pipelined instance's step launches one micro-batch
+        and ends when the oldest finishes, so a request advances once per ``pp`` steps: its time per token
+        is ``pp`` intervals."""
         if self.admission.backpressure.tpot_slo_s is None:
             return None
         return measured_tpot_s(
-            (i.last_step.num_running, i.last_step.step_seconds * i.spec.pp)
+            (i.last_step.num_running, i.last_step.step_interval_s * i.spec.pp)
             for i in self.instances if i.alive and i.phase != "prefill" and i.last_step is not None
         )
 

@@ -50,12 +50,12 @@ class QueuedRequest:
 
 def colocated_load(engine: EngineBase, with_tpot: bool) -> EntryLoad:
     """What backpressure reads of a colocated engine: its scheduler's pending prompts and step size
-    (``entry_load``) and, when a TPOT SLO is set, its last step time while it decodes (an engine it
+    (``entry_load``) and, when a TPOT SLO is set, the time between its last steps while it decodes (an engine it
     cannot read takes every request)."""
     if not isinstance(engine, LLMEngine):
         return EntryLoad(0)
     scheduler = engine.scheduler
-    tpot = measured_tpot_s([(scheduler.num_running, engine.core.last_step_s)]) if with_tpot else None
+    tpot = measured_tpot_s([(scheduler.num_running, engine.core.step_interval_s)]) if with_tpot else None
     return entry_load(scheduler, tpot)
 
 

@@ -84,6 +84,9 @@ class StepResult:
     received_bytes: int = 0  # KV payload that arrived on this instance's workers
     has_work: bool = False
     step_seconds: float = 0.0
+    # Since the previous step ended, if requests were running then (``InstanceCore.step_ended``): a
+    # decoding request's time per token with pp = 1 — the step, the controller's round trip and its work.
+    step_interval_s: float = 0.0
     execute_seconds: float = 0.0  # of step_seconds: rank 0 executing the plan launched in this step
     num_batched_tokens: int = 0
     # The scheduler after the step (admission backpressure and TPOT read them), and the requests
@@ -311,7 +314,9 @@ class InstanceServer:
             if launched is not None:
                 core.observe(launched.plan, result.execute_seconds)
             self._report(result)
-        core.last_step_s = result.step_seconds = time.perf_counter() - t0
+        end = time.perf_counter()
+        core.step_ended(end - t0, end)
+        result.step_seconds, result.step_interval_s = core.last_step_s, core.step_interval_s
         return result
 
     def _step_preemptible(self) -> StepResult:
@@ -332,6 +337,7 @@ class InstanceServer:
             result.updates.extend(core.delta(seq) for seq in updated)
             self._report(result)
         result.step_seconds = time.perf_counter() - t0
+        result.step_interval_s = core.step_interval_s  # (``settle`` ended the step when its plan was applied)
         return result
 
     def _report(self, result: StepResult) -> None:

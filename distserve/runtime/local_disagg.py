@@ -248,7 +248,7 @@ class LocalDisaggEngine(EngineBase):
             return outputs
         tpot = room = None
         if self.admission.backpressure.tpot_slo_s is not None:
-            tpot = measured_tpot_s((i.core.scheduler.num_running, i.core.last_step_s) for i in self.decode)
+            tpot = measured_tpot_s((i.core.scheduler.num_running, i.core.step_interval_s) for i in self.decode)
             room = decode_room_tokens((i.core.num_free_blocks * self.cache_config.block_size for i in self.decode),
                                       (held_prompt_tokens(i.core.scheduler) for i in self.prefill))
 

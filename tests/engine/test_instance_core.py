@@ -43,6 +43,25 @@ def test_steps_run_requests_to_the_end_and_free_everything() -> None:
     assert c.step(fake_execute, clock) == []  # nothing to do: no plan is launched
 
 
+def test_step_interval_is_the_time_between_steps_while_requests_run() -> None:
+    """What TPOT backpressure reads: the time a running request waits between its tokens, the driver's gaps
+    between steps included (another instance's step in a round, a controller's round trip)."""
+    c = core()
+    times = iter([10.0, 10.5, 11.5, 11.75, 13.0, 13.25, 20.0, 20.25])  # (start, end) of each step's execute
+    c.add(seq("a", sampling=SamplingParams(max_tokens=4, ignore_eos=True, temperature=0)))
+    c.step(fake_execute, times.__next__)  # the prompt: nothing ran before it
+    assert (c.last_step_s, c.step_interval_s) == (0.5, 0.5)
+    c.step(fake_execute, times.__next__)  # 0.25 s of compute, 1.25 s after the previous step ended
+    assert (c.last_step_s, c.step_interval_s) == (0.25, 1.25)
+    c.step(fake_execute, times.__next__)
+    assert c.step_interval_s == 1.5
+    c.step(fake_execute, times.__next__)  # the last token: nothing runs after it
+    assert c.step_interval_s == 7.0 and not c.seqs
+    c.add(seq("b"))
+    c.step_ended(0.25, 30.0)  # a step after idling: its own time, not the idle gap
+    assert c.step_interval_s == 0.25
+
+
 def test_a_free_waits_for_the_plan_that_computes_the_request() -> None:
     """pp = 2: an abort (and a re-add of the same id) issued while a plan computes the request run
     when that plan is applied, in call order; the aborted request gets no token from it."""

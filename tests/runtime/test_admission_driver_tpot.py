@@ -1,5 +1,6 @@
-"""The Ray controller's TPOT backpressure reads a pipelined decode instance's time per token as ``pp`` of its
-steps: each step launches one micro-batch and ends when the oldest finishes, so a request advances once per
+"""The Ray controller's TPOT backpressure reads a decode instance's time per token as the interval between its
+steps (the step and the controller's round trip, ``StepResult.step_interval_s``), ``pp`` of them for a pipelined
+instance: each step launches one micro-batch and ends when the oldest finishes, so a request advances once per
 ``pp`` steps (read as one step, a PP=2 decode instance ran at twice the TPOT the rule allowed)."""
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ def driver(*instances: SimpleNamespace) -> AdmissionDriver:
 
 def instance(phase: str, pp: int, step_s: float, running: int = 4, alive: bool = True) -> SimpleNamespace:
     return SimpleNamespace(alive=alive, phase=phase, spec=SimpleNamespace(pp=pp),
-                           last_step=SimpleNamespace(num_running=running, step_seconds=step_s))
+                           last_step=SimpleNamespace(num_running=running, step_seconds=step_s / 3, step_interval_s=step_s))
 
 
 def test_a_pipelined_decode_instance_reads_pp_steps_per_token() -> None:
