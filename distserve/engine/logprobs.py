@@ -10,8 +10,10 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # torch is imported where it computes: a Sequence (and the simulator, the planner) needs none
+    import torch
 
 TopLogprobs = list[tuple[int, float]]  # (token id, logprob), the most likely first
 
@@ -36,6 +38,8 @@ class PromptLogprobs:
 
 def top_logprobs(logprobs: torch.Tensor, ks: Sequence[int]) -> list[TopLogprobs]:
     """The ``ks[i]`` most likely tokens of each row of ``logprobs`` (``[N, V]``), most likely first."""
+    import torch
+
     k_max = min(max(ks, default=0), logprobs.shape[1])
     if k_max <= 0:
         return [[] for _ in ks]
@@ -74,6 +78,8 @@ class PromptLogprobsBuilder:
     ) -> None:
         """``hidden`` (``[R, H]``): the final hidden states of the rows at positions ``start ..`` that
         predict ``targets`` (R prompt tokens); ``compute_logits`` maps them to ``[R, V]`` logits."""
+        import torch
+
         built = self._partial.get(seq_id)
         if built is None or start == 0:
             built = self._partial[seq_id] = PromptLogprobs()

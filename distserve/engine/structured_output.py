@@ -40,13 +40,13 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
 from distserve.config import StructuredOutput
 from distserve.engine.grammar_backends import STRUCTURED_OUTPUT_BACKENDS, GrammarBackend, GrammarMatcher
 from distserve.errors import InvalidConfigError, InvalidSamplingParamsError, QueueFullError, StepFailedError
 
 if TYPE_CHECKING:
+    import torch  # (annotations only: a scheduler, the simulator and the planner import no torch)
     from distserve.engine.sequence import Sequence
     from distserve.engine.step_plan import StepPlan
     from distserve.engine.tokenizer import Tokenizer
