@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import hashlib
+import inspect
 import json
 import os
 import pathlib
@@ -75,9 +76,12 @@ def load_model(name_or_path: str, dtype: str = "float32", weights: bool = True) 
     """
     torch_dtype = _torch_dtype(dtype)
     if name_or_path == TINY_MODEL_NAME:
-        hf_model, tokenizer = build_tiny_hf_model()
-        config = ModelConfig.from_hf_config(hf_model.config.to_dict(), name=TINY_MODEL_NAME, dtype=dtype)
-        state_dict = {k: v.detach() for k, v in hf_model.state_dict().items()}
+        tokenizer = build_tiny_tokenizer()
+        hf_config = tiny_hf_config(tokenizer)
+        config = ModelConfig.from_hf_config(hf_config.to_dict(), name=TINY_MODEL_NAME, dtype=dtype)
+        if not weights:
+            return LoadedModel(config, {}, tokenizer)
+        state_dict = load_tiny_state_dict(hf_config)
         return LoadedModel(config, _finalize_state_dict(state_dict, config, torch_dtype), tokenizer)
     model_dir = str(resolve_model_dir(name_or_path))
     return _load_folder(model_dir, name=_display_name(name_or_path, model_dir), dtype=dtype, weights=weights)
@@ -109,9 +113,14 @@ def build_tiny_hf_model(
     Weights are drawn with a large ``initializer_range`` so next-token logits are peaky and greedy
     decoding is robust to float reordering. The global torch RNG state is left unchanged.
     """
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     tokenizer = build_tiny_tokenizer()
+    return _init_tiny_model(tiny_hf_config(tokenizer, **config_overrides), seed), tokenizer
+
+
+def tiny_hf_config(tokenizer: Tokenizer, **config_overrides: Any) -> transformers.LlamaConfig:
+    """The tiny model's config (cheap: no model is built), with ``config_overrides`` applied."""
+    from transformers import LlamaConfig
+
     hf_config_kwargs: dict[str, Any] = dict(
         vocab_size=tokenizer.vocab_size,
         hidden_size=64,
@@ -128,14 +137,80 @@ def build_tiny_hf_model(
         pad_token_id=tokenizer.hf.pad_token_id,
     )
     hf_config_kwargs.update(config_overrides)
-    hf_config = LlamaConfig(**hf_config_kwargs)
+    return LlamaConfig(**hf_config_kwargs)
+
+
+def _init_tiny_model(hf_config: transformers.LlamaConfig, seed: int) -> transformers.LlamaForCausalLM:
+    from transformers import LlamaForCausalLM
+
     rng_state = torch.random.get_rng_state()
     try:
         torch.manual_seed(seed)
         model = LlamaForCausalLM(hf_config)
     finally:
         torch.random.set_rng_state(rng_state)
-    return model.float().eval(), tokenizer
+    return model.float().eval()
+
+
+def load_tiny_state_dict(hf_config: transformers.LlamaConfig, seed: int = 0) -> dict[str, torch.Tensor]:
+    """The weights ``build_tiny_hf_model`` draws for ``hf_config`` and ``seed``, cached on disk.
+
+    Building the model costs seconds in every process that loads ``tiny`` (tests, Ray actors,
+    experiments), mostly to import transformers' LLaMA code; reading the cache costs milliseconds.
+    The file is :func:`tiny_cache_path`; an unreadable one is rebuilt. A tied ``lm_head.weight``
+    is not stored: it is the embedding, and :func:`_finalize_state_dict` aliases it.
+    """
+    from safetensors.torch import load_file, save_file
+
+    path = tiny_cache_path(hf_config, seed)
+    try:
+        return load_file(str(path))
+    except FileNotFoundError:
+        pass
+    except Exception as exc:  # safetensors raises SafetensorError/OSError/... on a corrupt file
+        _log(f"rebuilding the unreadable tiny-model cache {path}: {exc}")
+    tied = hf_config.tie_word_embeddings
+    state_dict = {
+        k: v.detach().contiguous()
+        for k, v in _init_tiny_model(hf_config, seed).state_dict().items()
+        if not k.endswith("rotary_emb.inv_freq") and not (tied and k == "lm_head.weight")
+    }
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.tmp-")
+        os.close(fd)
+        try:
+            save_file(state_dict, tmp, metadata={"format": "pt"})
+            os.replace(tmp, path)  # atomic: concurrent builders write the same bytes; readers never see half a file
+        except BaseException:
+            pathlib.Path(tmp).unlink(missing_ok=True)
+            raise
+    except OSError as exc:  # an unwritable cache still serves the freshly built weights
+        _log(f"cannot cache the tiny model at {path}: {exc}")
+    return state_dict
+
+
+def tiny_cache_path(hf_config: transformers.LlamaConfig, seed: int = 0) -> pathlib.Path:
+    """``cache_dir()/tiny/<key>.safetensors``, the key a hash of all the weights depend on.
+
+    That is the config, the seed, the source of the build code and the transformers and torch
+    versions (their initializers draw the weights): a change to any of them is a new file.
+    """
+    import transformers
+
+    build_code = "".join(inspect.getsource(f) for f in (tiny_hf_config, _init_tiny_model, build_tiny_tokenizer))
+    key = json.dumps(
+        {
+            "config": hf_config.to_dict(),
+            "seed": seed,
+            "build_code": build_code,
+            "transformers": transformers.__version__,
+            "torch": torch.__version__,
+        },
+        sort_keys=True,
+        default=str,
+    )
+    return cache_dir() / TINY_MODEL_NAME / f"{hashlib.sha256(key.encode()).hexdigest()[:24]}.safetensors"
 
 
 def build_tiny_tokenizer() -> Tokenizer:

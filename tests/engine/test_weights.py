@@ -14,7 +14,16 @@ import pytest
 import torch
 
 from distserve.engine import weights
-from distserve.engine.weights import build_tiny_hf_model, cache_dir, load_model, resolve_model_dir
+from distserve.engine.weights import (
+    build_tiny_hf_model,
+    build_tiny_tokenizer,
+    cache_dir,
+    load_model,
+    load_tiny_state_dict,
+    resolve_model_dir,
+    tiny_cache_path,
+    tiny_hf_config,
+)
 from distserve.errors import InvalidConfigError, ModelNotFoundError
 
 LLAMA3_ROPE = {
@@ -101,6 +110,79 @@ def test_tiny_config_overrides() -> None:
     hf_model, _ = build_tiny_hf_model(tie_word_embeddings=False, rope_parameters=LLAMA3_ROPE)
     assert hf_model.lm_head.weight.data_ptr() != hf_model.model.embed_tokens.weight.data_ptr()
     assert hf_model.config.rope_parameters["rope_type"] == "llama3"
+
+
+def fresh_tiny_state_dict(seed: int = 0, **overrides: object) -> dict[str, torch.Tensor]:
+    """What ``load_model("tiny")`` returned before the disk cache: the state dict of a new build."""
+    hf_model, _ = build_tiny_hf_model(seed, **overrides)
+    return {k: v.detach() for k, v in hf_model.state_dict().items()}
+
+
+def test_tiny_cache_is_bit_identical_to_a_fresh_build(monkeypatch: pytest.MonkeyPatch, tmp_path: pathlib.Path) -> None:
+    monkeypatch.setenv("DISTSERVE_CACHE", str(tmp_path))
+    path = tiny_cache_path(tiny_hf_config(build_tiny_tokenizer()))
+    assert path.parent == tmp_path / "tiny" and path.suffix == ".safetensors"
+    assert not path.exists()
+    built = load_model("tiny")  # a miss: builds and writes the file
+    assert path.is_file()
+    mtime = path.stat().st_mtime_ns
+    cached = load_model("tiny")  # a hit: read back
+    assert path.stat().st_mtime_ns == mtime
+    fresh = fresh_tiny_state_dict()
+    assert_same_tensors(built.state_dict, fresh)
+    assert_same_tensors(cached.state_dict, fresh)
+    assert cached.state_dict["lm_head.weight"] is cached.state_dict["model.embed_tokens.weight"]
+    assert cached.config == built.config
+    assert [p.name for p in path.parent.iterdir()] == [path.name]  # no temporary file left behind
+
+
+def test_tiny_cache_untied_other_seed(monkeypatch: pytest.MonkeyPatch, tmp_path: pathlib.Path) -> None:
+    monkeypatch.setenv("DISTSERVE_CACHE", str(tmp_path))
+    hf_config = tiny_hf_config(build_tiny_tokenizer(), tie_word_embeddings=False)
+    fresh = fresh_tiny_state_dict(seed=3, tie_word_embeddings=False)
+    for _ in ("miss", "hit"):
+        assert_same_tensors(load_tiny_state_dict(hf_config, seed=3), fresh)
+    assert tiny_cache_path(hf_config, seed=3).is_file()
+
+
+def test_corrupt_tiny_cache_is_rebuilt(monkeypatch: pytest.MonkeyPatch, tmp_path: pathlib.Path) -> None:
+    from safetensors.torch import load_file
+
+    monkeypatch.setenv("DISTSERVE_CACHE", str(tmp_path))
+    path = tiny_cache_path(tiny_hf_config(build_tiny_tokenizer()))
+    fresh = fresh_tiny_state_dict()
+    load_model("tiny")
+    good = path.read_bytes()
+    for corrupt in (good[: len(good) // 2], b"\xff" * 64, b""):
+        path.write_bytes(corrupt)
+        assert_same_tensors(load_model("tiny").state_dict, fresh)
+        assert path.read_bytes() == good
+    assert set(load_file(str(path))) == set(fresh) - {"lm_head.weight"}  # the tied head is not stored
+
+
+def test_tiny_cache_key_covers_seed_and_config(monkeypatch: pytest.MonkeyPatch, tmp_path: pathlib.Path) -> None:
+    monkeypatch.setenv("DISTSERVE_CACHE", str(tmp_path))
+    tokenizer = build_tiny_tokenizer()
+    default = tiny_cache_path(tiny_hf_config(tokenizer))
+    assert tiny_cache_path(tiny_hf_config(build_tiny_tokenizer()), seed=0) == default
+    others = [
+        tiny_cache_path(tiny_hf_config(tokenizer), seed=1),
+        tiny_cache_path(tiny_hf_config(tokenizer, tie_word_embeddings=False)),
+        tiny_cache_path(tiny_hf_config(tokenizer, num_hidden_layers=3)),
+        tiny_cache_path(tiny_hf_config(tokenizer, rope_parameters=LLAMA3_ROPE)),
+    ]
+    assert len({default, *others}) == 1 + len(others)
+    monkeypatch.setenv("DISTSERVE_CACHE", str(tmp_path / "elsewhere"))
+    assert tiny_cache_path(tiny_hf_config(tokenizer)) == tmp_path / "elsewhere" / "tiny" / default.name
+
+
+def test_tiny_without_weights(monkeypatch: pytest.MonkeyPatch, tmp_path: pathlib.Path) -> None:
+    monkeypatch.setenv("DISTSERVE_CACHE", str(tmp_path))
+    routed = load_model("tiny", weights=False)
+    assert routed.state_dict == {}
+    assert not (tmp_path / "tiny").exists()  # nothing built
+    assert routed.config == load_model("tiny").config
+    assert routed.tokenizer.encode("hi") == build_tiny_tokenizer().encode("hi")
 
 
 def test_folder_roundtrip_tied(tmp_path: pathlib.Path) -> None:
