@@ -78,6 +78,9 @@ def ray_cluster() -> Iterator[Any]:
     os.environ["RAY_AUTH_MODE"] = "disabled"
     # Keep every Ray address on loopback: otherwise Ray swaps 127.0.0.1 for the host's IP.
     os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+    # Ray prestarts idle Python workers the tests never use (actors get workers of their own); on a
+    # 2-core machine starting them takes CPU from the tests' own actors.
+    os.environ["RAY_enable_worker_prestart"] = "0"
     import ray
     from ray.cluster_utils import Cluster
 
