@@ -33,9 +33,20 @@ def deploy(placement: Placement, **kw: Any) -> DisaggLLM:
 
 
 @pytest.fixture(scope="module")
-def one_p_one_d(ray_cluster: Any) -> Iterator[DisaggLLM]:
-    """One 1P1D deployment for the tests that only read counters as differences (prompts share no prefix across tests)."""
-    with deploy(Placement.disaggregated()) as llm:
+def resharded_1p1d(ray_cluster: Any) -> Iterator[DisaggLLM]:
+    """One 1P1D deployment whose KV migration reshards across the two nodes (prefill TP=2 on node 0,
+    decode PP=2 on node 1), for the tests that read counters as differences (prompts share no
+    prefix across tests)."""
+    placement = Placement(prefill=(InstanceSpec(2, 1, node=0),), decode=(InstanceSpec(1, 2, node=1),))
+    with deploy(placement) as llm:
+        yield llm
+
+
+@pytest.fixture(scope="module")
+def two_p_one_d(ray_cluster: Any) -> Iterator[DisaggLLM]:
+    """One 2P1D deployment: the test that kills a prefill instance waits for its restart, so the
+    deployment is whole again for whichever test comes next."""
+    with deploy(Placement.disaggregated(num_prefill=2, num_decode=1)) as llm:
         yield llm
 
 
@@ -47,22 +58,24 @@ def counted(llm: DisaggLLM, before: dict[str, Any], key: str) -> int:
 # All 16 prefill x decode tp/pp pairs run in one deployment in test_controller_routing.py; this
 # one checks the DisaggLLM path end to end with a resharding pair across the two nodes (the same
 # pair on one node was a separate test: it exercised nothing this one does not).
-def test_1p1d_resharded_across_the_named_nodes_matches_colocated(ray_cluster: Any, reference: list[list[int]]) -> None:
+def test_1p1d_resharded_across_the_named_nodes_matches_colocated(
+    resharded_1p1d: DisaggLLM, reference: list[list[int]]
+) -> None:
     import ray
 
+    llm = resharded_1p1d
     node_of = {n["Resources"].get("distserve_node_1", 0) > 0: n["NodeID"] for n in ray.nodes() if n["Alive"]}
-    placement = Placement(prefill=(InstanceSpec(2, 1, node=0),), decode=(InstanceSpec(1, 2, node=1),))
-    with deploy(placement) as llm:
-        report = {r["instance"]: r["node_ids"] for r in llm.placement_report()}
-        assert report["prefill-0"] == [node_of[False]] * 2
-        assert report["decode-0"] == [node_of[True]] * 2
-        assert [o.token_ids for o in llm.generate(PROMPTS, SP)] == reference
-        assert llm.stats()["num_migrations"] == len(PROMPTS)
-        assert wait_until(lambda: all(i["kv_cache_usage_perc"] == 0.0 for i in llm.stats()["instances"]))
+    report = {r["instance"]: r["node_ids"] for r in llm.placement_report()}
+    assert report["prefill-0"] == [node_of[False]] * 2
+    assert report["decode-0"] == [node_of[True]] * 2
+    before = llm.stats()
+    assert [o.token_ids for o in llm.generate(PROMPTS, SP)] == reference
+    assert counted(llm, before, "num_migrations") == len(PROMPTS)
+    assert wait_until(lambda: all(i["kv_cache_usage_perc"] == 0.0 for i in llm.stats()["instances"]))
 
 
-def test_prefix_aware_migration_and_streaming(one_p_one_d: DisaggLLM) -> None:
-    llm = one_p_one_d
+def test_prefix_aware_migration_and_streaming(resharded_1p1d: DisaggLLM) -> None:
+    llm = resharded_1p1d
     shared = "System: you are a helpful assistant. Answer briefly. " * 2
     before = llm.stats()
     llm.generate([shared + "Q: hi"], SP)
@@ -80,12 +93,12 @@ def test_prefix_aware_migration_and_streaming(one_p_one_d: DisaggLLM) -> None:
     assert streamed[-1].token_ids == fresh.token_ids
 
 
-def test_siblings_migrating_together_receive_a_shared_prompt_once(one_p_one_d: DisaggLLM) -> None:
+def test_siblings_migrating_together_receive_a_shared_prompt_once(resharded_1p1d: DisaggLLM) -> None:
     """Siblings submitted at once: prefill computes their shared prompt once, and the decode
     instance receives it once (from its prefix cache, or — when a sibling's reservation comes while
     that KV is still arriving — by waiting for it: tests/simulator/test_prefix_sharing_sim.py makes
     that case happen), so cascade attention finds it shared there."""
-    llm = one_p_one_d
+    llm = resharded_1p1d
     shared = "Background: " + "the quick brown fox jumps over the lazy dog; " * 4  # 192 tokens = 48 blocks
     prompts = [shared + f"Q{i}: what next?" for i in range(4)]
     prefix_blocks = len(load_model("tiny").tokenizer.encode(shared)) // CACHE.block_size
@@ -116,29 +129,34 @@ def test_dead_decode_instance_requests_rerun_on_survivor(ray_cluster: Any, refer
         assert all(o.finish_reason == "length" for o in finals)
 
 
-def test_dead_prefill_instance_requests_rerun_on_survivor(ray_cluster: Any) -> None:
+def test_prefix_affinity_routes_to_the_instance_with_the_cached_prefix(two_p_one_d: DisaggLLM) -> None:
+    llm = two_p_one_d
+    shared = "System: you are a helpful assistant. Answer briefly and politely. " * 2
+    first = llm.generate([shared + "Q: hi"], SP)[0]
+    second = llm.generate([shared + "Q: bye"], SP)[0]
+    assert first.metrics.num_cached_tokens == 0
+    assert second.metrics.num_cached_tokens >= 64  # served by the prefill instance that cached it
+
+
+def test_dead_prefill_instance_requests_rerun_on_survivor(two_p_one_d: DisaggLLM) -> None:
     import ray
 
+    llm = two_p_one_d
     long = SamplingParams(max_tokens=32, min_tokens=32, temperature=0.0)
     prompts = [p * 4 for p in PROMPTS] * 2
     expected = [o.token_ids for o in LLMEngine(load_model("tiny"), cache_config=CACHE).generate(prompts, long)]
-    with deploy(Placement.disaggregated(num_prefill=2, num_decode=1)) as llm:
-        with ThreadPoolExecutor(len(prompts)) as pool:
-            futures = [pool.submit(lambda p: list(llm.stream(p, long))[-1], p) for p in prompts]
-            time.sleep(0.3)
-            # while prompts are queued, prefilling or migrating
-            ray.get(llm.controller.actor.kill_instance.remote("prefill-0"))
-            finals = [f.result(timeout=120) for f in futures]
-        assert [o.token_ids for o in finals] == expected
-
-
-def test_prefix_affinity_routes_to_the_instance_with_the_cached_prefix(ray_cluster: Any) -> None:
-    shared = "System: you are a helpful assistant. Answer briefly and politely. " * 2
-    with deploy(Placement.disaggregated(num_prefill=2, num_decode=1)) as llm:
-        first = llm.generate([shared + "Q: hi"], SP)[0]
-        second = llm.generate([shared + "Q: bye"], SP)[0]
-        assert first.metrics.num_cached_tokens == 0
-        assert second.metrics.num_cached_tokens >= 64  # served by the prefill instance that cached it
+    restarts = llm.stats()["instance_restarts_total"]
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        futures = [pool.submit(lambda p: list(llm.stream(p, long))[-1], p) for p in prompts]
+        time.sleep(0.3)
+        # while prompts are queued, prefilling or migrating
+        ray.get(llm.controller.actor.kill_instance.remote("prefill-0"))
+        finals = [f.result(timeout=120) for f in futures]
+    assert [o.token_ids for o in finals] == expected
+    # The deployment is whole again (the module's other tests share it).
+    assert wait_until(
+        lambda: (s := llm.stats())["instance_restarts_total"] == restarts + 1 and len(s["instances"]) == 3, 120
+    ), llm.stats()
 
 
 def test_colocated_instances_on_ray(ray_cluster: Any, reference: list[list[int]]) -> None:
