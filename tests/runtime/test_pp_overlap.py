@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -46,16 +47,24 @@ def all_freed(llm: DisaggLLM) -> bool:
     )
 
 
-def test_pp2_prefill_and_decode_overlap_and_match_colocated(ray_cluster: Any, reference: list[list[int]]) -> None:
+@pytest.fixture(scope="module")
+def pp2_1p1d(ray_cluster: Any) -> Iterator[DisaggLLM]:
+    """PP=2 prefill and decode instances with small batches (at most 3 sequences per micro-batch,
+    2 micro-batches in flight: 6 running), shared by the tests that need a pipelined 1P1D."""
     placement = Placement(prefill=(InstanceSpec(1, 2, node=0),), decode=(InstanceSpec(1, 2, node=0),))
     with deploy(placement, scheduler_config=SMALL_BATCHES, prefill_scheduler_config=SMALL_BATCHES) as llm:
-        assert [o.token_ids for o in llm.generate(PROMPTS, SP)] == reference
-        stats = instance_stats(llm)
-        for name in ("prefill-0", "decode-0"):
-            assert stats[name]["pp"] == 2
-            assert stats[name]["max_plans_in_flight"] == 2, stats[name]
-            assert stats[name]["num_overlapped_launches"] > 0, stats[name]
-        assert wait_until(lambda: all_freed(llm))
+        yield llm
+
+
+def test_pp2_prefill_and_decode_overlap_and_match_colocated(pp2_1p1d: DisaggLLM, reference: list[list[int]]) -> None:
+    llm = pp2_1p1d
+    assert [o.token_ids for o in llm.generate(PROMPTS, SP)] == reference
+    stats = instance_stats(llm)
+    for name in ("prefill-0", "decode-0"):
+        assert stats[name]["pp"] == 2
+        assert stats[name]["max_plans_in_flight"] == 2, stats[name]
+        assert stats[name]["num_overlapped_launches"] > 0, stats[name]
+    assert wait_until(lambda: all_freed(llm))
 
 
 def test_pp2_colocated_overlaps_and_matches(ray_cluster: Any, reference: list[list[int]]) -> None:
@@ -68,19 +77,20 @@ def test_pp2_colocated_overlaps_and_matches(ray_cluster: Any, reference: list[li
         assert wait_until(lambda: all_freed(llm))
 
 
-def test_abort_mid_generation_on_pp2_decode_frees_every_block(ray_cluster: Any, reference: list[list[int]]) -> None:
+def test_abort_mid_generation_on_pp2_decode_frees_every_block(pp2_1p1d: DisaggLLM, reference: list[list[int]]) -> None:
+    llm = pp2_1p1d
     long = SamplingParams(max_tokens=100, min_tokens=100, temperature=0.0)
-    placement = Placement(prefill=(InstanceSpec(1, 1, node=0),), decode=(InstanceSpec(1, 2, node=0),))
-    with deploy(placement) as llm:
-        streams = [llm.stream(p, long) for p in PROMPTS[:8]]
-        for s in streams:
-            next(s)  # the first token, from the prefill instance
-        decoding = [next(s) for s in streams]  # a token from the decode instance
-        assert all(not o.finished for o in decoding)
-        assert instance_stats(llm)["decode-0"]["kv_cache_usage_perc"] > 0.0
-        for s in streams:
-            s.close()  # aborts the request, typically while a plan in flight computes it
-        assert wait_until(lambda: all_freed(llm), timeout_s=30.0)
-        # The instance still serves requests exactly after the aborts.
-        assert [o.token_ids for o in llm.generate(PROMPTS, SP)] == reference
-        assert wait_until(lambda: all_freed(llm))
+    # As many requests as the decode instance runs at once: all of them decoding, in both micro-batches.
+    running = SMALL_BATCHES.max_num_seqs * 2
+    streams = [llm.stream(p, long) for p in PROMPTS[:running]]
+    for s in streams:
+        next(s)  # the first token, from the prefill instance
+    decoding = [next(s) for s in streams]  # a token from the decode instance
+    assert all(not o.finished for o in decoding)
+    assert instance_stats(llm)["decode-0"]["kv_cache_usage_perc"] > 0.0
+    for s in streams:
+        s.close()  # aborts the request, typically while a plan in flight computes it
+    assert wait_until(lambda: all_freed(llm), timeout_s=30.0)
+    # The instance still serves requests exactly after the aborts.
+    assert [o.token_ids for o in llm.generate(PROMPTS, SP)] == reference
+    assert wait_until(lambda: all_freed(llm))
