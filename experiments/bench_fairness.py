@@ -87,7 +87,7 @@ def parse_args() -> Any:
                    help="a bench_fairness JSON of an earlier run: only re-run the simulator's prediction on its recorded requests (no server)")
     args = p.parse_args()
     if args.quick:
-        args.model, args.dtype, args.duration, args.light_rate = "tiny", "float32", 4.0, 1.0
+        args.model, args.dtype, args.duration, args.light_rate = "tiny", "float32", 2.0, 1.0
         args.flood_factor, args.light_input, args.flood_input, args.output_len = 4.0, 16, 96, 8
         # The simulator's prediction still runs (on the committed SmolLM2 profile): the code path, not the figure, is checked.
     return args

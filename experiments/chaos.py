@@ -75,7 +75,7 @@ def parse_args() -> argparse.Namespace:
     args = ap.parse_args()
     if args.quick:
         args.model, args.in_flight, args.max_tokens, args.cache_tokens = "tiny", 24, 12, 768
-        args.storm, args.overload_s, args.soak_s, args.deadline = 30, 3.0, 10.0, 150.0
+        args.storm, args.overload_s, args.soak_s, args.deadline = 30, 3.0, 4.0, 150.0
         args.faults = args.faults or "decode-worker,controller"
     args.faults = [f for f in (args.faults or ",".join(FAULTS)).split(",") if f]
     args.rows = [r for r in args.rows.split(",") if r]
