@@ -181,6 +181,7 @@ def load_tiny_state_dict(hf_config: transformers.LlamaConfig, seed: int = 0) -> 
         os.close(fd)
         try:
             save_file(state_dict, tmp, metadata={"format": "pt"})
+            os.chmod(tmp, 0o644)  # mkstemp's 0600 would keep the file to this user
             os.replace(tmp, path)  # atomic: concurrent builders write the same bytes; readers never see half a file
         except BaseException:
             pathlib.Path(tmp).unlink(missing_ok=True)

@@ -44,8 +44,8 @@ def resharded_1p1d(ray_cluster: Any) -> Iterator[DisaggLLM]:
 
 @pytest.fixture(scope="module")
 def two_p_one_d(ray_cluster: Any) -> Iterator[DisaggLLM]:
-    """One 2P1D deployment: the test that kills a prefill instance waits for its restart, so the
-    deployment is whole again for whichever test comes next."""
+    """One 2P1D deployment for prefix affinity, then the dead prefill instance: that test kills
+    prefill-0, so it stays the last of this module's tests to use the deployment."""
     with deploy(Placement.disaggregated(num_prefill=2, num_decode=1)) as llm:
         yield llm
 
@@ -145,7 +145,6 @@ def test_dead_prefill_instance_requests_rerun_on_survivor(two_p_one_d: DisaggLLM
     long = SamplingParams(max_tokens=32, min_tokens=32, temperature=0.0)
     prompts = [p * 4 for p in PROMPTS] * 2
     expected = [o.token_ids for o in LLMEngine(load_model("tiny"), cache_config=CACHE).generate(prompts, long)]
-    restarts = llm.stats()["instance_restarts_total"]
     with ThreadPoolExecutor(len(prompts)) as pool:
         futures = [pool.submit(lambda p: list(llm.stream(p, long))[-1], p) for p in prompts]
         time.sleep(0.3)
@@ -153,10 +152,6 @@ def test_dead_prefill_instance_requests_rerun_on_survivor(two_p_one_d: DisaggLLM
         ray.get(llm.controller.actor.kill_instance.remote("prefill-0"))
         finals = [f.result(timeout=120) for f in futures]
     assert [o.token_ids for o in finals] == expected
-    # The deployment is whole again (the module's other tests share it).
-    assert wait_until(
-        lambda: (s := llm.stats())["instance_restarts_total"] == restarts + 1 and len(s["instances"]) == 3, 120
-    ), llm.stats()
 
 
 def test_colocated_instances_on_ray(ray_cluster: Any, reference: list[list[int]]) -> None:
