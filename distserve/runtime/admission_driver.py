@@ -181,7 +181,7 @@ class AdmissionDriver:
     def _measured_tpot(self) -> float | None:
         """The TPOT backpressure reads, from the latest step of the live instances where requests decode: the
         time between its steps (``StepResult.step_interval_s``: the step and the round trip through this
-        controller, which under load is most of it). A pipelined instance's step launches one micro-batch
+        controller and its work between steps). A pipelined instance's step launches one micro-batch
         and ends when the oldest finishes, so a request advances once per ``pp`` steps: its time per token
         is ``pp`` intervals."""
         if self.admission.backpressure.tpot_slo_s is None:

@@ -50,7 +50,7 @@ class OverloadGate:
 
     def check(self) -> None:
         """Raise the gate's ``QueueFullError`` (shared, ``retry_after_s`` the time left) while it is shut."""
-        left = self._until - self.clock()
+        left = self.shut_for_s
         if left > 0:
             self.num_refused += 1
             raise QueueFullError(f"the server is refusing requests for {left:.2f} s more: {self._reason}", None, left, shared=True)
