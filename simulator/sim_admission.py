@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from distserve.cluster.admission import AdmissionItem, AdmissionQueue, EntryLoad, measured_tpot_s
-from distserve.cluster.backpressure import decode_room_tokens, held_prompt_tokens
+from distserve.cluster.backpressure import decode_headroom, decode_room_tokens, held_prompt_tokens, held_requests
 from distserve.cluster.routing import entry_hashes, pick_entry
 from distserve.config import SamplingParams
 from distserve.engine.sequence import Sequence
@@ -83,16 +83,19 @@ class SimAdmission:
             rec = self.records[item.request_id]
             rec.dropped, rec.admission_wait_s = "rejected" if item.shed else "expired", item.wait_s
         block_size, prefix_caching, router = self.config.block_size, self.config.enable_prefix_caching, self.config.router
-        tpot = room = None
-        if self.config.admission.tpot_slo_s is not None:
+        tpot = room = headroom = None
+        slo = self.config.admission.tpot_slo_s
+        if slo is not None:
             # A stage takes ``last_step_s`` per micro-batch: a request's token comes every ``pp`` of them.
-            tpot = measured_tpot_s((i.core.scheduler.num_running, i.core.last_step_s * i.pp) for i in self.decodes or self.entry)
+            decoding = [(i.core.scheduler.num_running, i.core.last_step_s * i.pp) for i in self.decodes or self.entry]
+            tpot = measured_tpot_s(decoding)
             if self.decodes:
                 room = decode_room_tokens((i.core.num_free_blocks * block_size for i in self.decodes),
                                           (held_prompt_tokens(i.core.scheduler) for i in self.entry))
+                headroom = decode_headroom(decoding, slo, sum(held_requests(i.core.scheduler) for i in self.entry))
 
         def load(inst: SimInstance) -> EntryLoad:
-            return inst.entry_load(tpot, room)
+            return inst.entry_load(tpot, room, headroom)
 
         def place(item: AdmissionItem, accepting: list[SimInstance]) -> SimInstance:
             seq: Sequence = item.payload

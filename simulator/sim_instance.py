@@ -91,19 +91,19 @@ class SimInstance:
     def num_gpus(self) -> int:
         return self.tp * self.pp
 
-    def entry_load(self, tpot_s: float | None, decode_room: int | None = None) -> EntryLoad:
+    def entry_load(self, tpot_s: float | None, decode_room: int | None = None, headroom: int | None = None) -> EntryLoad:
         """``cluster.backpressure.entry_load`` of this (entry) instance: its lazy decodes, the head of
         ``running``, left unread (they hold no prompt tokens). Read at every dispatch attempt and jump
         (``fast_forward.horizon``), it is computed again only after the instance changed (``last_load``)."""
         load = self.last_load
-        if load is not None and load.tpot_s == tpot_s and load.decode_room_tokens == decode_room:
+        if load is not None and load.tpot_s == tpot_s and load.decode_room_tokens == decode_room and load.decode_headroom == headroom:
             return load
         sched = self.core.scheduler
         if self.lazy is None:
-            load = entry_load(sched, tpot_s, decode_room)
+            load = entry_load(sched, tpot_s, decode_room, headroom)
         else:
             load = EntryLoad(sched.num_waiting, tpot_s, sched.pending_prompt_tokens(self.lazy.num_members),
-                             *step_capacity(sched.config, sched.phase, sched.pipeline_depth), decode_room)
+                             *step_capacity(sched.config, sched.phase, sched.pipeline_depth), decode_room, headroom)
         self.last_load = load
         return load
 

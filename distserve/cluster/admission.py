@@ -370,7 +370,7 @@ class AdmissionQueue(Generic[T]):
             del self._items[item.request_id]
             chosen = place(item, accepting)
             loads[id(chosen)] = loads[id(chosen)].with_dispatched(item)
-            if loads[id(chosen)].decode_room_tokens is not None:  # the decode instances' room is every prefill instance's
+            if loads[id(chosen)].shares_decode:  # the decode instances' room is every prefill instance's
                 loads = {key: other.with_decode_room_taken(item.prompt_tokens) for key, other in loads.items()}
             item.wait_s = now - item.enqueued_at
             c = self.counters_of(item.tenant)

@@ -62,6 +62,11 @@ class EntryLoad:
     # every prefill instance holds (waiting, prefilling, awaiting migration) will reserve there: shared
     # by all entry instances (``decode_room_tokens``). None: not disaggregated, or the rule is off.
     decode_room_tokens: int | None = None
+    # Disaggregated, under the TPOT rule: how many more requests the prefill side may hold for the decode
+    # instances before their time per token reaches the rule's TPOT (``decode_headroom``), shared by all
+    # entry instances like the room above. None: not disaggregated, the rule is off, or a decode
+    # instance is idle (nothing measured: the KV room decides).
+    decode_headroom: int | None = None
 
     def tokens_ahead(self, rank: int) -> int:
         """Pending prompt tokens a request of ``rank`` would be computed after."""
@@ -71,14 +76,20 @@ class EntryLoad:
         """This load once ``item`` is added to the instance (a dispatch snapshot's update)."""
         tokens = item.prompt_tokens
         return EntryLoad(self.num_waiting + 1, self.tpot_s, add_pending(self.pending_tokens, item.rank, tokens), self.step_tokens, self.step_seqs,
-                         self.decode_room_tokens)
+                         self.decode_room_tokens, self.decode_headroom)
+
+    @property
+    def shares_decode(self) -> bool:
+        """Whether this load carries the decode instances' room or headroom, which every prefill instance shares."""
+        return self.decode_room_tokens is not None or self.decode_headroom is not None
 
     def with_decode_room_taken(self, tokens: int) -> EntryLoad:
         """This load once a request of ``tokens`` prompt tokens went to any prefill instance (the decode
-        room is shared by all of them)."""
-        if self.decode_room_tokens is None:
+        room and headroom are shared by all of them)."""
+        if not self.shares_decode:
             return self
-        return replace(self, decode_room_tokens=self.decode_room_tokens - tokens)
+        return replace(self, decode_room_tokens=None if self.decode_room_tokens is None else self.decode_room_tokens - tokens,
+                       decode_headroom=None if self.decode_headroom is None else self.decode_headroom - 1)
 
 
 def add_pending(pending: tuple[int, ...], rank: int, tokens: int) -> tuple[int, ...]:
@@ -121,6 +132,8 @@ class Backpressure:
                 return False
             if load.decode_room_tokens is not None and load.decode_room_tokens < prompt_tokens:
                 return False
+            if load.decode_headroom is not None and load.decode_headroom < 1:
+                return False
         if self.max_waiting is None:
             return True
         if tier == BATCH and load.num_waiting:
@@ -150,6 +163,37 @@ def held_prompt_tokens(scheduler: Any) -> int:
     bs = scheduler.block_manager.block_size
     seqs = itertools.chain(scheduler.waiting, scheduler.running, scheduler.isolated, getattr(scheduler, "awaiting_migration", {}).values())
     return sum(-(-(s.num_prompt_tokens + 1) // bs) for s in seqs) * bs
+
+
+def held_requests(scheduler: Any) -> int:
+    """The requests a prefill instance's scheduler holds for the decode instances (waiting, prefilling, and
+    prefilled awaiting migration: ``decode_headroom``); 0 for a colocated one (it decodes its own)."""
+    if scheduler.phase != "prefill":
+        return 0
+    return len(scheduler.waiting) + len(scheduler.running) + len(scheduler.isolated) + len(getattr(scheduler, "awaiting_migration", ()))
+
+
+def decode_headroom(decoding: Iterable[tuple[int, float]], tpot_slo_s: float, held: int) -> int | None:
+    """``EntryLoad.decode_headroom``: how many more requests the prefill side may hold for the decode
+    instances, from (requests decoding, seconds between a request's tokens at the last step) per decode
+    instance and the ``held`` requests (``held_requests`` of every prefill instance, plus those sent to
+    them since). An instance at or over the TPOT takes none; one under it takes ``ceil(running x
+    (tpot / per_token - 1))``: the batch that would reach the TPOT if a step's time grew in proportion to
+    its batch — a bound, as a step's fixed part does not grow — and at least one. None when an instance
+    decodes nothing (nothing to measure; the KV room decides).
+
+    Without it the TPOT rule was all or nothing: whenever the latest reading dipped under the TPOT, the
+    prefill instance took a step's worth of prompts, which reached the decode instance seconds later,
+    after the reading had long turned; at 10x overload (``experiments/chaos.py``) the decode instance ran
+    at twice the TPOT the rule held to.
+    """
+    total = 0
+    for num_running, per_token_s in decoding:
+        if num_running <= 0 or per_token_s <= 0:
+            return None
+        if per_token_s < tpot_slo_s:
+            total += max(1, math.ceil(num_running * (tpot_slo_s / per_token_s - 1) - 1e-9))
+    return total - held
 
 
 def decode_room_tokens(decode_free_tokens: Iterable[int], held_tokens: Iterable[int]) -> int:
@@ -184,14 +228,14 @@ class PendingPrompts(Protocol):
     def pending_prompt_tokens(self) -> tuple[int, ...]: ...
 
 
-def entry_load(scheduler: PendingPrompts, tpot_s: float | None, decode_room: int | None = None) -> EntryLoad:
+def entry_load(scheduler: PendingPrompts, tpot_s: float | None, decode_room: int | None = None, headroom: int | None = None) -> EntryLoad:
     """An in-process entry instance's load, from its scheduler (a driver whose instances live elsewhere
     builds ``EntryLoad`` from the same figures in their stats)."""
     return EntryLoad(scheduler.num_waiting, tpot_s, scheduler.pending_prompt_tokens(),
-                     *step_capacity(scheduler.config, scheduler.phase, scheduler.pipeline_depth), decode_room)
+                     *step_capacity(scheduler.config, scheduler.phase, scheduler.pipeline_depth), decode_room, headroom)
 
 
 __all__ = [
     "Backpressure", "DEFAULT_MAX_WAITING", "add_pending", "DEFAULT_WAITING_UNIT", "EntryLoad", "NO_BACKPRESSURE", "PendingPrompts", "REQUESTS", "TOKENS",
-    "WAITING_UNITS", "decode_room_tokens", "entry_load", "held_prompt_tokens", "measured_tpot_s", "step_capacity",
+    "WAITING_UNITS", "decode_headroom", "decode_room_tokens", "entry_load", "held_prompt_tokens", "held_requests", "measured_tpot_s", "step_capacity",
 ]

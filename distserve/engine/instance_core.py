@@ -118,6 +118,10 @@ class InstanceCore:
         self.last_step_s = 0.0
         # Seconds between a running request's tokens at the latest step (pp = 1; ``step_ended``).
         self.step_interval_s = 0.0
+        # Seconds between a running request's tokens, any pp: the last ``pipeline_depth`` step intervals
+        # (``step_ended``). TPOT backpressure reads it.
+        self.token_interval_s = 0.0
+        self._busy_ends: deque[float] = deque(maxlen=pipeline_depth)  # ends of the latest steps, while requests ran
         self._last_step_end: float | None = None
         self._running_at_last_end = False
         self.max_plans_in_flight = 0  # high-water mark, counting plans that compute tokens
@@ -362,11 +366,20 @@ class InstanceCore:
         step ended when requests were running then — what a decoding request waits between its tokens
         (with pp = 1): the step plus whatever its driver did between steps (the other instances' steps of
         an in-process round, the controller's round trip and its work on the Ray runtime) — else the
-        step's own time. TPOT backpressure reads it."""
+        step's own time. And ``token_interval_s``: with pp micro-batches in flight a request advances once
+        per pp steps, so the time since the step pp steps ago ended, when requests ran throughout (else
+        pp intervals like this one) — the micro-batches' steps may alternate long and short, and one of
+        them read as a whole token's time let the TPOT rule flicker open. TPOT backpressure reads it."""
         prev, self._last_step_end = self._last_step_end, now
         busy, self._running_at_last_end = self._running_at_last_end, self.scheduler.num_running > 0
         self.last_step_s = seconds
         self.step_interval_s = max(seconds, now - prev) if busy and prev is not None else seconds
+        ends = self._busy_ends
+        if not busy:
+            ends.clear()
+        pp = self.pipeline_depth
+        self.token_interval_s = max(now - ends[0], self.step_interval_s) if len(ends) == pp and pp > 1 else self.step_interval_s * pp
+        ends.append(now)
 
     def delta(self, seq: Sequence) -> SeqUpdate:
         """The tokens ``seq`` got since its previous delta (for a driver that reports across processes)."""

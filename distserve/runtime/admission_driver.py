@@ -22,7 +22,7 @@ import asyncio
 import time
 from typing import TYPE_CHECKING
 
-from distserve.cluster.backpressure import add_pending, decode_room_tokens, step_capacity
+from distserve.cluster.backpressure import add_pending, decode_headroom, decode_room_tokens, step_capacity
 from distserve.cluster.admission import AdmissionItem, AdmissionQueue, EntryLoad, expired_error, measured_tpot_s
 from distserve.cluster.routing import entry_hashes, pick_entry
 from distserve.config import CacheConfig
@@ -44,7 +44,7 @@ def _unseen(inst: DeployedInstance) -> list[tuple[int, int, int]]:
     return inst.unseen
 
 
-def instance_load(inst: DeployedInstance, tpot: float | None, decode_room: int | None = None) -> EntryLoad:
+def instance_load(inst: DeployedInstance, tpot: float | None, decode_room: int | None = None, headroom: int | None = None) -> EntryLoad:
     """What backpressure reads of an entry instance: the waiting requests and pending prompt tokens
     (by admission rank) its latest step reported, plus those sent to it that the step had not
     received yet, and what a step of its scheduler takes."""
@@ -54,7 +54,7 @@ def instance_load(inst: DeployedInstance, tpot: float | None, decode_room: int |
     for _, rank, tokens in unseen:
         pending = add_pending(pending, rank, tokens)
     waiting = (last.num_waiting if last is not None else 0) + len(unseen)
-    return EntryLoad(waiting, tpot, pending, *step_capacity(inst.spec.scheduler, inst.spec.phase, inst.spec.pp), decode_room)
+    return EntryLoad(waiting, tpot, pending, *step_capacity(inst.spec.scheduler, inst.spec.phase, inst.spec.pp), decode_room, headroom)
 
 
 class AdmissionDriver:
@@ -165,10 +165,10 @@ class AdmissionDriver:
         if not self.admission:
             return
         tpot = self._measured_tpot()
-        room = self._decode_room()
+        room, headroom = self._decode_limits()
 
         def load(inst: DeployedInstance) -> EntryLoad:
-            return instance_load(inst, tpot, room)
+            return instance_load(inst, tpot, room, headroom)
 
         def place(item: AdmissionItem, accepting: list[DeployedInstance]) -> DeployedInstance:
             self._cancel_deadline(item.request_id)
@@ -180,32 +180,36 @@ class AdmissionDriver:
 
     def _measured_tpot(self) -> float | None:
         """The TPOT backpressure reads, from the latest step of the live instances where requests decode: the
-        time between its steps (``StepResult.step_interval_s``: the step and the round trip through this
-        controller and its work between steps). A pipelined instance's step launches one micro-batch
-        and ends when the oldest finishes, so a request advances once per ``pp`` steps: its time per token
-        is ``pp`` intervals."""
+        time between a request's tokens (``StepResult.token_interval_s``: the step and the round trip through
+        this controller and its work between steps; a pipelined instance's step launches one micro-batch and
+        ends when the oldest finishes, so a request advances once per ``pp`` steps, over which it is measured)."""
         if self.admission.backpressure.tpot_slo_s is None:
             return None
         return measured_tpot_s(
-            (i.last_step.num_running, i.last_step.step_interval_s * i.spec.pp)
+            (i.last_step.num_running, i.last_step.token_interval_s)
             for i in self.instances if i.alive and i.phase != "prefill" and i.last_step is not None
         )
 
-    def _decode_room(self) -> int | None:
-        """``EntryLoad.decode_room_tokens`` under the TPOT rule on a disaggregated deployment (else None):
-        the live decode instances' free KV as their latest steps reported it (all of it before their
-        first), less the prompt tokens the prefill instances hold (their latest steps' count plus
-        what was sent to them since)."""
-        if self.admission.backpressure.tpot_slo_s is None:
-            return None
+    def _decode_limits(self) -> tuple[int | None, int | None]:
+        """``EntryLoad.decode_room_tokens`` and ``decode_headroom`` under the TPOT rule on a disaggregated
+        deployment (else None): the live decode instances' free KV as their latest steps reported it (all
+        of it before their first), less the prompt tokens the prefill instances hold; and the requests
+        their time per token leaves room for, less those the prefill instances hold (each: their latest
+        steps' count plus what was sent to them since)."""
+        slo = self.admission.backpressure.tpot_slo_s
+        if slo is None:
+            return None, None
         decodes = [i for i in self.instances if i.alive and i.phase == "decode"]
         if not decodes:
-            return None
+            return None, None
         block_size = self.cache_config.block_size
         free = ((i.last_step.num_free_blocks if i.last_step is not None else i.spec.num_blocks) * block_size for i in decodes)
-        held = ((i.last_step.held_prompt_tokens if i.last_step is not None else 0) + sum(u[2] for u in _unseen(i))
-                for i in self.instances if i.alive and i.phase == "prefill")
-        return decode_room_tokens(free, held)
+        prefills = [i for i in self.instances if i.alive and i.phase == "prefill"]
+        held = ((i.last_step.held_prompt_tokens if i.last_step is not None else 0) + sum(u[2] for u in _unseen(i)) for i in prefills)
+        held_requests = sum((i.last_step.num_held if i.last_step is not None else 0) + len(_unseen(i)) for i in prefills)
+        headroom = decode_headroom(((i.last_step.num_running, i.last_step.token_interval_s) if i.last_step is not None else (0, 0.0)
+                                    for i in decodes), slo, held_requests)
+        return decode_room_tokens(free, held), headroom
 
     # ---- leaving -------------------------------------------------------------------------------
     def _unqueue(self, request_id: str) -> None:

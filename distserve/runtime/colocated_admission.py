@@ -55,7 +55,7 @@ def colocated_load(engine: EngineBase, with_tpot: bool) -> EntryLoad:
     if not isinstance(engine, LLMEngine):
         return EntryLoad(0)
     scheduler = engine.scheduler
-    tpot = measured_tpot_s([(scheduler.num_running, engine.core.step_interval_s)]) if with_tpot else None
+    tpot = measured_tpot_s([(scheduler.num_running, engine.core.token_interval_s)]) if with_tpot else None
     return entry_load(scheduler, tpot)
 
 

@@ -41,7 +41,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from distserve.cluster.backpressure import held_prompt_tokens
+from distserve.cluster.backpressure import held_prompt_tokens, held_requests
 from distserve.config import CacheConfig, SchedulerConfig
 from distserve.decode.scheduler import Reservation
 from distserve.engine.instance_core import SCHEDULERS, InstanceCore, PlanInFlight, SeqUpdate
@@ -84,9 +84,9 @@ class StepResult:
     received_bytes: int = 0  # KV payload that arrived on this instance's workers
     has_work: bool = False
     step_seconds: float = 0.0
-    # Since the previous step ended, if requests were running then (``InstanceCore.step_ended``): a
-    # decoding request's time per token with pp = 1 — the step, the controller's round trip and its work.
-    step_interval_s: float = 0.0
+    # A decoding request's time between its tokens (``InstanceCore.token_interval_s``): the step, the
+    # controller's round trip and its work, over the last pp steps for a pipelined instance.
+    token_interval_s: float = 0.0
     execute_seconds: float = 0.0  # of step_seconds: rank 0 executing the plan launched in this step
     num_batched_tokens: int = 0
     # The scheduler after the step (admission backpressure and TPOT read them), and the requests
@@ -97,6 +97,7 @@ class StepResult:
     pending_prompt_tokens: tuple[int, ...] = ()  # prompt tokens not yet computed, by admission rank (``Scheduler.pending_prompt_tokens``)
     num_free_blocks: int = 0  # of its KV cache (decode room: ``backpressure.decode_room_tokens``)
     held_prompt_tokens: int = 0  # prefill: of every request it holds (``backpressure.held_prompt_tokens``)
+    num_held: int = 0  # prefill: the requests it holds (``backpressure.held_requests``)
 
 
 class InstanceServer:
@@ -316,7 +317,7 @@ class InstanceServer:
             self._report(result)
         end = time.perf_counter()
         core.step_ended(end - t0, end)
-        result.step_seconds, result.step_interval_s = core.last_step_s, core.step_interval_s
+        result.step_seconds, result.token_interval_s = core.last_step_s, core.token_interval_s
         return result
 
     def _step_preemptible(self) -> StepResult:
@@ -337,7 +338,7 @@ class InstanceServer:
             result.updates.extend(core.delta(seq) for seq in updated)
             self._report(result)
         result.step_seconds = time.perf_counter() - t0
-        result.step_interval_s = core.step_interval_s  # (``settle`` ended the step when its plan was applied)
+        result.token_interval_s = core.token_interval_s  # (``settle`` ended the step when its plan was applied)
         return result
 
     def _report(self, result: StepResult) -> None:
@@ -349,7 +350,7 @@ class InstanceServer:
         result.pending_prompt_tokens = core.scheduler.pending_prompt_tokens()
         result.num_free_blocks = core.num_free_blocks
         if core.scheduler.phase == "prefill":
-            result.held_prompt_tokens = held_prompt_tokens(core.scheduler)
+            result.held_prompt_tokens, result.num_held = held_prompt_tokens(core.scheduler), held_requests(core.scheduler)
 
     def _is_done(self, p: PlanInFlight) -> bool:
         if not p.refs:

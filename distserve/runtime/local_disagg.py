@@ -29,7 +29,7 @@ from typing import Protocol
 import torch
 
 from distserve.cluster.admission import AdmissionConfig, AdmissionItem, AdmissionQueue, EntryLoad, entry_load, expired_error, measured_tpot_s
-from distserve.cluster.backpressure import decode_room_tokens, held_prompt_tokens
+from distserve.cluster.backpressure import decode_headroom, decode_room_tokens, held_prompt_tokens, held_requests
 from distserve.cluster.counters import ClusterCounters
 from distserve.cluster.migration_queue import MigrationQueue
 from distserve.cluster.routing import DEFAULT_ROUTER, RouteState, check_router, decode_lane, decode_order, entry_hashes, pick_entry
@@ -246,14 +246,17 @@ class LocalDisaggEngine(EngineBase):
                 outputs.append(self._fail(seq, str(expired_error(item, now)), now, kind=item.expired_kind))
         if not self.admission:
             return outputs
-        tpot = room = None
-        if self.admission.backpressure.tpot_slo_s is not None:
-            tpot = measured_tpot_s((i.core.scheduler.num_running, i.core.step_interval_s) for i in self.decode)
+        tpot = room = headroom = None
+        slo = self.admission.backpressure.tpot_slo_s
+        if slo is not None:
+            decoding = [(i.core.scheduler.num_running, i.core.token_interval_s) for i in self.decode]
+            tpot = measured_tpot_s(decoding)
             room = decode_room_tokens((i.core.num_free_blocks * self.cache_config.block_size for i in self.decode),
                                       (held_prompt_tokens(i.core.scheduler) for i in self.prefill))
+            headroom = decode_headroom(decoding, slo, sum(held_requests(i.core.scheduler) for i in self.prefill))
 
         def load(inst: LocalInstance) -> EntryLoad:
-            return entry_load(inst.core.scheduler, tpot, room)
+            return entry_load(inst.core.scheduler, tpot, room, headroom)
 
         def place(item: AdmissionItem, accepting: list[LocalInstance]) -> LocalInstance:
             item.payload.dispatch_time, item.payload.admission_rank = now, item.rank  # the prefill scheduler keeps the admission order

@@ -10,6 +10,7 @@ import pytest
 from distserve.cluster.admission import (
     NO_BACKPRESSURE, AdmissionConfig, AdmissionItem, AdmissionQueue, Backpressure, DrainRate, EntryLoad, expired_error, measured_tpot_s,
 )
+from distserve.cluster.backpressure import decode_headroom
 from distserve.cluster.classes import RequestClass
 from distserve.cluster.fair_queue import ADMISSION_POLICIES, BACKLOGGED, FRESH, LEVELS, SPARSE
 from distserve.cluster.tenants import TenantSpec
@@ -178,6 +179,28 @@ def test_decode_room_is_shared_by_every_prefill_instance() -> None:
     out = q.dispatch(0.0, ["p0", "p1"], lambda inst: EntryLoad(0, None, decode_room_tokens=100), lambda item, ok: ok[-1])
     assert [(item.request_id, inst) for item, inst in out] == [("r0", "p1"), ("r1", "p1")]  # 100 - 2 x 40 < 40: p0 takes none
     assert len(q) == 4
+
+
+def test_decode_headroom_admits_in_proportion_to_the_decode_instances_spare_time_per_token() -> None:
+    """Under the TPOT rule a disaggregated deployment's prefill side holds at most the requests the decode
+    instances' time per token leaves room for: none from an instance at or over the TPOT, ceil(running x
+    (tpot / per_token - 1)) (at least one) from one under it; unbounded while one decodes nothing."""
+    assert decode_headroom([(10, 0.5)], 1.0, 0) == 10  # half the TPOT: the batch may double
+    assert decode_headroom([(10, 0.8)], 1.0, 0) == 3  # ceil(2.5)
+    assert decode_headroom([(10, 0.8)], 1.0, 4) == -1  # the prefill side already holds more
+    assert decode_headroom([(2, 0.99)], 1.0, 0) == 1  # at least one while under the TPOT
+    assert decode_headroom([(10, 1.0)], 1.0, 0) == 0 and decode_headroom([(10, 1.7)], 1.0, 0) == 0
+    assert decode_headroom([(10, 0.5), (4, 2.0)], 1.0, 3) == 7  # summed over decode instances
+    assert decode_headroom([(10, 0.5), (0, 0.0)], 1.0, 3) is None  # an idle one: nothing measured
+    bp = Backpressure(tpot_slo_s=1.0)
+    assert bp.accepts(EntryLoad(0, 0.5, decode_headroom=1), "default") and not bp.accepts(EntryLoad(0, 0.5, decode_headroom=0), "default")
+    assert Backpressure().accepts(EntryLoad(0, decode_headroom=0), "default")  # the rule is the TPOT SLO's
+    q = AdmissionQueue("fcfs", backpressure=bp)
+    for i in range(5):
+        q.push(AdmissionItem(f"r{i}", RequestClass(), 50, float(i), num_prompt_tokens=40), 0.0)
+    out = q.dispatch(0.0, ["p0", "p1"], lambda inst: EntryLoad(0, 0.5, decode_headroom=3), lambda item, ok: ok[0])
+    assert [item.request_id for item, _ in out] == ["r0", "r1", "r2"]  # shared by both prefill instances
+    assert len(q) == 2
 
 
 def test_bounds_raise_queue_full_with_retry_after_from_the_drain_rate() -> None:

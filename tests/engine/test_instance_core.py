@@ -62,6 +62,27 @@ def test_step_interval_is_the_time_between_steps_while_requests_run() -> None:
     assert c.step_interval_s == 0.25
 
 
+def test_token_interval_spans_pp_steps_of_a_pipelined_instance() -> None:
+    """pp = 2: a request advances once per two steps (one per micro-batch), so its time per token is the
+    time since the step two steps ago ended — read from one step, micro-batches of unequal size made
+    the reading alternate between short and long (and TPOT backpressure flicker open)."""
+    c = core(pipeline_depth=2)
+    c.add(seq("a", 64))
+    c.step(fake_execute, iter([0.9, 1.0]).__next__)  # the prompt; nothing ran before: the step's own time, pp of them
+    assert c.token_interval_s == pytest.approx(0.2)
+    c.step_ended(0.1, 1.1)  # one interval seen: pp of it
+    assert c.token_interval_s == pytest.approx(0.2)
+    c.step_ended(0.6, 1.7)
+    assert (c.step_interval_s, c.token_interval_s) == (pytest.approx(0.6), pytest.approx(0.7))  # 1.7 - 1.0
+    c.step_ended(0.1, 1.8)
+    assert (c.step_interval_s, c.token_interval_s) == (pytest.approx(0.1), pytest.approx(0.7))  # 1.8 - 1.1, not 2 x 0.1
+    flat = core()
+    flat.add(seq("b", 64))
+    flat.step(fake_execute, iter([0.9, 1.0]).__next__)
+    flat.step_ended(0.2, 1.5)
+    assert flat.token_interval_s == flat.step_interval_s == pytest.approx(0.5)  # pp = 1: one interval
+
+
 def test_a_free_waits_for_the_plan_that_computes_the_request() -> None:
     """pp = 2: an abort (and a re-add of the same id) issued while a plan computes the request run
     when that plan is applied, in call order; the aborted request gets no token from it."""
