@@ -7,7 +7,9 @@ Rows, in order (``--rows`` picks some; the fault-free wave always runs first):
 - the same wave with a fault injected once a quarter of it streams: SIGKILL of the decode instance's
   second rank (a worker actor), of the prefill instance actor, of both at once, of the controller
   actor; SIGSTOP of the KV sender (prefill) or receiver (decode worker) for 2.5x the KV-transfer
-  timeout (the transfer stalls past its deadline), then SIGCONT;
+  timeout (the transfer stalls past its deadline), then SIGCONT; and KV transfers lost on the wire (``drop-sends``:
+  the server restarted with every 5th KV send of its workers posting nothing yet reporting success, so the
+  receiver times out and the request is prefilled again; then restarted without it);
 - KV exhaustion: long prompts that together exceed the cache (preemption, no error), and one prompt
   larger than the whole cache (400 at admission);
 - disconnect storm: clients dropping their connection after the first streamed chunk;
@@ -48,9 +50,11 @@ import httpx
 from chaos_rows import kv_exhaustion, overload, shutdown, slo_flags, soak, storm
 
 from distserve.measure.benchserve import ServerProcess, distserve_serve_argv, metric_sums, session_pids
+from distserve.runtime.worker import TRANSFER_FAULTS_ENV
 
 ROWS = ("faults", "kv", "storm", "soak", "overload", "shutdown")
-FAULTS = ("decode-worker", "prefill-instance", "both", "controller", "stall-sender", "stall-receiver")
+FAULTS = ("decode-worker", "prefill-instance", "both", "controller", "stall-sender", "stall-receiver", "drop-sends")
+DROP_EVERY = 5  # the drop-sends row: every n-th KV send of a worker is lost
 GAUGE = re.compile(r'^distserve:(\w+)\{([^}]*)\}\s+(\S+)$', re.MULTILINE)
 IDLE_TIMEOUT_S = 90.0
 
@@ -199,11 +203,12 @@ class Run:
             self._names[pid] = f"{pid} {actors.get(pid, program.split()[0] if program.startswith('ray::') else program)}"
         return self._names[pid]
 
-    async def restart(self, extra_flags: list[str]) -> None:
-        """Stop the server (every process must exit) and start it again with ``extra_flags`` added."""
+    async def restart(self, extra_flags: list[str], env: dict[str, str] | None = None) -> None:
+        """Stop the server (every process must exit) and start it again with ``extra_flags`` added and
+        ``env`` (only) on top of this process's environment."""
         stop = await asyncio.to_thread(self.server.stop)
-        self.figures.setdefault("restarts", []).append({"processes_left": stop["num_left"], "flags": extra_flags})
-        server = ServerProcess(self.server.name, self.server.argv + extra_flags, self.server.startup_timeout_s)
+        self.figures.setdefault("restarts", []).append({"processes_left": stop["num_left"], "flags": extra_flags, **({"env": env} if env else {})})
+        server = ServerProcess(self.server.name, self.server.argv + extra_flags, self.server.startup_timeout_s, env=dict(env or {}))
         self.servers.append(server)
         await asyncio.to_thread(server.start)
         print(f"server restarted with {' '.join(extra_flags)} in {server.startup_s:.1f} s", flush=True)
@@ -282,6 +287,17 @@ class Run:
         return inject
 
 
+async def dropped_sends(run: Run, jobs: list[cc.Job]) -> None:
+    """KV transfers lost on the wire, all through a wave: a server whose workers drop every ``DROP_EVERY``-th KV
+    send (``DISTSERVE_TRANSFER_FAULTS``); the row counts the migrations that failed (each request prefilled again).
+    The server is then restarted without it for the rows that follow."""
+    await run.restart([], env={TRANSFER_FAULTS_ENV: f"drop_send:{DROP_EVERY}"})
+    row = await run.wave("KV drop-sends", jobs)
+    row["kv_migration_failures"] = int(run.counter("kv_migration_failures_total"))
+    print(f"  KV migrations that failed and were prefilled again: {row['kv_migration_failures']}", flush=True)
+    await run.restart([])
+
+
 async def scenarios(args: argparse.Namespace, servers: list[ServerProcess]) -> Run:
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
     async with httpx.AsyncClient(timeout=httpx.Timeout(args.deadline, connect=30.0), limits=limits, trust_env=False) as client:
@@ -297,7 +313,10 @@ async def scenarios(args: argparse.Namespace, servers: list[ServerProcess]) -> R
         run.figures.update(planned_goodput_rps=round(goodput, 3), slo_ttft_s=round(slo[0], 3), slo_tpot_s=round(slo[1], 4))
         if "faults" in args.rows:
             for kind in args.faults:
-                await run.wave(f"kill {kind}" if not kind.startswith("stall") else f"KV {kind}", jobs, run.fault(kind))
+                if kind == "drop-sends":
+                    await dropped_sends(run, jobs)
+                else:
+                    await run.wave(f"kill {kind}" if not kind.startswith("stall") else f"KV {kind}", jobs, run.fault(kind))
         if "kv" in args.rows:
             await kv_exhaustion(run, args.cache_tokens)
         if "storm" in args.rows:
@@ -326,6 +345,10 @@ def report(args: argparse.Namespace, run: Run) -> None:
     for r in rows:
         lines.append(f"| {r['scenario']} | {r['sent']} | {r['identical']} | {r['error']} | {r['lost']} | {r['hung']} | "
                      f"{r['blocks_leaked']} | {'-' if r['recovery_s'] is None else r['recovery_s']} |")
+    drops = next((r for r in rows if r["scenario"] == "KV drop-sends"), None)
+    if drops is not None:
+        lines += ["", f"KV drop-sends: every {DROP_EVERY}th KV send of each worker lost on the wire; {drops['kv_migration_failures']} "
+                  "migrations failed (the receiver timed out) and their requests were prefilled again."]
     over = next((r for r in rows if r["scenario"] == "overload 10x"), None)
     if over is not None:
         lines += ["", f"Overload 10x: {over['admitted']} admitted ({over['admitted_rps']} req/s), {over['rejected_429']} refused with 429; "

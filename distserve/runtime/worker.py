@@ -30,6 +30,22 @@ from distserve.kvtransfer.transport import TorchDistTransport, TransferTimeout, 
 # Test hooks (``Worker.inject_transfer_fault``): the next send is silently dropped (its receiver
 # times out), or the next receive raises before posting anything (its sender is left waiting).
 TRANSFER_FAULTS = ("drop_send", "fail_recv")
+# Chaos testing of a whole server (``experiments/chaos.py``): ``DISTSERVE_TRANSFER_FAULTS=drop_send:5`` makes
+# every 5th send of each worker a dropped one (``kind:period``, comma-separated), from its start. Unset: none.
+TRANSFER_FAULTS_ENV = "DISTSERVE_TRANSFER_FAULTS"
+
+
+def periodic_transfer_faults(value: str | None) -> dict[str, int]:
+    """``TRANSFER_FAULTS_ENV``'s value as {fault kind: every how many transfers of that kind}."""
+    out: dict[str, int] = {}
+    for part in (value or "").split(","):
+        if not part.strip():
+            continue
+        kind, _, period = part.strip().partition(":")
+        if kind not in TRANSFER_FAULTS or not period.isdigit() or int(period) < 1:
+            raise ValueError(f"{TRANSFER_FAULTS_ENV}: expected kind:period with kind one of {TRANSFER_FAULTS} and period >= 1, got {part!r}")
+        out[kind] = int(period)
+    return out
 
 
 @dataclass
@@ -75,6 +91,8 @@ class Worker:
         self._cancels: dict[str, threading.Event] = {}
         self._staging = StagingBuffers()  # cleared by a failed transfer: its buffers may still be in use
         self._fault: str | None = None
+        self._periodic_faults = periodic_transfer_faults(os.environ.get(TRANSFER_FAULTS_ENV))
+        self._transfers_seen = dict.fromkeys(TRANSFER_FAULTS, 0)  # by kind: transfers started (periodic faults count them)
         self._old_transports: list[TorchDistTransport] = []  # of earlier worlds (``reinit``)
         # Plans carry a per-instance sequence number; ``execute`` runs them in that order.
         self._next_plan_seq = 0
@@ -230,6 +248,11 @@ class Worker:
         self._fault = kind
 
     def _take_fault(self, kind: str) -> bool:
+        """Whether this transfer of ``kind`` fails: the injected one-shot fault, or every n-th (``TRANSFER_FAULTS_ENV``)."""
+        self._transfers_seen[kind] += 1
+        period = self._periodic_faults.get(kind)
+        if period is not None and self._transfers_seen[kind] % period == 0:
+            return True
         if self._fault != kind:
             return False
         self._fault = None

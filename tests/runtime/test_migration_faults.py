@@ -101,3 +101,20 @@ def test_kv_transfer_timeout_must_be_positive(bad: float) -> None:
         DeploymentConfig("tiny", Placement.disaggregated(), kv_transfer_timeout_s=bad)
     with pytest.raises(InvalidConfigError, match="kv_transfer_timeout_s"):
         LocalDisaggEngine("tiny", kv_transfer_timeout_s=bad)
+
+
+def test_periodic_transfer_faults_from_the_environment() -> None:
+    """``DISTSERVE_TRANSFER_FAULTS`` (the chaos suite's dropped-transfer row): every n-th transfer of a kind
+    fails, on top of a one-shot injected fault; a malformed value stops the worker at start, naming the variable."""
+    from distserve.runtime.worker import TRANSFER_FAULTS, Worker, periodic_transfer_faults
+
+    assert periodic_transfer_faults(None) == {} and periodic_transfer_faults("") == {}
+    assert periodic_transfer_faults("drop_send:5, fail_recv:2") == {"drop_send": 5, "fail_recv": 2}
+    for bad in ("drop_send", "drop_send:0", "melt:3", "drop_send:x"):
+        with pytest.raises(ValueError, match="DISTSERVE_TRANSFER_FAULTS"):
+            periodic_transfer_faults(bad)
+    w = Worker.__new__(Worker)  # only the fault bookkeeping
+    w._fault, w._periodic_faults, w._transfers_seen = None, {"drop_send": 3}, dict.fromkeys(TRANSFER_FAULTS, 0)
+    assert [w._take_fault("drop_send") for _ in range(6)] == [False, False, True, False, False, True]
+    w._fault = "fail_recv"
+    assert [w._take_fault("fail_recv") for _ in range(3)] == [True, False, False]  # the one-shot fault
