@@ -19,7 +19,8 @@ import harness
 
 from distserve.engine.detokenizer import DecodeStreamDetokenizer, Detokenizer, WindowDetokenizer
 from distserve.engine.tokenizer import Tokenizer
-from distserve.engine.weights import build_tiny_tokenizer, resolve_model_dir
+from distserve.engine.tiny_model import build_tiny_tokenizer
+from distserve.engine.weights import resolve_model_dir
 
 TEXT = "Hello wörld! 日本語のテキスト 🎉🚀 Ελληνικά — naïve café. The quick brown fox jumps over the lazy dog. "
 KINDS: dict[str, type[Detokenizer]] = {"decode_stream": DecodeStreamDetokenizer, "window": WindowDetokenizer}

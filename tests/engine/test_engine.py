@@ -7,7 +7,8 @@ import torch
 
 from distserve.config import CacheConfig, SamplingParams, SchedulerConfig
 from distserve.engine.llm_engine import LLMEngine
-from distserve.engine.weights import LoadedModel, build_tiny_hf_model, load_model
+from distserve.engine.tiny_model import build_tiny_hf_model
+from distserve.engine.weights import LoadedModel, load_model
 from distserve.errors import DistServeError, InvalidSamplingParamsError, PromptTooLongError
 
 GREEDY32 = SamplingParams(max_tokens=32, min_tokens=32, temperature=0.0)  # = HF min_new_tokens

@@ -11,7 +11,8 @@ import pytest
 
 from distserve.engine.detokenizer import DecodeStreamDetokenizer, Detokenizer, WindowDetokenizer
 from distserve.engine.tokenizer import Tokenizer
-from distserve.engine.weights import build_tiny_hf_model, build_tiny_tokenizer, resolve_model_dir
+from distserve.engine.tiny_model import build_tiny_hf_model, build_tiny_tokenizer
+from distserve.engine.weights import resolve_model_dir
 from distserve.errors import DistServeError, InvalidConfigError
 
 UNICODE_TEXTS = [

@@ -14,16 +14,9 @@ import pytest
 import torch
 
 from distserve.engine import weights
-from distserve.engine.weights import (
-    build_tiny_hf_model,
-    build_tiny_tokenizer,
-    cache_dir,
-    load_model,
-    load_tiny_state_dict,
-    resolve_model_dir,
-    tiny_cache_path,
-    tiny_hf_config,
-)
+from distserve.engine.model_cache import cache_dir
+from distserve.engine.tiny_model import build_tiny_hf_model, build_tiny_tokenizer, load_tiny_state_dict, tiny_cache_path, tiny_hf_config
+from distserve.engine.weights import load_model, resolve_model_dir
 from distserve.errors import InvalidConfigError, ModelNotFoundError
 
 LLAMA3_ROPE = {

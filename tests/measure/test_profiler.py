@@ -10,7 +10,7 @@ import pytest
 
 from distserve.cli import main
 from distserve.errors import InvalidConfigError
-from distserve.engine.weights import build_tiny_hf_model
+from distserve.engine.tiny_model import build_tiny_hf_model
 from distserve.measure.profiler import profile_engine
 from simulator.latency import FittedLatencyModel
 from simulator.models import model_spec_from_hf_config

@@ -38,7 +38,7 @@ MAX_TOKENS = 8
 def plan_bundle(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """``distserve plan --save-dir`` for the tiny model (saved as a folder, which both the planner and the engine read)."""
     from distserve.cli import main
-    from distserve.engine.weights import build_tiny_hf_model
+    from distserve.engine.tiny_model import build_tiny_hf_model
 
     root = tmp_path_factory.mktemp("plan")
     hf_model, tokenizer = build_tiny_hf_model()

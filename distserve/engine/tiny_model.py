@@ -1,0 +1,163 @@
+"""The tiny test model: a deterministic random LLaMA (GQA, 2 layers, hidden 64) over a byte-level tokenizer with a
+chat template, built in-process (no download) and its weights cached on disk (``model_cache.cache_dir()/tiny``).
+Tests and quick runs use it; ``weights.load_model("tiny")`` loads it like any model."""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+import json
+import os
+import pathlib
+import tempfile
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from distserve.engine.model_cache import cache_dir, log
+from distserve.engine.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    import transformers
+
+TINY_MODEL_NAME = "tiny"
+_TINY_CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}<|{{ message['role'] }}|>\n{{ message['content'] }}</s>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+
+
+def build_tiny_hf_model(
+    seed: int = 0, **config_overrides: Any
+) -> tuple[transformers.LlamaForCausalLM, Tokenizer]:
+    """A deterministic random LLaMA (GQA, 2 layers, hidden 64) over a byte-level tokenizer.
+
+    Weights are drawn with a large ``initializer_range`` so next-token logits are peaky and greedy
+    decoding is robust to float reordering. The global torch RNG state is left unchanged.
+    """
+    tokenizer = build_tiny_tokenizer()
+    return _init_tiny_model(tiny_hf_config(tokenizer, **config_overrides), seed), tokenizer
+
+
+def tiny_hf_config(tokenizer: Tokenizer, **config_overrides: Any) -> transformers.LlamaConfig:
+    """The tiny model's config (cheap: no model is built), with ``config_overrides`` applied."""
+    from transformers import LlamaConfig
+
+    hf_config_kwargs: dict[str, Any] = dict(
+        vocab_size=tokenizer.vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        tie_word_embeddings=True,
+        initializer_range=0.5,
+        rms_norm_eps=1e-5,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.hf.eos_token_id,
+        pad_token_id=tokenizer.hf.pad_token_id,
+    )
+    hf_config_kwargs.update(config_overrides)
+    return LlamaConfig(**hf_config_kwargs)
+
+
+def _init_tiny_model(hf_config: transformers.LlamaConfig, seed: int) -> transformers.LlamaForCausalLM:
+    from transformers import LlamaForCausalLM
+
+    rng_state = torch.random.get_rng_state()
+    try:
+        torch.manual_seed(seed)
+        model = LlamaForCausalLM(hf_config)
+    finally:
+        torch.random.set_rng_state(rng_state)
+    return model.float().eval()
+
+
+def load_tiny_state_dict(hf_config: transformers.LlamaConfig, seed: int = 0) -> dict[str, torch.Tensor]:
+    """The weights ``build_tiny_hf_model`` draws for ``hf_config`` and ``seed``, cached on disk.
+
+    Building the model costs seconds in every process that loads ``tiny`` (tests, Ray actors,
+    experiments), mostly to import transformers' LLaMA code; reading the cache costs milliseconds.
+    The file is :func:`tiny_cache_path`; an unreadable one is rebuilt. A tied ``lm_head.weight``
+    is not stored: it is the embedding, and ``weights._finalize_state_dict`` aliases it.
+    """
+    from safetensors.torch import load_file, save_file
+
+    path = tiny_cache_path(hf_config, seed)
+    try:
+        return load_file(str(path))
+    except FileNotFoundError:
+        pass
+    except Exception as exc:  # safetensors raises SafetensorError/OSError/... on a corrupt file
+        log(f"rebuilding the unreadable tiny-model cache {path}: {exc}")
+    tied = hf_config.tie_word_embeddings
+    state_dict = {
+        k: v.detach().contiguous()
+        for k, v in _init_tiny_model(hf_config, seed).state_dict().items()
+        if not k.endswith("rotary_emb.inv_freq") and not (tied and k == "lm_head.weight")
+    }
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.tmp-")
+        os.close(fd)
+        try:
+            save_file(state_dict, tmp, metadata={"format": "pt"})
+            os.chmod(tmp, 0o644)  # mkstemp's 0600 would keep the file to this user
+            os.replace(tmp, path)  # atomic: concurrent builders write the same bytes; readers never see half a file
+        except BaseException:
+            pathlib.Path(tmp).unlink(missing_ok=True)
+            raise
+    except OSError as exc:  # an unwritable cache still serves the freshly built weights
+        log(f"cannot cache the tiny model at {path}: {exc}")
+    return state_dict
+
+
+def tiny_cache_path(hf_config: transformers.LlamaConfig, seed: int = 0) -> pathlib.Path:
+    """``cache_dir()/tiny/<key>.safetensors``, the key a hash of all the weights depend on.
+
+    That is the config, the seed, the source of the build code and the transformers and torch
+    versions (their initializers draw the weights): a change to any of them is a new file.
+    """
+    import transformers
+
+    build_code = "".join(inspect.getsource(f) for f in (tiny_hf_config, _init_tiny_model, build_tiny_tokenizer))
+    key = json.dumps(
+        {
+            "config": hf_config.to_dict(),
+            "seed": seed,
+            "build_code": build_code,
+            "transformers": transformers.__version__,
+            "torch": torch.__version__,
+        },
+        sort_keys=True,
+        default=str,
+    )
+    return cache_dir() / TINY_MODEL_NAME / f"{hashlib.sha256(key.encode()).hexdigest()[:24]}.safetensors"
+
+
+def build_tiny_tokenizer() -> Tokenizer:
+    """Byte-level tokenizer (256 byte tokens, no merges) with ``<s>``, ``</s>``, ``<pad>`` and a chat template."""
+    from tokenizers import Tokenizer as RustTokenizer
+    from tokenizers import decoders, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<s>", "</s>", "<pad>"]
+    byte_symbols = sorted(pre_tokenizers.ByteLevel.alphabet())
+    vocab = {token: i for i, token in enumerate(specials + byte_symbols)}
+    rust = RustTokenizer(models.BPE(vocab=vocab, merges=[]))
+    rust.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    rust.decoder = decoders.ByteLevel()
+    rust.add_special_tokens(specials)
+    rust.post_processor = processors.TemplateProcessing(
+        single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", vocab["<s>"])]
+    )
+    hf = PreTrainedTokenizerFast(
+        tokenizer_object=rust,
+        bos_token="<s>",
+        eos_token="</s>",
+        pad_token="<pad>",
+        clean_up_tokenization_spaces=False,
+        chat_template=_TINY_CHAT_TEMPLATE,
+    )
+    return Tokenizer(hf)
