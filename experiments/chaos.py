@@ -322,7 +322,7 @@ async def scenarios(args: argparse.Namespace, servers: list[ServerProcess]) -> R
         if "storm" in args.rows:
             await storm(run)
         if "soak" in args.rows:  # on the server that went through every row above
-            await soak(run, goodput)
+            await soak(run, goodput, slo)
         if "overload" in args.rows:
             run.request_log = tempfile.mkstemp(prefix="chaos_overload_", suffix=".jsonl")[1]  # where the admitted requests' time went
             await run.restart(slo_flags(slo) + ["--request-log", run.request_log])  # the deployment configured for the SLO measured above
@@ -345,6 +345,10 @@ def report(args: argparse.Namespace, run: Run) -> None:
     for r in rows:
         lines.append(f"| {r['scenario']} | {r['sent']} | {r['identical']} | {r['error']} | {r['lost']} | {r['hung']} | "
                      f"{r['blocks_leaked']} | {'-' if r['recovery_s'] is None else r['recovery_s']} |")
+    soaked = next((r for r in rows if r["scenario"] == "soak 70%"), None)
+    if soaked is not None:
+        lines += ["", f"Soak: {soaked['rate_rps']} req/s for {soaked['duration_s']:g} s, SLO attainment {soaked.get('slo_attainment')} "
+                  f"(no SLO flags on this server), worst RSS growth after warm-up {soaked['rss_max_growth']} ({soaked['rss_worst_process']})."]
     drops = next((r for r in rows if r["scenario"] == "KV drop-sends"), None)
     if drops is not None:
         lines += ["", f"KV drop-sends: every {DROP_EVERY}th KV send of each worker lost on the wire; {drops['kv_migration_failures']} "
