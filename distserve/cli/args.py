@@ -147,7 +147,8 @@ def _add_admission_args(p: argparse.ArgumentParser, tpot_flag: str) -> None:
     p.add_argument("--tpot-backpressure", action="store_true",
                    help=f"backpressure also holds requests while the measured decode TPOT exceeds {tpot_flag} and, "
                    "disaggregated, while the decode instances' free KV cannot hold the prompts the prefill instances already "
-                   "have (a prefilled request with nowhere to decode waits after its first token, against its TPOT)")
+                   "have (a prefilled request with nowhere to decode waits after its first token, against its TPOT), or more "
+                   "requests than the decode instances' measured time per token leaves room for (the decode headroom)")
     p.add_argument("--max-queue-delay", type=latency_type("--max-queue-delay"), default=None, metavar="LATENCY",
                    help="refuse at once (429 with Retry-After) a request whose predicted wait in the admission queue (the requests "
                    f"ahead of it, at the rate the queue drains while backlogged) exceeds LATENCY ({LATENCY_HELP}), and end with a 429 "
