@@ -18,14 +18,17 @@ still gives exactly the sequential answer — every candidate's goodput, probes,
   a speculation made with another one is not used as such, but its simulations are: a candidate's
   probe at a given rate is the same simulation whatever its ``min_rate`` (``find_goodput``'s
   ``memo``), so evaluating it again mostly reuses them.
+
+``run_all`` runs other independent simulations (the options' verification) on a pool the same way.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 import multiprocessing
 import queue
+from collections.abc import Callable
 from dataclasses import dataclass, replace
+from typing import Any, TypeVar
 
 from distserve.placement import Placement
 from distserve.planner.plan import Candidate
@@ -37,6 +40,7 @@ from simulator.simulation import SimConfig
 from simulator.workload import Request
 
 _Memo = dict[tuple[float, bool], tuple[SimResult, bool]]  # find_goodput's simulations, by (rate, may stop early)
+T = TypeVar("T")
 Evaluation = tuple[float, str | None, list[tuple[float, dict[str, float], bool]], float | None, int]
 
 
@@ -118,6 +122,14 @@ class Chain:
             cand.binding = "throughput"
 
 
+def run_all(fn: Callable[..., T], args: list[tuple[Any, ...]], workers: int) -> list[T]:
+    """``[fn(*a) for a in args]``, on a pool of up to ``workers`` processes if there are two or more."""
+    if workers <= 1 or len(args) <= 1:
+        return [fn(*a) for a in args]
+    with multiprocessing.Pool(min(workers, len(args))) as pool:
+        return pool.starmap(fn, args)
+
+
 Progress = Callable[[str, int, int], None]
 
 
@@ -169,7 +181,8 @@ class _Speculation:
                     if key not in self.done and key not in running:
                         c, i, min_rate = key
                         job = replace(self.chains[c].jobs[i][1], min_rate=min_rate)
-                        pool.apply_async(_evaluate_remote, (job, self.memos.get((c, i), {})),
+                        # (a copy: the pool pickles it in another thread, while this one may add to it)
+                        pool.apply_async(_evaluate_remote, (job, dict(self.memos.get((c, i), {}))),
                                          callback=lambda out, key=key: finished.put((key, out)),
                                          error_callback=lambda err, key=key: finished.put((key, err)))
                         running.add(key)
@@ -178,7 +191,8 @@ class _Speculation:
                     raise out
                 running.discard(key)
                 result, memo = out
-                self.memos.setdefault(key[:2], {}).update(memo)
+                if key[1] >= self.next[key[0]]:  # (else committed meanwhile)
+                    self.memos.setdefault(key[:2], {}).update(memo)
                 self.done[key] = result
         return self.simulated
 
@@ -196,6 +210,7 @@ class _Speculation:
                     chain.record(i, result)
                     self.best[c] = max(self.best[c], cand.per_gpu)
                     self.simulated += 1
+                self.memos.pop((c, i), None)  # (a speculation still running may add to it: unused)
                 self.next[c] += 1
                 self.progress(chain.label, i + 1, total)
         return any(n < len(chain.jobs) for n, chain in zip(self.next, self.chains))

@@ -19,6 +19,8 @@ unloaded latency already misses the SLO (its M/D/1 floor) is dropped. Candidates
 best bound first, and a candidate's search stops as soon as its outcome certainly falls short of the
 best so far (``find_goodput``'s ``min_rate``): which candidates win, and their goodputs, are exactly
 those of the full search.
+Each search's candidates form a chain (``planner.chains``): with ``max_workers`` > 1 the chains
+run in parallel and later candidates speculatively, with exactly the one-process outcome.
 
 With an SLO per scheduling class (``PlanRequest.class_slos``) and a workload of two or more
 classes, the best disaggregated plan is also weighed divided into class pools of decode instances
@@ -38,10 +40,11 @@ from typing import Any
 from distserve.errors import InvalidConfigError
 from distserve.placement import CAPS, InstanceSpec, Placement
 from distserve.planner.candidates import assign_nodes, decode_bound, parallel_configs, prefill_bound, replicate_units
-from distserve.planner.chains import Chain, Job, run_chains
+from distserve.planner.chains import Chain, Job, run_all, run_chains
 from distserve.planner.classes import ClassComparison, compare_pools, workload_objectives
 from distserve.planner.plan import Candidate, PlanOption, PlanRequest, PlanResult
 from distserve.slo import SLO, SLOSpec
+from simulator.latency import LatencyModel
 from simulator.simulation import SimConfig, simulate, with_rate
 from simulator.workload import Request
 
@@ -53,6 +56,13 @@ def _mean(values: Sequence[int]) -> float:
 def _quantile(values: Sequence[int], q: float) -> int:
     s = sorted(values)
     return s[min(len(s) - 1, int(q * len(s)))]
+
+
+def _predicted(placement: Placement, latency: LatencyModel, unit_requests: tuple[Request, ...], rate: float,
+               config: SimConfig, slo: SLOSpec) -> dict[str, Any]:
+    """A plan simulated at its rate: the predicted figures written into its Placement."""
+    s = simulate(placement, latency, with_rate(unit_requests, rate), config).summary(slo)
+    return {k: s[k] for k in ("attainment", "meets_slo", "ttft_p50_s", "ttft_p90_s", "tpot_p50_s", "tpot_p90_s")}
 
 
 class Planner:
@@ -240,14 +250,18 @@ class Planner:
 
     def _verify(self, placement: Placement, rate: float, config: SimConfig | None = None) -> dict[str, Any]:
         """Simulate the whole plan at its rate: the predicted figures written into the Placement."""
-        res = simulate(placement, self.req.latency, with_rate(self.req.unit_requests, rate), config or self.req.sim_config)
-        self.num_simulated += 1
-        s = res.summary(self.req.slo)
-        return {k: s[k] for k in ("attainment", "meets_slo", "ttft_p50_s", "ttft_p90_s", "tpot_p50_s", "tpot_p90_s")}
+        return self._verify_all([(placement, rate, config)])[0]
+
+    def _verify_all(self, plans: list[tuple[Placement, float, SimConfig | None]]) -> list[dict[str, Any]]:
+        """``_verify`` for each plan: with workers, in parallel."""
+        self.num_simulated += len(plans)
+        args = [(p, self.req.latency, self.req.unit_requests, rate, config or self.req.sim_config, self.req.slo)
+                for p, rate, config in plans]
+        return run_all(_predicted, args, max(1, self.req.max_workers))
 
     def plan(self) -> PlanResult:
         cluster, affinity = self.req.cluster, self.req.affinity
-        options: list[PlanOption] = []
+        wanted: list[tuple[str, Placement, float, str | None]] = []  # the options: (name, placement, rate, step budget)
         candidates: list[Candidate] = []
         # Every search's candidates evaluated at once (the chains are independent: with workers, in parallel).
         colo, chain = self.colocated_chain()
@@ -267,7 +281,7 @@ class Planner:
             if rep is not None:
                 (n,), rate = rep
                 placement = Placement(colocated=tuple(spec for _ in range(n)))
-                options.append(self._option("colocated", placement, rate, best_colo.step_budget))
+                wanted.append(("colocated", placement, rate, best_colo.step_budget))
         if affinity in ("high", "auto"):
             candidates += pre + dec
             bp = max((c for c in pre if c.goodput > 0), key=lambda c: c.per_gpu, default=None)
@@ -278,7 +292,7 @@ class Planner:
                 if rep is not None:
                     (n, m), rate = rep
                     placement = Placement(prefill=tuple(sp for _ in range(n)), decode=tuple(sd for _ in range(m)))
-                    options.append(self._option("disaggregated (high affinity)", placement, rate))
+                    wanted.append(("disaggregated (high affinity)", placement, rate, None))
         if affinity in ("low", "auto"):
             candidates += units
             bu = max((c for c in units if c.goodput > 0), key=lambda c: c.per_gpu, default=None)
@@ -290,9 +304,10 @@ class Planner:
                 if 1 <= k <= max_units:
                     placement = replicate_units(bu.placement, k, pp)
                     rate = k * bu.goodput if self.req.rate is None else self.req.rate
-                    options.append(self._option("disaggregated (low affinity)", placement, rate))
+                    wanted.append(("disaggregated (low affinity)", placement, rate, None))
                 else:
                     self.notes.append(f"low affinity: {k} units of {bu.label()} needed, {max_units} fit the cluster")
+        options = self._options(wanted)
         options.sort(key=lambda o: -o.per_gpu)
         best = options[0] if options else None
         classes = self._class_pools(options) if self.req.class_slos else None
@@ -347,16 +362,19 @@ class Planner:
             placement = replace(placement, prefill=prefill)
         return replace(placement, predicted=dict(predicted), slo=self.req.slo.default, max_model_len=cfg.max_model_len, **caps)
 
-    def _option(self, name: str, placement: Placement, rate: float, step_budget: str | None = None) -> PlanOption:
-        placement = assign_nodes(placement, self.req.cluster) if "low" not in name else placement
-        config = self.colocated_configs()[step_budget] if step_budget is not None else None
-        predicted = self._verify(placement, rate, config)
-        option = PlanOption(name, placement, placement.num_workers, rate, predicted)
-        option.predicted.update({"rate": rate, "goodput_per_gpu": option.per_gpu, "num_gpus": option.num_gpus, "kind": name})
-        if step_budget is not None:
-            option.predicted["step_budget"] = step_budget
-        option.placement = self._deployable(placement, option.predicted, config)
-        return option
+    def _options(self, wanted: list[tuple[str, Placement, float, str | None]]) -> list[PlanOption]:
+        """Each (name, placement, rate, step budget) as an option: its figures predicted, deployable."""
+        placed = [(name, assign_nodes(p, self.req.cluster) if "low" not in name else p, rate,
+                   self.colocated_configs()[budget] if budget is not None else None, budget) for name, p, rate, budget in wanted]
+        options = []
+        for (name, placement, rate, config, budget), predicted in zip(placed, self._verify_all([(p, r, c) for _, p, r, c, _ in placed])):
+            option = PlanOption(name, placement, placement.num_workers, rate, predicted)
+            option.predicted.update({"rate": rate, "goodput_per_gpu": option.per_gpu, "num_gpus": option.num_gpus, "kind": name})
+            if budget is not None:
+                option.predicted["step_budget"] = budget
+            option.placement = self._deployable(placement, option.predicted, config)
+            options.append(option)
+        return options
 
     def _closest(self, candidates: list[Candidate]) -> str:
         """For impossible SLOs: the candidate with the best attainment at its lowest probe, and what binds."""
