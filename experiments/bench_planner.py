@@ -238,7 +238,7 @@ def write_outputs(out: Outputs, f: dict[str, Any]) -> None:
                   f"{ref['early_stop_num_simulations']} vs {ref['full_num_simulations']} simulations; plan and predicted "
                   f"figures {'identical' if ref['identical_plan'] else 'DIFFERENT'}."]
     if f["identical_across_workers"] is not None:
-        lines += ["", "More workers, the same search: plan, options, candidates simulated, their goodputs and probes "
+        lines += ["", "More workers, the same search: plan, options, candidates simulated, their goodputs and probe counts "
                   f"{'identical' if f['identical_across_workers'] else 'DIFFERENT'} to one worker's (`planner.chains`)."]
     lines += ["", "Candidates simulated (early-stop run with the most requests, 1st listed worker count; "
               "\"< x\": the search stopped once the candidate could not beat the best so far):", "",
