@@ -75,11 +75,12 @@ def evaluate(job: Job, memo: _Memo | None = None) -> Evaluation:
             sum(p.stopped_early for p in g.probes))
 
 
-def _evaluate_remote(job: Job, memo: _Memo) -> tuple[Evaluation, _Memo]:
-    """``evaluate`` in a worker: also the simulations it added to ``memo``."""
+def _evaluate_remote(job: Job, memo: _Memo, send_memo: bool) -> tuple[Evaluation, _Memo]:
+    """``evaluate`` in a worker: also the simulations it added to ``memo``, if asked (a speculation's,
+    for a later evaluation with another ``min_rate``: a certain one's would not be read)."""
     known = set(memo)
     result = evaluate(job, memo)
-    return result, {k: v for k, v in memo.items() if k not in known}
+    return result, {k: v for k, v in memo.items() if k not in known} if send_memo else {}
 
 
 @dataclass
@@ -181,8 +182,9 @@ class _Speculation:
                     if key not in self.done and key not in running:
                         c, i, min_rate = key
                         job = replace(self.chains[c].jobs[i][1], min_rate=min_rate)
+                        certain = i == self.next[c] and min_rate == self.chains[c].min_rate(i, self.best[c])
                         # (a copy: the pool pickles it in another thread, while this one may add to it)
-                        pool.apply_async(_evaluate_remote, (job, dict(self.memos.get((c, i), {}))),
+                        pool.apply_async(_evaluate_remote, (job, dict(self.memos.get((c, i), {})), not certain),
                                          callback=lambda out, key=key: finished.put((key, out)),
                                          error_callback=lambda err, key=key: finished.put((key, err)))
                         running.add(key)
