@@ -170,6 +170,11 @@ def main() -> None:
         # The early stop is exact: the same best plan and every option's rate and predicted figures.
         "identical_plan": same["best"] == full["best"] and same["options"] == full["options"],
     }
+    # Workers change the time only (``planner.chains``): the same plan and candidates as one process.
+    outcome = ("best", "options", "simulated", "num_simulations", "num_probes_stopped", "num_pruned_by_bound")
+    one = {r["num_requests"]: r for r in searched if r["workers"] == 1}
+    same_as_one = [all(r[k] == one[r["num_requests"]][k] for k in outcome)
+                   for r in searched if r["workers"] > 1 and r["num_requests"] in one]
     figures = {
         "model": args.model,
         "cluster": f"{args.nodes} x {args.gpus_per_node} {args.gpu}",
@@ -192,6 +197,7 @@ def main() -> None:
         "goal_met": headline["wall_s"] <= GOAL_S,
         "best": headline["best"],
         "reference": reference,
+        "identical_across_workers": all(same_as_one) if same_as_one else None,
         "runs": runs,
     }
     write_outputs(out, figures)
@@ -231,6 +237,9 @@ def write_outputs(out: Outputs, f: dict[str, Any]) -> None:
                   f"{ref['early_stop_cpu_s']:.1f} vs {ref['full_cpu_s']:.1f} s CPU ({ref['cpu_saving']:.0%} less), "
                   f"{ref['early_stop_num_simulations']} vs {ref['full_num_simulations']} simulations; plan and predicted "
                   f"figures {'identical' if ref['identical_plan'] else 'DIFFERENT'}."]
+    if f["identical_across_workers"] is not None:
+        lines += ["", "More workers, the same search: plan, options, candidates simulated, their goodputs and probe counts "
+                  f"{'identical' if f['identical_across_workers'] else 'DIFFERENT'} to one worker's (`planner.chains`)."]
     lines += ["", "Candidates simulated (early-stop run with the most requests, 1st listed worker count; "
               "\"< x\": the search stopped once the candidate could not beat the best so far):", "",
               "| kind | configuration | GPUs | throughput bound (req/s) | goodput (req/s) | binding | probes (ended early) |",

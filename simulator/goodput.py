@@ -125,6 +125,7 @@ def find_goodput(
     min_rate: float | None = None,
     early_stop: bool = True,
     early_pass: bool = False,
+    memo: dict[tuple[float, bool], tuple[SimResult, bool]] | None = None,
 ) -> GoodputResult:
     """Bisection on the arrival rate; ``unit_rate_requests`` arrive at 1 request/s on average.
 
@@ -135,15 +136,20 @@ def find_goodput(
     ``early_stop``: end each probe once its verdict is certain to fail (same outcome, less
     simulating); ``early_pass`` also once it is certain to pass (then ``result`` may be a run that
     stopped early: its attainment a lower bound).
+    ``memo``: the simulations of an earlier search with the same arguments but perhaps another
+    ``min_rate`` (``simulate_at``'s answers, by rate and whether it might stop early), taken instead of
+    simulating again; the new ones are added to it. A simulation is a function of its arguments, so
+    the result is the same as without (the planner's speculative workers, ``planner.search``).
     """
     with gc_paused():  # (its probes, and weighing the search's ways between them)
         return _find_goodput(placement, latency, unit_rate_requests, slo, config, rel_tol, start_rate, max_probes,
-                             max_rate, min_rate, early_stop, early_pass)
+                             max_rate, min_rate, early_stop, early_pass, {} if memo is None else memo)
 
 
 def _find_goodput(placement: Placement, latency: LatencyModel, unit_rate_requests: Sequence[Request], slo: SLOSpec,
                   config: SimConfig | None, rel_tol: float, start_rate: float | None, max_probes: int,
-                  max_rate: float | None, min_rate: float | None, early_stop: bool, early_pass: bool) -> GoodputResult:
+                  max_rate: float | None, min_rate: float | None, early_stop: bool, early_pass: bool,
+                  memo: dict[tuple[float, bool], tuple[SimResult, bool]]) -> GoodputResult:
     if not unit_rate_requests:
         raise InvalidConfigError("the workload has no requests")
     if not 0 < rel_tol < 1:
@@ -159,10 +165,12 @@ def _find_goodput(placement: Placement, latency: LatencyModel, unit_rate_request
 
     def simulate_at(rate: float, stop: bool) -> tuple[SimResult, bool]:
         """The probe's simulation, and whether it stopped because it is certain to pass."""
-        # A fresh Simulation per probe: it validates the placement and owns the run's state.
-        stop_when = _MissCounter(len(unit_rate_requests), slo, early_pass) if stop else None
-        res = Simulation(placement, latency, config).run(with_rate(unit_rate_requests, rate), stop_when)
-        return res, stop_when is not None and stop_when.passed
+        if (rate, stop) not in memo:
+            # A fresh Simulation per probe: it validates the placement and owns the run's state.
+            stop_when = _MissCounter(len(unit_rate_requests), slo, early_pass) if stop else None
+            res = Simulation(placement, latency, config).run(with_rate(unit_rate_requests, rate), stop_when)
+            memo[rate, stop] = res, stop_when is not None and stop_when.passed
+        return memo[rate, stop]
 
     def probe(rate: float) -> bool:
         if rate not in outcomes:

@@ -19,6 +19,8 @@ unloaded latency already misses the SLO (its M/D/1 floor) is dropped. Candidates
 best bound first, and a candidate's search stops as soon as its outcome certainly falls short of the
 best so far (``find_goodput``'s ``min_rate``): which candidates win, and their goodputs, are exactly
 those of the full search.
+Each search's candidates form a chain (``planner.chains``): with ``max_workers`` > 1 the chains
+run in parallel and later candidates speculatively, with exactly the one-process outcome.
 
 With an SLO per scheduling class (``PlanRequest.class_slos``) and a workload of two or more
 classes, the best disaggregated plan is also weighed divided into class pools of decode instances
@@ -32,18 +34,17 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from concurrent.futures import ProcessPoolExecutor
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
 from distserve.errors import InvalidConfigError
 from distserve.placement import CAPS, InstanceSpec, Placement
 from distserve.planner.candidates import assign_nodes, decode_bound, parallel_configs, prefill_bound, replicate_units
+from distserve.planner.chains import Chain, Job, run_all, run_chains
 from distserve.planner.classes import ClassComparison, compare_pools, workload_objectives
 from distserve.planner.plan import Candidate, PlanOption, PlanRequest, PlanResult
-from simulator.goodput import GoodputResult, find_goodput
-from simulator.latency import LatencyModel
 from distserve.slo import SLO, SLOSpec
+from simulator.latency import LatencyModel
 from simulator.simulation import SimConfig, simulate, with_rate
 from simulator.workload import Request
 
@@ -57,36 +58,11 @@ def _quantile(values: Sequence[int], q: float) -> int:
     return s[min(len(s) - 1, int(q * len(s)))]
 
 
-def _rounded(rate: float) -> float:
-    """``rate`` to 9 significant digits: equal bounds computed along different paths compare equal."""
-    return float(f"{rate:.9g}")
-
-
-# ---- evaluation (runs in worker processes) ------------------------------------------------------
-@dataclass(frozen=True)
-class _Job:
-    kind: str
-    placement: Placement
-    latency: LatencyModel
-    unit_requests: tuple[Request, ...]
-    slo: SLOSpec
-    config: SimConfig
-    rel_tol: float
-    start_rate: float
-    max_rate: float | None
-    min_rate: float | None = None  # the rate that beats the best candidate so far
-    early_stop: bool = True  # probes end once their verdict is certain
-
-
-_Evaluation = tuple[float, str | None, list[tuple[float, dict[str, float], bool]], float | None, int]
-
-
-def _evaluate(job: _Job) -> _Evaluation:
-    g: GoodputResult = find_goodput(job.placement, job.latency, job.unit_requests, job.slo, job.config,
-                                    rel_tol=job.rel_tol, start_rate=job.start_rate, max_rate=job.max_rate,
-                                    min_rate=job.min_rate, early_stop=job.early_stop, early_pass=job.early_stop)
-    return (g.rate, g.binding, [(p.rate, p.attainment, p.meets) for p in g.probes], g.below,
-            sum(p.stopped_early for p in g.probes))
+def _predicted(placement: Placement, latency: LatencyModel, unit_requests: tuple[Request, ...], rate: float,
+               config: SimConfig, slo: SLOSpec) -> dict[str, Any]:
+    """A plan simulated at its rate: the predicted figures written into its Placement."""
+    s = simulate(placement, latency, with_rate(unit_requests, rate), config).summary(slo)
+    return {k: s[k] for k in ("attainment", "meets_slo", "ttft_p50_s", "ttft_p90_s", "tpot_p50_s", "tpot_p90_s")}
 
 
 class Planner:
@@ -123,63 +99,17 @@ class Planner:
     def _start_rate(self, bound: float) -> float:
         return max(1e-3, 0.5 * bound) if math.isfinite(bound) else 1.0
 
-    def _run(self, jobs: list[tuple[Candidate, _Job]], label: str) -> None:
-        """Evaluate candidates best-bound first; skip those whose bound can't beat the best so far.
+    def _run(self, chains: list[Chain]) -> None:
+        """Evaluate the chains' candidates (``planner.chains``: best bound first, skipping those whose
+        bound can't beat the best so far, each search going on only while it may still reach it)."""
+        self.num_simulated += run_chains(chains, max(1, self.req.max_workers), self.progress)
 
-        A simulated candidate's search only goes on while it may still reach the best so far
-        (``min_rate``); one that cannot gets ``goodput_below`` instead of its goodput.
-        """
-        # Bounds per GPU that differ by rounding only (pp scales them linearly) tie: fewer GPUs first.
-        jobs.sort(key=lambda cj: (-_rounded(cj[0].bound_rate / cj[0].num_gpus), cj[0].num_gpus))
-        best = 0.0
-        done = 0
-        total = len(jobs)
+    def _chain(self, label: str, jobs: list[tuple[Candidate, Job]]) -> Chain:
+        return Chain(label, jobs, self.req.stop_losers)
 
-        def to_beat(cand: Candidate, job: _Job) -> _Job:
-            return replace(job, min_rate=best * cand.num_gpus) if best > 0 and self.req.stop_losers else job
-
-        def record(cand: Candidate, result: _Evaluation) -> None:
-            nonlocal best, done
-            cand.goodput, cand.binding, cand.probes, cand.goodput_below, cand.num_probes_stopped = result
-            # A finite workload lets an overloaded deployment meet its SLO for a while (the TPOT of long
-            # outputs absorbs seconds of queueing), so a simulated goodput can exceed what the deployment
-            # sustains: it is capped at the candidate's steady-state throughput bound.
-            if cand.goodput >= cand.bound_rate:
-                cand.goodput = cand.bound_rate
-                cand.binding = "throughput"
-            best = max(best, cand.per_gpu)
-            done += 1
-            self.num_simulated += 1
-            self.progress(label, done, total)
-
-        workers = max(1, self.req.max_workers)
-        if workers == 1:
-            for cand, job in jobs:
-                if _rounded(cand.bound_rate / cand.num_gpus) <= _rounded(best):
-                    cand.skipped = f"bound {cand.bound_rate / cand.num_gpus:.3g} req/s/GPU <= best {best:.3g}"
-                    done += 1
-                    self.progress(label, done, total)
-                    continue
-                record(cand, _evaluate(to_beat(cand, job)))
-            return
-        with ProcessPoolExecutor(max_workers=workers) as pool:
-            pending = list(jobs)
-            while pending:
-                batch, pending = pending[:workers], pending[workers:]
-                live = []
-                for cand, job in batch:
-                    if _rounded(cand.bound_rate / cand.num_gpus) <= _rounded(best):
-                        cand.skipped = f"bound {cand.bound_rate / cand.num_gpus:.3g} req/s/GPU <= best {best:.3g}"
-                        done += 1
-                        self.progress(label, done, total)
-                    else:
-                        live.append((cand, pool.submit(_evaluate, to_beat(cand, job))))
-                for cand, fut in live:
-                    record(cand, fut.result())
-
-    def _job(self, cand: Candidate, reqs: tuple[Request, ...], slo: SLOSpec, config: SimConfig) -> _Job:
+    def _job(self, cand: Candidate, reqs: tuple[Request, ...], slo: SLOSpec, config: SimConfig) -> Job:
         bound = cand.bound_rate if math.isfinite(cand.bound_rate) else None
-        return _Job(cand.kind, cand.placement, self.req.latency, reqs, slo, config, self.req.rel_tol,
+        return Job(cand.kind, cand.placement, self.req.latency, reqs, slo, config, self.req.rel_tol,
                     self._start_rate(cand.bound_rate), bound, early_stop=self.req.stop_probes)
 
     def _floor_misses(self, kind: str, tp: int, pp: int) -> str | None:
@@ -197,13 +127,14 @@ class Planner:
         return InstanceSpec(tp, pp, threads=self.req.latency.threads)
 
     # -- searches --
-    def search_phases(self) -> tuple[list[Candidate], list[Candidate]]:
+    def phase_chains(self) -> tuple[list[Candidate], list[Candidate], list[Chain]]:
+        """High affinity: the prefill and the decode configs, each searched alone."""
         lat, cfg = self.req.latency, self.req.sim_config
         pre_reqs, pre_slo = self._prefill_only()
         dec_slo = self._decode_only()
         dec_cfg = replace(cfg, instant_prefill=True)
-        pre: list[tuple[Candidate, _Job]] = []
-        dec: list[tuple[Candidate, _Job]] = []
+        pre: list[tuple[Candidate, Job]] = []
+        dec: list[tuple[Candidate, Job]] = []
         out_p, out_d = [], []
         for tp, pp in self.configs:
             spec = self._spec(tp, pp)
@@ -221,9 +152,7 @@ class Planner:
             out_d.append(d)
             if d.skipped is None:
                 dec.append((d, self._job(d, self.req.unit_requests, dec_slo, dec_cfg)))
-        self._run(pre, "prefill configs")
-        self._run(dec, "decode configs")
-        return out_p, out_d
+        return out_p, out_d, [self._chain("prefill configs", pre), self._chain("decode configs", dec)]
 
     def colocated_configs(self) -> dict[str, SimConfig]:
         """The colocated scheduler policies to compare, by step budget: the configured one and, for a
@@ -239,7 +168,7 @@ class Planner:
             out["slo"] = replace(cfg, scheduler=replace(cfg.scheduler, step_budget="slo", tpot_slo_s=tpot))
         return out
 
-    def search_colocated(self) -> list[Candidate]:
+    def colocated_chain(self) -> tuple[list[Candidate], Chain]:
         lat = self.req.latency
         jobs, out = [], []
         for budget, cfg in self.colocated_configs().items():
@@ -256,10 +185,9 @@ class Planner:
                 out.append(c)
                 if c.skipped is None:
                     jobs.append((c, self._job(c, self.req.unit_requests, self.req.slo, cfg)))
-        self._run(jobs, "colocated configs")
-        return out
+        return out, self._chain("colocated configs", jobs)
 
-    def search_low_affinity(self) -> list[Candidate]:
+    def unit_chain(self) -> tuple[list[Candidate], Chain]:
         """Units whose every stage's prefill + decode segments share one node."""
         lat, cfg, cluster = self.req.latency, self.req.sim_config, self.req.cluster
         g = cluster.gpus_per_node
@@ -287,8 +215,7 @@ class Planner:
                         out.append(c)
                         if c.skipped is None:
                             jobs.append((c, self._job(c, self.req.unit_requests, self.req.slo, cfg)))
-        self._run(jobs, "low-affinity units")
-        return out
+        return out, self._chain("low-affinity units", jobs)
 
     # -- assembling plans --
     def _replicate(self, kind: str, parts: list[tuple[InstanceSpec, float, str]], unit_gpus: int | None = None) -> tuple[list[int], float] | None:
@@ -323,16 +250,29 @@ class Planner:
 
     def _verify(self, placement: Placement, rate: float, config: SimConfig | None = None) -> dict[str, Any]:
         """Simulate the whole plan at its rate: the predicted figures written into the Placement."""
-        res = simulate(placement, self.req.latency, with_rate(self.req.unit_requests, rate), config or self.req.sim_config)
-        self.num_simulated += 1
-        s = res.summary(self.req.slo)
-        return {k: s[k] for k in ("attainment", "meets_slo", "ttft_p50_s", "ttft_p90_s", "tpot_p50_s", "tpot_p90_s")}
+        return self._verify_all([(placement, rate, config)])[0]
+
+    def _verify_all(self, plans: list[tuple[Placement, float, SimConfig | None]]) -> list[dict[str, Any]]:
+        """``_verify`` for each plan: with workers, in parallel."""
+        self.num_simulated += len(plans)
+        args = [(p, self.req.latency, self.req.unit_requests, rate, config or self.req.sim_config, self.req.slo)
+                for p, rate, config in plans]
+        return run_all(_predicted, args, max(1, self.req.max_workers))
 
     def plan(self) -> PlanResult:
         cluster, affinity = self.req.cluster, self.req.affinity
-        options: list[PlanOption] = []
+        wanted: list[tuple[str, Placement, float, str | None]] = []  # the options: (name, placement, rate, step budget)
         candidates: list[Candidate] = []
-        colo = self.search_colocated()
+        # Every search's candidates evaluated at once (the chains are independent: with workers, in parallel).
+        colo, chain = self.colocated_chain()
+        chains = [chain]
+        if affinity in ("high", "auto"):
+            pre, dec, phase_chains = self.phase_chains()
+            chains += phase_chains
+        if affinity in ("low", "auto"):
+            units, chain = self.unit_chain()
+            chains.append(chain)
+        self._run(chains)
         candidates += colo
         best_colo = max((c for c in colo if c.goodput > 0), key=lambda c: c.per_gpu, default=None)
         if best_colo is not None:
@@ -341,9 +281,8 @@ class Planner:
             if rep is not None:
                 (n,), rate = rep
                 placement = Placement(colocated=tuple(spec for _ in range(n)))
-                options.append(self._option("colocated", placement, rate, best_colo.step_budget))
+                wanted.append(("colocated", placement, rate, best_colo.step_budget))
         if affinity in ("high", "auto"):
-            pre, dec = self.search_phases()
             candidates += pre + dec
             bp = max((c for c in pre if c.goodput > 0), key=lambda c: c.per_gpu, default=None)
             bd = max((c for c in dec if c.goodput > 0), key=lambda c: c.per_gpu, default=None)
@@ -353,9 +292,8 @@ class Planner:
                 if rep is not None:
                     (n, m), rate = rep
                     placement = Placement(prefill=tuple(sp for _ in range(n)), decode=tuple(sd for _ in range(m)))
-                    options.append(self._option("disaggregated (high affinity)", placement, rate))
+                    wanted.append(("disaggregated (high affinity)", placement, rate, None))
         if affinity in ("low", "auto"):
-            units = self.search_low_affinity()
             candidates += units
             bu = max((c for c in units if c.goodput > 0), key=lambda c: c.per_gpu, default=None)
             if bu is not None:
@@ -366,9 +304,10 @@ class Planner:
                 if 1 <= k <= max_units:
                     placement = replicate_units(bu.placement, k, pp)
                     rate = k * bu.goodput if self.req.rate is None else self.req.rate
-                    options.append(self._option("disaggregated (low affinity)", placement, rate))
+                    wanted.append(("disaggregated (low affinity)", placement, rate, None))
                 else:
                     self.notes.append(f"low affinity: {k} units of {bu.label()} needed, {max_units} fit the cluster")
+        options = self._options(wanted)
         options.sort(key=lambda o: -o.per_gpu)
         best = options[0] if options else None
         classes = self._class_pools(options) if self.req.class_slos else None
@@ -423,16 +362,19 @@ class Planner:
             placement = replace(placement, prefill=prefill)
         return replace(placement, predicted=dict(predicted), slo=self.req.slo.default, max_model_len=cfg.max_model_len, **caps)
 
-    def _option(self, name: str, placement: Placement, rate: float, step_budget: str | None = None) -> PlanOption:
-        placement = assign_nodes(placement, self.req.cluster) if "low" not in name else placement
-        config = self.colocated_configs()[step_budget] if step_budget is not None else None
-        predicted = self._verify(placement, rate, config)
-        option = PlanOption(name, placement, placement.num_workers, rate, predicted)
-        option.predicted.update({"rate": rate, "goodput_per_gpu": option.per_gpu, "num_gpus": option.num_gpus, "kind": name})
-        if step_budget is not None:
-            option.predicted["step_budget"] = step_budget
-        option.placement = self._deployable(placement, option.predicted, config)
-        return option
+    def _options(self, wanted: list[tuple[str, Placement, float, str | None]]) -> list[PlanOption]:
+        """Each (name, placement, rate, step budget) as an option: its figures predicted, deployable."""
+        placed = [(name, assign_nodes(p, self.req.cluster) if "low" not in name else p, rate,
+                   self.colocated_configs()[budget] if budget is not None else None, budget) for name, p, rate, budget in wanted]
+        options = []
+        for (name, placement, rate, config, budget), predicted in zip(placed, self._verify_all([(p, r, c) for _, p, r, c, _ in placed])):
+            option = PlanOption(name, placement, placement.num_workers, rate, predicted)
+            option.predicted.update({"rate": rate, "goodput_per_gpu": option.per_gpu, "num_gpus": option.num_gpus, "kind": name})
+            if budget is not None:
+                option.predicted["step_budget"] = budget
+            option.placement = self._deployable(placement, option.predicted, config)
+            options.append(option)
+        return options
 
     def _closest(self, candidates: list[Candidate]) -> str:
         """For impossible SLOs: the candidate with the best attainment at its lowest probe, and what binds."""

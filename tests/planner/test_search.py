@@ -168,6 +168,27 @@ def test_stopping_losing_searches_early_changes_no_figure() -> None:
             assert (e.goodput, e.skipped) == (f.goodput, f.skipped)
 
 
+@pytest.mark.integration  # (a process pool)
+@needs_profile
+@pytest.mark.parametrize("stop", [True, False])
+def test_workers_give_exactly_the_one_process_plan(stop: bool) -> None:
+    """With --workers 2 the chains run in parallel and later candidates speculatively
+    (``planner.chains``): every candidate's probes, goodput, binding and skip, and every option, as with one."""
+    args = plan_report.PlanArgs(model="facebook/opt-13b", gpu="a100-80g", nodes=1, gpus_per_node=8, workload="chatbot",
+                                ttft_s=0.25, tpot_s=0.1, profile=str(PROFILE), num_requests=60)
+    req = replace(plan_report.build_request(args), stop_losers=stop, stop_probes=stop)
+    one, two = Planner(req).plan(), Planner(replace(req, max_workers=2)).plan()
+
+    def figures(c: Candidate) -> tuple[object, ...]:
+        return (c.kind, c.label(), c.goodput, c.binding, c.probes, c.skipped, c.goodput_below, c.num_probes_stopped)
+
+    assert [figures(c) for c in one.candidates] == [figures(c) for c in two.candidates]
+    if stop:
+        assert any(c.goodput_below is not None for c in one.candidates)  # min_rate mattered: speculation can guess wrong
+    assert [(o.name, o.rate, o.placement, o.predicted) for o in one.options] == [(o.name, o.rate, o.placement, o.predicted) for o in two.options]
+    assert (one.num_simulated, one.notes) == (two.num_simulated, two.notes)
+
+
 def test_a_cpu_plan_carries_the_profiled_threads_and_serve_can_override_them(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """A profile measured with N torch threads per rank plans instances that run with N threads;
     the Placement JSON keeps them; `serve --threads` overrides them; bad values are refused."""

@@ -79,6 +79,26 @@ def test_find_goodput_with_min_rate_stops_below_and_matches_above() -> None:
     assert {p.rate for p in full.probes} <= {p.rate for p in reached.probes}
 
 
+def test_a_memo_of_another_searchs_simulations_changes_nothing_and_is_reused() -> None:
+    """``memo``: a search with another ``min_rate`` (the planner's speculation) hands its simulations on."""
+    latency = FittedLatencyModel("facebook/opt-13b", {1: OPT13B_A100}, hardware="a100-80g")
+    unit = generate_requests("chatbot", 1.0, 100, seed=3, max_total_len=2048)
+    slo = SLOSpec(SLO(0.25, 0.1, 0.9))
+    placement = Placement.disaggregated(1, 1)
+    kwargs = {"rel_tol": 0.05, "max_rate": 20.0, "early_pass": True}
+    full = find_goodput(placement, latency, unit, slo, **kwargs)
+    for min_rate in (0.8 * full.rate, 1.2 * full.rate):
+        alone = find_goodput(placement, latency, unit, slo, min_rate=min_rate, **kwargs)
+        memo: dict = {}
+        guessed = find_goodput(placement, latency, unit, slo, min_rate=None, memo=memo, **kwargs)
+        simulated = len(memo)
+        reused = find_goodput(placement, latency, unit, slo, min_rate=min_rate, memo=memo, **kwargs)
+        assert (guessed.rate, guessed.binding, guessed.probes) == (full.rate, full.binding, full.probes)
+        assert (reused.rate, reused.binding, reused.probes, reused.below) == (alone.rate, alone.binding, alone.probes, alone.below)
+        # Only the probes the first search did not make were simulated again.
+        assert len(memo) - simulated == len({p.rate for p in alone.probes} - {p.rate for p in full.probes})
+
+
 @pytest.mark.parametrize("mode", ["joint", "separate"])
 def test_probes_stop_once_they_cannot_pass_with_the_full_search_outcome(mode: str) -> None:
     """Early-stopped probes: every pass/fail verdict, the goodput and the returned simulation are
