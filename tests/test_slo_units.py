@@ -64,10 +64,10 @@ def test_cli_refuses_a_bare_millisecond_value(argv: list[str], flag: str, capsys
 
 
 def test_plan_class_slo_with_units(capsys: pytest.CaptureFixture[str]) -> None:
-    code = main(["plan", "--model", "facebook/opt-13b", "--nodes", "1", "--gpus-per-node", "1", "--num-requests", "10",
+    code = main(["plan", "--workers", "1", "--model", "facebook/opt-13b", "--nodes", "1", "--gpus-per-node", "1", "--num-requests", "10",
                  "--class-slo", "latency=250", "--json"])
     assert code == 2 and "--class-slo" in capsys.readouterr().err
-    code = main(["plan", "--model", "facebook/opt-13b", "--nodes", "1", "--gpus-per-node", "1", "--num-requests", "10",
+    code = main(["plan", "--workers", "1", "--model", "facebook/opt-13b", "--nodes", "1", "--gpus-per-node", "1", "--num-requests", "10",
                  "--class-slo", "latency=200:50", "--json"])
     err = capsys.readouterr().err
     assert code == 2 and "--class-slo" in err and "milliseconds" in err

@@ -144,7 +144,7 @@ def test_simulate_and_plan_take_the_colocated_policy(capsys: pytest.CaptureFixtu
     assert tpot["vllm-2023"] > tpot["mixed"]
     assert main([*base, "--colocated-policy", "vllm-2023", "--step-budget", "slo"]) == 2
     assert "step_policy 'vllm-2023' runs prompts whole" in capsys.readouterr().err
-    plan = ["plan", "--model", "facebook/opt-13b", "--nodes", "1", "--gpus-per-node", "1", "--workload", "humaneval",
+    plan = ["plan", "--workers", "1", "--model", "facebook/opt-13b", "--nodes", "1", "--gpus-per-node", "1", "--workload", "humaneval",
             "--ttft", "1", "--tpot", "0.2", "--num-requests", "40", "--json"]
     for policy, label in (("vllm-2023", "(vllm-2023)"), ("mixed", "(slo budget)")):
         assert main([*plan, "--colocated-policy", policy]) == 0

@@ -24,7 +24,7 @@ from simulator.simulation import SimConfig
 from simulator.workload import mixed_workload
 
 MIX = "mix:latency=chatbot:0.2,throughput=fixed:128:256"
-PLAN = ["plan", "--model", "facebook/opt-13b", "--gpu", "a100-80g", "--nodes", "1", "--gpus-per-node", "4", "--workload", MIX,
+PLAN = ["plan", "--workers", "1", "--model", "facebook/opt-13b", "--gpu", "a100-80g", "--nodes", "1", "--gpus-per-node", "4", "--workload", MIX,
         "--class-slo", "latency=1.0:0.022", "--class-slo", "throughput=10:0.3", "--num-requests", "60", "--affinity", "high",
         "--max-num-seqs", "16"]
 
@@ -97,7 +97,7 @@ def test_plan_prints_per_class_figures_and_the_rule(capsys: pytest.CaptureFixtur
     ([], "give --ttft and --tpot"),
 ])
 def test_bad_class_slos_exit_2_naming_the_flag(argv: list[str], needle: str, capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["plan", "--model", "facebook/opt-13b", "--workload", MIX, "--num-requests", "20", *argv]) == 2
+    assert main(["plan", "--workers", "1", "--model", "facebook/opt-13b", "--workload", MIX, "--num-requests", "20", *argv]) == 2
     assert needle in capsys.readouterr().err
 
 

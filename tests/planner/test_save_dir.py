@@ -17,7 +17,7 @@ from distserve.cli.args import build_parser, placement_from_args
 from distserve.placement import Placement
 
 # A quick plan: the roofline model of OPT-13B on two A100s, 40 requests per probe (about a second).
-PLAN = ["plan", "--model", "facebook/opt-13b", "--gpu", "a100-80g", "--nodes", "1", "--gpus-per-node", "2",
+PLAN = ["plan", "--workers", "1", "--model", "facebook/opt-13b", "--gpu", "a100-80g", "--nodes", "1", "--gpus-per-node", "2",
         "--ttft", "250ms", "--tpot", "0.1s", "--num-requests", "40", "--json"]
 
 

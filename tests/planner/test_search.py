@@ -66,7 +66,7 @@ def test_per_phase_choices_match_distserve_or_beat_them(model: str, ttft: float,
 @needs_profile
 def test_plan_cli_writes_a_placement_serve_accepts(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out, png = tmp_path / "plan.json", tmp_path / "plan.png"
-    code = main(["plan", "--model", "facebook/opt-13b", "--gpu", "a100-80g", "--nodes", "1", "--gpus-per-node", "4",
+    code = main(["plan", "--workers", "1", "--model", "facebook/opt-13b", "--gpu", "a100-80g", "--nodes", "1", "--gpus-per-node", "4",
                  "--ttft", "0.25", "--tpot", "0.1", "--profile", str(PROFILE), "--num-requests", "60",
                  "--out", str(out), "--plot", str(png)])
     text = capsys.readouterr().out
@@ -91,7 +91,7 @@ def test_plan_cli_writes_a_placement_serve_accepts(tmp_path: Path, capsys: pytes
 def test_colocated_candidates_are_weighed_with_the_slo_step_budget(capsys: pytest.CaptureFixture[str]) -> None:
     """Long prompts and a tight TPOT: a colocated instance that chunks prompts to the TPOT SLO (as a
     modern aggregated server does) is the colocated baseline, not one that runs whole prompts."""
-    code = main(["plan", "--model", "facebook/opt-13b", "--gpu", "a100-80g", "--nodes", "1", "--gpus-per-node", "1",
+    code = main(["plan", "--workers", "1", "--model", "facebook/opt-13b", "--gpu", "a100-80g", "--nodes", "1", "--gpus-per-node", "1",
                  "--workload", "fixed:1024:64", "--ttft", "1.0", "--tpot", "0.03", "--num-requests", "60", "--json"])
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert code == 0
@@ -103,7 +103,7 @@ def test_colocated_candidates_are_weighed_with_the_slo_step_budget(capsys: pytes
 
 
 def test_target_rate_sizes_replicas_and_json(capsys: pytest.CaptureFixture[str]) -> None:
-    code = main(["plan", "--model", "facebook/opt-13b", "--gpu", "a100-80g", "--nodes", "2", "--gpus-per-node", "8",
+    code = main(["plan", "--workers", "1", "--model", "facebook/opt-13b", "--gpu", "a100-80g", "--nodes", "2", "--gpus-per-node", "8",
                  "--ttft", "1.0", "--tpot", "0.2", "--rate", "4", "--num-requests", "60", "--affinity", "high", "--json"])
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert code == 0 and out["feasible"]
@@ -113,7 +113,7 @@ def test_target_rate_sizes_replicas_and_json(capsys: pytest.CaptureFixture[str])
 
 
 def test_impossible_slo_names_the_closest_and_binding_slo(capsys: pytest.CaptureFixture[str]) -> None:
-    code = main(["plan", "--model", "facebook/opt-13b", "--gpu", "a100-80g", "--nodes", "1", "--gpus-per-node", "2",
+    code = main(["plan", "--workers", "1", "--model", "facebook/opt-13b", "--gpu", "a100-80g", "--nodes", "1", "--gpus-per-node", "2",
                  "--ttft", "0.001", "--tpot", "0.1", "--num-requests", "40", "--affinity", "high"])
     err = capsys.readouterr().err
     assert code == 1 and "no placement meets the SLO" in err and "TTFT" in err
@@ -131,7 +131,7 @@ def test_impossible_slo_names_the_closest_and_binding_slo(capsys: pytest.Capture
     ],
 )
 def test_bad_input_exits_2_naming_the_problem(argv: list[str], needle: str, capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["plan", "--ttft", "1", "--tpot", "1", "--num-requests", "10", *argv]) == 2
+    assert main(["plan", "--workers", "1", "--ttft", "1", "--tpot", "1", "--num-requests", "10", *argv]) == 2
     assert needle in capsys.readouterr().err
 
 
@@ -199,7 +199,7 @@ def test_a_cpu_plan_carries_the_profiled_threads_and_serve_can_override_them(tmp
     profile["meta"]["threads"] = 2
     path, out = tmp_path / "profile.json", tmp_path / "plan.json"
     path.write_text(json.dumps(profile))
-    code = main(["plan", "--model", "smollm2-135m", "--gpu", "cpu", "--profile", str(path), "--nodes", "1",
+    code = main(["plan", "--workers", "1", "--model", "smollm2-135m", "--gpu", "cpu", "--profile", str(path), "--nodes", "1",
                  "--gpus-per-node", "2", "--ttft", "2", "--tpot", "0.15", "--num-requests", "30", "--out", str(out)])
     capsys.readouterr()
     assert code == 0
