@@ -47,14 +47,12 @@ from typing import Any
 import chaos_client as cc
 import harness
 import httpx
-from chaos_rows import kv_exhaustion, overload, shutdown, slo_flags, soak, storm
+from chaos_rows import DROP_EVERY, dropped_sends, kv_exhaustion, overload, shutdown, slo_flags, soak, storm
 
 from distserve.measure.benchserve import ServerProcess, distserve_serve_argv, metric_sums, session_pids
-from distserve.runtime.worker import TRANSFER_FAULTS_ENV
 
 ROWS = ("faults", "kv", "storm", "soak", "overload", "shutdown")
 FAULTS = ("decode-worker", "prefill-instance", "both", "controller", "stall-sender", "stall-receiver", "drop-sends")
-DROP_EVERY = 5  # the drop-sends row: every n-th KV send of a worker is lost
 GAUGE = re.compile(r'^distserve:(\w+)\{([^}]*)\}\s+(\S+)$', re.MULTILINE)
 IDLE_TIMEOUT_S = 90.0
 
@@ -285,17 +283,6 @@ class Run:
             return lambda: self.counter("instance_restarts_total") >= restarts + len(targets) and self.healthy()
 
         return inject
-
-
-async def dropped_sends(run: Run, jobs: list[cc.Job]) -> None:
-    """KV transfers lost on the wire, all through a wave: a server whose workers drop every ``DROP_EVERY``-th KV
-    send (``DISTSERVE_TRANSFER_FAULTS``); the row counts the migrations that failed (each request prefilled again).
-    The server is then restarted without it for the rows that follow."""
-    await run.restart([], env={TRANSFER_FAULTS_ENV: f"drop_send:{DROP_EVERY}"})
-    row = await run.wave("KV drop-sends", jobs)
-    row["kv_migration_failures"] = int(run.counter("kv_migration_failures_total"))
-    print(f"  KV migrations that failed and were prefilled again: {row['kv_migration_failures']}", flush=True)
-    await run.restart([])
 
 
 async def scenarios(args: argparse.Namespace, servers: list[ServerProcess]) -> Run:

@@ -1,5 +1,5 @@
 """The chaos suite's load rows (``experiments/chaos.py``): overload at 10x the planned goodput, the soak, KV
-exhaustion, the disconnect storm and graceful shutdown, each driving the server of a ``chaos.Run``."""
+exhaustion, lost KV sends, the disconnect storm and graceful shutdown, each driving the server of a ``chaos.Run``."""
 
 from __future__ import annotations
 
@@ -15,8 +15,10 @@ from typing import Any
 import chaos_client as cc
 
 from distserve.measure.benchserve import session_pids
+from distserve.runtime.worker import TRANSFER_FAULTS_ENV
 
 Run = Any  # ``chaos.Run`` (the script's; scripts import only shared modules)
+DROP_EVERY = 5  # the drop-sends row: every n-th KV send of a worker is lost
 
 
 # A semantic-variable program whose call was refused for overload ends with a 424 naming the refusal (QueueFullError's text).
@@ -144,6 +146,17 @@ def _pct(values: list[float], q: float) -> float:
 
 def _p90(values: list[float]) -> float | None:
     return round(_pct(values, 0.9), 3) if values else None
+
+
+async def dropped_sends(run: Run, jobs: list[cc.Job]) -> None:
+    """KV transfers lost on the wire, all through a wave: a server whose workers drop every ``DROP_EVERY``-th KV
+    send (``DISTSERVE_TRANSFER_FAULTS``); the row counts the migrations that failed (each request prefilled again).
+    The server is then restarted without it for the rows that follow."""
+    await run.restart([], env={TRANSFER_FAULTS_ENV: f"drop_send:{DROP_EVERY}"})
+    row = await run.wave("KV drop-sends", jobs)
+    row["kv_migration_failures"] = int(run.counter("kv_migration_failures_total"))
+    print(f"  KV migrations that failed and were prefilled again: {row['kv_migration_failures']}", flush=True)
+    await run.restart([])
 
 
 async def single_ttft(run: Run) -> float | None:

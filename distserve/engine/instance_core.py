@@ -35,6 +35,7 @@ from distserve.engine.logprobs import PromptLogprobs, TopLogprobs
 from distserve.engine.scheduler import Scheduler
 from distserve.engine.step_plan import SampledToken, StepPlan, attributed_to
 from distserve.engine.structured_output import GrammarCompiler, SequenceGrammars
+from distserve.engine.step_intervals import StepIntervals
 from distserve.engine.step_stats import ITERATION_TOKEN_BOUNDS, STEP_SECONDS_BOUNDS, CumulativeHistogram
 from distserve.engine.sequence import Sequence, SequenceStatus
 from distserve.prefill.scheduler import PrefillScheduler
@@ -116,14 +117,10 @@ class InstanceCore:
         self.grammar_compiler = grammar_compiler  # structured output (None: requests with a grammar are not served here)
         self.num_steps = 0
         self.last_step_s = 0.0
-        # Seconds between a running request's tokens at the latest step (pp = 1; ``step_ended``).
-        self.step_interval_s = 0.0
-        # Seconds between a running request's tokens, any pp: the last ``pipeline_depth`` step intervals
-        # (``step_ended``). TPOT backpressure reads it.
-        self.token_interval_s = 0.0
-        self._busy_ends: deque[float] = deque(maxlen=pipeline_depth)  # ends of the latest steps, while requests ran
-        self._last_step_end: float | None = None
-        self._running_at_last_end = False
+        # The latest step's interval and token interval (``StepIntervals``, fed by ``step_ended``): seconds
+        # between a running request's tokens with pp = 1, and with any pp (TPOT backpressure reads it).
+        self.step_interval_s = self.token_interval_s = 0.0
+        self._intervals = StepIntervals(pipeline_depth)
         self.max_plans_in_flight = 0  # high-water mark, counting plans that compute tokens
         self.num_overlapped_launches = 0  # plans launched while another that computes tokens was in flight
         self.num_prefill_tokens_computed = 0  # prompt (and recomputed) tokens of the plans applied
@@ -362,24 +359,11 @@ class InstanceCore:
 
     def step_ended(self, seconds: float, now: float) -> None:
         """A step that computed for ``seconds`` ended at ``now`` (the driver's clock; call it after the
-        step's plan was applied). Sets ``last_step_s`` and ``step_interval_s``: the time since the previous
-        step ended when requests were running then — what a decoding request waits between its tokens
-        (with pp = 1): the step plus whatever its driver did between steps (the other instances' steps of
-        an in-process round, the controller's round trip and its work on the Ray runtime) — else the
-        step's own time. And ``token_interval_s``: with pp micro-batches in flight a request advances once
-        per pp steps, so the time since the step pp steps ago ended, when requests ran throughout (else
-        pp intervals like this one) — the micro-batches' steps may alternate long and short, and one of
-        them read as a whole token's time let the TPOT rule flicker open. TPOT backpressure reads it."""
-        prev, self._last_step_end = self._last_step_end, now
-        busy, self._running_at_last_end = self._running_at_last_end, self.scheduler.num_running > 0
+        step's plan was applied): sets ``last_step_s``, ``step_interval_s`` and ``token_interval_s``
+        (``StepIntervals``: the time a decoding request waits between its tokens, the driver's gaps between
+        steps included)."""
         self.last_step_s = seconds
-        self.step_interval_s = max(seconds, now - prev) if busy and prev is not None else seconds
-        ends = self._busy_ends
-        if not busy:
-            ends.clear()
-        pp = self.pipeline_depth
-        self.token_interval_s = max(now - ends[0], self.step_interval_s) if len(ends) == pp and pp > 1 else self.step_interval_s * pp
-        ends.append(now)
+        self.step_interval_s, self.token_interval_s = self._intervals.ended(seconds, now, self.scheduler.num_running > 0)
 
     def delta(self, seq: Sequence) -> SeqUpdate:
         """The tokens ``seq`` got since its previous delta (for a driver that reports across processes)."""

@@ -204,9 +204,12 @@ class AdmissionDriver:
             return None, None
         block_size = self.cache_config.block_size
         free = ((i.last_step.num_free_blocks if i.last_step is not None else i.spec.num_blocks) * block_size for i in decodes)
-        prefills = [i for i in self.instances if i.alive and i.phase == "prefill"]
-        held = ((i.last_step.held_prompt_tokens if i.last_step is not None else 0) + sum(u[2] for u in _unseen(i)) for i in prefills)
-        held_requests = sum((i.last_step.num_held if i.last_step is not None else 0) + len(_unseen(i)) for i in prefills)
+        held, held_requests = [], 0
+        for inst in self.instances:
+            if inst.alive and inst.phase == "prefill":
+                unseen, last = _unseen(inst), inst.last_step
+                held.append((last.held_prompt_tokens if last is not None else 0) + sum(u[2] for u in unseen))
+                held_requests += (last.num_held if last is not None else 0) + len(unseen)
         headroom = decode_headroom(((i.last_step.num_running, i.last_step.token_interval_s) if i.last_step is not None else (0, 0.0)
                                     for i in decodes), slo, held_requests)
         return decode_room_tokens(free, held), headroom

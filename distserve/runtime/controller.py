@@ -39,7 +39,7 @@ from distserve.engine.weights import load_model
 from distserve.errors import DistServeError, InvalidConfigError, QueueFullError, ServiceUnavailableError, StepFailedError
 from distserve.runtime.admission_driver import AdmissionDriver
 from distserve.runtime.config import DeploymentConfig
-from distserve.runtime.instance_server import StepResult
+from distserve.runtime.instance_protocol import StepResult
 from distserve.runtime.migrations import KVMigrations
 from distserve.runtime.ray_deployment import DeployedInstance, deploy, init_method, undeploy
 from distserve.runtime.recovery import InstanceRecovery

@@ -25,7 +25,8 @@ from distserve.errors import InvalidConfigError
 from distserve.kvtransfer.layout import KVLayout
 from distserve.placement import InstanceSpec, Placement
 from distserve.runtime.config import DeploymentConfig
-from distserve.runtime.instance_server import InstanceServer, InstanceServerSpec, StepResult
+from distserve.runtime.instance_protocol import InstanceServerSpec, StepResult
+from distserve.runtime.instance_server import InstanceServer
 from distserve.runtime.ray_env import ACTOR_TASK_EVENTS
 from distserve.runtime.worker import Worker, WorkerSpec
 

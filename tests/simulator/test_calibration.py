@@ -6,7 +6,7 @@ from collections.abc import Callable
 from types import SimpleNamespace
 from typing import Any
 
-from distserve.runtime.instance_server import StepResult
+from distserve.runtime.instance_protocol import StepResult
 from simulator.calibration import StepTrace
 
 
