@@ -15,9 +15,11 @@ Rows, in order (``--rows`` picks some; the fault-free wave always runs first):
 - disconnect storm: clients dropping their connection after the first streamed chunk;
 - soak at 70% of the planned goodput (on the server every row above ran on): RSS of every server
   process after warm-up vs at the end;
-- overload: Poisson arrivals at 10x the planned goodput (planned goodput: the fault-free wave's measured
-  throughput, i.e. the measured knee at that concurrency); then back to normal latency. The SLO is twice
-  the fault-free wave's p90 TTFT and TPOT; the server is restarted before this row configured for it
+- overload: Poisson arrivals at 10x the planned goodput; then back to normal latency. The SLO is twice
+  the fault-free wave's p90 TTFT and TPOT. The planned goodput is DistServe's goodput measured on this
+  server right after the fault-free wave (row "goodput search", ``chaos_rows.planned_goodput``): the
+  highest Poisson rate at which >= 90% of requests meet that SLO, found by a few probes starting at the
+  wave's completion rate. The server is restarted before the overload row configured for the SLO
   (``slo_flags``: ``--max-queue-delay`` half the TTFT SLO, ``--tpot-backpressure`` at half the TPOT SLO),
   as an operator deploys for an SLO, and the shutdown row runs on that server;
 - graceful shutdown: SIGTERM with a wave in flight.
@@ -32,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import gzip
 import json
 import os
@@ -47,7 +50,7 @@ from typing import Any
 import chaos_client as cc
 import harness
 import httpx
-from chaos_rows import DROP_EVERY, dropped_sends, kv_exhaustion, overload, shutdown, slo_flags, soak, storm
+from chaos_rows import DROP_EVERY, dropped_sends, kv_exhaustion, overload, planned_goodput, shutdown, slo_flags, soak, storm
 
 from distserve.measure.benchserve import ServerProcess, distserve_serve_argv, metric_sums, session_pids
 
@@ -55,6 +58,10 @@ ROWS = ("faults", "kv", "storm", "soak", "overload", "shutdown")
 FAULTS = ("decode-worker", "prefill-instance", "both", "controller", "stall-sender", "stall-receiver", "drop-sends")
 GAUGE = re.compile(r'^distserve:(\w+)\{([^}]*)\}\s+(\S+)$', re.MULTILINE)
 IDLE_TIMEOUT_S = 90.0
+# httpx's connection pool looks through all its connections for each request: with thousands in flight (the
+# overload burst) that scan was a fifth of the load generator's CPU, taken from the server's 2 cores. Requests
+# go round-robin over this many clients (pools) instead.
+CLIENT_POOLS = 16
 
 
 def parse_args() -> argparse.Namespace:
@@ -67,6 +74,10 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--kv-transfer-timeout", type=float, default=3.0)
     ap.add_argument("--faults", default=None, help=f"comma-separated, of {','.join(FAULTS)} (default: all; --quick: decode-worker,controller)")
     ap.add_argument("--storm", type=int, default=500, help="clients in the disconnect storm")
+    ap.add_argument("--goodput-probes", type=int, default=5, help="Poisson probes that search the planned goodput")
+    ap.add_argument("--goodput-probe-s", type=float, default=60.0, help="seconds of arrivals per goodput probe")
+    ap.add_argument("--planned-goodput", type=float, default=None,
+                    help="req/s: use this planned goodput (e.g. an earlier run's) instead of searching for it")
     ap.add_argument("--overload-s", type=float, default=120.0)
     ap.add_argument("--soak-s", type=float, default=1200.0)
     ap.add_argument("--deadline", type=float, default=600.0, help="seconds after which a request counts as hung")
@@ -78,9 +89,14 @@ def parse_args() -> argparse.Namespace:
     if args.quick:
         args.model, args.in_flight, args.max_tokens, args.cache_tokens = "tiny", 24, 12, 768
         args.storm, args.overload_s, args.soak_s, args.deadline = 30, 3.0, 4.0, 150.0
+        args.goodput_probes, args.goodput_probe_s = 2, 3.0
         args.faults = args.faults or "decode-worker,controller"
     args.faults = [f for f in (args.faults or ",".join(FAULTS)).split(",") if f]
     args.rows = [r for r in args.rows.split(",") if r]
+    if args.goodput_probes < 1 or args.goodput_probe_s <= 0:
+        ap.error("--goodput-probes must be >= 1 and --goodput-probe-s > 0")
+    if args.planned_goodput is not None and not args.planned_goodput > 0:
+        ap.error(f"--planned-goodput must be > 0 req/s, got {args.planned_goodput}")
     if set(args.rows) - set(ROWS):
         ap.error(f"--rows: unknown {sorted(set(args.rows) - set(ROWS))}; choose from {','.join(ROWS)}")
     bad = set(args.faults) - set(FAULTS)
@@ -92,8 +108,9 @@ def parse_args() -> argparse.Namespace:
 class Run:
     """The server under test, the ledger and the figures measured so far."""
 
-    def __init__(self, args: argparse.Namespace, servers: list[ServerProcess], client: httpx.AsyncClient) -> None:
-        self.args, self.server, self.client = args, servers[-1], client
+    def __init__(self, args: argparse.Namespace, servers: list[ServerProcess], clients: list[httpx.AsyncClient]) -> None:
+        self.args, self.server, self.client = args, servers[-1], clients[0]
+        self.clients, self._next_client = clients, 0  # requests are spread over them (see ``CLIENT_POOLS``)
         self.servers = servers  # every server started (the last one is running)
         server = self.server
         self.root = server.base_url.removesuffix("/v1")
@@ -161,30 +178,41 @@ class Run:
     def rss_by_process(self) -> dict[str, int]:
         """RSS (kB) of every process of the server, by ``process_name`` (a Ray worker's title changes with
         its task, so the name is read once per pid)."""
+        return {name: mem["rss"] for name, mem in self.memory_by_process().items()}
+
+    def memory_by_process(self) -> dict[str, dict[str, int]]:
+        """Each server process's resident memory (kB), by ``process_name``: ``rss`` (all of it), ``anon`` (its
+        private heap and stacks: what a leak grows), ``file`` (pages of mapped files — its binary and shared
+        libraries, paged in as code runs for the first time and dropped by the kernel at will) and ``shmem``."""
         assert self.server.sid is not None
+        fields = {"rss": "VmRSS", "anon": "RssAnon", "file": "RssFile", "shmem": "RssShmem"}
         out = {}
         for pid in session_pids(self.server.sid):
             try:
                 status = open(f"/proc/{pid}/status").read()
             except OSError:
                 continue
-            match = re.search(r"VmRSS:\s+(\d+)", status)
-            if match:
-                out[self.process_name(pid)] = int(match.group(1))
+            mem = {key: int(m.group(1)) for key, field in fields.items() if (m := re.search(rf"{field}:\s+(\d+)", status))}
+            if "rss" in mem:
+                out[self.process_name(pid)] = mem
         return out
 
     def server_cpu_s(self) -> float:
         """CPU seconds (user + system) the server's processes have used (those alive now)."""
+        return sum(self.cpu_s_by_process().values())
+
+    def cpu_s_by_process(self) -> dict[str, float]:
+        """CPU seconds (user + system) each server process alive now has used, by ``process_name``."""
         assert self.server.sid is not None
-        tick, total = os.sysconf("SC_CLK_TCK"), 0.0
+        tick, out = os.sysconf("SC_CLK_TCK"), {}
         for pid in session_pids(self.server.sid):
             try:
                 stat = open(f"/proc/{pid}/stat").read()
             except OSError:
                 continue
             fields = stat[stat.rindex(")") + 2:].split()
-            total += (int(fields[11]) + int(fields[12])) / tick
-        return total
+            out[self.process_name(pid)] = (int(fields[11]) + int(fields[12])) / tick
+        return out
 
     def process_name(self, pid: int) -> str:
         """``pid`` and what runs there: the actor's name for a Ray actor, else the program (``gcs_server``, ``raylet``...)."""
@@ -216,7 +244,8 @@ class Run:
     async def send(self, scenario: str, job: cc.Job, leave_after_first: bool = False) -> cc.Record:
         rec = self.ledger.add(scenario, job.kind)
         expected = None if leave_after_first else self.refs.get(job.key)
-        return await cc.run_job(self.client, self.root, self.args.model, job, expected, rec, self.ledger, self.args.deadline, leave_after_first)
+        self._next_client = (self._next_client + 1) % len(self.clients)
+        return await cc.run_job(self.clients[self._next_client], self.root, self.args.model, job, expected, rec, self.ledger, self.args.deadline, leave_after_first)
 
     async def new_requests_ok(self, scenario: str) -> bool:
         """After a row: one request of each kind, sent anew, completes with its reference."""
@@ -286,18 +315,25 @@ class Run:
 
 
 async def scenarios(args: argparse.Namespace, servers: list[ServerProcess]) -> Run:
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
-    async with httpx.AsyncClient(timeout=httpx.Timeout(args.deadline, connect=30.0), limits=limits, trust_env=False) as client:
-        run = Run(args, servers, client)
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=32)  # per pool
+    async with contextlib.AsyncExitStack() as stack:
+        clients = [await stack.enter_async_context(httpx.AsyncClient(timeout=httpx.Timeout(args.deadline, connect=30.0), limits=limits,
+                                                                     trust_env=False)) for _ in range(CLIENT_POOLS)]
+        run = Run(args, servers, clients)
         jobs = cc.make_jobs(args.in_flight, args.max_tokens, args.seed)
-        run.refs = await cc.references(client, run.root, args.model, args.dtype, jobs, run.ledger)
+        run.refs = await cc.references(run.client, run.root, args.model, args.dtype, jobs, run.ledger)
         base = await run.wave("fault-free", jobs)
-        goodput = base["identical"] / base["wave_s"]  # requests/s completed with the wave in flight: the planned goodput
+        wave_rps = base["identical"] / base["wave_s"]  # requests/s completed with the whole wave in flight
         ttfts = sorted(r.first_s - r.sent_s for r in run.ledger.records if r.scenario == "fault-free" and r.first_s is not None)
         tpots = sorted((r.end_s - r.first_s) / max(1, args.max_tokens - 1) for r in run.ledger.records
                        if r.scenario == "fault-free" and r.first_s is not None and r.end_s is not None)
         slo = (2 * ttfts[int(0.9 * (len(ttfts) - 1))], 2 * tpots[int(0.9 * (len(tpots) - 1))])
-        run.figures.update(planned_goodput_rps=round(goodput, 3), slo_ttft_s=round(slo[0], 3), slo_tpot_s=round(slo[1], 4))
+        run.figures.update(wave_rps=round(wave_rps, 3), slo_ttft_s=round(slo[0], 3), slo_tpot_s=round(slo[1], 4))
+        if args.planned_goodput is not None:
+            goodput = args.planned_goodput
+        else:
+            goodput = await planned_goodput(run, slo, wave_rps) if {"soak", "overload"} & set(args.rows) else wave_rps
+        run.figures["planned_goodput_rps"] = round(goodput, 3)
         if "faults" in args.rows:
             for kind in args.faults:
                 if kind == "drop-sends":
@@ -326,7 +362,9 @@ def report(args: argparse.Namespace, run: Run) -> None:
     lines = [f"# Chaos suite: {args.model} ({args.dtype}), 1 prefill + 1 decode ({args.decode_parallel.upper()}=2) on the Ray runtime, "
              f"{os.cpu_count()} cores",
              "", f"Waves of {args.in_flight} requests in flight, {args.max_tokens} output tokens each; KV cache "
-             f"{args.cache_tokens} tokens per instance; planned goodput {run.figures['planned_goodput_rps']} req/s (measured).", "",
+             f"{args.cache_tokens} tokens per instance; the fault-free wave completed {run.figures['wave_rps']} req/s"
+             + (f"; planned goodput {run.figures['planned_goodput_rps']} req/s (measured: the highest Poisson rate probed with >= 90% "
+                "within the SLO, row \"goodput search\")." if any(r["scenario"] == "goodput search" for r in rows) else "."), "",
              "| fault | requests sent | completed identical | ended with error | lost | hung | blocks leaked | recovery time (s) |",
              "|---|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
@@ -335,14 +373,16 @@ def report(args: argparse.Namespace, run: Run) -> None:
     soaked = next((r for r in rows if r["scenario"] == "soak 70%"), None)
     if soaked is not None:
         lines += ["", f"Soak: {soaked['rate_rps']} req/s for {soaked['duration_s']:g} s, SLO attainment {soaked.get('slo_attainment')} "
-                  f"(no SLO flags on this server), worst RSS growth after warm-up {soaked['rss_max_growth']} ({soaked['rss_worst_process']})."]
+                  f"(no SLO flags on this server), worst RSS growth after warm-up {soaked['rss_max_growth']} ({soaked['rss_worst_process']}), "
+                  f"worst growth of anonymous memory (heap and stacks) {soaked['anon_max_growth']} ({soaked['anon_worst_process']})."]
     drops = next((r for r in rows if r["scenario"] == "KV drop-sends"), None)
     if drops is not None:
         lines += ["", f"KV drop-sends: every {DROP_EVERY}th KV send of each worker lost on the wire; {drops['kv_migration_failures']} "
                   "migrations failed (the receiver timed out) and their requests were prefilled again."]
     over = next((r for r in rows if r["scenario"] == "overload 10x"), None)
     if over is not None:
-        lines += ["", f"Overload 10x: {over['admitted']} admitted ({over['admitted_rps']} req/s), {over['rejected_429']} refused with 429; "
+        lines += ["", f"Overload 10x: {over['admitted']} admitted ({over['admitted_rps']} req/s, {over['admitted_share_of_planned']} of the planned "
+                  f"goodput), {over['rejected_429']} refused with 429; "
                   f"admitted SLO attainment {over['admitted_slo_attainment']} (TTFT p90 {over['admitted_ttft_p90_s']} s vs "
                   f"{run.figures['slo_ttft_s']}, TPOT p90 {over['admitted_tpot_p90_s']} s vs {run.figures['slo_tpot_s']}); "
                   f"cores used: server {over['server_cpu_cores_used']}, load generator {over['client_cpu_cores_used']}."]

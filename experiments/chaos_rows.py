@@ -1,4 +1,4 @@
-"""The chaos suite's load rows (``experiments/chaos.py``): overload at 10x the planned goodput, the soak, KV
+"""The chaos suite's load rows (``experiments/chaos.py``): the planned goodput's search, overload at 10x it, the soak, KV
 exhaustion, lost KV sends, the disconnect storm and graceful shutdown, each driving the server of a ``chaos.Run``."""
 
 from __future__ import annotations
@@ -50,6 +50,39 @@ async def poisson(run: Run, scenario: str, rate: float, duration_s: float, on_ti
     return list(await asyncio.gather(*tasks))
 
 
+GOODPUT_ATTAINMENT = 0.9  # DistServe's goodput: the highest rate at which this share of requests meets the SLO
+
+
+async def planned_goodput(run: Run, slo: tuple[float, float], first_rate: float) -> float:
+    """The planned goodput as DistServe defines it, measured on this server: the highest Poisson rate at which
+    >= 90% of requests complete within ``slo``. ``--goodput-probes`` probes of ``--goodput-probe-s`` each, from
+    ``first_rate`` (the fault-free wave's completion rate): up by 1.5x while probes pass, then bisection between
+    the highest rate that passed and the lowest that failed. Every request of every probe is in the row
+    "goodput search" (lost, hung, leaked counted as in any row). If no probe passes, half the lowest rate
+    probed is used for the rows that follow and the row says ``bracketed: false``."""
+    args = run.args
+    run.refs.update(await cc.references(run.client, run.root, args.model, args.dtype,
+                                        cc.make_jobs(20, args.max_tokens, args.seed + 1), run.ledger))  # the Poisson rows' prompts
+    passed, failed, probes = 0.0, None, []
+    rate = first_rate
+    for _ in range(args.goodput_probes):
+        sent = await poisson(run, "goodput search", rate, args.goodput_probe_s, lambda: None)
+        attainment = slo_attainment(sent, slo, args.max_tokens) or 0.0
+        probes.append({"rate_rps": round(rate, 3), "sent": len(sent), "slo_attainment": attainment})
+        print(f"  goodput probe at {rate:.2f} req/s: {attainment:.3f} within the SLO", flush=True)
+        await run.idle_leak()  # the next probe starts on an idle server
+        if attainment >= GOODPUT_ATTAINMENT:
+            passed = rate
+        else:
+            failed = rate
+        rate = rate * 1.5 if failed is None else (passed + failed) / 2
+    bracketed = passed > 0
+    goodput = passed if bracketed else min(p["rate_rps"] for p in probes) / 2
+    run.row("goodput search", None, await run.idle_leak(), planned_goodput_rps=round(goodput, 3), bracketed=bracketed,
+            first_rate_rps=round(first_rate, 3), probes=probes)
+    return goodput
+
+
 def slo_flags(slo: tuple[float, float]) -> list[str]:
     """The server's configuration for its SLO: the admission queue refuses a request predicted to wait
     more than half the TTFT SLO (the other half for the prefill and its wait on the instance), and
@@ -67,10 +100,12 @@ async def overload(run: Run, goodput: float, slo: tuple[float, float]) -> None:
     idle_ttft = await single_ttft(run)
     rss: list[int] = []
     base_rss = sum(run.rss_by_process().values())
-    cpu0, client0, wall0 = run.server_cpu_s(), time.process_time(), time.monotonic()
+    cpu0, client0, wall0 = run.cpu_s_by_process(), time.process_time(), time.monotonic()
     burst = await poisson(run, "overload 10x", 10 * goodput, args.overload_s, lambda: rss.append(sum(run.rss_by_process().values())))
     # Who had the machine's cores during the burst: the load generator (this process) shares them with the server.
-    cpu_server, cpu_client, wall = run.server_cpu_s() - cpu0, time.process_time() - client0, time.monotonic() - wall0
+    cpu1, cpu_client, wall = run.cpu_s_by_process(), time.process_time() - client0, time.monotonic() - wall0
+    cores_by_process = {p: round((cpu1[p] - cpu0.get(p, 0.0)) / wall, 2) for p in cpu1}
+    cpu_server = sum(cpu1.values()) - sum(cpu0.get(p, 0.0) for p in cpu1)
     drained = time.monotonic()  # the burst's admitted requests have all ended
     last_arrival = max((r.sent_s for r in burst), default=0.0)
     drain_s = max((r.end_s or 0.0 for r in burst), default=0.0) - last_arrival
@@ -86,7 +121,9 @@ async def overload(run: Run, goodput: float, slo: tuple[float, float]) -> None:
     span = max((r.end_s or 0.0 for r in admitted), default=0.0) - min((r.sent_s for r in admitted), default=0.0)
     leaked = await run.idle_leak()
     run.row("overload 10x", back_s, leaked, rate_rps=round(10 * goodput, 2), drain_s=round(drain_s, 2), admitted=len(admitted),
-            admitted_rps=round(len(admitted) / span, 3) if span > 0 else None, rejected_429=len(rejected),
+            admitted_rps=round(len(admitted) / span, 3) if span > 0 else None,
+            admitted_share_of_planned=round(len(admitted) / span / goodput, 3) if span > 0 and goodput > 0 else None,
+            rejected_429=len(rejected),
             rejected_with_retry_after=sum(r.retry_after is not None for r in rejected),
             programs_refused=sum(r.status != 429 and refused(r) for r in burst),
             admitted_slo_attainment=slo_attainment(admitted, slo, args.max_tokens),
@@ -94,6 +131,7 @@ async def overload(run: Run, goodput: float, slo: tuple[float, float]) -> None:
             admitted_tpot_p90_s=_p90([(r.end_s - r.first_s) / max(1, args.max_tokens - 1) for r in admitted
                                       if r.first_s is not None and r.end_s is not None]),
             cpu_cores=os.cpu_count(), server_cpu_cores_used=round(cpu_server / wall, 2), client_cpu_cores_used=round(cpu_client / wall, 2),
+            server_cores_by_process=dict(sorted(cores_by_process.items(), key=lambda kv: -kv[1])),
             rss_mb_before=round(base_rss / 1024), rss_mb_max=round(max(rss, default=base_rss) / 1024),
             admitted_breakdown_s=breakdown_percentiles(run.request_log),
             new_requests_ok=await run.new_requests_ok("overload 10x"))
@@ -124,19 +162,30 @@ def slo_attainment(records: list[cc.Record], slo: tuple[float, float], max_token
 
 
 async def soak(run: Run, goodput: float, slo: tuple[float, float]) -> None:
-    """Poisson arrivals at 70% of the planned goodput for --soak-s: RSS of every process after warm-up (a quarter in)
-    vs at the end, and the share of requests within the SLO (this server runs without SLO flags: nothing is refused)."""
+    """Poisson arrivals at 70% of the planned goodput for --soak-s: memory of every process after warm-up (a quarter
+    in) vs at the end — all of its RSS, and its anonymous part alone (heap and stacks: what a leak grows; the rest
+    is mostly pages of its binary and libraries, paged in when a code path first runs) — and the share of requests
+    within the SLO (this server runs without SLO flags: nothing is refused)."""
     args = run.args
-    samples: list[dict[str, int]] = []
-    sent = await poisson(run, "soak 70%", 0.7 * goodput, args.soak_s, lambda: samples.append(run.rss_by_process()))
+    samples: list[dict[str, dict[str, int]]] = []
+    sent = await poisson(run, "soak 70%", 0.7 * goodput, args.soak_s, lambda: samples.append(run.memory_by_process()))
     warm = samples[len(samples) // 4] if samples else {}
-    end = run.rss_by_process()
-    growth = {p: (end[p] - warm[p]) / warm[p] for p in warm if p in end and warm[p] > 0}
-    worst = max(growth, key=lambda p: growth[p], default=None)
+    end = run.memory_by_process()
+
+    def growth(kind: str) -> dict[str, float]:
+        return {p: (end[p][kind] - warm[p][kind]) / warm[p][kind] for p in warm
+                if p in end and warm[p].get(kind, 0) > 0 and kind in end[p]}
+
+    rss, anon = growth("rss"), growth("anon")
+    worst = max(rss, key=lambda p: rss[p], default=None)
+    worst_anon = max(anon, key=lambda p: anon[p], default=None)
     run.row("soak 70%", None, await run.idle_leak(), rate_rps=round(0.7 * goodput, 2), duration_s=args.soak_s,
-            rss_max_growth=round(growth[worst], 4) if worst else None, rss_worst_process=worst,
-            rss_growth_by_process={p: round(g, 4) for p, g in sorted(growth.items(), key=lambda kv: -kv[1])},
-            rss_mb_at_end={p: round(kb / 1024) for p, kb in end.items()}, slo_attainment=slo_attainment(sent, slo, args.max_tokens),
+            rss_max_growth=round(rss[worst], 4) if worst else None, rss_worst_process=worst,
+            anon_max_growth=round(anon[worst_anon], 4) if worst_anon else None, anon_worst_process=worst_anon,
+            rss_growth_by_process={p: round(g, 4) for p, g in sorted(rss.items(), key=lambda kv: -kv[1])},
+            anon_growth_by_process={p: round(g, 4) for p, g in sorted(anon.items(), key=lambda kv: -kv[1])},
+            memory_kb_after_warmup=warm, memory_kb_at_end=end,
+            rss_mb_at_end={p: round(m["rss"] / 1024) for p, m in end.items()}, slo_attainment=slo_attainment(sent, slo, args.max_tokens),
             new_requests_ok=await run.new_requests_ok("soak 70%"))
 
 

@@ -16,6 +16,7 @@ from typing import NamedTuple
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
+from starlette.types import Scope
 
 from distserve.cluster.classes import RequestClass
 from distserve.config import SamplingParams
@@ -40,7 +41,7 @@ from distserve.serving.http_errors import (
 from distserve.serving.metrics import CONTENT_TYPE, MetricsPeers, RequestTimer, ServingMetrics, rejection_reason
 from distserve.serving.logprobs import LogprobsRenderer
 from distserve.serving.metrics_exposition import OWN_PREFIX
-from distserve.serving.overload_gate import OverloadGate
+from distserve.serving.overload_gate import OverloadDoor, OverloadGate
 from distserve.serving.ops_routes import add_ops_routes
 from distserve.serving.prompts import chat_prompt, text_prompt, truncate
 from distserve.serving.request_fields import check_request_fields
@@ -99,13 +100,9 @@ class _Server:
         self.logprobs = LogprobsRenderer(client.tokenizer)
         self.overload = OverloadGate()
 
-    def refuse_if_overloaded(self, request: Request) -> None:
-        """A 429 at once, before the prompt is built, while the last refusal holds for every request (``OverloadGate``)."""
-        try:
-            self.overload.check()
-        except QueueFullError as exc:
-            self.metrics.reject(tenant_of(request).name, "queue_full")
-            raise engine_error(exc, "prompt") from None
+    def refused_at_the_door(self, scope: Scope) -> None:
+        """``OverloadDoor`` refused a request while the gate was shut: counted as queue_full for its tenant."""
+        self.metrics.reject(tenant_of(Request(scope)).name, "queue_full")
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model not in self.accepted_models:
@@ -249,6 +246,7 @@ def build_fastapi_app(
     server = _Server(client, served_model_name, metrics)
     app.state.server = server
     add_error_handlers(app)
+    app.add_middleware(OverloadDoor, gate=server.overload, on_refuse=server.refused_at_the_door)  # innermost: the tenant is known
     if api_keys is not None:
         app.add_middleware(ApiKeyAuth, keys=api_keys, metrics=server.metrics)
     add_request_limits(app, http_limits)  # outside the key check: a body is bounded before anything else runs
@@ -292,7 +290,6 @@ def build_fastapi_app(
     async def create_completion(body: CompletionRequest, request: Request) -> Response | CompletionResponse:
         check_request_fields(body)
         server.check_model(body.model)
-        server.refuse_if_overloaded(request)
         # Tokenizing is done in a thread: a long prompt takes seconds, and the event loop serves everyone.
         prompt = await asyncio.to_thread(text_prompt, client.tokenizer, body.prompt_input(), body.add_special_tokens,
                                          body.truncate_prompt_tokens, client.max_model_len)
@@ -350,7 +347,6 @@ def build_fastapi_app(
     async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response | ChatCompletionResponse:
         check_request_fields(body)
         server.check_model(body.model)
-        server.refuse_if_overloaded(request)
         mode = body.tool_mode(enable_auto_tool_choice)
         parser = tool_parser if mode == "auto" else ForcedToolCallParser(body.forced_function) if mode == "forced" else None
         prompt = truncate(await asyncio.to_thread(chat_prompt, client.tokenizer, body, chat_template, served_model_name,

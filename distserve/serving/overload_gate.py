@@ -9,6 +9,12 @@ in flight, the admission queue's length or its predicted wait) holds for every r
 its ``retry_after_s``, so the gate answers those at once with the same 429 (``Retry-After`` the time
 left), for at most ``MAX_HOLD_S``: then one request goes through again and finds the queue's state.
 Bounds of one tenant, its token rate or a grammar compile are left to the admission queue.
+
+``OverloadDoor`` (ASGI middleware, inside the key check) asks the gate before FastAPI routes the request:
+while it is shut, a generation request (``GATED_PATHS``: completions, chat completions and Parrot's semantic
+calls) is answered there, before its body is parsed and validated — under a 10x burst of small requests the
+refusals' parsing and validation took about as much of the HTTP process's CPU as everything else it did. A
+request with a malformed body gets its 400 once the gate is open again.
 """
 
 from __future__ import annotations
@@ -16,12 +22,16 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
+from starlette.types import ASGIApp, Receive, Scope, Send
+
 from distserve.errors import QueueFullError
+from distserve.serving.http_errors import error_response, queue_full
 
 # Longest the gate stays shut on one refusal: short next to the queue's own bound on waiting
 # (max_queue_delay, seconds of work), so the queue never runs dry while the gate is shut.
 MAX_HOLD_S = 1.0
 UNKNOWN_HOLD_S = 0.1  # a shared refusal that gave no retry time (a bound on requests in flight)
+GATED_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/semantic_call"})  # POSTs that start generation
 
 
 class OverloadGate:
@@ -54,3 +64,21 @@ class OverloadGate:
         if left > 0:
             self.num_refused += 1
             raise QueueFullError(f"the server is refusing requests for {left:.2f} s more: {self._reason}", None, left, shared=True)
+
+
+class OverloadDoor:
+    """ASGI middleware: a POST to one of ``GATED_PATHS`` while ``gate`` is shut gets the gate's 429 (``Retry-After``
+    the time left) before any route runs; ``on_refuse(scope)`` counts it (per tenant: the key check runs outside)."""
+
+    def __init__(self, app: ASGIApp, gate: OverloadGate, on_refuse: Callable[[Scope], None]) -> None:
+        self.app, self.gate, self.on_refuse = app, gate, on_refuse
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["method"] == "POST" and scope["path"] in GATED_PATHS and self.gate.shut_for_s > 0:
+            try:
+                self.gate.check()
+            except QueueFullError as exc:
+                self.on_refuse(scope)
+                await error_response(queue_full(exc))(scope, receive, send)
+                return
+        await self.app(scope, receive, send)

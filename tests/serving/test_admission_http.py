@@ -120,9 +120,9 @@ def test_requests_that_wait_the_max_queue_delay_get_429_with_retry_after_and_the
 
 def test_while_a_refusal_holds_for_every_request_the_next_are_refused_at_the_door(monkeypatch: pytest.MonkeyPatch) -> None:
     """A request past the server's in-flight bound is refused by the engine; while that refusal holds (30 s
-    here, so the machine's speed does not matter) the next requests get the gate's 429 without reaching the
-    engine, counted as queue_full; a body that breaks the schema still gets its 400, and the request in flight
-    completes."""
+    here, so the machine's speed does not matter) the next requests get the gate's 429 at the door
+    (``OverloadDoor``: before the body is parsed, so a body that breaks the schema too; a Parrot semantic call
+    too), counted as queue_full; other routes are answered, and the request in flight completes."""
     monkeypatch.setattr(overload_gate, "UNKNOWN_HOLD_S", 30.0)
     monkeypatch.setattr(overload_gate, "MAX_HOLD_S", 30.0)
 
@@ -134,20 +134,22 @@ def test_while_a_refusal_holds_for_every_request_the_next_are_refused_at_the_doo
                     pass
                 refused = [await http.post("/v1/completions", json=body(f"one too many {i}")) for i in range(3)]
                 bad = await http.post("/v1/completions", json={"model": "tiny", "max_tokens": 4})  # no prompt
+                call = await http.post("/v1/semantic_call", json={"session_id": 1, "template": "{{output:x}}"})
+                models = await http.get("/v1/models")
                 rest = "".join([line async for line in lines])
-            return refused, bad, rest, (await http.get("/metrics")).text
+            return refused + [bad, call], models, rest, (await http.get("/metrics")).text
 
     with serving(AdmissionConfig(max_waiting=1), max_queued_requests=1) as root:
-        refused, bad, rest, metrics = asyncio.run(run(root))
-    assert [r.status_code for r in refused] == [429] * 3
+        refused, models, rest, metrics = asyncio.run(run(root))
+    assert [r.status_code for r in refused] == [429] * 5
     messages = [r.json()["error"]["message"] for r in refused]
     assert "limit of 1 requests in flight" in messages[0] and "refusing requests for" not in messages[0]  # the engine's
     for r, message in zip(refused[1:], messages[1:]):  # the gate's, naming the refusal it holds for
         assert message.startswith("the server is refusing requests for") and "limit of 1 requests in flight" in message
         assert r.json()["error"]["code"] == "queue_full" and int(r.headers["Retry-After"]) >= 1
-    assert bad.status_code in (400, 422) and bad.json()["error"]["param"] == "prompt"  # the schema is checked first
+    assert models.status_code == 200
     assert rest.rstrip().endswith("[DONE]")
-    assert re.search(r'tenant_requests_rejected_total\{[^}]*reason="queue_full",tenant="anonymous"\} 3\.0', metrics)
+    assert re.search(r'tenant_requests_rejected_total\{[^}]*reason="queue_full",tenant="anonymous"\} 5\.0', metrics)
 
 
 @pytest.mark.parametrize("timeout", [-1, 0, "soon", float("inf")])

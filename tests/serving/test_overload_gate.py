@@ -78,3 +78,48 @@ def test_shared_survives_pickling_as_across_ray() -> None:
     back = pickle.loads(pickle.dumps(QueueFullError("full", "prompt", 2.5, shared=True)))
     assert (str(back), back.param, back.retry_after_s, back.shared) == ("full", "prompt", 2.5, True)
     assert not pickle.loads(pickle.dumps(QueueFullError("full"))).shared
+
+
+def _call(door: overload_gate.OverloadDoor, method: str, path: str) -> tuple[int, dict[bytes, bytes], bytes]:
+    """One request through ``door`` (plain ASGI): its status, headers and body."""
+    import asyncio
+
+    sent: list[dict] = []
+
+    async def receive() -> dict:
+        return {"type": "http.request", "body": b"{not json", "more_body": False}
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+
+    scope = {"type": "http", "method": method, "path": path, "headers": [], "query_string": b""}
+    asyncio.run(door(scope, receive, send))
+    start = next(m for m in sent if m["type"] == "http.response.start")
+    return start["status"], dict(start["headers"]), b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
+
+
+def test_the_door_refuses_generation_posts_while_the_gate_is_shut_and_passes_everything_else() -> None:
+    import json
+
+    from starlette.responses import PlainTextResponse
+
+    clock, routed, refused = Clock(), [], []
+    gate = OverloadGate(clock)
+
+    async def app(scope, receive, send) -> None:  # type: ignore[no-untyped-def]
+        routed.append(scope["path"])
+        await PlainTextResponse("routed")(scope, receive, send)
+
+    door = overload_gate.OverloadDoor(app, gate, refused.append)
+    assert _call(door, "POST", "/v1/completions")[0] == 200  # open: the route runs (and parses the body)
+    gate.observe(QueueFullError("512 requests in flight (max 512)", None, None, shared=True))
+    for path in sorted(overload_gate.GATED_PATHS):
+        status, headers, body = _call(door, "POST", path)
+        error = json.loads(body)["error"]
+        assert status == 429 and error["code"] == "queue_full" and headers[b"retry-after"] == b"1"
+        assert error["message"].startswith("the server is refusing requests for") and "512 requests in flight" in error["message"]
+    assert len(refused) == len(overload_gate.GATED_PATHS) == gate.num_refused
+    assert _call(door, "GET", "/v1/models")[0] == 200 and _call(door, "POST", "/v1/session")[0] == 200  # not generation
+    assert routed == ["/v1/completions", "/v1/models", "/v1/session"]
+    clock.t += overload_gate.UNKNOWN_HOLD_S
+    assert _call(door, "POST", "/v1/chat/completions")[0] == 200  # open again
