@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import gzip
 import json
 import os
@@ -49,6 +48,7 @@ from typing import Any
 
 import chaos_client as cc
 import harness
+import aiohttp
 import httpx
 from chaos_rows import DROP_EVERY, dropped_sends, kv_exhaustion, overload, planned_goodput, shutdown, slo_flags, soak, storm
 
@@ -58,10 +58,6 @@ ROWS = ("faults", "kv", "storm", "soak", "overload", "shutdown")
 FAULTS = ("decode-worker", "prefill-instance", "both", "controller", "stall-sender", "stall-receiver", "drop-sends")
 GAUGE = re.compile(r'^distserve:(\w+)\{([^}]*)\}\s+(\S+)$', re.MULTILINE)
 IDLE_TIMEOUT_S = 90.0
-# httpx's connection pool looks through all its connections for each request: with thousands in flight (the
-# overload burst) that scan was a fifth of the load generator's CPU, taken from the server's 2 cores. Requests
-# go round-robin over this many clients (pools) instead.
-CLIENT_POOLS = 16
 
 
 def parse_args() -> argparse.Namespace:
@@ -108,9 +104,8 @@ def parse_args() -> argparse.Namespace:
 class Run:
     """The server under test, the ledger and the figures measured so far."""
 
-    def __init__(self, args: argparse.Namespace, servers: list[ServerProcess], clients: list[httpx.AsyncClient]) -> None:
-        self.args, self.server, self.client = args, servers[-1], clients[0]
-        self.clients, self._next_client = clients, 0  # requests are spread over them (see ``CLIENT_POOLS``)
+    def __init__(self, args: argparse.Namespace, servers: list[ServerProcess], client: aiohttp.ClientSession) -> None:
+        self.args, self.server, self.client = args, servers[-1], client
         self.servers = servers  # every server started (the last one is running)
         server = self.server
         self.root = server.base_url.removesuffix("/v1")
@@ -244,8 +239,7 @@ class Run:
     async def send(self, scenario: str, job: cc.Job, leave_after_first: bool = False) -> cc.Record:
         rec = self.ledger.add(scenario, job.kind)
         expected = None if leave_after_first else self.refs.get(job.key)
-        self._next_client = (self._next_client + 1) % len(self.clients)
-        return await cc.run_job(self.clients[self._next_client], self.root, self.args.model, job, expected, rec, self.ledger, self.args.deadline, leave_after_first)
+        return await cc.run_job(self.client, self.root, self.args.model, job, expected, rec, self.ledger, self.args.deadline, leave_after_first)
 
     async def new_requests_ok(self, scenario: str) -> bool:
         """After a row: one request of each kind, sent anew, completes with its reference."""
@@ -315,11 +309,8 @@ class Run:
 
 
 async def scenarios(args: argparse.Namespace, servers: list[ServerProcess]) -> Run:
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=32)  # per pool
-    async with contextlib.AsyncExitStack() as stack:
-        clients = [await stack.enter_async_context(httpx.AsyncClient(timeout=httpx.Timeout(args.deadline, connect=30.0), limits=limits,
-                                                                     trust_env=False)) for _ in range(CLIENT_POOLS)]
-        run = Run(args, servers, clients)
+    async with cc.session() as client:
+        run = Run(args, servers, client)
         jobs = cc.make_jobs(args.in_flight, args.max_tokens, args.seed)
         run.refs = await cc.references(run.client, run.root, args.model, args.dtype, jobs, run.ledger)
         base = await run.wave("fault-free", jobs)
