@@ -177,6 +177,10 @@ async def soak(run: Run, goodput: float, slo: tuple[float, float]) -> None:
                 if p in end and warm[p].get(kind, 0) > 0 and kind in end[p]}
 
     rss, anon = growth("rss"), growth("anon")
+    # Each process's anonymous memory (MB) every tenth of the soak: a leak grows at a steady rate to the end,
+    # a heap that is filling its allocator's free lists levels off.
+    step = max(1, len(samples) // 10)
+    series = {p: [round(sample[p]["anon"] / 1024, 1) for sample in samples[::step] if p in sample and "anon" in sample[p]] for p in end}
     worst = max(rss, key=lambda p: rss[p], default=None)
     worst_anon = max(anon, key=lambda p: anon[p], default=None)
     run.row("soak 70%", None, await run.idle_leak(), rate_rps=round(0.7 * goodput, 2), duration_s=args.soak_s,
@@ -184,7 +188,7 @@ async def soak(run: Run, goodput: float, slo: tuple[float, float]) -> None:
             anon_max_growth=round(anon[worst_anon], 4) if worst_anon else None, anon_worst_process=worst_anon,
             rss_growth_by_process={p: round(g, 4) for p, g in sorted(rss.items(), key=lambda kv: -kv[1])},
             anon_growth_by_process={p: round(g, 4) for p, g in sorted(anon.items(), key=lambda kv: -kv[1])},
-            memory_kb_after_warmup=warm, memory_kb_at_end=end,
+            memory_kb_after_warmup=warm, memory_kb_at_end=end, anon_mb_every_tenth=series,
             rss_mb_at_end={p: round(m["rss"] / 1024) for p, m in end.items()}, slo_attainment=slo_attainment(sent, slo, args.max_tokens),
             new_requests_ok=await run.new_requests_ok("soak 70%"))
 
