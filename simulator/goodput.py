@@ -45,7 +45,9 @@ class Probe:
 
 class _MissCounter:
     """``Simulation.run``'s ``stop_when``: True once the probe is certain to miss the target (or,
-    ``passes``, to meet it), each finished request judged as ``attainment`` judges it."""
+    ``passes``, to meet it), each finished request judged as ``attainment`` judges it — and a
+    request whose first token came too late counted as a miss (of TTFT, and joint) already then:
+    whatever it does next, ``attainment`` will count it so."""
 
     def __init__(self, num_requests: int, slo: SLOSpec, passes: bool = False) -> None:
         # meets() needs hits / n >= target, so at most this many misses (of one kind, or joint) pass.
@@ -58,17 +60,32 @@ class _MissCounter:
         self.misses = [0, 0, 0]  # ttft, tpot, either
         self.hits = [0, 0, 0]  # ttft, tpot, both
         self.passed = False  # it stopped because it is certain to pass
+        self.late: set[int] = set()  # requests counted as TTFT misses at their first token
+
+    def first_token(self, rec: RequestRecord) -> bool:
+        """A request that goes on decoding got its first token (``rec.first_token_s``): True if its
+        TTFT missed and that makes the probe certain to fail."""
+        target = slo_for_objective(self.slo.for_class(rec.slo_class), rec.objective)
+        if target.ttft_met(rec.first_token_s - rec.arrival_s):  # type: ignore[operator]
+            return False
+        self.late.add(rec.req_id)
+        m = self.misses
+        m[0] += 1
+        m[2] += 1
+        return (m[2] if self.joint else max(m[0], m[1])) > self.allowed
 
     def __call__(self, rec: RequestRecord) -> bool:
         target = slo_for_objective(self.slo.for_class(rec.slo_class), rec.objective)
-        ttft_hit, tpot_hit = rec.meets_ttft(target), rec.meets_tpot(target)
+        tpot_hit = rec.meets_tpot(target)
         m, h = self.misses, self.hits
-        m[0] += not ttft_hit
         m[1] += not tpot_hit
-        m[2] += not (ttft_hit and tpot_hit)
-        h[0] += ttft_hit
         h[1] += tpot_hit
-        h[2] += ttft_hit and tpot_hit
+        if rec.req_id not in self.late:  # (else its TTFT and joint misses are counted)
+            ttft_hit = rec.meets_ttft(target)
+            m[0] += not ttft_hit
+            m[2] += not (ttft_hit and tpot_hit)
+            h[0] += ttft_hit
+            h[2] += ttft_hit and tpot_hit
         if (m[2] if self.joint else max(m[0], m[1])) > self.allowed:
             return True
         self.passed = (h[2] if self.joint else min(h[0], h[1])) >= self.needed
@@ -196,7 +213,7 @@ def _find_goodput(placement: Placement, latency: LatencyModel, unit_rate_request
         return results[rate]
 
     def search(passes: Callable[[float], bool]) -> tuple[float, float]:
-        return search_rate(passes, start_rate or float(num_gpus), max_rate, rel_tol, max_probes)
+        return search_rate(passes, start_rate or float(num_gpus), max_rate, rel_tol, max_probes, max_first=True)
 
     if min_rate is not None and not _reaches(search, probe, outcomes, min_rate, max_rate):
         failed = min((p for p in probes if not p.meets), key=lambda p: p.rate, default=None)
@@ -216,15 +233,25 @@ def _find_goodput(placement: Placement, latency: LatencyModel, unit_rate_request
 
 
 def search_rate(passes: Callable[[float], bool], start_rate: float, max_rate: float | None, rel_tol: float,
-                max_probes: int) -> tuple[float, float]:
+                max_probes: int, max_first: bool = False) -> tuple[float, float]:
     """The search over an oracle ``passes(rate)``: (lo, hi), the best passing rate and the failing one above it.
 
     ``lo`` is 0 if no rate passed, ``hi`` inf if none failed. The oracle may be a simulation or a
     measurement of a real server (experiments/bench_serving.py): the search is the same.
+    ``max_first``: where the bracket's second probe would be ``max_rate`` (``start_rate`` passing),
+    probe ``max_rate`` first: if it passes, the search ends there without ``start_rate``; if not,
+    ``start_rate`` is next and the bracket (hence the search) is the one they give in the other
+    order — the same (lo, hi) wherever passing ``max_rate`` implies passing ``start_rate``, with a
+    probe fewer when the bound is reached (the planner's throughput-capped candidates).
     """
     rate = start_rate if max_rate is None else min(start_rate, max_rate)
     lo, hi = 0.0, math.inf
     num_probes = 0
+    if max_first and max_rate is not None and rate < max_rate <= 2.0 * rate:
+        num_probes += 1
+        if passes(max_rate):
+            return max_rate, math.inf
+        hi = max_rate
     # Bracket: grow or shrink by 2x until one rate passes and one fails.
     while num_probes < max_probes:
         num_probes += 1

@@ -156,7 +156,9 @@ class Simulation(SimAdmission, SimMigrations):
         request as it finishes, returns True (then ``SimResult.stopped_early`` is set and the
         unfinished requests' records stay open). A ``stop_when`` with a ``finishes_to_decide()``
         method (the fewest more finished requests after which it could return True) keeps
-        fast-forward jumps from running past that point."""
+        fast-forward jumps from running past that point; one with a ``first_token(record)`` method
+        is also called as each request that goes on decoding gets its first token (its record's
+        ``first_token_s`` then set), and ends the run the same way if it returns True."""
         if not requests:
             raise InvalidConfigError("the workload has no requests")
         with gc_paused():
@@ -181,6 +183,7 @@ class Simulation(SimAdmission, SimMigrations):
         self._stop_when = stop_when
         self.stop_when_set = stop_when is not None
         self._finishes_to_decide = getattr(stop_when, "finishes_to_decide", None)
+        self._on_first_token = getattr(stop_when, "first_token", None)
         self._finishes_ahead = 0  # requests jumps finished whose records are still to come (events)
         self._arrival_times = sorted(r.arrival_s for r in requests)  # the heap pops arrivals in this order
         self._num_arrived = 0
@@ -378,14 +381,27 @@ class Simulation(SimAdmission, SimMigrations):
         num_finished = 0
         finished = SequenceStatus.FINISHED
         awaiting = inst.core.prefill.awaiting_migration if inst.kind == "prefill" else None
+        first_token = self._on_first_token
         for seq in updated:
             if seq.status is finished:
                 self._record_finish(inst, seq, now)
                 num_finished += 1
-            elif awaiting is not None and seq.seq_id in awaiting:
+                continue
+            if first_token is not None and seq.first_token_time == now:
+                self._record_first_token(seq, now, first_token)
+            if awaiting is not None and seq.seq_id in awaiting:
                 self.pending.push((inst, seq, seq.detached_copy()))
         self._launch_at_end(inst)
         return num_finished
+
+    def _record_first_token(self, seq: Sequence, now: float, first_token: Callable[[RequestRecord], bool]) -> None:
+        """A request got its first token at ``now`` (and goes on): its record's TTFT, and
+        ``stop_when.first_token`` (a TTFT missed already decides part of the verdict)."""
+        rec = self.records[seq.seq_id]
+        if rec.first_token_s is None:  # (once: a step of the same instant may list it again)
+            rec.first_token_s = now
+            if not self._stop and first_token(rec):
+                self._stop = True
 
     def _record_finish(self, inst: SimInstance, seq: Sequence, now: float) -> None:
         """A request finished on ``inst`` at ``now``: its record, its routing state, ``stop_when``."""

@@ -3,8 +3,9 @@
 A chain is one search's candidates (colocated configs, prefill configs, decode configs, low-affinity
 units), best throughput bound per GPU first. Its rules are sequential: a candidate whose bound per
 GPU cannot beat the best goodput per GPU found so far in its chain is skipped, and a simulated one
-only searches on while it may still reach that best (``find_goodput``'s ``min_rate``). Chains are
-independent of each other.
+only searches on while it may still beat that best (``find_goodput``'s ``min_rate``, just above
+it: one that can at most tie it cannot win, as ``best_of`` prefers the earlier of equals). Chains
+are independent of each other.
 
 ``run_chains`` with one worker walks the chains in order. With more, it keeps every worker busy and
 still gives exactly the sequential answer — every candidate's goodput, probes, binding or skip:
@@ -24,6 +25,7 @@ still gives exactly the sequential answer — every candidate's goodput, probes,
 
 from __future__ import annotations
 
+import math
 import multiprocessing
 import queue
 from collections.abc import Callable
@@ -62,7 +64,7 @@ class Job:
     rel_tol: float
     start_rate: float
     max_rate: float | None
-    min_rate: float | None = None  # the rate that beats the best candidate so far
+    min_rate: float | None = None  # the lowest rate that beats the best candidate so far
     early_stop: bool = True  # probes end once their verdict is certain
 
 
@@ -83,17 +85,29 @@ def _evaluate_remote(job: Job, memo: _Memo, send_memo: bool) -> tuple[Evaluation
     return result, {k: v for k, v in memo.items() if k not in known} if send_memo else {}
 
 
+def chain_order(cand: Candidate) -> tuple[float, int]:
+    """A chain's order: best bound per GPU first; bounds per GPU that differ by rounding only (pp
+    scales them linearly) tie, fewer GPUs first (then as listed: the sort is stable)."""
+    return -rounded(cand.bound_rate / cand.num_gpus), cand.num_gpus
+
+
+def best_of(candidates: list[Candidate]) -> Candidate | None:
+    """The winner among a chain's evaluated ``candidates`` (as listed): the best goodput per GPU,
+    and of equals the first in chain order — the one a chain's rules let win (a later one is only
+    searched while it may beat it), so a full search chooses as an early-stopped one."""
+    return min((c for c in candidates if c.goodput > 0), key=lambda c: (-c.per_gpu, chain_order(c)), default=None)
+
+
 @dataclass
 class Chain:
-    """One search's candidates and their jobs, sorted best bound per GPU first (``run_chains``' rules)."""
+    """One search's candidates and their jobs, sorted in ``chain_order`` (``run_chains``' rules)."""
 
     label: str
     jobs: list[tuple[Candidate, Job]]
     stop_losers: bool = True
 
     def __post_init__(self) -> None:
-        # Bounds per GPU that differ by rounding only (pp scales them linearly) tie: fewer GPUs first.
-        self.jobs.sort(key=lambda cj: (-rounded(cj[0].bound_rate / cj[0].num_gpus), cj[0].num_gpus))
+        self.jobs.sort(key=lambda cj: chain_order(cj[0]))
 
     def skip_reason(self, i: int, best: float) -> str | None:
         cand = self.jobs[i][0]
@@ -102,7 +116,8 @@ class Chain:
         return None
 
     def min_rate(self, i: int, best: float) -> float | None:
-        return best * self.jobs[i][0].num_gpus if best > 0 and self.stop_losers else None
+        """The lowest rate at which candidate ``i`` beats ``best`` per GPU (a tie does not win)."""
+        return math.nextafter(best * self.jobs[i][0].num_gpus, math.inf) if best > 0 and self.stop_losers else None
 
     def job(self, i: int, best: float) -> Job:
         return replace(self.jobs[i][1], min_rate=self.min_rate(i, best))

@@ -40,7 +40,7 @@ from typing import Any
 from distserve.errors import InvalidConfigError
 from distserve.placement import CAPS, InstanceSpec, Placement
 from distserve.planner.candidates import assign_nodes, decode_bound, parallel_configs, prefill_bound, replicate_units
-from distserve.planner.chains import Chain, Job, run_all, run_chains
+from distserve.planner.chains import Chain, Job, best_of, run_all, run_chains
 from distserve.planner.classes import ClassComparison, compare_pools, workload_objectives
 from distserve.planner.plan import Candidate, PlanOption, PlanRequest, PlanResult
 from distserve.slo import SLO, SLOSpec
@@ -274,7 +274,7 @@ class Planner:
             chains.append(chain)
         self._run(chains)
         candidates += colo
-        best_colo = max((c for c in colo if c.goodput > 0), key=lambda c: c.per_gpu, default=None)
+        best_colo = best_of(colo)
         if best_colo is not None:
             spec = best_colo.placement.colocated[0]
             rep = self._replicate("colocated", [(spec, best_colo.goodput, "colocated")])
@@ -284,8 +284,8 @@ class Planner:
                 wanted.append(("colocated", placement, rate, best_colo.step_budget))
         if affinity in ("high", "auto"):
             candidates += pre + dec
-            bp = max((c for c in pre if c.goodput > 0), key=lambda c: c.per_gpu, default=None)
-            bd = max((c for c in dec if c.goodput > 0), key=lambda c: c.per_gpu, default=None)
+            bp = best_of(pre)
+            bd = best_of(dec)
             if bp is not None and bd is not None:
                 sp, sd = bp.placement.prefill[0], bd.placement.decode[0]
                 rep = self._replicate("disagg", [(sp, bp.goodput, "prefill"), (sd, bd.goodput, "decode")])
@@ -295,7 +295,7 @@ class Planner:
                     wanted.append(("disaggregated (high affinity)", placement, rate, None))
         if affinity in ("low", "auto"):
             candidates += units
-            bu = max((c for c in units if c.goodput > 0), key=lambda c: c.per_gpu, default=None)
+            bu = best_of(units)
             if bu is not None:
                 pp = bu.placement.prefill[0].pp
                 nodes_per_unit = pp

@@ -13,6 +13,7 @@ from distserve.cli import main
 from distserve.planner import report as plan_report
 from distserve.placement import InstanceSpec, Placement
 from distserve.planner.candidates import assign_nodes
+from distserve.planner.chains import Chain, best_of, run_chains
 from distserve.planner.plan import Candidate, Cluster
 from distserve.planner.search import Planner
 from simulator.hardware import get_hardware
@@ -166,6 +167,32 @@ def test_stopping_losing_searches_early_changes_no_figure() -> None:
             assert f.goodput < e.goodput_below  # it was indeed going to fall short
         else:
             assert (e.goodput, e.skipped) == (f.goodput, f.skipped)
+
+
+@needs_profile
+@pytest.mark.parametrize("workers", [1, pytest.param(2, marks=pytest.mark.integration)])
+def test_a_candidate_that_can_only_tie_the_best_stops_and_loses(workers: int) -> None:
+    """A candidate whose goodput per GPU could at most equal its chain's best cannot win (``best_of``
+    prefers the first of equals in chain order): its search stops once it cannot beat the best, as it
+    would below it. Twins — the same job twice — tie exactly: the second is searched only that far,
+    and the full search, which searches both to the end, chooses the same one."""
+    args = plan_report.PlanArgs(model="facebook/opt-13b", gpu="a100-80g", nodes=1, gpus_per_node=8, workload="chatbot",
+                                ttft_s=0.1, tpot_s=0.1, profile=str(PROFILE), num_requests=60)
+    req = plan_report.build_request(args)
+    chosen = []
+    for stop in (True, False):
+        _, chain = Planner(replace(req, stop_losers=stop)).colocated_chain()
+        first, job = chain.jobs[0]
+        twin = replace(first, probes=[])
+        run_chains([Chain("twins", [(first, job), (twin, job)], stop_losers=stop)], workers, lambda *_: None)
+        assert 0 < first.goodput < first.bound_rate  # (a search that ends below the bound: the twin is not skipped by it)
+        if stop:
+            assert twin.goodput == 0 and twin.goodput_below is not None and first.goodput < twin.goodput_below
+            assert len(twin.probes) < len(first.probes)
+        else:
+            assert (twin.goodput, twin.probes) == (first.goodput, first.probes)
+        chosen.append(best_of([first, twin]))
+        assert chosen[-1] is first
 
 
 @pytest.mark.integration  # (a process pool)

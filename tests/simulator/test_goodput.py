@@ -10,9 +10,11 @@ import pytest
 
 from distserve.placement import Placement
 from distserve.slo import SLO, SLOSpec
-from simulator.goodput import _reaches, find_goodput, search_rate
+from distserve.slo import attainment, meets
+from simulator.goodput import _MissCounter, _reaches, find_goodput, search_rate
 from simulator.latency import FittedLatencyModel
 from simulator.profiles import TpCoefficients
+from simulator.simulation import Simulation, with_rate
 from simulator.workload import generate_requests
 
 OPT13B_A100 = TpCoefficients(
@@ -162,3 +164,41 @@ def test_stop_when_ends_a_simulation_early() -> None:
     assert 10 <= sum(r.finish_s is not None for r in res.records) < 100  # the last step ends whole
     whole = Simulation(Placement.disaggregated(1, 1), latency).run(reqs)
     assert not whole.stopped_early and all(r.finish_s is not None for r in whole.records)
+
+
+def test_bound_first_gives_the_same_search_and_skips_the_start_when_the_bound_passes() -> None:
+    """``max_first``: the bracket's probes at the start rate and at the bound in the other order — the
+    same (lo, hi) for every monotone curve, one probe fewer where the bound passes."""
+    bound = 10.0
+    for knee in [0.01 * k * bound for k in range(1, 160)] + [0.5 * bound, bound]:
+        runs = {}
+        for first in (False, True):
+            asked: list[float] = []
+            result = search_rate(lambda r: (asked.append(r), r <= knee)[1], 0.5 * bound, bound, 0.02, 40, max_first=first)
+            runs[first] = (result, asked)
+        assert runs[True][0] == runs[False][0]
+        assert sorted(runs[True][1]) == sorted(runs[False][1]) if 0.5 * bound <= knee < bound else True
+        assert len(runs[True][1]) == len(runs[False][1]) - (knee >= bound) + (knee < 0.5 * bound)
+
+
+def test_a_late_first_token_is_counted_as_a_miss_at_once() -> None:
+    """A request whose first token comes after its TTFT target misses whatever follows: a probe counts
+    it then (``stop_when.first_token``) and is decided before that many requests finish, with the
+    verdict of the complete run; the records of the first tokens seen are the complete run's."""
+    latency = FittedLatencyModel("facebook/opt-13b", {1: OPT13B_A100}, hardware="a100-80g")
+    unit = generate_requests("chatbot", 1.0, 200, seed=5, max_total_len=2048)
+    for mode in ("joint", "separate"):
+        slo = SLOSpec(SLO(0.25, 0.1, 0.9), mode=mode)
+        for placement, rate in ((Placement.disaggregated(1, 1), 40.0), (Placement.colocated_instances(1), 8.0)):
+            reqs = with_rate(unit, rate)
+            full = Simulation(placement, latency).run(reqs)
+            assert not meets(attainment(full.records, slo), slo)
+            counter = _MissCounter(len(reqs), slo)
+            res = Simulation(placement, latency).run(reqs, counter)
+            assert res.stopped_early and not counter.passed
+            finished = [r for r in res.records if r.finish_s is not None]
+            assert sum(not r.meets(slo.default) for r in finished) <= counter.allowed  # the finishes alone had not decided it
+            late = [r for r in res.records if r.finish_s is None and r.first_token_s is not None]
+            assert late and any(r.first_token_s - r.arrival_s > 0.25 for r in late)
+            exact = {r.req_id: r.first_token_s for r in full.records}
+            assert all(r.first_token_s == exact[r.req_id] for r in res.records if r.first_token_s is not None)
