@@ -246,7 +246,10 @@ async def shutdown(run: Run) -> None:
     assert run.server.proc is not None
     t0 = time.monotonic()
     run.server.proc.send_signal(signal.SIGTERM)
-    await asyncio.sleep(0.5)
+    # The late request goes out once the server is draining (every route answers 503 then), while the wave is still
+    # in flight: a fixed wait could outlast a short drain, and then the request finds the port closed.
+    while time.monotonic() - t0 < 5 and await asyncio.to_thread(run.healthy):
+        await asyncio.sleep(0.01)
     late = await run.send("graceful shutdown (after SIGTERM)", jobs[0])
     await asyncio.gather(*tasks)
     try:
