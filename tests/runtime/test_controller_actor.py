@@ -357,7 +357,10 @@ def test_a_killed_controller_is_redeployed_its_streams_continue_and_the_budget_i
             assert all(i["kv_cache_usage_perc"] == 0.0 for i in (await rc.stats())["instances"])
 
             # Killed while idle: the health check notices and redeploys; a request arriving meanwhile waits for it.
+            # (``ray.kill`` returns before the actor is gone: the checks start once its process has exited.)
+            pid = await rc.actor.pid.remote()
             ray.kill(rc.actor, no_restart=True)
+            assert wait_until(lambda: not process_alive(pid), timeout_s=30)
             with pytest.raises(ServiceUnavailableError, match="being deployed"):
                 await rc.check_health()
             late = [t async for out in rc.generate(PROMPTS[0], RESTART_SP, "late") for t in out.new_token_ids]
@@ -365,7 +368,9 @@ def test_a_killed_controller_is_redeployed_its_streams_continue_and_the_budget_i
             await rc.check_health()
 
             # The budget (2) is spent: the next death is final, as with max_controller_restarts=0.
+            pid = await rc.actor.pid.remote()
             ray.kill(rc.actor, no_restart=True)
+            assert wait_until(lambda: not process_alive(pid), timeout_s=30)
             with pytest.raises(ServiceUnavailableError):
                 [out async for out in rc.generate(PROMPTS[1], RESTART_SP, "final")]
             assert rc.is_dead
