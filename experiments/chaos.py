@@ -192,10 +192,6 @@ class Run:
                 out[self.process_name(pid)] = mem
         return out
 
-    def server_cpu_s(self) -> float:
-        """CPU seconds (user + system) the server's processes have used (those alive now)."""
-        return sum(self.cpu_s_by_process().values())
-
     def cpu_s_by_process(self) -> dict[str, float]:
         """CPU seconds (user + system) each server process alive now has used, by ``process_name``."""
         assert self.server.sid is not None

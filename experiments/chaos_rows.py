@@ -63,14 +63,14 @@ async def planned_goodput(run: Run, slo: tuple[float, float], first_rate: float)
     args = run.args
     run.refs.update(await cc.references(run.client, run.root, args.model, args.dtype,
                                         cc.make_jobs(20, args.max_tokens, args.seed + 1), run.ledger))  # the Poisson rows' prompts
-    passed, failed, probes = 0.0, None, []
+    passed, failed, probes, leaked = 0.0, None, [], 0
     rate = first_rate
     for _ in range(args.goodput_probes):
         sent = await poisson(run, "goodput search", rate, args.goodput_probe_s, lambda: None)
         attainment = slo_attainment(sent, slo, args.max_tokens) or 0.0
         probes.append({"rate_rps": round(rate, 3), "sent": len(sent), "slo_attainment": attainment})
         print(f"  goodput probe at {rate:.2f} req/s: {attainment:.3f} within the SLO", flush=True)
-        await run.idle_leak()  # the next probe starts on an idle server
+        leaked = max(leaked, await run.idle_leak())  # and the next probe starts on an idle server
         if attainment >= GOODPUT_ATTAINMENT:
             passed = rate
         else:
@@ -78,7 +78,7 @@ async def planned_goodput(run: Run, slo: tuple[float, float], first_rate: float)
         rate = rate * 1.5 if failed is None else (passed + failed) / 2
     bracketed = passed > 0
     goodput = passed if bracketed else min(p["rate_rps"] for p in probes) / 2
-    run.row("goodput search", None, await run.idle_leak(), planned_goodput_rps=round(goodput, 3), bracketed=bracketed,
+    run.row("goodput search", None, leaked, planned_goodput_rps=round(goodput, 3), bracketed=bracketed,
             first_rate_rps=round(first_rate, 3), probes=probes)
     return goodput
 

@@ -21,7 +21,7 @@ from starlette.types import Scope
 from distserve.cluster.classes import RequestClass
 from distserve.config import SamplingParams
 from distserve.engine.outputs import RequestOutput
-from distserve.errors import DistServeError, InvalidConfigError, QueueFullError, ServiceUnavailableError
+from distserve.errors import DistServeError, InvalidConfigError, ServiceUnavailableError
 from distserve.runtime.client import EngineClient
 from distserve.dataflow.limits import DEFAULT_LIMITS, SessionLimits
 from distserve.dataflow.sessions import SessionManager
