@@ -11,8 +11,11 @@ DistServe's fitted OPT-13B profile (A100-80G) if the file is there, else from ou
 
 Figures per deployment: simulated requests, steps (``schedule()`` calls) and token-steps (one
 scheduled sequence, one sampled token) per wall-clock second, the same per CPU second of the
-simulating process (steadier on a shared machine), and the ratio to the issue's target of 100k
-requests/s. With ``--baseline-ref REF`` it also times the packages (``distserve``, ``simulator``,
+simulating process (steadier on a shared machine), and the ratio to issue 18's target of 10k
+requests/s. With ``--jobs N`` (N > 1) it also runs N simulations of each deployment at once, one
+process each, as a sweep on N cores does, all starting together once each has imported and built its workload, and
+reports their simulated requests per wall second together (all requests over the span from the first
+start to the last end). With ``--baseline-ref REF`` it also times the packages (``distserve``, ``simulator``,
 ``kernels``) as they were at git ``REF`` (extracted into a temporary tree), interleaved with the
 current code, and reports the speed-up; with
 ``--baseline-step-by-step`` the baseline is the current code with ``SimConfig(fast_forward=False)``
@@ -42,7 +45,7 @@ from harness import Outputs
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_PROFILE = ROOT / "simulator" / "data" / "distserve-a100-80g-profile.json"  # shipped with the package
 MODEL, HARDWARE = "facebook/opt-13b", "a100-80g"
-TARGET_REQUESTS_PER_S = 100_000
+TARGET_REQUESTS_PER_S = 10_000  # issue 18
 # name -> (num_prefill, num_decode); (n, 0) is n colocated instances
 DEPLOYMENTS = {"1p1d": (1, 1), "4p2d": (4, 2), "colocated1": (1, 0)}
 PACKAGES = ("distserve", "simulator", "kernels")  # what --baseline-ref takes from git
@@ -50,7 +53,7 @@ PACKAGES = ("distserve", "simulator", "kernels")  # what --baseline-ref takes fr
 
 # ---- one measurement (runs in a subprocess whose PYTHONPATH picks the code under test) ----------
 def measure(deployment: str, num_requests: int, rate_per_entry: float, profile: str | None, seed: int,
-            fast_forward: bool = True) -> dict[str, Any]:
+            fast_forward: bool = True, wait_go: bool = False) -> dict[str, Any]:
     from distserve.engine import scheduler as scheduler_module
     from distserve.placement import Placement
     from simulator.latency import FittedLatencyModel, LatencyModel, RooflineLatencyModel
@@ -67,6 +70,10 @@ def measure(deployment: str, num_requests: int, rate_per_entry: float, profile: 
     )
     rate = rate_per_entry * num_prefill
     requests = generate_requests("chatbot", rate, num_requests, seed=seed, max_total_len=2048)
+    if wait_go:  # --jobs: ready (imports done, workload built); start when the parent says go, with the others
+        print("ready", flush=True)
+        sys.stdin.readline()
+    started = time.monotonic()  # system-wide clock: the parent compares the processes' spans
     wall0, cpu0 = time.perf_counter(), time.process_time()
     # An older tree (--baseline-ref) may not know the field: only pass it to turn fast-forward off.
     sim = Simulation(placement, latency, None if fast_forward else SimConfig(fast_forward=False))
@@ -80,27 +87,59 @@ def measure(deployment: str, num_requests: int, rate_per_entry: float, profile: 
         # Each scheduled sequence samples one token (no chunked prefill here), preemption recomputes included.
         "num_token_steps": sum(r.num_output_tokens for r in records),
         "num_preemptions": sum(i["num_preemptions"] for i in result.instances.values()),
-        "simulated_s": result.duration_s, "wall_s": wall_s, "cpu_s": cpu_s,
+        "simulated_s": result.duration_s, "wall_s": wall_s, "cpu_s": cpu_s, "started": started, "ended": time.monotonic(),
         "num_fast_forward_steps": getattr(sim, "num_fast_forward_steps", 0),  # steps whose decodes were lazy
         "latency_model": repr(latency), "scheduler_source": scheduler_module.__file__,
     }
 
 
-def run_worker(src_root: Path, args: argparse.Namespace, deployment: str, profile: str | None,
-               fast_forward: bool = True) -> dict[str, Any]:
-    """``measure`` in a fresh interpreter importing ``distserve``/``simulator`` from ``src_root``."""
-    cmd = [
+def worker_cmd(args: argparse.Namespace, deployment: str, profile: str | None, fast_forward: bool = True) -> list[str]:
+    return [
         sys.executable, str(Path(__file__).resolve()), "--worker", deployment, "--num-requests", str(args.num_requests),
         "--rate-per-prefill", str(args.rate_per_prefill), "--seed", str(args.seed), "--profile", profile or "",
     ] + ([] if fast_forward else ["--step-by-step"])
-    env = {**os.environ, "PYTHONPATH": str(src_root)}
-    proc = subprocess.run(cmd, cwd=src_root, env=env, capture_output=True, text=True, check=False)
+
+
+def worker_row(proc: subprocess.Popen[str], src_root: Path, deployment: str) -> dict[str, Any]:
+    stdout, stderr = proc.communicate()
     if proc.returncode != 0:
-        raise RuntimeError(f"worker {deployment} ({src_root}) failed:\n{proc.stderr[-3000:]}")
-    row: dict[str, Any] = json.loads(proc.stdout.strip().splitlines()[-1])
+        raise RuntimeError(f"worker {deployment} ({src_root}) failed:\n{stderr[-3000:]}")
+    row: dict[str, Any] = json.loads(stdout.strip().splitlines()[-1])
     if not row["scheduler_source"].startswith(str(src_root)):  # the editable install must not win
         raise RuntimeError(f"worker imported {row['scheduler_source']}, expected code under {src_root}")
     return row
+
+
+def start_worker(src_root: Path, cmd: list[str]) -> subprocess.Popen[str]:
+    env = {**os.environ, "PYTHONPATH": str(src_root)}
+    return subprocess.Popen(cmd, cwd=src_root, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def run_worker(src_root: Path, args: argparse.Namespace, deployment: str, profile: str | None,
+               fast_forward: bool = True) -> dict[str, Any]:
+    """``measure`` in a fresh interpreter importing ``distserve``/``simulator`` from ``src_root``."""
+    return worker_row(start_worker(src_root, worker_cmd(args, deployment, profile, fast_forward)), src_root, deployment)
+
+
+def run_parallel(args: argparse.Namespace, deployment: str, profile: str | None) -> dict[str, Any]:
+    """``args.jobs`` measurements of ``deployment`` at once; their requests over the span they took together."""
+    cmd = worker_cmd(args, deployment, profile) + ["--wait-go"]
+    procs = [start_worker(ROOT, cmd) for _ in range(args.jobs)]
+    for p in procs:  # every process has imported and built its workload
+        assert p.stdout is not None
+        if p.stdout.readline().strip() != "ready":
+            raise RuntimeError(f"worker {deployment} failed before it was ready:\n{p.communicate()[1][-3000:]}")
+    for p in procs:
+        assert p.stdin is not None
+        p.stdin.write("go\n")
+        p.stdin.flush()
+    rows = [worker_row(p, ROOT, deployment) for p in procs]
+    span = max(r["ended"] for r in rows) - min(r["started"] for r in rows)
+    late = max(r["started"] for r in rows) - min(r["started"] for r in rows)
+    total = sum(r["num_requests"] for r in rows)
+    return {"deployment": deployment, "jobs": args.jobs, "num_requests": total, "span_s": span, "start_spread_s": late,
+            "requests_per_s": total / span, "cpu_s": sum(r["cpu_s"] for r in rows)}
 
 
 def baseline_tree(ref: str, dest: Path) -> Path:
@@ -161,6 +200,13 @@ def write_outputs(out: Outputs, rows: list[dict[str, Any]], figures: dict[str, A
         md.append(line)
     md.append("\nSteps whose decodes the scheduler did not plan one by one (lazy decodes, `simulator.fast_forward`): " + ", ".join(
         f"{d} {figures[f'{d}_fast_forward_steps_fraction']:.0%}" for d in deployments) + ".")
+    par = [d for d in deployments if f"{d}_parallel_requests_per_s" in figures]
+    if par:
+        jobs = figures[f"{par[0]}_parallel_jobs"]
+        md.append(f"\n{jobs} simulations at once (one process each, as a sweep on {jobs} cores runs them; all simulated "
+                  "requests over the span from the first start to the last end): " + ", ".join(
+                      f"{d} {figures[f'{d}_parallel_requests_per_s']:.0f} req/s "
+                      f"({figures[f'{d}_parallel_fraction_of_target']:.0%} of target)" for d in par) + ".")
     if figures["baseline_ref"] == "step-by-step":
         md.append("\nBaseline: the same code with `SimConfig(fast_forward=False)` (every decode step through the "
                   "scheduler); the same workloads and results (steps, tokens, simulated time), interleaved with the "
@@ -202,7 +248,9 @@ def main() -> None:
                     help="also time the hot-path files as of this git ref (e.g. the commit before the speed-up)")
     ap.add_argument("--baseline-step-by-step", action="store_true",
                     help="the baseline is the current code with fast-forward off (SimConfig(fast_forward=False))")
+    ap.add_argument("--jobs", type=int, default=2, help="also run this many simulations at once (a sweep's view; 1: off)")
     ap.add_argument("--step-by-step", action="store_true", help=argparse.SUPPRESS)  # worker: fast-forward off
+    ap.add_argument("--wait-go", action="store_true", help=argparse.SUPPRESS)  # worker: start on "go" from stdin
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # internal: one measurement, JSON out
     args = ap.parse_args()
     if args.baseline_ref and args.baseline_step_by_step:
@@ -210,8 +258,10 @@ def main() -> None:
     profile = args.profile if args.profile and Path(args.profile).is_file() else None
     if args.worker:
         harness.finish(measure(args.worker, args.num_requests, args.rate_per_prefill, profile, args.seed,
-                               fast_forward=not args.step_by_step))
+                               fast_forward=not args.step_by_step, wait_go=args.wait_go))
         return
+    if args.jobs < 1:
+        ap.error(f"--jobs must be >= 1, got {args.jobs}")
     if args.quick:
         args.num_requests = 200
     deployments = [d for d in args.deployments.split(",") if d]
@@ -223,6 +273,7 @@ def main() -> None:
 
     load_start = [round(x, 2) for x in os.getloadavg()]
     rows: list[dict[str, Any]] = []
+    parallel: list[dict[str, Any]] = []  # --jobs: simulations run at once
     with tempfile.TemporaryDirectory(prefix="bench_simulator_") as tmp:
         variants = [("current", ROOT, True)]
         if args.baseline_ref:
@@ -236,6 +287,11 @@ def main() -> None:
                     rows.append(row)
                     print(f"{variant:<8} {d:<10} {row['num_requests'] / row['wall_s']:8.0f} req/s "
                           f"({row['wall_s']:.1f} s wall, {row['cpu_s']:.1f} s CPU)", flush=True)
+                if args.jobs > 1:
+                    prow = run_parallel(args, d, profile)
+                    parallel.append(prow)
+                    print(f"{args.jobs} at once {d:<10} {prow['requests_per_s']:8.0f} req/s together "
+                          f"({prow['span_s']:.1f} s wall, starts {prow['start_spread_s']:.2f} s apart)", flush=True)
     for d in deployments:  # the plans are identical, so both variants must agree on every count
         counts = {(r["num_completed"], r["num_steps"], r["num_token_steps"], r["simulated_s"]) for r in rows
                   if r["deployment"] == d}
@@ -253,6 +309,11 @@ def main() -> None:
         cur = summarize(rows, "current", d)
         figures.update({f"{d}_{k}": (round(v, 3) if isinstance(v, float) else v) for k, v in cur.items()})
         figures[f"{d}_fraction_of_target"] = round(cur["requests_per_s"] / TARGET_REQUESTS_PER_S, 5)
+        mine = [r for r in parallel if r["deployment"] == d]
+        if mine:
+            figures[f"{d}_parallel_jobs"] = args.jobs
+            figures[f"{d}_parallel_requests_per_s"] = round(statistics.median(r["requests_per_s"] for r in mine), 3)
+            figures[f"{d}_parallel_fraction_of_target"] = round(figures[f"{d}_parallel_requests_per_s"] / TARGET_REQUESTS_PER_S, 5)
         if figures["baseline_ref"]:
             base = summarize(rows, "baseline", d)
             figures[f"{d}_baseline_requests_per_s"] = round(base["requests_per_s"], 3)
@@ -267,8 +328,10 @@ def main() -> None:
                 f"({figures[f'{d}_fraction_of_target']:.2%} of target)")
         if figures["baseline_ref"]:
             line += f"  speed-up {figures[f'{d}_speedup']:.2f}x (CPU {figures[f'{d}_cpu_speedup']:.2f}x)"
+        if f"{d}_parallel_requests_per_s" in figures:
+            line += f"  {args.jobs} at once: {figures[f'{d}_parallel_requests_per_s']:.0f} req/s"
         print(line)
-    write_outputs(Outputs.for_run(args, "bench_simulator"), rows, figures)
+    write_outputs(Outputs.for_run(args, "bench_simulator"), rows + [{"variant": "parallel", **r} for r in parallel], figures)
     harness.finish(figures)
 
 
