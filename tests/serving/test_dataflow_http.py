@@ -255,9 +255,23 @@ def test_limits_answer_429_and_413_naming_the_limit(engine_client: ThreadedEngin
         assert http.post(f"/v1/semantic_var/{var}", json={**auth, "content": "fits"}).status_code == 200  # still working
 
 
+class SessionClock:
+    """The sessions' idle clock, moved by the test: on a loaded machine a real 0.3 s TTL could expire while the
+    test is still setting up (the background sweep and the aborts it causes stay real)."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
 def test_idle_sessions_end_in_the_background_and_their_calls_are_aborted(engine_client: ThreadedEngineClient) -> None:
     long = {"temperature": 0, "max_gen_length": 900, "ignore_tokenizer_eos": True}
-    with TestClient(build_fastapi_app(engine_client, "tiny", session_limits=SessionLimits(ttl_s=0.3))) as http:
+    ttl_s = 0.3  # the background sweep runs every ttl_s / 4 (real seconds)
+    app = build_fastapi_app(engine_client, "tiny", session_limits=SessionLimits(ttl_s=ttl_s))
+    clock = app.state.sessions._clock = SessionClock()
+    with TestClient(app) as http:
         idle, busy = (http.post("/v1/session").json() for _ in range(2))
         for s in (idle, busy):  # the same long call in each: left alone, they would finish together
             r = call(http, s, "Go: {{x}}", [{"name": "x", "is_output": True, "sampling_config": long}], output_criteria="throughput")
@@ -267,6 +281,10 @@ def test_idle_sessions_end_in_the_background_and_their_calls_are_aborted(engine_
         def busy_info() -> dict[str, Any]:  # each access restarts the busy session's idle clock
             return http.get(f"/v1/session/{busy['session_id']}", params=busy).json()  # type: ignore[no-any-return]
 
+        clock.now = ttl_s / 2
+        assert busy_info()["calls"]["running"] == 1  # both sessions are within the TTL: neither call was aborted
+        assert engine_client.num_outstanding == 2
+        clock.now = ttl_s * 1.2  # the idle session (last touched at 0) is past its TTL, the busy one (at ttl_s / 2) is not
         assert wait_until(lambda: busy_info() is not None and engine_client.num_outstanding == 1, 5), "no call was aborted"
         assert busy_info()["calls"]["running"] == 1  # the busy session's twin call still runs: the idle one's was aborted
         r = http.get(f"/v1/session/{idle['session_id']}", params=idle)
