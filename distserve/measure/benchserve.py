@@ -223,8 +223,9 @@ class ServerProcess:
         self.base_url = f"{root}/v1"
         return self.base_url
 
-    def stop(self, grace_s: float = 30.0) -> dict[str, Any]:
-        """SIGINT, wait, then SIGKILL whatever is left in the server's session; report what was left."""
+    def stop(self, grace_s: float = 30.0, linger_s: float = 10.0) -> dict[str, Any]:
+        """SIGINT, wait up to ``grace_s`` for the server and ``linger_s`` more for the rest of its session to exit
+        on its own, then SIGKILL whatever is left in the session; report what was left."""
         report: dict[str, Any] = {"graceful": True, "num_left_after_sigint": 0, "num_left": 0}
         if self.proc is None:
             return report
@@ -235,7 +236,7 @@ class ServerProcess:
                 self.proc.wait(grace_s)
             except subprocess.TimeoutExpired:
                 report["graceful"] = False
-        deadline = time.monotonic() + 10.0  # Ray's daemons exit shortly after the driver shuts Ray down
+        deadline = time.monotonic() + linger_s  # Ray's daemons exit shortly after the driver shuts Ray down
         while session_pids(sid) and time.monotonic() < deadline and report["graceful"]:
             time.sleep(0.2)
         left = session_pids(sid)
