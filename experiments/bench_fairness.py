@@ -18,7 +18,7 @@ interactive P99 TTFT with batch over alone (target <= 1.2x), per-tenant TTFT CDF
 simulator's per-tenant prediction for the flood scenarios: the measured requests (send times,
 prompt and output tokens, tenants) simulated on the same placement with the same admission
 settings and the CPU latency profile (``--profile``, default the committed SmolLM2 profile of
-this machine). ``--quick``: the tiny model, a few seconds per scenario, no verdicts (its simulated
+this machine). ``--quick``: the tiny model, about a second of arrivals per scenario, no verdicts (its simulated
 figures use the SmolLM2 profile, so only the code path is meaningful). The JSON keeps every request
 as the client recorded it; ``--predict-from FILE.json`` re-runs only the simulator's prediction on
 them (no server), to check a change to the simulator against a measured run.
@@ -69,7 +69,7 @@ class Load:
 
 
 def parse_args() -> Any:
-    p = harness.parser(__doc__, "tiny model, a few seconds per scenario (the test suite's run)")
+    p = harness.parser(__doc__, "tiny model, about a second of arrivals per scenario (the test suite's run)")
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--dtype", default="auto", type=harness.model_dtype, help="auto: bfloat16 on a CPU with native bf16, else float32")
     p.add_argument("--runtime", default="local", choices=["local", "ray"], help="`distserve serve --runtime`")
@@ -87,7 +87,8 @@ def parse_args() -> Any:
                    help="a bench_fairness JSON of an earlier run: only re-run the simulator's prediction on its recorded requests (no server)")
     args = p.parse_args()
     if args.quick:
-        args.model, args.dtype, args.duration, args.light_rate = "tiny", "float32", 2.0, 1.0
+        # One second per scenario at twice the light rate: each tenant sends as many requests as in 2 s at 1 req/s.
+        args.model, args.dtype, args.duration, args.light_rate = "tiny", "float32", 1.0, 2.0
         args.flood_factor, args.light_input, args.flood_input, args.output_len = 4.0, 16, 96, 8
         # The simulator's prediction still runs (on the committed SmolLM2 profile): the code path, not the figure, is checked.
     return args
@@ -328,7 +329,8 @@ def main() -> None:
 
                 calibration = calibration or asyncio.run(calibrate())
                 # Warm-up: one uncounted light round so one-off costs land in no scenario.
-                run_scenario(clients, server.base_url, model, [Load(VIP, 2.0, args.light_input, 1)], keys, _with(args, duration=2.0), calibration)
+                run_scenario(clients, server.base_url, model, [Load(VIP, 2.0, args.light_input, 1)], keys,
+                             _with(args, duration=min(2.0, args.duration)), calibration)
                 for name, loads in scenarios[policy]:
                     wait_until_idle(server.base_url.removesuffix("/v1"), timeout_s=600)
                     print(f"{name} ...", flush=True)
