@@ -23,7 +23,7 @@ MODULES = sorted((ROOT / "experiments").glob("*.py"))
 SCRIPTS = [p for p in MODULES if 'if __name__ == "__main__":' in p.read_text()]
 SHARED = {p.stem for p in MODULES} - {p.stem for p in SCRIPTS}
 # Scripts whose quick run has a test of its own (with every check of the generic one): run once, there.
-OWN_TEST = {"validate_cascade_latency", "distserve_table"}
+OWN_TEST = {"validate_cascade_latency", "distserve_table", "validate_simulator", "validate_planner"}
 GENERIC = [p for p in SCRIPTS if p.stem not in OWN_TEST]
 
 # Figures a quick run must get right regardless of machine speed.
@@ -243,6 +243,7 @@ def test_bench_apps_figures_quick(tmp_path: Path) -> None:
 
 def test_every_script_has_a_quick_run_test() -> None:
     assert OWN_TEST <= {p.stem for p in SCRIPTS} and "test_validate_cascade_latency_quick" in globals()
+    assert "test_validations_quick_share_one_profile" in globals()
     assert (ROOT / "tests" / "experiments" / "test_distserve_table.py").exists()  # its quick run, JSON last line included
 
 
@@ -251,6 +252,17 @@ def test_quick_run_prints_json_last(script: Path, tmp_path: Path) -> None:
     figures = quick_run(script, tmp_path)
     check = CHECKS.get(script.stem)
     assert check is None or check(figures), figures
+
+
+def test_validations_quick_share_one_profile(tmp_path: Path) -> None:
+    """``validate_simulator.py --quick``, then ``validate_planner.py --quick`` on the profile it measured and saved
+    (``--profile``): both validations of the real engine, the engine profiled once (the same ``make_profile``)."""
+    simulator = quick_run(ROOT / "experiments" / "validate_simulator.py", tmp_path / "simulator")
+    assert CHECKS["validate_simulator"](simulator), simulator
+    profile = tmp_path / "simulator" / "validate_simulator_quick_profile.json"
+    assert json.loads(profile.read_text())["meta"]["quick"]
+    planner = quick_run(ROOT / "experiments" / "validate_planner.py", tmp_path / "planner", "--profile", str(profile))
+    assert CHECKS["validate_planner"](planner), planner
 
 
 def test_validate_cascade_latency_quick(tmp_path: Path) -> None:
