@@ -220,10 +220,13 @@ def parse_args() -> argparse.Namespace:
                     help="measure Parrot's figures instead of the table: chain latency vs output length, multi-agent latency vs "
                          "programs at once, copilot latency per token vs users at once (experiments/app_figures.py); writes "
                          "bench_apps_figures.{json,md,png}")
-    ap.add_argument("--figure-delay-ms", type=float, default=250.0, help="--figures: the client<->server round trip of every point")
+    ap.add_argument("--figure-delay-ms", type=float, default=None,
+                    help="--figures: the client<->server round trip of every point (default 250; --quick: 50)")
     args = ap.parse_args()
     if args.quick:
         args.model, args.serve_flags, args.reps = "tiny", "--colocated 1 --runtime local", 1
+    if args.figure_delay_ms is None:
+        args.figure_delay_ms = 50.0 if args.quick else 250.0  # quick: the round trips still count, at a fifth of the wait
     args.delays_ms = [int(float(d)) if float(d).is_integer() else float(d) for d in args.delays_ms.split(",") if d]
     args.apps = {a for a in args.apps.split(",") if a}
     if args.reps < 1 or any(d < 0 for d in args.delays_ms) or args.figure_delay_ms < 0:
