@@ -36,8 +36,15 @@ def init_ray_local(temp_dir: str | None = None) -> bool:
     if ray.is_initialized():
         return False
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    os.environ.setdefault(METRICS_ENV, "0")
     keep_ray_on_loopback()
     kwargs: dict[str, Any] = {"_temp_dir": temp_dir} if temp_dir else {}
-    ray.init(address="local", num_cpus=RAY_NUM_CPUS, include_dashboard=False, _node_ip_address="127.0.0.1", **kwargs)
+    # Ray's processes (and this one's core worker) read the variable as they start; it is not left in this
+    # process's environment for the processes it starts later (e.g. another Ray of a ``serve run``).
+    metrics_was = os.environ.get(METRICS_ENV)
+    os.environ.setdefault(METRICS_ENV, "0")
+    try:
+        ray.init(address="local", num_cpus=RAY_NUM_CPUS, include_dashboard=False, _node_ip_address="127.0.0.1", **kwargs)
+    finally:
+        if metrics_was is None:
+            os.environ.pop(METRICS_ENV, None)
     return True

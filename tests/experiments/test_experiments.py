@@ -66,9 +66,10 @@ CHECKS = {
             and f[f"e2e_{b}_num_tokens"] == f["e2e_unconstrained_num_tokens"] for b in f["backends"])
     and f["e2e_llguidance_num_valid"] == f["e2e_num_prompts"] and f["e2e_unconstrained_tok_s"] > 0,
     # Every deployment simulated every request to the end and measured a speed; the JSON says which latency model.
-    "bench_simulator": lambda f: f["target_requests_per_s"] == 100_000 and all(
+    "bench_simulator": lambda f: f["target_requests_per_s"] == 10_000 and all(
         f[f"{d}_num_completed"] == f[f"{d}_num_requests"] == f["num_requests"]
         and f[f"{d}_num_token_steps"] >= f["num_requests"] and f[f"{d}_requests_per_s"] > 0
+        and f[f"{d}_parallel_jobs"] == 2 and f[f"{d}_parallel_requests_per_s"] > 0
         for d in ("1p1d", "4p2d", "colocated1")
     ) and f["latency_model"].startswith("FittedLatencyModel" if f["profile_used"] else "RooflineLatencyModel"),
     # Both servers answered every request with exactly output_len tokens, and left no process (Ray's included).

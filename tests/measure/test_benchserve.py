@@ -84,5 +84,5 @@ def test_server_process_on_a_given_port_is_stopped_with_its_children() -> None:
         assert server.start() == f"http://127.0.0.1:{port}/v1"
         assert server.sid is not None and len(session_pids(server.sid)) == 2
     finally:
-        report = server.stop(grace_s=5, linger_s=0.5)  # the child never exits by itself: SIGKILL must end it
+        report = server.stop(grace_s=5)  # the child never exits by itself: SIGKILL must end it
     assert report["num_left_after_sigint"] == 1 and report["num_left"] == 0 and not session_pids(server.sid)

@@ -276,7 +276,8 @@ def test_idle_sessions_end_in_the_background_and_their_calls_are_aborted(engine_
         for s in (idle, busy):  # the same long call in each: left alone, they would finish together
             r = call(http, s, "Go: {{x}}", [{"name": "x", "is_output": True, "sampling_config": long}], output_criteria="throughput")
             assert r.status_code == 200
-        assert engine_client.num_outstanding == 2
+        # A call reaches the engine from the app's executor, after its POST has answered.
+        assert wait_until(lambda: engine_client.num_outstanding == 2, 5), "both calls should be running"
 
         def busy_info() -> dict[str, Any]:  # each access restarts the busy session's idle clock
             return http.get(f"/v1/session/{busy['session_id']}", params=busy).json()  # type: ignore[no-any-return]
