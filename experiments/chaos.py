@@ -20,7 +20,7 @@ Rows, in order (``--rows`` picks some; the fault-free wave always runs first):
   server right after the fault-free wave (row "goodput search", ``chaos_rows.planned_goodput``): the
   highest Poisson rate at which >= 90% of requests meet that SLO, found by a few probes starting at the
   wave's completion rate. The server is restarted before the overload row configured for the SLO
-  (``slo_flags``: ``--max-queue-delay`` half the TTFT SLO, ``--tpot-backpressure`` at half the TPOT SLO),
+  (``slo_flags``: ``--max-queue-delay`` half the TTFT SLO, ``--tpot-backpressure`` at ``--tpot-share`` of the TPOT SLO),
   as an operator deploys for an SLO, and the shutdown row runs on that server;
 - graceful shutdown: SIGTERM with a wave in flight.
 After every row the server must go idle with every KV block free, and new requests must succeed.
@@ -71,9 +71,17 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--faults", default=None, help=f"comma-separated, of {','.join(FAULTS)} (default: all; --quick: decode-worker,controller)")
     ap.add_argument("--storm", type=int, default=500, help="clients in the disconnect storm")
     ap.add_argument("--goodput-probes", type=int, default=5, help="Poisson probes that search the planned goodput")
-    ap.add_argument("--goodput-probe-s", type=float, default=60.0, help="seconds of arrivals per goodput probe")
+    ap.add_argument("--goodput-probe-s", type=float, default=None,
+                    help="seconds of arrivals per goodput probe (default: --overload-s, so the planned goodput is a rate the server "
+                    "held for as long as the burst lasts: a shorter probe passes rates above what it can sustain, as the backlog "
+                    "it builds stays within a loose TTFT SLO until the probe ends)")
     ap.add_argument("--planned-goodput", type=float, default=None,
                     help="req/s: use this planned goodput (e.g. an earlier run's) instead of searching for it")
+    ap.add_argument("--slo", default=None, metavar="TTFT,TPOT",
+                    help="seconds: use this SLO (e.g. an earlier run's) instead of twice the fault-free wave's p90 TTFT and TPOT")
+    ap.add_argument("--tpot-share", type=float, default=0.75,
+                    help="the overload row's server holds decoding to this share of the TPOT SLO (--tpot-slo with "
+                    "--tpot-backpressure: the decode headroom); the rest of the SLO is slack for the steps of requests already admitted")
     ap.add_argument("--overload-s", type=float, default=120.0)
     ap.add_argument("--soak-s", type=float, default=1200.0)
     ap.add_argument("--deadline", type=float, default=600.0, help="seconds after which a request counts as hung")
@@ -89,10 +97,21 @@ def parse_args() -> argparse.Namespace:
         args.faults = args.faults or "decode-worker,controller"
     args.faults = [f for f in (args.faults or ",".join(FAULTS)).split(",") if f]
     args.rows = [r for r in args.rows.split(",") if r]
+    if args.goodput_probe_s is None:
+        args.goodput_probe_s = args.overload_s
     if args.goodput_probes < 1 or args.goodput_probe_s <= 0:
         ap.error("--goodput-probes must be >= 1 and --goodput-probe-s > 0")
     if args.planned_goodput is not None and not args.planned_goodput > 0:
         ap.error(f"--planned-goodput must be > 0 req/s, got {args.planned_goodput}")
+    if not 0 < args.tpot_share <= 1:
+        ap.error(f"--tpot-share must be in (0, 1], got {args.tpot_share}")
+    if args.slo is not None:
+        try:
+            args.slo = tuple(float(x) for x in args.slo.split(","))
+        except ValueError:
+            args.slo = ()
+        if len(args.slo) != 2 or not all(x > 0 for x in args.slo):
+            ap.error("--slo must be two positive numbers of seconds, TTFT,TPOT (e.g. 16.9,0.87)")
     if set(args.rows) - set(ROWS):
         ap.error(f"--rows: unknown {sorted(set(args.rows) - set(ROWS))}; choose from {','.join(ROWS)}")
     bad = set(args.faults) - set(FAULTS)
@@ -314,7 +333,7 @@ async def scenarios(args: argparse.Namespace, servers: list[ServerProcess]) -> R
         ttfts = sorted(r.first_s - r.sent_s for r in run.ledger.records if r.scenario == "fault-free" and r.first_s is not None)
         tpots = sorted((r.end_s - r.first_s) / max(1, args.max_tokens - 1) for r in run.ledger.records
                        if r.scenario == "fault-free" and r.first_s is not None and r.end_s is not None)
-        slo = (2 * ttfts[int(0.9 * (len(ttfts) - 1))], 2 * tpots[int(0.9 * (len(tpots) - 1))])
+        slo = args.slo or (2 * ttfts[int(0.9 * (len(ttfts) - 1))], 2 * tpots[int(0.9 * (len(tpots) - 1))])
         run.figures.update(wave_rps=round(wave_rps, 3), slo_ttft_s=round(slo[0], 3), slo_tpot_s=round(slo[1], 4))
         if args.planned_goodput is not None:
             goodput = args.planned_goodput
@@ -335,7 +354,7 @@ async def scenarios(args: argparse.Namespace, servers: list[ServerProcess]) -> R
             await soak(run, goodput, slo)
         if "overload" in args.rows:
             run.request_log = tempfile.mkstemp(prefix="chaos_overload_", suffix=".jsonl")[1]  # where the admitted requests' time went
-            await run.restart(slo_flags(slo) + ["--request-log", run.request_log])  # the deployment configured for the SLO measured above
+            await run.restart(slo_flags(slo, args.tpot_share) + ["--request-log", run.request_log])  # the deployment configured for the SLO measured above
             await overload(run, goodput, slo)
         if "shutdown" in args.rows:
             await shutdown(run)
@@ -369,7 +388,7 @@ def report(args: argparse.Namespace, run: Run) -> None:
     over = next((r for r in rows if r["scenario"] == "overload 10x"), None)
     if over is not None:
         lines += ["", f"Overload 10x: {over['admitted']} admitted ({over['admitted_rps']} req/s, {over['admitted_share_of_planned']} of the planned "
-                  f"goodput), {over['rejected_429']} refused with 429; "
+                  f"goodput), {over['rejected_429']} refused with 429; decoding held to {args.tpot_share} of the TPOT SLO; "
                   f"admitted SLO attainment {over['admitted_slo_attainment']} (TTFT p90 {over['admitted_ttft_p90_s']} s vs "
                   f"{run.figures['slo_ttft_s']}, TPOT p90 {over['admitted_tpot_p90_s']} s vs {run.figures['slo_tpot_s']}); "
                   f"cores used: server {over['server_cpu_cores_used']}, load generator {over['client_cpu_cores_used']}."]
@@ -407,7 +426,7 @@ def main() -> None:
         stop = servers[-1].stop()
         if stop["num_left"]:
             print(f"WARNING: {stop['num_left']} server processes left after SIGKILL", file=sys.stderr)
-    run.figures.update(model=args.model, quick=args.quick, decode_parallel=args.decode_parallel, in_flight=args.in_flight, duration_s=round(time.monotonic() - t0, 1),
+    run.figures.update(model=args.model, quick=args.quick, decode_parallel=args.decode_parallel, in_flight=args.in_flight, tpot_share=args.tpot_share, duration_s=round(time.monotonic() - t0, 1),
                        rows={r["scenario"]: {k: v for k, v in r.items() if k not in ("scenario", "errors")} for r in run.rows},
                        total_lost=sum(r["lost"] for r in run.rows), total_hung=sum(r["hung"] for r in run.rows),
                        total_blocks_leaked=sum(r["blocks_leaked"] for r in run.rows))

@@ -83,12 +83,12 @@ async def planned_goodput(run: Run, slo: tuple[float, float], first_rate: float)
     return goodput
 
 
-def slo_flags(slo: tuple[float, float]) -> list[str]:
+def slo_flags(slo: tuple[float, float], tpot_share: float) -> list[str]:
     """The server's configuration for its SLO: the admission queue refuses a request predicted to wait
     more than half the TTFT SLO (the other half for the prefill and its wait on the instance), and
-    backpressure holds requests while decoding is slower than half the TPOT SLO (headroom for the
-    steps of the requests already admitted)."""
-    return ["--ttft-slo", f"{slo[0]:.3f}", "--tpot-slo", f"{slo[1] / 2:.4f}", "--tpot-backpressure", "--max-queue-delay", f"{slo[0] / 2:.3f}"]
+    backpressure holds requests while decoding is slower than ``tpot_share`` of the TPOT SLO (the rest:
+    headroom for the steps of the requests already admitted)."""
+    return ["--ttft-slo", f"{slo[0]:.3f}", "--tpot-slo", f"{slo[1] * tpot_share:.4f}", "--tpot-backpressure", "--max-queue-delay", f"{slo[0] / 2:.3f}"]
 
 
 async def overload(run: Run, goodput: float, slo: tuple[float, float]) -> None:

@@ -12,7 +12,9 @@ one ``AdmissionQueue`` and drives it with plain calls and its own clock (``now``
   it is backlogged, ``BacklogRate``) exceeds ``max_queue_delay_s`` — a request that cannot meet its
   TTFT SLO is refused at once, and the ones admitted keep meeting it under overload —, or when the
   tenant's tokens per minute (``TenantSpec.tokens_per_minute``, a token bucket charged prompt + max
-  output tokens) are spent: ``retry_after_s`` is the time until they refill.
+  output tokens) are spent: ``retry_after_s`` is the time until they refill. A request that continues
+  work done already (``RequestClass.continues``: a dataflow call reading another call's output) is not
+  refused for its predicted wait, nor shed for it by ``expire``.
 * ``expire(now)``: removes the items past their deadline (``timeout``) and, with ``max_queue_delay_s``,
   those that have waited that long (the prediction at ``push`` lags a drain that slows down, e.g.
   when a burst hits a cold server: no request waits longer than the bound, whatever the estimate);
@@ -267,7 +269,7 @@ class AdmissionQueue(Generic[T]):
             c.num_rejected_full += 1
             raise QueueFullError(
                 f"the admission queue holds {len(self._items)} requests, its limit", None, self.drain.retry_after_s(now), shared=True)
-        if self.max_queue_delay_s is not None:
+        if self.max_queue_delay_s is not None and not item.request_class.continues:
             wait = self.backlog.wait_s(len(self._items) + waiting_ahead)
             if wait is not None and wait > self.max_queue_delay_s:
                 c.num_rejected_full += 1
@@ -323,6 +325,8 @@ class AdmissionQueue(Generic[T]):
         expired: list[AdmissionItem] = []
         if self.max_queue_delay_s is not None:
             for item in self._items.values():  # in push order: the longest waiting first
+                if item.request_class.continues:  # its program's work is done already: not shed for load
+                    continue
                 if item.enqueued_at + self.max_queue_delay_s > now:
                     break
                 expired.append(item)
@@ -401,7 +405,9 @@ class AdmissionQueue(Generic[T]):
             heapq.heappop(heap)  # dispatched or removed since it was pushed
         deadline = heap[0][0] if heap else math.inf
         if self.max_queue_delay_s is not None and self._items:
-            deadline = min(deadline, next(iter(self._items.values())).enqueued_at + self.max_queue_delay_s)
+            oldest = next((i for i in self._items.values() if not i.request_class.continues), None)  # the first ``expire`` sheds
+            if oldest is not None:
+                deadline = min(deadline, oldest.enqueued_at + self.max_queue_delay_s)
         return deadline
 
     def stats(self) -> dict[str, Any]:

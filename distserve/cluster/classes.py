@@ -43,12 +43,19 @@ class InvalidRequestClassError(DistServeError):
 @dataclass(frozen=True, slots=True)
 class RequestClass:
     """How a request is to be served: its ``objective``, the task ``group`` it belongs to (None:
-    none), and whose it is: its ``tenant`` and priority ``tier`` (``distserve.cluster.tenants``)."""
+    none), and whose it is: its ``tenant`` and priority ``tier`` (``distserve.cluster.tenants``).
+
+    ``continues``: the request continues work the server has done already — a dataflow call that reads a
+    variable another call generated. Refusing it for load would throw that work away and fail its program
+    (under a 10x burst, a quarter of the programs whose first call had run), so the admission queue's load
+    bounds pass it: the predicted wait (``max_queue_delay_s``) neither refuses nor sheds it. Its hard bounds
+    (queue length, a tenant's limits, a timeout) still apply. Set by the server, never by a client."""
 
     objective: str = DEFAULT
     group: str | None = None
     tenant: str = ANONYMOUS
     tier: str = DEFAULT_TIER
+    continues: bool = False
 
     def __post_init__(self) -> None:
         if self.objective not in OBJECTIVES:

@@ -242,9 +242,11 @@ class DataflowSession:
 
 
 def request_class_of(node: CallNode, tenant: TenantSpec = ANONYMOUS_TENANT) -> RequestClass:
-    """The scheduling class a call's requests carry: its deduced objective and task group, and the
-    session's tenant and its tier."""
-    return RequestClass(objective=node.objective or "default", group=node.task_group, tenant=tenant.name, tier=tenant.tier)
+    """The scheduling class a call's requests carry: its deduced objective and task group, the
+    session's tenant and its tier, and whether it continues generated work (it reads another call's
+    output: ``RequestClass.continues``)."""
+    return RequestClass(objective=node.objective or "default", group=node.task_group, tenant=tenant.name, tier=tenant.tier,
+                        continues=next(node.predecessors(), None) is not None)
 
 
 def _value(var: SemanticVariable) -> str:

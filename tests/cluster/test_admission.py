@@ -268,6 +268,33 @@ def test_max_queue_delay_refuses_what_would_wait_too_long_at_the_backlogged_rate
     assert AdmissionConfig(max_queue_delay_s=1.5).queue().max_queue_delay_s == 1.5
 
 
+def test_a_continuation_is_neither_refused_nor_shed_for_its_predicted_wait() -> None:
+    """A dataflow call that reads another call's output (``RequestClass.continues``) continues work done
+    already: the predicted-wait bound that refuses a fresh request queues it, ``expire`` does not shed it
+    (nor does ``next_deadline`` wake the driver for it), and the hard bound on the queue's length holds."""
+    q = AdmissionQueue("fcfs", max_queue_delay_s=2.0, backpressure=Backpressure(max_waiting=1, waiting_unit="requests"))
+    f = Feeder(q)
+
+    def step(now: float) -> list[str]:
+        return [item.request_id for item, _ in q.dispatch(now, ["i0"], lambda inst: EntryLoad(0), lambda item, ok: ok[0])]
+
+    f.push(k=8, now=0.0)
+    assert [len(step(0.5 * k)) for k in range(1, 8)] == [1] * 7 and len(q) == 1  # backlogged: one per 0.5 s
+    f.push(k=4, now=3.5)
+    with pytest.raises(QueueFullError, match="predicted wait of 2.50 s"):
+        f.push(now=3.5)
+    q.push(AdmissionItem("c0", RequestClass(continues=True), 100, 3.5), 3.5)  # the same wait: queued
+    assert len(q) == 6 and q.counters["anonymous"].num_rejected_full == 1
+    shed = q.expire(5.5)  # everything fresh has waited the bound by now; the continuation stays
+    assert [i.request_id for i in shed] == ["r7", "r8", "r9", "r10", "r11"] and all(i.shed for i in shed)
+    assert len(q) == 1 and q.next_deadline() == float("inf")
+    assert step(6.0) == ["c0"]
+    small = AdmissionQueue("fcfs", max_queued_requests=1)
+    small.push(AdmissionItem("c1", RequestClass(continues=True), 100, 0.0), 0.0)
+    with pytest.raises(QueueFullError, match="holds 1 requests, its limit"):
+        small.push(AdmissionItem("c2", RequestClass(continues=True), 100, 0.0), 0.0)
+
+
 def test_the_backlogged_rate_is_right_when_an_instance_takes_a_batch_at_once() -> None:
     """Chaos overload (issue 20): an entry instance freeing room for 64 at once after each 8 s read,
     with a 64-dispatch window, as a drain of ~0 s per request, and the queue let ~500 in under a 13 s

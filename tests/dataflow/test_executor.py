@@ -211,10 +211,11 @@ def test_requests_carry_the_deduced_objective_and_task_group(tiny: LoadedModel, 
     finally:
         rec.close()
     # The mappers feed one consumer: a task group named after it, scheduled by the reader's objective
-    # (latency reaches the producer's immediate predecessors; throughput marks every ancestor).
+    # (latency reaches the producer's immediate predecessors; throughput marks every ancestor). The
+    # consumer reads their outputs: it continues their work (not refused for load at admission).
     assert rec.classes[f"{m1}-a"] == RequestClass(criteria, group=r)
     assert rec.classes[f"{m2}-b"] == RequestClass(criteria, group=r)
-    assert rec.classes[f"{r}-c"] == RequestClass(criteria, group=None)
+    assert rec.classes[f"{r}-c"] == RequestClass(criteria, group=None, continues=True)
 
 
 def test_calls_submitted_consumers_first_into_client_created_variables_run_as_in_order(tiny: LoadedModel) -> None:
