@@ -27,7 +27,7 @@ serve: install
 	$(VENV)/bin/distserve serve --model smollm2-135m --host $(HOST) --port $(PORT) --runtime ray
 
 test: install
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=25
 
 # The inner loop: no Ray, no subprocess, no real model (see tests/conftest.py); about two minutes.
 test-fast: install

@@ -10,7 +10,8 @@ one ``AdmissionQueue`` and drives it with plain calls and its own clock (``now``
   when the wait it would have (the requests queued ahead of it, and those dispatched that still wait
   in the entry instances — ``push(item, now, waiting_ahead)`` —, at the rate the queue drains while
   it is backlogged, ``BacklogRate``) exceeds ``max_queue_delay_s`` — a request that cannot meet its
-  TTFT SLO is refused at once, and the ones admitted keep meeting it under overload —, or when the
+  TTFT SLO is refused at once, and the ones admitted keep meeting it under overload; ``retry_after_s``
+  is the predicted excess, at least ``QUEUE_BOUND_RETRY_SHARE`` of the bound —, or when the
   tenant's tokens per minute (``TenantSpec.tokens_per_minute``, a token bucket charged prompt + max
   output tokens) are spent: ``retry_after_s`` is the time until they refill. A request that continues
   work done already (``RequestClass.continues``: a dataflow call reading another call's output) is not
@@ -51,7 +52,7 @@ from distserve.cluster.backpressure import (
     measured_tpot_s,
 )
 from distserve.cluster.queue_rates import (  # noqa: F401 - DrainRate, BacklogRate re-exported
-    DEFAULT_RETRY_AFTER_S, MAX_RETRY_AFTER_S, MIN_RETRY_AFTER_S, BacklogRate, DrainRate, TokenBucket,
+    DEFAULT_RETRY_AFTER_S, MAX_RETRY_AFTER_S, MIN_RETRY_AFTER_S, QUEUE_BOUND_RETRY_SHARE, BacklogRate, DrainRate, TokenBucket,
 )
 from distserve.cluster.tenants import DEFAULT_TIER, TenantSpec, tier_rank
 from distserve.errors import InvalidConfigError, QueueFullError, RequestTimeoutError
@@ -277,7 +278,8 @@ class AdmissionQueue(Generic[T]):
                     f"the admission queue holds {len(self._items)} requests ({waiting_ahead} more wait in the entry instances), "
                     f"a predicted wait of {wait:.2f} s, over its "
                     f"limit of {self.max_queue_delay_s:g} s", None,
-                    min(MAX_RETRY_AFTER_S, max(MIN_RETRY_AFTER_S, wait - self.max_queue_delay_s)), shared=True)
+                    min(MAX_RETRY_AFTER_S, max(MIN_RETRY_AFTER_S, wait - self.max_queue_delay_s,
+                                               QUEUE_BOUND_RETRY_SHARE * self.max_queue_delay_s)), shared=True)
         bucket = self._bucket(spec, now)
         if bucket is not None:
             wait = bucket.wait_s(item.cost, now)

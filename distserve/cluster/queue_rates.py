@@ -14,6 +14,11 @@ from collections import deque
 
 DEFAULT_RETRY_AFTER_S = 1.0  # before any dispatch rate is measured
 MIN_RETRY_AFTER_S, MAX_RETRY_AFTER_S = 0.05, 60.0
+# A refusal for the predicted wait says come back after at least this share of the bound (max_queue_delay_s):
+# a queue at its bound admits about one request per drain interval, and the predicted excess alone
+# (often under 0.1 s) reopened the HTTP process's door (``serving/overload_gate.py``) so often that
+# under a 10x burst ~20 requests a second went the whole way to the controller only to be refused.
+QUEUE_BOUND_RETRY_SHARE = 0.05
 RATE_SMOOTHING = 0.2  # EWMA weight of the newest gap between dispatches
 BACKLOG_WINDOW_S = 30.0  # seconds of backlogged dispatch gaps that measure the drain rate
 BACKLOG_MIN_S = 2.0  # ... and how many it takes before the rate is trusted
@@ -111,4 +116,5 @@ class TokenBucket:
         self.level -= cost
 
 
-__all__ = ["BACKLOG_MIN_S", "BACKLOG_WINDOW_S", "BacklogRate", "DEFAULT_RETRY_AFTER_S", "DrainRate", "MAX_RETRY_AFTER_S", "MIN_RETRY_AFTER_S", "RATE_SMOOTHING", "TokenBucket"]
+__all__ = ["BACKLOG_MIN_S", "BACKLOG_WINDOW_S", "BacklogRate", "DEFAULT_RETRY_AFTER_S", "DrainRate", "MAX_RETRY_AFTER_S", "MIN_RETRY_AFTER_S",
+           "QUEUE_BOUND_RETRY_SHARE", "RATE_SMOOTHING", "TokenBucket"]

@@ -11,6 +11,7 @@ from distserve.cluster.admission import (
     NO_BACKPRESSURE, AdmissionConfig, AdmissionItem, AdmissionQueue, Backpressure, DrainRate, EntryLoad, expired_error, measured_tpot_s,
 )
 from distserve.cluster.backpressure import decode_headroom
+from distserve.cluster.queue_rates import QUEUE_BOUND_RETRY_SHARE
 from distserve.cluster.classes import RequestClass
 from distserve.cluster.fair_queue import ADMISSION_POLICIES, BACKLOGGED, FRESH, LEVELS, SPARSE
 from distserve.cluster.tenants import TenantSpec
@@ -266,6 +267,21 @@ def test_max_queue_delay_refuses_what_would_wait_too_long_at_the_backlogged_rate
     with pytest.raises(InvalidConfigError, match="max_queue_delay_s"):
         AdmissionConfig(max_queue_delay_s=0)
     assert AdmissionConfig(max_queue_delay_s=1.5).queue().max_queue_delay_s == 1.5
+
+
+def test_a_refusal_for_the_predicted_wait_says_retry_after_a_share_of_the_bound() -> None:
+    """Under a long bound the predicted excess is tiny at the queue's edge (here 0.5 s against a 20 s
+    bound): Retry-After is at least ``QUEUE_BOUND_RETRY_SHARE`` of the bound, so the HTTP process's door
+    stays shut that long instead of reopening for every drained slot."""
+    q = AdmissionQueue("fcfs", max_queue_delay_s=20.0, backpressure=Backpressure(max_waiting=1, waiting_unit="requests"))
+    f = Feeder(q)
+    f.push(k=8, now=0.0)
+    for k in range(1, 8):
+        q.dispatch(0.5 * k, ["i0"], lambda inst: EntryLoad(0), lambda item, ok: ok[0])
+    f.push(k=40, now=3.5)  # up to 40 ahead: a predicted 20.0 s, within the bound
+    with pytest.raises(QueueFullError, match="predicted wait of 20.50 s") as info:
+        f.push(now=3.5)
+    assert info.value.retry_after_s == pytest.approx(QUEUE_BOUND_RETRY_SHARE * 20.0) == pytest.approx(1.0)
 
 
 def test_a_continuation_is_neither_refused_nor_shed_for_its_predicted_wait() -> None:
