@@ -19,7 +19,8 @@ Rows, in order (``--rows`` picks some; the fault-free wave always runs first):
   the fault-free wave's p90 TTFT and TPOT. The planned goodput is DistServe's goodput measured on this
   server right after the fault-free wave (row "goodput search", ``chaos_rows.planned_goodput``): the
   highest Poisson rate at which >= 90% of requests meet that SLO, found by a few probes starting at the
-  wave's completion rate. The server is restarted before the overload row configured for the SLO
+  wave's completion rate, each as long as the burst (a shorter one passes rates the server cannot hold
+  that long: the backlog stays within a loose TTFT SLO until the probe ends). The server is restarted before the overload row configured for the SLO
   (``slo_flags``: ``--max-queue-delay`` half the TTFT SLO, ``--tpot-backpressure`` at ``--tpot-share`` of the TPOT SLO),
   as an operator deploys for an SLO, and the shutdown row runs on that server;
 - graceful shutdown: SIGTERM with a wave in flight.

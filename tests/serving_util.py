@@ -25,6 +25,7 @@ from distserve.config import CacheConfig, SamplingParams
 from distserve.engine.llm_engine import LLMEngine
 from distserve.engine.outputs import RequestOutput
 from distserve.engine.step_plan import SampledToken, StepPlan
+from distserve.measure.benchserve import default_sigint
 from distserve.runtime.config import DeploymentConfig
 from distserve.placement import Placement
 from distserve.serving.api import build_fastapi_app
@@ -279,7 +280,7 @@ class ServeRun:
         serve_cli = Path(sys.executable).parent / "serve"
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen([str(serve_cli), "run", str(self.path)], cwd=workdir, env=env, stdout=log,
-                                         stderr=subprocess.STDOUT, start_new_session=True)
+                                         stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=default_sigint)
         self.ray_tmp = ray_tmp
 
     def log(self) -> str:

@@ -35,6 +35,14 @@ READY_LINE = re.compile(r"at (http://\S+)/v1")
 _SAMPLE = re.compile(r"^([\w:]+)(?:\{[^}]*\})?\s+([0-9.eE+-]+|NaN|[+-]Inf)\s*$", re.MULTILINE)
 
 
+def default_sigint() -> None:
+    """``preexec_fn`` of a server ``stop`` ends with SIGINT: SIGINT back to its default in the child. A
+    process started as a shell's background job (``cmd &`` in a script, ``nohup``) ignores SIGINT, and an
+    ignored signal stays ignored across exec: a benchmark started that way left every server deaf to
+    SIGINT, each stop fell through to SIGKILL (Ray Serve's ``serve run`` then left its agents behind)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def session_pids(sid: int) -> list[int]:
     """Live (non-zombie) processes in session ``sid``: a server started with start_new_session and
     everything it spawned, Ray's raylet, GCS and actor workers included (they keep the session)."""
@@ -203,7 +211,8 @@ class ServerProcess:
         env.pop("RAY_ADDRESS", None)  # a fresh Ray instance of our own, never someone else's cluster
         t0 = time.monotonic()
         with open(self.log_path, "wb") as log:
-            self.proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+            self.proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+                                         preexec_fn=default_sigint)
         deadline = t0 + self.startup_timeout_s
         with httpx.Client(trust_env=False, timeout=2.0) as client:
             while True:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import http.server
+import signal
 import sys
 import threading
 from collections.abc import Iterator
@@ -67,8 +68,11 @@ def test_metric_sums_of_a_dead_server() -> None:
 
 
 @pytest.mark.integration  # starts processes
-def test_server_process_on_a_given_port_is_stopped_with_its_children() -> None:
-    """A peer-style server (known port, ready on GET /health) that spawns a child; stop kills both."""
+@pytest.mark.parametrize("sigint_ignored", [False, True], ids=["sigint", "started-with-sigint-ignored"])
+def test_server_process_on_a_given_port_is_stopped_with_its_children(sigint_ignored: bool) -> None:
+    """A peer-style server (known port, ready on GET /health) that spawns a child; stop kills both. The
+    server stops on SIGINT even when this process ignores SIGINT (a benchmark run as a background job),
+    which a child would inherit across exec (``default_sigint``)."""
     port = free_port()
     script = (
         "import http.server, subprocess, sys\n"
@@ -80,9 +84,12 @@ def test_server_process_on_a_given_port_is_stopped_with_its_children() -> None:
         f"http.server.HTTPServer(('127.0.0.1', {port}), H).serve_forever()\n"
     )
     server = ServerProcess("peer", [sys.executable, "-c", script], startup_timeout_s=30, port=port, env={"X_PEER": "1"})
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN) if sigint_ignored else None
     try:
         assert server.start() == f"http://127.0.0.1:{port}/v1"
         assert server.sid is not None and len(session_pids(server.sid)) == 2
     finally:
+        if previous is not None:
+            signal.signal(signal.SIGINT, previous)
         report = server.stop(grace_s=5)  # the child never exits by itself: SIGKILL must end it
     assert report["num_left_after_sigint"] == 1 and report["num_left"] == 0 and not session_pids(server.sid)
