@@ -47,7 +47,7 @@ class RequestClass:
 
     ``continues``: the request continues work the server has done already — a dataflow call that reads a
     variable another call generated. Refusing it for load would throw that work away and fail its program
-    (under a 10x burst, a quarter of the programs whose first call had run), so the admission queue's load
+    (under a 10x burst, two thirds of the programs whose first call had run), so the admission queue's load
     bounds pass it: the predicted wait (``max_queue_delay_s``) neither refuses nor sheds it. Its hard bounds
     (queue length, a tenant's limits, a timeout) still apply. Set by the server, never by a client."""
 
