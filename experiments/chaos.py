@@ -53,6 +53,7 @@ import aiohttp
 import httpx
 from chaos_rows import DROP_EVERY, dropped_sends, kv_exhaustion, overload, planned_goodput, shutdown, slo_flags, soak, storm
 
+from distserve.cli.args import latency_type
 from distserve.measure.benchserve import ServerProcess, distserve_serve_argv, metric_sums, session_pids
 
 ROWS = ("faults", "kv", "storm", "soak", "overload", "shutdown")
@@ -78,8 +79,9 @@ def parse_args() -> argparse.Namespace:
                     "it builds stays within a loose TTFT SLO until the probe ends)")
     ap.add_argument("--planned-goodput", type=float, default=None,
                     help="req/s: use this planned goodput (e.g. an earlier run's) instead of searching for it")
-    ap.add_argument("--slo", default=None, metavar="TTFT,TPOT",
-                    help="seconds: use this SLO (e.g. an earlier run's) instead of twice the fault-free wave's p90 TTFT and TPOT")
+    ap.add_argument("--ttft-slo", type=latency_type("--ttft-slo"), default=None, metavar="LATENCY",
+                    help="with --tpot-slo: use this SLO (e.g. an earlier run's) instead of twice the fault-free wave's p90 TTFT and TPOT")
+    ap.add_argument("--tpot-slo", type=latency_type("--tpot-slo"), default=None, metavar="LATENCY", help="see --ttft-slo")
     ap.add_argument("--tpot-share", type=float, default=0.75,
                     help="the overload row's server holds decoding to this share of the TPOT SLO (--tpot-slo with "
                     "--tpot-backpressure: the decode headroom); the rest of the SLO is slack for the steps of requests already admitted")
@@ -106,13 +108,8 @@ def parse_args() -> argparse.Namespace:
         ap.error(f"--planned-goodput must be > 0 req/s, got {args.planned_goodput}")
     if not 0 < args.tpot_share <= 1:
         ap.error(f"--tpot-share must be in (0, 1], got {args.tpot_share}")
-    if args.slo is not None:
-        try:
-            args.slo = tuple(float(x) for x in args.slo.split(","))
-        except ValueError:
-            args.slo = ()
-        if len(args.slo) != 2 or not all(x > 0 for x in args.slo):
-            ap.error("--slo must be two positive numbers of seconds, TTFT,TPOT (e.g. 16.9,0.87)")
+    if (args.ttft_slo is None) != (args.tpot_slo is None):
+        ap.error("--ttft-slo and --tpot-slo go together (the SLO of an earlier run), or neither (the fault-free wave sets it)")
     if set(args.rows) - set(ROWS):
         ap.error(f"--rows: unknown {sorted(set(args.rows) - set(ROWS))}; choose from {','.join(ROWS)}")
     bad = set(args.faults) - set(FAULTS)
@@ -334,7 +331,7 @@ async def scenarios(args: argparse.Namespace, servers: list[ServerProcess]) -> R
         ttfts = sorted(r.first_s - r.sent_s for r in run.ledger.records if r.scenario == "fault-free" and r.first_s is not None)
         tpots = sorted((r.end_s - r.first_s) / max(1, args.max_tokens - 1) for r in run.ledger.records
                        if r.scenario == "fault-free" and r.first_s is not None and r.end_s is not None)
-        slo = args.slo or (2 * ttfts[int(0.9 * (len(ttfts) - 1))], 2 * tpots[int(0.9 * (len(tpots) - 1))])
+        slo = (args.ttft_slo, args.tpot_slo) if args.ttft_slo is not None else (2 * ttfts[int(0.9 * (len(ttfts) - 1))], 2 * tpots[int(0.9 * (len(tpots) - 1))])
         run.figures.update(wave_rps=round(wave_rps, 3), slo_ttft_s=round(slo[0], 3), slo_tpot_s=round(slo[1], 4))
         if args.planned_goodput is not None:
             goodput = args.planned_goodput
