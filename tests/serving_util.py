@@ -149,8 +149,9 @@ class HttpServer:
                  **app_kw: Any) -> None:
         import uvicorn
 
-        self.sock = socket.socket()
-        self.sock.bind(("127.0.0.1", 0))
+        from distserve.serving.server import open_listen_socket
+
+        self.sock = open_listen_socket("127.0.0.1", 0)  # as `distserve serve` binds it (TCP_NODELAY on its connections)
         self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
         self.client: EngineClient | None = None
         self.app: Any = None

@@ -36,7 +36,10 @@ def open_listen_socket(host: str, port: int) -> socket.socket:
 
     The socket only listens once uvicorn starts, so early clients are refused rather than left hanging.
     """
-    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    # IPPROTO_TCP named, not left 0: asyncio sets TCP_NODELAY only on connections whose socket says TCP, and
+    # without it Nagle holds each small write (a response's body after its head, an SSE token after the last)
+    # until the client's delayed ACK, ~40 ms later, on every keep-alive connection.
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((host, port))

@@ -5,6 +5,7 @@ while other clients are served. Raw sockets, so the test controls every byte and
 from __future__ import annotations
 
 import json
+import os
 import socket
 import time
 from collections.abc import Iterator
@@ -60,6 +61,45 @@ def read_response(sock: socket.socket) -> tuple[int, dict[str, str], bytes, floa
 def assert_served(server: HttpServer) -> None:
     resp = httpx.post(f"{server.url}/v1/completions", json=PLAIN, timeout=30)
     assert resp.status_code == 200 and resp.json()["usage"]["completion_tokens"] == 2
+
+
+def _accepted_socket(client: socket.socket) -> socket.socket:
+    """The server's end of ``client``'s connection (the server runs in this process): found among our fds."""
+    want = (client.getpeername(), client.getsockname())
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        for fd in map(int, os.listdir("/proc/self/fd")):
+            try:
+                sock = socket.socket(fileno=os.dup(fd))
+            except OSError:
+                continue
+            try:
+                if sock.family == socket.AF_INET and (sock.getsockname(), sock.getpeername()) == want:
+                    return sock
+            except OSError:
+                pass
+            sock.close()
+        time.sleep(0.05)
+    raise AssertionError("the server never accepted the connection")
+
+
+def test_connections_send_without_nagle(server: HttpServer) -> None:
+    """The listening socket says TCP, so asyncio sets TCP_NODELAY on every connection it accepts: without it a
+    response's body (written after its head) and each SSE token waited ~40 ms for the client's delayed ACK on
+    every keep-alive connection (uvicorn#3149: a socket bound before uvicorn starts has ``proto`` 0)."""
+    from distserve.serving.server import open_listen_socket
+
+    listener = open_listen_socket("127.0.0.1", 0)
+    assert listener.proto == socket.IPPROTO_TCP
+    listener.close()
+    with socket.create_connection(("127.0.0.1", int(server.url.rsplit(":", 1)[1])), timeout=10) as client:
+        client.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert client.recv(65536).startswith(b"HTTP/1.1 200")
+        accepted = _accepted_socket(client)
+        try:
+            assert accepted.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) != 0
+        finally:
+            accepted.close()
 
 
 def test_a_body_over_the_limit_is_413_before_it_is_read(server: HttpServer) -> None:
