@@ -53,6 +53,10 @@ CHECKS = {
     and (o := f["rows"]["overload 10x"])["admitted"] + o["rejected_429"] + o["programs_refused"] == o["sent"]
     and o["rejected_with_retry_after"] == o["rejected_429"] and all(r["processes_left"] == 0 for r in f["restarts"])
     and (g := f["rows"]["graceful shutdown"])["processes_left"] == 0 and g["new_request_refused"] and g["exit_code"] == 0,
+    # Both connection modes measured on the same server, every figure positive, the server stopped with nothing left.
+    "bench_keepalive": lambda f: f["quick"] and f["processes_left"] == 0
+    and all(f["p50_s"][m][k] > 0 for m in ("fresh", "keep-alive") for k in ("ttft_s", "non_stream_s"))
+    and set(f["keepalive_over_fresh"]) == {"ttft_s", "max_gap_s", "non_stream_s"},
     # Both detokenizers timed on the tiny tokenizer (each checked against decode() by the script).
     "bench_detokenizer": lambda f: f["quick"] and all(r["decode_stream"] > 0 and r["window"] > 0 and r["num_tokens"] > 0
                                                       for r in f["tokenizers"].values()) and "tiny" in f["tokenizers"],
