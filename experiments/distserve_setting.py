@@ -48,6 +48,12 @@ VLLM_A100_PROFILE = ROOT / "simulator" / "data" / "distserve-a100-80g-vllm-profi
 # vLLM's per-step cost beyond its fitted step time: DistServe's real vLLM traces show TPOT 25-38 ms at light load
 # where the fitted decode step is ~20 ms (OPT-13B, TP1).
 VLLM_STEP_OVERHEAD_S = 0.006
+# DistServe's real traces (OPT-13B; vLLM at TP1, DistServe at P TP2 / D TP1), transcribed from
+# simdistserve/benchmarks/alignment/data-ground-truth/opt-13b-sharegpt/, and the overhead per step that makes our
+# simulator replay them best (``align_real_traces.py``; its results: experiments/results/align_real_traces.md).
+TRACES_DIR = ROOT / "simulator" / "data"
+ALIGNED_OVERHEADS_S = {"vllm": (0.004, 0.0003), "distserve": (0.004, 0.0001)}  # system -> (per step, per sequence in a step)
+ALIGNED_VLLM_KV_SHARE = 0.82  # vLLM's KV cache in its busiest trace over what our memory model gives it (align_real_traces.py)
 # Read off DistServe's measured vLLM trace (not simulated here).
 REAL_VLLM_TRACE = (
     "DistServe's own measurement of vLLM (OPT-13B, one TP1 A100, ShareGPT, 1 req/s: "

@@ -45,17 +45,15 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 import harness
-from distserve.config import SchedulerConfig
 from distserve.placement import Placement
 from distserve.slo import SLO
-from distserve_setting import (
-    ATTAINMENT, MODE, ROWS, Row, DISTSERVE_DECODE_LIMITS, DISTSERVE_PREFILL_LIMITS, EVAL_MEM_UTILIZATION, VLLM_A100_PROFILE,
-    VLLM_LIMITS, VLLM_STEP_OVERHEAD_S, request_stream,
+from distserve_setting import ALIGNED_OVERHEADS_S, ALIGNED_VLLM_KV_SHARE, ATTAINMENT, MODE, ROWS, Row, VLLM_STEP_OVERHEAD_S, request_stream
+from distserve_systems import (
+    UNLIMITED_KV_BLOCKS, Ablation, distserve_config, distserve_placement, has_vllm_fit, row_latency, vllm_config,
 )
-from simulator.latency import FittedLatencyModel, LatencyModel
 from simulator.simulation import SimConfig
 from simulator.workload import describe
-from sweep_systems import SimTarget, latency_model, with_overrides
+from sweep_systems import SimTarget, with_overrides
 from distserve_table_report import BAND, _f, gap_text, published_text, within, write_outputs
 from sweeper import Sweeper
 
@@ -63,29 +61,9 @@ HARDWARE, GPUS_PER_NODE, MAX_GPUS = "a100-80g", 8, 24  # MAX_GPUS: the stream ev
 MODES = ["separate", "joint"]
 SCALES = (0.25, 0.35, 0.5, 0.7, 1.0, 1.4, 2.0, 2.8, 4.0)
 PUBLISHED_SLO_SCALE = 12.6  # "up to 12.6x tighter SLOs", over all rows
-UNLIMITED_KV_BLOCKS = 1 << 24  # blocks of 16 tokens per instance: no workload here comes near
 
 
 QUICK_ROWS = ("opt-13b-chatbot", "opt-66b-code")
-
-
-@dataclass(frozen=True)
-class Ablation:
-    name: str
-    assumption: str
-    seqs: int | None = None  # max_num_seqs of every instance
-    mem_utilization: float | None = None
-    kv_unlimited: bool = False  # every instance holds any number of KV tokens, as the workers of DistServe's simulator
-    launch_limits: bool = False  # DistServe's launch settings: vLLM 1024 seqs / 16384 tokens, prefill 128 / 8192, decode 1024 / 65536, KV at 95%
-    first_turn: bool = False  # `chatbot` (first-turn prompts) instead of `sharegpt-multiturn`
-    vllm_engine: bool = False  # the vllm-2023 baseline on vLLM's fitted step times
-    vllm_overhead_s: float = 0.0  # per step, vllm-2023 only
-    pp_as_replicas: bool = False  # DistServe's pp > 1 instances as pp instances without stages (the ideal pipeline's throughput)
-
-    @property
-    def changes_distserve(self) -> bool:
-        return (self.seqs is not None or self.mem_utilization is not None or self.kv_unlimited or self.launch_limits or self.first_turn
-                or self.pp_as_replicas)
 
 
 ABLATIONS = [
@@ -108,9 +86,19 @@ ABLATIONS = [
              seqs=1024, kv_unlimited=True, vllm_engine=True),
     Ablation("as-evaluated", "launch-limits + vllm-steps+6ms: the closest we model DistServe's real comparison", launch_limits=True,
              vllm_engine=True, vllm_overhead_s=VLLM_STEP_OVERHEAD_S),
+    Ablation("aligned", "both engines as DistServe's real OPT-13B traces show them (`align_real_traces.py`): launch limits; vllm-2023 on "
+             f"vLLM's step times + {ALIGNED_OVERHEADS_S['vllm'][0] * 1e3:g} ms per step + {ALIGNED_OVERHEADS_S['vllm'][1] * 1e3:g} ms per "
+             f"sequence, its KV cache {ALIGNED_VLLM_KV_SHARE:g} of our memory model's; DistServe's layout + "
+             f"{ALIGNED_OVERHEADS_S['distserve'][0] * 1e3:g} ms per step + {ALIGNED_OVERHEADS_S['distserve'][1] * 1e3:g} ms per sequence",
+             launch_limits=True, vllm_engine=True, vllm_overhead_s=ALIGNED_OVERHEADS_S["vllm"][0],
+             vllm_seq_overhead_s=ALIGNED_OVERHEADS_S["vllm"][1], vllm_kv_share=ALIGNED_VLLM_KV_SHARE,
+             distserve_overhead_s=ALIGNED_OVERHEADS_S["distserve"][0], distserve_seq_overhead_s=ALIGNED_OVERHEADS_S["distserve"][1]),
 ]
+ALIGNED = ABLATIONS[-1]
+NEEDED_MAX_S = 0.05  # the extra vLLM overhead per step searched for (needed_vllm_overhead)
+NEEDED_ITERATIONS = 7
 ASSUMPTIONS = {a.name: a.assumption for a in ABLATIONS}
-QUICK_ABLATIONS = ("baseline", "vllm-steps")
+QUICK_ABLATIONS = ("baseline", "vllm-steps", "aligned")
 
 
 # ---- one measurement (in a worker process) ------------------------------------------------------
@@ -128,26 +116,6 @@ class Job:
     modes: tuple[str, ...] = tuple(MODES)
     scale_rate: float | None = None  # set: an SLO-scale sweep at this per-GPU rate instead of a goodput search
     scales: tuple[float, ...] = SCALES
-
-
-_LATENCY: dict[tuple[str, str], tuple[LatencyModel, str | None]] = {}
-
-
-def row_latency(model: str, engine: str = "distserve") -> tuple[LatencyModel, str | None]:
-    """(step-time model, its profile file or None for the roofline): DistServe's where it covers the model; vLLM's fitted ones."""
-    key = (model, engine)
-    if key not in _LATENCY:
-        if engine == "vllm":
-            _LATENCY[key] = FittedLatencyModel.from_profile(VLLM_A100_PROFILE, model=model), str(VLLM_A100_PROFILE)
-        else:
-            _LATENCY[key] = latency_model(argparse.Namespace(profile="auto", model=model, hardware=None))
-    return _LATENCY[key]
-
-
-def has_vllm_fit(model: str) -> bool:
-    import json
-
-    return model in json.loads(VLLM_A100_PROFILE.read_text())
 
 
 def measure(job: Job) -> dict[str, Any]:
@@ -228,55 +196,35 @@ def engine_ratios(row: Row, unit_stats: dict[str, float]) -> tuple[float, float]
     return v.prefill_time([prompt], 4) / d.prefill_time([prompt], 4), v.decode_time(ctx, 4) / d.decode_time(ctx, 4)
 
 
-def distserve_config(a: Ablation) -> SimConfig:
-    cfg = SimConfig()
-    if a.launch_limits:
-        cfg = replace(cfg, prefill_scheduler=SchedulerConfig(*DISTSERVE_PREFILL_LIMITS), decode_scheduler=SchedulerConfig(*DISTSERVE_DECODE_LIMITS),
-                      mem_utilization=EVAL_MEM_UTILIZATION)
-    if a.seqs is not None:
-        cfg = with_overrides(cfg, [f"max_num_seqs={a.seqs}"])
-    if a.mem_utilization is not None:
-        cfg = replace(cfg, mem_utilization=a.mem_utilization)
-    return replace(cfg, num_blocks=UNLIMITED_KV_BLOCKS) if a.kv_unlimited else cfg
-
-
-def vllm_config(a: Ablation, row: Row, ratios: tuple[float, float]) -> tuple[SimConfig, str]:
-    """(config, engine) of the vllm-2023 baseline under an ablation."""
-    cfg = SimConfig(scheduler=SchedulerConfig(step_policy="vllm-2023"))
-    if a.launch_limits:
-        cfg = replace(cfg, scheduler=SchedulerConfig(*VLLM_LIMITS, step_policy="vllm-2023"), mem_utilization=EVAL_MEM_UTILIZATION)
-    if a.seqs is not None:
-        cfg = with_overrides(cfg, [f"colocated.max_num_seqs={a.seqs}"])
-    if a.mem_utilization is not None:
-        cfg = replace(cfg, mem_utilization=a.mem_utilization)
-    if a.kv_unlimited:
-        cfg = replace(cfg, num_blocks=UNLIMITED_KV_BLOCKS)
-    engine = "distserve"
-    if a.vllm_engine:
-        if has_vllm_fit(row.model):
-            engine = "vllm"
-        else:
-            cfg = replace(cfg, prefill_time_scale=ratios[0], step_time_scale=ratios[1])
-    return replace(cfg, step_overhead_s=a.vllm_overhead_s), engine
-
-
 def applies(a: Ablation, row: Row) -> bool:
     return (not a.first_turn or row.workload == "sharegpt-multiturn") and (not a.pp_as_replicas or row.layout[1] * row.layout[3] > 1)
 
 
-def distserve_placement(a: Ablation, row: Row, config: SimConfig) -> tuple[Placement, SimConfig]:
-    """DistServe's layout under an ablation: one prefill + one decode instance, or (``pp_as_replicas``) pp of each
-    without stages, every instance holding the KV of the smaller of the two per-replica shares."""
-    tp_p, pp_p, tp_d, pp_d = row.layout
-    if not a.pp_as_replicas:
-        return Placement.disaggregated(1, 1, tp_p, pp_p, tp_d, pp_d), config
-    latency, _ = row_latency(row.model)
-    tokens = min(latency.max_kv_tokens(tp, pp, config.mem_utilization) // pp for tp, pp in ((tp_p, pp_p), (tp_d, pp_d)))
-    return Placement.disaggregated(pp_p, pp_d, tp_p, 1, tp_d, 1), replace(config, num_blocks=tokens // config.block_size)
-
-
 def ratio(a: float | None, b: float | None) -> float | None:
     return None if a is None or b is None or b <= 0 else round(a / b, 3)
+
+
+def needed_vllm_overhead(item: tuple[Job, float, float]) -> float | None:
+    """The extra per-step overhead of vLLM, on top of the ``aligned`` ablation's (``job``: its vllm-2023 search), at which
+    DistServe's layout (``distserve`` req/s/GPU) reaches ``target`` times vllm-2023's goodput: 0 if it already does, None if
+    not even at ``NEEDED_MAX_S`` (bisection, ``NEEDED_ITERATIONS`` steps). What the traces would have to miss at this
+    model and TP (they are OPT-13B at TP1) for the published ratio."""
+    job, distserve, target = item
+
+    def reaches(extra_s: float) -> bool:
+        cfg = replace(job.config, step_overhead_s=job.config.step_overhead_s + extra_s)
+        v = measure(replace(job, config=cfg, modes=(MODE,)))["per_gpu"][MODE]
+        return v <= 0 or distserve / v >= target
+
+    if reaches(0.0):
+        return 0.0
+    if not reaches(NEEDED_MAX_S):
+        return None
+    lo, hi = 0.0, NEEDED_MAX_S
+    for _ in range(NEEDED_ITERATIONS):
+        mid = (lo + hi) / 2
+        lo, hi = (lo, mid) if reaches(mid) else (mid, hi)
+    return hi
 
 
 # ---- main ------------------------------------------------------------------------------------
@@ -372,6 +320,11 @@ def main() -> None:
         k = key if key in found else (key[0], "baseline", key[2])
         return found[k]["per_gpu"][mode] if k in found else None
 
+    # What vLLM would have to spend per step more than its traces show for each row's published ratio (aligned otherwise).
+    need_rows = [r for r in rows if (r.key, ALIGNED.name, "vllm-2023") in jobs and per_gpu((r.key, ALIGNED.name, "distserve"))]
+    needed = dict(zip([r.key for r in need_rows], run_jobs(needed_vllm_overhead, [
+        (jobs[(r.key, ALIGNED.name, "vllm-2023")], per_gpu((r.key, ALIGNED.name, "distserve")), r.published[0]) for r in need_rows], args.jobs)))
+
     # SLO-scale curves at the lower of DistServe's and vllm-2023's goodput per GPU.
     scale_jobs: dict[tuple[str, str], Job] = {}
     for r in rows:
@@ -412,6 +365,8 @@ def main() -> None:
             "slo_scale": {s: scaled[(r.key, s)] for s in systems if (r.key, s) in scaled}, "min_slo_scale": min_scale,
             "slo_scale_ratio": ratio(min_scale.get("vllm-2023"), min_scale.get("distserve")),
             "prefill_pipelining": pipelining[r.key],
+            "vllm_overhead_needed_ms": None if needed.get(r.key) is None else round(needed[r.key] * 1e3, 1),
+            "vllm_overhead_needed_searched": r.key in needed,
         }
         row["gap"] = None if ok else gap_text(row)
         out_rows.append(row)
@@ -427,6 +382,7 @@ def main() -> None:
                             "planner_disagg": r["plan"]["disagg"] and r["plan"]["disagg"]["layout"],
                             "planner_colocated": r["plan"]["colocated"] and r["plan"]["colocated"]["layout"],
                             "slo_scale_ratio": r["slo_scale_ratio"], "prefill_pipelining": r["prefill_pipelining"],
+                            "vllm_overhead_needed_ms": r["vllm_overhead_needed_ms"],
                             "ablation_ratios": {a: x["ratio"] for a, x in r["ablations"].items()},
                             "reproduced_by": [a for a, x in r["ablations"].items() if within(x["ratio"], tuple(r["published"]))]}  # type: ignore[arg-type]
                  for r in out_rows},

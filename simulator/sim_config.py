@@ -22,6 +22,9 @@ class SimConfig:
     num_blocks: int | None = None  # KV blocks per instance; None: what fits in memory (latency model)
     mem_utilization: float = 0.9
     step_overhead_s: float = 0.0  # extra fixed cost per step (e.g. the runtime's controller round trip)
+    # Extra cost per sequence in a step: per-request work around the model that grows with the batch (sampling,
+    # detokenizing and streaming in a Python engine, as vLLM 2023's; ``experiments/align_real_traces.py`` fits it).
+    seq_overhead_s: float = 0.0
     max_model_len: int | None = None  # default: the model's context length
     # Phase-isolated search (DistServe's per-phase goodput): prefill instances take no time, so
     # the decode phase is measured alone.
@@ -61,6 +64,8 @@ class SimConfig:
             raise InvalidConfigError(f"mem_utilization must be in (0, 1], got {self.mem_utilization}")
         if self.step_overhead_s < 0:
             raise InvalidConfigError(f"step_overhead_s must be >= 0, got {self.step_overhead_s}")
+        if self.seq_overhead_s < 0:
+            raise InvalidConfigError(f"seq_overhead_s must be >= 0, got {self.seq_overhead_s}")
         if not self.step_time_scale > 0:
             raise InvalidConfigError(f"step_time_scale must be > 0, got {self.step_time_scale}")
         if self.prefill_time_scale is not None and not self.prefill_time_scale > 0:

@@ -248,6 +248,12 @@ def step_time_fn(latency: LatencyModel, tp: int, pp: int, overhead_s: float, sca
     return lambda shape: (prefill_scale if shape.prefill_tokens else scale) * step_time(shape, tp, pp) + overhead_s
 
 
+def with_seq_overhead(step_time: StepTimeFn, decode_time: DecodeTimeFn, seq_overhead_s: float) -> tuple[StepTimeFn, DecodeTimeFn]:
+    """``step_time`` and ``decode_time`` plus ``seq_overhead_s`` per sequence in the step (prompts and decodes)."""
+    return (lambda shape: step_time(shape) + seq_overhead_s * (shape.num_prefill + shape.num_decode),
+            lambda n, ctx, max_ctx: decode_time(n, ctx, max_ctx) + seq_overhead_s * n)
+
+
 class SharedCompute:
     """Processor sharing among the instances of a node (unpinned ones share one): while ``k`` of them
     compute, each step progresses ``1 + (k - 1)(slowdown - 1)`` times slower than alone.

@@ -22,7 +22,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 _load = load_experiment
 
 
-for _shared in ("harness", "sweep_systems", "sweeper", "distserve_setting", "distserve_table_report"):
+for _shared in ("harness", "sweep_systems", "sweeper", "distserve_setting", "distserve_systems", "distserve_table_report"):
     _load(_shared)
 setting = _load("distserve_setting")
 report = _load("distserve_table_report")

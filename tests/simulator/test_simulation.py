@@ -172,6 +172,30 @@ def test_deployment_constants_scale_steps_and_delay_migrations() -> None:
             SimConfig(**bad)
 
 
+def test_seq_overhead_costs_each_sequence_of_a_step_on_every_path() -> None:
+    """seq_overhead_s adds its time once per sequence in a step: a lone request's prefill and decode steps pay it once,
+    two arriving together pay it twice per step; the same with fast-forward (lazy decodes) on and off; 0 leaves every
+    record as it was."""
+    model = constant_model(100.0, 10.0)
+    one, two = [Request(0, 0.0, 64, 4)], [Request(0, 0.0, 64, 4), Request(1, 0.0, 64, 4)]
+    for ff in (True, False):
+        base = simulate(Placement.colocated_instances(1), model, one, SimConfig(fast_forward=ff)).records[0]
+        solo = simulate(Placement.colocated_instances(1), model, one, SimConfig(seq_overhead_s=0.002, fast_forward=ff)).records[0]
+        assert solo.ttft_s == pytest.approx(base.ttft_s + 0.002)
+        assert solo.finish_s - solo.first_token_s == pytest.approx(base.finish_s - base.first_token_s + 3 * 0.002)
+        pair = simulate(Placement.colocated_instances(1), model, two, SimConfig(seq_overhead_s=0.002, fast_forward=ff)).records
+        pair0 = simulate(Placement.colocated_instances(1), model, two, SimConfig(fast_forward=ff)).records
+        for r, r0 in zip(pair, pair0):
+            assert r.ttft_s == pytest.approx(r0.ttft_s + 2 * 0.002)
+            assert r.finish_s - r.first_token_s == pytest.approx(r0.finish_s - r0.first_token_s + 3 * 2 * 0.002)
+    many = fixed_requests(30, 20.0, 64, 16)
+    zero = simulate(Placement.disaggregated(1, 1), opt13b_model(), many, SimConfig(seq_overhead_s=0.0)).records
+    assert [(r.first_token_s, r.finish_s) for r in zero] == [(r.first_token_s, r.finish_s) for r in simulate(
+        Placement.disaggregated(1, 1), opt13b_model(), many).records]
+    with pytest.raises(InvalidConfigError, match="seq_overhead_s"):
+        SimConfig(seq_overhead_s=-1e-3)
+
+
 def test_slo_classes_and_attainment_modes() -> None:
     reqs = [
         Request(i, 0.05 * i, 64, 8, slo_class="tight" if i % 2 else None) for i in range(100)
