@@ -21,8 +21,11 @@ Rows, in order (``--rows`` picks some; the fault-free wave always runs first):
   highest Poisson rate at which >= 90% of requests meet that SLO, found by a few probes starting at the
   wave's completion rate, each as long as the burst (a shorter one passes rates the server cannot hold
   that long: the backlog stays within a loose TTFT SLO until the probe ends). The server is restarted before the overload row configured for the SLO
-  (``slo_flags``: ``--max-queue-delay`` half the TTFT SLO, ``--tpot-backpressure`` at ``--tpot-share`` of the TPOT SLO),
-  as an operator deploys for an SLO, and the shutdown row runs on that server;
+  (``slo_flags``: ``--max-queue-delay`` at ``--queue-share`` of the TTFT SLO, ``--tpot-backpressure`` at ``--tpot-share`` of the TPOT SLO),
+  as an operator deploys for an SLO, and the shutdown row runs on that server. The admitted rate is measured as the
+  planned goodput is: admitted arrivals per second of the burst (``admitted_rps``; a probe's rate is its arrivals per
+  second of the probe, its final backlog included); the admitted requests per second from the first one's arrival to
+  the last one's end (the drain included) are in the row too (``admitted_completion_rps``);
 - graceful shutdown: SIGTERM with a wave in flight.
 After every row the server must go idle with every KV block free, and new requests must succeed.
 Recovery time: kill -> the replacement is up (restart counted; for the controller: /health answers
@@ -85,6 +88,9 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--tpot-share", type=float, default=0.75,
                     help="the overload row's server holds decoding to this share of the TPOT SLO (--tpot-slo with "
                     "--tpot-backpressure: the decode headroom); the rest of the SLO is slack for the steps of requests already admitted")
+    ap.add_argument("--queue-share", type=float, default=0.75,
+                    help="the overload row's server refuses a request predicted to wait more than this share of the TTFT SLO "
+                    "(--max-queue-delay); the rest of the SLO is for the prefill, its wait on the instance and the KV migration")
     ap.add_argument("--overload-s", type=float, default=120.0)
     ap.add_argument("--soak-s", type=float, default=1200.0)
     ap.add_argument("--deadline", type=float, default=600.0, help="seconds after which a request counts as hung")
@@ -108,6 +114,8 @@ def parse_args() -> argparse.Namespace:
         ap.error(f"--planned-goodput must be > 0 req/s, got {args.planned_goodput}")
     if not 0 < args.tpot_share <= 1:
         ap.error(f"--tpot-share must be in (0, 1], got {args.tpot_share}")
+    if not 0 < args.queue_share < 1:
+        ap.error(f"--queue-share must be in (0, 1), got {args.queue_share}")
     if (args.ttft_slo is None) != (args.tpot_slo is None):
         ap.error("--ttft-slo and --tpot-slo go together (the SLO of an earlier run), or neither (the fault-free wave sets it)")
     if set(args.rows) - set(ROWS):
@@ -352,7 +360,7 @@ async def scenarios(args: argparse.Namespace, servers: list[ServerProcess]) -> R
             await soak(run, goodput, slo)
         if "overload" in args.rows:
             run.request_log = tempfile.mkstemp(prefix="chaos_overload_", suffix=".jsonl")[1]  # where the admitted requests' time went
-            await run.restart(slo_flags(slo, args.tpot_share) + ["--request-log", run.request_log])  # the deployment configured for the SLO measured above
+            await run.restart(slo_flags(slo, args.tpot_share, args.queue_share) + ["--request-log", run.request_log])  # the deployment configured for the SLO measured above
             await overload(run, goodput, slo)
         if "shutdown" in args.rows:
             await shutdown(run)
@@ -385,8 +393,10 @@ def report(args: argparse.Namespace, run: Run) -> None:
                   "migrations failed (the receiver timed out) and their requests were prefilled again."]
     over = next((r for r in rows if r["scenario"] == "overload 10x"), None)
     if over is not None:
-        lines += ["", f"Overload 10x: {over['admitted']} admitted ({over['admitted_rps']} req/s, {over['admitted_share_of_planned']} of the planned "
-                  f"goodput), {over['rejected_429']} refused with 429; decoding held to {args.tpot_share} of the TPOT SLO; "
+        lines += ["", f"Overload 10x: {over['admitted']} admitted ({over['admitted_rps']} req/s of the burst, {over['admitted_share_of_planned']} "
+                  f"of the planned goodput; {over['admitted_completion_rps']} req/s from the first admitted arrival to the last end, "
+                  f"{over['admitted_completion_share_of_planned']}), {over['rejected_429']} refused with 429; queue bound {args.queue_share} of "
+                  f"the TTFT SLO, decoding held to {args.tpot_share} of the TPOT SLO; "
                   f"admitted SLO attainment {over['admitted_slo_attainment']} (TTFT p90 {over['admitted_ttft_p90_s']} s vs "
                   f"{run.figures['slo_ttft_s']}, TPOT p90 {over['admitted_tpot_p90_s']} s vs {run.figures['slo_tpot_s']}); "
                   f"cores used: server {over['server_cpu_cores_used']}, load generator {over['client_cpu_cores_used']}."]
@@ -424,7 +434,7 @@ def main() -> None:
         stop = servers[-1].stop()
         if stop["num_left"]:
             print(f"WARNING: {stop['num_left']} server processes left after SIGKILL", file=sys.stderr)
-    run.figures.update(model=args.model, quick=args.quick, decode_parallel=args.decode_parallel, in_flight=args.in_flight, tpot_share=args.tpot_share, duration_s=round(time.monotonic() - t0, 1),
+    run.figures.update(model=args.model, quick=args.quick, decode_parallel=args.decode_parallel, in_flight=args.in_flight, tpot_share=args.tpot_share, queue_share=args.queue_share, duration_s=round(time.monotonic() - t0, 1),
                        rows={r["scenario"]: {k: v for k, v in r.items() if k not in ("scenario", "errors")} for r in run.rows},
                        total_lost=sum(r["lost"] for r in run.rows), total_hung=sum(r["hung"] for r in run.rows),
                        total_blocks_leaked=sum(r["blocks_leaked"] for r in run.rows))

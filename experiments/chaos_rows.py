@@ -83,12 +83,13 @@ async def planned_goodput(run: Run, slo: tuple[float, float], first_rate: float)
     return goodput
 
 
-def slo_flags(slo: tuple[float, float], tpot_share: float) -> list[str]:
+def slo_flags(slo: tuple[float, float], tpot_share: float, queue_share: float) -> list[str]:
     """The server's configuration for its SLO: the admission queue refuses a request predicted to wait
-    more than half the TTFT SLO (the other half for the prefill and its wait on the instance), and
-    backpressure holds requests while decoding is slower than ``tpot_share`` of the TPOT SLO (the rest:
-    headroom for the steps of the requests already admitted)."""
-    return ["--ttft-slo", f"{slo[0]:.3f}", "--tpot-slo", f"{slo[1] * tpot_share:.4f}", "--tpot-backpressure", "--max-queue-delay", f"{slo[0] / 2:.3f}"]
+    more than ``queue_share`` of the TTFT SLO (the rest for the prefill, its wait on the instance and the
+    KV migration), and backpressure holds requests while decoding is slower than ``tpot_share`` of the
+    TPOT SLO (the rest: headroom for the steps of the requests already admitted)."""
+    return ["--ttft-slo", f"{slo[0]:.3f}", "--tpot-slo", f"{slo[1] * tpot_share:.4f}", "--tpot-backpressure",
+            "--max-queue-delay", f"{slo[0] * queue_share:.3f}"]
 
 
 async def overload(run: Run, goodput: float, slo: tuple[float, float]) -> None:
@@ -118,11 +119,18 @@ async def overload(run: Run, goodput: float, slo: tuple[float, float]) -> None:
         await asyncio.sleep(0.5)
     rejected = [r for r in burst if r.status == 429]
     admitted = [r for r in burst if not refused(r)]
+    # The admitted rate as the planned goodput is measured: requests arriving per second of the burst (a probe's rate
+    # is its arrivals per second of the probe, the backlog it leaves at the end included). Also, for the record, the
+    # admitted requests per second from the first one's arrival to the last one's end (the burst's drain included).
     span = max((r.end_s or 0.0 for r in admitted), default=0.0) - min((r.sent_s for r in admitted), default=0.0)
+    within = [r for r in admitted if meets_slo(r, slo, args.max_tokens)]
     leaked = await run.idle_leak()
     run.row("overload 10x", back_s, leaked, rate_rps=round(10 * goodput, 2), drain_s=round(drain_s, 2), admitted=len(admitted),
-            admitted_rps=round(len(admitted) / span, 3) if span > 0 else None,
-            admitted_share_of_planned=round(len(admitted) / span / goodput, 3) if span > 0 and goodput > 0 else None,
+            admitted_rps=round(len(admitted) / args.overload_s, 3),
+            admitted_share_of_planned=round(len(admitted) / args.overload_s / goodput, 3) if goodput > 0 else None,
+            admitted_within_slo_rps=round(len(within) / args.overload_s, 3),
+            admitted_completion_rps=round(len(admitted) / span, 3) if span > 0 else None,
+            admitted_completion_share_of_planned=round(len(admitted) / span / goodput, 3) if span > 0 and goodput > 0 else None,
             rejected_429=len(rejected),
             rejected_with_retry_after=sum(r.retry_after is not None for r in rejected),
             programs_refused=sum(r.status != 429 and refused(r) for r in burst),
@@ -154,11 +162,15 @@ def breakdown_percentiles(request_log: str | None) -> dict[str, dict[str, float]
     return {name: {"p50": round(_pct(v, 0.5), 3), "p90": round(_pct(v, 0.9), 3), "n": len(v)} for name, v in parts.items()} or None
 
 
+def meets_slo(r: cc.Record, slo: tuple[float, float], max_tokens: int) -> bool:
+    """Whether ``r`` completed with its reference text within the (TTFT, TPOT) ``slo``."""
+    return (r.outcome == "identical" and r.first_s is not None and r.end_s is not None
+            and r.first_s - r.sent_s <= slo[0] and (r.end_s - r.first_s) / max(1, max_tokens - 1) <= slo[1])
+
+
 def slo_attainment(records: list[cc.Record], slo: tuple[float, float], max_tokens: int) -> float | None:
     """The share of ``records`` that completed with their reference text within the (TTFT, TPOT) ``slo``."""
-    meets = [r for r in records if r.outcome == "identical" and r.first_s is not None and r.end_s is not None
-             and r.first_s - r.sent_s <= slo[0] and (r.end_s - r.first_s) / max(1, max_tokens - 1) <= slo[1]]
-    return round(len(meets) / len(records), 3) if records else None
+    return round(sum(meets_slo(r, slo, max_tokens) for r in records) / len(records), 3) if records else None
 
 
 async def soak(run: Run, goodput: float, slo: tuple[float, float]) -> None:
