@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import harness
-from distserve_setting import ALIGNED_OVERHEADS_S, EVAL_MEM_UTILIZATION, ROWS, TRACES_DIR
+from distserve_setting import ALIGNED_OVERHEADS_S, DATA_DIR, EVAL_MEM_UTILIZATION, ROWS
 from distserve_systems import Ablation, distserve_config, distserve_placement, row_latency, vllm_config
 
 from distserve.placement import Placement
@@ -52,7 +52,7 @@ class Trace:
 
 
 def load_traces(system: str) -> list[Trace]:
-    data = json.loads((TRACES_DIR / f"distserve-opt13b-{system}-traces.json").read_text())
+    data = json.loads((DATA_DIR / f"distserve-opt13b-{system}-traces.json").read_text())
     assert data["fields"] == ["issue_s", "prompt_len", "output_len", "ttft_ms", "tpot_ms"], data["fields"]
     out = []
     for name, rows in data["traces"].items():
@@ -90,12 +90,12 @@ def kv_in_use_peak(trace: Trace, block_size: int = 16, every_s: float = 0.25) ->
     return peak
 
 
-def vllm_kv_share(traces: list[Trace]) -> tuple[float, int, int]:
-    """(share, peak tokens, our memory model's tokens): vLLM's cache as its busiest trace shows it, over what our
-    memory model gives one TP1 instance at its launch setting (95% of HBM)."""
-    peak = max(kv_in_use_peak(t) for t in traces)
+def vllm_kv_share(traces: list[Trace]) -> tuple[float, int, int, str]:
+    """(share, peak tokens, our memory model's tokens, the trace of the peak): vLLM's cache as its busiest trace shows it,
+    over what our memory model gives one TP1 instance at its launch setting (95% of HBM)."""
+    peak, name = max((kv_in_use_peak(t), t.name) for t in traces)
     modelled = row_latency(ROW.model, "vllm")[0].max_kv_tokens(ROW.vllm_tp, 1, EVAL_MEM_UTILIZATION)
-    return peak / modelled, peak, modelled
+    return peak / modelled, peak, modelled, name
 
 
 def system_setup(system: str, step_s: float, seq_s: float, kv_share: float | None = None) -> tuple[Placement, Any, Any]:
@@ -155,13 +155,14 @@ def main() -> None:
     lines = ["# The overheads of DistServe's real runs, fitted in our simulator", "",
              f"OPT-13B on A100 (DistServe's traces); error = mean |ln(simulated / measured)| over TTFT and TPOT p50/p90 of every trace; "
              f"grid {step_grid[0]:g}–{step_grid[-1]:g} ms per step × {seq_grid[0]:g}–{seq_grid[-1]:g} ms per sequence in a step.", ""]
-    share, peak, modelled = vllm_kv_share(load_traces("vllm"))
-    figures["vllm_kv"] = {"peak_tokens_in_use": peak, "our_memory_model_tokens": modelled, "share": round(share, 3)}
-    lines += [f"vLLM's cache: at most {peak:,} KV tokens in use at once (`vllm-300-3`, from t ≈ 70 s on, while new prompts wait); our "
-              f"memory model gives one TP1 instance {modelled:,} at 95% of HBM: vLLM's cache is **{share:.2f}** of ours. The vLLM fits "
-              "below use that cache (per-step only, without it: in the JSON).", ""]
-    for system in ("vllm", "distserve"):
-        traces = load_traces(system)[: 1 if args.quick else None]
+    all_traces = {system: load_traces(system) for system in ("vllm", "distserve")}
+    share, peak, modelled, busiest = vllm_kv_share(all_traces["vllm"])
+    figures["vllm_kv"] = {"peak_tokens_in_use": peak, "trace": busiest, "our_memory_model_tokens": modelled, "share": round(share, 3)}
+    lines += [f"vLLM's cache: at most {peak:,} KV tokens in use at once (`{busiest}`, while new prompts wait); our memory model "
+              f"gives one TP1 instance {modelled:,} at 95% of HBM: vLLM's cache is **{share:.2f}** of ours. The vLLM fits below use "
+              "that cache (the best per-step fit with our memory model's cache instead: `without_kv_share` in the JSON).", ""]
+    for system, traces in all_traces.items():
+        traces = traces[: 1 if args.quick else None]
         res = fit(system, traces, step_grid, seq_grid, share if system == "vllm" else None)
         if system == "vllm":
             res["without_kv_share"] = {k: v for k, v in fit(system, traces, step_grid, [0.0]).items() if k in ("best_step_ms", "best_error", "best")}

@@ -44,14 +44,14 @@ DISTSERVE_DECODE_LIMITS: Limits = (1024, 65536)  # --decoding-max-batch-size, --
 ATTAINMENT, MODE = 0.9, "separate"  # DistServe's goodput: 90% of requests meet the TTFT SLO and 90% the TPOT SLO
 EVAL_MEM_UTILIZATION = 0.95  # --gpu-memory-utilization of both
 
-VLLM_A100_PROFILE = ROOT / "simulator" / "data" / "distserve-a100-80g-vllm-profile.json"
+DATA_DIR = ROOT / "simulator" / "data"  # DistServe's published profiles and traces (its README says where each comes from)
+VLLM_A100_PROFILE = DATA_DIR / "distserve-a100-80g-vllm-profile.json"
 # vLLM's per-step cost beyond its fitted step time: DistServe's real vLLM traces show TPOT 25-38 ms at light load
 # where the fitted decode step is ~20 ms (OPT-13B, TP1).
 VLLM_STEP_OVERHEAD_S = 0.006
-# DistServe's real traces (OPT-13B; vLLM at TP1, DistServe at P TP2 / D TP1), transcribed from
-# simdistserve/benchmarks/alignment/data-ground-truth/opt-13b-sharegpt/, and the overhead per step that makes our
-# simulator replay them best (``align_real_traces.py``; its results: experiments/results/align_real_traces.md).
-TRACES_DIR = ROOT / "simulator" / "data"
+# What makes our simulator replay DistServe's real traces best (``DATA_DIR``: OPT-13B, vLLM at TP1, DistServe at P TP2 /
+# D TP1): each engine's overhead per step and per sequence in a step, and vLLM's KV cache as its busiest trace shows it
+# (``align_real_traces.py``; its results: experiments/results/align_real_traces.md).
 ALIGNED_OVERHEADS_S = {"vllm": (0.004, 0.0003), "distserve": (0.004, 0.0001)}  # system -> (per step, per sequence in a step)
 ALIGNED_VLLM_KV_SHARE = 0.82  # vLLM's KV cache in its busiest trace over what our memory model gives it (align_real_traces.py)
 # Read off DistServe's measured vLLM trace (not simulated here).

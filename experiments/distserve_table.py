@@ -204,16 +204,16 @@ def ratio(a: float | None, b: float | None) -> float | None:
     return None if a is None or b is None or b <= 0 else round(a / b, 3)
 
 
-def needed_vllm_overhead(item: tuple[Job, float, float]) -> float | None:
-    """The extra per-step overhead of vLLM, on top of the ``aligned`` ablation's (``job``: its vllm-2023 search), at which
-    DistServe's layout (``distserve`` req/s/GPU) reaches ``target`` times vllm-2023's goodput: 0 if it already does, None if
-    not even at ``NEEDED_MAX_S`` (bisection, ``NEEDED_ITERATIONS`` steps). What the traces would have to miss at this
-    model and TP (they are OPT-13B at TP1) for the published ratio."""
-    job, distserve, target = item
+def needed_vllm_overhead(item: tuple[Job, float, float, float]) -> float | None:
+    """The extra per-step overhead of vLLM, on top of the ``aligned`` ablation's (``job``: its vllm-2023 search, which found
+    ``vllm`` req/s/GPU), at which DistServe's layout (``distserve`` req/s/GPU) reaches ``target`` times vllm-2023's goodput:
+    0 if it already does, None if not even at ``NEEDED_MAX_S`` (bisection, ``NEEDED_ITERATIONS`` steps). What the traces
+    would have to miss at this model and TP (they are OPT-13B at TP1) for the published ratio."""
+    job, distserve, vllm, target = item
 
     def reaches(extra_s: float) -> bool:
         cfg = replace(job.config, step_overhead_s=job.config.step_overhead_s + extra_s)
-        v = measure(replace(job, config=cfg, modes=(MODE,)))["per_gpu"][MODE]
+        v = vllm if extra_s == 0 else measure(replace(job, config=cfg, modes=(MODE,)))["per_gpu"][MODE]
         return v <= 0 or distserve / v >= target
 
     if reaches(0.0):
@@ -323,7 +323,8 @@ def main() -> None:
     # What vLLM would have to spend per step more than its traces show for each row's published ratio (aligned otherwise).
     need_rows = [r for r in rows if (r.key, ALIGNED.name, "vllm-2023") in jobs and per_gpu((r.key, ALIGNED.name, "distserve"))]
     needed = dict(zip([r.key for r in need_rows], run_jobs(needed_vllm_overhead, [
-        (jobs[(r.key, ALIGNED.name, "vllm-2023")], per_gpu((r.key, ALIGNED.name, "distserve")), r.published[0]) for r in need_rows], args.jobs)))
+        (jobs[(r.key, ALIGNED.name, "vllm-2023")], per_gpu((r.key, ALIGNED.name, "distserve")), per_gpu((r.key, ALIGNED.name, "vllm-2023")),
+         r.published[0]) for r in need_rows], args.jobs)))
 
     # SLO-scale curves at the lower of DistServe's and vllm-2023's goodput per GPU.
     scale_jobs: dict[tuple[str, str], Job] = {}
