@@ -26,6 +26,7 @@ if TYPE_CHECKING:
     from simulator.lazy_decodes import LazyDecodes
     from simulator.lazy_lanes import LazyLanes
     from simulator.workload import Request
+    from simulator.sim_config import SimConfig
 
 StepTimeFn = Callable[[BatchShape], float]
 DecodeTimeFn = Callable[[int, int, int], float]  # (num_decode, decode_ctx, decode_max_ctx) -> seconds
@@ -248,10 +249,19 @@ def step_time_fn(latency: LatencyModel, tp: int, pp: int, overhead_s: float, sca
     return lambda shape: (prefill_scale if shape.prefill_tokens else scale) * step_time(shape, tp, pp) + overhead_s
 
 
-def with_seq_overhead(step_time: StepTimeFn, decode_time: DecodeTimeFn, seq_overhead_s: float) -> tuple[StepTimeFn, DecodeTimeFn]:
-    """``step_time`` and ``decode_time`` plus ``seq_overhead_s`` per sequence in the step (prompts and decodes)."""
-    return (lambda shape: step_time(shape) + seq_overhead_s * (shape.num_prefill + shape.num_decode),
-            lambda n, ctx, max_ctx: decode_time(n, ctx, max_ctx) + seq_overhead_s * n)
+def instance_step_times(latency: LatencyModel, tp: int, pp: int, cfg: SimConfig, instant: bool = False) -> tuple[StepTimeFn, DecodeTimeFn | None]:
+    """(seconds of any step, seconds of a decode-only step from (num_decode, decode_ctx, decode_max_ctx); None: no
+    decode steps, ``instant``) of an instance of ``tp`` × ``pp`` under ``cfg``'s runtime constants: the latency model's
+    time scaled, plus ``step_overhead_s`` per step and ``seq_overhead_s`` per sequence in it."""
+    fn = step_time_fn(latency, tp, pp, cfg.step_overhead_s, cfg.step_time_scale, cfg.prefill_scale, instant=instant)
+    if instant:
+        return fn, None
+    decode_fn = latency.decode_step_fn(tp, pp, cfg.step_time_scale, cfg.step_overhead_s)
+    k = cfg.seq_overhead_s
+    if not k:
+        return fn, decode_fn
+    return (lambda shape: fn(shape) + k * (shape.num_prefill + shape.num_decode),
+            lambda n, ctx, max_ctx: decode_fn(n, ctx, max_ctx) + k * n)
 
 
 class SharedCompute:

@@ -79,7 +79,7 @@ from simulator.sim_config import SimConfig
 from simulator.sim_admission import SAMPLED_TOKEN, SimAdmission
 from simulator.sim_events import ARRIVE, LAUNCH, MIGRATE, MIGRATED, STEP_DONE
 from simulator.sim_migration import SimMigrations
-from simulator.sim_instance import SharedCompute, SimInstance, cascade_rule_of, check_fits, hold_every_prompt, step_time_fn, with_seq_overhead
+from simulator.sim_instance import SharedCompute, SimInstance, cascade_rule_of, check_fits, hold_every_prompt, instance_step_times
 from simulator.workload import Request
 
 if TYPE_CHECKING:
@@ -111,11 +111,7 @@ class Simulation(SimAdmission, SimMigrations):
                                 step_histograms=False)  # (the runtime's /metrics: a simulation reports no histograms)
             idx = counters.get(kind, 0)
             counters[kind] = idx + 1
-            instant = cfg.instant_prefill and kind == "prefill"
-            fn = step_time_fn(latency, spec.tp, spec.pp, cfg.step_overhead_s, cfg.step_time_scale, cfg.prefill_scale, instant=instant)
-            decode_fn = None if instant else latency.decode_step_fn(spec.tp, spec.pp, cfg.step_time_scale, cfg.step_overhead_s)
-            if cfg.seq_overhead_s and decode_fn is not None:
-                fn, decode_fn = with_seq_overhead(fn, decode_fn, cfg.seq_overhead_s)
+            fn, decode_fn = instance_step_times(latency, spec.tp, spec.pp, cfg, instant=cfg.instant_prefill and kind == "prefill")
             inst = SimInstance(kind, idx, spec, core, fn, len(self.instances), cascade=cascade)
             if decode_fn is not None:
                 inst.decode_time = decode_fn
