@@ -20,7 +20,8 @@ Rows, in order (``--rows`` picks some; the fault-free wave always runs first):
   server right after the fault-free wave (row "goodput search", ``chaos_rows.planned_goodput``): the
   highest Poisson rate at which >= 90% of requests meet that SLO, found by a few probes starting at the
   wave's completion rate, each as long as the burst (a shorter one passes rates the server cannot hold
-  that long: the backlog stays within a loose TTFT SLO until the probe ends). The server is restarted before the overload row configured for the SLO
+  that long: the backlog stays within a loose TTFT SLO until the probe ends), each passing probe
+  repeated (``--goodput-confirmations``) so that one lucky probe does not set it. The server is restarted before the overload row configured for the SLO
   (``slo_flags``: ``--max-queue-delay`` at ``--queue-share`` of the TTFT SLO, ``--tpot-backpressure`` at ``--tpot-share`` of the TPOT SLO),
   as an operator deploys for an SLO, and the shutdown row runs on that server. The admitted rate is measured as the
   planned goodput is: admitted arrivals per second of the burst (``admitted_rps``; a probe's rate is its arrivals per
@@ -76,6 +77,9 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--faults", default=None, help=f"comma-separated, of {','.join(FAULTS)} (default: all; --quick: decode-worker,controller)")
     ap.add_argument("--storm", type=int, default=500, help="clients in the disconnect storm")
     ap.add_argument("--goodput-probes", type=int, default=5, help="Poisson probes that search the planned goodput")
+    ap.add_argument("--goodput-confirmations", type=int, default=2,
+                    help="repeats in the goodput search: a probe that passes is repeated at once, and its rate counts as passed "
+                    "only if the repeat passes too (0: no repeat, the planned goodput may be a probe that passed by luck)")
     ap.add_argument("--goodput-probe-s", type=float, default=None,
                     help="seconds of arrivals per goodput probe (default: --overload-s, so the planned goodput is a rate the server "
                     "held for as long as the burst lasts: a shorter probe passes rates above what it can sustain, as the backlog "
@@ -102,14 +106,14 @@ def parse_args() -> argparse.Namespace:
     if args.quick:
         args.model, args.in_flight, args.max_tokens, args.cache_tokens = "tiny", 24, 12, 768
         args.storm, args.overload_s, args.soak_s, args.deadline = 30, 3.0, 4.0, 150.0
-        args.goodput_probes, args.goodput_probe_s = 2, 3.0
+        args.goodput_probes, args.goodput_probe_s, args.goodput_confirmations = 2, 3.0, 1
         args.faults = args.faults or "decode-worker,controller"
     args.faults = [f for f in (args.faults or ",".join(FAULTS)).split(",") if f]
     args.rows = [r for r in args.rows.split(",") if r]
     if args.goodput_probe_s is None:
         args.goodput_probe_s = args.overload_s
-    if args.goodput_probes < 1 or args.goodput_probe_s <= 0:
-        ap.error("--goodput-probes must be >= 1 and --goodput-probe-s > 0")
+    if args.goodput_probes < 1 or args.goodput_probe_s <= 0 or args.goodput_confirmations < 0:
+        ap.error("--goodput-probes must be >= 1, --goodput-probe-s > 0 and --goodput-confirmations >= 0")
     if args.planned_goodput is not None and not args.planned_goodput > 0:
         ap.error(f"--planned-goodput must be > 0 req/s, got {args.planned_goodput}")
     if not 0 < args.tpot_share <= 1:
@@ -375,8 +379,8 @@ def report(args: argparse.Namespace, run: Run) -> None:
              f"{os.cpu_count()} cores",
              "", f"Waves of {args.in_flight} requests in flight, {args.max_tokens} output tokens each; KV cache "
              f"{args.cache_tokens} tokens per instance; the fault-free wave completed {run.figures['wave_rps']} req/s"
-             + (f"; planned goodput {run.figures['planned_goodput_rps']} req/s (measured: the highest Poisson rate probed with >= 90% "
-                "within the SLO, row \"goodput search\")." if any(r["scenario"] == "goodput search" for r in rows) else "."), "",
+             + (f"; planned goodput {run.figures['planned_goodput_rps']} req/s (measured: the highest Poisson rate with >= 90% "
+                "within the SLO in every probe at it, row \"goodput search\")." if any(r["scenario"] == "goodput search" for r in rows) else "."), "",
              "| fault | requests sent | completed identical | ended with error | lost | hung | blocks leaked | recovery time (s) |",
              "|---|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:

@@ -9,7 +9,7 @@ import os
 import random
 import signal
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import chaos_client as cc
@@ -55,32 +55,64 @@ GOODPUT_ATTAINMENT = 0.9  # DistServe's goodput: the highest rate at which this 
 
 async def planned_goodput(run: Run, slo: tuple[float, float], first_rate: float) -> float:
     """The planned goodput as DistServe defines it, measured on this server: the highest Poisson rate at which
-    >= 90% of requests complete within ``slo``. ``--goodput-probes`` probes of ``--goodput-probe-s`` each, from
-    ``first_rate`` (the fault-free wave's completion rate): up by 1.5x while probes pass, then bisection between
-    the highest rate that passed and the lowest that failed. Every request of every probe is in the row
-    "goodput search" (lost, hung, leaked counted as in any row). If no probe passes, half the lowest rate
-    probed is used for the rows that follow and the row says ``bracketed: false``."""
+    >= 90% of requests complete within ``slo``, searched by ``search_goodput`` with ``--goodput-probes`` probes of
+    ``--goodput-probe-s`` each from ``first_rate`` (the fault-free wave's completion rate), a rate that passes
+    repeated at once (``--goodput-confirmations`` repeats at most): the knee is a cliff — TPOT rises without bound once
+    decoding falls behind — and one probe there passes or fails by luck (15 req/s: 1.0, then 0.64 with the same arrivals).
+    Every request of every probe is in the row "goodput search" (lost, hung, leaked counted as in any row); the row
+    says ``bracketed: false`` if no probe passed, ``confirmed: false`` if the rate used did not pass a repeat."""
     args = run.args
     run.refs.update(await cc.references(run.client, run.root, args.model, args.dtype,
                                         cc.make_jobs(20, args.max_tokens, args.seed + 1), run.ledger))  # the Poisson rows' prompts
-    passed, failed, probes, leaked = 0.0, None, [], 0
-    rate = first_rate
-    for _ in range(args.goodput_probes):
+    probes: list[dict] = []
+    leaked = 0
+
+    async def probe(rate: float, repeat: bool) -> bool:
+        nonlocal leaked
         sent = await poisson(run, "goodput search", rate, args.goodput_probe_s, lambda: None)
         attainment = slo_attainment(sent, slo, args.max_tokens) or 0.0
-        probes.append({"rate_rps": round(rate, 3), "sent": len(sent), "slo_attainment": attainment})
-        print(f"  goodput probe at {rate:.2f} req/s: {attainment:.3f} within the SLO", flush=True)
+        probes.append({"rate_rps": round(rate, 3), "sent": len(sent), "slo_attainment": attainment, "repeat": repeat})
+        print(f"  goodput probe{' (repeat)' if repeat else ''} at {rate:.2f} req/s: {attainment:.3f} within the SLO", flush=True)
         leaked = max(leaked, await run.idle_leak())  # and the next probe starts on an idle server
-        if attainment >= GOODPUT_ATTAINMENT:
-            passed = rate
-        else:
-            failed = rate
-        rate = rate * 1.5 if failed is None else (passed + failed) / 2
-    bracketed = passed > 0
-    goodput = passed if bracketed else min(p["rate_rps"] for p in probes) / 2
-    run.row("goodput search", None, leaked, planned_goodput_rps=round(goodput, 3), bracketed=bracketed,
+        return attainment >= GOODPUT_ATTAINMENT
+
+    goodput, bracketed, confirmed = await search_goodput(probe, first_rate, args.goodput_probes, args.goodput_confirmations)
+    run.row("goodput search", None, leaked, planned_goodput_rps=round(goodput, 3), bracketed=bracketed, confirmed=confirmed,
             first_rate_rps=round(first_rate, 3), probes=probes)
     return goodput
+
+
+async def search_goodput(probe: Callable[[float, bool], Awaitable[bool]], first_rate: float, probes: int,
+                         confirmations: int) -> tuple[float, bool, bool]:
+    """(goodput, bracketed, confirmed): ``probes`` calls of ``probe(rate, repeat=False)`` from ``first_rate``, up by
+    1.5x while they pass, down by 1.5x while none has, then bisecting between the highest rate that passed and the
+    lowest that failed. A probe that passes is repeated at once (``probe(rate, repeat=True)``, at most
+    ``confirmations`` repeats in all), and the rate counts as passed only if the repeat passes too: near the knee
+    one probe passes by luck. ``bracketed``: some rate passed (else the goodput is the lowest rate probed over
+    1.5); ``confirmed``: the rate returned passed its repeat (or no repeat was asked for)."""
+    passed: list[float] = []
+    repeated: set[float] = set()
+    failed, lowest, rate, repeats_left = None, first_rate, first_rate, confirmations
+    for _ in range(probes):
+        lowest = min(lowest, rate)
+        ok = await probe(rate, False)
+        if ok and repeats_left > 0:
+            repeats_left -= 1
+            ok = await probe(rate, True)
+            repeated.add(rate)
+        if ok:
+            passed.append(rate)
+        else:
+            failed = rate if failed is None else min(failed, rate)
+        if failed is None:
+            rate *= 1.5
+        elif not passed:
+            rate = failed / 1.5
+        else:
+            rate = (max(passed) + failed) / 2
+    if not passed:
+        return lowest / 1.5, False, False
+    return max(passed), True, confirmations == 0 or max(passed) in repeated
 
 
 def slo_flags(slo: tuple[float, float], tpot_share: float, queue_share: float) -> list[str]:
