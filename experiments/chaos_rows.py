@@ -90,29 +90,27 @@ async def search_goodput(probe: Callable[[float, bool], Awaitable[bool]], first_
     ``confirmations`` repeats in all), and the rate counts as passed only if the repeat passes too: near the knee
     one probe passes by luck. ``bracketed``: some rate passed (else the goodput is the lowest rate probed over
     1.5); ``confirmed``: the rate returned passed its repeat (or no repeat was asked for)."""
-    passed: list[float] = []
-    repeated: set[float] = set()
-    failed, lowest, rate, repeats_left = None, first_rate, first_rate, confirmations
+    # Each rate probed is above every rate that passed and below every one that failed, so the last pass is the best.
+    best, best_repeated, failed, rate, repeats_left = None, False, None, first_rate, confirmations
     for _ in range(probes):
-        lowest = min(lowest, rate)
-        ok = await probe(rate, False)
+        ok, repeated = await probe(rate, False), False
         if ok and repeats_left > 0:
             repeats_left -= 1
-            ok = await probe(rate, True)
-            repeated.add(rate)
+            ok, repeated = await probe(rate, True), True
         if ok:
-            passed.append(rate)
+            best, best_repeated = rate, repeated
         else:
-            failed = rate if failed is None else min(failed, rate)
+            failed = rate
         if failed is None:
             rate *= 1.5
-        elif not passed:
+        elif best is None:
             rate = failed / 1.5
         else:
-            rate = (max(passed) + failed) / 2
-    if not passed:
-        return lowest / 1.5, False, False
-    return max(passed), True, confirmations == 0 or max(passed) in repeated
+            rate = (best + failed) / 2
+    if best is None:
+        assert failed is not None  # probes >= 1, none passed
+        return failed / 1.5, False, False  # failed: the lowest rate probed
+    return best, True, confirmations == 0 or best_repeated
 
 
 def slo_flags(slo: tuple[float, float], tpot_share: float, queue_share: float) -> list[str]:
