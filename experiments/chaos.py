@@ -77,9 +77,10 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--faults", default=None, help=f"comma-separated, of {','.join(FAULTS)} (default: all; --quick: decode-worker,controller)")
     ap.add_argument("--storm", type=int, default=500, help="clients in the disconnect storm")
     ap.add_argument("--goodput-probes", type=int, default=5, help="Poisson probes that search the planned goodput")
-    ap.add_argument("--goodput-confirmations", type=int, default=2,
-                    help="repeats in the goodput search: a probe that passes is repeated at once, and its rate counts as passed "
-                    "only if the repeat passes too (0: no repeat, the planned goodput may be a probe that passed by luck)")
+    ap.add_argument("--goodput-confirmations", type=int, default=None,
+                    help="repeats in the goodput search (default: --goodput-probes, every pass repeated): a probe that passes is "
+                    "repeated at once, and its rate counts as passed only if the repeat passes too (0: no repeat, the planned "
+                    "goodput may be a probe that passed by luck)")
     ap.add_argument("--goodput-probe-s", type=float, default=None,
                     help="seconds of arrivals per goodput probe (default: --overload-s, so the planned goodput is a rate the server "
                     "held for as long as the burst lasts: a shorter probe passes rates above what it can sustain, as the backlog "
@@ -112,6 +113,8 @@ def parse_args() -> argparse.Namespace:
     args.rows = [r for r in args.rows.split(",") if r]
     if args.goodput_probe_s is None:
         args.goodput_probe_s = args.overload_s
+    if args.goodput_confirmations is None:
+        args.goodput_confirmations = args.goodput_probes
     if args.goodput_probes < 1 or args.goodput_probe_s <= 0 or args.goodput_confirmations < 0:
         ap.error("--goodput-probes must be >= 1, --goodput-probe-s > 0 and --goodput-confirmations >= 0")
     if args.planned_goodput is not None and not args.planned_goodput > 0:
