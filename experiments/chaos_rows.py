@@ -260,12 +260,23 @@ async def single_ttft(run: Run) -> float | None:
     return rec.first_s - rec.sent_s if rec.outcome == "identical" and rec.first_s is not None else None
 
 
+KV_OUTPUT_FACTOR = 4  # the KV exhaustion row's outputs, in --max-tokens: long enough that running decodes outgrow the cache
+
+
 async def kv_exhaustion(run: Run, cache_tokens: int) -> None:
+    """Long prompts (``kv_prompt_words``: each a small share of the cache, so that many are resident at once) that
+    together exceed the cache, with outputs ``KV_OUTPUT_FACTOR`` times the waves' (a decode
+    instance admits a migration when its prompt fits, so only outputs growing into a full cache make it preempt:
+    with the waves' 16 tokens no run ever did), every one to complete identical (``preemptions``: decodes
+    preempted and recomputed); then one prompt larger than the whole cache, refused with 400 at admission."""
     args = run.args
     preempted = run.counter("num_preemptions_total")
-    long_jobs = [j for j in cc.make_jobs(args.in_flight, args.max_tokens, args.seed + 2, words=(40, 80)) if j.kind != "dataflow"]
+    long_jobs = [j for j in cc.make_jobs(args.in_flight, KV_OUTPUT_FACTOR * args.max_tokens, args.seed + 2,
+                                         num_prompts=args.in_flight, words=args.kv_prompt_words)
+                 if j.kind != "dataflow"]
     run.refs.update(await cc.references(run.client, run.root, args.model, args.dtype, long_jobs, run.ledger))
-    await run.wave("KV exhaustion: prompts together > cache", long_jobs, preemptions=int(run.counter("num_preemptions_total") - preempted))
+    row = await run.wave("KV exhaustion: prompts together > cache", long_jobs)
+    row["preemptions"] = int(run.counter("num_preemptions_total") - preempted)  # after the wave (it was read before it)
     words = " ".join(["word"] * cache_tokens)  # at least one token per word, with any tokenizer here
     rec = await run.send("KV exhaustion: one prompt > cache", cc.Job("completion", words, 4))
     run.row("KV exhaustion: one prompt > cache", None, await run.idle_leak(), status=rec.status, refused_at_admission=rec.status == 400)
