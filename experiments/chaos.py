@@ -55,7 +55,7 @@ import chaos_client as cc
 import harness
 import aiohttp
 import httpx
-from chaos_rows import DROP_EVERY, KV_OUTPUT_FACTOR, dropped_sends, kv_exhaustion, overload, planned_goodput, shutdown, slo_flags, soak, storm
+from chaos_rows import DROP_EVERY, dropped_sends, kv_exhaustion, overload, planned_goodput, shutdown, slo_flags, soak, storm
 
 from distserve.cli.args import latency_type
 from distserve.measure.benchserve import ServerProcess, distserve_serve_argv, metric_sums, session_pids
@@ -109,9 +109,6 @@ def parse_args() -> argparse.Namespace:
         args.storm, args.overload_s, args.soak_s, args.deadline = 30, 3.0, 4.0, 150.0
         args.goodput_probes, args.goodput_probe_s, args.goodput_confirmations = 2, 3.0, 1
         args.faults = args.faults or "decode-worker,controller"
-    # The KV exhaustion row's prompt lengths in words: SmolLM2 ~100 tokens (~1/40 of the cache), the tiny model's
-    # tokenizer ~50 (~1/15 of the --quick cache): many resident at once, so their outputs outgrow the cache.
-    args.kv_prompt_words = (8, 16) if args.quick else (40, 80)
     args.faults = [f for f in (args.faults or ",".join(FAULTS)).split(",") if f]
     args.rows = [r for r in args.rows.split(",") if r]
     if args.goodput_probe_s is None:
@@ -399,7 +396,7 @@ def report(args: argparse.Namespace, run: Run) -> None:
                   f"worst growth of anonymous memory (heap and stacks) {soaked['anon_max_growth']} ({soaked['anon_worst_process']})."]
     kv = next((r for r in rows if r["scenario"] == "KV exhaustion: prompts together > cache"), None)
     if kv is not None:
-        lines += ["", f"KV exhaustion: {kv['sent']} long prompts with {KV_OUTPUT_FACTOR * args.max_tokens} output tokens each, "
+        lines += ["", f"KV exhaustion: {kv['sent']} long prompts with {kv['max_tokens']} output tokens each, "
                   f"together over the cache; {kv['preemptions']} decodes preempted (their KV freed, recomputed later), "
                   f"{kv['identical']} completed identical."]
     drops = next((r for r in rows if r["scenario"] == "KV drop-sends"), None)

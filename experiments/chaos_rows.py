@@ -261,22 +261,25 @@ async def single_ttft(run: Run) -> float | None:
 
 
 KV_OUTPUT_FACTOR = 4  # the KV exhaustion row's outputs, in --max-tokens: long enough that running decodes outgrow the cache
+# Its prompts' lengths in words: SmolLM2 ~100 tokens (~1/40 of the cache), the tiny model's tokenizer ~50 (~1/15 of the
+# --quick cache): many resident at once, so their outputs outgrow the cache.
+KV_PROMPT_WORDS, KV_PROMPT_WORDS_QUICK = (40, 80), (8, 16)
 
 
 async def kv_exhaustion(run: Run, cache_tokens: int) -> None:
-    """Long prompts (``kv_prompt_words``: each a small share of the cache, so that many are resident at once) that
+    """Long prompts (``KV_PROMPT_WORDS``: each a small share of the cache, so that many are resident at once) that
     together exceed the cache, with outputs ``KV_OUTPUT_FACTOR`` times the waves' (a decode
     instance admits a migration when its prompt fits, so only outputs growing into a full cache make it preempt:
     with the waves' 16 tokens no run ever did), every one to complete identical (``preemptions``: decodes
     preempted and recomputed); then one prompt larger than the whole cache, refused with 400 at admission."""
     args = run.args
     preempted = run.counter("num_preemptions_total")
-    long_jobs = [j for j in cc.make_jobs(args.in_flight, KV_OUTPUT_FACTOR * args.max_tokens, args.seed + 2,
-                                         num_prompts=args.in_flight, words=args.kv_prompt_words)
+    max_tokens, words = KV_OUTPUT_FACTOR * args.max_tokens, KV_PROMPT_WORDS_QUICK if args.quick else KV_PROMPT_WORDS
+    long_jobs = [j for j in cc.make_jobs(args.in_flight, max_tokens, args.seed + 2, num_prompts=args.in_flight, words=words)
                  if j.kind != "dataflow"]
     run.refs.update(await cc.references(run.client, run.root, args.model, args.dtype, long_jobs, run.ledger))
     row = await run.wave("KV exhaustion: prompts together > cache", long_jobs)
-    row["preemptions"] = int(run.counter("num_preemptions_total") - preempted)  # after the wave (it was read before it)
+    row.update(max_tokens=max_tokens, preemptions=int(run.counter("num_preemptions_total") - preempted))  # after the wave
     words = " ".join(["word"] * cache_tokens)  # at least one token per word, with any tokenizer here
     rec = await run.send("KV exhaustion: one prompt > cache", cc.Job("completion", words, 4))
     run.row("KV exhaustion: one prompt > cache", None, await run.idle_leak(), status=rec.status, refused_at_admission=rec.status == 400)

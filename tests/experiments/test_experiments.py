@@ -43,8 +43,9 @@ CHECKS = {
     and len(f["model_step"]) == 4 and all(r["greedy_same"] == 1.0 for r in f["model_step"].values()),
     # Issue 20: every request of every row accounted for: none lost or hung, no KV block left in use; each fault's wave
     # completed with the greedy reference and new requests succeeded after it (a killed controller is redeployed and
-    # its requests re-run); prompts over the cache preempt and still complete identical; the oversized prompt is a 400; the storm's clients all left; overload's refusals are 429s
-    # with Retry-After; shutdown refused new connections and left no process.
+    # its requests re-run); prompts over the cache preempt and still complete identical; the oversized prompt is a 400;
+    # the storm's clients all left; overload's refusals are 429s with Retry-After; shutdown refused new connections and
+    # left no process.
     "chaos": lambda f: f["quick"] and f["total_lost"] == 0 and f["total_hung"] == 0 and f["total_blocks_leaked"] == 0
     and all((r := f["rows"][k])["identical"] == r["sent"] and r["new_requests_ok"]
             for k in ("fault-free", "kill decode-worker", "kill controller", "KV exhaustion: prompts together > cache", "soak 70%"))
