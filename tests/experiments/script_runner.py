@@ -90,30 +90,47 @@ class ScriptRunner:
             except (OSError, ValueError):  # the server died: this run (and the next ones) as plain processes
                 self._broken = True
                 return subprocess.run(argv, cwd=cwd, capture_output=True, text=True, timeout=timeout)
-            line = self._readline(time.monotonic() + timeout)
+            try:
+                line = self._readline(time.monotonic() + timeout)
+            except BaseException:  # e.g. the test's own timeout: as subprocess.run, the child is killed and waited for
+                self._kill_and_reap(pid)
+                raise
             timed_out = line is None and server.poll() is None
             if timed_out:  # as subprocess.run: killed, then waited for
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-                line = self._readline()
+                line = self._kill_and_reap(pid)
+            elif line is None:  # the server died with the child: report it, and run the next ones as plain processes
+                self._broken = True
             returncode = int(line) if line else -signal.SIGKILL
             stdout, stderr = out.read_text(errors="replace"), err.read_text(errors="replace")
         if timed_out:
             raise subprocess.TimeoutExpired(argv, timeout, output=stdout, stderr=stderr)
         return subprocess.CompletedProcess(argv, returncode, stdout, stderr)
 
-    def close(self) -> None:
+    def _kill_and_reap(self, pid: int) -> str | None:
+        """SIGKILL the child ``pid``; the server's line with its exit status (None if the server is gone)."""
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        line = self._readline(time.monotonic() + 30)
+        if line is None:  # the server does not answer: a fresh one for the next run
+            self.close(kill=True)
+        return line
+
+    def close(self, kill: bool = False) -> None:
         if self._proc is not None and self._proc.poll() is None:
             assert self._proc.stdin is not None
-            self._proc.stdin.close()  # EOF: the server exits
+            if kill:
+                self._proc.kill()
+            else:
+                self._proc.stdin.close()  # EOF: the server exits
             try:
                 self._proc.wait(10)
             except subprocess.TimeoutExpired:
                 self._proc.kill()
                 self._proc.wait()
         self._proc = None
+        self._buffer = b""
 
 
 RUNNER = ScriptRunner()  # the suite's one fork server (tests/experiments/conftest.py closes it)
