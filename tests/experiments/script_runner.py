@@ -114,21 +114,19 @@ class ScriptRunner:
             pass
         line = self._readline(time.monotonic() + 30)
         if line is None:  # the server does not answer: a fresh one for the next run
-            self.close(kill=True)
+            self.close()
         return line
 
-    def close(self, kill: bool = False) -> None:
-        if self._proc is not None and self._proc.poll() is None:
-            assert self._proc.stdin is not None
-            if kill:
+    def close(self) -> None:
+        """Stop the server. Killed, not sent EOF: between runs it only waits for a request, and a process forked from
+        this one since (a test's fork-started helper) may still hold the write end of its stdin, so EOF can be late."""
+        if self._proc is not None:
+            if self._proc.poll() is None:
                 self._proc.kill()
-            else:
-                self._proc.stdin.close()  # EOF: the server exits
-            try:
-                self._proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self._proc.kill()
-                self._proc.wait()
+            self._proc.wait()
+            for pipe in (self._proc.stdin, self._proc.stdout):
+                if pipe is not None:
+                    pipe.close()
         self._proc = None
         self._buffer = b""
 
