@@ -23,6 +23,11 @@ from distserve.measure.machine import QUIET_MAX_OTHER_CORES, QUIET_RETRIES, Quie
 from distserve.measure.step_times import SEED, WORKER_TIMEOUT_S, check_positive, random_tokens
 
 
+# Between the idle and busy rounds the neighbour is given a few of its steps to finish the one it runs (or to start),
+# at most 0.2 s (a small model's step takes milliseconds: 0.2 s each round was most of a quick profile's wait).
+SETTLE_STEPS, SETTLE_MIN_S, SETTLE_MAX_S = 3, 0.02, 0.2
+
+
 def _probe_runner(model: str, dtype: str, threads: int) -> tuple[ModelRunner, dict[str, StepPlan]]:
     """A small runner and the probe steps: a 128-token prefill and a decode of 8 at context 128."""
     torch.set_num_threads(threads)
@@ -74,6 +79,10 @@ def measure_concurrent_slowdown(
         runner, plans = _probe_runner(model, resolved, threads)
         for plan in plans.values():  # warm-up
             runner.execute(plan)
+        # The neighbour's step, warm: a switch of ``on`` takes effect once its current step ends.
+        t0 = time.perf_counter()
+        runner.execute(plans["prefill 1x128"])
+        settle_s = min(SETTLE_MAX_S, max(SETTLE_MIN_S, SETTLE_STEPS * (time.perf_counter() - t0)))
         if not ready.wait(WORKER_TIMEOUT_S):
             raise RuntimeError("the neighbour worker did not start")
         assert proc.pid is not None
@@ -85,7 +94,7 @@ def measure_concurrent_slowdown(
         for r in range(2 * rounds):
             busy = r % 2 == 1
             (on.set if busy else on.clear)()
-            time.sleep(0.2)  # let the neighbour finish or start a step
+            time.sleep(settle_s)  # let the neighbour finish or start a step
             for name, plan in plans.items():
                 for _ in range(2):
                     times[(name, busy)].append(guard.timed(lambda plan=plan: runner.execute(plan)))

@@ -7,13 +7,13 @@ from __future__ import annotations
 
 import json
 import math
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 from experiment_modules import load_experiment
+from script_runner import run_script
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
@@ -32,8 +32,8 @@ table = _load("distserve_table")
 @pytest.fixture(scope="module")
 def quick(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], dict[str, Any], Path]:
     out = tmp_path_factory.mktemp("distserve_table")
-    proc = subprocess.run([sys.executable, str(ROOT / "experiments" / "distserve_table.py"), "--quick", "--out-dir", str(out)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=280)
+    proc = run_script([sys.executable, str(ROOT / "experiments" / "distserve_table.py"), "--quick", "--out-dir", str(out)],
+                      cwd=ROOT, timeout=280)
     assert proc.returncode == 0, proc.stderr[-3000:]
     figures = json.loads(proc.stdout.strip().splitlines()[-1])
     saved = json.loads((out / "distserve_table_quick.json").read_text())

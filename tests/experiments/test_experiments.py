@@ -8,13 +8,13 @@ import argparse
 import ast
 import importlib.util
 import json
-import subprocess
 import sys
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
 import pytest
+from script_runner import run_script
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.integration  # runs each script as a process
@@ -220,11 +220,9 @@ def test_quick_run_writes_to_a_temporary_directory(tmp_path: Path) -> None:
 
 
 def quick_run(script: Path, out_dir: Path, *extra: str) -> dict[str, Any]:
-    """Run ``script --quick --out-dir out_dir [extra]``; it must exit 0 and end with one non-empty JSON object."""
-    proc = subprocess.run(
-        [sys.executable, str(script), "--quick", "--out-dir", str(out_dir), *extra],
-        cwd=ROOT, capture_output=True, text=True, timeout=600,
-    )
+    """Run ``script --quick --out-dir out_dir [extra]`` (a process forked from the warm ``script_runner``); it must exit 0
+    and end with one non-empty JSON object."""
+    proc = run_script([sys.executable, str(script), "--quick", "--out-dir", str(out_dir), *extra], cwd=ROOT, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     figures = json.loads(proc.stdout.strip().splitlines()[-1])
     assert isinstance(figures, dict) and figures
@@ -245,8 +243,8 @@ def test_bench_apps_figures_quick(tmp_path: Path) -> None:
     assert [r["num_outputs"] for r in agents] == [1, 1, 2, 2]  # one review per program at once, both ways
     png = tmp_path / "bench_apps_figures_quick.png"
     png.unlink()
-    drawn = subprocess.run([sys.executable, str(ROOT / "experiments" / "slo_sweep.py"), "--render-apps", str(png.with_suffix(".json"))],
-                           cwd=ROOT, capture_output=True, text=True, timeout=120)
+    drawn = run_script([sys.executable, str(ROOT / "experiments" / "slo_sweep.py"), "--render-apps", str(png.with_suffix(".json"))],
+                       cwd=ROOT, timeout=120)
     assert drawn.returncode == 0 and png.stat().st_size > 0, drawn.stderr[-2000:]
 
 

@@ -91,5 +91,6 @@ def test_server_process_on_a_given_port_is_stopped_with_its_children(sigint_igno
     finally:
         if previous is not None:
             signal.signal(signal.SIGINT, previous)
-        report = server.stop(grace_s=5)  # the child never exits by itself: SIGKILL must end it
+        # The child never exits by itself: SIGKILL must end it (so waiting for it to leave on its own is padding).
+        report = server.stop(grace_s=5, linger_s=0.5)
     assert report["num_left_after_sigint"] == 1 and report["num_left"] == 0 and not session_pids(server.sid)

@@ -40,10 +40,21 @@ def deploy() -> DisaggLLM:
     return DisaggLLM("tiny", Placement.disaggregated(), dtype="float32", cache_config=CACHE)
 
 
+# The module's deployment: the placement groups there were before it, and whether a test shut it down already.
+_MODULE_DEPLOYMENT: dict[str, Any] = {}
+
+
 @pytest.fixture(scope="module")
 def llm(ray_cluster: Any) -> Iterator[DisaggLLM]:
-    with deploy() as llm:
+    """One deployment for the module's tests; the last of them to use it checks its shutdown
+    (``test_shutdown_leaves_no_actor_and_no_placement_group``)."""
+    _MODULE_DEPLOYMENT.update(groups_before=live_placement_groups(), shut_down=False)
+    llm = deploy()
+    try:
         yield llm
+    finally:
+        if not _MODULE_DEPLOYMENT["shut_down"]:
+            llm.shutdown()
 
 
 @pytest.fixture(scope="module")
@@ -255,17 +266,17 @@ def test_an_outbox_nobody_reads_is_dropped_and_its_requests_aborted(llm: DisaggL
     assert wait_until(lambda: all_freed(llm), timeout_s=20)
 
 
-def test_shutdown_leaves_no_actor_and_no_placement_group(ray_cluster: Any) -> None:
+def test_shutdown_leaves_no_actor_and_no_placement_group(llm: DisaggLLM) -> None:
+    """The module's deployment (this is the last test to use it: it has served every test above) is shut down."""
     import ray
 
-    before = live_placement_groups()
-    llm = deploy()
     try:
         assert len(llm.generate(PROMPTS[:1], SP)[0].token_ids) == 16
-        ours = live_placement_groups() - before
+        ours = live_placement_groups() - _MODULE_DEPLOYMENT["groups_before"]
         pids = [ray.get(llm.controller.actor.pid.remote())]
         pids += [p for ranks in ray.get(llm.controller.actor.worker_pids.remote()).values() for p in ranks]
     finally:
+        _MODULE_DEPLOYMENT["shut_down"] = True
         llm.shutdown()
     assert len(ours) == 2 and len(pids) == 3
     assert wait_until(lambda: not any(process_alive(p) for p in pids), timeout_s=30)
