@@ -116,6 +116,9 @@ class DisaggLLM:
         return self.run(self.controller.placement_report())
 
     def shutdown(self) -> None:
+        """Stop the deployment (its actors and placement groups) and the controller's loop; again: nothing."""
+        if not self._thread.is_alive():
+            return
         try:
             self.run(self.controller.shutdown(), timeout=60)
         finally:

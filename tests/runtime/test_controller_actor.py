@@ -40,21 +40,17 @@ def deploy() -> DisaggLLM:
     return DisaggLLM("tiny", Placement.disaggregated(), dtype="float32", cache_config=CACHE)
 
 
-# The module's deployment: the placement groups there were before it, and whether a test shut it down already.
-_MODULE_DEPLOYMENT: dict[str, Any] = {}
+# The placement groups there were before the module's deployment.
+_GROUPS_BEFORE: set[str] = set()
 
 
 @pytest.fixture(scope="module")
 def llm(ray_cluster: Any) -> Iterator[DisaggLLM]:
     """One deployment for the module's tests; the last of them to use it checks its shutdown
     (``test_shutdown_leaves_no_actor_and_no_placement_group``)."""
-    _MODULE_DEPLOYMENT.update(groups_before=live_placement_groups(), shut_down=False)
-    llm = deploy()
-    try:
+    _GROUPS_BEFORE.update(live_placement_groups())
+    with deploy() as llm:  # (shutting down twice does nothing)
         yield llm
-    finally:
-        if not _MODULE_DEPLOYMENT["shut_down"]:
-            llm.shutdown()
 
 
 @pytest.fixture(scope="module")
@@ -272,11 +268,10 @@ def test_shutdown_leaves_no_actor_and_no_placement_group(llm: DisaggLLM) -> None
 
     try:
         assert len(llm.generate(PROMPTS[:1], SP)[0].token_ids) == 16
-        ours = live_placement_groups() - _MODULE_DEPLOYMENT["groups_before"]
+        ours = live_placement_groups() - _GROUPS_BEFORE
         pids = [ray.get(llm.controller.actor.pid.remote())]
         pids += [p for ranks in ray.get(llm.controller.actor.worker_pids.remote()).values() for p in ranks]
     finally:
-        _MODULE_DEPLOYMENT["shut_down"] = True
         llm.shutdown()
     assert len(ours) == 2 and len(pids) == 3
     assert wait_until(lambda: not any(process_alive(p) for p in pids), timeout_s=30)
