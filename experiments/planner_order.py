@@ -1,15 +1,20 @@
-"""How much of a plan's time is the order its candidates are searched in? Bound order vs the oracle order.
+"""How good is the planner's search order? Best first vs bound order vs an oracle, one worker and two.
 
 ``distserve plan`` searches each chain of candidates (colocated configs, prefill configs, decode
-configs, low-affinity units) best throughput bound per GPU first; a candidate is only searched on while
-it may still beat the best found so far (``planner.chains``). A candidate found early that turns out
-best makes every later one a cheap loser (one or two failing probes); a high bound that turns out poor
-costs a full bisection first. This times, for each setting, the plan in bound order and then again
-with every chain ordered by the goodputs per GPU the first run found (the *oracle* order: the best
-first), one worker, CPU seconds of this process; and, for reference, the wall time of the bound order with
-two workers (``distserve plan``'s default on 2 cores). The plan (every option and its rate) must be the
-same; the difference is what a better order could save at most, and the oracle's time is a floor no
-reordering alone goes below.
+configs, low-affinity units) best first (``planner.chains``): the candidate whose goodput per GPU may
+still be highest is probed next, each loser only until it certainly loses. This times, for each
+setting, one worker, CPU seconds of this process:
+
+* **best first**: the planner as it is;
+* **bound order** (the planner before best first, here as a baseline): each chain's candidates in
+  turn, best throughput bound per GPU first, each searched only while it may still beat the best
+  found so far (``find_goodput``'s ``min_rate``) — a high bound that turns out poor costs a full
+  bisection before the true best is found;
+* **oracle order**: the bound order's rules with each chain's candidates ordered by the goodputs per
+  GPU the best-first run found, its winner first — what a search told the answer in advance costs;
+
+and the best-first plan's wall time with two workers (``distserve plan``'s default on 2 cores). Every
+plan (every option and its rate) must be the same.
 
 Settings (4 x 8 A100-80G, DistServe's fitted profile, 300 requests per probe, 90% joint): the
 chatbot rows ``bench_planner.py`` times, and DistServe's own workloads with its Table 1 SLOs
@@ -19,18 +24,20 @@ chatbot rows ``bench_planner.py`` times, and DistServe's own workloads with its 
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from dataclasses import replace
 from typing import Any
 
 import harness
-from distserve.planner.chains import Chain, chain_order
+from distserve.planner.chains import Chain, chain_order, rounded
 from distserve.planner.plan import Candidate, PlanRequest, PlanResult
 from distserve.planner.report import PlanArgs, build_request
 from distserve.planner.search import Planner
 from harness import Outputs
 from simulator import DISTSERVE_A100_PROFILE
+from simulator.goodput import find_goodput
 
 # (model, workload, TTFT s, TPOT s): bench_planner's two chatbot rows, then DistServe's Table 1 settings.
 SETTINGS = [
@@ -47,17 +54,31 @@ def key(cand: Candidate) -> tuple[str, str]:
     return cand.kind, cand.label()
 
 
-class OracleOrder(Planner):
-    """The same search, each chain's candidates ordered by the goodput per GPU an earlier run found."""
+class InOrder(Planner):
+    """The same plan, each chain's candidates searched in turn (the baseline orders above): in chain
+    order, or by the goodput per GPU an earlier run found (``known``), best first."""
 
-    def __init__(self, request: PlanRequest, goodput_per_gpu: dict[tuple[str, str], float]) -> None:
+    def __init__(self, request: PlanRequest, known: dict[tuple[str, str], float] | None = None) -> None:
         super().__init__(request)
-        self.known = goodput_per_gpu
+        self.known = known
 
     def _run(self, chains: list[Chain]) -> None:
         for chain in chains:
-            chain.jobs.sort(key=lambda cj: (-self.known.get(key(cj[0]), 0.0), chain_order(cj[0])))
-        super()._run(chains)
+            if self.known is not None:
+                chain.jobs.sort(key=lambda cj: (-self.known.get(key(cj[0]), 0.0), chain_order(cj[0])))  # type: ignore[union-attr]
+            best = 0.0
+            for i, (cand, job) in enumerate(chain.jobs):
+                if rounded(cand.bound_rate / cand.num_gpus) <= rounded(best):
+                    cand.skipped = f"bound {cand.bound_rate / cand.num_gpus:.3g} req/s/GPU <= best {best:.3g}"
+                    continue
+                # (the lowest rate that beats the best so far: a tie does not win, as best_of prefers the first)
+                g = find_goodput(job.placement, job.latency, job.unit_requests, job.slo, job.config, rel_tol=job.rel_tol,
+                                 start_rate=job.start_rate, max_rate=job.max_rate, early_stop=job.early_stop,
+                                 early_pass=job.early_stop, min_rate=math.nextafter(best * cand.num_gpus, math.inf) if best > 0 else None)
+                chain.record(i, (g.rate, g.binding, [(p.rate, p.attainment, p.meets) for p in g.probes], g.below,
+                                 sum(p.stopped_early for p in g.probes)))
+                best = max(best, cand.per_gpu)
+                self.num_simulated += 1
 
 
 def timed(planner: Planner) -> tuple[PlanResult, float, float]:
@@ -77,23 +98,25 @@ def one(model: str, workload: str, ttft: float, tpot: float, nodes: int, gpus_pe
                     tpot_s=tpot, attainment=0.9, profile=str(DISTSERVE_A100_PROFILE), affinity="auto",
                     num_requests=num_requests, workers=1)
     label = f"{model} {workload}"
-    (bound, bound_cpu, _), _, w1 = guard.measure(f"{label}: bound order", lambda: timed(Planner(build_request(args))))
-    known = {key(c): c.per_gpu for c in bound.candidates if c.goodput > 0}
-    (oracle, oracle_cpu, _), _, w2 = guard.measure(f"{label}: oracle order", lambda: timed(OracleOrder(build_request(args), known)))
+    (best, best_cpu, _), _, w1 = guard.measure(f"{label}: best first", lambda: timed(Planner(build_request(args))))
+    (bound, bound_cpu, _), _, w2 = guard.measure(f"{label}: bound order", lambda: timed(InOrder(build_request(args))))
+    known = {key(c): c.per_gpu for c in best.candidates if c.goodput > 0}
+    (oracle, oracle_cpu, _), _, w3 = guard.measure(f"{label}: oracle order", lambda: timed(InOrder(build_request(args), known)))
     # The CLI's default on 2 cores; its wall time needs the second core idle.
-    (two, _, two_wall), _, w3 = guard.measure(f"{label}: two workers", lambda: timed(Planner(build_request(replace(args, workers=2)))))
+    (two, _, two_wall), _, w4 = guard.measure(f"{label}: two workers", lambda: timed(Planner(build_request(replace(args, workers=2)))))
 
     def probes(result: PlanResult) -> int:
         return sum(len(c.probes) for c in result.candidates)
 
     return {
         "model": model, "workload": workload, "ttft_s": ttft, "tpot_s": tpot,
-        "best": plan_figures(bound)[0] if bound.options else None,
-        "bound_order_cpu_s": bound_cpu, "oracle_order_cpu_s": oracle_cpu, "speedup": bound_cpu / oracle_cpu,
-        "bound_order_probes": probes(bound), "oracle_order_probes": probes(oracle),
-        "same_plan": plan_figures(bound) == plan_figures(oracle),
-        "two_workers_wall_s": two_wall, "two_workers_same_plan": plan_figures(two) == plan_figures(bound),
-        "other_cores": [round(w.other_cores, 3) for w in (w1, w2, w3)],  # the rest of the machine, during each
+        "best": plan_figures(best)[0] if best.options else None,
+        "best_first_cpu_s": best_cpu, "bound_order_cpu_s": bound_cpu, "oracle_order_cpu_s": oracle_cpu,
+        "speedup_vs_bound_order": bound_cpu / best_cpu,
+        "best_first_probes": probes(best), "bound_order_probes": probes(bound), "oracle_order_probes": probes(oracle),
+        "same_plan": plan_figures(best) == plan_figures(bound) == plan_figures(oracle),
+        "two_workers_wall_s": two_wall, "two_workers_same_plan": plan_figures(two) == plan_figures(best),
+        "other_cores": [round(w.other_cores, 3) for w in (w1, w2, w3, w4)],  # the rest of the machine, during each
     }
 
 
@@ -112,23 +135,26 @@ def main() -> None:
     for model, workload, ttft, tpot in settings:
         row = one(model, workload, ttft, tpot, nodes, gpus, n, guard)
         rows.append(row)
-        print(f"{model} {workload}: bound order {row['bound_order_cpu_s']:.2f} s ({row['bound_order_probes']} probes), "
-              f"oracle order {row['oracle_order_cpu_s']:.2f} s ({row['oracle_order_probes']}), same plan {row['same_plan']}",
-              flush=True)
+        print(f"{model} {workload}: best first {row['best_first_cpu_s']:.2f} s ({row['best_first_probes']} probes), "
+              f"bound order {row['bound_order_cpu_s']:.2f} s ({row['bound_order_probes']}), oracle order "
+              f"{row['oracle_order_cpu_s']:.2f} s ({row['oracle_order_probes']}), 2 workers {row['two_workers_wall_s']:.2f} s wall, "
+              f"same plan {row['same_plan'] and row['two_workers_same_plan']}", flush=True)
     figures = {"cluster": f"{nodes} x {gpus} a100-80g", "num_requests": n, "load_avg_at_start": load, "rows": rows,
                "all_same_plan": all(r["same_plan"] and r["two_workers_same_plan"] for r in rows),
                "max_two_workers_wall_s": max(r["two_workers_wall_s"] for r in rows),
+               "max_best_first_cpu_s": max(r["best_first_cpu_s"] for r in rows),
                "max_bound_order_cpu_s": max(r["bound_order_cpu_s"] for r in rows),
                "max_oracle_order_cpu_s": max(r["oracle_order_cpu_s"] for r in rows)}
-    md = [f"# Planner: candidate order ({figures['cluster']}, {n} requests per probe, one worker, CPU s; load {load:.2f})", "",
-          "| model | workload | SLO TTFT / TPOT | plan | bound order: CPU s (probes) | 2 workers: wall s | oracle order: CPU s (probes) | ratio | same plan |",
-          "|---|---|---|---|---:|---:|---:|---:|---|"]
+    md = [f"# Planner: search order ({figures['cluster']}, {n} requests per probe, CPU s of one worker; load {load:.2f})", "",
+          "| model | workload | SLO TTFT / TPOT | plan | best first: CPU s (probes) | 2 workers: wall s | bound order: CPU s (probes) | "
+          "bound order / best first | oracle order: CPU s (probes) | same plan |",
+          "|---|---|---|---|---:|---:|---:|---:|---:|---|"]
     for r in rows:
         best = f"{r['best'][0]}: {r['best'][1]}" if r["best"] else "-"
         md.append(f"| {r['model']} | {r['workload']} | {r['ttft_s']:g} / {r['tpot_s']:g} s | {best} | "
-                  f"{r['bound_order_cpu_s']:.2f} ({r['bound_order_probes']}) | {r['two_workers_wall_s']:.2f} | "
-                  f"{r['oracle_order_cpu_s']:.2f} ({r['oracle_order_probes']}) | {r['speedup']:.2f}x | "
-                  f"{r['same_plan'] and r['two_workers_same_plan']} |")
+                  f"{r['best_first_cpu_s']:.2f} ({r['best_first_probes']}) | {r['two_workers_wall_s']:.2f} | "
+                  f"{r['bound_order_cpu_s']:.2f} ({r['bound_order_probes']}) | {r['speedup_vs_bound_order']:.2f}x | "
+                  f"{r['oracle_order_cpu_s']:.2f} ({r['oracle_order_probes']}) | {r['same_plan'] and r['two_workers_same_plan']} |")
     out.markdown(md)
     out.json(figures)
     harness.finish(figures)

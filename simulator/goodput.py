@@ -4,10 +4,11 @@ The workload is generated once at unit rate (seeded) and replayed at each probed
 its arrival times, so every probe sees the same requests in the same order: the search is
 reproducible and attainment is (close to) monotone in the rate.
 
-A caller that only needs the goodput if it reaches some rate (a planner comparing a candidate with
-the best so far) passes that rate as ``min_rate``. The search is unchanged; but first, the probes
-that decide whether it would end at or above ``min_rate`` are simulated, most decisive first, and
-if it would not, the search stops there (``below``). The outcome is exactly the full search's.
+A caller that only needs the goodput if it reaches some rate passes that rate as ``min_rate``. The
+search is unchanged; but first, the probes that decide whether it would end at or above ``min_rate``
+are simulated, most decisive first (``rate_search.reaches``), and if it would not, the search stops
+there (``below``). The outcome is exactly the full search's. (The planner goes further: it weighs
+many candidates' searches at once, ``planner.chains``, with this module's ``probe_at``.)
 
 A probe stops as soon as its verdict is certain (``early_stop``): once more requests have missed
 their SLO than the attainment target allows, no later request can make it pass; and, with
@@ -22,8 +23,7 @@ as the planner).
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from distserve.errors import InvalidConfigError
@@ -31,8 +31,11 @@ from distserve.placement import Placement
 from distserve.slo import SLOSpec, attainment, max_misses, meets, slo_for_objective
 from simulator.latency import LatencyModel
 from simulator.metrics import RequestRecord, SimResult
+from simulator.rate_search import PartialSearch, reaches, search_rate
 from simulator.simulation import SimConfig, Simulation, gc_paused, with_rate
 from simulator.workload import Request
+
+Memo = dict[tuple[float, bool], tuple[SimResult, bool]]  # a search's simulations, by (rate, may stop early)
 
 
 @dataclass(frozen=True)
@@ -142,7 +145,7 @@ def find_goodput(
     min_rate: float | None = None,
     early_stop: bool = True,
     early_pass: bool = False,
-    memo: dict[tuple[float, bool], tuple[SimResult, bool]] | None = None,
+    memo: Memo | None = None,
 ) -> GoodputResult:
     """Bisection on the arrival rate; ``unit_rate_requests`` arrive at 1 request/s on average.
 
@@ -153,10 +156,11 @@ def find_goodput(
     ``early_stop``: end each probe once its verdict is certain to fail (same outcome, less
     simulating); ``early_pass`` also once it is certain to pass (then ``result`` may be a run that
     stopped early: its attainment a lower bound).
-    ``memo``: the simulations of an earlier search with the same arguments but perhaps another
-    ``min_rate`` (``simulate_at``'s answers, by rate and whether it might stop early), taken instead of
-    simulating again; the new ones are added to it. A simulation is a function of its arguments, so
-    the result is the same as without (the planner's speculative workers, ``planner.search``).
+    ``memo``: simulations made earlier with the same arguments — by another search with another
+    ``min_rate``, or by probes made one at a time (``simulate_probe``'s answers, by rate and whether it
+    might stop early) — taken instead of simulating again; the new ones are added to it. A simulation
+    is a function of its arguments, so the result is the same as without (the planner's chains read a
+    candidate's search off the probes they made, ``planner.chains``).
     """
     with gc_paused():  # (its probes, and weighing the search's ways between them)
         return _find_goodput(placement, latency, unit_rate_requests, slo, config, rel_tol, start_rate, max_probes,
@@ -166,7 +170,7 @@ def find_goodput(
 def _find_goodput(placement: Placement, latency: LatencyModel, unit_rate_requests: Sequence[Request], slo: SLOSpec,
                   config: SimConfig | None, rel_tol: float, start_rate: float | None, max_probes: int,
                   max_rate: float | None, min_rate: float | None, early_stop: bool, early_pass: bool,
-                  memo: dict[tuple[float, bool], tuple[SimResult, bool]]) -> GoodputResult:
+                  memo: Memo) -> GoodputResult:
     if not unit_rate_requests:
         raise InvalidConfigError("the workload has no requests")
     if not 0 < rel_tol < 1:
@@ -180,47 +184,29 @@ def _find_goodput(placement: Placement, latency: LatencyModel, unit_rate_request
     outcomes: dict[float, bool] = {}  # every simulated rate: the search may ask for one twice
     binding_at: dict[float, str] = {}
 
-    def simulate_at(rate: float, stop: bool) -> tuple[SimResult, bool]:
-        """The probe's simulation, and whether it stopped because it is certain to pass."""
-        if (rate, stop) not in memo:
-            # A fresh Simulation per probe: it validates the placement and owns the run's state.
-            stop_when = _MissCounter(len(unit_rate_requests), slo, early_pass) if stop else None
-            res = Simulation(placement, latency, config).run(with_rate(unit_rate_requests, rate), stop_when)
-            memo[rate, stop] = res, stop_when is not None and stop_when.passed
-        return memo[rate, stop]
-
     def probe(rate: float) -> bool:
         if rate not in outcomes:
-            res, passed = simulate_at(rate, early_stop)
-            att = attainment(res.records, slo)
-            if res.stopped_early and meets(att, slo) != passed:  # (rounding at the bound: never seen)
-                res, _ = simulate_at(rate, False)
-                att = attainment(res.records, slo)
-            outcomes[rate] = meets(att, slo)
-            # Which SLO binds, from the requests that finished (all of them unless stopped early).
-            done = [r for r in res.records if r.finish_s is not None] if res.stopped_early else None
-            binding_at[rate] = binding_slo(attainment(done, slo) if done else att, slo)
-            probes.append(Probe(rate, att, outcomes[rate], res.stopped_early))
-            results[rate] = res
+            p, binding_at[rate], results[rate] = probe_at(placement, latency, unit_rate_requests, slo, config, rate,
+                                                          early_stop, early_pass, memo)
+            outcomes[rate] = p.meets
+            probes.append(p)
         return outcomes[rate]
 
     def complete(rate: float) -> SimResult:
         """The full simulation at a probed rate (its probe's attainment made exact)."""
         if results[rate].stopped_early:
-            results[rate], _ = simulate_at(rate, False)
+            results[rate] = simulate_probe(placement, latency, unit_rate_requests, slo, config, rate, False, False, memo)[0]
             i = next(i for i, p in enumerate(probes) if p.rate == rate)
             probes[i] = Probe(rate, attainment(results[rate].records, slo), outcomes[rate])
         return results[rate]
 
-    def search(passes: Callable[[float], bool]) -> tuple[float, float]:
-        return search_rate(passes, start_rate or float(num_gpus), max_rate, rel_tol, max_probes, max_first=True)
-
-    if min_rate is not None and not _reaches(search, probe, outcomes, min_rate, max_rate):
+    start = start_rate or float(num_gpus)
+    if min_rate is not None and not reaches(PartialSearch(start, max_rate, rel_tol, max_probes), probe, min_rate):
         failed = min((p for p in probes if not p.meets), key=lambda p: p.rate, default=None)
         # (A loser's ``result`` is left as simulated: possibly stopped early.)
         return GoodputResult(0.0, num_gpus, probes, results[min(results)] if results else None,
                              binding_at[failed.rate] if failed is not None else None, below=min_rate)
-    lo, hi = search(probe)
+    lo, hi = search_rate(probe, start, max_rate, rel_tol, max_probes, max_first=True)
     above = next((p for p in probes if p.rate == hi), None)
     best = results[lo] if lo > 0 else complete(min(results))
     return GoodputResult(
@@ -232,144 +218,27 @@ def _find_goodput(placement: Placement, latency: LatencyModel, unit_rate_request
     )
 
 
-def search_rate(passes: Callable[[float], bool], start_rate: float, max_rate: float | None, rel_tol: float,
-                max_probes: int, max_first: bool = False) -> tuple[float, float]:
-    """The search over an oracle ``passes(rate)``: (lo, hi), the best passing rate and the failing one above it.
-
-    ``lo`` is 0 if no rate passed, ``hi`` inf if none failed. The oracle may be a simulation or a
-    measurement of a real server (experiments/bench_serving.py): the search is the same.
-    ``max_first``: where the bracket's second probe would be ``max_rate`` (``start_rate`` passing),
-    probe ``max_rate`` first: if it passes, the search ends there without ``start_rate``; if not,
-    ``start_rate`` is next and the bracket (hence the search) is the one they give in the other
-    order — the same (lo, hi) wherever passing ``max_rate`` implies passing ``start_rate``, with a
-    probe fewer when the bound is reached (the planner's throughput-capped candidates).
-    """
-    rate = start_rate if max_rate is None else min(start_rate, max_rate)
-    lo, hi = 0.0, math.inf
-    num_probes = 0
-    if max_first and max_rate is not None and rate < max_rate <= 2.0 * rate:
-        num_probes += 1
-        if passes(max_rate):
-            return max_rate, math.inf
-        hi = max_rate
-    # Bracket: grow or shrink by 2x until one rate passes and one fails.
-    while num_probes < max_probes:
-        num_probes += 1
-        if passes(rate):
-            lo = rate
-            if hi < math.inf or (max_rate is not None and rate >= max_rate):
-                break
-            rate = rate * 2.0 if max_rate is None else min(rate * 2.0, max_rate)
-        else:
-            hi = rate
-            if lo > 0:
-                break
-            rate /= 2.0
-            if rate < 1e-4 * start_rate:
-                break
-    while lo > 0 and hi < math.inf and (hi - lo) / hi > rel_tol and num_probes < max_probes:
-        num_probes += 1
-        mid = 0.5 * (lo + hi)
-        if passes(mid):
-            lo = mid
-        else:
-            hi = mid
-    return lo, hi
+def simulate_probe(placement: Placement, latency: LatencyModel, unit_rate_requests: Sequence[Request], slo: SLOSpec,
+                   config: SimConfig | None, rate: float, stop: bool, early_pass: bool, memo: Memo) -> tuple[SimResult, bool]:
+    """A probe's simulation at ``rate`` (taken from ``memo`` if there, else run and added): ending once its
+    verdict is certain to fail if ``stop`` (and to pass, ``early_pass``); and whether it stopped because it passes."""
+    if (rate, stop) not in memo:
+        # A fresh Simulation per probe: it validates the placement and owns the run's state.
+        stop_when = _MissCounter(len(unit_rate_requests), slo, early_pass) if stop else None
+        res = Simulation(placement, latency, config).run(with_rate(unit_rate_requests, rate), stop_when)
+        memo[rate, stop] = res, stop_when is not None and stop_when.passed
+    return memo[rate, stop]
 
 
-_MAX_PATHS = 4096  # beyond this many ways to go, _reaches stops weighing them and lets the search run
-_Search = Callable[[Callable[[float], bool]], tuple[float, float]]
-
-
-class _Unknown(Exception):
-    def __init__(self, rate: float) -> None:
-        self.rate = rate
-
-
-def _run_until_unknown(search: _Search, outcomes: dict[float, bool]) -> tuple[float, float] | float:
-    """The search's (lo, hi) if ``outcomes`` answer everything it asks, else the first rate they don't."""
-
-    def oracle(rate: float) -> bool:
-        if rate in outcomes:
-            return outcomes[rate]
-        raise _Unknown(rate)
-
-    try:
-        return search(oracle)
-    except _Unknown as unknown:
-        return unknown.rate
-
-
-def _paths(search: _Search, known: dict[float, bool]) -> list[tuple[float, dict[float, bool]]] | None:
-    """Every way the search can still go given the ``known`` outcomes: (its result, the outcomes it assumes)."""
-    out: list[tuple[float, dict[float, bool]]] = []
-    stack: list[dict[float, bool]] = [{}]
-    while stack:
-        assumed = stack.pop()
-        step = _run_until_unknown(search, {**known, **assumed})
-        if isinstance(step, tuple):
-            out.append((step[0], assumed))
-            continue
-        stack += [{**assumed, step: True}, {**assumed, step: False}]
-        if len(stack) + len(out) > _MAX_PATHS:
-            return None
-    return out
-
-
-def _narrowed(paths: list[tuple[float, dict[float, bool]]], rate: float, outcome: bool) -> list[tuple[float, dict[float, bool]]]:
-    """``_paths(search, known)`` from the ``paths`` of ``known`` without ``rate``, now that ``rate``'s
-    ``outcome`` is known: the ways that assumed the other outcome go, the rest lose the assumption.
-    Exactly ``_paths``' answer, in its order (the search tree with ``rate``'s forks cut to one side,
-    walked as before) — and never more than ``_MAX_PATHS`` of them, as those were not."""
-    return [(lo, {r: ok for r, ok in assumed.items() if r != rate} if rate in assumed else assumed)
-            for lo, assumed in paths if assumed.get(rate, outcome) == outcome]
-
-
-def _reaches(search: _Search, probe: Callable[[float], bool],
-             known: dict[float, bool], min_rate: float, max_rate: float | None) -> bool:
-    """Whether ``search(probe)`` ends at or above ``min_rate``, probing only what it takes to know.
-
-    Exact: the outcomes that decide it are the search's own; only the order of the probes differs.
-    With a ``max_rate``, each step probes the rate most likely to rule out the probable ways of
-    reaching ``min_rate``, under a prior where the goodput lies uniformly between the best known
-    pass and the lowest known fail (or 1.5 x ``max_rate``: the search often passes there). So a rate
-    just below ``min_rate`` that the search would have to pass is tried early, and rates it would
-    surely pass are left for last. Without one, the probes follow the search's own order.
-    """
-    paths: list[tuple[float, dict[float, bool]]] | None = None
-    learned: float | None = None  # the rate probed last (its outcome is in ``known`` now)
-    while True:
-        if paths is None or learned is None:
-            paths = _paths(search, known)
-        else:
-            paths = _narrowed(paths, learned, known[learned])
-        if paths is None:
-            return True  # too many to weigh: run the search itself
-        wins = [assumed for lo, assumed in paths if lo >= min_rate]
-        if not wins:
-            return False
-        if len(wins) == len(paths):
-            return True
-        if max_rate is None:
-            step = _run_until_unknown(search, known)
-            assert not isinstance(step, tuple)  # some ways are still open: the search has not ended
-            probe(step)
-            learned = step
-            continue
-        rates = {r for _, assumed in paths for r in assumed}
-        top = min((r for r, ok in known.items() if not ok), default=1.5 * max_rate)
-        bottom = max((r for r, ok in known.items() if ok and r < top), default=0.0)
-
-        def p_pass(rate: float) -> float:
-            return min(0.98, max(0.02, (top - rate) / (top - bottom)))
-
-        def weight(assumed: dict[float, bool]) -> float:
-            return math.prod(p_pass(r) if ok else 1.0 - p_pass(r) for r, ok in assumed.items())
-
-        score = dict.fromkeys(rates, 0.0)
-        for assumed in wins:
-            w = weight(assumed)
-            for r, ok in assumed.items():
-                score[r] += w * (1.0 - p_pass(r) if ok else p_pass(r))  # the chance that r rules this way out
-        learned = max(rates, key=lambda r: (score[r], r))
-        probe(learned)
+def probe_at(placement: Placement, latency: LatencyModel, unit_rate_requests: Sequence[Request], slo: SLOSpec,
+             config: SimConfig | None, rate: float, early_stop: bool, early_pass: bool, memo: Memo) -> tuple[Probe, str, SimResult]:
+    """One probe of a goodput search: whether ``rate`` meets the SLO target, which SLO binds (read off the
+    requests finished, all of them unless it stopped early) and the simulation (``simulate_probe``)."""
+    res, passed = simulate_probe(placement, latency, unit_rate_requests, slo, config, rate, early_stop, early_pass, memo)
+    att = attainment(res.records, slo)
+    if res.stopped_early and meets(att, slo) != passed:  # (rounding at the bound: never seen)
+        res, _ = simulate_probe(placement, latency, unit_rate_requests, slo, config, rate, False, False, memo)
+        att = attainment(res.records, slo)
+    done = [r for r in res.records if r.finish_s is not None] if res.stopped_early else None
+    binding = binding_slo(attainment(done, slo) if done else att, slo)
+    return Probe(rate, att, meets(att, slo), res.stopped_early), binding, res

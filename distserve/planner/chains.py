@@ -1,49 +1,60 @@
-"""Evaluating the planner's candidates: each search's candidates as a *chain*, in one process or on a pool.
+"""Evaluating the planner's candidates: each search's candidates as a *chain*, searched best first.
 
 A chain is one search's candidates (colocated configs, prefill configs, decode configs, low-affinity
-units), best throughput bound per GPU first. Its rules are sequential: a candidate whose bound per
-GPU cannot beat the best goodput per GPU found so far in its chain is skipped, and a simulated one
-only searches on while it may still beat that best (``find_goodput``'s ``min_rate``, just above
-it: one that can at most tie it cannot win, as ``best_of`` prefers the earlier of equals). Chains
-are independent of each other.
+units). Its answer is the candidate with the best goodput per GPU and, of equals, the first in
+``chain_order`` (best throughput bound per GPU first). A candidate's goodput is where its own rate
+search ends (``rate_search.search_rate`` over simulated probes); the chain weighs all of these
+searches at once, each known in part (a ``PartialSearch``), and probes only what it takes to know
+the winner — branch and bound over the candidates (``BestFirst``):
 
-``run_chains`` with one worker walks the chains in order. With more, it keeps every worker busy and
-still gives exactly the sequential answer — every candidate's goodput, probes, binding or skip:
+* each candidate's goodput per GPU lies between the lowest and the highest end its search may still
+  reach (before its first probe: 0 and its throughput bound);
+* the *top* — the candidate with the highest such upper end (of equals, the first in chain order) —
+  is probed next. While another candidate is known to reach more than the top's lower end (the
+  *incumbent*), the probe is the one most likely to show the top cannot beat it
+  (``PartialSearch.decisive``): usually a rate just above the top's goodput, a probe that fails
+  early and cheaply. Otherwise it is the next probe of the top's own search;
+* once the top's search has ended, no other candidate can beat it: the chain is decided.
 
-* the next candidate of every chain, with its true ``min_rate``, is evaluated first (chains are
-  independent, so this is never wasted);
-* a free worker then evaluates a later candidate *speculatively*, with the ``min_rate`` it would get
-  if the candidates before it (still running) do not raise their chain's best — the usual case,
-  as most candidates lose;
-* a candidate is committed, in chain order, only from an evaluation with its true ``min_rate``;
-  a speculation made with another one is not used as such, but its simulations are: a candidate's
-  probe at a given rate is the same simulation whatever its ``min_rate`` (``find_goodput``'s
-  ``memo``), so evaluating it again mostly reuses them.
+So the candidate most likely to win is searched first, and each loser only until it certainly
+loses. Every outcome is one its search would get itself, so the winner and its goodput are exactly
+the full search's (``stop_losers=False``: every candidate searched to its end). What each candidate
+records:
 
-``run_all`` runs other independent simulations (the options' verification) on a pool the same way.
+* one whose search ended (the winner, and others that got that far): its search's record — probes,
+  goodput, binding SLO — exactly as a full search gives it (``find_goodput`` reading its probes);
+* one probed, but not to the end: goodput 0, and ``goodput_below``: the most its search may still
+  find, at most the winner's goodput per GPU on as many GPUs;
+* one never probed: skipped (its throughput bound per GPU is at most the winner's goodput per GPU).
+
+``run_chains`` with workers: the chains' probes are independent, so each chain's next probe is
+simulated at once; a worker left free probes *ahead*, what a chain would probe next if the probes in
+flight got their likelier outcomes (``PartialSearch.likely``). A chain makes its decisions in the
+same order on the same outcomes however its probes were simulated: the same probes, records and
+plan as one process. ``run_all`` runs other independent simulations (the options' verification) on
+a pool.
 """
 
 from __future__ import annotations
 
-import math
 import multiprocessing
 import queue
-from collections.abc import Callable
-from dataclasses import dataclass, replace
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from distserve.placement import Placement
 from distserve.planner.plan import Candidate
 from distserve.slo import SLOSpec
-from simulator.goodput import GoodputResult, find_goodput
+from simulator.goodput import GoodputResult, Memo, Probe, find_goodput, probe_at
 from simulator.latency import LatencyModel
-from simulator.metrics import SimResult
-from simulator.simulation import SimConfig
+from simulator.rate_search import PartialSearch
+from simulator.simulation import SimConfig, gc_paused
 from simulator.workload import Request
 
-_Memo = dict[tuple[float, bool], tuple[SimResult, bool]]  # find_goodput's simulations, by (rate, may stop early)
 T = TypeVar("T")
 Evaluation = tuple[float, str | None, list[tuple[float, dict[str, float], bool]], float | None, int]
+Progress = Callable[[str, int, int], None]
 
 
 def rounded(rate: float) -> float:
@@ -53,7 +64,7 @@ def rounded(rate: float) -> float:
 
 @dataclass(frozen=True)
 class Job:
-    """One candidate's goodput search, as a worker process runs it."""
+    """One candidate's goodput search: what a worker process needs to simulate its probes."""
 
     kind: str
     placement: Placement
@@ -64,25 +75,30 @@ class Job:
     rel_tol: float
     start_rate: float
     max_rate: float | None
-    min_rate: float | None = None  # the lowest rate that beats the best candidate so far
     early_stop: bool = True  # probes end once their verdict is certain
 
+    def search(self) -> PartialSearch:
+        """The search ``find_goodput`` makes for this job, before any probe."""
+        return PartialSearch(self.start_rate, self.max_rate, self.rel_tol)
 
-def evaluate(job: Job, memo: _Memo | None = None) -> Evaluation:
+
+def evaluate(job: Job, memo: Memo | None = None) -> Evaluation:
+    """The job's whole search (its simulations taken from ``memo`` where there): the candidate's record."""
     g: GoodputResult = find_goodput(job.placement, job.latency, job.unit_requests, job.slo, job.config,
                                     rel_tol=job.rel_tol, start_rate=job.start_rate, max_rate=job.max_rate,
-                                    min_rate=job.min_rate, early_stop=job.early_stop, early_pass=job.early_stop,
-                                    memo=memo)
+                                    early_stop=job.early_stop, early_pass=job.early_stop, memo=memo)
     return (g.rate, g.binding, [(p.rate, p.attainment, p.meets) for p in g.probes], g.below,
             sum(p.stopped_early for p in g.probes))
 
 
-def _evaluate_remote(job: Job, memo: _Memo, send_memo: bool) -> tuple[Evaluation, _Memo]:
-    """``evaluate`` in a worker: also the simulations it added to ``memo``, if asked (a speculation's,
-    for a later evaluation with another ``min_rate``: a certain one's would not be read)."""
-    known = set(memo)
-    result = evaluate(job, memo)
-    return result, {k: v for k, v in memo.items() if k not in known} if send_memo else {}
+def probe(job: Job, rate: float) -> tuple[Probe, str, Memo]:
+    """One probe of the job's search, as ``find_goodput`` makes it: its verdict, the binding SLO and
+    the simulations it took (for ``evaluate`` to read later)."""
+    memo: Memo = {}
+    with gc_paused():
+        outcome, binding, _ = probe_at(job.placement, job.latency, job.unit_requests, job.slo, job.config, rate,
+                                       job.early_stop, job.early_stop, memo)
+    return outcome, binding, memo
 
 
 def chain_order(cand: Candidate) -> tuple[float, int]:
@@ -93,39 +109,21 @@ def chain_order(cand: Candidate) -> tuple[float, int]:
 
 def best_of(candidates: list[Candidate]) -> Candidate | None:
     """The winner among a chain's evaluated ``candidates`` (as listed): the best goodput per GPU,
-    and of equals the first in chain order — the one a chain's rules let win (a later one is only
-    searched while it may beat it), so a full search chooses as an early-stopped one."""
+    and of equals the first in chain order — the one the best-first search decides for, as a full
+    search of every candidate does."""
     return min((c for c in candidates if c.goodput > 0), key=lambda c: (-c.per_gpu, chain_order(c)), default=None)
 
 
 @dataclass
 class Chain:
-    """One search's candidates and their jobs, sorted in ``chain_order`` (``run_chains``' rules)."""
+    """One search's candidates and their jobs, sorted in ``chain_order``."""
 
     label: str
     jobs: list[tuple[Candidate, Job]]
-    stop_losers: bool = True
+    stop_losers: bool = True  # best first (else every candidate searched to its end)
 
     def __post_init__(self) -> None:
         self.jobs.sort(key=lambda cj: chain_order(cj[0]))
-
-    def skip_reason(self, i: int, best: float) -> str | None:
-        cand = self.jobs[i][0]
-        if rounded(cand.bound_rate / cand.num_gpus) <= rounded(best):
-            return f"bound {cand.bound_rate / cand.num_gpus:.3g} req/s/GPU <= best {best:.3g}"
-        return None
-
-    def min_rate(self, i: int, best: float) -> float | None:
-        """The lowest rate at which candidate ``i`` beats ``best`` per GPU (a tie does not win)."""
-        return math.nextafter(best * self.jobs[i][0].num_gpus, math.inf) if best > 0 and self.stop_losers else None
-
-    def job(self, i: int, best: float) -> Job:
-        return replace(self.jobs[i][1], min_rate=self.min_rate(i, best))
-
-    def per_gpu(self, i: int, result: Evaluation) -> float:
-        """The candidate's goodput per GPU given its evaluation (what ``record`` sets)."""
-        cand = self.jobs[i][0]
-        return min(result[0], cand.bound_rate) / cand.num_gpus
 
     def record(self, i: int, result: Evaluation) -> None:
         cand = self.jobs[i][0]
@@ -138,6 +136,115 @@ class Chain:
             cand.binding = "throughput"
 
 
+class _Searched:
+    """One candidate's search as its chain weighs it: the probes made, the goodput per GPU it may end with."""
+
+    def __init__(self, index: int, cand: Candidate, job: Job, search: PartialSearch | None = None) -> None:
+        self.index, self.cand, self.job = index, cand, job
+        self.search = search or job.search()
+        lo, hi = self.search.extent()
+        # (``record`` caps a goodput at the bound)
+        self.low = min(lo, cand.bound_rate) / cand.num_gpus
+        self.high = min(hi, cand.bound_rate) / cand.num_gpus
+
+    def assuming(self, rate: float, passed: bool) -> _Searched:
+        """This candidate as it would be had a probe at ``rate`` got ``passed`` (a copy)."""
+        return _Searched(self.index, self.cand, self.job, self.search.assuming(rate, passed))
+
+    def per_gpu(self, rate: float) -> float:
+        return min(rate, self.cand.bound_rate) / self.cand.num_gpus
+
+
+class BestFirst:
+    """One chain searched best first (the module docstring): ``next_probe``, then ``learn`` its outcome,
+    until it returns None; then ``finish`` records every candidate."""
+
+    def __init__(self, chain: Chain) -> None:
+        self.chain = chain
+        self.cands = [_Searched(i, c, j) for i, (c, j) in enumerate(chain.jobs)]
+        self.probes: list[list[tuple[Probe, str]]] = [[] for _ in self.cands]
+        self.memos: list[Memo] = [{} for _ in self.cands]
+        self._next: tuple[int, float] | None | bool = False  # (False: not weighed since the last outcome)
+
+    def next_probe(self, assumed: dict[int, _Searched] | None = None) -> tuple[int, float] | None:
+        """The next probe (candidate, rate); None once the chain is decided. ``assumed``: candidates
+        replaced by what-ifs (``_Searched.assuming``), to look ahead."""
+        if assumed is None and self._next is not False:
+            return self._next  # type: ignore[return-value]
+        cands = [assumed.get(c.index, c) for c in self.cands] if assumed else self.cands
+        top = max(cands, key=lambda c: (c.high, -c.index), default=None)
+        if top is None or top.search.result is not None:
+            out = None
+        else:
+            incumbent = max(cands, key=lambda c: (c.low, -c.index))
+            if incumbent is top or incumbent.low == 0:
+                out = top.index, top.search.next_rate
+            else:
+                floor = incumbent.low  # the top must reach it (first of equals) or beat it
+                if top.index < incumbent.index:
+                    out = top.index, top.search.decisive(lambda lo: top.per_gpu(lo) >= floor)
+                else:
+                    out = top.index, top.search.decisive(lambda lo: top.per_gpu(lo) > floor)
+        if assumed is None:
+            self._next = out
+        return out
+
+    def learn(self, i: int, outcome: Probe, binding: str, memo: Memo) -> None:
+        """A probe's outcome (``probe``'s answer) for candidate ``i``."""
+        self.memos[i].update(memo)
+        self.probes[i].append((outcome, binding))
+        c = self.cands[i]
+        c.search.learn(outcome.rate, outcome.meets)
+        self.cands[i] = _Searched(i, c.cand, c.job, c.search)
+        self._next = False
+
+    def ahead(self, i: int, rate: float, known: Callable[[int, float], bool | None]) -> Iterator[tuple[int, float]]:
+        """The probes after (``i``, ``rate``), each assuming the ones before it got their ``known``
+        outcome (None: not known yet) or else their likelier one."""
+        assumed: dict[int, _Searched] = {}
+        while True:
+            c = assumed.get(i, self.cands[i])
+            outcome = known(i, rate)
+            assumed[i] = c.assuming(rate, c.search.likely(rate) if outcome is None else outcome)
+            step = self.next_probe(assumed)
+            if step is None:
+                return
+            yield step
+            i, rate = step
+
+    def settled(self) -> int:
+        """Candidates that certainly lose, or whose search has ended (for progress)."""
+        floor = max((c.low for c in self.cands), default=0.0)
+        return sum(c.high < floor or c.search.result is not None for c in self.cands)
+
+    def run(self, progress: Progress) -> None:
+        """In this process."""
+        with gc_paused():
+            while (step := self.next_probe()) is not None:
+                i, rate = step
+                self.learn(i, *probe(self.chain.jobs[i][1], rate))
+                progress(self.chain.label, self.settled(), len(self.cands))
+
+    def finish(self, progress: Progress) -> int:
+        """Record every candidate (the module docstring); returns how many were simulated."""
+        winner = max(self.cands, key=lambda c: (c.high, -c.index), default=None)
+        for c, probes, memo in zip(self.cands, self.probes, self.memos):
+            cand = c.cand
+            if c.search.result is not None:
+                self.chain.record(c.index, evaluate(c.job, memo))
+            elif probes:
+                failed = min((p for p in probes if not p[0].meets), key=lambda p: p[0].rate, default=None)
+                cand.goodput, cand.goodput_below = 0.0, c.high * cand.num_gpus
+                cand.binding = failed[1] if failed is not None else None
+                cand.probes = [(p.rate, p.attainment, p.meets) for p, _ in probes]
+                cand.num_probes_stopped = sum(p.stopped_early for p, _ in probes)
+            else:
+                assert winner is not None
+                cand.skipped = f"bound {c.high:.3g} req/s/GPU <= best {winner.high:.3g}"
+        progress(self.chain.label, len(self.cands), len(self.cands))
+        return sum(bool(p) for p in self.probes)
+
+
 def run_all(fn: Callable[..., T], args: list[tuple[Any, ...]], workers: int) -> list[T]:
     """``[fn(*a) for a in args]``, on a pool of up to ``workers`` processes if there are two or more."""
     if workers <= 1 or len(args) <= 1:
@@ -146,109 +253,65 @@ def run_all(fn: Callable[..., T], args: list[tuple[Any, ...]], workers: int) -> 
         return pool.starmap(fn, args)
 
 
-Progress = Callable[[str, int, int], None]
-
-
 def run_chains(chains: list[Chain], workers: int, progress: Progress) -> int:
     """Evaluate every chain's candidates (filling in their results); returns how many were simulated."""
+    full = [(chain, i) for chain in chains if not chain.stop_losers for i in range(len(chain.jobs))]
+    results = run_all(evaluate, [(chain.jobs[i][1],) for chain, i in full], workers)
+    for (chain, i), result in zip(full, results):
+        chain.record(i, result)
+        progress(chain.label, i + 1, len(chain.jobs))
+    searches = [BestFirst(chain) for chain in chains if chain.stop_losers]
     if workers <= 1:
-        return sum(_run_sequential(chain, progress) for chain in chains)
-    return _Speculation(chains, progress).run(workers)
+        for search in searches:
+            search.run(progress)
+    else:
+        _run_on_pool(searches, workers, progress)
+    return len(full) + sum(search.finish(progress) for search in searches)
 
 
-def _run_sequential(chain: Chain, progress: Progress) -> int:
-    best, simulated, total = 0.0, 0, len(chain.jobs)
-    for i, (cand, _) in enumerate(chain.jobs):
-        cand.skipped = chain.skip_reason(i, best)
-        if cand.skipped is None:
-            result = evaluate(chain.job(i, best))
-            chain.record(i, result)
-            best = max(best, cand.per_gpu)
-            simulated += 1
-        progress(chain.label, i + 1, total)
-    return simulated
+_Key = tuple[int, int, float]  # (chain, candidate, rate)
 
 
-_Key = tuple[int, int, float | None]  # (chain, candidate, min_rate)
+def _run_on_pool(searches: list[BestFirst], workers: int, progress: Progress) -> None:
+    """Every chain's ``run`` at once on a pool of ``workers`` processes (the module docstring)."""
+    done: dict[_Key, tuple[Probe, str, Memo]] = {}
+    finished: queue.SimpleQueue[tuple[_Key, tuple[Probe, str, Memo] | BaseException]] = queue.SimpleQueue()
+    running: set[_Key] = set()
 
+    def known(c: int) -> Callable[[int, float], bool | None]:
+        return lambda i, rate: done[c, i, rate][0].meets if (c, i, rate) in done else None
 
-class _Speculation:
-    """``run_chains`` on a process pool (see the module docstring): the sequential outcome, sooner."""
+    # (multiprocessing's Pool, not concurrent.futures': a probe ahead still running at the end is killed, not waited for)
+    with multiprocessing.Pool(workers) as pool:
 
-    def __init__(self, chains: list[Chain], progress: Progress) -> None:
-        self.chains = chains
-        self.progress = progress
-        self.next = [0] * len(chains)  # each chain's first candidate not yet committed
-        self.best = [0.0] * len(chains)  # each chain's best goodput per GPU among those committed
-        self.memos: dict[tuple[int, int], _Memo] = {}
-        self.done: dict[_Key, Evaluation] = {}
-        self.simulated = 0
+        def submit(key: _Key) -> None:
+            c, i, rate = key
+            pool.apply_async(probe, (searches[c].chain.jobs[i][1], rate),
+                             callback=lambda out: finished.put((key, out)),
+                             error_callback=lambda err: finished.put((key, err)))
+            running.add(key)
 
-    def run(self, workers: int) -> int:
-        finished: queue.SimpleQueue[tuple[_Key, tuple[Evaluation, _Memo] | BaseException]] = queue.SimpleQueue()
-        running: set[_Key] = set()
-        # (multiprocessing's Pool, not concurrent.futures': a speculation still running at the end is
-        # killed, not waited for)
-        with multiprocessing.Pool(workers) as pool:
-            while self._commit():
-                for key in self._wanted():
+        while True:
+            wanted: list[_Key] = []
+            for c, search in enumerate(searches):
+                while (step := search.next_probe()) is not None and (c, *step) in done:
+                    search.learn(step[0], *done.pop((c, *step)))
+                    progress(search.chain.label, search.settled(), len(search.cands))
+                if step is not None:
+                    wanted.append((c, *step))
+            if not wanted:
+                return
+            for key in wanted:  # every chain's next probe: certain to be needed
+                if key not in running:
+                    submit(key)
+            for c, i, rate in wanted:  # then, on free workers, the probes each chain is likely to make next
+                for step in searches[c].ahead(i, rate, known(c)):
                     if len(running) >= workers:
                         break
-                    if key not in self.done and key not in running:
-                        c, i, min_rate = key
-                        job = replace(self.chains[c].jobs[i][1], min_rate=min_rate)
-                        certain = i == self.next[c] and min_rate == self.chains[c].min_rate(i, self.best[c])
-                        # (a copy: the pool pickles it in another thread, while this one may add to it)
-                        pool.apply_async(_evaluate_remote, (job, dict(self.memos.get((c, i), {})), not certain),
-                                         callback=lambda out, key=key: finished.put((key, out)),
-                                         error_callback=lambda err, key=key: finished.put((key, err)))
-                        running.add(key)
-                key, out = finished.get()
-                if isinstance(out, BaseException):
-                    raise out
-                running.discard(key)
-                result, memo = out
-                if key[1] >= self.next[key[0]]:  # (else committed meanwhile)
-                    self.memos.setdefault(key[:2], {}).update(memo)
-                self.done[key] = result
-        return self.simulated
-
-    def _commit(self) -> bool:
-        """Commit every chain's candidates whose true evaluation is known; False once all are."""
-        for c, chain in enumerate(self.chains):
-            total = len(chain.jobs)
-            while (i := self.next[c]) < total:
-                cand = chain.jobs[i][0]
-                cand.skipped = chain.skip_reason(i, self.best[c])
-                if cand.skipped is None:
-                    result = self.done.get((c, i, chain.min_rate(i, self.best[c])))
-                    if result is None:
-                        break
-                    chain.record(i, result)
-                    self.best[c] = max(self.best[c], cand.per_gpu)
-                    self.simulated += 1
-                self.memos.pop((c, i), None)  # (a speculation still running may add to it: unused)
-                self.next[c] += 1
-                self.progress(chain.label, i + 1, total)
-        return any(n < len(chain.jobs) for n, chain in zip(self.next, self.chains))
-
-    def _wanted(self) -> list[_Key]:
-        """Evaluations to run, most useful first: every chain's next candidate (certain to be needed),
-        then later ones with the ``min_rate`` they get if the candidates before them do not win."""
-        certain: list[_Key] = []
-        guesses: list[list[_Key]] = []
-        for c, chain in enumerate(self.chains):
-            best, mine = self.best[c], []
-            for i in range(self.next[c], len(chain.jobs)):
-                if chain.skip_reason(i, best) is not None:
-                    continue
-                key = (c, i, chain.min_rate(i, best))
-                if key in self.done:
-                    best = max(best, chain.per_gpu(i, self.done[key]))
-                else:
-                    mine.append(key)  # (running or not: assume it loses)
-            if mine and mine[0][1] == self.next[c]:
-                certain.append(mine.pop(0))
-            guesses.append(mine)
-        depth = max((len(g) for g in guesses), default=0)
-        return certain + [g[d] for d in range(depth) for g in guesses if d < len(g)]
+                    if (c, *step) not in done and (c, *step) not in running:
+                        submit((c, *step))
+            key, out = finished.get()
+            running.discard(key)
+            if isinstance(out, BaseException):
+                raise out
+            done[key] = out

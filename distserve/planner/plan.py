@@ -96,9 +96,9 @@ class Candidate:
     goodput: float = 0.0  # requests/s meeting the SLO (of this phase alone for prefill/decode), <= bound_rate
     binding: str | None = None
     probes: list[tuple[float, dict[str, float], bool]] = field(default_factory=list)
-    skipped: str | None = None  # why it was not simulated
-    # Set when the search stopped because it would end below the best candidate so far (as many GPUs
-    # at the best goodput per GPU): the goodput is below this, and ``goodput`` stays 0.
+    skipped: str | None = None  # why it was not simulated (its unloaded latency misses the SLO, or its bound cannot beat the winner)
+    # Set when the search stopped because it could no longer beat its chain's winner: the most it may
+    # still find (the goodput is at most this, at most the winner's per GPU on as many GPUs); ``goodput`` stays 0.
     goodput_below: float | None = None
     num_probes_stopped: int = 0  # probes ended as soon as they could no longer pass
     step_budget: str = "static"  # colocated: the scheduler's step budget policy it was simulated with (or its step policy, "vllm-2023")

@@ -157,7 +157,7 @@ def render(req: PlanRequest, result: PlanResult) -> list[Table]:
             continue
         shown[cand.kind] = shown.get(cand.kind, 0) + 1
         if cand.goodput_below is not None:
-            goodput, per_gpu = f"< {cand.goodput_below:.3g}", f"< {cand.goodput_below / cand.num_gpus:.3g}"
+            goodput, per_gpu = f"<= {cand.goodput_below:.3g}", f"<= {cand.goodput_below / cand.num_gpus:.3g}"
             note = "search stopped: cannot beat the best"
         else:
             goodput, per_gpu, note = f"{cand.goodput:.3g}", f"{cand.per_gpu:.3g}", cand.skipped or ""

@@ -13,14 +13,13 @@ SLO-meeting rate per GPU:
 * the **colocated** baseline searched the same way (best (tp, pp), replicas), so every plan says how
   disaggregation compares and recommends colocated when it wins.
 
-Cheap upper bounds prune before simulating: a candidate's throughput bound (full batches back to
-back, no SLO) per GPU must beat the best goodput per GPU found so far, and a candidate whose
-unloaded latency already misses the SLO (its M/D/1 floor) is dropped. Candidates are simulated
-best bound first, and a candidate's search stops as soon as its outcome certainly falls short of the
-best so far (``find_goodput``'s ``min_rate``): which candidates win, and their goodputs, are exactly
-those of the full search.
-Each search's candidates form a chain (``planner.chains``): with ``max_workers`` > 1 the chains
-run in parallel and later candidates speculatively, with exactly the one-process outcome.
+Cheap bounds prune before simulating: a candidate whose unloaded latency already misses the SLO
+(its M/D/1 floor) is dropped, and a candidate's throughput bound (full batches back to back, no SLO)
+caps its goodput. Each search's candidates form a chain (``planner.chains``) searched best first:
+the candidate whose goodput per GPU may still be highest is probed next, and each loser only until it
+certainly loses (one whose bound cannot beat the winner is never simulated): which candidates win,
+and their goodputs, are exactly those of the full search. With ``max_workers`` > 1 the chains' probes
+run in parallel, and probes a chain is likely to make next ahead, with exactly the one-process outcome.
 
 With an SLO per scheduling class (``PlanRequest.class_slos``) and a workload of two or more
 classes, the best disaggregated plan is also weighed divided into class pools of decode instances
@@ -100,8 +99,8 @@ class Planner:
         return max(1e-3, 0.5 * bound) if math.isfinite(bound) else 1.0
 
     def _run(self, chains: list[Chain]) -> None:
-        """Evaluate the chains' candidates (``planner.chains``: best bound first, skipping those whose
-        bound can't beat the best so far, each search going on only while it may still reach it)."""
+        """Evaluate the chains' candidates (``planner.chains``: best first, each search going on only
+        while it may still win)."""
         self.num_simulated += run_chains(chains, max(1, self.req.max_workers), self.progress)
 
     def _chain(self, label: str, jobs: list[tuple[Candidate, Job]]) -> Chain:

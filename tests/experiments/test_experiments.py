@@ -166,7 +166,7 @@ CHECKS = {
     and f["processes_left"] == 0,
     # Every run chose a plan, and every enumerated candidate was either simulated or pruned; 2 workers searched as 1.
     # Candidate order never changes the plan; with the best candidates first (the oracle) fewer probes.
-    "planner_order": lambda f: f["all_same_plan"] and all(r["oracle_order_probes"] < r["bound_order_probes"] for r in f["rows"]),
+    "planner_order": lambda f: f["all_same_plan"] and all(r["best_first_probes"] < r["bound_order_probes"] for r in f["rows"]),
     "bench_planner": lambda f: f["wall_s"] > 0 and f["num_simulated"] > 0 and f["best"] is not None and f["identical_across_workers"] and all(
         r["num_enumerated"] == r["num_candidates_simulated"] + r["num_pruned_by_bound"] + r["num_pruned_by_floor"]
         and r["best"] is not None for r in f["runs"]

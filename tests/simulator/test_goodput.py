@@ -11,7 +11,8 @@ import pytest
 from distserve.placement import Placement
 from distserve.slo import SLO, SLOSpec
 from distserve.slo import attainment, meets
-from simulator.goodput import _MissCounter, _reaches, find_goodput, search_rate
+from simulator.goodput import _MissCounter, find_goodput
+from simulator.rate_search import PartialSearch, reaches, search_rate
 from simulator.latency import FittedLatencyModel
 from simulator.profiles import TpCoefficients
 from simulator.simulation import Simulation, with_rate
@@ -46,20 +47,16 @@ def test_min_rate_decides_exactly_what_the_full_search_would() -> None:
         asked: list[float] = []
         full = search(lambda r: (asked.append(r), passes(r))[1])
         min_rate = rng.uniform(0.2, 0.99) * bound
-        known: dict[float, bool] = {}
-
-        def probe(rate: float) -> bool:
-            if rate not in known:
-                known[rate] = passes(rate)
-            return known[rate]
-
-        reached = _reaches(search, probe, known, min_rate, bound)
+        partial = PartialSearch(0.5 * bound, bound, 0.05, 40, max_first=False)
+        reached = reaches(partial, passes, min_rate)
         assert reached == (full[0] >= min_rate)
+        lo, hi = partial.extent()
+        assert lo <= full[0] <= hi and (lo >= min_rate if reached else hi < min_rate)
         if reached:
-            assert search(probe) == full
+            assert search(lambda r: partial.known[r] if r in partial.known else passes(r)) == full
         else:
             full_probes += len(asked)
-            early_probes += len(known)
+            early_probes += len(partial.known)
     assert early_probes < 0.5 * full_probes
 
 
