@@ -10,8 +10,8 @@ make each goodput estimate steadier and each probe slower.
 
 For each run: wall and CPU time (this process and its workers), the candidates enumerated, how many
 were simulated and how many were pruned (by the throughput bound, or because the unloaded latency
-already misses the SLO), how many searches stopped early (the candidate could no longer beat the
-best so far), the simulations run (bisection probes + each option's verification), how many probes
+already misses the SLO), how many searches stopped early (the candidate could no longer win its
+chain: ``planner.chains``' best-first search), the simulations run (bisection probes + each option's verification), how many probes
 ended as soon as their SLO verdict was certain, and the chosen plan. Target: <= 10 s on 2 cores (goal <= 1 s) for the CLI's defaults (1 worker, 300 requests).
 The machine may be shared: the load average at the start is recorded.
 
@@ -241,12 +241,12 @@ def write_outputs(out: Outputs, f: dict[str, Any]) -> None:
         lines += ["", "More workers, the same search: plan, options, candidates simulated, their goodputs and probe counts "
                   f"{'identical' if f['identical_across_workers'] else 'DIFFERENT'} to one worker's (`planner.chains`)."]
     lines += ["", "Candidates simulated (early-stop run with the most requests, 1st listed worker count; "
-              "\"< x\": the search stopped once the candidate could not beat the best so far):", "",
+              "\"<= x\": the search stopped once the candidate could not win: its goodput is at most x):", "",
               "| kind | configuration | GPUs | throughput bound (req/s) | goodput (req/s) | binding | probes (ended early) |",
               "|---|---|---:|---:|---:|---|---:|"]
     last = max((r for r in f["runs"] if r["search"] == "early stop"), key=lambda r: (r["num_requests"], -r["workers"]))
     for c in last["simulated"]:
-        goodput = f"< {c['goodput_below']:.3g}" if c["goodput_below"] is not None else f"{c['goodput']:.3g}"
+        goodput = f"<= {c['goodput_below']:.3g}" if c["goodput_below"] is not None else f"{c['goodput']:.3g}"
         lines.append(f"| {c['kind']} | {c['configuration']} | {c['num_gpus']} | {c['bound']:.3g} | {goodput} "
                      f"| {c['binding'] or '-'} | {c['num_probes']} ({c['num_probes_stopped']}) |")
     out.markdown(lines)
