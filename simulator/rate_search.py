@@ -24,87 +24,117 @@ def search_rate(passes: Callable[[float], bool], start_rate: float, max_rate: fl
 
     ``lo`` is 0 if no rate passed, ``hi`` inf if none failed. The oracle may be a simulation or a
     measurement of a real server (experiments/bench_serving.py): the search is the same.
+    First a bracket: from ``start_rate`` (capped at ``max_rate``), double while the rate passes (at
+    most to ``max_rate``), halve while it fails, until one rate passes and one fails; then bisect
+    until (hi - lo) / hi <= ``rel_tol``; at most ``max_probes`` probes in all.
     ``max_first``: where the bracket's second probe would be ``max_rate`` (``start_rate`` passing),
     probe ``max_rate`` first: if it passes, the search ends there without ``start_rate``; if not,
     ``start_rate`` is next and the bracket (hence the search) is the one they give in the other
     order — the same (lo, hi) wherever passing ``max_rate`` implies passing ``start_rate``, with a
     probe fewer when the bound is reached (the planner's throughput-capped candidates).
     """
-    rate = start_rate if max_rate is None else min(start_rate, max_rate)
-    lo, hi = 0.0, math.inf
-    num_probes = 0
-    if max_first and max_rate is not None and rate < max_rate <= 2.0 * rate:
-        num_probes += 1
-        if passes(max_rate):
-            return max_rate, math.inf
-        hi = max_rate
-    # Bracket: grow or shrink by 2x until one rate passes and one fails.
-    while num_probes < max_probes:
-        num_probes += 1
-        if passes(rate):
+    steps = _Steps(start_rate, max_rate, rel_tol, max_probes, max_first)
+    state = steps.first
+    while not _ended(state):
+        state = steps.advance(state, passes(steps.rate(state)))  # type: ignore[arg-type]
+    return state  # type: ignore[return-value]
+
+
+# The search as a state machine (``_Steps``): a state is (phase, rate, lo, hi, probes made) — phase
+# 0: probing ``max_rate`` first, 1: the bracket at ``rate``, 2: bisecting (lo, hi) — or, once it has
+# ended, its result (lo, hi). ``search_rate`` walks it; a ``PartialSearch`` walks every way at once.
+_State = tuple[int, float, float, float, int]
+_End = tuple[float, float]
+
+
+class _Steps:
+    def __init__(self, start_rate: float, max_rate: float | None, rel_tol: float, max_probes: int, max_first: bool) -> None:
+        self.start_rate, self.max_rate, self.rel_tol, self.max_probes = start_rate, max_rate, rel_tol, max_probes
+        rate = start_rate if max_rate is None else min(start_rate, max_rate)
+        if max_first and max_rate is not None and rate < max_rate <= 2.0 * rate:
+            self.first: _State | _End = (0, rate, 0.0, math.inf, 0)
+        else:
+            self.first = self._bracket(rate, 0.0, math.inf, 0)
+
+    def rate(self, state: _State) -> float:
+        """The rate a state probes."""
+        phase, rate, lo, hi, _ = state
+        if phase == 0:
+            return self.max_rate  # type: ignore[return-value]
+        return rate if phase == 1 else 0.5 * (lo + hi)
+
+    def advance(self, state: _State, passed: bool) -> _State | _End:
+        """The next state once the state's probe ``passed`` or not."""
+        phase, rate, lo, hi, n = state
+        n += 1
+        if phase == 0:
+            return (self.max_rate, math.inf) if passed else self._bracket(rate, lo, self.max_rate, n)  # type: ignore[return-value,arg-type]
+        if phase == 2:
+            mid = 0.5 * (lo + hi)
+            return self._bisect(mid, hi, n) if passed else self._bisect(lo, mid, n)
+        max_rate = self.max_rate
+        if passed:
             lo = rate
             if hi < math.inf or (max_rate is not None and rate >= max_rate):
-                break
+                return self._bisect(lo, hi, n)
             rate = rate * 2.0 if max_rate is None else min(rate * 2.0, max_rate)
         else:
             hi = rate
             if lo > 0:
-                break
+                return self._bisect(lo, hi, n)
             rate /= 2.0
-            if rate < 1e-4 * start_rate:
-                break
-    while lo > 0 and hi < math.inf and (hi - lo) / hi > rel_tol and num_probes < max_probes:
-        num_probes += 1
-        mid = 0.5 * (lo + hi)
-        if passes(mid):
-            lo = mid
-        else:
-            hi = mid
-    return lo, hi
+            if rate < 1e-4 * self.start_rate:
+                return self._bisect(lo, hi, n)
+        return self._bracket(rate, lo, hi, n)
+
+    def _bracket(self, rate: float, lo: float, hi: float, n: int) -> _State | _End:
+        return (1, rate, lo, hi, n) if n < self.max_probes else self._bisect(lo, hi, n)
+
+    def _bisect(self, lo: float, hi: float, n: int) -> _State | _End:
+        if lo > 0 and hi < math.inf and (hi - lo) / hi > self.rel_tol and n < self.max_probes:
+            return (2, 0.0, lo, hi, n)
+        return lo, hi
 
 
 _MAX_PATHS = 4096  # beyond this many ways to go, a PartialSearch stops weighing them (it follows the search)
-_Search = Callable[[Callable[[float], bool]], tuple[float, float]]
 _Paths = list[tuple[float, dict[float, bool]]]  # each way the search can go: its result and the outcomes it assumes
 
 
-class _Unknown(Exception):
-    def __init__(self, rate: float) -> None:
-        self.rate = rate
+def _ended(state: _State | _End) -> bool:
+    return len(state) == 2
 
 
-def _run_until_unknown(search: _Search, outcomes: dict[float, bool]) -> tuple[float, float] | float:
-    """The search's (lo, hi) if ``outcomes`` answer everything it asks, else the first rate they don't."""
-
-    def oracle(rate: float) -> bool:
-        if rate in outcomes:
-            return outcomes[rate]
-        raise _Unknown(rate)
-
-    try:
-        return search(oracle)
-    except _Unknown as unknown:
-        return unknown.rate
+def _walk(steps: _Steps, state: _State | _End, known: dict[float, bool], assumed: dict[float, bool]) -> _State | _End:
+    """From ``state``, following the outcomes ``known`` or ``assumed``: the search's end, or the first state they don't answer."""
+    while not _ended(state):
+        rate = steps.rate(state)  # type: ignore[arg-type]
+        outcome = known.get(rate, assumed.get(rate))
+        if outcome is None:
+            return state
+        state = steps.advance(state, outcome)  # type: ignore[arg-type]
+    return state
 
 
-def _paths(search: _Search, known: dict[float, bool]) -> _Paths | None:
+def _paths(steps: _Steps, known: dict[float, bool]) -> _Paths | None:
     """Every way the search can still go given the ``known`` outcomes: (its result, the outcomes it assumes)."""
     out: _Paths = []
-    stack: list[dict[float, bool]] = [{}]
+    stack: list[tuple[_State | _End, dict[float, bool]]] = [(steps.first, {})]
     while stack:
-        assumed = stack.pop()
-        step = _run_until_unknown(search, {**known, **assumed})
-        if isinstance(step, tuple):
-            out.append((step[0], assumed))
+        state, assumed = stack.pop()
+        state = _walk(steps, state, known, assumed)
+        if _ended(state):
+            out.append((state[0], assumed))
             continue
-        stack += [{**assumed, step: True}, {**assumed, step: False}]
+        rate = steps.rate(state)  # type: ignore[arg-type]
+        stack += [(steps.advance(state, True), {**assumed, rate: True}),  # type: ignore[arg-type]
+                  (steps.advance(state, False), {**assumed, rate: False})]  # type: ignore[arg-type]
         if len(stack) + len(out) > _MAX_PATHS:
             return None
     return out
 
 
 def _narrowed(paths: _Paths, rate: float, outcome: bool) -> _Paths:
-    """``_paths(search, known)`` from the ``paths`` of ``known`` without ``rate``, now that ``rate``'s
+    """``_paths(steps, known)`` from the ``paths`` of ``known`` without ``rate``, now that ``rate``'s
     ``outcome`` is known: the ways that assumed the other outcome go, the rest lose the assumption.
     Exactly ``_paths``' answer, in its order (the search tree with ``rate``'s forks cut to one side,
     walked as before) — and never more than ``_MAX_PATHS`` of them, as those were not."""
@@ -120,7 +150,7 @@ class PartialSearch:
                  max_first: bool = True) -> None:
         self.max_rate = max_rate
         self.known: dict[float, bool] = {}
-        self._search: _Search = lambda passes: search_rate(passes, start_rate, max_rate, rel_tol, max_probes, max_first)
+        self._steps = _Steps(start_rate, max_rate, rel_tol, max_probes, max_first)
         self._paths: _Paths | None = None  # (computed when first asked for)
         self._weighed = False  # whether ``_paths`` is up to date (None then means: too many to weigh)
         self._step: tuple[float, float] | float | None = None
@@ -147,7 +177,8 @@ class PartialSearch:
     @property
     def _next(self) -> tuple[float, float] | float:
         if self._step is None:
-            self._step = _run_until_unknown(self._search, self.known)
+            state = _walk(self._steps, self._steps.first, self.known, {})
+            self._step = state if _ended(state) else self._steps.rate(state)  # type: ignore[arg-type,assignment]
         return self._step
 
     @property
@@ -166,7 +197,7 @@ class PartialSearch:
     def paths(self) -> _Paths | None:
         """Every way the search can still go (its ``lo``, the outcomes it assumes); None if too many to weigh."""
         if not self._weighed:
-            self._paths, self._weighed = _paths(self._search, self.known), True
+            self._paths, self._weighed = _paths(self._steps, self.known), True
         return self._paths
 
     def extent(self) -> tuple[float, float]:

@@ -113,6 +113,54 @@ def load_tiny_state_dict(hf_config: transformers.LlamaConfig, seed: int = 0) -> 
     return state_dict
 
 
+def tiny_config_and_weights(weights: bool = True, seed: int = 0) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """The default tiny model's HF config (as a dict) and, if ``weights``, its weights (``load_tiny_state_dict``).
+
+    An index next to the cached weights (:func:`_tiny_index_path`, keyed without importing
+    transformers) holds the config and the weights' file name: a process that only runs the model
+    (a worker rank) then reads both without importing transformers or building the tokenizer (~1.5 s
+    of CPU each). Without the index, or with an unreadable one, they are built and the index written.
+    """
+    from safetensors.torch import load_file
+
+    index = _tiny_index_path(seed)
+    try:
+        entry = json.loads(index.read_text(encoding="utf-8"))
+        config = entry["config"]
+        return config, load_file(str(index.parent / entry["weights"])) if weights else {}
+    except FileNotFoundError:
+        pass
+    except Exception as exc:  # a corrupt index or weights file: rebuilt below
+        log(f"rebuilding the tiny-model cache index {index}: {exc!r}")
+    hf_config = tiny_hf_config(build_tiny_tokenizer())
+    entry = {"config": hf_config.to_dict(), "weights": tiny_cache_path(hf_config, seed).name}
+    entry = json.loads(json.dumps(entry, sort_keys=True, default=str))  # (as a later process reads it)
+    if not weights:  # (nothing cached: the index names weights that are built with it)
+        return entry["config"], {}
+    state_dict = load_tiny_state_dict(hf_config, seed)
+    try:
+        index.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=index.parent, prefix=f".{index.name}.tmp-")
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            json.dump(entry, f, sort_keys=True)
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, index)  # atomic, as the weights
+    except OSError as exc:
+        log(f"cannot write the tiny-model cache index {index}: {exc}")
+    return entry["config"], state_dict
+
+
+def _tiny_index_path(seed: int) -> pathlib.Path:
+    """``cache_dir()/tiny/index-<key>.json``, the key a hash of what the default config and weights depend on
+    (as :func:`tiny_cache_path`'s, the transformers version read from its metadata: no import)."""
+    from importlib.metadata import version
+
+    build_code = "".join(inspect.getsource(f) for f in (tiny_hf_config, _init_tiny_model, build_tiny_tokenizer, tiny_cache_path))
+    key = json.dumps({"seed": seed, "build_code": build_code, "transformers": version("transformers"), "torch": torch.__version__},
+                     sort_keys=True)
+    return cache_dir() / TINY_MODEL_NAME / f"index-{hashlib.sha256(key.encode()).hexdigest()[:24]}.json"
+
+
 def tiny_cache_path(hf_config: transformers.LlamaConfig, seed: int = 0) -> pathlib.Path:
     """``cache_dir()/tiny/<key>.safetensors``, the key a hash of all the weights depend on.
 

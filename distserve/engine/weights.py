@@ -21,7 +21,7 @@ import torch
 
 from distserve.config import ModelConfig
 from distserve.engine.model_cache import cache_dir, log
-from distserve.engine.tiny_model import TINY_MODEL_NAME, build_tiny_tokenizer, load_tiny_state_dict, tiny_hf_config
+from distserve.engine.tiny_model import TINY_MODEL_NAME, build_tiny_tokenizer, tiny_config_and_weights
 from distserve.engine.tokenizer import Tokenizer
 from distserve.errors import InvalidConfigError, ModelNotFoundError
 
@@ -57,17 +57,27 @@ def load_model(name_or_path: str, dtype: str = "float32", weights: bool = True) 
 
     ``weights=False`` skips the tensors (empty ``state_dict``): for processes that only route.
     """
-    torch_dtype = _torch_dtype(dtype)
     if name_or_path == TINY_MODEL_NAME:
-        tokenizer = build_tiny_tokenizer()
-        hf_config = tiny_hf_config(tokenizer)
-        config = ModelConfig.from_hf_config(hf_config.to_dict(), name=TINY_MODEL_NAME, dtype=dtype)
-        if not weights:
-            return LoadedModel(config, {}, tokenizer)
-        state_dict = load_tiny_state_dict(hf_config)
-        return LoadedModel(config, _finalize_state_dict(state_dict, config, torch_dtype), tokenizer)
+        config, state_dict = _tiny(dtype, weights)
+        return LoadedModel(config, state_dict, build_tiny_tokenizer())
     model_dir = str(resolve_model_dir(name_or_path))
-    return _load_folder(model_dir, name=_display_name(name_or_path, model_dir), dtype=dtype, weights=weights)
+    config, state_dict = _load_folder(model_dir, name=_display_name(name_or_path, model_dir), dtype=dtype, weights=weights)
+    return LoadedModel(config, state_dict, Tokenizer.from_pretrained(model_dir))
+
+
+def load_weights(name_or_path: str, dtype: str = "float32") -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """``load_model`` without the tokenizer: for processes that only run the model (a worker rank).
+    The tiny model's then come from its cache without importing transformers (``tiny_config_and_weights``)."""
+    if name_or_path == TINY_MODEL_NAME:
+        return _tiny(dtype, True)
+    model_dir = str(resolve_model_dir(name_or_path))
+    return _load_folder(model_dir, name=_display_name(name_or_path, model_dir), dtype=dtype, weights=True)
+
+
+def _tiny(dtype: str, weights: bool) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    hf_config, state_dict = tiny_config_and_weights(weights)
+    config = ModelConfig.from_hf_config(hf_config, name=TINY_MODEL_NAME, dtype=dtype)
+    return config, _finalize_state_dict(state_dict, config, _torch_dtype(dtype)) if weights else {}
 
 
 def resolve_model_dir(name_or_path: str) -> str | None:
@@ -180,7 +190,8 @@ def _safetensors_files(model_dir: pathlib.Path) -> list[pathlib.Path]:
     return sorted(model_dir.glob("*.safetensors"))
 
 
-def _load_folder(model_dir: str, name: str, dtype: str, weights: bool = True) -> LoadedModel:
+def _load_folder(model_dir: str, name: str, dtype: str, weights: bool = True) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """A model folder's config and (if ``weights``) weights; its tokenizer is ``Tokenizer.from_pretrained``'s."""
     from safetensors.torch import load_file
 
     folder = pathlib.Path(model_dir)
@@ -200,7 +211,7 @@ def _load_folder(model_dir: str, name: str, dtype: str, weights: bool = True) ->
     torch_dtype = _torch_dtype(dtype)
     state_dict: dict[str, torch.Tensor] = {}
     if not weights:
-        return LoadedModel(config, state_dict, Tokenizer.from_pretrained(str(folder)))
+        return config, state_dict
     for file in files:
         try:
             shard = load_file(str(file))
@@ -208,8 +219,7 @@ def _load_folder(model_dir: str, name: str, dtype: str, weights: bool = True) ->
             raise ModelNotFoundError(f"cannot read weights {file}: {exc}") from exc
         state_dict.update({k: v.to(torch_dtype) for k, v in shard.items()})
         del shard
-    tokenizer = Tokenizer.from_pretrained(str(folder))
-    return LoadedModel(config, _finalize_state_dict(state_dict, config, torch_dtype), tokenizer)
+    return config, _finalize_state_dict(state_dict, config, torch_dtype)
 
 
 @contextlib.contextmanager

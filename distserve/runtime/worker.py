@@ -22,7 +22,7 @@ from distserve.engine.compute_thread import compute_executor
 from distserve.engine.model_runner import LayerPass, ModelRunner
 from distserve.engine.parallel import ShardSpec, build_parallel_state
 from distserve.engine.step_plan import SampledToken, StepPlan
-from distserve.engine.weights import load_model
+from distserve.engine.weights import load_weights
 from distserve.kvtransfer.layout import KVLayout
 from distserve.kvtransfer.migration import MigrationStats, StagingBuffers, recv_kv, send_kv
 from distserve.kvtransfer.transport import TorchDistTransport, TransferTimeout, init_process_group, new_kv_group
@@ -111,9 +111,9 @@ class Worker:
         parallel = build_parallel_state(spec.shard, spec.instance_ranks)
 
         def build() -> ModelRunner:
-            loaded = load_model(spec.model, spec.dtype)
+            config, state_dict = load_weights(spec.model, spec.dtype)  # (a rank needs no tokenizer)
             return ModelRunner(
-                loaded.config, loaded.state_dict, spec.num_blocks, spec.block_size, spec.eos_token_ids, parallel=parallel,
+                config, state_dict, spec.num_blocks, spec.block_size, spec.eos_token_ids, parallel=parallel,
                 decode_attention=spec.decode_attention,
             )
 

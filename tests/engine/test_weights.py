@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import pathlib
 import subprocess
+import sys
 import time
 import zipfile
 from concurrent.futures import ThreadPoolExecutor
@@ -15,7 +17,8 @@ import torch
 
 from distserve.engine import weights
 from distserve.engine.model_cache import cache_dir
-from distserve.engine.tiny_model import build_tiny_hf_model, build_tiny_tokenizer, load_tiny_state_dict, tiny_cache_path, tiny_hf_config
+from distserve.engine.tiny_model import (_tiny_index_path, build_tiny_hf_model, build_tiny_tokenizer, load_tiny_state_dict, tiny_cache_path,
+                                        tiny_hf_config)
 from distserve.engine.weights import load_model, resolve_model_dir
 from distserve.errors import InvalidConfigError, ModelNotFoundError
 
@@ -126,7 +129,35 @@ def test_tiny_cache_is_bit_identical_to_a_fresh_build(monkeypatch: pytest.Monkey
     assert_same_tensors(cached.state_dict, fresh)
     assert cached.state_dict["lm_head.weight"] is cached.state_dict["model.embed_tokens.weight"]
     assert cached.config == built.config
-    assert [p.name for p in path.parent.iterdir()] == [path.name]  # no temporary file left behind
+    # no temporary file left behind; the index a rank reads the config and weights' name from
+    assert sorted(p.name for p in path.parent.iterdir()) == sorted([path.name, _tiny_index_path(0).name])
+
+
+@pytest.mark.integration  # (subprocesses)
+def test_a_rank_loads_the_tiny_model_without_transformers(tmp_path: pathlib.Path) -> None:
+    """``load_weights`` (what a worker rank loads) reads the tiny model's config and weights through the
+    cache's index, without importing transformers or building a tokenizer (~1.5 s of CPU per rank
+    process): the same config and tensors as ``load_model``'s. A corrupt index is rebuilt."""
+    env = {**os.environ, "DISTSERVE_CACHE": str(tmp_path)}
+    script = (
+        "import sys, torch; from distserve.engine.weights import load_weights; "
+        "config, state = load_weights('tiny'); "
+        "print('transformers' in sys.modules); torch.save((config, state), sys.argv[1])"
+    )
+    out = tmp_path / "rank.pt"
+    first = subprocess.run([sys.executable, "-c", script, str(out)], env=env, capture_output=True, text=True, check=True)
+    assert first.stdout.split() == ["True"]  # no index yet: built, and the index written
+    again = subprocess.run([sys.executable, "-c", script, str(out)], env=env, capture_output=True, text=True, check=True)
+    assert again.stdout.split() == ["False"]
+    config, state = torch.load(out, weights_only=False)  # (our own file)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("DISTSERVE_CACHE", str(tmp_path))
+        loaded = load_model("tiny")
+        assert config == loaded.config
+        assert_same_tensors(state, loaded.state_dict)
+        index = _tiny_index_path(0)
+        index.write_text("{not json")
+        assert weights.load_weights("tiny")[0] == loaded.config and json.loads(index.read_text())["config"]
 
 
 def test_tiny_cache_untied_other_seed(monkeypatch: pytest.MonkeyPatch, tmp_path: pathlib.Path) -> None:
