@@ -11,9 +11,11 @@ the winner — branch and bound over the candidates (``BestFirst``):
   reach (before its first probe: 0 and its throughput bound);
 * the *top* — the candidate with the highest such upper end (of equals, the first in chain order) —
   is probed next. While another candidate is known to reach more than the top's lower end (the
-  *incumbent*), the probe is the one most likely to show the top cannot beat it
-  (``PartialSearch.decisive``): usually a rate just above the top's goodput, a probe that fails
-  early and cheaply. Otherwise it is the next probe of the top's own search;
+  *incumbent*), the probe is the one most likely to show the top cannot reach a goodput part way
+  from the incumbent's lower end to its own upper end (``AIM``; ``PartialSearch.decisive``):
+  usually a probe that fails early and cheaply and brings the top's upper end down; one that passes
+  lifts the top's lower end, and the incumbent with it. Otherwise it is the next probe of the top's
+  own search;
 * once the top's search has ended, no other candidate can beat it: the chain is decided.
 
 So the candidate most likely to win is searched first, and each loser only until it certainly
@@ -37,8 +39,11 @@ a pool.
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
+import multiprocessing.pool
 import queue
+import signal
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -53,6 +58,12 @@ from simulator.simulation import SimConfig, gc_paused
 from simulator.workload import Request
 
 T = TypeVar("T")
+# How far from the incumbent's lower end towards its own upper end the top is tested (``BestFirst``).
+# 0 would test whether it beats the incumbent at all: a candidate above it passes, expensively, and
+# passes again as the incumbent rises; near 1 its upper end comes down a bisection step at a time.
+# 0.6-0.7 made the fewest probes weighed by their cost (a passing one simulates ~2.5x a failing one)
+# over planner_order.py's six settings (session 30).
+AIM = 0.65
 Evaluation = tuple[float, str | None, list[tuple[float, dict[str, float], bool]], float | None, int]
 Progress = Callable[[str, int, int], None]
 
@@ -180,11 +191,12 @@ class BestFirst:
             if incumbent is top or incumbent.low == 0:
                 out = top.index, top.search.next_rate
             else:
-                floor = incumbent.low  # the top must reach it (first of equals) or beat it
+                # (of equals the first in chain order wins: the top reaches the aim or beats it)
+                aim = incumbent.low + AIM * (top.high - incumbent.low)
                 if top.index < incumbent.index:
-                    out = top.index, top.search.decisive(lambda lo: top.per_gpu(lo) >= floor)
+                    out = top.index, top.search.decisive(lambda lo: top.per_gpu(lo) >= aim)
                 else:
-                    out = top.index, top.search.decisive(lambda lo: top.per_gpu(lo) > floor)
+                    out = top.index, top.search.decisive(lambda lo: top.per_gpu(lo) > aim)
         if assumed is None:
             self._next = out
         return out
@@ -249,8 +261,27 @@ def run_all(fn: Callable[..., T], args: list[tuple[Any, ...]], workers: int) -> 
     """``[fn(*a) for a in args]``, on a pool of up to ``workers`` processes if there are two or more."""
     if workers <= 1 or len(args) <= 1:
         return [fn(*a) for a in args]
-    with multiprocessing.Pool(min(workers, len(args))) as pool:
+    with _pool(min(workers, len(args))) as pool:
         return pool.starmap(fn, args)
+
+
+@contextlib.contextmanager
+def _pool(workers: int) -> Iterator[multiprocessing.pool.Pool]:
+    """A pool of forked workers that ``terminate`` (on leaving it) kills outright: each starts with
+    SIGTERM's default action. A handler inherited from this process (a Ray driver's raises
+    SystemExit) could otherwise unwind a worker caught in its exit path out of the fork and on
+    through this process's code — a second copy of the caller running on."""
+    try:
+        inherited = signal.signal(signal.SIGTERM, signal.SIG_DFL)  # (for the fork to copy)
+    except ValueError:  # not the main thread: the workers reset it as they start
+        inherited = None
+    try:
+        pool = multiprocessing.Pool(workers, initializer=signal.signal, initargs=(signal.SIGTERM, signal.SIG_DFL))
+    finally:
+        if inherited is not None:
+            signal.signal(signal.SIGTERM, inherited)
+    with pool:
+        yield pool
 
 
 def run_chains(chains: list[Chain], workers: int, progress: Progress) -> int:
@@ -282,7 +313,7 @@ def _run_on_pool(searches: list[BestFirst], workers: int, progress: Progress) ->
         return lambda i, rate: done[c, i, rate][0].meets if (c, i, rate) in done else None
 
     # (multiprocessing's Pool, not concurrent.futures': a probe ahead still running at the end is killed, not waited for)
-    with multiprocessing.Pool(workers) as pool:
+    with _pool(workers) as pool:
 
         def submit(key: _Key) -> None:
             c, i, rate = key

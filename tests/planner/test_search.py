@@ -250,3 +250,31 @@ def test_a_cpu_plan_carries_the_profiled_threads_and_serve_can_override_them(tmp
     for bad in (0, "2", True):
         with pytest.raises(ValueError, match="threads"):
             Placement.from_dict({"colocated": [{"tp": 1, "pp": 1, "threads": bad}]})
+
+
+def _sigterm_is_default() -> bool:
+    import signal
+
+    return signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+
+
+@pytest.mark.integration  # (a process pool)
+def test_pool_workers_die_on_sigterm_whatever_the_parent_handles() -> None:
+    """A Ray driver's SIGTERM handler raises SystemExit; a forked pool worker that inherited it could
+    unwind out of the fork when the pool is terminated and run the caller's code on (seen once: a
+    second pytest running the suite). The planner's workers start with the default action; the
+    parent keeps its handler."""
+    import signal
+
+    from distserve.planner.chains import _pool
+
+    def handler(signum: int, frame: object) -> None:
+        raise SystemExit(signum)
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        with _pool(2) as pool:
+            assert pool.starmap(_sigterm_is_default, [(), ()]) == [True, True]
+        assert signal.getsignal(signal.SIGTERM) is handler
+    finally:
+        signal.signal(signal.SIGTERM, previous)
