@@ -29,7 +29,6 @@ from __future__ import annotations
 import os
 import queue
 import random
-import socket
 import statistics
 import time
 from dataclasses import dataclass, replace
@@ -334,18 +333,14 @@ def _tp_worker(rank: int, job: MeasureJob, port: int, results: Any) -> None:
         raise
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def measure_tp(job: MeasureJob) -> dict[str, Any]:
     import torch.multiprocessing as mp
 
+    from distserve.kvtransfer.transport import rendezvous_port
+
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    port = _free_port()
+    port = rendezvous_port()
     procs = [ctx.Process(target=_tp_worker, args=(r, job, port, results), daemon=True) for r in range(job.tp)]
     for p in procs:
         p.start()

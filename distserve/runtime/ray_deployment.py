@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import socket
 import threading
 from dataclasses import dataclass, field
 from typing import Any
@@ -23,6 +22,7 @@ from distserve.cluster.routing import RouteState
 from distserve.engine.frontend import RequestFrontend
 from distserve.errors import InvalidConfigError
 from distserve.kvtransfer.layout import KVLayout
+from distserve.kvtransfer.transport import rendezvous_port
 from distserve.placement import InstanceSpec, Placement
 from distserve.runtime.config import DeploymentConfig
 from distserve.runtime.instance_protocol import InstanceServerSpec, StepResult
@@ -136,7 +136,7 @@ def init_method(placement: Placement) -> str:
 
     placed = placement.prefill + placement.decode + placement.colocated
     host = "127.0.0.1" if all(p.node in (None, 0) for p in placed) else ray.util.get_node_ip_address()
-    return f"tcp://{host}:{_free_port()}"
+    return f"tcp://{host}:{rendezvous_port(host)}"
 
 
 def create_instance_actor(inst: DeployedInstance) -> Any:
@@ -166,12 +166,6 @@ async def undeploy(instances: list[DeployedInstance]) -> None:
                     pass
             ray.kill(inst.actor, no_restart=True)
         remove_placement_group(inst.placement_group)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _node_resources(node_index: int | None) -> dict[str, float]:

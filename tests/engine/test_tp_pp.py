@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import socket
 from typing import Any
 
 import pytest
@@ -19,16 +18,11 @@ from distserve.engine.scheduler import Scheduler
 from distserve.engine.sequence import Sequence
 from distserve.engine.weights import load_model
 from distserve.errors import InvalidConfigError
+from distserve.kvtransfer.transport import rendezvous_port
 
 PROMPTS = ["Hello, my name is", "The capital of France is", "a b c d e f g h i j k l m n o p"]
 SP = SamplingParams(max_tokens=16, min_tokens=16, temperature=0.0)
 NUM_BLOCKS, BLOCK_SIZE = 128, 4
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def worker(rank: int, tp: int, pp: int, port: int, results: Any) -> None:
@@ -88,7 +82,7 @@ _PORTS: dict[tuple[int, int], int] = {}
 def free_port_once(tp: int, pp: int) -> int:
     """One port per configuration, shared by its processes."""
     if (tp, pp) not in _PORTS:
-        _PORTS[(tp, pp)] = free_port()
+        _PORTS[(tp, pp)] = rendezvous_port()
     return _PORTS[(tp, pp)]
 
 
