@@ -14,7 +14,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from distserve.measure.benchserve import ServerProcess, free_port
+from distserve.measure.benchserve import ServerProcess
+from distserve.ports import free_port
 
 DEFAULT_VENV = Path(__file__).resolve().parents[1] / ".peers" / "vllm-venv"
 SERVER_ENV = {"VLLM_CPU_KVCACHE_SPACE": "2"}  # GiB of KV cache; vLLM's CPU default sizes it from free memory

@@ -8,7 +8,6 @@ import itertools
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -33,6 +32,7 @@ from distserve.serving.api_keys import ApiKeys
 from distserve.serving.limits import DEFAULT_HTTP_LIMITS, uvicorn_config
 from distserve.runtime.client import EngineClient
 from distserve.runtime.controller import Controller
+from distserve.ports import free_port
 
 
 async def drain(stream: AsyncIterator[RequestOutput]) -> RequestOutput:
@@ -244,12 +244,6 @@ def descendants(root: int) -> dict[int, str]:
         grew = bool(new)
     ours.discard(root)
     return {pid: _cmdline(pid) for pid in ours}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class ServeRun:

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import queue
-import random
-import socket
 import threading
 import time
 from abc import ABC, abstractmethod
@@ -247,32 +245,6 @@ class _WorkHandle(Handle):
 def default_backend() -> str:
     """``nccl`` when CUDA (and NCCL) is available, ``gloo`` otherwise."""
     return "nccl" if torch.cuda.is_available() and dist.is_nccl_available() else "gloo"
-
-
-def rendezvous_port(host: str = "127.0.0.1", attempts: int = 200) -> int:
-    """A free port for a world's rendezvous (the TCP store global rank 0 binds later), outside the
-    OS's ephemeral range. Between this check and the store's bind any process may take the port; a
-    port the kernel hands out itself (bind to 0) comes from the ephemeral range, where every outgoing
-    connection (Ray's, gRPC's) draws its local port too — a port below that range is taken only by an
-    explicit bind. Tried at random in [10000, the range's start); the kernel's choice if none is free."""
-    low = 32768
-    try:
-        with open("/proc/sys/net/ipv4/ip_local_port_range", encoding="ascii") as f:
-            low = int(f.read().split()[0])
-    except (OSError, ValueError, IndexError):
-        pass
-    rng = random.Random()
-    for _ in range(attempts if low > 10_001 else 0):
-        port = rng.randrange(10_000, low)
-        with socket.socket() as s:
-            try:
-                s.bind((host, port))
-            except OSError:
-                continue
-            return port
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
 
 
 def init_process_group(

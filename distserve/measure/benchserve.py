@@ -16,7 +16,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -111,13 +110,6 @@ def cpu_usage(before: CpuSnapshot, after: CpuSnapshot, elapsed_s: float, server_
         "loadgen_cores": round(me_used, 2),
         "other_cores": round(max(0.0, other), 2),
     }
-
-
-def free_port() -> int:
-    """A loopback port nobody listens on right now (for servers that cannot take port 0)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def distserve_serve_argv(model: str, dtype: str, flags: list[str], port: int = 0) -> list[str]:

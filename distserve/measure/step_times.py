@@ -336,11 +336,11 @@ def _tp_worker(rank: int, job: MeasureJob, port: int, results: Any) -> None:
 def measure_tp(job: MeasureJob) -> dict[str, Any]:
     import torch.multiprocessing as mp
 
-    from distserve.kvtransfer.transport import rendezvous_port
+    from distserve.ports import free_port
 
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    port = rendezvous_port()
+    port = free_port()
     procs = [ctx.Process(target=_tp_worker, args=(r, job, port, results), daemon=True) for r in range(job.tp)]
     for p in procs:
         p.start()

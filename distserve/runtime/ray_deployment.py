@@ -22,7 +22,7 @@ from distserve.cluster.routing import RouteState
 from distserve.engine.frontend import RequestFrontend
 from distserve.errors import InvalidConfigError
 from distserve.kvtransfer.layout import KVLayout
-from distserve.kvtransfer.transport import rendezvous_port
+from distserve.ports import free_port
 from distserve.placement import InstanceSpec, Placement
 from distserve.runtime.config import DeploymentConfig
 from distserve.runtime.instance_protocol import InstanceServerSpec, StepResult
@@ -136,7 +136,7 @@ def init_method(placement: Placement) -> str:
 
     placed = placement.prefill + placement.decode + placement.colocated
     host = "127.0.0.1" if all(p.node in (None, 0) for p in placed) else ray.util.get_node_ip_address()
-    return f"tcp://{host}:{rendezvous_port(host)}"
+    return f"tcp://{host}:{free_port(host)}"
 
 
 def create_instance_actor(inst: DeployedInstance) -> Any:

@@ -18,7 +18,7 @@ from distserve.engine.scheduler import Scheduler
 from distserve.engine.sequence import Sequence
 from distserve.engine.weights import load_model
 from distserve.errors import InvalidConfigError
-from distserve.kvtransfer.transport import rendezvous_port
+from distserve.ports import free_port
 
 PROMPTS = ["Hello, my name is", "The capital of France is", "a b c d e f g h i j k l m n o p"]
 SP = SamplingParams(max_tokens=16, min_tokens=16, temperature=0.0)
@@ -82,7 +82,7 @@ _PORTS: dict[tuple[int, int], int] = {}
 def free_port_once(tp: int, pp: int) -> int:
     """One port per configuration, shared by its processes."""
     if (tp, pp) not in _PORTS:
-        _PORTS[(tp, pp)] = rendezvous_port()
+        _PORTS[(tp, pp)] = free_port()
     return _PORTS[(tp, pp)]
 
 

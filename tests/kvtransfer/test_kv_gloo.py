@@ -13,7 +13,8 @@ import torch.multiprocessing as mp
 
 from distserve.kvtransfer import KVLayout, TorchDistTransport, init_process_group, recv_kv, send_kv, trim_block_lists
 from distserve.kvtransfer.migration import num_tags
-from distserve.kvtransfer.transport import TransferCancelled, TransferTimeout, new_kv_group, rendezvous_port
+from distserve.kvtransfer.transport import TransferCancelled, TransferTimeout, new_kv_group
+from distserve.ports import free_port
 
 pytestmark = pytest.mark.integration  # spawns processes
 
@@ -68,7 +69,7 @@ def worker(rank: int, world_size: int, port: int) -> None:
 def test_gloo_migration_prefill_pp2_to_decode_tp2() -> None:
     world_size = SRC.world_size + DST.world_size
     # Raises ProcessRaisedException if any worker fails an assertion.
-    mp.start_processes(worker, args=(world_size, rendezvous_port()), nprocs=world_size, join=True, start_method="spawn")
+    mp.start_processes(worker, args=(world_size, free_port()), nprocs=world_size, join=True, start_method="spawn")
 
 
 def timeout_worker(rank: int, port: int) -> None:
@@ -115,16 +116,16 @@ def timeout_worker(rank: int, port: int) -> None:
 
 @pytest.mark.timeout(60)
 def test_gloo_transfer_timeout_and_cancel_leave_the_pair_usable() -> None:
-    mp.start_processes(timeout_worker, args=(rendezvous_port(),), nprocs=2, join=True, start_method="spawn")
+    mp.start_processes(timeout_worker, args=(free_port(),), nprocs=2, join=True, start_method="spawn")
 
 
-def test_a_rendezvous_port_is_free_and_below_the_ephemeral_range() -> None:
-    """``rendezvous_port``: bindable, and outside the range the kernel draws outgoing connections'
+def test_a_free_port_is_free_and_below_the_ephemeral_range() -> None:
+    """``ports.free_port`` (rendezvous stores, servers started later): bindable, and outside the range the kernel draws outgoing connections'
     local ports from (where a port checked free is most likely taken before the store binds it)."""
     with open("/proc/sys/net/ipv4/ip_local_port_range", encoding="ascii") as f:
         low = int(f.read().split()[0])
     for _ in range(20):
-        port = rendezvous_port()
+        port = free_port()
         assert 10_000 <= port < low
         with socket.socket() as s:
             s.bind(("127.0.0.1", port))

@@ -10,7 +10,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from distserve.measure.benchserve import ServerProcess, free_port, metric_sums, num_requests_in_server, session_pids, wait_until_idle
+from distserve.measure.benchserve import ServerProcess, metric_sums, num_requests_in_server, session_pids, wait_until_idle
+from distserve.ports import free_port
 
 OURS = """# HELP distserve:num_requests_running Requests in the running batch.
 # TYPE distserve:num_requests_running gauge
