@@ -150,7 +150,9 @@ def render(req: PlanRequest, result: PlanResult) -> list[Table]:
     c = Table(title="per-configuration goodput (simulated; prefill/decode phases searched alone)")
     for col in ("kind", "configuration", "GPUs", "goodput (req/s)", "per GPU", "binding SLO", "note"):
         c.add_column(col, justify="left" if col in ("kind", "configuration", "note") else "right")
-    top = sorted(result.candidates, key=lambda x: (x.kind, -x.per_gpu, -(x.goodput_below or 0.0) / x.num_gpus))
+    # (the best first; of those stopped or skipped, the ones that came closest: the most they may still find, their bound)
+    top = sorted(result.candidates, key=lambda x: (x.kind, -x.per_gpu, -(x.goodput_below or 0.0) / x.num_gpus,
+                                                   -x.bound_rate / x.num_gpus if x.skipped else 0.0))
     shown: dict[str, int] = {}
     for cand in top:
         if shown.get(cand.kind, 0) >= 5:
@@ -159,8 +161,10 @@ def render(req: PlanRequest, result: PlanResult) -> list[Table]:
         if cand.goodput_below is not None:
             goodput, per_gpu = f"<= {cand.goodput_below:.3g}", f"<= {cand.goodput_below / cand.num_gpus:.3g}"
             note = "search stopped: cannot beat the best"
+        elif cand.skipped is not None:  # never simulated
+            goodput, per_gpu, note = "-", "-", cand.skipped
         else:
-            goodput, per_gpu, note = f"{cand.goodput:.3g}", f"{cand.per_gpu:.3g}", cand.skipped or ""
+            goodput, per_gpu, note = f"{cand.goodput:.3g}", f"{cand.per_gpu:.3g}", ""
         c.add_row(cand.kind, cand.label(), str(cand.num_gpus), goodput, per_gpu, cand.binding or "-", note)
     tables.append(c)
     if result.classes is not None:
