@@ -18,7 +18,7 @@ from distserve.config import SamplingParams
 from distserve.engine.model import resolve_dtype
 from distserve.engine.model_runner import ModelRunner
 from distserve.engine.step_plan import ScheduledChunk, StepPlan
-from distserve.engine.weights import load_model
+from distserve.engine.weights import load_weights
 from distserve.measure.machine import QUIET_MAX_OTHER_CORES, QUIET_RETRIES, QuietGuard
 from distserve.measure.step_times import SEED, WORKER_TIMEOUT_S, check_positive, random_tokens
 
@@ -31,12 +31,12 @@ SETTLE_STEPS, SETTLE_MIN_S, SETTLE_MAX_S = 3, 0.02, 0.2
 def _probe_runner(model: str, dtype: str, threads: int) -> tuple[ModelRunner, dict[str, StepPlan]]:
     """A small runner and the probe steps: a 128-token prefill and a decode of 8 at context 128."""
     torch.set_num_threads(threads)
-    loaded = load_model(model, dtype)
+    config, state_dict = load_weights(model, dtype)
     bs = 16
-    runner = ModelRunner(loaded.config, loaded.state_dict, 80, bs)
+    runner = ModelRunner(config, state_dict, 80, bs)
     rng = random.Random(SEED)
     sampling = SamplingParams(max_tokens=1 << 30, temperature=0.0, ignore_eos=True)
-    vocab = loaded.config.vocab_size
+    vocab = config.vocab_size
     prefill = StepPlan([ScheduledChunk("p", random_tokens(rng, 128, vocab), 0, list(range(9)), True, sampling, 0)])
     decode = StepPlan([
         ScheduledChunk(f"d{i}", [rng.randrange(vocab)], 127, list(range(9 + 8 * i, 17 + 8 * i)), True, sampling, 1)

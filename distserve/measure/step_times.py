@@ -43,7 +43,7 @@ from distserve.engine.model_runner import ModelRunner
 from distserve.engine.parallel import ParallelState, ShardSpec, build_parallel_state
 from distserve.engine.step_plan import SampledToken, StepPlan
 from distserve.engine.sequence import Sequence
-from distserve.engine.weights import LoadedModel, load_model
+from distserve.engine.weights import load_weights
 from distserve.errors import InvalidConfigError
 from distserve.measure.machine import QUIET_MAX_OTHER_CORES, QUIET_RETRIES, QuietGuard
 
@@ -211,16 +211,17 @@ def _median_sample(times: list[float], lens: list[list[int]]) -> tuple[float, li
     return times[i], lens[i]
 
 
-def measure(job: MeasureJob, loaded: LoadedModel, parallel: ParallelState) -> dict[str, Any]:
-    """Every grid point of ``job`` on this rank; the samples are meaningful on rank 0."""
-    config = loaded.config
+def measure(job: MeasureJob, parallel: ParallelState) -> dict[str, Any]:
+    """Every grid point of ``job`` on this rank (its model loaded here: ``load_weights``, no tokenizer); the
+    samples are meaningful on rank 0."""
+    config, state_dict = load_weights(job.model, job.dtype)
     max_model_len = config.max_position_embeddings
     grid = job.grid
     steps = job.repeats + 1  # the first is the warm-up
     rows = grid.decode_rows(max_model_len, steps)
     prefill_blocks = _prefill_pool(job, max_model_len)
     decode_blocks = max((sum(_decode_pool(job, b, c) for b in sizes) for c, sizes in rows.items()), default=0)
-    runner = ModelRunner(config, loaded.state_dict, prefill_blocks + decode_blocks, job.block_size, parallel=parallel,
+    runner = ModelRunner(config, state_dict, prefill_blocks + decode_blocks, job.block_size, parallel=parallel,
                          decode_attention=job.decode_attention)
     guard = QuietGuard(QUIET_MAX_OTHER_CORES, QUIET_RETRIES, job.max_quiet_wait_s) if job.quiet else None
     timer = StepTimer(runner, parallel, guard)
@@ -309,7 +310,7 @@ def measure_in_process(job: MeasureJob) -> dict[str, Any]:
     previous = torch.get_num_threads()
     torch.set_num_threads(job.threads)
     try:
-        return measure(job, load_model(job.model, job.dtype), ParallelState(ShardSpec()))
+        return measure(job, ParallelState(ShardSpec()))
     finally:
         torch.set_num_threads(previous)
 
@@ -322,7 +323,7 @@ def _tp_worker(rank: int, job: MeasureJob, port: int, results: Any) -> None:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=job.tp)
         try:
             shard = ShardSpec(tp=job.tp, tp_rank=rank)
-            samples = measure(job, load_model(job.model, job.dtype), build_parallel_state(shard, list(range(job.tp))))
+            samples = measure(job, build_parallel_state(shard, list(range(job.tp))))
             dist.barrier()
         finally:
             dist.destroy_process_group()
