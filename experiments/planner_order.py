@@ -31,13 +31,12 @@ from dataclasses import replace
 from typing import Any
 
 import harness
-from distserve.planner.chains import Chain, chain_order, rounded
+from distserve.planner.chains import Chain, chain_order, evaluate, rounded
 from distserve.planner.plan import Candidate, PlanRequest, PlanResult
 from distserve.planner.report import PlanArgs, build_request
 from distserve.planner.search import Planner
 from harness import Outputs
 from simulator import DISTSERVE_A100_PROFILE
-from simulator.goodput import find_goodput
 
 # (model, workload, TTFT s, TPOT s): bench_planner's two chatbot rows, then DistServe's Table 1 settings.
 SETTINGS = [
@@ -72,11 +71,8 @@ class InOrder(Planner):
                     cand.skipped = f"bound {cand.bound_rate / cand.num_gpus:.3g} req/s/GPU <= best {best:.3g}"
                     continue
                 # (the lowest rate that beats the best so far: a tie does not win, as best_of prefers the first)
-                g = find_goodput(job.placement, job.latency, job.unit_requests, job.slo, job.config, rel_tol=job.rel_tol,
-                                 start_rate=job.start_rate, max_rate=job.max_rate, early_stop=job.early_stop,
-                                 early_pass=job.early_stop, min_rate=math.nextafter(best * cand.num_gpus, math.inf) if best > 0 else None)
-                chain.record(i, (g.rate, g.binding, [(p.rate, p.attainment, p.meets) for p in g.probes], g.below,
-                                 sum(p.stopped_early for p in g.probes)))
+                min_rate = math.nextafter(best * cand.num_gpus, math.inf) if best > 0 else None
+                chain.record(i, evaluate(job, min_rate=min_rate))
                 best = max(best, cand.per_gpu)
                 self.num_simulated += 1
 

@@ -93,11 +93,12 @@ class Job:
         return PartialSearch(self.start_rate, self.max_rate, self.rel_tol)
 
 
-def evaluate(job: Job, memo: Memo | None = None) -> Evaluation:
-    """The job's whole search (its simulations taken from ``memo`` where there): the candidate's record."""
+def evaluate(job: Job, memo: Memo | None = None, min_rate: float | None = None) -> Evaluation:
+    """The job's whole search (its simulations taken from ``memo`` where there): the candidate's record.
+    ``min_rate``: ``find_goodput``'s (a search in turn that needs the goodput only if it reaches it)."""
     g: GoodputResult = find_goodput(job.placement, job.latency, job.unit_requests, job.slo, job.config,
                                     rel_tol=job.rel_tol, start_rate=job.start_rate, max_rate=job.max_rate,
-                                    early_stop=job.early_stop, early_pass=job.early_stop, memo=memo)
+                                    min_rate=min_rate, early_stop=job.early_stop, early_pass=job.early_stop, memo=memo)
     return (g.rate, g.binding, [(p.rate, p.attainment, p.meets) for p in g.probes], g.below,
             sum(p.stopped_early for p in g.probes))
 
