@@ -376,10 +376,13 @@ class Planner:
         return options
 
     def _closest(self, candidates: list[Candidate]) -> str:
-        """For impossible SLOs: the candidate with the best attainment at its lowest probe, and what binds."""
+        """For impossible SLOs: the candidate with the best attainment at its lowest probe, and what binds.
+        A phase searched alone (prefill or decode) counts only if the other phase had a candidate simulated
+        too: decode instances that meet the TPOT SLO make no plan when no prefill can meet the TTFT SLO."""
+        simulated = {c.kind for c in candidates if c.probes}
         best: tuple[float, Candidate, dict[str, float]] | None = None
         for c in candidates:
-            if c.probes:
+            if c.probes and (c.kind not in ("prefill", "decode") or {"prefill", "decode"} <= simulated):
                 rate, att, _ = min(c.probes, key=lambda p: p[0])
                 if best is None or att["joint"] > best[0]:
                     best = (att["joint"], c, att)
