@@ -21,6 +21,7 @@ boundary is counted in solo seconds of work, and moves with the node's speed as 
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING
 
@@ -47,7 +48,7 @@ class LayeredPrefill:
     """One simulated prefill instance's plans, computed a layer at a time by ``PreemptibleSteps``."""
 
     def __init__(self, inst: SimInstance, num_layers: int) -> None:
-        self.inst = inst
+        self._inst = weakref.ref(inst)
         self.num_layers = num_layers
         self.steps = PreemptibleSteps(inst.core, _unused, _unused, _unused, send_finished=False)  # type: ignore[arg-type]
         self.part: PlanPart | None = None  # the part computing now
@@ -56,6 +57,12 @@ class LayeredPrefill:
         self._plan_s: dict[int, float] = {}  # plan_seq → seconds of the whole plan
         self.start_layer = self.end_layer = 0  # the layers the part in flight computes: [start, end)
         self.started_at = 0.0
+
+    @property
+    def inst(self) -> SimInstance:
+        """The instance driven (held weakly: it owns this driver, and a cycle would leave a finished
+        simulation to the cyclic collector, ``Simulation.run``)."""
+        return self._inst()  # type: ignore[return-value]
 
     @property
     def plan(self) -> StepPlan:

@@ -23,6 +23,7 @@ It ends with a step in flight or at a step boundary; a marker event there (``Sim
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -44,11 +45,17 @@ _NO_PLAN = StepPlan()  # what observe_step sees of a step of lazy decodes alone
 class LazyDecodes(LazyBatch):
     """The decoding head of ``inst``'s running list (see the module docstring)."""
 
-    __slots__ = ("inst",)
+    __slots__ = ("_inst",)
 
     def __init__(self, inst: SimInstance, token_id: int) -> None:
         super().__init__(inst.core, token_id)
-        self.inst = inst
+        self._inst = weakref.ref(inst)
+
+    @property
+    def inst(self) -> SimInstance:
+        """The instance driven (held weakly: it owns this driver, and a cycle would leave a finished
+        simulation to the cyclic collector, ``Simulation.run``)."""
+        return self._inst()  # type: ignore[return-value]
 
     @property
     def num_members(self) -> int:

@@ -27,6 +27,7 @@ stage 0) carry it on from there.
 
 from __future__ import annotations
 
+import weakref
 from collections import deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING
@@ -50,16 +51,23 @@ _NO_PLAN = StepPlan()
 class LazyLanes:
     """The lanes of a pipelined instance (see the module docstring)."""
 
-    __slots__ = ("inst", "core", "sched", "bm", "pp", "token_id", "lanes", "free", "marker_s", "num_members")
+    __slots__ = ("_inst", "core", "sched", "bm", "pp", "token_id", "lanes", "free", "marker_s", "num_members")
 
     def __init__(self, inst: SimInstance, token_id: int) -> None:
-        self.inst, self.core, self.pp, self.token_id = inst, inst.core, inst.pp, token_id
+        self._inst = weakref.ref(inst)
+        self.core, self.pp, self.token_id = inst.core, inst.pp, token_id
         self.sched = inst.core.scheduler
         self.bm = self.sched.block_manager
         self.lanes: list[LazyBatch] = []  # in flight, oldest first (stages finish in launch order)
         self.free: list[LazyBatch] = []  # applied, waiting for their launch (two: they would share a plan)
         self.marker_s: float | None = None  # the latest marker queued (at the then oldest lane's end)
         self.num_members = 0  # of all lanes: the head of ``running``
+
+    @property
+    def inst(self) -> SimInstance:
+        """The instance driven (held weakly: it owns this driver, and a cycle would leave a finished
+        simulation to the cyclic collector, ``Simulation.run``)."""
+        return self._inst()  # type: ignore[return-value]
 
     @classmethod
     def enter(cls, sim: Simulation, inst: SimInstance, token_id: int) -> LazyLanes | None:

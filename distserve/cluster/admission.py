@@ -38,6 +38,7 @@ at dispatch), then its dispatch order.
 
 from __future__ import annotations
 
+import functools
 import heapq
 import itertools
 import math
@@ -54,7 +55,7 @@ from distserve.cluster.backpressure import (
 from distserve.cluster.queue_rates import (  # noqa: F401 - DrainRate, BacklogRate re-exported
     DEFAULT_RETRY_AFTER_S, MAX_RETRY_AFTER_S, MIN_RETRY_AFTER_S, QUEUE_BOUND_RETRY_SHARE, BacklogRate, DrainRate, TokenBucket,
 )
-from distserve.cluster.tenants import DEFAULT_TIER, TenantSpec, tier_rank
+from distserve.cluster.tenants import DEFAULT_TIER, TenantSpec, tenant_weight, tier_rank
 from distserve.errors import InvalidConfigError, QueueFullError, RequestTimeoutError
 
 TIMED_OUT = "timeout"  # ``RequestOutput.error_kind`` of a request that waited past its timeout (HTTP 408)
@@ -212,7 +213,9 @@ class AdmissionQueue(Generic[T]):
         self.max_queue_delay_s = _check_delay(max_queue_delay_s)
         self.backlog = BacklogRate()
         self.backpressure = backpressure
-        self.policy = ADMISSION_POLICIES[policy](self.weight_of, quantum)
+        # (a function of the tenants, not a bound method: the policy holding this queue would make a
+        # cycle, and a simulation's queue would then wait for the cyclic collector)
+        self.policy = ADMISSION_POLICIES[policy](functools.partial(tenant_weight, self.tenants), quantum)
         self.counters: dict[str, TenantCounters] = {}
         self.drain = DrainRate()
         self._buckets: dict[str, TokenBucket] = {}
@@ -229,10 +232,6 @@ class AdmissionQueue(Generic[T]):
             if spec is None:
                 spec = self._unconfigured[tenant] = TenantSpec(tenant)
         return spec
-
-    def weight_of(self, tenant: str) -> float:
-        spec = self.tenants.get(tenant)
-        return spec.weight if spec is not None else 1.0
 
     def tier_of(self, request_class: RequestClass) -> str:
         """A configured tenant's requests run at its tier (a request's ``default`` tier means "my

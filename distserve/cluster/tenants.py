@@ -14,6 +14,7 @@ objective and task group do. Pure policy, no engine imports.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from distserve.errors import DistServeError
@@ -72,7 +73,13 @@ class TenantSpec:
 
 ANONYMOUS_TENANT = TenantSpec()
 
+
+def tenant_weight(tenants: Mapping[str, TenantSpec], tenant: str) -> float:
+    """``tenant``'s fair-queueing weight: its spec's in ``tenants``, 1 for a tenant not configured."""
+    spec = tenants.get(tenant)
+    return spec.weight if spec is not None else 1.0
+
 __all__ = [
     "ANONYMOUS", "ANONYMOUS_TENANT", "BATCH", "DEFAULT_TIER", "INTERACTIVE", "InvalidTenantError", "MAX_TENANT_CHARS",
-    "TIERS", "TenantSpec", "check_tenant_name", "check_tier", "tier_rank",
+    "TIERS", "TenantSpec", "check_tenant_name", "check_tier", "tenant_weight", "tier_rank",
 ]
