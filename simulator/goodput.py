@@ -17,13 +17,13 @@ a lower bound (the open requests count as misses) and ``Probe.stopped_early`` sa
 pass/fail outcome, hence the goodput, is exactly the full simulation's (``binding`` is read off the
 requests finished by then, and only failed probes' is reported). The ``SimResult`` a
 ``GoodputResult`` hands back is a complete run (an early-stopped one is simulated again), except
-for a search stopped by ``min_rate`` and with ``early_pass`` (a caller that needs only the rates,
-as the planner).
+for a search stopped by ``min_rate``, with ``early_pass`` (a caller that needs only the rates,
+as the planner) and where its probe was ``known`` (made elsewhere: then there is none).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from distserve.errors import InvalidConfigError
@@ -36,6 +36,7 @@ from simulator.simulation import SimConfig, Simulation, gc_paused, with_rate
 from simulator.workload import Request
 
 Memo = dict[tuple[float, bool], tuple[SimResult, bool]]  # a search's simulations, by (rate, may stop early)
+Known = Mapping[float, tuple["Probe", str]]  # probes made elsewhere, by rate: (the probe, the SLO that binds)
 
 
 @dataclass(frozen=True)
@@ -109,7 +110,8 @@ class GoodputResult:
     rate: float  # requests/s meeting the SLO target (0 if even a trickle misses it)
     num_gpus: int
     probes: list[Probe] = field(default_factory=list)
-    # The simulation at ``rate`` (at the lowest probe if rate == 0), complete — except with ``below``.
+    # The simulation at ``rate`` (at the lowest probe if rate == 0), complete — except with ``below``;
+    # None if that probe was one of ``known``'s.
     result: SimResult | None = None
     binding: str | None = None  # the SLO that fails first just above ``rate``: "ttft", "tpot" or "both"
     below: float | None = None  # set when the search would end below ``min_rate``: the goodput is below it (``rate`` is 0)
@@ -146,6 +148,7 @@ def find_goodput(
     early_stop: bool = True,
     early_pass: bool = False,
     memo: Memo | None = None,
+    known: Known | None = None,
 ) -> GoodputResult:
     """Bisection on the arrival rate; ``unit_rate_requests`` arrive at 1 request/s on average.
 
@@ -159,18 +162,20 @@ def find_goodput(
     ``memo``: simulations made earlier with the same arguments — by another search with another
     ``min_rate``, or by probes made one at a time (``simulate_probe``'s answers, by rate and whether it
     might stop early) — taken instead of simulating again; the new ones are added to it. A simulation
-    is a function of its arguments, so the result is the same as without (the planner's chains read a
-    candidate's search off the probes they made, ``planner.chains``).
+    is a function of its arguments, so the result is the same as without.
+    ``known``: probes made elsewhere with the same arguments (``probe_at``'s, by rate: the probe and the
+    SLO that binds), taken as they are — the planner's chains read a candidate's search off the probes
+    their workers made (``planner.chains``) without shipping the simulations back.
     """
     with gc_paused():  # (its probes, and weighing the search's ways between them)
         return _find_goodput(placement, latency, unit_rate_requests, slo, config, rel_tol, start_rate, max_probes,
-                             max_rate, min_rate, early_stop, early_pass, {} if memo is None else memo)
+                             max_rate, min_rate, early_stop, early_pass, {} if memo is None else memo, known or {})
 
 
 def _find_goodput(placement: Placement, latency: LatencyModel, unit_rate_requests: Sequence[Request], slo: SLOSpec,
                   config: SimConfig | None, rel_tol: float, start_rate: float | None, max_probes: int,
                   max_rate: float | None, min_rate: float | None, early_stop: bool, early_pass: bool,
-                  memo: Memo) -> GoodputResult:
+                  memo: Memo, known: Known) -> GoodputResult:
     if not unit_rate_requests:
         raise InvalidConfigError("the workload has no requests")
     if not 0 < rel_tol < 1:
@@ -186,15 +191,22 @@ def _find_goodput(placement: Placement, latency: LatencyModel, unit_rate_request
 
     def probe(rate: float) -> bool:
         if rate not in outcomes:
-            p, binding_at[rate], results[rate] = probe_at(placement, latency, unit_rate_requests, slo, config, rate,
-                                                          early_stop, early_pass, memo)
+            if rate in known:
+                p, binding_at[rate] = known[rate]
+            else:
+                p, binding_at[rate], results[rate] = probe_at(placement, latency, unit_rate_requests, slo, config, rate,
+                                                              early_stop, early_pass, memo)
             outcomes[rate] = p.meets
             probes.append(p)
         return outcomes[rate]
 
-    def complete(rate: float) -> SimResult:
-        """The full simulation at a probed rate (its probe's attainment made exact)."""
-        if results[rate].stopped_early:
+    def complete(rate: float) -> SimResult | None:
+        """The full simulation at a probed rate (its probe's attainment made exact); None for a probe
+        ``known`` complete (its simulation was made elsewhere)."""
+        res = results.get(rate)
+        if res is None and not known[rate][0].stopped_early:
+            return None
+        if res is None or res.stopped_early:
             results[rate] = simulate_probe(placement, latency, unit_rate_requests, slo, config, rate, False, False, memo)[0]
             i = next(i for i, p in enumerate(probes) if p.rate == rate)
             probes[i] = Probe(rate, attainment(results[rate].records, slo), outcomes[rate])
@@ -208,7 +220,7 @@ def _find_goodput(placement: Placement, latency: LatencyModel, unit_rate_request
                              binding_at[failed.rate] if failed is not None else None, below=min_rate)
     lo, hi = search_rate(probe, start, max_rate, rel_tol, max_probes, max_first=True)
     above = next((p for p in probes if p.rate == hi), None)
-    best = results[lo] if lo > 0 else complete(min(results))
+    best = results.get(lo) if lo > 0 else complete(min(outcomes))
     return GoodputResult(
         rate=lo,
         num_gpus=num_gpus,

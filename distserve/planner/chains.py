@@ -51,7 +51,7 @@ from typing import Any, TypeVar
 from distserve.placement import Placement
 from distserve.planner.plan import Candidate
 from distserve.slo import SLOSpec
-from simulator.goodput import GoodputResult, Memo, Probe, find_goodput, probe_at
+from simulator.goodput import GoodputResult, Known, Probe, find_goodput, probe_at
 from simulator.latency import LatencyModel
 from simulator.rate_search import PartialSearch
 from simulator.simulation import SimConfig, gc_paused
@@ -93,24 +93,38 @@ class Job:
         return PartialSearch(self.start_rate, self.max_rate, self.rel_tol)
 
 
-def evaluate(job: Job, memo: Memo | None = None, min_rate: float | None = None) -> Evaluation:
-    """The job's whole search (its simulations taken from ``memo`` where there): the candidate's record.
-    ``min_rate``: ``find_goodput``'s (a search in turn that needs the goodput only if it reaches it)."""
+def evaluate(job: Job, known: Known | None = None, min_rate: float | None = None) -> Evaluation:
+    """The job's whole search (its probes taken from ``known``, ``probe``'s outcomes, where there): the
+    candidate's record. ``min_rate``: ``find_goodput``'s (a search in turn that needs the goodput only
+    if it reaches it)."""
     g: GoodputResult = find_goodput(job.placement, job.latency, job.unit_requests, job.slo, job.config,
                                     rel_tol=job.rel_tol, start_rate=job.start_rate, max_rate=job.max_rate,
-                                    min_rate=min_rate, early_stop=job.early_stop, early_pass=job.early_stop, memo=memo)
+                                    min_rate=min_rate, early_stop=job.early_stop, early_pass=job.early_stop, known=known)
     return (g.rate, g.binding, [(p.rate, p.attainment, p.meets) for p in g.probes], g.below,
             sum(p.stopped_early for p in g.probes))
 
 
-def probe(job: Job, rate: float) -> tuple[Probe, str, Memo]:
-    """One probe of the job's search, as ``find_goodput`` makes it: its verdict, the binding SLO and
-    the simulations it took (for ``evaluate`` to read later)."""
-    memo: Memo = {}
+def probe(job: Job, rate: float) -> tuple[Probe, str]:
+    """One probe of the job's search, as ``find_goodput`` makes it: its verdict and the binding SLO
+    (what ``evaluate`` reads later: not the simulation, which a worker would have to ship back)."""
     with gc_paused():
         outcome, binding, _ = probe_at(job.placement, job.latency, job.unit_requests, job.slo, job.config, rate,
-                                       job.early_stop, job.early_stop, memo)
-    return outcome, binding, memo
+                                       job.early_stop, job.early_stop, {})
+    return outcome, binding
+
+
+_worker_jobs: list[list[Job]] = []  # in a pool's worker: every chain's jobs, sent once (``_pool``)
+
+
+def _probe_in_worker(c: int, i: int, rate: float) -> tuple[Probe, str]:
+    """``probe`` of chain ``c``'s job ``i``, in a worker that holds the jobs."""
+    return probe(_worker_jobs[c][i], rate)
+
+
+def _hold_jobs(jobs: list[list[Job]]) -> None:
+    """A pool worker's start: SIGTERM's default action (``_pool``), and the jobs it will probe."""
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    _worker_jobs[:] = jobs
 
 
 def chain_order(cand: Candidate) -> tuple[float, int]:
@@ -175,7 +189,6 @@ class BestFirst:
         self.chain = chain
         self.cands = [_Searched(i, c, j) for i, (c, j) in enumerate(chain.jobs)]
         self.probes: list[list[tuple[Probe, str]]] = [[] for _ in self.cands]
-        self.memos: list[Memo] = [{} for _ in self.cands]
         self._next: tuple[int, float] | None | bool = False  # (False: not weighed since the last outcome)
 
     def next_probe(self, assumed: dict[int, _Searched] | None = None) -> tuple[int, float] | None:
@@ -202,9 +215,8 @@ class BestFirst:
             self._next = out
         return out
 
-    def learn(self, i: int, outcome: Probe, binding: str, memo: Memo) -> None:
+    def learn(self, i: int, outcome: Probe, binding: str) -> None:
         """A probe's outcome (``probe``'s answer) for candidate ``i``."""
-        self.memos[i].update(memo)
         self.probes[i].append((outcome, binding))
         c = self.cands[i]
         c.search.learn(outcome.rate, outcome.meets)
@@ -240,10 +252,10 @@ class BestFirst:
     def finish(self, progress: Progress) -> int:
         """Record every candidate (the module docstring); returns how many were simulated."""
         winner = max(self.cands, key=lambda c: (c.high, -c.index), default=None)
-        for c, probes, memo in zip(self.cands, self.probes, self.memos):
+        for c, probes in zip(self.cands, self.probes):
             cand = c.cand
             if c.search.result is not None:
-                self.chain.record(c.index, evaluate(c.job, memo))
+                self.chain.record(c.index, evaluate(c.job, {p.rate: (p, binding) for p, binding in probes}))
             elif probes:
                 failed = min((p for p in probes if not p[0].meets), key=lambda p: p[0].rate, default=None)
                 cand.goodput, cand.goodput_below = 0.0, c.high * cand.num_gpus
@@ -266,17 +278,19 @@ def run_all(fn: Callable[..., T], args: list[tuple[Any, ...]], workers: int) -> 
 
 
 @contextlib.contextmanager
-def _pool(workers: int) -> Iterator[multiprocessing.pool.Pool]:
+def _pool(workers: int, jobs: list[list[Job]] | None = None) -> Iterator[multiprocessing.pool.Pool]:
     """A pool of forked workers that ``terminate`` (on leaving it) kills outright: each starts with
     SIGTERM's default action. A handler inherited from this process (a Ray driver's raises
     SystemExit) could otherwise unwind a worker caught in its exit path out of the fork and on
-    through this process's code — a second copy of the caller running on."""
+    through this process's code — a second copy of the caller running on. ``jobs``: handed to each
+    worker as it starts (``_probe_in_worker`` then names a job by its place, instead of pickling it
+    with every probe)."""
     try:
         inherited = signal.signal(signal.SIGTERM, signal.SIG_DFL)  # (for the fork to copy)
     except ValueError:  # not the main thread: the workers reset it as they start
         inherited = None
     try:
-        pool = multiprocessing.Pool(workers, initializer=signal.signal, initargs=(signal.SIGTERM, signal.SIG_DFL))
+        pool = multiprocessing.Pool(workers, initializer=_hold_jobs, initargs=(jobs or [],))
     finally:
         if inherited is not None:
             signal.signal(signal.SIGTERM, inherited)
@@ -293,7 +307,7 @@ def run_chains(chains: list[Chain], workers: int, progress: Progress) -> int:
         progress(chain.label, i + 1, len(chain.jobs))
     searches = [BestFirst(chain) for chain in chains if chain.stop_losers]
     # (the cyclic collector off for the whole search: turned back on after each chain, its first pass
-    # walked all the chain's probes and memos — ~4% of a plan's time, once per chain)
+    # walked all the chain's probes and their simulations — ~4% of a plan's time, once per chain)
     with gc_paused():
         if workers <= 1:
             for search in searches:
@@ -308,19 +322,18 @@ _Key = tuple[int, int, float]  # (chain, candidate, rate)
 
 def _run_on_pool(searches: list[BestFirst], workers: int, progress: Progress) -> None:
     """Every chain's ``run`` at once on a pool of ``workers`` processes (the module docstring)."""
-    done: dict[_Key, tuple[Probe, str, Memo]] = {}
-    finished: queue.SimpleQueue[tuple[_Key, tuple[Probe, str, Memo] | BaseException]] = queue.SimpleQueue()
+    done: dict[_Key, tuple[Probe, str]] = {}
+    finished: queue.SimpleQueue[tuple[_Key, tuple[Probe, str] | BaseException]] = queue.SimpleQueue()
     running: set[_Key] = set()
 
     def known(c: int) -> Callable[[int, float], bool | None]:
         return lambda i, rate: done[c, i, rate][0].meets if (c, i, rate) in done else None
 
     # (multiprocessing's Pool, not concurrent.futures': a probe ahead still running at the end is killed, not waited for)
-    with _pool(workers) as pool:
+    with _pool(workers, [[job for _, job in search.chain.jobs] for search in searches]) as pool:
 
         def submit(key: _Key) -> None:
-            c, i, rate = key
-            pool.apply_async(probe, (searches[c].chain.jobs[i][1], rate),
+            pool.apply_async(_probe_in_worker, key,
                              callback=lambda out: finished.put((key, out)),
                              error_callback=lambda err: finished.put((key, err)))
             running.add(key)
@@ -339,11 +352,13 @@ def _run_on_pool(searches: list[BestFirst], workers: int, progress: Progress) ->
                 if key not in running:
                     submit(key)
             for c, i, rate in wanted:  # then, on free workers, the probes each chain is likely to make next
+                if len(running) >= workers:
+                    break  # (before weighing what-ifs: that is most of this process's work)
                 for step in searches[c].ahead(i, rate, known(c)):
-                    if len(running) >= workers:
-                        break
                     if (c, *step) not in done and (c, *step) not in running:
                         submit((c, *step))
+                    if len(running) >= workers:
+                        break
             key, out = finished.get()
             running.discard(key)
             if isinstance(out, BaseException):
