@@ -11,7 +11,7 @@ import pytest
 from distserve.placement import Placement
 from distserve.slo import SLO, SLOSpec
 from distserve.slo import attainment, meets
-from simulator.goodput import _MissCounter, find_goodput
+from simulator.goodput import _MissCounter, find_goodput, probe_at
 from simulator.rate_search import PartialSearch, reaches, search_rate
 from simulator.latency import FittedLatencyModel
 from simulator.profiles import TpCoefficients
@@ -96,6 +96,32 @@ def test_a_memo_of_another_searchs_simulations_changes_nothing_and_is_reused() -
         assert (reused.rate, reused.binding, reused.probes, reused.below) == (alone.rate, alone.binding, alone.probes, alone.below)
         # Only the probes the first search did not make were simulated again.
         assert len(memo) - simulated == len({p.rate for p in alone.probes} - {p.rate for p in full.probes})
+
+
+@pytest.mark.parametrize("reach", [0.5, 1.0, 100.0])
+def test_known_probes_made_elsewhere_give_the_full_searchs_record_without_simulating(reach: float) -> None:
+    """``known``: the probes of a search made elsewhere (a planner worker's ``probe_at``, by rate) give the
+    search's own record — rate, binding SLO, every probe — and nothing is simulated for them; where
+    they are its only probes, ``result`` is None (a probe that stopped early at the lowest rate of a
+    search finding nothing is simulated whole here, as the search itself does). ``reach`` scales the
+    SLOs: a goodput found, and none (every probe fails)."""
+    latency = FittedLatencyModel("facebook/opt-13b", {1: OPT13B_A100}, hardware="a100-80g")
+    unit = generate_requests("chatbot", 1.0, 100, seed=3, max_total_len=2048)
+    slo = SLOSpec(SLO(0.25 / reach, 0.1 / reach, 0.9))
+    placement = Placement.disaggregated(1, 1)
+    kwargs = {"rel_tol": 0.05, "max_rate": 20.0, "early_pass": True}
+    full = find_goodput(placement, latency, unit, slo, **kwargs)
+    known = {}
+    for p in full.probes:
+        made, binding, _ = probe_at(placement, latency, unit, slo, None, p.rate, True, True, {})
+        known[p.rate] = (made, binding)
+    memo: dict = {}
+    again = find_goodput(placement, latency, unit, slo, memo=memo, known=known, **kwargs)
+    assert (again.rate, again.binding, again.probes) == (full.rate, full.binding, full.probes)
+    if full.rate > 0:
+        assert memo == {} and again.result is None
+    else:
+        assert all(not p.meets for p in full.probes) and again.result is not None and not again.result.stopped_early
 
 
 @pytest.mark.parametrize("mode", ["joint", "separate"])
