@@ -9,6 +9,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterable, Sequence
 from datetime import timedelta
 from typing import Any
+from urllib.parse import urlsplit
 
 import torch
 import torch.distributed as dist
@@ -248,16 +249,37 @@ def default_backend() -> str:
 
 
 def init_process_group(
-    rank: int, world_size: int, init_method: str, backend: str | None = None, timeout_s: float = 300.0
+    rank: int, world_size: int, init_method: str | None, backend: str | None = None, timeout_s: float = 300.0,
+    store: dist.Store | None = None,
 ) -> str:
-    """Initialise the default process group (backend chosen by ``default_backend`` if None); returns the backend."""
+    """Initialise the default process group (backend chosen by ``default_backend`` if None); returns the
+    backend. Either ``init_method`` (torch's rendezvous) or ``store`` (every rank's: ``open_rendezvous``,
+    ``join_rendezvous``)."""
     backend = backend or default_backend()
     if backend == "nccl":
         torch.cuda.set_device(rank % torch.cuda.device_count())
     dist.init_process_group(
-        backend, init_method=init_method, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s)
+        backend, init_method=None if store is not None else init_method, store=store, rank=rank, world_size=world_size,
+        timeout=timedelta(seconds=timeout_s),
     )
     return backend
+
+
+def open_rendezvous(world_size: int, host: str, timeout_s: float = 300.0) -> tuple[str, dist.TCPStore]:
+    """Global rank 0's side of a world's rendezvous: its address ``tcp://host:port`` and the store serving
+    it, bound to a port the OS picks as it binds. A port chosen first and bound later (torch's ``tcp://``
+    rendezvous on a free port found beforehand, as vLLM does) can be taken by another listener in between
+    (EADDRINUSE, seen in CI); this one cannot. Every rank then passes its store to ``init_process_group``."""
+    store = dist.TCPStore(host, 0, world_size, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=timeout_s))
+    return f"tcp://{host}:{store.port}", store
+
+
+def join_rendezvous(address: str, world_size: int, timeout_s: float = 300.0) -> dist.TCPStore:
+    """Another rank's side of ``open_rendezvous``: a client of the store at its ``address``."""
+    parsed = urlsplit(address)
+    if parsed.scheme != "tcp" or parsed.hostname is None or parsed.port is None:
+        raise ValueError(f"a rendezvous address is tcp://host:port, got {address!r}")
+    return dist.TCPStore(parsed.hostname, parsed.port, world_size, is_master=False, timeout=timedelta(seconds=timeout_s))
 
 
 def new_kv_group() -> dist.ProcessGroup:

@@ -315,12 +315,15 @@ def measure_in_process(job: MeasureJob) -> dict[str, Any]:
         torch.set_num_threads(previous)
 
 
-def _tp_worker(rank: int, job: MeasureJob, port: int, results: Any) -> None:
-    """One TP rank (spawned): join gloo, measure, rank 0 reports its samples."""
+def _tp_worker(rank: int, job: MeasureJob, address: str, results: Any) -> None:
+    """One TP rank (spawned): join gloo (the parent holds the rendezvous at ``address``), measure, rank 0
+    reports its samples."""
+    from distserve.kvtransfer.transport import init_process_group, join_rendezvous
+
     os.environ["OMP_NUM_THREADS"] = str(job.threads)
     torch.set_num_threads(job.threads)
     try:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=job.tp)
+        init_process_group(rank, job.tp, None, "gloo", store=join_rendezvous(address, job.tp))
         try:
             shard = ShardSpec(tp=job.tp, tp_rank=rank)
             samples = measure(job, build_parallel_state(shard, list(range(job.tp))))
@@ -337,12 +340,12 @@ def _tp_worker(rank: int, job: MeasureJob, port: int, results: Any) -> None:
 def measure_tp(job: MeasureJob) -> dict[str, Any]:
     import torch.multiprocessing as mp
 
-    from distserve.ports import free_port
+    from distserve.kvtransfer.transport import open_rendezvous
 
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_tp_worker, args=(r, job, port, results), daemon=True) for r in range(job.tp)]
+    address, _store = open_rendezvous(job.tp, "127.0.0.1")  # (the store held here while the ranks run)
+    procs = [ctx.Process(target=_tp_worker, args=(r, job, address, results), daemon=True) for r in range(job.tp)]
     for p in procs:
         p.start()
     deadline = time.monotonic() + WORKER_TIMEOUT_S

@@ -41,7 +41,7 @@ from distserve.runtime.admission_driver import AdmissionDriver
 from distserve.runtime.config import DeploymentConfig
 from distserve.runtime.instance_protocol import StepResult
 from distserve.runtime.migrations import KVMigrations
-from distserve.runtime.ray_deployment import DeployedInstance, deploy, init_method, undeploy
+from distserve.runtime.ray_deployment import DeployedInstance, deploy, open_rendezvous, undeploy
 from distserve.runtime.recovery import InstanceRecovery
 from distserve.runtime.stats import prefill_totals
 
@@ -106,7 +106,7 @@ class Controller(AdmissionDriver, RequestFrontend, KVMigrations, InstanceRecover
     async def start(self) -> None:
         """Create placement groups and instance actors, form the torch.distributed world, start loops."""
         self.instances, self._world_size = await deploy(self.config, self, self.dtype)
-        method = init_method(self.placement)
+        method = await open_rendezvous(self.instances, self.placement, self._world_size)
         await asyncio.gather(*(inst.actor.init.remote(method, self._world_size) for inst in self.instances))
         layouts = await asyncio.gather(*(inst.actor.layout.remote() for inst in self.instances))
         for inst, layout in zip(self.instances, layouts):

@@ -99,6 +99,11 @@ class InstanceServer:
             self.preemptible = PreemptibleSteps(self.core, self.local.begin, self.local.run_layers, time.monotonic, self._lock)
 
     # ---- set-up --------------------------------------------------------------------------------
+    def open_rendezvous(self, world_size: int, loopback: bool) -> str:
+        """This instance holds global rank 0 (its first rank, in this process): the address of a fresh
+        rendezvous for the world about to form (``Worker.open_rendezvous``)."""
+        return self.local.open_rendezvous(world_size, loopback)
+
     def init(self, init_method: str, world_size: int) -> str:
         """Every rank joins the world; returns the backend (gloo on CPU, nccl on GPU)."""
         refs = [w.init.remote(init_method, world_size) for w in self.remote]

@@ -4,7 +4,7 @@ Each instance is a threaded Ray actor (``InstanceServer``) in a placement group 
 (STRICT_PACK, one bundle per worker, on the node the placement names). All workers of all
 instances form one torch.distributed world (gloo on CPU, NCCL on GPU): TP/PP groups inside an
 instance, point-to-point KV migration between them. ``DeployedInstance`` is what the controller
-knows about one of them; ``deploy`` creates them all, ``init_method`` names a fresh rendezvous for
+knows about one of them; ``deploy`` creates them all, ``open_rendezvous`` opens a fresh rendezvous for
 the world (formed again after a restart, see ``runtime.recovery``), and ``undeploy`` removes them.
 A decode instance of a class pool runs with its spec's batch cap and routes by its pool
 (``InstanceSpec.pool``/``max_num_seqs``, kept in its ``RouteState``).
@@ -22,7 +22,6 @@ from distserve.cluster.routing import RouteState
 from distserve.engine.frontend import RequestFrontend
 from distserve.errors import InvalidConfigError
 from distserve.kvtransfer.layout import KVLayout
-from distserve.ports import free_port
 from distserve.placement import InstanceSpec, Placement
 from distserve.runtime.config import DeploymentConfig
 from distserve.runtime.instance_protocol import InstanceServerSpec, StepResult
@@ -98,7 +97,7 @@ async def deploy(config: DeploymentConfig, frontend: RequestFrontend, dtype: str
 
     ``frontend`` (the controller) holds the resolved cache and scheduler configs and the model's
     limits. The actors are created, not yet initialized: the caller joins them into the world with
-    ``init_method`` (their ``init``) once all are up.
+    ``open_rendezvous`` (their ``init``) once all are up.
     """
     from ray.util.placement_group import placement_group
 
@@ -130,13 +129,12 @@ async def deploy(config: DeploymentConfig, frontend: RequestFrontend, dtype: str
     return instances, next_rank
 
 
-def init_method(placement: Placement) -> str:
-    """A fresh rendezvous address for the world (global rank 0 hosts the store there)."""
-    import ray
-
+async def open_rendezvous(instances: list[DeployedInstance], placement: Placement, world_size: int) -> str:
+    """A fresh rendezvous for the world about to form (each ``init``/``reinit`` joins it): global rank 0's
+    store, bound by that rank to a port the OS picks (on 127.0.0.1 when every instance runs on one node)."""
     placed = placement.prefill + placement.decode + placement.colocated
-    host = "127.0.0.1" if all(p.node in (None, 0) for p in placed) else ray.util.get_node_ip_address()
-    return f"tcp://{host}:{free_port(host)}"
+    first = next(i for i in instances if i.spec.global_ranks[0] == 0)
+    return await first.actor.open_rendezvous.remote(world_size, all(p.node in (None, 0) for p in placed))
 
 
 def create_instance_actor(inst: DeployedInstance) -> Any:

@@ -27,7 +27,7 @@ from distserve.engine.outputs import RequestOutput
 from distserve.engine.sequence import Sequence
 from distserve.errors import DistServeError, ServiceUnavailableError
 from distserve.placement import Placement
-from distserve.runtime.ray_deployment import DeployedInstance, create_instance_actor, init_method
+from distserve.runtime.ray_deployment import DeployedInstance, create_instance_actor, open_rendezvous
 
 log = logging.getLogger(__name__)
 
@@ -201,7 +201,7 @@ class InstanceRecovery:
                         pass
                     dead.actor = create_instance_actor(dead)
                 survivors = [i for i in self.instances if i.alive]
-                method = init_method(self.placement)
+                method = await asyncio.wait_for(open_rendezvous(self.instances, self.placement, self._world_size), RESTART_TIMEOUT_S)
                 await asyncio.wait_for(
                     asyncio.gather(
                         *(dead.actor.init.remote(method, self._world_size) for dead in group),

@@ -25,7 +25,9 @@ from distserve.engine.step_plan import SampledToken, StepPlan
 from distserve.engine.weights import load_weights
 from distserve.kvtransfer.layout import KVLayout
 from distserve.kvtransfer.migration import MigrationStats, StagingBuffers, recv_kv, send_kv
-from distserve.kvtransfer.transport import TorchDistTransport, TransferTimeout, init_process_group, new_kv_group
+from distserve.kvtransfer.transport import (
+    TorchDistTransport, TransferTimeout, init_process_group, join_rendezvous, new_kv_group, open_rendezvous,
+)
 
 # Test hooks (``Worker.inject_transfer_fault``): the next send is silently dropped (its receiver
 # times out), or the next receive raises before posting anything (its sender is left waiting).
@@ -94,6 +96,8 @@ class Worker:
         self._periodic_faults = periodic_transfer_faults(os.environ.get(TRANSFER_FAULTS_ENV))
         self._transfers_seen = dict.fromkeys(TRANSFER_FAULTS, 0)  # by kind: transfers started (periodic faults count them)
         self._old_transports: list[TorchDistTransport] = []  # of earlier worlds (``reinit``)
+        self._rendezvous: dist.TCPStore | None = None  # global rank 0: the store of the world being formed
+        self._store: dist.TCPStore | None = None  # the store of the world joined (global rank 0's serves it)
         # Plans carry a per-instance sequence number; ``execute`` runs them in that order.
         self._next_plan_seq = 0
         self._plan_turn = threading.Condition()
@@ -102,11 +106,32 @@ class Worker:
     def global_rank(self) -> int:
         return self.spec.instance_ranks[self.spec.shard.rank]
 
+    def open_rendezvous(self, world_size: int, loopback: bool) -> str:
+        """Global rank 0, before a world forms (``init`` or ``reinit``): bind its store, return its address
+        (``transport.open_rendezvous``; on 127.0.0.1 when every rank runs on this node)."""
+        assert self.global_rank == 0, "global rank 0 hosts the rendezvous"
+        import ray
+
+        host = "127.0.0.1" if loopback else ray.util.get_node_ip_address()
+        address, self._rendezvous = open_rendezvous(world_size, host)
+        return address
+
+    def _join(self, address: str, world_size: int) -> str:
+        """Join the world whose rendezvous is at ``address``: the default process group; returns the backend."""
+        if self.global_rank == 0:
+            assert self._rendezvous is not None, "open_rendezvous first"
+            store, self._rendezvous = self._rendezvous, None
+        else:
+            store = join_rendezvous(address, world_size)
+        self._store = store
+        return init_process_group(self.global_rank, world_size, None, store=store)
+
     def init(self, init_method: str, world_size: int) -> str:
-        """Join the runtime's torch.distributed world, build the TP group, load the model shard."""
+        """Join the runtime's torch.distributed world (its rendezvous at ``init_method``: global rank 0's
+        ``open_rendezvous``), build the TP group, load the model shard."""
         spec = self.spec
         os.environ.setdefault("OMP_NUM_THREADS", str(spec.num_threads))
-        backend = init_process_group(self.global_rank, world_size, init_method)
+        backend = self._join(init_method, world_size)
         kv_group = new_kv_group()  # first: a collective of every rank, before the TP groups
         parallel = build_parallel_state(spec.shard, spec.instance_ranks)
 
@@ -137,7 +162,7 @@ class Worker:
         spec = self.spec
         if dist.is_initialized():
             dist.destroy_process_group()
-        backend = init_process_group(self.global_rank, world_size, init_method)
+        backend = self._join(init_method, world_size)  # (the old world's store let go)
         kv_group = new_kv_group()
         fresh = build_parallel_state(spec.shard, spec.instance_ranks)
         parallel = self.runner.parallel  # the model holds its bound ``all_reduce``: update in place

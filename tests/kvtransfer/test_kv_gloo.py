@@ -13,7 +13,7 @@ import torch.multiprocessing as mp
 
 from distserve.kvtransfer import KVLayout, TorchDistTransport, init_process_group, recv_kv, send_kv, trim_block_lists
 from distserve.kvtransfer.migration import num_tags
-from distserve.kvtransfer.transport import TransferCancelled, TransferTimeout, new_kv_group
+from distserve.kvtransfer.transport import TransferCancelled, TransferTimeout, join_rendezvous, new_kv_group, open_rendezvous
 from distserve.ports import free_port
 
 pytestmark = pytest.mark.integration  # spawns processes
@@ -38,9 +38,9 @@ def shard(full: torch.Tensor, lay: KVLayout, rank: int) -> torch.Tensor:
     return full[l0:l1, :, :, :, h0:h1]
 
 
-def worker(rank: int, world_size: int, port: int) -> None:
+def worker(rank: int, world_size: int, address: str) -> None:
     torch.set_num_threads(1)
-    assert init_process_group(rank, world_size, f"tcp://127.0.0.1:{port}", backend="gloo") == "gloo"
+    assert init_process_group(rank, world_size, None, backend="gloo", store=join_rendezvous(address, world_size)) == "gloo"
     transport = TorchDistTransport()
     src_to_global = list(range(SRC.world_size))
     dst_to_global = [SRC.world_size + r for r in range(DST.world_size)]
@@ -68,8 +68,9 @@ def worker(rank: int, world_size: int, port: int) -> None:
 @pytest.mark.timeout(120)
 def test_gloo_migration_prefill_pp2_to_decode_tp2() -> None:
     world_size = SRC.world_size + DST.world_size
+    address, _store = open_rendezvous(world_size, "127.0.0.1")  # (served from here, every rank a client)
     # Raises ProcessRaisedException if any worker fails an assertion.
-    mp.start_processes(worker, args=(world_size, free_port()), nprocs=world_size, join=True, start_method="spawn")
+    mp.start_processes(worker, args=(world_size, address), nprocs=world_size, join=True, start_method="spawn")
 
 
 def timeout_worker(rank: int, port: int) -> None:
@@ -129,3 +130,35 @@ def test_a_free_port_is_free_and_below_the_ephemeral_range() -> None:
         assert 10_000 <= port < low
         with socket.socket() as s:
             s.bind(("127.0.0.1", port))
+
+
+def rank_of_a_world(rank: int, address: str, round_: int) -> None:
+    """Rank 1 of a 2-rank world whose rank 0 is the test process (which holds the rendezvous)."""
+    init_process_group(rank + 1, 2, None, backend="gloo", store=join_rendezvous(address, 2, timeout_s=60))
+    t = torch.tensor([float(round_)])
+    dist.all_reduce(t)
+    dist.destroy_process_group()
+
+
+@pytest.mark.timeout(120)
+def test_a_rendezvous_binds_its_port_as_it_is_made_and_worlds_form_again_on_fresh_ones() -> None:
+    """``open_rendezvous`` (the runtime's global rank 0, before each world forms): its port is bound by
+    the time its address exists (no other listener can take it in between: a port found free and bound
+    later could be), and a world forms on it with every rank passing its store; a second world (an
+    instance restarted) forms on a fresh one."""
+    for round_ in (1, 2):
+        address, store = open_rendezvous(2, "127.0.0.1", timeout_s=60)
+        port = int(address.rsplit(":", 1)[1])
+        with socket.socket() as s, pytest.raises(OSError):
+            s.bind(("127.0.0.1", port))
+        ctx = mp.get_context("spawn")
+        proc = ctx.Process(target=rank_of_a_world, args=(0, address, round_), daemon=True)
+        proc.start()
+        init_process_group(0, 2, None, backend="gloo", store=store, timeout_s=60)
+        t = torch.tensor([float(round_)])
+        dist.all_reduce(t)
+        dist.destroy_process_group()
+        proc.join(timeout=60)
+        assert proc.exitcode == 0 and t.item() == 2 * round_
+    with pytest.raises(ValueError, match="tcp://host:port"):
+        join_rendezvous("127.0.0.1:1234", 2)
