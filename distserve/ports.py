@@ -1,4 +1,5 @@
-"""Free ports for listeners started later (one home: the runtime's rendezvous, test and benchmark servers)."""
+"""Free ports for listeners started later that cannot take port 0 (test and benchmark servers). A
+torch.distributed world's rendezvous binds its own port instead (``kvtransfer.transport.open_rendezvous``)."""
 
 from __future__ import annotations
 
@@ -7,8 +8,8 @@ import socket
 
 
 def free_port(host: str = "127.0.0.1", attempts: int = 200) -> int:
-    """A port on ``host`` nobody listens on now, for a listener started later (a world's rendezvous
-    store, a server that cannot take port 0), outside the OS's ephemeral range. Between this check and
+    """A port on ``host`` nobody listens on now, for a listener started later (a server that cannot
+    take port 0), outside the OS's ephemeral range. Between this check and
     the listener's bind any process may take the port; one the kernel hands out itself (bind to 0)
     comes from the ephemeral range, where every outgoing connection (Ray's, gRPC's, HTTP clients')
     draws its local port too — a port below that range is taken only by an explicit bind (EADDRINUSE

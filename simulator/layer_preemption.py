@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING
 from distserve.engine.preemptible import PlanPart, PreemptibleSteps
 from distserve.engine.sequence import Sequence
 from distserve.engine.step_plan import SampledToken, StepPlan
+from simulator.sim_instance import driven_instance
 
 if TYPE_CHECKING:
     from simulator.sim_instance import SharedCompute, SimInstance
@@ -58,11 +59,7 @@ class LayeredPrefill:
         self.start_layer = self.end_layer = 0  # the layers the part in flight computes: [start, end)
         self.started_at = 0.0
 
-    @property
-    def inst(self) -> SimInstance:
-        """The instance driven (held weakly: it owns this driver, and a cycle would leave a finished
-        simulation to the cyclic collector, ``Simulation.run``)."""
-        return self._inst()  # type: ignore[return-value]
+    inst = driven_instance()
 
     @property
     def plan(self) -> StepPlan:

@@ -34,6 +34,7 @@ from simulator.fast_forward import horizon
 from simulator.latency import BatchShape
 from simulator.lazy_batch import LazyBatch, usable
 from simulator.sim_events import STEP_DONE
+from simulator.sim_instance import driven_instance
 
 if TYPE_CHECKING:
     from simulator.simulation import Simulation
@@ -51,11 +52,7 @@ class LazyDecodes(LazyBatch):
         super().__init__(inst.core, token_id)
         self._inst = weakref.ref(inst)
 
-    @property
-    def inst(self) -> SimInstance:
-        """The instance driven (held weakly: it owns this driver, and a cycle would leave a finished
-        simulation to the cyclic collector, ``Simulation.run``)."""
-        return self._inst()  # type: ignore[return-value]
+    inst = driven_instance()
 
     @property
     def num_members(self) -> int:

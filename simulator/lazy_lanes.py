@@ -39,6 +39,7 @@ from simulator.fast_forward import horizon
 from simulator.latency import BatchShape
 from simulator.lazy_batch import LazyBatch, plain, usable
 from simulator.sim_events import LAUNCH, STEP_DONE
+from simulator.sim_instance import driven_instance
 
 if TYPE_CHECKING:
     from simulator.simulation import Simulation
@@ -63,11 +64,7 @@ class LazyLanes:
         self.marker_s: float | None = None  # the latest marker queued (at the then oldest lane's end)
         self.num_members = 0  # of all lanes: the head of ``running``
 
-    @property
-    def inst(self) -> SimInstance:
-        """The instance driven (held weakly: it owns this driver, and a cycle would leave a finished
-        simulation to the cyclic collector, ``Simulation.run``)."""
-        return self._inst()  # type: ignore[return-value]
+    inst = driven_instance()
 
     @classmethod
     def enter(cls, sim: Simulation, inst: SimInstance, token_id: int) -> LazyLanes | None:
