@@ -92,16 +92,18 @@ def test_serve_process_answers_and_stops_on_sigint(tmp_path: pathlib.Path) -> No
 def test_sigterm_refuses_new_requests_and_fails_what_outlasts_the_grace_clearly() -> None:
     """Issue 20: after SIGTERM new requests get 503 with Retry-After at once; a stream still running when
     --shutdown-grace is over ends with an error event and [DONE] (not a cut connection); the process exits 0."""
-    # The grace must end before the 1000-token stream does (the tiny model streams them in ~1 s on a quiet machine: a
-    # 1 s grace let it finish in time) and after the refused request below (0.3 s after the signal) was answered.
-    with serve_process("--threads", "1", "--shutdown-grace", "0.6") as (proc, url):
-        body = {"model": "tiny", "prompt": "hi", "max_tokens": 1000, "min_tokens": 1000, "temperature": 0, "stream": True}
+    # The grace must end before the 1000-token stream does (the tiny model streams them in 1.5-2 s here, with 20
+    # logprobs a token ~1.2x longer; a 1 s grace let it finish in time on a quiet machine, and a 0.6 s grace once in
+    # a full-suite run, session 31) and after the refused request below (0.2 s after the signal) was answered.
+    with serve_process("--threads", "1", "--shutdown-grace", "0.4") as (proc, url):
+        body = {"model": "tiny", "prompt": "hi", "max_tokens": 1000, "min_tokens": 1000, "temperature": 0, "stream": True,
+                "logprobs": 20}
         with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as resp:
             lines = (line for line in resp.iter_lines() if line.startswith("data:"))
             next(lines)  # streaming has begun
             signalled = time.monotonic()
             proc.send_signal(signal.SIGTERM)
-            time.sleep(0.3)
+            time.sleep(0.2)
             refused = httpx.post(f"{url}/v1/completions", json={**body, "stream": False}, timeout=5)
             assert refused.status_code == 503 and refused.headers["retry-after"] and "shutting down" in refused.text
             events = list(lines)
