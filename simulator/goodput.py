@@ -32,7 +32,7 @@ from distserve.slo import SLOSpec, attainment, max_misses, meets, slo_for_object
 from simulator.latency import LatencyModel
 from simulator.metrics import RequestRecord, SimResult
 from simulator.rate_search import PartialSearch, reaches, search_rate
-from simulator.simulation import SimConfig, Simulation, gc_paused, with_rate
+from simulator.simulation import SimConfig, Simulation, gc_paused
 from simulator.workload import Request
 
 Memo = dict[tuple[float, bool], tuple[SimResult, bool]]  # a search's simulations, by (rate, may stop early)
@@ -237,7 +237,7 @@ def simulate_probe(placement: Placement, latency: LatencyModel, unit_rate_reques
     if (rate, stop) not in memo:
         # A fresh Simulation per probe: it validates the placement and owns the run's state.
         stop_when = _MissCounter(len(unit_rate_requests), slo, early_pass) if stop else None
-        res = Simulation(placement, latency, config).run(with_rate(unit_rate_requests, rate), stop_when)
+        res = Simulation(placement, latency, config).run(unit_rate_requests, stop_when, rate)
         memo[rate, stop] = res, stop_when is not None and stop_when.passed
     return memo[rate, stop]
 

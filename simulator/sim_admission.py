@@ -49,7 +49,7 @@ class SimAdmission:
     def _push_completions(self, group: list[SimInstance]) -> None: ...  # Simulation's
 
     def _arrive(self, r: Request, now: float, prompts: dict[int, list[int]]) -> int:
-        """Queue an arriving request for admission; returns 1 if it was refused (it ends here)."""
+        """Queue a request arriving at ``now`` for admission; returns 1 if it was refused (it ends here)."""
         if r.prompt_token_ids is not None:
             prompt = list(r.prompt_token_ids)
         else:
@@ -59,11 +59,11 @@ class SimAdmission:
         sampling = _SAMPLING.get(r.output_len)
         if sampling is None:  # frozen: one per output length, for every simulation
             sampling = _SAMPLING[r.output_len] = SamplingParams(max_tokens=r.output_len, ignore_eos=True)
-        seq = Sequence(str(r.req_id), prompt, sampling, arrival_time=r.arrival_s, priority=r.priority, request_class=r.request_class)
+        seq = Sequence(str(r.req_id), prompt, sampling, arrival_time=now, priority=r.priority, request_class=r.request_class)
         if r.prompt_token_ids is None:  # the hashes the block manager would compute, block by block (``_hashes_upto``)
             seq.prefix_hashes = self._filler_hashes[: (r.prompt_len + r.output_len) // self.config.block_size]
             seq.hashed_block_size = self.config.block_size
-        item = AdmissionItem(seq.seq_id, r.request_class, r.prompt_len + r.output_len, r.arrival_s, r.priority, r.timeout_s, seq,
+        item = AdmissionItem(seq.seq_id, r.request_class, r.prompt_len + r.output_len, now, r.priority, r.timeout_s, seq,
                              num_prompt_tokens=r.prompt_len)
         try:
             waiting = 0 if self.admission.max_queue_delay_s is None else sum(i.core.scheduler.num_waiting for i in self.entry)

@@ -53,6 +53,7 @@ from __future__ import annotations
 import gc
 import heapq
 import itertools
+import math
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -77,7 +78,7 @@ from simulator.latency import LatencyModel
 from simulator.metrics import RequestRecord, SimResult
 from simulator.sim_config import SimConfig
 from simulator.sim_admission import SAMPLED_TOKEN, SimAdmission
-from simulator.sim_events import ARRIVE, LAUNCH, MIGRATE, MIGRATED, STEP_DONE
+from simulator.sim_events import LAUNCH, MIGRATE, MIGRATED, STEP_DONE
 from simulator.sim_migration import SimMigrations
 from simulator.sim_instance import SharedCompute, SimInstance, cascade_rule_of, check_fits, hold_every_prompt, instance_step_times
 from simulator.workload import Request
@@ -150,8 +151,9 @@ class Simulation(SimAdmission, SimMigrations):
         return times[n] if n < len(times) else float("inf")
 
     # ---- the event loop ------------------------------------------------------------------------
-    def run(self, requests: Seq[Request], stop_when: Callable[[RequestRecord], bool] | None = None) -> SimResult:
-        """Simulate ``requests`` until all finish, or until ``stop_when(record)``, called with each
+    def run(self, requests: Seq[Request], stop_when: Callable[[RequestRecord], bool] | None = None, rate: float = 1.0) -> SimResult:
+        """Simulate ``requests`` (their arrival times divided by ``rate``: ``with_rate(requests, rate)``'s
+        workload, without copying it) until all finish, or until ``stop_when(record)``, called with each
         request as it finishes, returns True (then ``SimResult.stopped_early`` is set and the
         unfinished requests' records stay open). A ``stop_when`` with a ``finishes_to_decide()``
         method (the fewest more finished requests after which it could return True) keeps
@@ -161,31 +163,33 @@ class Simulation(SimAdmission, SimMigrations):
         if not requests:
             raise InvalidConfigError("the workload has no requests")
         with gc_paused():
-            return self._run(requests, stop_when)
+            return self._run(requests, stop_when, rate)
 
-    def _run(self, requests: Seq[Request], stop_when: Callable[[RequestRecord], bool] | None) -> SimResult:
+    def _run(self, requests: Seq[Request], stop_when: Callable[[RequestRecord], bool] | None, rate: float) -> SimResult:
         if self.config.instant_prefill:
             hold_every_prompt(self.instances, requests, self.config.block_size)
         check_fits(self.instances, requests, self.max_model_len, self.config.block_size)
         wall0 = time.perf_counter()
         events: list[tuple[float, int, int, object]] = []
         seq_no = itertools.count()
-        push = heapq.heappush
         self._events, self._seq_no = events, seq_no
         records: dict[str, RequestRecord] = {}
         for r in requests:
-            sid = str(r.req_id)
-            records[sid] = RequestRecord(r.req_id, r.arrival_s, r.prompt_len, r.output_len, r.slo_class, objective=r.objective,
-                                         tenant=r.tenant)
-            push(events, (r.arrival_s, ARRIVE, next(seq_no), r))
+            records[str(r.req_id)] = RequestRecord(r.req_id, r.arrival_s / rate, r.prompt_len, r.output_len, r.slo_class,
+                                                   objective=r.objective, tenant=r.tenant)
         self.records = records
+        # Arrivals are not on the heap: they come in time order, ties in list order (``ARRIVE``'s
+        # place among an instant's events, last), merged with the heap's events as they are due.
+        arrivals = sorted(requests, key=_arrival_time)  # (stable: ties keep the list's order)
+        self._arrival_times = arrival_times = [r.arrival_s / rate for r in arrivals]
+        self._num_arrived = 0
+        num_requests = len(arrivals)
+        next_arrival = arrival_times[0]
         self._stop_when = stop_when
         self.stop_when_set = stop_when is not None
         self._finishes_to_decide = getattr(stop_when, "finishes_to_decide", None)
         self._on_first_token = getattr(stop_when, "first_token", None)
         self._finishes_ahead = 0  # requests jumps finished whose records are still to come (events)
-        self._arrival_times = sorted(r.arrival_s for r in requests)  # the heap pops arrivals in this order
-        self._num_arrived = 0
         # Steady decode stretches are skipped in one jump (``simulator.fast_forward``), unless an
         # observer wants every plan or steps share compute.
         self._fast_forward = self.config.fast_forward and self.on_plan is None and self.shared is None
@@ -214,10 +218,19 @@ class Simulation(SimAdmission, SimMigrations):
         longest = max(r.prompt_len + r.output_len for r in requests)
         self._filler_hashes = prefix_block_hashes([SAMPLED_TOKEN] * longest, self.config.block_size)
         pop = heapq.heappop
-        while events:
-            now, kind, _, payload = pop(events)
-            if kind == STEP_DONE:
-                inst, plan, version = payload  # type: ignore[misc]
+        inf = math.inf
+        while True:
+            if not events or events[0][0] > next_arrival:  # (at one time, every other kind goes before ``ARRIVE``)
+                if next_arrival == inf:
+                    break
+                now = next_arrival
+                r = arrivals[self._num_arrived]
+                self._num_arrived += 1
+                next_arrival = arrival_times[self._num_arrived] if self._num_arrived < num_requests else inf
+                unfinished -= self._arrive(r, now, prompts)
+            elif (event := pop(events))[1] == STEP_DONE:
+                now = event[0]
+                inst, plan, version = event[3]  # type: ignore[misc]
                 inst.last_load = None
                 if version != inst.step_version:
                     if self.shared is not None:
@@ -245,18 +258,17 @@ class Simulation(SimAdmission, SimMigrations):
                         break
                     if self.pending:
                         self._queue_migrate(now)
-            elif kind == MIGRATE:
-                self._migrate_pending(now)
-            elif kind == ARRIVE:
-                self._num_arrived += 1
-                unfinished -= self._arrive(payload, now, prompts)  # type: ignore[arg-type]
-            elif kind == MIGRATED:
-                self._migrated(*payload, now)  # type: ignore[misc]
-            else:  # LAUNCH
-                inst = payload  # type: ignore[assignment]
-                inst.launch_pending = False
-                self._launch_at_end(inst)
-            if (self._due or self._admit_due) and (not events or events[0][0] > now):
+            else:
+                now, kind, _, payload = event
+                if kind == MIGRATE:
+                    self._migrate_pending(now)
+                elif kind == MIGRATED:
+                    self._migrated(*payload, now)  # type: ignore[misc]
+                else:  # LAUNCH
+                    inst = payload  # type: ignore[assignment]
+                    inst.launch_pending = False
+                    self._launch_at_end(inst)
+            if (self._due or self._admit_due) and (not events or events[0][0] > now) and next_arrival > now:
                 if self._admit_due and self.admission and (
                         self._admission_stale or tpot_backpressure or self.admission.next_deadline() <= now):
                     unfinished -= self._admit(now)
@@ -455,6 +467,7 @@ def with_rate(requests: Seq[Request], scale: float) -> list[Request]:
     return [Request(v[0], r.arrival_s / scale, *v[1:]) for r in requests for v in (get(r),)]
 
 
+_arrival_time = attrgetter("arrival_s")
 _REQUEST_FIELDS = [f.name for f in fields(Request)]
 assert _REQUEST_FIELDS[1] == "arrival_s", _REQUEST_FIELDS  # with_rate passes it second
 _fields_but_arrival = attrgetter(*(_REQUEST_FIELDS[:1] + _REQUEST_FIELDS[2:]))
