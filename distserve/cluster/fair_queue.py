@@ -223,14 +223,23 @@ class FairQueue(QueuePolicy):
         self.weight_of, self.quantum = weight_of, quantum
         self._tiers: dict[int, _Tier] = {}  # by level
         self._shares: dict[int, _RecentShares] = {}  # by tier rank
+        self._head: AdmissionItem | None = None  # what ``peek`` returned, until the queue changes
 
     def push(self, item: AdmissionItem) -> None:
+        self._head = None
         base = LEVELS * item.tier_rank
-        queued = next((base + level for level in range(LEVELS) if item.tenant in self._level(base + level).queues), None)
+        queued = None
+        for rank in range(base, base + LEVELS):
+            tier = self._tiers.get(rank)
+            if tier is not None and item.tenant in tier.queues:
+                queued = rank
+                break
         if queued is not None:
             item.rank = queued  # a tenant's queued requests share one level: its own order holds
         else:
-            shares = self._shares.setdefault(item.tier_rank, _RecentShares(SHARE_WINDOW_QUANTA * self.quantum))
+            shares = self._shares.get(item.tier_rank)
+            if shares is None:
+                shares = self._shares[item.tier_rank] = _RecentShares(SHARE_WINDOW_QUANTA * self.quantum)
             item.rank = base + shares.level(item.tenant, self.weight_of, self._quantum(item.tenant), self.now)
         tier = self._level(item.rank)
         queue = tier.queues.get(item.tenant)
@@ -268,6 +277,8 @@ class FairQueue(QueuePolicy):
         return self.quantum * self.weight_of(tenant)
 
     def peek(self) -> AdmissionItem | None:
+        if self._head is not None:  # (asked again before the queue changed: the same answer, as the loop below gives)
+            return self._head
         tier = self._top()
         if tier is None:
             return None
@@ -281,6 +292,7 @@ class FairQueue(QueuePolicy):
                 tier.deficit[tenant] += self._quantum(tenant)
                 tier.in_turn = True
             if head.cost <= tier.deficit[tenant]:
+                self._head = head
                 return head
             tier.active.rotate(-1)  # the turn ends; the deficit carries over to the next round
             tier.in_turn = False
@@ -299,6 +311,7 @@ class FairQueue(QueuePolicy):
     def pop(self) -> AdmissionItem:
         head = self.peek()
         assert head is not None
+        self._head = None
         shares = self._shares[head.tier_rank]
         base = LEVELS * head.tier_rank
         shares.charge(head.tenant, head.cost, self.now)
@@ -314,6 +327,7 @@ class FairQueue(QueuePolicy):
         return head
 
     def remove(self, item: AdmissionItem) -> None:
+        self._head = None
         tier = self._tiers[item.rank]
         tier.queues[item.tenant].remove(item)
         tier.size -= 1
