@@ -20,13 +20,8 @@ from __future__ import annotations
 import math
 from abc import ABC, abstractmethod
 
-import numpy as np
-
 from distserve.config import SchedulerConfig
 from distserve.errors import InvalidConfigError
-
-_max = np.maximum.reduce  # ndarray.max without its Python wrapper
-
 
 class StepBudget(ABC):
     """A token budget per step, told how long each executed step took."""
@@ -74,8 +69,10 @@ class SLOBudget(StepBudget):
         self.tpot_slo_s = config.tpot_slo_s
         self.max_tokens = config.max_num_batched_tokens
         self.min_prefill_tokens = min(config.min_prefill_chunk, config.max_num_batched_tokens)
-        self.weights = np.zeros(4)  # [w0, w1, w2, w3]
-        self._p = np.eye(4) * self.INITIAL_COVARIANCE  # inverse information matrix of the weighted least squares
+        self.weights = [0.0, 0.0, 0.0, 0.0]  # [w0, w1, w2, w3]
+        # The inverse information matrix of the weighted least squares (4 x 4, symmetric): its upper
+        # triangle, row by row (p00 p01 p02 p03 p11 p12 p13 p22 p23 p33).
+        self._p = _prior(self.INITIAL_COVARIANCE)
         self.num_observations = 0
         self.num_prefill_observations = 0
 
@@ -88,7 +85,7 @@ class SLOBudget(StepBudget):
             return self.max_tokens  # no decode's TPOT to protect: prompts run whole (TTFT first)
         if self.num_observations < self.MIN_OBSERVATIONS or self.num_prefill_observations < 2:
             return self.max_tokens
-        w0, w1, w2, w3 = self.weights.tolist()  # Python floats: the same float64 arithmetic, without numpy scalars' overhead
+        w0, w1, w2, w3 = self.weights
         base = w0 + w1 * num_decodes + w2 * decode_ctx / 1000.0
         if not (w3 > 0 and math.isfinite(base)):  # no usable model (also: never a NaN budget)
             return self.max_tokens
@@ -97,25 +94,48 @@ class SLOBudget(StepBudget):
         return num_decodes + prefill
 
     def observe(self, num_decodes: int, decode_ctx: int, num_prefill_tokens: int, seconds: float) -> None:
-        x = np.array([1.0, num_decodes, decode_ctx / 1000.0, num_prefill_tokens])
+        # Recursive least squares on x = [1, num_decodes, decode_ctx / 1000, num_prefill_tokens], in plain
+        # floats (the simulator calls this every step; numpy's calls cost twice the arithmetic on 4 x 4).
+        # Each sum is added up in the order numpy's matrix-vector and dot products used for it here (the
+        # same results as the numpy version this replaced, to the bit).
+        x1, x2, x3 = float(num_decodes), decode_ctx / 1000.0, float(num_prefill_tokens)
         lam = self.FORGETTING
-        px = self._p @ x
-        denom = lam + x @ px
+        p00, p01, p02, p03, p11, p12, p13, p22, p23, p33 = self._p
+        px0 = (p00 + p02 * x2) + (p01 * x1 + p03 * x3)  # P @ x
+        px1 = (p01 + p12 * x2) + (p11 * x1 + p13 * x3)
+        px2 = (p02 + p22 * x2) + (p12 * x1 + p23 * x3)
+        px3 = (p03 + p23 * x2) + (p13 * x1 + p33 * x3)
+        denom = lam + (((px0 + x1 * px1) + x2 * px2) + x3 * px3)
         if not denom > 0:  # rounding cost P its positive definiteness: its uncertainty starts afresh
-            self._p = np.eye(4) * self.INITIAL_COVARIANCE
-            px = self._p @ x
-            denom = lam + x @ px
-        gain = px / denom
-        self.weights = self.weights + gain * (seconds - x @ self.weights)
-        p = self._p - gain[:, None] * px  # np.outer's products (the simulator calls this every step: fewer calls)
-        p += p.T  # (numpy reads an overlapping operand from a copy: p + p.T)
-        p /= 2
+            p00, p01, p02, p03, p11, p12, p13, p22, p23, p33 = _prior(self.INITIAL_COVARIANCE)
+            px0 = (p00 + p02 * x2) + (p01 * x1 + p03 * x3)
+            px1 = (p01 + p12 * x2) + (p11 * x1 + p13 * x3)
+            px2 = (p02 + p22 * x2) + (p12 * x1 + p23 * x3)
+            px3 = (p03 + p23 * x2) + (p13 * x1 + p33 * x3)
+            denom = lam + (((px0 + x1 * px1) + x2 * px2) + x3 * px3)
+        g0, g1, g2, g3 = px0 / denom, px1 / denom, px2 / denom, px3 / denom  # the gain
+        w0, w1, w2, w3 = self.weights
+        err = seconds - (((w0 + x1 * w1) + x2 * w2) + x3 * w3)
+        self.weights = [w0 + g0 * err, w1 + g1 * err, w2 + g2 * err, w3 + g3 * err]
+        # P - gain · (P x)ᵀ, made symmetric again: (q_ij + q_ji) / 2
+        p = [
+            ((p00 - g0 * px0) + (p00 - g0 * px0)) / 2, ((p01 - g0 * px1) + (p01 - g1 * px0)) / 2,
+            ((p02 - g0 * px2) + (p02 - g2 * px0)) / 2, ((p03 - g0 * px3) + (p03 - g3 * px0)) / 2,
+            ((p11 - g1 * px1) + (p11 - g1 * px1)) / 2, ((p12 - g1 * px2) + (p12 - g2 * px1)) / 2,
+            ((p13 - g1 * px3) + (p13 - g3 * px1)) / 2, ((p22 - g2 * px2) + (p22 - g2 * px2)) / 2,
+            ((p23 - g2 * px3) + (p23 - g3 * px2)) / 2, ((p33 - g3 * px3) + (p33 - g3 * px3)) / 2,
+        ]
         # Covariance windup: in a steady stretch (the same batch shape step after step) the steps carry
         # no news along the other directions, and dividing by lam grows P there by 1/lam a step, to
         # overflow and NaN weights after ~35k steps. Forgetting stops once P is back at the prior's size.
-        self._p = p / lam if _max(np.abs(p), axis=None) < self.INITIAL_COVARIANCE else p
+        self._p = [v / lam for v in p] if all(map(self.INITIAL_COVARIANCE.__gt__, map(abs, p))) else p  # (a NaN: kept)
         self.num_observations += 1
         self.num_prefill_observations += num_prefill_tokens > 0
+
+
+def _prior(covariance: float) -> list[float]:
+    """``SLOBudget``'s P before any step: ``covariance`` × the identity (its upper triangle)."""
+    return [covariance, 0.0, 0.0, 0.0, covariance, 0.0, 0.0, covariance, 0.0, covariance]
 
 
 STEP_POLICIES: dict[str, str] = {
