@@ -31,7 +31,7 @@ from dataclasses import replace
 from typing import Any
 
 import harness
-from distserve.planner.chains import Chain, chain_order, evaluate, rounded
+from distserve.planner.chains import Chain, FollowUp, chain_order, evaluate, rounded, run_follow_ups
 from distserve.planner.plan import Candidate, PlanRequest, PlanResult
 from distserve.planner.report import PlanArgs, build_request
 from distserve.planner.search import Planner
@@ -61,7 +61,7 @@ class InOrder(Planner):
         super().__init__(request)
         self.known = known
 
-    def _run(self, chains: list[Chain]) -> None:
+    def _run(self, chains: list[Chain], follow_ups: list[FollowUp]) -> None:
         for chain in chains:
             if self.known is not None:
                 chain.jobs.sort(key=lambda cj: (-self.known.get(key(cj[0]), 0.0), chain_order(cj[0])))  # type: ignore[union-attr]
@@ -75,6 +75,7 @@ class InOrder(Planner):
                 chain.record(i, evaluate(job, min_rate=min_rate))
                 best = max(best, cand.per_gpu)
                 self.num_simulated += 1
+        run_follow_ups(follow_ups)  # (the options' verification, after every chain)
 
 
 def timed(planner: Planner) -> tuple[PlanResult, float, float]:

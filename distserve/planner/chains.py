@@ -33,8 +33,10 @@ records:
 simulated at once; a worker left free probes *ahead*, what a chain would probe next if the probes in
 flight got their likelier outcomes (``PartialSearch.likely``). A chain makes its decisions in the
 same order on the same outcomes however its probes were simulated: the same probes, records and
-plan as one process. ``run_all`` runs other independent simulations (the options' verification) on
-a pool.
+plan as one process. A ``FollowUp`` is work that waits for some chains (the planner's verification
+of the option they make): once they are decided its simulations run on the same pool, while the
+other chains are still searched (in one process: after every chain). ``run_all`` runs other
+independent simulations on a pool.
 """
 
 from __future__ import annotations
@@ -298,8 +300,27 @@ def _pool(workers: int, jobs: list[list[Job]] | None = None) -> Iterator[multipr
         yield pool
 
 
-def run_chains(chains: list[Chain], workers: int, progress: Progress) -> int:
-    """Evaluate every chain's candidates (filling in their results); returns how many were simulated."""
+@dataclass(eq=False)  # (hashed by identity: a task's key names its follow-up)
+class FollowUp:
+    """Work that waits for some chains to be decided: once they are (their candidates recorded),
+    ``make`` gives its simulations as (function, arguments) tasks, and their results land in
+    ``results``, in order. ``run_chains`` runs it on its pool while other chains are still searched
+    (the planner verifies a plan as soon as the chains it comes from are decided)."""
+
+    chains: list[Chain]
+    make: Callable[[], list[tuple[Callable[..., Any], tuple[Any, ...]]]]
+    results: list[Any] | None = None  # (None: not run yet)
+
+
+def run_follow_ups(follow_ups: list[FollowUp]) -> None:
+    """Each follow-up's tasks in this process, in order (its chains decided already)."""
+    for f in follow_ups:
+        f.results = [fn(*args) for fn, args in f.make()]
+
+
+def run_chains(chains: list[Chain], workers: int, progress: Progress, follow_ups: list[FollowUp] | None = None) -> int:
+    """Evaluate every chain's candidates (filling in their results), and run the ``follow_ups``;
+    returns how many candidates were simulated."""
     full = [(chain, i) for chain in chains if not chain.stop_losers for i in range(len(chain.jobs))]
     results = run_all(evaluate, [(chain.jobs[i][1],) for chain, i in full], workers)
     for (chain, i), result in zip(full, results):
@@ -309,25 +330,43 @@ def run_chains(chains: list[Chain], workers: int, progress: Progress) -> int:
     # (the cyclic collector off for the whole search: turned back on after each chain, its first pass
     # walked all the chain's probes and their simulations — ~4% of a plan's time, once per chain)
     with gc_paused():
-        if workers <= 1:
-            for search in searches:
-                search.run(progress)
-        else:
-            _run_on_pool(searches, workers, progress)
-        return len(full) + sum(search.finish(progress) for search in searches)
+        if workers > 1:
+            return len(full) + _run_on_pool(searches, workers, progress, follow_ups or [])
+        for search in searches:
+            search.run(progress)
+        num_simulated = len(full) + sum(search.finish(progress) for search in searches)
+        run_follow_ups(follow_ups or [])
+        return num_simulated
 
 
 _Key = tuple[int, int, float]  # (chain, candidate, rate)
+_TaskKey = tuple[FollowUp, int]  # (its follow-up, its place there)
 
 
-def _run_on_pool(searches: list[BestFirst], workers: int, progress: Progress) -> None:
-    """Every chain's ``run`` at once on a pool of ``workers`` processes (the module docstring)."""
+def _run_on_pool(searches: list[BestFirst], workers: int, progress: Progress, follow_ups: list[FollowUp]) -> int:
+    """Every chain's ``run`` at once on a pool of ``workers`` processes (the module docstring), each
+    follow-up's tasks as soon as its chains are decided, and every chain's ``finish``; returns how many
+    candidates were simulated."""
     done: dict[_Key, tuple[Probe, str]] = {}
-    finished: queue.SimpleQueue[tuple[_Key, tuple[Probe, str] | BaseException]] = queue.SimpleQueue()
-    running: set[_Key] = set()
+    finished: queue.SimpleQueue[tuple[_Key | _TaskKey, Any]] = queue.SimpleQueue()
+    running: set[_Key | _TaskKey] = set()
+    search_of = {id(search.chain): search for search in searches}
+    waiting = list(follow_ups)  # (not made yet)
+    recorded: set[int] = set()  # the searches finished (their candidates recorded)
+    num_simulated = 0
 
     def known(c: int) -> Callable[[int, float], bool | None]:
         return lambda i, rate: done[c, i, rate][0].meets if (c, i, rate) in done else None
+
+    def decided(chain: Chain) -> bool:
+        search = search_of.get(id(chain))
+        return search is None or search.next_probe() is None  # (a chain searched in full is done already)
+
+    def record(search: BestFirst) -> None:
+        nonlocal num_simulated
+        if id(search) not in recorded:
+            recorded.add(id(search))
+            num_simulated += search.finish(progress)
 
     # (multiprocessing's Pool, not concurrent.futures': a probe ahead still running at the end is killed, not waited for)
     with _pool(workers, [[job for _, job in search.chain.jobs] for search in searches]) as pool:
@@ -335,6 +374,11 @@ def _run_on_pool(searches: list[BestFirst], workers: int, progress: Progress) ->
         def submit(key: _Key) -> None:
             pool.apply_async(_probe_in_worker, key,
                              callback=lambda out: finished.put((key, out)),
+                             error_callback=lambda err: finished.put((key, err)))
+            running.add(key)
+
+        def submit_task(key: _TaskKey, fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
+            pool.apply_async(fn, args, callback=lambda out: finished.put((key, out)),
                              error_callback=lambda err: finished.put((key, err)))
             running.add(key)
 
@@ -346,8 +390,18 @@ def _run_on_pool(searches: list[BestFirst], workers: int, progress: Progress) ->
                     progress(search.chain.label, search.settled(), len(search.cands))
                 if step is not None:
                     wanted.append((c, *step))
-            if not wanted:
-                return
+            for f in [f for f in waiting if all(decided(chain) for chain in f.chains)]:
+                waiting.remove(f)
+                for chain in f.chains:
+                    if chain_search := search_of.get(id(chain)):
+                        record(chain_search)
+                tasks = f.make()
+                f.results = [None] * len(tasks)
+                for j, (fn, args) in enumerate(tasks):
+                    submit_task((f, j), fn, args)
+            tasks_running = any(len(key) == 2 for key in running)
+            if not wanted and not tasks_running:
+                break
             for key in wanted:  # every chain's next probe: certain to be needed
                 if key not in running:
                     submit(key)
@@ -363,4 +417,11 @@ def _run_on_pool(searches: list[BestFirst], workers: int, progress: Progress) ->
             running.discard(key)
             if isinstance(out, BaseException):
                 raise out
-            done[key] = out
+            if len(key) == 2:
+                follow_up, j = key  # type: ignore[misc]
+                follow_up.results[j] = out
+            else:
+                done[key] = out  # type: ignore[index]
+    for search in searches:
+        record(search)
+    return num_simulated

@@ -39,13 +39,17 @@ from typing import Any
 from distserve.errors import InvalidConfigError
 from distserve.placement import CAPS, InstanceSpec, Placement
 from distserve.planner.candidates import assign_nodes, decode_bound, parallel_configs, prefill_bound, replicate_units
-from distserve.planner.chains import Chain, Job, best_of, run_all, run_chains
+from distserve.planner.chains import Chain, FollowUp, Job, best_of, run_all, run_chains
 from distserve.planner.classes import ClassComparison, compare_pools, workload_objectives
 from distserve.planner.plan import Candidate, PlanOption, PlanRequest, PlanResult
 from distserve.slo import SLO, SLOSpec
 from simulator.latency import LatencyModel
 from simulator.simulation import SimConfig, simulate, with_rate
 from simulator.workload import Request
+
+
+Wanted = tuple[str, Placement, float, "str | None"]  # an option: (name, placement, rate, colocated step budget)
+Placed = tuple[str, Placement, float, "SimConfig | None", "str | None"]  # ... as deployed: (name, placement, rate, config, budget)
 
 
 def _mean(values: Sequence[int]) -> float:
@@ -98,10 +102,12 @@ class Planner:
     def _start_rate(self, bound: float) -> float:
         return max(1e-3, 0.5 * bound) if math.isfinite(bound) else 1.0
 
-    def _run(self, chains: list[Chain]) -> None:
+    def _run(self, chains: list[Chain], follow_ups: list[FollowUp]) -> None:
         """Evaluate the chains' candidates (``planner.chains``: best first, each search going on only
-        while it may still win)."""
-        self.num_simulated += run_chains(chains, max(1, self.req.max_workers), self.progress)
+        while it may still win), and run the ``follow_ups`` (each option's verification, as soon as its
+        chains are decided)."""
+        num_simulated = run_chains(chains, max(1, self.req.max_workers), self.progress, follow_ups)  # (the follow-ups count theirs)
+        self.num_simulated += num_simulated
 
     def _chain(self, label: str, jobs: list[tuple[Candidate, Job]]) -> Chain:
         return Chain(label, jobs, self.req.stop_losers)
@@ -251,62 +257,99 @@ class Planner:
         """Simulate the whole plan at its rate: the predicted figures written into the Placement."""
         return self._verify_all([(placement, rate, config)])[0]
 
+    def _verify_args(self, placement: Placement, rate: float, config: SimConfig | None) -> tuple[Any, ...]:
+        """``_predicted``'s arguments for ``placement`` at ``rate``."""
+        return placement, self.req.latency, self.req.unit_requests, rate, config or self.req.sim_config, self.req.slo
+
     def _verify_all(self, plans: list[tuple[Placement, float, SimConfig | None]]) -> list[dict[str, Any]]:
         """``_verify`` for each plan: with workers, in parallel."""
         self.num_simulated += len(plans)
-        args = [(p, self.req.latency, self.req.unit_requests, rate, config or self.req.sim_config, self.req.slo)
-                for p, rate, config in plans]
-        return run_all(_predicted, args, max(1, self.req.max_workers))
+        return run_all(_predicted, [self._verify_args(*plan) for plan in plans], max(1, self.req.max_workers))
+
+    def _colocated_option(self, colo: list[Candidate]) -> Wanted | None:
+        best = best_of(colo)
+        if best is None:
+            return None
+        spec = best.placement.colocated[0]
+        rep = self._replicate("colocated", [(spec, best.goodput, "colocated")])
+        if rep is None:
+            return None
+        (n,), rate = rep
+        return "colocated", Placement(colocated=tuple(spec for _ in range(n))), rate, best.step_budget
+
+    def _high_affinity_option(self, pre: list[Candidate], dec: list[Candidate]) -> Wanted | None:
+        bp, bd = best_of(pre), best_of(dec)
+        if bp is None or bd is None:
+            return None
+        sp, sd = bp.placement.prefill[0], bd.placement.decode[0]
+        rep = self._replicate("disagg", [(sp, bp.goodput, "prefill"), (sd, bd.goodput, "decode")])
+        if rep is None:
+            return None
+        (n, m), rate = rep
+        return "disaggregated (high affinity)", Placement(prefill=tuple(sp for _ in range(n)), decode=tuple(sd for _ in range(m))), rate, None
+
+    def _low_affinity_option(self, units: list[Candidate]) -> Wanted | None:
+        cluster = self.req.cluster
+        bu = best_of(units)
+        if bu is None:
+            return None
+        pp = bu.placement.prefill[0].pp
+        nodes_per_unit = pp
+        max_units = min(cluster.num_nodes // nodes_per_unit, (self.req.gpu_budget or cluster.num_gpus) // bu.num_gpus)
+        k = max_units if self.req.rate is None else math.ceil(self.req.rate / bu.goodput)
+        if not 1 <= k <= max_units:
+            self.notes.append(f"low affinity: {k} units of {bu.label()} needed, {max_units} fit the cluster")
+            return None
+        rate = k * bu.goodput if self.req.rate is None else self.req.rate
+        return "disaggregated (low affinity)", replicate_units(bu.placement, k, pp), rate, None
+
+    def _option_follow_up(self, chains: list[Chain], build: Callable[[], Wanted | None]) -> FollowUp:
+        """An option's verification, once ``chains`` are decided: ``build`` assembles the option (None:
+        there is none), the follow-up's one task simulates it (``_placed`` keeps what it was built as)."""
+        def make() -> list[tuple[Callable[..., Any], tuple[Any, ...]]]:
+            # (its notes kept apart, for ``plan`` to add in the options' order whenever each was built)
+            notes, self.notes = self.notes, self._notes_of[follow_up]
+            try:
+                wanted = build()
+            finally:
+                self.notes = notes
+            if wanted is None:
+                return []
+            placed = self._placed[follow_up] = self._place(wanted)
+            self.num_simulated += 1
+            return [(_predicted, self._verify_args(placed[1], placed[2], placed[3]))]
+
+        follow_up = FollowUp(chains, make)
+        self._notes_of[follow_up] = []
+        return follow_up
 
     def plan(self) -> PlanResult:
-        cluster, affinity = self.req.cluster, self.req.affinity
-        wanted: list[tuple[str, Placement, float, str | None]] = []  # the options: (name, placement, rate, step budget)
+        affinity = self.req.affinity
         candidates: list[Candidate] = []
-        # Every search's candidates evaluated at once (the chains are independent: with workers, in parallel).
+        # Every search's candidates evaluated at once (the chains are independent: with workers, in parallel),
+        # each option verified as soon as the chains it comes from are decided.
+        self._placed: dict[FollowUp, Placed] = {}  # each option that was built, as deployed (by its follow-up)
+        self._notes_of: dict[FollowUp, list[str]] = {}  # what building each option noted
         colo, chain = self.colocated_chain()
         chains = [chain]
+        follow_ups = [self._option_follow_up([chain], lambda: self._colocated_option(colo))]
         if affinity in ("high", "auto"):
             pre, dec, phase_chains = self.phase_chains()
             chains += phase_chains
+            follow_ups.append(self._option_follow_up(phase_chains, lambda: self._high_affinity_option(pre, dec)))
         if affinity in ("low", "auto"):
             units, chain = self.unit_chain()
             chains.append(chain)
-        self._run(chains)
+            follow_ups.append(self._option_follow_up([chain], lambda: self._low_affinity_option(units)))
+        self._run(chains, follow_ups)
         candidates += colo
-        best_colo = best_of(colo)
-        if best_colo is not None:
-            spec = best_colo.placement.colocated[0]
-            rep = self._replicate("colocated", [(spec, best_colo.goodput, "colocated")])
-            if rep is not None:
-                (n,), rate = rep
-                placement = Placement(colocated=tuple(spec for _ in range(n)))
-                wanted.append(("colocated", placement, rate, best_colo.step_budget))
         if affinity in ("high", "auto"):
             candidates += pre + dec
-            bp = best_of(pre)
-            bd = best_of(dec)
-            if bp is not None and bd is not None:
-                sp, sd = bp.placement.prefill[0], bd.placement.decode[0]
-                rep = self._replicate("disagg", [(sp, bp.goodput, "prefill"), (sd, bd.goodput, "decode")])
-                if rep is not None:
-                    (n, m), rate = rep
-                    placement = Placement(prefill=tuple(sp for _ in range(n)), decode=tuple(sd for _ in range(m)))
-                    wanted.append(("disaggregated (high affinity)", placement, rate, None))
         if affinity in ("low", "auto"):
             candidates += units
-            bu = best_of(units)
-            if bu is not None:
-                pp = bu.placement.prefill[0].pp
-                nodes_per_unit = pp
-                max_units = min(cluster.num_nodes // nodes_per_unit, (self.req.gpu_budget or cluster.num_gpus) // bu.num_gpus)
-                k = max_units if self.req.rate is None else math.ceil(self.req.rate / bu.goodput)
-                if 1 <= k <= max_units:
-                    placement = replicate_units(bu.placement, k, pp)
-                    rate = k * bu.goodput if self.req.rate is None else self.req.rate
-                    wanted.append(("disaggregated (low affinity)", placement, rate, None))
-                else:
-                    self.notes.append(f"low affinity: {k} units of {bu.label()} needed, {max_units} fit the cluster")
-        options = self._options(wanted)
+        for f in follow_ups:
+            self.notes += self._notes_of[f]
+        options = [self._option(self._placed[f], f.results[0]) for f in follow_ups if f in self._placed and f.results]
         options.sort(key=lambda o: -o.per_gpu)
         best = options[0] if options else None
         classes = self._class_pools(options) if self.req.class_slos else None
@@ -361,19 +404,21 @@ class Planner:
             placement = replace(placement, prefill=prefill)
         return replace(placement, predicted=dict(predicted), slo=self.req.slo.default, max_model_len=cfg.max_model_len, **caps)
 
-    def _options(self, wanted: list[tuple[str, Placement, float, str | None]]) -> list[PlanOption]:
-        """Each (name, placement, rate, step budget) as an option: its figures predicted, deployable."""
-        placed = [(name, assign_nodes(p, self.req.cluster) if "low" not in name else p, rate,
-                   self.colocated_configs()[budget] if budget is not None else None, budget) for name, p, rate, budget in wanted]
-        options = []
-        for (name, placement, rate, config, budget), predicted in zip(placed, self._verify_all([(p, r, c) for _, p, r, c, _ in placed])):
-            option = PlanOption(name, placement, placement.num_workers, rate, predicted)
-            option.predicted.update({"rate": rate, "goodput_per_gpu": option.per_gpu, "num_gpus": option.num_gpus, "kind": name})
-            if budget is not None:
-                option.predicted["step_budget"] = budget
-            option.placement = self._deployable(placement, option.predicted, config)
-            options.append(option)
-        return options
+    def _place(self, wanted: Wanted) -> Placed:
+        """An option (name, placement, rate, step budget) as deployed: its nodes assigned, the config it runs."""
+        name, placement, rate, budget = wanted
+        return (name, assign_nodes(placement, self.req.cluster) if "low" not in name else placement, rate,
+                self.colocated_configs()[budget] if budget is not None else None, budget)
+
+    def _option(self, placed: Placed, predicted: dict[str, Any]) -> PlanOption:
+        """A placed option with its figures predicted (``_predicted``): deployable."""
+        name, placement, rate, config, budget = placed
+        option = PlanOption(name, placement, placement.num_workers, rate, predicted)
+        option.predicted.update({"rate": rate, "goodput_per_gpu": option.per_gpu, "num_gpus": option.num_gpus, "kind": name})
+        if budget is not None:
+            option.predicted["step_budget"] = budget
+        option.placement = self._deployable(placement, option.predicted, config)
+        return option
 
     def _closest(self, candidates: list[Candidate]) -> str:
         """For impossible SLOs: the candidate with the best attainment at its lowest probe, and what binds.

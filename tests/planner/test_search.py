@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import operator
 from dataclasses import replace
 from pathlib import Path
 
@@ -13,7 +14,7 @@ from distserve.cli import main
 from distserve.planner import report as plan_report
 from distserve.placement import InstanceSpec, Placement
 from distserve.planner.candidates import assign_nodes
-from distserve.planner.chains import Chain, best_of, run_chains
+from distserve.planner.chains import Chain, FollowUp, best_of, run_chains
 from distserve.planner.plan import Candidate, Cluster
 from distserve.planner.search import Planner
 from simulator.hardware import get_hardware
@@ -224,6 +225,35 @@ def test_workers_give_exactly_the_one_process_plan(stop: bool) -> None:
         assert any(c.goodput_below is not None for c in one.candidates)  # min_rate mattered: speculation can guess wrong
     assert [(o.name, o.rate, o.placement, o.predicted) for o in one.options] == [(o.name, o.rate, o.placement, o.predicted) for o in two.options]
     assert (one.num_simulated, one.notes) == (two.num_simulated, two.notes)
+
+
+@needs_profile
+@pytest.mark.parametrize("workers", [1, pytest.param(2, marks=pytest.mark.integration)])
+def test_a_follow_up_is_made_once_its_chains_are_decided_and_its_tasks_run_on_the_pool(workers: int) -> None:
+    """``run_chains``' follow-ups (the planner verifies each option this way): made once, when the chains
+    they wait for are decided and recorded; with workers, before the search of the other chains has
+    ended (their candidates not recorded yet), their tasks run on the pool; results in task order."""
+    args = plan_report.PlanArgs(model="facebook/opt-13b", gpu="a100-80g", nodes=1, gpus_per_node=8, workload="chatbot",
+                                ttft_s=0.25, tpot_s=0.1, profile=str(PROFILE), num_requests=60)
+    planner = Planner(replace(plan_report.build_request(args), max_workers=workers))
+    colo, colo_chain = planner.colocated_chain()
+    units, unit_chain = planner.unit_chain()
+    seen = []
+
+    def make() -> list[tuple[object, tuple[object, ...]]]:
+        seen.append((best_of(colo), [bool(c.probes) for c in units]))
+        return [(operator.add, (2, 3)), (max, (4, 1))]
+
+    follow_up = FollowUp([colo_chain], make)
+    run_chains([colo_chain, unit_chain], workers, lambda *_: None, [follow_up])
+    assert len(seen) == 1 and follow_up.results == [5, 4]
+    best, units_recorded = seen[0]
+    assert best is not None and best is best_of(colo)  # its chain was decided and recorded when it was made
+    assert any(c.probes for c in units)
+    if workers > 1:
+        assert not any(units_recorded)  # the unit chain's search had not ended
+    else:
+        assert any(units_recorded)  # one process: every chain, then the follow-ups
 
 
 def test_a_cpu_plan_carries_the_profiled_threads_and_serve_can_override_them(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
