@@ -100,25 +100,23 @@ class SLOBudget(StepBudget):
         # same results as the numpy version this replaced, to the bit).
         x1, x2, x3 = float(num_decodes), decode_ctx / 1000.0, float(num_prefill_tokens)
         lam = self.FORGETTING
-        p00, p01, p02, p03, p11, p12, p13, p22, p23, p33 = self._p
-        px0 = (p00 + p02 * x2) + (p01 * x1 + p03 * x3)  # P @ x
-        px1 = (p01 + p12 * x2) + (p11 * x1 + p13 * x3)
-        px2 = (p02 + p22 * x2) + (p12 * x1 + p23 * x3)
-        px3 = (p03 + p23 * x2) + (p13 * x1 + p33 * x3)
-        denom = lam + (((px0 + x1 * px1) + x2 * px2) + x3 * px3)
-        if not denom > 0:  # rounding cost P its positive definiteness: its uncertainty starts afresh
-            p00, p01, p02, p03, p11, p12, p13, p22, p23, p33 = _prior(self.INITIAL_COVARIANCE)
-            px0 = (p00 + p02 * x2) + (p01 * x1 + p03 * x3)
+        p = self._p
+        while True:
+            p00, p01, p02, p03, p11, p12, p13, p22, p23, p33 = p
+            px0 = (p00 + p02 * x2) + (p01 * x1 + p03 * x3)  # P @ x
             px1 = (p01 + p12 * x2) + (p11 * x1 + p13 * x3)
             px2 = (p02 + p22 * x2) + (p12 * x1 + p23 * x3)
             px3 = (p03 + p23 * x2) + (p13 * x1 + p33 * x3)
             denom = lam + (((px0 + x1 * px1) + x2 * px2) + x3 * px3)
+            if denom > 0 or p is not self._p:
+                break
+            p = _prior(self.INITIAL_COVARIANCE)  # rounding cost P its positive definiteness: its uncertainty starts afresh
         g0, g1, g2, g3 = px0 / denom, px1 / denom, px2 / denom, px3 / denom  # the gain
         w0, w1, w2, w3 = self.weights
         err = seconds - (((w0 + x1 * w1) + x2 * w2) + x3 * w3)
         self.weights = [w0 + g0 * err, w1 + g1 * err, w2 + g2 * err, w3 + g3 * err]
         # P - gain · (P x)ᵀ, made symmetric again: (q_ij + q_ji) / 2
-        p = [
+        p = [  # (a new list: the loop above compares with the old one)
             ((p00 - g0 * px0) + (p00 - g0 * px0)) / 2, ((p01 - g0 * px1) + (p01 - g1 * px0)) / 2,
             ((p02 - g0 * px2) + (p02 - g2 * px0)) / 2, ((p03 - g0 * px3) + (p03 - g3 * px0)) / 2,
             ((p11 - g1 * px1) + (p11 - g1 * px1)) / 2, ((p12 - g1 * px2) + (p12 - g2 * px1)) / 2,

@@ -63,3 +63,35 @@ def test_budget_policies_are_chosen_by_name() -> None:
         SchedulerConfig(step_budget="slo")
     with pytest.raises(InvalidConfigError, match="unknown step_budget"):
         make_step_budget(SchedulerConfig(step_budget="fastest"))
+
+
+def test_the_step_time_model_is_the_exponentially_weighted_least_squares_fit() -> None:
+    """The recursive update (plain floats, every step of a simulation) is the closed-form fit: weights
+    (λⁿ/c·I + Σ λⁿ⁻ⁱ xᵢxᵢᵀ)⁻¹ Σ λⁿ⁻ⁱ xᵢyᵢ over the steps seen, with c the prior's covariance."""
+    import numpy as np
+
+    budget = SLOBudget(SchedulerConfig(step_budget="slo", tpot_slo_s=TPOT))
+    rng = np.random.default_rng(0)
+    xs, ys = [], []
+    for _ in range(40):
+        decodes, ctx, prefill = int(rng.integers(0, 64)), int(rng.integers(0, 20000)), int(rng.integers(0, 2048)) * int(rng.random() < 0.5)
+        seconds = 0.008 + 0.0015 * decodes + 0.0004 * ctx / 1000 + 0.00009 * prefill + float(rng.normal()) * 1e-4
+        budget.observe(decodes, ctx, prefill, seconds)
+        xs.append([1.0, decodes, ctx / 1000, prefill])
+        ys.append(seconds)
+    lam, n = budget.FORGETTING, len(xs)
+    x, y = np.array(xs), np.array(ys)  # [n, 4], [n]
+    w = lam ** (n - 1 - np.arange(n))  # [n]: the newest step weighs 1
+    info = lam**n / budget.INITIAL_COVARIANCE * np.eye(4) + (x * w[:, None]).T @ x
+    # (to 1e-3: while P is still at the prior's size, the first steps do not forget — the windup guard)
+    assert np.allclose(budget.weights, np.linalg.solve(info, (x * w[:, None]).T @ y), rtol=1e-3, atol=1e-9)
+
+
+def test_a_covariance_that_lost_positive_definiteness_starts_afresh() -> None:
+    """Rounding can leave P not positive definite (xᵀPx ≤ -λ): the update then starts from the prior."""
+    config = SchedulerConfig(step_budget="slo", tpot_slo_s=TPOT)
+    broken, fresh = SLOBudget(config), SLOBudget(config)
+    broken._p = [-1.0, 0.0, 0.0, 0.0, -1.0, 0.0, 0.0, -1.0, 0.0, -1.0]  # (its upper triangle: -I)
+    for budget in (broken, fresh):
+        budget.observe(3, 4000, 10, 0.02)
+    assert broken.weights == fresh.weights and broken._p == fresh._p
