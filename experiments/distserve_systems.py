@@ -32,6 +32,7 @@ class Ablation:
     vllm_seq_overhead_s: float = 0.0  # per sequence in a step, vllm-2023 only
     distserve_seq_overhead_s: float = 0.0  # per sequence in a step, DistServe's layout only
     vllm_kv_share: float | None = None  # vllm-2023's KV cache: this share of the tokens our memory model gives it
+    vllm_padding: bool = False  # vllm-2023's prompt batches padded to the longest prompt (``SimConfig.prefill_padding``)
     pp_as_replicas: bool = False  # DistServe's pp > 1 instances as pp instances without stages (the ideal pipeline's throughput)
 
     @property
@@ -93,7 +94,7 @@ def vllm_config(a: Ablation, row: Row, ratios: tuple[float, float]) -> tuple[Sim
     if a.vllm_kv_share is not None:
         tokens = row_latency(row.model, engine)[0].max_kv_tokens(row.vllm_tp, 1, cfg.mem_utilization)
         cfg = replace(cfg, num_blocks=max(1, int(tokens * a.vllm_kv_share) // cfg.block_size))
-    return replace(cfg, step_overhead_s=a.vllm_overhead_s, seq_overhead_s=a.vllm_seq_overhead_s), engine
+    return replace(cfg, step_overhead_s=a.vllm_overhead_s, seq_overhead_s=a.vllm_seq_overhead_s, prefill_padding=a.vllm_padding), engine
 
 
 def distserve_placement(a: Ablation, row: Row, config: SimConfig) -> tuple[Placement, SimConfig]:

@@ -95,6 +95,16 @@ ABLATIONS = [
              distserve_overhead_s=ALIGNED_OVERHEADS_S["distserve"][0], distserve_seq_overhead_s=ALIGNED_OVERHEADS_S["distserve"][1]),
 ]
 ALIGNED = ABLATIONS[-1]
+# vLLM before 0.4 computed a step's prompts as one [prompts x longest prompt] tensor (``SimConfig.prefill_padding``):
+# a batch of mixed lengths costs that many copies of its longest. Neither fitted step times (from batches of one
+# length) nor DistServe's simulator model it.
+ABLATIONS += [
+    Ablation("vllm-padded", "vllm-steps with vLLM's prompt batches padded to the longest prompt (before 0.4 its model runner "
+             "made [prompts x longest] input tensors: `_prepare_prompt`)", vllm_engine=True, vllm_padding=True),
+    Ablation("aligned+padded", "aligned, vllm-2023's prompt batches padded to the longest prompt (the overheads as fitted without)",
+             **{k: getattr(ALIGNED, k) for k in ("launch_limits", "vllm_engine", "vllm_overhead_s", "vllm_seq_overhead_s", "vllm_kv_share",
+                                                  "distserve_overhead_s", "distserve_seq_overhead_s")}, vllm_padding=True),
+]
 NEEDED_MAX_S = 0.05  # the extra vLLM overhead per step searched for (needed_vllm_overhead)
 NEEDED_ITERATIONS = 7
 ASSUMPTIONS = {a.name: a.assumption for a in ABLATIONS}

@@ -41,6 +41,10 @@ class SimConfig:
     step_time_scale: float = 1.0
     prefill_time_scale: float | None = None
     migration_overhead_s: float = 0.0
+    # A step's prompts computed as one [prompts × longest prompt] batch, padding the shorter ones, as
+    # vLLM before 0.4 did (its model runner's ``_prepare_prompt`` made [num_prompts, max_prompt_len]
+    # input tensors): the step costs what that many copies of its longest prompt (chunk) would.
+    prefill_padding: bool = False
     # The runtime's prefix cache (``CacheConfig.enable_prefix_caching``) and, with it, prefix
     # affinity in entry routing; it matters only for requests that carry ``prompt_token_ids``.
     enable_prefix_caching: bool = False

@@ -69,6 +69,7 @@ class SimInstance:
         # step ends, it launches, a request is dispatched to it or migrated off it).
         self.last_load: EntryLoad | None = None
         self._savings: dict[tuple, tuple[int, int]] = {}  # batch_shape's memo of shared-prefix savings
+        self.pad_prefill = False  # its prompt batches padded to the longest (``SimConfig.prefill_padding``)
         # Shared compute: the step in flight's solo seconds still to run, its current speed, when
         # those were last brought up to date, and a version that invalidates superseded completions.
         self.work_left = 0.0
@@ -127,7 +128,7 @@ class SimInstance:
         """The aggregates of ``plan`` this instance's latency model times."""
         if len(self._savings) > 256:
             self._savings.clear()
-        return batch_shape(plan, self.cascade, self.core.block_manager.block_size, self._savings)
+        return batch_shape(plan, self.cascade, self.core.block_manager.block_size, self._savings, self.pad_prefill)
 
 
 def check_fits(instances: Sequence[SimInstance], requests: Sequence[Request], max_model_len: int, block_size: int) -> None:
@@ -160,17 +161,19 @@ def hold_every_prompt(instances: Sequence[SimInstance], requests: Sequence[Reque
 
 
 def batch_shape(
-    plan: StepPlan, cascade: CascadeRule | None = None, block_size: int = 16, memo: dict[tuple, tuple[int, int]] | None = None
+    plan: StepPlan, cascade: CascadeRule | None = None, block_size: int = 16, memo: dict[tuple, tuple[int, int]] | None = None,
+    pad_prefill: bool = False,
 ) -> BatchShape:
     """The aggregates of ``plan`` a latency model times; with ``cascade`` (the instance's cascade
-    rule) also the KV reads its shared prefixes save (``shared_prefix_savings``).
+    rule) also the KV reads its shared prefixes save (``shared_prefix_savings``). ``pad_prefill``
+    (``SimConfig.prefill_padding``): its prompt chunks count as that many copies of the longest.
 
     ``memo`` keeps the savings by the decodes' (id, first block): a shared node is made of full
     committed blocks, so while the same sequences decode together their tree is the same however
     far their own suffixes grow (new blocks are never shared). It spares the tree on every step of
     an unchanged batch.
     """
-    num_prefill = prefill_tokens = prefill_sq = num_decode = decode_ctx = max_ctx = 0
+    num_prefill = prefill_tokens = prefill_sq = num_decode = decode_ctx = max_ctx = longest = longest_sq = 0
     firsts: set[int] | None = set() if cascade is not None else None
     shared = False
     for c in plan.chunks:
@@ -189,7 +192,13 @@ def batch_shape(
             s = c.start_pos
             num_prefill += 1
             prefill_tokens += n
-            prefill_sq += (s + n) * (s + n) - s * s
+            sq = (s + n) * (s + n) - s * s
+            prefill_sq += sq
+            if pad_prefill:
+                longest = n if n > longest else longest
+                longest_sq = sq if sq > longest_sq else longest_sq
+    if pad_prefill and num_prefill > 1:
+        prefill_tokens, prefill_sq = num_prefill * longest, num_prefill * longest_sq
     if not shared:  # no two decodes start on one block: nothing to read once (and no tree to build)
         return BatchShape(num_prefill, prefill_tokens, prefill_sq, num_decode, decode_ctx, max_ctx)
     decodes = [c for c in plan.chunks if len(c.token_ids) == 1]

@@ -117,6 +117,7 @@ class Simulation(SimAdmission, SimMigrations):
             if decode_fn is not None:
                 inst.decode_time = decode_fn
             inst.layered = layered_prefill(inst, model.num_layers, not cfg.instant_prefill)
+            inst.pad_prefill = cfg.prefill_padding
             self.instances.append(inst)
         self.entry = [i for i in self.instances if i.kind in ("colocated", "prefill")]
         self.decodes = [i for i in self.instances if i.kind == "decode"]

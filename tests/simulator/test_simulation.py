@@ -196,6 +196,23 @@ def test_seq_overhead_costs_each_sequence_of_a_step_on_every_path() -> None:
         SimConfig(seq_overhead_s=-1e-3)
 
 
+def test_padded_prompt_batches_cost_copies_of_the_longest_prompt() -> None:
+    """``prefill_padding`` (vLLM before 0.4 computed a step's prompts as a [prompts x longest] tensor): two prompts of
+    100 and 1000 tokens in one step cost as two of 1000 (tokens and their square); a prompt alone, or a step whose
+    prompts are all as long, costs what it did; on a prefill instance and a colocated one alike."""
+    a, b, c = DISTSERVE_PROFILE["prefill"]
+    model = opt13b_model()
+    pair = [Request(0, 0.0, 100, 2), Request(1, 0.0, 1000, 2)]
+    for placement in (Placement.colocated_instances(1), Placement.disaggregated(1, 1)):
+        plain = simulate(placement, model, pair).records
+        padded = simulate(placement, model, pair, SimConfig(prefill_padding=True)).records
+        assert plain[0].ttft_s == pytest.approx((a + b * 1100 + c * (100**2 + 1000**2)) / 1e3)
+        assert [r.ttft_s for r in padded] == pytest.approx([(a + b * 2000 + c * 2 * 1000**2) / 1e3] * 2)
+        for same in ([Request(0, 0.0, 500, 2)], [Request(0, 0.0, 500, 2), Request(1, 0.0, 500, 2)]):
+            assert [r.ttft_s for r in simulate(placement, model, same, SimConfig(prefill_padding=True)).records] == \
+                [r.ttft_s for r in simulate(placement, model, same).records]
+
+
 def test_slo_classes_and_attainment_modes() -> None:
     reqs = [
         Request(i, 0.05 * i, 64, 8, slo_class="tight" if i % 2 else None) for i in range(100)
