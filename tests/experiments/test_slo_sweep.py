@@ -143,7 +143,7 @@ def server() -> Iterator[HttpServer]:
 def test_endpoint_target_sweeps_a_live_server(server: HttpServer, tmp_path: Path) -> None:
     argv = ["--endpoint", f"tiny={server.url}/v1", "--model-name", "tiny", "--workload", "fixed:48:6", "--num-requests", "8",
             "--probe-requests", "8", "--max-probes", "2", "--start-per-gpu", "4", "--ttft-slo", "5", "--tpot-slo", "1",
-            "--modes", "joint", "--scales", "0.001,1", "--out-dir", str(tmp_path)]
+            "--modes", "joint", "--scales", "0.000001,1", "--out-dir", str(tmp_path)]
     assert sweep.main(argv) == 0
     data = json.loads((tmp_path / "slo_sweep.json").read_text())
     s = data["systems"]["tiny"]
@@ -151,8 +151,9 @@ def test_endpoint_target_sweeps_a_live_server(server: HttpServer, tmp_path: Path
     assert 1 <= len(probes) <= 2 and s["rate_sweep"]["goodput_rps"]["joint"] >= 4.0  # loose SLOs: the first probe passes
     assert all(p["joint"] == 1.0 for p in probes)
     at = {p["scale"]: p for p in s["scale_sweep"]["points"]}
-    assert at[1.0]["joint"] == 1.0 and at[0.001]["joint"] == 0.0  # a 5 ms TTFT / 1 ms TPOT is out of reach
-    assert 0.001 < s["scale_sweep"]["min_scale"]["joint"] <= 1.0
+    # A 5 µs TTFT / 1 µs TPOT is out of reach (the tiny model met 5 ms / 1 ms for one request in eight once: 0.001 was not)
+    assert at[1.0]["joint"] == 1.0 and at[1e-6]["joint"] == 0.0
+    assert 1e-6 < s["scale_sweep"]["min_scale"]["joint"] <= 1.0
     assert (tmp_path / "slo_sweep.png").stat().st_size > 0 and "| tiny | endpoint | 1 |" in (tmp_path / "slo_sweep.md").read_text()
 
 
