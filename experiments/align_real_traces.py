@@ -98,12 +98,13 @@ def vllm_kv_share(traces: list[Trace]) -> tuple[float, int, int, str]:
     return peak / modelled, peak, modelled, name
 
 
-def system_setup(system: str, step_s: float, seq_s: float, kv_share: float | None = None) -> tuple[Placement, Any, Any]:
+def system_setup(system: str, step_s: float, seq_s: float, kv_share: float | None = None, padding: bool = False) -> tuple[Placement, Any, Any]:
     """(placement, SimConfig, latency model) of ``system`` as DistServe ran it, with ``step_s`` per step and ``seq_s``
-    per sequence in a step (vLLM: its cache ``kv_share`` of our memory model's, None: all of it)."""
+    per sequence in a step (vLLM: its cache ``kv_share`` of our memory model's, None: all of it; ``padding``: its prompt
+    batches padded to the longest prompt)."""
     if system == "vllm":
         a = Ablation("fit", "", launch_limits=True, vllm_engine=True, vllm_overhead_s=step_s, vllm_seq_overhead_s=seq_s,
-                     vllm_kv_share=kv_share)
+                     vllm_kv_share=kv_share, vllm_padding=padding)
         config, engine = vllm_config(a, ROW, (1.0, 1.0))
         return Placement.colocated_instances(1, ROW.vllm_tp), config, row_latency(ROW.model, engine)[0]
     a = Ablation("fit", "", launch_limits=True, distserve_overhead_s=step_s, distserve_seq_overhead_s=seq_s)
@@ -111,8 +112,9 @@ def system_setup(system: str, step_s: float, seq_s: float, kv_share: float | Non
     return placement, config, row_latency(ROW.model)[0]
 
 
-def simulated_stats(system: str, trace: Trace, step_s: float, seq_s: float, kv_share: float | None = None) -> dict[str, float]:
-    placement, config, latency = system_setup(system, step_s, seq_s, kv_share)
+def simulated_stats(system: str, trace: Trace, step_s: float, seq_s: float, kv_share: float | None = None,
+                    padding: bool = False) -> dict[str, float]:
+    placement, config, latency = system_setup(system, step_s, seq_s, kv_share, padding)
     records = {r.req_id: r for r in simulate(placement, latency, trace.requests, config).records}
     ttft, tpot = [], []
     for req in trace.requests:
@@ -128,12 +130,13 @@ def error(sim: dict[str, float], real: dict[str, float]) -> float:
     return sum(abs(math.log(sim[k] / real[k])) for k in STATS) / len(STATS)
 
 
-def fit(system: str, traces: list[Trace], step_grid_ms: list[float], seq_grid_ms: list[float], kv_share: float | None = None) -> dict[str, Any]:
+def fit(system: str, traces: list[Trace], step_grid_ms: list[float], seq_grid_ms: list[float], kv_share: float | None = None,
+        padding: bool = False) -> dict[str, Any]:
     real = {t.name: stats(t.ttft_s, t.tpot_s) for t in traces}
     grid = []
     for step_ms in step_grid_ms:
         for seq_ms in seq_grid_ms:
-            sims = {t.name: simulated_stats(system, t, step_ms / 1e3, seq_ms / 1e3, kv_share) for t in traces}
+            sims = {t.name: simulated_stats(system, t, step_ms / 1e3, seq_ms / 1e3, kv_share, padding) for t in traces}
             grid.append({"step_ms": step_ms, "seq_ms": seq_ms, "error": round(sum(error(sims[n], real[n]) for n in sims) / len(sims), 4),
                          "stats": sims})
     best = min(grid, key=lambda c: c["error"])
@@ -166,6 +169,9 @@ def main() -> None:
         res = fit(system, traces, step_grid, seq_grid, share if system == "vllm" else None)
         if system == "vllm":
             res["without_kv_share"] = {k: v for k, v in fit(system, traces, step_grid, [0.0]).items() if k in ("best_step_ms", "best_error", "best")}
+            # vLLM before 0.4 padded a step's prompts to the longest (``SimConfig.prefill_padding``): does it fit better so?
+            res["padded"] = {k: v for k, v in fit(system, traces, step_grid, seq_grid, share, padding=True).items()
+                             if k in ("best_step_ms", "best_seq_ms", "best_error", "error_at_0", "best")}
         figures["systems"][system] = res
         best = f"+{res['best_step_ms']:g} ms/step +{res['best_seq_ms']:g} ms/seq"
         lines += [f"## {system}: best {best} (error {res['best_error']:.3f}; per step only: {res['best_step_only_ms']:g} ms, "
@@ -182,6 +188,12 @@ def main() -> None:
         harness.rich_table(f"{system}: measured vs simulated (ms)", ["trace", "", *STATS], rows, left=("trace", ""))
         print(f"{system}: best {best}, error {res['best_error']:.3f} (per step only: {res['best_step_only_ms']:g} ms, "
               f"{res['step_only_error']:.3f}; none: {res['error_at_0']:.3f})", flush=True)
+        if "padded" in res:
+            p = res["padded"]
+            lines += [f"With vLLM's prompt batches padded to the longest prompt (vLLM before 0.4: `SimConfig.prefill_padding`): best "
+                      f"+{p['best_step_ms']:g} ms/step +{p['best_seq_ms']:g} ms/seq, error {p['best_error']:.3f} (none: {p['error_at_0']:.3f}) "
+                      f"— against {res['best_error']:.3f} unpadded.", ""]
+            print(f"{system} padded: best +{p['best_step_ms']:g} ms/step +{p['best_seq_ms']:g} ms/seq, error {p['best_error']:.3f}", flush=True)
     figures["aligned_overheads_ms_in_setting"] = {k: [v * 1e3 for v in vs] for k, vs in ALIGNED_OVERHEADS_S.items()}
     figures["wall_s"] = round(time.perf_counter() - t0, 2)
     out.json(figures)
