@@ -371,14 +371,10 @@ def _run_on_pool(searches: list[BestFirst], workers: int, progress: Progress, fo
     # (multiprocessing's Pool, not concurrent.futures': a probe ahead still running at the end is killed, not waited for)
     with _pool(workers, [[job for _, job in search.chain.jobs] for search in searches]) as pool:
 
-        def submit(key: _Key) -> None:
-            pool.apply_async(_probe_in_worker, key,
+        def submit(key: _Key | _TaskKey, fn: Callable[..., Any] = _probe_in_worker, args: tuple[Any, ...] | None = None) -> None:
+            """A probe (``key`` names it) or a follow-up's task, its outcome put in ``finished`` under ``key``."""
+            pool.apply_async(fn, key if args is None else args,
                              callback=lambda out: finished.put((key, out)),
-                             error_callback=lambda err: finished.put((key, err)))
-            running.add(key)
-
-        def submit_task(key: _TaskKey, fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
-            pool.apply_async(fn, args, callback=lambda out: finished.put((key, out)),
                              error_callback=lambda err: finished.put((key, err)))
             running.add(key)
 
@@ -398,7 +394,7 @@ def _run_on_pool(searches: list[BestFirst], workers: int, progress: Progress, fo
                 tasks = f.make()
                 f.results = [None] * len(tasks)
                 for j, (fn, args) in enumerate(tasks):
-                    submit_task((f, j), fn, args)
+                    submit((f, j), fn, args)
             tasks_running = any(len(key) == 2 for key in running)
             if not wanted and not tasks_running:
                 break
