@@ -163,6 +163,8 @@ class Simulation(SimAdmission, SimMigrations):
         ``first_token_s`` then set), and ends the run the same way if it returns True."""
         if not requests:
             raise InvalidConfigError("the workload has no requests")
+        if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not (rate > 0 and math.isfinite(rate)):
+            raise InvalidConfigError(f"rate must be a positive number of requests per second, got {rate!r:.80}", "rate")
         with gc_paused():
             return self._run(requests, stop_when, rate)
 

@@ -196,6 +196,22 @@ def test_seq_overhead_costs_each_sequence_of_a_step_on_every_path() -> None:
         SimConfig(seq_overhead_s=-1e-3)
 
 
+def test_a_run_at_a_rate_is_the_rescaled_workloads_run() -> None:
+    """``Simulation.run(unit, rate=r)`` (the planner's probes: no copy of the workload) gives every record of
+    ``run(with_rate(unit, r))``; a rate that is not a positive number is refused naming it."""
+    from simulator.simulation import Simulation
+
+    unit = generate_requests("chatbot", 1.0, 120, seed=3)
+    for placement in (Placement.colocated_instances(1), Placement.disaggregated(1, 1)):
+        scaled = Simulation(placement, opt13b_model()).run(unit, rate=4.5).records
+        copied = Simulation(placement, opt13b_model()).run(with_rate(unit, 4.5)).records
+        assert scaled == copied
+    for bad in (0, -1.0, math.inf, math.nan, True, "2"):
+        with pytest.raises(InvalidConfigError, match="rate must be a positive number") as exc:
+            Simulation(Placement.colocated_instances(1), opt13b_model()).run(unit, rate=bad)  # type: ignore[arg-type]
+        assert exc.value.param == "rate"
+
+
 def test_padded_prompt_batches_cost_copies_of_the_longest_prompt() -> None:
     """``prefill_padding`` (vLLM before 0.4 computed a step's prompts as a [prompts x longest] tensor): two prompts of
     100 and 1000 tokens in one step cost as two of 1000 (tokens and their square); a prompt alone, or a step whose
