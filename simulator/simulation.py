@@ -80,13 +80,14 @@ from simulator.sim_config import SimConfig
 from simulator.sim_admission import SAMPLED_TOKEN, SimAdmission
 from simulator.sim_events import LAUNCH, MIGRATE, MIGRATED, STEP_DONE
 from simulator.sim_migration import SimMigrations
+from simulator.sim_records import SimRecords
 from simulator.sim_instance import SharedCompute, SimInstance, cascade_rule_of, check_fits, hold_every_prompt, instance_step_times
 from simulator.workload import Request
 
 if TYPE_CHECKING:
     from collections.abc import Sequence as Seq
 
-class Simulation(SimAdmission, SimMigrations):
+class Simulation(SimAdmission, SimMigrations, SimRecords):
     """Run a list of requests through a placement; ``run()`` returns a ``SimResult``."""
 
     def __init__(self, placement: Placement, latency: LatencyModel, config: SimConfig | None = None) -> None:
@@ -407,39 +408,6 @@ class Simulation(SimAdmission, SimMigrations):
                 self.pending.push((inst, seq, seq.detached_copy()))
         self._launch_at_end(inst)
         return num_finished
-
-    def _record_first_token(self, seq: Sequence, now: float, first_token: Callable[[RequestRecord], bool]) -> None:
-        """A request got its first token at ``now`` (and goes on): its record's TTFT, and
-        ``stop_when.first_token`` (a TTFT missed already decides part of the verdict)."""
-        rec = self.records[seq.seq_id]
-        if rec.first_token_s is None:  # (once: a step of the same instant may list it again)
-            rec.first_token_s = now
-            if not self._stop and first_token(rec):
-                self._stop = True
-
-    def _record_finish(self, inst: SimInstance, seq: Sequence, now: float) -> None:
-        """A request finished on ``inst`` at ``now``: its record, its routing state, ``stop_when``."""
-        rec = self.records[seq.seq_id]
-        rec.first_token_s = seq.first_token_time
-        rec.finish_s = now
-        rec.num_output_tokens = seq.num_output_tokens
-        rec.num_preemptions += seq.num_preemptions
-        inst.route.release(seq.seq_id)
-        self._sampled.pop(seq.seq_id, None)
-        if self._stop_when is not None and not self._stop and self._stop_when(rec):
-            self._stop = True
-
-    def _finished_in_jump(self, inst: SimInstance, end_s: float, seqs: list[Sequence]) -> None:
-        """A fast-forward finished ``seqs`` in its step ending at ``end_s``: record them then, in
-        the event order of the step-by-step run (``stop_when`` sees them in time order)."""
-        heapq.heappush(self._events, (end_s, STEP_DONE, next(self._seq_no), (inst, seqs, inst.step_version)))
-        self._finishes_ahead += len(seqs)
-
-    def finishes_left(self) -> float:
-        """How many more requests a jump may finish before ``stop_when`` could end the run (inf: any)."""
-        if self._finishes_to_decide is None:
-            return float("inf")
-        return self._finishes_to_decide() - self._finishes_ahead
 
 
 @contextmanager
