@@ -181,7 +181,9 @@ def write_outputs(out: Outputs, rows: list[dict[str, Any]], figures: dict[str, A
         f"Target: {TARGET_REQUESTS_PER_S:,} simulated requests per wall-clock second. Token-steps = scheduled "
         "sequences summed over steps (one sampled token each). The machine is shared: load average "
         f"{figures['load_average_start']} at the start, {figures['load_average_end']} at the end "
-        f"({figures['num_cpus']} CPUs); CPU-time rates are steadier than wall-clock ones.",
+        f"({figures['num_cpus']} CPUs); CPU-time rates are steadier than wall-clock ones. This VM's Python speed at the start "
+        f"(`harness.python_loop_ns`: one iteration of a pure-Python `s += i` loop): {figures['python_loop_ns']:.1f} ns; it has "
+        "differed by 1.7x between sessions, and this benchmark's absolute rates with it.",
         "",
         "| deployment | rate (req/s) | simulated s | steps | token-steps | wall s | req/s | steps/s | token-steps/s "
         "| µs / token-step | req / CPU s | of target |" + (f" req/s at {figures['baseline_ref']} | speed-up (wall) "
@@ -272,6 +274,7 @@ def main() -> None:
         print(f"profile {args.profile} not found: using the roofline model", flush=True)
 
     load_start = [round(x, 2) for x in os.getloadavg()]
+    loop_ns = harness.python_loop_ns()
     rows: list[dict[str, Any]] = []
     parallel: list[dict[str, Any]] = []  # --jobs: simulations run at once
     with tempfile.TemporaryDirectory(prefix="bench_simulator_") as tmp:
@@ -304,6 +307,7 @@ def main() -> None:
         "baseline_ref": args.baseline_ref or ("step-by-step" if args.baseline_step_by_step else None), "deployments": deployments,
         "target_requests_per_s": TARGET_REQUESTS_PER_S, "num_cpus": os.cpu_count(),
         "load_average_start": load_start, "load_average_end": [round(x, 2) for x in os.getloadavg()],
+        "python_loop_ns": round(loop_ns, 2),
     }
     for d in deployments:
         cur = summarize(rows, "current", d)

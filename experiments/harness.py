@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import subprocess
 import sys
@@ -131,6 +132,23 @@ def finish(figures: dict[str, Any]) -> None:
     """Print the run's figures as the last stdout line: one JSON object (what the test suite reads)."""
     sys.stdout.flush()
     print(json.dumps(figures, default=float), flush=True)
+
+
+# ---- the machine's speed and load ----------------------------------------------------------------
+def python_loop_ns(iterations: int = 2_000_000, repeats: int = 5) -> float:
+    """Nanoseconds per iteration of a fixed pure-Python loop (``s += i``; the best of ``repeats``):
+    this VM's interpreter speed when a benchmark ran. The machine's speed has differed by 1.7x between
+    sessions (``bench_simulator.py`` on the same code), so a pure-Python benchmark's absolute figures
+    are comparable across runs only together with it (ratios against a baseline measured in the same
+    run are not affected)."""
+    best = math.inf
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        s = 0
+        for i in range(iterations):
+            s += i
+        best = min(best, time.perf_counter() - t0)
+    return best / iterations * 1e9
 
 
 # ---- the machine's load ---------------------------------------------------------------------------

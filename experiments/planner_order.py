@@ -128,6 +128,7 @@ def main() -> None:
         settings, nodes, gpus, n = SETTINGS[2:3], 1, 8, 50
     out = Outputs.for_run(args, "planner_order")
     load = os.getloadavg()[0]
+    loop_ns = harness.python_loop_ns()
     rows = []
     for model, workload, ttft, tpot in settings:
         row = one(model, workload, ttft, tpot, nodes, gpus, n, guard)
@@ -136,13 +137,15 @@ def main() -> None:
               f"bound order {row['bound_order_cpu_s']:.2f} s ({row['bound_order_probes']}), oracle order "
               f"{row['oracle_order_cpu_s']:.2f} s ({row['oracle_order_probes']}), 2 workers {row['two_workers_wall_s']:.2f} s wall, "
               f"same plan {row['same_plan'] and row['two_workers_same_plan']}", flush=True)
-    figures = {"cluster": f"{nodes} x {gpus} a100-80g", "num_requests": n, "load_avg_at_start": load, "rows": rows,
+    figures = {"cluster": f"{nodes} x {gpus} a100-80g", "num_requests": n, "load_avg_at_start": load,
+               "python_loop_ns": round(loop_ns, 2), "rows": rows,
                "all_same_plan": all(r["same_plan"] and r["two_workers_same_plan"] for r in rows),
                "max_two_workers_wall_s": max(r["two_workers_wall_s"] for r in rows),
                "max_best_first_cpu_s": max(r["best_first_cpu_s"] for r in rows),
                "max_bound_order_cpu_s": max(r["bound_order_cpu_s"] for r in rows),
                "max_oracle_order_cpu_s": max(r["oracle_order_cpu_s"] for r in rows)}
-    md = [f"# Planner: search order ({figures['cluster']}, {n} requests per probe, CPU s of one worker; load {load:.2f})", "",
+    md = [f"# Planner: search order ({figures['cluster']}, {n} requests per probe, CPU s of one worker; load {load:.2f}; "
+          f"Python speed {loop_ns:.1f} ns per loop iteration, `harness.python_loop_ns`)", "",
           "| model | workload | SLO TTFT / TPOT | plan | best first: CPU s (probes) | 2 workers: wall s | bound order: CPU s (probes) | "
           "bound order / best first | oracle order: CPU s (probes) | same plan |",
           "|---|---|---|---|---:|---:|---:|---:|---:|---|"]

@@ -110,30 +110,33 @@ class LazyLanes:
         many requests finished. (A marker whose lane a jump applied since is void.)"""
         if not self.lanes or self.lanes[0].end_s != now:
             return 0
-        self.inst.fast_forward_log = None
+        inst = self.inst
+        inst.fast_forward_log = None
         lane = self.lanes.pop(0)
-        self.inst.plan_ends.popleft()
+        inst.plan_ends.popleft()
         ended = lane.land(now)
         self.num_members -= len(ended)
         for seq in ended:
-            sim._record_finish(self.inst, seq, now)  # noqa: SLF001
+            sim._record_finish(inst, seq, now)  # noqa: SLF001
         num_finished = len(ended)
         rest, lane.rest = lane.rest, None
         if rest is not None:
             tokens = sim._sampled  # noqa: SLF001
             sampled = [tokens[c.seq_id] for c in rest.plan.chunks if c.sample]
-            num_finished += sim._updated(self.inst, self.core.apply(rest, sampled, now), now)  # noqa: SLF001
+            num_finished += sim._updated(inst, self.core.apply(rest, sampled, now), now)  # noqa: SLF001
         if lane.num_alive:
             self.free.append(lane)
         self._mark(sim)
-        sim._launch_at_end(self.inst)  # noqa: SLF001
+        sim._launch_at_end(inst)  # noqa: SLF001
         return num_finished
 
     def _mark(self, sim: Simulation) -> None:
         """Queue the marker at the oldest lane's end, unless it is queued."""
-        if self.lanes and self.marker_s != self.lanes[0].end_s:
-            self.marker_s = self.lanes[0].end_s
-            sim._push(self.marker_s, STEP_DONE, (self.inst, None, self.inst.step_version))  # noqa: SLF001
+        lanes = self.lanes
+        if lanes and self.marker_s != lanes[0].end_s:
+            self.marker_s = end = lanes[0].end_s
+            inst = self.inst
+            sim._push(end, STEP_DONE, (inst, None, inst.step_version))  # noqa: SLF001
 
     def try_launch(self, sim: Simulation, now: float, finished: Finished) -> bool:
         """``Simulation._try_launch`` at ``now`` with lanes; False (the lanes handed back) where the

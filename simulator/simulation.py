@@ -219,8 +219,7 @@ class Simulation(SimAdmission, SimMigrations, SimRecords):
         prompts: dict[int, list[int]] = {}
         # A synthetic request is SAMPLED_TOKEN throughout (prompt and outputs), so block i of every
         # one has the same chained content hash: computed here once, not once per request.
-        longest = max(r.prompt_len + r.output_len for r in requests)
-        self._filler_hashes = prefix_block_hashes([SAMPLED_TOKEN] * longest, self.config.block_size)
+        self._filler_hashes = filler_hashes(max(r.prompt_len + r.output_len for r in requests), self.config.block_size)
         pop = heapq.heappop
         inf = math.inf
         while True:
@@ -408,6 +407,18 @@ class Simulation(SimAdmission, SimMigrations, SimRecords):
                 self.pending.push((inst, seq, seq.detached_copy()))
         self._launch_at_end(inst)
         return num_finished
+
+
+_FILLER_HASHES: dict[int, list[int]] = {}  # block size -> the chained hashes of SAMPLED_TOKEN blocks made so far
+
+
+def filler_hashes(num_tokens: int, block_size: int) -> list[int]:
+    """The content hashes of the full blocks of ``num_tokens`` SAMPLED_TOKENs (at least; a prefix of one
+    list for every run, made once per process: every probe of a planner search reads it). Slice, don't change."""
+    hashes = _FILLER_HASHES.get(block_size)
+    if hashes is None or len(hashes) < num_tokens // block_size:
+        hashes = _FILLER_HASHES[block_size] = prefix_block_hashes([SAMPLED_TOKEN] * num_tokens, block_size)
+    return hashes
 
 
 @contextmanager

@@ -222,6 +222,13 @@ class Scheduler(AdmissionRankOrder, ForkedCompletions, StepOutputs):
     def _schedule(self, num_lazy: int = 0, lazy_ctx: int = 0, num_lazy_in_flight: int = 0, lazy_in_flight_ctx: int = 0) -> StepPlan:
         plan = StepPlan([], [], [], self._finished_since_plan)
         self._finished_since_plan = []
+        running = self.running
+        if not (self.waiting or self.isolated) and len(running) <= num_lazy + num_lazy_in_flight and (
+                self._running_sorted or not running):
+            # Nothing to plan beyond the driver's lazy decodes (or nothing at all): what follows would
+            # plan no chunk and change nothing, so skip it.
+            self._running_sorted = True
+            return plan
         if self.isolated and not self.in_flight and self._schedule_isolated(plan):
             return plan
         if self._prompts_alone and self.waiting and self._schedule_prompts_alone(plan):
@@ -243,7 +250,6 @@ class Scheduler(AdmissionRankOrder, ForkedCompletions, StepOutputs):
         block_copies = plan.block_copies
 
         # Running sequences in policy order, so the lowest-ranked are preempted first.
-        running = self.running
         if not self._running_sorted:  # removals keep the order; only _append_running can break it
             running.sort(key=self.policy)
             self._running_sorted = True
