@@ -82,7 +82,7 @@ from simulator.sim_events import LAUNCH, MIGRATE, MIGRATED, STEP_DONE
 from simulator.sim_migration import SimMigrations
 from simulator.sim_records import SimRecords
 from simulator.sim_instance import SharedCompute, SimInstance, cascade_rule_of, check_fits, hold_every_prompt, instance_step_times
-from simulator.workload import Request
+from simulator.workload import Request, check_positive
 
 if TYPE_CHECKING:
     from collections.abc import Sequence as Seq
@@ -164,8 +164,7 @@ class Simulation(SimAdmission, SimMigrations, SimRecords):
         ``first_token_s`` then set), and ends the run the same way if it returns True."""
         if not requests:
             raise InvalidConfigError("the workload has no requests")
-        if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not (rate > 0 and math.isfinite(rate)):
-            raise InvalidConfigError(f"rate must be a positive number of requests per second, got {rate!r:.80}", "rate")
+        check_positive("rate", rate)
         with gc_paused():
             return self._run(requests, stop_when, rate)
 

@@ -30,7 +30,7 @@ from simulator.distserve_lengths import LongBenchLengths, ShareGPTMultiTurn, hum
 from simulator.lengths import FixedLengths, LengthDistribution, chatbot_lengths, check_int, code_lengths, summarization_lengths
 
 __all__ = [
-    "ARRIVAL_PROCESSES", "LENGTH_DISTRIBUTIONS", "MIX_PREFIX", "Request", "TraceLengths", "arrival_times", "describe",
+    "ARRIVAL_PROCESSES", "LENGTH_DISTRIBUTIONS", "MIX_PREFIX", "Request", "TraceLengths", "arrival_times", "check_positive", "describe",
     "generate_requests", "get_length_distribution", "load_trace", "mixed_workload", "parse_mix_spec", "rescale", "write_trace",
 ]
 
@@ -152,9 +152,10 @@ def get_length_distribution(spec: str, **params: Any) -> LengthDistribution:
 ARRIVAL_PROCESSES = ("poisson", "gamma", "fixed")
 
 
-def _check_positive(name: str, value: float) -> None:
+def check_positive(name: str, value: float) -> None:
+    """``value`` is a finite number > 0, or ``InvalidConfigError`` naming ``name`` (also its ``param``)."""
     if isinstance(value, bool) or not isinstance(value, (int, float, np.number)) or not math.isfinite(value) or value <= 0:
-        raise InvalidConfigError(f"{name} must be a finite number > 0, got {value!r}")
+        raise InvalidConfigError(f"{name} must be a finite number > 0, got {value!r:.80}", name)
 
 
 def arrival_times(process: str, rate: float, n: int, rng: np.random.Generator, cv: float = 1.0) -> np.ndarray:
@@ -175,8 +176,8 @@ def arrival_times(process: str, rate: float, n: int, rng: np.random.Generator, c
     """
     if process not in ARRIVAL_PROCESSES:
         raise InvalidConfigError(f"unknown arrival process {process!r}; choose from {', '.join(ARRIVAL_PROCESSES)}")
-    _check_positive("rate", rate)
-    _check_positive("cv", cv)
+    check_positive("rate", rate)
+    check_positive("cv", cv)
     check_int("n (number of arrivals)", n, 1)
     if process == "poisson":
         gaps = rng.standard_exponential(n)
@@ -402,7 +403,7 @@ def _mean_rate(arrivals: np.ndarray) -> float:
 def rescale(requests: Sequence[Request], rate: float) -> list[Request]:
     """The same requests replayed at mean rate ``rate`` (1 / mean gap): gaps are scaled by one
     factor about the first arrival; order, lengths, ids and classes are kept."""
-    _check_positive("rate", rate)
+    check_positive("rate", rate)
     arrivals = np.array([r.arrival_s for r in requests], dtype=np.float64)  # [n]
     if np.any(np.diff(arrivals) < 0):
         raise InvalidConfigError("rescale needs requests sorted by arrival_s")

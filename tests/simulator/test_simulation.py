@@ -207,7 +207,7 @@ def test_a_run_at_a_rate_is_the_rescaled_workloads_run() -> None:
         copied = Simulation(placement, opt13b_model()).run(with_rate(unit, 4.5)).records
         assert scaled == copied
     for bad in (0, -1.0, math.inf, math.nan, True, "2"):
-        with pytest.raises(InvalidConfigError, match="rate must be a positive number") as exc:
+        with pytest.raises(InvalidConfigError, match="rate must be a finite number > 0") as exc:
             Simulation(Placement.colocated_instances(1), opt13b_model()).run(unit, rate=bad)  # type: ignore[arg-type]
         assert exc.value.param == "rate"
 
