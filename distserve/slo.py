@@ -110,7 +110,7 @@ def parse_latency(text: str, flag: str, *, allow_inf: bool = False) -> float:
     if math.isinf(value) and allow_inf and value > 0:
         return value
     if not (value > 0 and math.isfinite(value)):
-        what = "> 0" + (" or inf" if allow_inf else "") + ", finite"
+        what = "a finite latency > 0" + (", or inf (not checked)" if allow_inf else "")
         raise InvalidConfigError(f"{flag} {text!r}: must be {what}", flag.lstrip("-").replace("-", "_"))
     if unit is None and value > MAX_BARE_SECONDS:
         raise InvalidConfigError(

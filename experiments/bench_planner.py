@@ -34,6 +34,8 @@ from pathlib import Path
 from typing import Any
 
 import harness
+from distserve.cli.arg_types import fraction, positive_int
+from distserve.cli.args import latency_type
 from distserve.planner.report import PlanArgs, build_request
 from distserve.planner.plan import PlanResult
 from distserve.planner.search import Planner
@@ -48,12 +50,12 @@ def parse_args() -> argparse.Namespace:
     p = harness.parser(__doc__, "OPT-13B on 1 x 4, 50 requests (the test suite's run)")
     p.add_argument("--model", default=DEFAULT_MODEL)
     p.add_argument("--gpu", default="a100-80g")
-    p.add_argument("--nodes", type=int, default=4)
-    p.add_argument("--gpus-per-node", type=int, default=8)
+    p.add_argument("--nodes", type=positive_int, default=4)
+    p.add_argument("--gpus-per-node", type=positive_int, default=8)
     p.add_argument("--workload", default="chatbot")
-    p.add_argument("--ttft", type=float, default=2.5, help="TTFT SLO, seconds")
-    p.add_argument("--tpot", type=float, default=0.15, help="TPOT SLO, seconds")
-    p.add_argument("--attainment", type=float, default=0.9)
+    p.add_argument("--ttft", type=latency_type("--ttft"), default=2.5, help="TTFT SLO, seconds")
+    p.add_argument("--tpot", type=latency_type("--tpot"), default=0.15, help="TPOT SLO, seconds")
+    p.add_argument("--attainment", type=fraction, default=0.9)
     p.add_argument("--affinity", default="auto", choices=["high", "low", "auto"])
     p.add_argument("--profile", default=str(DEFAULT_PROFILE), help="latency profile JSON (roofline if the file is absent)")
     p.add_argument("--workers", default="1,2", help="comma-separated --workers values to time")

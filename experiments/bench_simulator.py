@@ -238,11 +238,17 @@ def write_outputs(out: Outputs, rows: list[dict[str, Any]], figures: dict[str, A
 
 
 def main() -> None:
+    if "--worker" in sys.argv:  # ``run_worker``'s: flags the parent checked, and maybe an older tree (--baseline-ref) on
+        count, positive = int, float  # PYTHONPATH, which may not have ``distserve.cli.arg_types``
+    else:
+        from distserve.cli.arg_types import positive_float, positive_int
+
+        count, positive = positive_int, positive_float
     ap = harness.parser(__doc__, "200 requests per deployment")
-    ap.add_argument("--num-requests", type=int, default=10_000)
-    ap.add_argument("--rate-per-prefill", type=float, default=3.0, help="req/s per prefill (or colocated) instance")
+    ap.add_argument("--num-requests", type=count, default=10_000)
+    ap.add_argument("--rate-per-prefill", type=positive, default=3.0, help="req/s per prefill (or colocated) instance")
     ap.add_argument("--deployments", default=",".join(DEPLOYMENTS), help=f"subset of {', '.join(DEPLOYMENTS)}")
-    ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("--repeats", type=count, default=1)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--profile", default=str(DEFAULT_PROFILE),
                     help="DistServe's fitted coefficients; if the file is absent (or ''), the roofline model")
@@ -250,7 +256,7 @@ def main() -> None:
                     help="also time the hot-path files as of this git ref (e.g. the commit before the speed-up)")
     ap.add_argument("--baseline-step-by-step", action="store_true",
                     help="the baseline is the current code with fast-forward off (SimConfig(fast_forward=False))")
-    ap.add_argument("--jobs", type=int, default=2, help="also run this many simulations at once (a sweep's view; 1: off)")
+    ap.add_argument("--jobs", type=count, default=2, help="also run this many simulations at once (a sweep's view; 1: off)")
     ap.add_argument("--step-by-step", action="store_true", help=argparse.SUPPRESS)  # worker: fast-forward off
     ap.add_argument("--wait-go", action="store_true", help=argparse.SUPPRESS)  # worker: start on "go" from stdin
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # internal: one measurement, JSON out
@@ -262,8 +268,6 @@ def main() -> None:
         harness.finish(measure(args.worker, args.num_requests, args.rate_per_prefill, profile, args.seed,
                                fast_forward=not args.step_by_step, wait_go=args.wait_go))
         return
-    if args.jobs < 1:
-        ap.error(f"--jobs must be >= 1, got {args.jobs}")
     if args.quick:
         args.num_requests = 200
     deployments = [d for d in args.deployments.split(",") if d]

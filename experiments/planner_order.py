@@ -31,6 +31,7 @@ from dataclasses import replace
 from typing import Any
 
 import harness
+from distserve.cli.arg_types import positive_int
 from distserve.planner.chains import Chain, FollowUp, chain_order, evaluate, rounded, run_follow_ups
 from distserve.planner.plan import Candidate, PlanRequest, PlanResult
 from distserve.planner.report import PlanArgs, build_request
@@ -119,7 +120,7 @@ def one(model: str, workload: str, ttft: float, tpot: float, nodes: int, gpus_pe
 
 def main() -> None:
     p = harness.parser(__doc__, "OPT-13B sharegpt-multiturn on 1 x 8, 50 requests per probe")
-    p.add_argument("--num-requests", type=int, default=300)
+    p.add_argument("--num-requests", type=positive_int, default=300)
     harness.add_quiet_args(p, max_wait_s=600.0, retries=3)
     args = p.parse_args()
     guard = harness.QuietGuard.from_args(args)

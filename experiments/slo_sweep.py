@@ -52,6 +52,8 @@ from typing import Any
 import numpy as np
 
 import harness
+from distserve.cli.arg_types import fraction, non_negative_float, positive_float, positive_int
+from distserve.cli.args import latency_type
 from distserve.errors import DistServeError, InvalidConfigError
 from distserve.placement import Placement
 from distserve.slo import SLO, SLOSpec
@@ -154,34 +156,34 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--hardware", default=None, help="a100-80g | h100-sxm | ... (default: the profile's, else a100-80g)")
     ap.add_argument("--profile", default="auto", help="auto | roofline | a profile JSON")
     ap.add_argument("--model-name", default="tiny", help="the model name endpoints are asked for")
-    ap.add_argument("--endpoint-gpus", type=int, default=1, help="accelerators behind each endpoint (for per-GPU rates)")
+    ap.add_argument("--endpoint-gpus", type=positive_int, default=1, help="accelerators behind each endpoint (for per-GPU rates)")
     ap.add_argument("--workload", default="chatbot", help="any workload `distserve simulate` takes, or a .jsonl trace")
     ap.add_argument("--arrival", default="poisson", choices=list(ARRIVAL_PROCESSES))
-    ap.add_argument("--cv", type=float, default=1.0, help="gamma arrivals: coefficient of variation")
-    ap.add_argument("--num-requests", type=int, default=600)
-    ap.add_argument("--max-total-len", type=int, default=None, help="prompt + output cap (default: the model's context)")
+    ap.add_argument("--cv", type=positive_float, default=1.0, help="gamma arrivals: coefficient of variation")
+    ap.add_argument("--num-requests", type=positive_int, default=600)
+    ap.add_argument("--max-total-len", type=positive_int, default=None, help="prompt + output cap (default: the model's context)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--ttft-slo", type=float, default=0.25, help="seconds")
-    ap.add_argument("--tpot-slo", type=float, default=0.1, help="seconds")
-    ap.add_argument("--attainment", type=float, default=0.9)
+    ap.add_argument("--ttft-slo", type=latency_type("--ttft-slo", allow_inf=True), default=0.25, help="seconds")
+    ap.add_argument("--tpot-slo", type=latency_type("--tpot-slo", allow_inf=True), default=0.1, help="seconds")
+    ap.add_argument("--attainment", type=fraction, default=0.9)
     ap.add_argument("--modes", default="joint,separate", help="attainment modes whose goodput is searched")
     ap.add_argument("--sweeps", default="rate,slo-scale")
-    ap.add_argument("--max-num-seqs", type=int, default=None)
-    ap.add_argument("--max-batched-tokens", type=int, default=None)
+    ap.add_argument("--max-num-seqs", type=positive_int, default=None)
+    ap.add_argument("--max-batched-tokens", type=positive_int, default=None)
     ap.add_argument("--step-budget", default="static", choices=["static", "slo"], help="as `distserve simulate`")
     ap.add_argument("--scheduler", action="append", default=[], metavar="[PHASE.]FIELD=VALUE", help="for every simulated target")
-    ap.add_argument("--plan-gpus", type=int, default=4, help="GPUs plan:disagg / plan:colocated may use (one node)")
+    ap.add_argument("--plan-gpus", type=positive_int, default=4, help="GPUs plan:disagg / plan:colocated may use (one node)")
     ap.add_argument("--plan-mode", default="joint", choices=list(MODES), help="the attainment mode the planner optimises")
-    ap.add_argument("--rel-tol", type=float, default=0.02, help="bisection stops at (hi - lo) / hi <= this")
-    ap.add_argument("--start-per-gpu", type=float, default=1.0, help="first probed rate, req/s per GPU")
-    ap.add_argument("--grid-points", type=int, default=10, help="simulated rates on each curve")
+    ap.add_argument("--rel-tol", type=positive_float, default=0.02, help="bisection stops at (hi - lo) / hi <= this")
+    ap.add_argument("--start-per-gpu", type=positive_float, default=1.0, help="first probed rate, req/s per GPU")
+    ap.add_argument("--grid-points", type=positive_int, default=10, help="simulated rates on each curve")
     ap.add_argument("--scales", default=",".join(map(str, DEFAULT_SCALES)))
-    ap.add_argument("--scale-rate", type=float, default=None, help="req/s per GPU of the SLO-scale sweep (default: lowest goodput/GPU)")
-    ap.add_argument("--probe-requests", type=int, default=40, help="endpoint: requests per probe")
-    ap.add_argument("--max-probes", type=int, default=5, help="endpoint: probes per goodput search")
-    ap.add_argument("--max-rate", type=float, default=None, help="endpoint: highest rate probed, req/s")
-    ap.add_argument("--min-rate", type=float, default=0.25, help="endpoint: lower rates count as failing, unprobed, req/s")
-    ap.add_argument("--request-timeout", type=float, default=120.0, help="endpoint: seconds per request")
+    ap.add_argument("--scale-rate", type=positive_float, default=None, help="req/s per GPU of the SLO-scale sweep (default: lowest goodput/GPU)")
+    ap.add_argument("--probe-requests", type=positive_int, default=40, help="endpoint: requests per probe")
+    ap.add_argument("--max-probes", type=positive_int, default=5, help="endpoint: probes per goodput search")
+    ap.add_argument("--max-rate", type=positive_float, default=None, help="endpoint: highest rate probed, req/s")
+    ap.add_argument("--min-rate", type=non_negative_float, default=0.25, help="endpoint: lower rates count as failing, unprobed, req/s")
+    ap.add_argument("--request-timeout", type=positive_float, default=120.0, help="endpoint: seconds per request")
     ap.add_argument("--render-apps", default=None, metavar="FILE.json",
                     help="draw Parrot's application figures from a `bench_apps.py --figures` JSON (next to it, as FILE.png) "
                          "instead of sweeping")
@@ -198,12 +200,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     checks = [(not args.sim and not args.endpoint and not args.render_apps, "give at least one --sim or --endpoint"),
               (bool(set(args.modes) - set(MODES)) or not args.modes, f"--modes: a subset of {MODES}"),
               (bool(set(args.sweeps) - {"rate", "slo-scale"}) or not args.sweeps, "--sweeps: a subset of rate,slo-scale"),
-              (min(args.scales) <= 0, "--scales must be > 0"),
-              (args.num_requests < 1 or args.probe_requests < 1 or args.max_probes < 1 or args.grid_points < 1,
-               "--num-requests, --probe-requests, --max-probes and --grid-points must be >= 1"),
-              (not 0 < args.rel_tol < 1, "--rel-tol must be in (0, 1)"),
-              (args.endpoint_gpus < 1 or args.plan_gpus < 1, "--endpoint-gpus and --plan-gpus must be >= 1"),
-              (not (args.start_per_gpu > 0 and (args.scale_rate is None or args.scale_rate > 0)), "rates must be > 0"),
+              (not all(0 < x < math.inf for x in args.scales), "--scales must be finite numbers > 0"),
+              (args.rel_tol >= 1, "--rel-tol must be in (0, 1)"),
+              (args.max_rate is not None and args.max_rate <= args.min_rate, "--max-rate must be above --min-rate"),
               ("slo-scale" in args.sweeps and "rate" not in args.sweeps and args.scale_rate is None,
                "--sweeps slo-scale alone needs --scale-rate")]
     for bad, message in checks:

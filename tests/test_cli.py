@@ -51,3 +51,22 @@ def test_bad_flag_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exc:
         main(["generate", "--model", "tiny", "--prompt", "hi", "--max-tokens", "many"])
     assert exc.value.code == 2
+
+
+def test_numeric_flag_types_refuse_what_they_do_not_take() -> None:
+    """``distserve.cli.arg_types``: each type takes its values (as numbers) and refuses the rest with a
+    message argparse prefixes with the flag (NaN and infinities included)."""
+    import argparse
+
+    from distserve.cli.arg_types import fraction, non_negative_float, positive_float, positive_int
+
+    cases = [(positive_int, ["1", "64"], ["0", "-3", "1.5", "x"]),
+             (positive_float, ["0.5", "3", "1e-3"], ["0", "-1", "nan", "inf", "-inf", "x"]),
+             (non_negative_float, ["0", "2.5"], ["-0.1", "nan", "inf", "x"]),
+             (fraction, ["0.9", "1"], ["0", "1.01", "nan", "x"])]
+    for kind, good, bad in cases:
+        for text in good:
+            assert kind(text) == float(text)
+        for text in bad:
+            with pytest.raises(argparse.ArgumentTypeError, match="must be"):
+                kind(text)

@@ -7,6 +7,7 @@ import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from distserve.cli.arg_types import fraction, positive_float, positive_int
 from distserve.cluster.admission import DEFAULT_MAX_WAITING, DEFAULT_WAITING_UNIT, WAITING_UNITS
 from distserve.cluster.fair_queue import ADMISSION_POLICIES, DEFAULT_ADMISSION_POLICY
 from distserve.cluster.routing import DEFAULT_ROUTER, ROUTERS
@@ -59,13 +60,6 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
 DEFAULT_PLAN_WORKERS = min(2, os.cpu_count() or 1)
 
 
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
-
-
 def _token_count(text: str) -> int:
     """A positive token count, also as vLLM writes them: ``32k`` (x1000), ``32K`` (x1024), ``1m``, ``1M``."""
     units = {"k": 1000, "K": 1024, "m": 10**6, "M": 2**20}
@@ -95,26 +89,16 @@ def _port(text: str) -> int:
 
 
 def _add_placement_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--colocated", type=_positive_int, default=None, metavar="N", help="N colocated engines instead of xPyD")
-    p.add_argument("--prefill", type=_positive_int, default=None, metavar="N", help="prefill instances (default 1)")
-    p.add_argument("--decode", type=_positive_int, default=None, metavar="M", help="decode instances (default 1)")
+    p.add_argument("--colocated", type=positive_int, default=None, metavar="N", help="N colocated engines instead of xPyD")
+    p.add_argument("--prefill", type=positive_int, default=None, metavar="N", help="prefill instances (default 1)")
+    p.add_argument("--decode", type=positive_int, default=None, metavar="M", help="decode instances (default 1)")
     for phase in ("prefill", "decode"):
         for kind, what in (("tp", "tensor"), ("pp", "pipeline")):
-            p.add_argument(f"--{phase}-{kind}", type=_positive_int, default=1, help=f"{what}-parallel degree of {phase}")
+            p.add_argument(f"--{phase}-{kind}", type=positive_int, default=1, help=f"{what}-parallel degree of {phase}")
     p.add_argument("--placement", default=None, metavar="FILE", help="a Placement JSON (from `distserve plan`)")
     p.add_argument("--router", default=DEFAULT_ROUTER, choices=sorted(ROUTERS),
                    help="how a new request's entry instance is chosen: prefix-affinity (the longest cached prefix among the "
                    "least loaded) or least-loaded")
-
-
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
-    if not value > 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
-    return value
 
 
 def latency_type(flag: str, *, allow_inf: bool = False) -> Callable[[str], float]:
@@ -132,13 +116,6 @@ def latency_type(flag: str, *, allow_inf: bool = False) -> Callable[[str], float
     return parse
 
 
-def _fraction(text: str) -> float:
-    value = _positive_float(text)
-    if value > 1:
-        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text}")
-    return value
-
-
 def _add_admission_args(p: argparse.ArgumentParser, tpot_flag: str) -> None:
     p.add_argument("--admission-policy", default=DEFAULT_ADMISSION_POLICY, choices=sorted(ADMISSION_POLICIES),
                    help="order of the admission queue: fair (weighted fair queueing by tokens across tenants, strict tiers; "
@@ -147,7 +124,7 @@ def _add_admission_args(p: argparse.ArgumentParser, tpot_flag: str) -> None:
                    help="backpressure: an entry instance takes a request while the prompt tokens waiting there ahead of it fit "
                    "one step (tokens, the default), or while fewer than --max-waiting requests wait there (requests: TNG's rule); "
                    "the rest wait in the fair queues, where they can still be reordered")
-    p.add_argument("--max-waiting", type=_positive_int, default=DEFAULT_MAX_WAITING, metavar="N",
+    p.add_argument("--max-waiting", type=positive_int, default=DEFAULT_MAX_WAITING, metavar="N",
                    help=f"with --waiting-unit requests: requests that may wait in an entry instance (default {DEFAULT_MAX_WAITING}, TNG's)")
     p.add_argument("--no-backpressure", action="store_true", help="dispatch every request on arrival (no admission queueing)")
     p.add_argument("--tpot-backpressure", action="store_true",
@@ -191,21 +168,21 @@ def _add_simulate_args(p: argparse.ArgumentParser) -> None:
                    help="chatbot | code | summarization | sharegpt-multiturn | humaneval | longbench (DistServe's datasets) | fixed:P:O | flood[:N[:FACTOR]] (one tenant flooding at FACTOR x the "
                    "rate of each of N chat tenants, default 3 and 10) | mix:OBJECTIVE=LENGTHS[:FRACTION],... (requests of several "
                    "scheduling classes, e.g. mix:latency=chatbot:0.3,throughput=summarization) | trace.jsonl (with a \"tenant\" field: several tenants)")
-    p.add_argument("--rate", type=_positive_float, default=None, help="arrival rate, requests/s (a trace is rescaled to it)")
-    p.add_argument("--num-requests", type=_positive_int, default=1000, help="requests of a synthetic workload")
+    p.add_argument("--rate", type=positive_float, default=None, help="arrival rate, requests/s (a trace is rescaled to it)")
+    p.add_argument("--num-requests", type=positive_int, default=1000, help="requests of a synthetic workload")
     _add_admission_args(p, "--tpot")
     p.add_argument("--arrival", default="poisson", choices=["poisson", "gamma", "fixed"], help="arrival process")
-    p.add_argument("--cv", type=_positive_float, default=1.0, help="coefficient of variation of gamma inter-arrivals")
+    p.add_argument("--cv", type=positive_float, default=1.0, help="coefficient of variation of gamma inter-arrivals")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--ttft", "--ttft-slo", dest="ttft", type=latency_type("--ttft"), required=True, help=f"TTFT SLO: {LATENCY_HELP}")
     p.add_argument("--tpot", "--tpot-slo", dest="tpot", type=latency_type("--tpot"), required=True, help=f"TPOT SLO: {LATENCY_HELP}")
-    p.add_argument("--attainment", type=_fraction, default=0.9, help="fraction of requests that must meet the SLO")
+    p.add_argument("--attainment", type=fraction, default=0.9, help="fraction of requests that must meet the SLO")
     p.add_argument("--attainment-mode", default="joint", choices=["joint", "separate"],
                    help="joint: a request must meet both SLOs; separate: each SLO on its own fraction (DistServe's 90%%/90%%)")
     p.add_argument("--goodput", action="store_true", help="also search the highest rate meeting the SLO (bisection)")
-    p.add_argument("--max-num-seqs", type=_positive_int, default=None, help="sequences per batch (default: as serve)")
-    p.add_argument("--max-batched-tokens", type=_positive_int, default=None, help="tokens per step (default: as serve)")
-    p.add_argument("--num-blocks", type=_positive_int, default=None, help="KV blocks per instance (default: what fits)")
+    p.add_argument("--max-num-seqs", type=positive_int, default=None, help="sequences per batch (default: as serve)")
+    p.add_argument("--max-batched-tokens", type=positive_int, default=None, help="tokens per step (default: as serve)")
+    p.add_argument("--num-blocks", type=positive_int, default=None, help="KV blocks per instance (default: what fits)")
     p.add_argument("--step-overhead-ms", type=float, default=0.0, help="extra fixed cost per step of the runtime")
     p.add_argument("--step-budget", default="static", choices=["static", "slo"],
                    help="colocated/decode step budget: static (whole prompts) or slo (chunk prompts to keep steps within --tpot, "
@@ -217,14 +194,14 @@ def _add_simulate_args(p: argparse.ArgumentParser) -> None:
 def _add_plan_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, help="a known HF id (facebook/opt-13b, meta-llama/Llama-3.1-8B, ...) or a config.json path")
     p.add_argument("--gpu", default="a100-80g", help="a100-80g | h100-sxm | h200 | l40s | cpu (this machine, measured)")
-    p.add_argument("--nodes", type=_positive_int, default=1)
-    p.add_argument("--gpus-per-node", type=_positive_int, default=8)
-    p.add_argument("--intra-node-bandwidth", type=_positive_float, default=None, metavar="GB/s", help="override the GPU's NVLink/PCIe bandwidth")
-    p.add_argument("--inter-node-bandwidth", type=_positive_float, default=None, metavar="GB/s", help="override the network bandwidth per GPU")
+    p.add_argument("--nodes", type=positive_int, default=1)
+    p.add_argument("--gpus-per-node", type=positive_int, default=8)
+    p.add_argument("--intra-node-bandwidth", type=positive_float, default=None, metavar="GB/s", help="override the GPU's NVLink/PCIe bandwidth")
+    p.add_argument("--inter-node-bandwidth", type=positive_float, default=None, metavar="GB/s", help="override the network bandwidth per GPU")
     p.add_argument("--workload", default="chatbot",
                    help="chatbot | code | summarization | sharegpt-multiturn | humaneval | longbench | fixed:P:O | trace.jsonl (its 'objective' field: a request's class) | "
                    "mix:OBJECTIVE=LENGTHS[:FRACTION],... a mix of classes, e.g. mix:latency=chatbot:0.3,throughput=summarization")
-    p.add_argument("--num-requests", type=_positive_int, default=300, help="requests simulated per probe")
+    p.add_argument("--num-requests", type=positive_int, default=300, help="requests simulated per probe")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--ttft", "--ttft-slo", dest="ttft", type=latency_type("--ttft"), default=None,
                    help=f"TTFT SLO: {LATENCY_HELP} (default: the strictest --class-slo)")
@@ -234,17 +211,17 @@ def _add_plan_args(p: argparse.ArgumentParser) -> None:
                    help="SLO of one request class (its objective: latency, throughput, default), latencies as --ttft (inf: not "
                    "checked), e.g. latency=200ms:50ms, repeatable; with two or "
                    "more classes the best disaggregated plan is also weighed split into per-class decode pools, and with larger batch caps")
-    p.add_argument("--attainment", type=_fraction, default=0.9)
+    p.add_argument("--attainment", type=fraction, default=0.9)
     p.add_argument("--attainment-mode", default="joint", choices=["joint", "separate"])
-    p.add_argument("--rate", type=_positive_float, default=None, help="target traffic (req/s): size the plan for it")
-    p.add_argument("--gpus", type=_positive_int, default=None, help="GPU budget (default: the whole cluster)")
+    p.add_argument("--rate", type=positive_float, default=None, help="target traffic (req/s): size the plan for it")
+    p.add_argument("--gpus", type=positive_int, default=None, help="GPU budget (default: the whole cluster)")
     p.add_argument("--profile", default=None, metavar="FILE", help="latency profile JSON (default: roofline model of --gpu)")
     p.add_argument("--affinity", default="auto", choices=["high", "low", "auto"],
                    help="high: KV may cross nodes; low: prefill and decode of a stage share a node; auto: both")
-    p.add_argument("--max-num-seqs", type=_positive_int, default=None, help="sequences per batch (default: as serve)")
-    p.add_argument("--max-batched-tokens", type=_positive_int, default=None, help="tokens per step (default: as serve)")
+    p.add_argument("--max-num-seqs", type=positive_int, default=None, help="sequences per batch (default: as serve)")
+    p.add_argument("--max-batched-tokens", type=positive_int, default=None, help="tokens per step (default: as serve)")
     p.add_argument("--step-overhead-ms", type=float, default=0.0, help="extra fixed cost per step of the runtime (see validate_simulator)")
-    p.add_argument("--workers", type=_positive_int, default=DEFAULT_PLAN_WORKERS,
+    p.add_argument("--workers", type=positive_int, default=DEFAULT_PLAN_WORKERS,
                    help=f"processes simulating candidates in parallel; any number gives the same plan (default {DEFAULT_PLAN_WORKERS}: "
                    "this machine's cores, at most 2 — measured: the README's OPT-66B plan 3.9 s -> 2.5 s end to end on 2 cores)")
     p.add_argument("--out", default=None, metavar="FILE", help="write the best Placement JSON here")
@@ -260,7 +237,7 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to listen on")
     p.add_argument("--port", type=_port, default=8000, help="0 picks a free port")
     p.add_argument("--served-model-name", default=None, help="model name clients send (default: --model)")
-    p.add_argument("--max-queued-requests", type=_positive_int, default=SERVER_MAX_QUEUED_REQUESTS, help="requests in flight before 429")
+    p.add_argument("--max-queued-requests", type=positive_int, default=SERVER_MAX_QUEUED_REQUESTS, help="requests in flight before 429")
     _add_placement_args(p)
     p.add_argument(
         "--runtime",
@@ -269,12 +246,12 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
         help="ray: every instance in its own Ray actor(s), KV over torch.distributed; local: all instances in "
         "this process; auto: ray when a TP/PP degree > 1 or --placement is given, else local",
     )
-    p.add_argument("--kv-transfer-timeout", type=_positive_float, default=None, metavar="S",
+    p.add_argument("--kv-transfer-timeout", type=positive_float, default=None, metavar="S",
                    help="seconds before a KV migration is failed and the request re-prefilled (Ray runtime; default 30)")
-    p.add_argument("--shutdown-grace", type=_positive_float, default=None, metavar="S",
+    p.add_argument("--shutdown-grace", type=positive_float, default=None, metavar="S",
                    help="on SIGINT/SIGTERM: seconds requests in flight get to finish before the rest are failed with an error "
                    "(new connections are refused at once; default 10)")
-    p.add_argument("--threads", type=_positive_int, default=None, metavar="N",
+    p.add_argument("--threads", type=positive_int, default=None, metavar="N",
                    help="torch threads per engine (local runtime; default: all cores) or per Ray worker "
                    "(default: the placement's per-instance threads, else 1)")
     p.add_argument("--ttft-slo", type=latency_type("--ttft-slo"), default=None, metavar="LATENCY",
@@ -282,13 +259,13 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tpot-slo", type=latency_type("--tpot-slo"), default=None, metavar="LATENCY",
                    help=f"TPOT SLO ({LATENCY_HELP}): colocated and decode steps chunk prompts to stay within it "
                    "(the 'slo' step budget; default: the placement's, else whole prompts per step)")
-    p.add_argument("--session-ttl", type=_positive_float, default=DEFAULT_LIMITS.ttl_s, metavar="S",
+    p.add_argument("--session-ttl", type=positive_float, default=DEFAULT_LIMITS.ttl_s, metavar="S",
                    help="semantic-variable sessions idle this long are ended, their calls aborted")
-    p.add_argument("--max-sessions", type=_positive_int, default=DEFAULT_LIMITS.max_sessions, metavar="N", help="live sessions before 429")
-    p.add_argument("--max-variables", type=_positive_int, default=DEFAULT_LIMITS.max_variables, metavar="N", help="variables per session before 429")
-    p.add_argument("--max-pending-calls", type=_positive_int, default=DEFAULT_LIMITS.max_pending_calls, metavar="N",
+    p.add_argument("--max-sessions", type=positive_int, default=DEFAULT_LIMITS.max_sessions, metavar="N", help="live sessions before 429")
+    p.add_argument("--max-variables", type=positive_int, default=DEFAULT_LIMITS.max_variables, metavar="N", help="variables per session before 429")
+    p.add_argument("--max-pending-calls", type=positive_int, default=DEFAULT_LIMITS.max_pending_calls, metavar="N",
                    help="unfinished semantic calls per session before 429")
-    p.add_argument("--max-value-chars", type=_positive_int, default=DEFAULT_LIMITS.max_value_chars, metavar="N",
+    p.add_argument("--max-value-chars", type=positive_int, default=DEFAULT_LIMITS.max_value_chars, metavar="N",
                    help="characters of a variable's value, a literal input or a template before 413")
     p.add_argument("--parrot-unauthenticated-calls", action="store_true",
                    help="accept semantic calls that carry a session id but no session_auth, as Parrot's released "
@@ -297,7 +274,7 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="YAML/JSON key file (tenants: weight, tier, limits; keys: key -> tenant): every route but /health and "
                    "/metrics then needs `Authorization: Bearer <key>` (401 otherwise) and a tenant sees only its own sessions")
     _add_admission_args(p, "--tpot-slo")
-    p.add_argument("--prefill-chunk", type=_positive_int, default=None, metavar="TOKENS",
+    p.add_argument("--prefill-chunk", type=positive_int, default=None, metavar="TOKENS",
                    help="prefill instances compute prompts in chunks of at most TOKENS per step (chunked prefill), so a light "
                    "tenant's prompt waits for one chunk rather than a whole long prompt (default: whole prompts, 2048 tokens per step)")
     p.add_argument("--no-layer-preemption", action="store_true",
@@ -324,7 +301,7 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="a Jinja chat template (a file, or the template itself) used instead of the tokenizer's (vLLM's flag)")
     p.add_argument("--max-model-len", type=_token_count, default=None, metavar="TOKENS",
                    help="context length: prompt + output tokens of a request (default: the placement's, else the model's)")
-    p.add_argument("--max-num-seqs", type=_positive_int, default=None, metavar="N",
+    p.add_argument("--max-num-seqs", type=positive_int, default=None, metavar="N",
                    help="sequences per batch of every instance (default: the placement's, else 64); an instance's own cap "
                    "in the Placement JSON still applies to it")
     p.add_argument("--max-num-batched-tokens", type=_token_count, default=None, metavar="TOKENS",
@@ -338,15 +315,15 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials (cookies, Authorization)")
     from distserve.serving.limits import DEFAULT_HTTP_LIMITS as HTTP
 
-    p.add_argument("--max-request-body-bytes", type=_positive_int, default=HTTP.max_request_body_bytes, metavar="N",
+    p.add_argument("--max-request-body-bytes", type=positive_int, default=HTTP.max_request_body_bytes, metavar="N",
                    help="a request body over N bytes is refused with 413 before it is read (default 8 MiB)")
-    p.add_argument("--h11-max-incomplete-event-size", type=_positive_int, default=HTTP.max_header_bytes, metavar="N",
+    p.add_argument("--h11-max-incomplete-event-size", type=positive_int, default=HTTP.max_header_bytes, metavar="N",
                    help="bytes of a request's line and headers before 431 (vLLM's flag; default 64 KiB)")
-    p.add_argument("--h11-max-header-count", type=_positive_int, default=HTTP.max_header_count, metavar="N",
+    p.add_argument("--h11-max-header-count", type=positive_int, default=HTTP.max_header_count, metavar="N",
                    help="headers of a request before 431 (vLLM's flag; default 256)")
-    p.add_argument("--timeout-keep-alive", type=_positive_float, default=HTTP.timeout_keep_alive_s, metavar="S",
+    p.add_argument("--timeout-keep-alive", type=positive_float, default=HTTP.timeout_keep_alive_s, metavar="S",
                    help="an idle connection (or one that sends nothing) is closed after S seconds (default 5, uvicorn's)")
-    p.add_argument("--request-read-timeout", type=_positive_float, default=HTTP.request_read_timeout_s, metavar="S",
+    p.add_argument("--request-read-timeout", type=positive_float, default=HTTP.request_read_timeout_s, metavar="S",
                    help="a request's line and headers, and then its body, must each arrive within S seconds, else 408 and "
                    "the connection is closed (slow clients cannot hold connections; default 30)")
     p.add_argument("--ray-serve", action="store_true", help="run as a Ray Serve application (default: plain uvicorn)")
@@ -395,15 +372,15 @@ def build_parser() -> argparse.ArgumentParser:
         "Pipeline parallelism is not profiled: the simulator models pp from the tp profile.",
     )
     prof.add_argument("--model", default="smollm2-135m", help="tiny | smollm2-135m | HF folder | .gguf file")
-    prof.add_argument("--tp", type=_positive_int, action="append", default=None, metavar="N",
+    prof.add_argument("--tp", type=positive_int, action="append", default=None, metavar="N",
                       help="tensor-parallel degree to profile, repeatable (default 1); tp > 1 spawns N gloo processes")
     prof.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                       help="auto: bfloat16 on CPUs with AMX/AVX512-BF16, else float32 (what serving resolves)")
-    prof.add_argument("--threads", type=_positive_int, default=1,
+    prof.add_argument("--threads", type=positive_int, default=1,
                       help="torch threads per rank (default 1: the Ray runtime runs each worker with one thread)")
     prof.add_argument("--quick", action="store_true", help="a tiny grid (seconds for tiny, minutes for smollm2-135m)")
-    prof.add_argument("--repeats", type=_positive_int, default=3, help="timed steps per point (median), after a warm-up")
-    prof.add_argument("--block-size", type=_positive_int, default=16, help="tokens per KV block")
+    prof.add_argument("--repeats", type=positive_int, default=3, help="timed steps per point (median), after a warm-up")
+    prof.add_argument("--block-size", type=positive_int, default=16, help="tokens per KV block")
     prof.add_argument("--quiet", action="store_true",
                       help="tp 1: time a step again (after waiting, at most --max-quiet-wait-s in all) when other "
                            "processes used the CPU meanwhile; the profile's meta counts them")

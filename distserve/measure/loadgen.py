@@ -56,6 +56,7 @@ from typing import Any
 import httpx
 import numpy as np
 
+from distserve.cli.arg_types import positive_int
 from distserve.errors import InvalidConfigError
 from distserve.measure.stream_client import (
     ENDPOINT_PATHS, RequestResult, calibrate_tokens_per_word, completion_body, endpoint_url, stream_completion,
@@ -195,16 +196,6 @@ def _latency_arg(flag: str) -> Any:
     return parse
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
-
-
 def parse_goodput(pairs: Seq[str]) -> dict[str, float]:
     """vLLM's ``--goodput ttft:200 tpot:50`` (milliseconds) -> ``{"ttft_s": 0.2, "tpot_s": 0.05}``."""
     out: dict[str, float] = {}
@@ -233,7 +224,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--rate", "--request-rate", dest="rate", type=float, required=True, help="requests per second; inf = all at once")
     ap.add_argument("--burstiness", type=float, default=1.0,
                     help="shape of the gamma inter-arrival times, mean 1/rate (vLLM's): 1 Poisson, < 1 burstier, > 1 more regular, inf evenly spaced")
-    ap.add_argument("--max-concurrency", type=_positive_int, default=None, metavar="N",
+    ap.add_argument("--max-concurrency", type=positive_int, default=None, metavar="N",
                     help="at most N requests open at once; later arrivals wait for a free slot (default: no limit)")
     ap.add_argument("--num-requests", "--num-prompts", dest="num_requests", type=int, required=True)
     ap.add_argument("--input-len", "--random-input-len", dest="input_len", type=int, required=True,

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -117,6 +118,20 @@ def test_bad_command_lines_exit_2(capsys: pytest.CaptureFixture[str], tmp_path: 
             sweep.parse_args(argv)
         assert exc.value.code == 2
     assert not list(tmp_path.iterdir())
+    # Every numeric flag refuses a bad value naming itself (before: a negative --max-rate ran a sweep).
+    for flag, value, words in [("--max-rate", "-1", "must be a finite number > 0"), ("--ttft-slo", "nan", "finite latency > 0"),
+                               ("--attainment", "1.5", r"must be in \(0, 1\]"), ("--cv", "0", "finite number > 0"),
+                               ("--min-rate", "-1", "finite number >= 0"), ("--endpoint-gpus", "0", "must be >= 1"),
+                               ("--start-per-gpu", "x", "must be a number"), ("--request-timeout", "inf", "finite number > 0")]:
+        with pytest.raises(SystemExit) as exc:
+            sweep.parse_args(["--sim", "x=--colocated 1", flag, value])
+        assert exc.value.code == 2
+        assert re.search(f"argument {flag}: .*{words}", capsys.readouterr().err)
+    for argv, words in [(["--max-rate", "0.1"], "--max-rate must be above --min-rate"), (["--rel-tol", "1"], "--rel-tol must be in"),
+                        (["--scales", "1,inf"], "--scales must be finite numbers > 0")]:
+        with pytest.raises(SystemExit):
+            sweep.parse_args(["--sim", "x=--colocated 1", *argv])
+        assert words in capsys.readouterr().err
     out = ["--out-dir", str(tmp_path)]
     assert sweep.main(["--sim", "x=--colocated 1", "--sim", "x=--colocated 2", *out]) == 2
     assert "names must differ" in capsys.readouterr().err
