@@ -44,6 +44,8 @@ from pathlib import Path
 from typing import Any
 
 import harness
+from distserve.cli.arg_types import fraction, positive_float, positive_int
+from distserve.cli.args import latency_type
 from distserve.slo import SLO, SLOSpec
 from distserve.config import SchedulerConfig
 from distserve.placement import InstanceSpec, Placement
@@ -325,17 +327,21 @@ def parse_args() -> argparse.Namespace:
     ap = harness.parser(__doc__, "3 placements, 20 requests per GPU, no screen, rel_tol 0.2, joint mode for the best two only")
     ap.add_argument("--profile", default=str(DISTSERVE_A100_PROFILE), help="DistServe's coefficients file")
     ap.add_argument("--workload", default="chatbot", help="a length spec for simulator.workload.generate_requests")
-    ap.add_argument("--requests-per-gpu", type=int, default=300, help="workload size per GPU of the placement")
+    ap.add_argument("--requests-per-gpu", type=positive_int, default=300, help="workload size per GPU of the placement")
     ap.add_argument("--screen-requests-per-gpu", type=int, default=100, help="0: no screen, search every placement in full")
-    ap.add_argument("--top-k", type=int, default=3, help="placements of each kind the screen passes on")
+    ap.add_argument("--top-k", type=positive_int, default=3, help="placements of each kind the screen passes on")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--ttft-slo", type=float, default=0.2, help="seconds")
-    ap.add_argument("--tpot-slo", type=float, default=0.1, help="seconds")
-    ap.add_argument("--attainment", type=float, default=0.9)
-    ap.add_argument("--max-num-seqs", type=int, default=SchedulerConfig.max_num_seqs)
-    ap.add_argument("--rel-tol", type=float, default=0.02, help="bisection stops when (hi - lo) / hi <= this")
-    ap.add_argument("--jobs", type=int, default=2, help="worker processes")
+    ap.add_argument("--ttft-slo", type=latency_type("--ttft-slo", allow_inf=True), default=0.2, help="seconds")
+    ap.add_argument("--tpot-slo", type=latency_type("--tpot-slo", allow_inf=True), default=0.1, help="seconds")
+    ap.add_argument("--attainment", type=fraction, default=0.9)
+    ap.add_argument("--max-num-seqs", type=positive_int, default=SchedulerConfig.max_num_seqs)
+    ap.add_argument("--rel-tol", type=positive_float, default=0.02, help="bisection stops when (hi - lo) / hi <= this")
+    ap.add_argument("--jobs", type=positive_int, default=2, help="worker processes")
     args = ap.parse_args()
+    if args.rel_tol >= 1:
+        ap.error("--rel-tol must be in (0, 1)")
+    if args.screen_requests_per_gpu < 0:
+        ap.error(f"--screen-requests-per-gpu must be >= 0 (0: no screen), got {args.screen_requests_per_gpu}")
     if args.quick:
         args.requests_per_gpu, args.screen_requests_per_gpu, args.rel_tol = 20, 0, 0.2
     return args

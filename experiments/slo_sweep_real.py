@@ -42,6 +42,7 @@ from pathlib import Path
 from typing import Any
 
 import harness
+from distserve.cli.arg_types import non_negative_float, positive_float, positive_int
 import vllm_peer
 from distserve.measure.benchserve import ServerProcess, distserve_serve_argv
 from distserve.planner.report import PlanArgs, run_plan
@@ -302,17 +303,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--dtype", default="auto", type=harness.model_dtype, help="auto: bfloat16 on a CPU with native bf16, else float32")
     ap.add_argument("--plan-model", default="smollm2-135m", help="the model the planner and the workload generator know")
     ap.add_argument("--profile", default=str(PROFILE), help="this machine's CPU latency profile")
-    ap.add_argument("--cores", type=int, default=2, help="the planner's 'GPUs': this machine's cores")
-    ap.add_argument("--plan-requests", type=int, default=200, help="requests per planner simulation")
+    ap.add_argument("--cores", type=positive_int, default=2, help="the planner's 'GPUs': this machine's cores")
+    ap.add_argument("--plan-requests", type=positive_int, default=200, help="requests per planner simulation")
     ap.add_argument("--systems", default=ALL_SYSTEMS, help="a subset of " + ALL_SYSTEMS)
     ap.add_argument("--workloads", default=",".join(w.name for w in WORKLOADS))
-    ap.add_argument("--max-probes", type=int, default=4)
-    ap.add_argument("--min-rate", type=float, default=0.125)
+    ap.add_argument("--max-probes", type=positive_int, default=4)
+    ap.add_argument("--min-rate", type=non_negative_float, default=0.125)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--vllm-venv", default=str(vllm_peer.DEFAULT_VENV))
-    ap.add_argument("--startup-timeout", type=float, default=300.0)
-    ap.add_argument("--request-timeout", type=float, default=120.0)
-    ap.add_argument("--sweep-timeout", type=float, default=900.0, help="seconds for one slo_sweep.py run")
+    ap.add_argument("--startup-timeout", type=positive_float, default=300.0)
+    ap.add_argument("--request-timeout", type=positive_float, default=120.0)
+    ap.add_argument("--sweep-timeout", type=positive_float, default=900.0, help="seconds for one slo_sweep.py run")
     ap.add_argument("--reuse", default=None, metavar="JSON", help="an earlier run's slo_sweep_real.json: its systems not in "
                     "--systems are taken from it (measure one system again, e.g. after a disturbed run)")
     args = ap.parse_args(argv)

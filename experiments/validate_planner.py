@@ -47,6 +47,8 @@ from typing import Any
 import numpy as np
 
 import harness
+from distserve.cli.arg_types import fraction, positive_float, positive_int
+from distserve.cli.args import latency_type
 from distserve.slo import SLO
 from distserve.config import CacheConfig, SamplingParams, SchedulerConfig
 from distserve.placement import InstanceSpec, Placement
@@ -68,14 +70,14 @@ TARGET_ERROR = 0.15
 def parse_args() -> argparse.Namespace:
     p = harness.parser(__doc__, "tiny model, 12 requests, 3 rates (the test suite's run)")
     add_profile_args(p)
-    p.add_argument("--gpus", type=int, default=2, help="'GPUs' (one-thread workers) the plan may use: --gpus-per-node")
-    p.add_argument("--kv-cache-gb", type=float, default=0.5, help="KV cache per instance (as validate_simulator)")
+    p.add_argument("--gpus", type=positive_int, default=2, help="'GPUs' (one-thread workers) the plan may use: --gpus-per-node")
+    p.add_argument("--kv-cache-gb", type=positive_float, default=0.5, help="KV cache per instance (as validate_simulator)")
     p.add_argument("--num-requests", type=int, default=300,
                    help="requests in the workload (planned and replayed at each rate); enough that a rate above what the "
                         "deployment sustains builds a queue instead of a burst it drains within the SLO slack")
-    p.add_argument("--ttft", type=float, default=1.5, help="TTFT SLO (s)")
-    p.add_argument("--tpot", type=float, default=0.25, help="TPOT SLO (s)")
-    p.add_argument("--attainment", type=float, default=0.9)
+    p.add_argument("--ttft", type=latency_type("--ttft"), default=1.5, help="TTFT SLO (s)")
+    p.add_argument("--tpot", type=latency_type("--tpot"), default=0.25, help="TPOT SLO (s)")
+    p.add_argument("--attainment", type=fraction, default=0.9)
     p.add_argument("--rate-factors", default="0.6,0.8,1.0,1.2,1.4", help="measured rates, as multiples of the predicted goodput")
     p.add_argument("--max-extra-rates", type=int, default=3, help="rates added while all pass (x1.4) or all fail (/1.4)")
     p.add_argument("--refine", type=int, default=2, help="rates added by bisecting between the last passing and first failing rate")

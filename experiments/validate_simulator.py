@@ -51,6 +51,8 @@ from typing import Any
 import numpy as np
 
 import harness
+from distserve.cli.arg_types import positive_int
+from distserve.cli.args import latency_type
 from distserve.slo import SLO
 from distserve.config import CacheConfig, SamplingParams, SchedulerConfig
 from distserve.placement import Placement
@@ -73,9 +75,9 @@ def parse_args() -> argparse.Namespace:
     p = harness.parser(__doc__, "tiny model, few requests (the test suite's run)")
     add_profile_args(p)
     p.add_argument("--rates", default="0.4,0.8,1.2", help="arrival rates, requests/s")
-    p.add_argument("--num-requests", type=int, default=60, help="requests per rate")
-    p.add_argument("--ttft", type=float, default=1.0, help="TTFT SLO (s) for attainment")
-    p.add_argument("--tpot", type=float, default=0.15, help="TPOT SLO (s) for attainment")
+    p.add_argument("--num-requests", type=positive_int, default=60, help="requests per rate")
+    p.add_argument("--ttft", type=latency_type("--ttft"), default=1.0, help="TTFT SLO (s) for attainment")
+    p.add_argument("--tpot", type=latency_type("--tpot"), default=0.15, help="TPOT SLO (s) for attainment")
     harness.add_quiet_args(p, max_wait_s=1800.0, retries=2)
     p.add_argument("--recalibrate", action="store_true",
                    help="with --from-raw: compute the calibration again from the stored calibration steps")
