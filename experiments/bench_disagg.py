@@ -40,6 +40,8 @@ import time
 from typing import Any
 
 import harness
+from distserve.cli.arg_types import positive_float, positive_int
+from distserve.cli.args import latency_type
 from distserve.measure.benchserve import ServerProcess, cpu_usage, distserve_serve_argv, process_cpu
 from distserve.slo import SLO
 from distserve.measure.load_summary import LoadResult, summarize
@@ -196,21 +198,21 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--rates", default="1,1.25,1.5,1.75,2", help="comma-separated Poisson rates (req/s)")
-    ap.add_argument("--num-requests", type=int, default=40, help="per rate")
-    ap.add_argument("--input-len", type=int, default=256)
-    ap.add_argument("--output-len", type=int, default=64)
+    ap.add_argument("--num-requests", type=positive_int, default=40, help="per rate")
+    ap.add_argument("--input-len", type=positive_int, default=256)
+    ap.add_argument("--output-len", type=positive_int, default=64)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--tpot-slo-factor", type=float, default=2.5, help="x the colocated single-request TPOT")
-    ap.add_argument("--ttft-slo-factor", type=float, default=10.0, help="x the colocated single-request TTFT")
-    ap.add_argument("--ttft-slo", type=float, default=None, help="seconds (overrides the factor)")
-    ap.add_argument("--tpot-slo", type=float, default=None, help="seconds (overrides the factor)")
+    ap.add_argument("--tpot-slo-factor", type=positive_float, default=2.5, help="x the colocated single-request TPOT")
+    ap.add_argument("--ttft-slo-factor", type=positive_float, default=10.0, help="x the colocated single-request TTFT")
+    ap.add_argument("--ttft-slo", type=latency_type("--ttft-slo"), default=None, help="seconds (overrides the factor)")
+    ap.add_argument("--tpot-slo", type=latency_type("--tpot-slo"), default=None, help="seconds (overrides the factor)")
     ap.add_argument("--base-url-a", default=None, help="use this running server as system A instead of our colocated one")
     ap.add_argument("--base-url-b", default=None, help="use this running server as system B instead of our 1P1D one")
     ap.add_argument("--label-a", default="colocated")
     ap.add_argument("--label-b", default="disagg")
     ap.add_argument("--request-model", default=None, help="model name sent in requests (default: --model)")
-    ap.add_argument("--startup-timeout", type=float, default=300.0, help="seconds for a server to become healthy")
-    ap.add_argument("--request-timeout", type=float, default=120.0, help="seconds, per request")
+    ap.add_argument("--startup-timeout", type=positive_float, default=300.0, help="seconds for a server to become healthy")
+    ap.add_argument("--request-timeout", type=positive_float, default=120.0, help="seconds, per request")
     args = ap.parse_args()
     if args.quick:
         args.model, args.rates, args.num_requests, args.input_len, args.output_len = "tiny", "8,32", 8, 64, 16

@@ -57,6 +57,7 @@ from typing import Any
 import numpy as np
 
 import harness
+from distserve.cli.arg_types import non_negative_float, positive_float, positive_int
 import vllm_peer
 from distserve.measure.benchserve import (
     ServerProcess, cpu_usage, distserve_serve_argv, metric_sums, process_cpu, wait_until_idle,
@@ -362,17 +363,17 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--vllm-venv", default=str(vllm_peer.DEFAULT_VENV), help="the venv `make peers` built")
     ap.add_argument("--servers", default="vllm,colocated,deployed", help="comma-separated subset, in this order")
     ap.add_argument("--workloads", default="short,long", help="comma-separated subset of short,long")
-    ap.add_argument("--max-probes", type=int, default=4, help="per server and workload")
-    ap.add_argument("--min-requests", type=int, default=30, help="per probe")
-    ap.add_argument("--probe-seconds", type=float, default=40.0, help="a probe sends max(min-requests, rate x this) requests")
-    ap.add_argument("--min-rate", type=float, default=0.25, help="req/s; lower rates are not probed")
-    ap.add_argument("--max-rate", type=float, default=16.0, help="req/s; the search stops passing there")
+    ap.add_argument("--max-probes", type=positive_int, default=4, help="per server and workload")
+    ap.add_argument("--min-requests", type=positive_int, default=30, help="per probe")
+    ap.add_argument("--probe-seconds", type=positive_float, default=40.0, help="a probe sends max(min-requests, rate x this) requests")
+    ap.add_argument("--min-rate", type=non_negative_float, default=0.25, help="req/s; lower rates are not probed")
+    ap.add_argument("--max-rate", type=positive_float, default=16.0, help="req/s; the search stops passing there")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--serve-args", default="", help="more `distserve serve` flags for our servers, e.g. '--tpot-slo 0.15'")
     ap.add_argument("--tag", default="", help="suffix of the result files' names (bench_serving_TAG.*), to keep several runs")
     ap.add_argument("--no-crosscheck", action="store_true", help="skip the vLLM-client cross-check")
-    ap.add_argument("--startup-timeout", type=float, default=300.0, help="seconds for a server to become healthy")
-    ap.add_argument("--request-timeout", type=float, default=120.0, help="seconds, per request")
+    ap.add_argument("--startup-timeout", type=positive_float, default=300.0, help="seconds for a server to become healthy")
+    ap.add_argument("--request-timeout", type=positive_float, default=120.0, help="seconds, per request")
     args = ap.parse_args()
     if args.quick:
         args.model, args.servers, args.max_probes, args.min_requests, args.probe_seconds = "tiny", "colocated", 2, 8, 1.0
@@ -381,6 +382,8 @@ def parse_args() -> argparse.Namespace:
     unknown = set(args.servers) - {"vllm", "colocated", "deployed"}
     if unknown:
         ap.error(f"unknown servers: {sorted(unknown)}")
+    if args.max_rate <= args.min_rate:
+        ap.error("--max-rate must be above --min-rate")
     return args
 
 
