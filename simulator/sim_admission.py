@@ -16,6 +16,7 @@ from distserve.cluster.admission import AdmissionItem, AdmissionQueue, EntryLoad
 from distserve.cluster.backpressure import decode_headroom, decode_room_tokens, held_prompt_tokens, held_requests
 from distserve.cluster.routing import entry_hashes, pick_entry
 from distserve.config import SamplingParams
+from distserve.engine.block_manager import prefix_block_hashes
 from distserve.engine.sequence import Sequence
 from distserve.engine.step_plan import SampledToken
 from distserve.errors import QueueFullError
@@ -28,6 +29,16 @@ if TYPE_CHECKING:
 
 SAMPLED_TOKEN = 1  # the token every simulated step "samples"; never an EOS (ignore_eos is set anyway)
 _SAMPLING: dict[int, SamplingParams] = {}  # a synthetic request's sampling, by its output length
+_FILLER_HASHES: dict[int, list[int]] = {}  # block size -> the chained hashes of SAMPLED_TOKEN blocks made so far
+
+
+def filler_hashes(num_tokens: int, block_size: int) -> list[int]:
+    """The content hashes of the full blocks of ``num_tokens`` SAMPLED_TOKENs (at least; a prefix of one
+    list for every run, made once per process: every probe of a planner search reads it). Slice, don't change."""
+    hashes = _FILLER_HASHES.get(block_size)
+    if hashes is None or len(hashes) < num_tokens // block_size:
+        hashes = _FILLER_HASHES[block_size] = prefix_block_hashes([SAMPLED_TOKEN] * num_tokens, block_size)
+    return hashes
 
 
 class SimAdmission:

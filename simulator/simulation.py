@@ -64,7 +64,6 @@ from typing import TYPE_CHECKING
 from distserve.cluster.counters import ClusterCounters
 from distserve.cluster.migration_queue import MigrationQueue
 from distserve.cluster.routing import decode_lane
-from distserve.engine.block_manager import prefix_block_hashes
 from distserve.engine.instance_core import InstanceCore
 from distserve.engine.step_plan import SampledToken, StepPlan
 from distserve.engine.sequence import Sequence, SequenceStatus
@@ -77,7 +76,7 @@ from simulator.lazy_lanes import LazyLanes
 from simulator.latency import LatencyModel
 from simulator.metrics import RequestRecord, SimResult
 from simulator.sim_config import SimConfig
-from simulator.sim_admission import SAMPLED_TOKEN, SimAdmission
+from simulator.sim_admission import SAMPLED_TOKEN, SimAdmission, filler_hashes
 from simulator.sim_events import LAUNCH, MIGRATE, MIGRATED, STEP_DONE
 from simulator.sim_migration import SimMigrations
 from simulator.sim_records import SimRecords
@@ -406,18 +405,6 @@ class Simulation(SimAdmission, SimMigrations, SimRecords):
                 self.pending.push((inst, seq, seq.detached_copy()))
         self._launch_at_end(inst)
         return num_finished
-
-
-_FILLER_HASHES: dict[int, list[int]] = {}  # block size -> the chained hashes of SAMPLED_TOKEN blocks made so far
-
-
-def filler_hashes(num_tokens: int, block_size: int) -> list[int]:
-    """The content hashes of the full blocks of ``num_tokens`` SAMPLED_TOKENs (at least; a prefix of one
-    list for every run, made once per process: every probe of a planner search reads it). Slice, don't change."""
-    hashes = _FILLER_HASHES.get(block_size)
-    if hashes is None or len(hashes) < num_tokens // block_size:
-        hashes = _FILLER_HASHES[block_size] = prefix_block_hashes([SAMPLED_TOKEN] * num_tokens, block_size)
-    return hashes
 
 
 @contextmanager
