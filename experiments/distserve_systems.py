@@ -34,11 +34,12 @@ class Ablation:
     vllm_kv_share: float | None = None  # vllm-2023's KV cache: this share of the tokens our memory model gives it
     vllm_padding: bool = False  # vllm-2023's prompt batches padded to the longest prompt (``SimConfig.prefill_padding``)
     pp_as_replicas: bool = False  # DistServe's pp > 1 instances as pp instances without stages (the ideal pipeline's throughput)
+    short_runs: bool = False  # runs as long as DistServe's (``Row.eval_prompts_per_gpu`` prompts per GPU), goodput averaged over seeds
 
     @property
     def changes_distserve(self) -> bool:
         return (self.seqs is not None or self.mem_utilization is not None or self.kv_unlimited or self.launch_limits or self.first_turn
-                or self.pp_as_replicas or self.distserve_overhead_s > 0 or self.distserve_seq_overhead_s > 0)
+                or self.pp_as_replicas or self.distserve_overhead_s > 0 or self.distserve_seq_overhead_s > 0 or self.short_runs)
 
 
 _LATENCY: dict[tuple[str, str], tuple[LatencyModel, str | None]] = {}

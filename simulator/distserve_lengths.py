@@ -38,15 +38,19 @@ reaches 2048 tokens), entry ``humaneval_distserve_style_computed`` — the stati
 
 ``longbench`` (``LongBenchLengths``). DistServe's rule: context truncated to 40,000 characters, then
 to ``min(2040 - answer_len, U{1900 .. 2048})`` tokens; output = ``answers[0]``, every task of the
-folder. Assumed: every context is longer than that cut (LongBench's averages are 6,711 English
+folder, its length ``answer_len = len(tokenizer(answer).input_ids)`` — the answer's tokens plus the BOS
+OPT's tokenizer adds, so no output is shorter than 2 tokens and every TPOT spans at least one decode
+step (a 1-token output has no TPOT and meets any TPOT SLO). Assumed: every context is longer than that cut (LongBench's averages are 6,711 English
 words / 13,386 Chinese characters, ~9k+ OPT tokens after the 40k-character cut), so prompt =
 ``min(2040 - output, U{1900 .. 2048})``. The answer lengths are unpublished; assumed a bounded
 lognormal in [1, 1024] with mean 90 and median 15, from the task mix (21 tasks: 15 QA / few-shot /
 synthetic tasks with answers of ~2-40 tokens (DuReader's longer), two code-completion tasks with
 one-line answers of ~20, four summarisation tasks with reference summaries of ~90-800 tokens;
 LongBench's ``dataset2maxlen`` caps of 32-512 tokens): a median answer is a short span, the mean
-is carried by the summaries.
-Result (200k draws): prompt mean 1,910, p50 1,952, p90 2,021; output mean 89, p50 15, p90 282.
+is carried by the summaries. The output is that answer plus its BOS.
+Result (200k draws, seed 0): prompt mean 1,910, p50 1,952, p90 2,021; output mean 90, p50 16, p90 283,
+min 2 (7.5% of outputs are 2 tokens: one-token answers). Until session 34 the BOS was left out of the
+output, so 11% of requests had a 1-token output, no TPOT, and met any TPOT SLO.
 """
 
 from __future__ import annotations
@@ -143,18 +147,19 @@ class LongBenchLengths(LengthDistribution):
     def __init__(self, answer: LengthTarget = LONGBENCH_ANSWER, min_prompt: int = 1900, max_prompt: int = 2048, cut: int = 2040):
         check_int("longbench: min_prompt", min_prompt, 1)
         check_int("longbench: max_prompt", max_prompt, min_prompt)
-        check_int("longbench: cut", cut, 2, "(one prompt and one output token)")
-        if answer.max is None or answer.max >= cut:
-            raise InvalidConfigError(f"longbench: the answer length bound must be below cut={cut}, got {answer.max}", "answer")
+        check_int("longbench: cut", cut, 3, "(one prompt token, the BOS and one answer token)")
+        if answer.max is None or answer.max + 1 >= cut:
+            raise InvalidConfigError(f"longbench: the answer length bound plus its BOS must be below cut={cut}, got {answer.max}", "answer")
         self.answer = LogNormalLengths(answer, answer, name="longbench-answers", source="LongBench answers (assumed)")
         self.min_prompt, self.max_prompt, self.cut = int(min_prompt), int(max_prompt), int(cut)
         self.name = "longbench"
         self.description = (
             f"DistServe's LongBench preparation: prompt = min({self.cut} - answer, U{{{self.min_prompt}..{self.max_prompt}}}), "
-            f"answers lognormal mean {answer.mean:g} median {answer.median} in [{answer.min}, {answer.max}] (assumed; task mix)"
+            f"answers lognormal mean {answer.mean:g} median {answer.median} in [{answer.min}, {answer.max}] tokens (assumed; task mix) + 1 BOS"
         )
 
     def sample(self, n: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
-        output, _ = self.answer.sample(n, rng)  # [n]
+        answer, _ = self.answer.sample(n, rng)  # [n] the answer text's tokens
+        output = answer + 1  # [n] DistServe's answer_len = len(tokenizer(answer).input_ids): OPT's tokenizer adds a BOS
         prompt = np.minimum(self.cut - output, rng.integers(self.min_prompt, self.max_prompt + 1, size=n))  # [n]
         return prompt.astype(np.int64), output

@@ -44,7 +44,7 @@ def test_rows_and_ratios(quick: tuple[dict[str, Any], dict[str, Any], Path]) -> 
     figures, saved, out = quick
     rows = {r.key: r for r in setting.ROWS}
     assert list(figures["rows"]) == list(table.QUICK_ROWS)
-    assert figures["ablations"] == list(table.QUICK_ABLATIONS) and figures["mode"] == "separate"
+    assert figures["ablations"] == list(table.QUICK_ABLATIONS) and figures["mode"] == setting.MODE == "joint"  # DistServe's _plot.py
     for key, f in figures["rows"].items():
         row = rows[key]
         assert f["published"] == list(row.published)
@@ -96,7 +96,7 @@ def test_slo_scale_curves(quick: tuple[dict[str, Any], dict[str, Any], Path]) ->
                         assert p[mode] >= 0.9 - 1e-9
                     elif p["scale"] < m * (1 - 1e-9):
                         assert p[mode] < 0.9
-            assert r["min_slo_scale"][system] == curve["min_scale"]["separate"]
+            assert r["min_slo_scale"][system] == curve["min_scale"][setting.MODE]
 
 
 def test_within_band() -> None:
@@ -104,3 +104,18 @@ def test_within_band() -> None:
     assert not report.within(1.3, (2.0, 4.6)) and not report.within(6.1, (2.0, 4.6))
     assert report.within(4.0, (5.7, 5.7)) and not report.within(3.9, (5.7, 5.7)) and not report.within(None, (4.3, 4.3))
     assert not report.within(0.9, (0.5, 1.0))  # the wrong direction never counts
+
+
+def test_short_runs_are_distserve_run_lengths() -> None:
+    """``short-runs``: every search of the ablation is one of DistServe's runs (its figures' prompts per GPU), a seed each."""
+    common = {"requests_per_gpu": 300, "seed": 7, "rel_tol": 0.03}
+    row = next(r for r in setting.ROWS if r.key == "opt-66b-summarisation")
+    for name in ("short-runs", "aligned+short-runs"):
+        a = next(x for x in table.ABLATIONS if x.name == name)
+        runs = table.runs_of(a, row, common)
+        assert [n.split(table.RUN_SEP)[0] for n, _ in runs] == [name] * table.SHORT_RUN_SEEDS
+        assert {c["requests_per_gpu"] for _, c in runs} == {row.eval_prompts_per_gpu} and row.eval_prompts_per_gpu < 300
+        assert [c["seed"] for _, c in runs] == list(range(7, 7 + table.SHORT_RUN_SEEDS))
+        assert a.changes_distserve  # DistServe's layout is re-measured on the short runs too
+    assert table.runs_of(table.ABLATIONS[0], row, common) == [("baseline", common)]
+    assert table.mean_or_none([1.0, 3.0]) == 2.0 and table.mean_or_none([1.0, None]) is None

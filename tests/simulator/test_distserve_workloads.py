@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 from distserve.errors import InvalidConfigError
-from simulator.distserve_lengths import SHAREGPT_MEAN_ROUNDS, ShareGPTMultiTurn, describe_sharegpt_multiturn
-from simulator.lengths import HUMANEVAL_OPT, FixedLengths
+from simulator.distserve_lengths import SHAREGPT_MEAN_ROUNDS, LongBenchLengths, ShareGPTMultiTurn, describe_sharegpt_multiturn
+from simulator.lengths import HUMANEVAL_OPT, FixedLengths, LengthTarget
 from simulator.workload import generate_requests, get_length_distribution
 
 N = 50_000
@@ -72,9 +72,21 @@ def test_longbench_prompts_follow_distserve_cut() -> None:
     long_answers = output > 140  # 2040 - answer < 1900: the answer cut binds
     assert np.all(prompt[long_answers] == 2040 - output[long_answers])
     assert np.all(prompt[~long_answers] >= 1900)
-    # Documented: prompt mean 1,910; answers mean 89, median 15 (assumed task mix).
+    # Documented: prompt mean 1,910; outputs mean 90, median 16 (assumed task mix of answers, plus the BOS).
     assert prompt.mean() == pytest.approx(1910, rel=0.02)
-    assert output.mean() == pytest.approx(89, rel=0.05) and np.median(output) == pytest.approx(15, abs=1)
+    assert output.mean() == pytest.approx(90, rel=0.05) and np.median(output) == pytest.approx(16, abs=1)
+
+
+def test_longbench_outputs_count_the_tokenizers_bos() -> None:
+    """DistServe's answer_len is len(tokenizer(answer).input_ids): the answer's tokens plus OPT's BOS, so no output
+    is a single token (which would have no TPOT and meet any TPOT SLO); one-token answers are 2-token outputs."""
+    dist = get_length_distribution("longbench")
+    _, output = dist.sample(N, np.random.default_rng(0))
+    answer, _ = dist.answer.sample(N, np.random.default_rng(0))
+    assert np.array_equal(output, answer + 1)
+    assert output.min() == 2 and (output == 2).mean() > 0.05
+    with pytest.raises(InvalidConfigError, match="plus its BOS"):
+        LongBenchLengths(answer=LengthTarget(mean=90.0, median=15.0, min=1, max=2039))
 
 
 def test_unknown_parameters_are_refused() -> None:
