@@ -70,6 +70,7 @@ from typing import Any
 import httpx
 
 import harness
+from distserve.cli.arg_types import non_negative_float, positive_float, positive_int
 from app_figures import FIGURES, markdown_lines, render, summarize_figures
 from apps import App, AppResult, DataflowClient, RequestClient, make_apps
 from distserve.measure.benchserve import ServerProcess, distserve_serve_argv, wait_until_idle
@@ -212,25 +213,27 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--serve-flags", default="--prefill 1 --decode 1 --runtime ray",
                     help="`distserve serve` deployment flags (default: make serve's; --quick: --colocated 1 --runtime local)")
     ap.add_argument("--delays-ms", default="0,250", help="comma-separated simulated client<->server round-trip delays")
-    ap.add_argument("--reps", type=int, default=5, help="runs per (app, delay, way); the median is reported")
+    ap.add_argument("--reps", type=positive_int, default=5, help="runs per (app, delay, way); the median is reported")
     ap.add_argument("--apps", default="", help="comma-separated subset of chain,map_reduce,multi_agent,copilot,mixed")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--startup-timeout", type=float, default=300.0)
+    ap.add_argument("--startup-timeout", type=positive_float, default=300.0)
     ap.add_argument("--figures", action="store_true",
                     help="measure Parrot's figures instead of the table: chain latency vs output length, multi-agent latency vs "
                          "programs at once, copilot latency per token vs users at once (experiments/app_figures.py); writes "
                          "bench_apps_figures.{json,md,png}")
-    ap.add_argument("--figure-delay-ms", type=float, default=None,
+    ap.add_argument("--figure-delay-ms", type=non_negative_float, default=None,
                     help="--figures: the client<->server round trip of every point (default 250; --quick: 50)")
     args = ap.parse_args()
     if args.quick:
         args.model, args.serve_flags, args.reps = "tiny", "--colocated 1 --runtime local", 1
     if args.figure_delay_ms is None:
         args.figure_delay_ms = 50.0 if args.quick else 250.0  # quick: the round trips still count, at a fifth of the wait
-    args.delays_ms = [int(float(d)) if float(d).is_integer() else float(d) for d in args.delays_ms.split(",") if d]
+    try:
+        delays = [non_negative_float(d) for d in args.delays_ms.split(",") if d]
+    except argparse.ArgumentTypeError as exc:
+        ap.error(f"--delays-ms: each delay {exc}")
+    args.delays_ms = [int(d) if d.is_integer() else d for d in delays]
     args.apps = {a for a in args.apps.split(",") if a}
-    if args.reps < 1 or any(d < 0 for d in args.delays_ms) or args.figure_delay_ms < 0:
-        ap.error("--reps must be >= 1 and delays >= 0")
     known = {f.app for f in FIGURES} if args.figures else {a.name for a in make_apps(args.quick, 0)}
     if args.apps - known:
         ap.error(f"--apps: unknown {sorted(args.apps - known)}; known{' with --figures' if args.figures else ''}: {sorted(known)}")

@@ -44,6 +44,7 @@ from typing import Any
 import torch
 
 import harness
+from distserve.cli.arg_types import positive_int
 from distserve.config import SamplingParams
 from distserve.engine.model import TORCH_DTYPES
 from distserve.engine.model_runner import ModelRunner
@@ -229,12 +230,12 @@ def ints(text: str) -> list[int]:
 
 def main() -> None:
     ap = harness.parser(__doc__, "batch 4 at contexts 16-256, tiny cascade grid and rule sweep, tiny model steps, 3 repeats")
-    ap.add_argument("--batch", type=int, default=16)
-    ap.add_argument("--min-ctx", type=int, default=128)
-    ap.add_argument("--max-ctx", type=int, default=4096)
+    ap.add_argument("--batch", type=positive_int, default=16)
+    ap.add_argument("--min-ctx", type=positive_int, default=128)
+    ap.add_argument("--max-ctx", type=positive_int, default=4096)
     ap.add_argument("--spread", choices=("even", "random"), default="even", help="contexts evenly spaced or seeded uniform")
     ap.add_argument("--dtypes", default="bfloat16,float32", help="KV cache dtypes of the kernel benchmarks (the first is the headline)")
-    ap.add_argument("--repeats", type=int, default=15)
+    ap.add_argument("--repeats", type=positive_int, default=15)
     ap.add_argument("--requests", default="8,16,32,64", help="cascade grid: requests sharing a prefix")
     ap.add_argument("--prefixes", default="512,1024,4096", help="cascade grid: shared prefix tokens")
     ap.add_argument("--suffix", default="64,192", help="own suffix tokens of each request: uniform in [lo, hi]")
@@ -243,13 +244,13 @@ def main() -> None:
     ap.add_argument("--headline", default="32:4096", help="requests:prefix of the headline cascade figure")
     ap.add_argument("--rule-members", default="2,3,4,6,8,12,16", help="rule sweep: requests of the one group")
     ap.add_argument("--rule-prefixes", default="64,128,256,512,1024,2048", help="rule sweep: shared tokens")
-    ap.add_argument("--rule-repeats", type=int, default=25)
+    ap.add_argument("--rule-repeats", type=positive_int, default=25)
     ap.add_argument("--model", default="smollm2-135m", help="model of the whole-step benchmark")
     ap.add_argument("--model-dtype", default="bfloat16")
     ap.add_argument("--step-contexts", default="300,1000", help="mean contexts of the padded/exact whole-step benchmark ('' skips it)")
     ap.add_argument("--step-cascade", default="32:2048", help="requests:prefix of the exact/cascade whole-step benchmark ('' skips it)")
-    ap.add_argument("--step-repeats", type=int, default=7)
-    ap.add_argument("--threads", type=int, default=torch.get_num_threads())
+    ap.add_argument("--step-repeats", type=positive_int, default=7)
+    ap.add_argument("--threads", type=positive_int, default=torch.get_num_threads())
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
     if args.quick:
@@ -257,6 +258,8 @@ def main() -> None:
         args.requests, args.prefixes, args.suffix, args.trees, args.headline = "2,4", "32,64", "8,24", "4:16:2:32", "4:64"
         args.rule_members, args.rule_prefixes, args.rule_repeats = "2,4", "16,64", 3
         args.model, args.model_dtype, args.step_contexts, args.step_cascade, args.step_repeats = "tiny", "float32", "40,120", "8:960", 3
+    if args.max_ctx < args.min_ctx:
+        ap.error(f"--max-ctx must be >= --min-ctx, got {args.max_ctx} < {args.min_ctx}")
     torch.set_num_threads(args.threads)
     rng = random.Random(args.seed)
     spread = spread_contexts(args.batch, args.min_ctx, args.max_ctx, args.spread, rng)

@@ -16,6 +16,7 @@ import time
 from typing import Any
 
 import harness
+from distserve.cli.arg_types import positive_int
 
 from distserve.engine.detokenizer import DecodeStreamDetokenizer, Detokenizer, WindowDetokenizer
 from distserve.engine.tokenizer import Tokenizer
@@ -44,8 +45,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--out-dir", default=None)
-    ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--copies", type=int, default=40, help="copies of the sample text in the output")
+    ap.add_argument("--repeats", type=positive_int, default=5)
+    ap.add_argument("--copies", type=positive_int, default=40, help="copies of the sample text in the output")
     args = ap.parse_args()
     if args.quick:
         args.repeats, args.copies = 2, 4

@@ -14,6 +14,7 @@ import time
 import torch
 
 import harness
+from distserve.cli.arg_types import positive_int
 from distserve.config import CacheConfig, SamplingParams
 from distserve.engine.llm_engine import LLMEngine
 from distserve.engine.model import cpu_has_fast_bf16
@@ -106,9 +107,9 @@ def bench_hf(model: str, dtype: str, prompts: list[str], max_tokens: int) -> dic
 def main() -> None:
     ap = harness.parser(__doc__, "tiny model, 4 prompts x 8 tokens")
     ap.add_argument("--model", default="smollm2-135m")
-    ap.add_argument("--num-prompts", type=int, default=16)
-    ap.add_argument("--max-tokens", type=int, default=64)
-    ap.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch threads, both sides")
+    ap.add_argument("--num-prompts", type=positive_int, default=16)
+    ap.add_argument("--max-tokens", type=positive_int, default=64)
+    ap.add_argument("--threads", type=positive_int, default=torch.get_num_threads(), help="torch threads, both sides")
     ap.add_argument("--dtypes", default="float32,bfloat16")
     args = ap.parse_args()
     if args.quick:

@@ -43,6 +43,7 @@ from typing import Any
 import numpy as np
 
 import harness
+from distserve.cli.arg_types import positive_float, positive_int
 from distserve.measure.benchserve import ServerProcess, distserve_serve_argv, wait_until_idle
 from distserve.measure.loadgen import run_load_async
 from distserve.measure.stream_client import RequestResult, calibrate_tokens_per_word
@@ -75,12 +76,12 @@ def parse_args() -> Any:
     p.add_argument("--runtime", default="local", choices=["local", "ray"], help="`distserve serve --runtime`")
     p.add_argument("--serve-flag", action="append", default=[],
                    help="extra `distserve serve` flag (repeatable, FLAG=VALUE form), e.g. --prefill-chunk=128 (the simulator's prediction follows it)")
-    p.add_argument("--duration", type=float, default=120.0, help="seconds each scenario sends for")
-    p.add_argument("--light-rate", type=float, default=0.1, help="requests/s of each light tenant (and of the interactive one)")
-    p.add_argument("--flood-factor", type=float, default=10.0, help="the flooding (and batch) tenant's rate over a light tenant's")
-    p.add_argument("--light-input", type=int, default=64, help="prompt tokens of a light (chat) request")
-    p.add_argument("--flood-input", type=int, default=512, help="prompt tokens of a flood (and batch) request")
-    p.add_argument("--output-len", type=int, default=32)
+    p.add_argument("--duration", type=positive_float, default=120.0, help="seconds each scenario sends for")
+    p.add_argument("--light-rate", type=positive_float, default=0.1, help="requests/s of each light tenant (and of the interactive one)")
+    p.add_argument("--flood-factor", type=positive_float, default=10.0, help="the flooding (and batch) tenant's rate over a light tenant's")
+    p.add_argument("--light-input", type=positive_int, default=64, help="prompt tokens of a light (chat) request")
+    p.add_argument("--flood-input", type=positive_int, default=512, help="prompt tokens of a flood (and batch) request")
+    p.add_argument("--output-len", type=positive_int, default=32)
     p.add_argument("--profile", default=str(DEFAULT_PROFILE), help="latency profile for the simulator's prediction ('' : none)")
     p.add_argument("--tag", default="", help="suffix of the result files' names (bench_fairness_TAG.*)")
     p.add_argument("--predict-from", default="",

@@ -25,6 +25,7 @@ from typing import Any
 import harness
 import httpx
 
+from distserve.cli.arg_types import positive_float, positive_int
 from distserve.measure.benchserve import ServerProcess, distserve_serve_argv
 
 MODES = ("fresh", "keep-alive")
@@ -66,9 +67,9 @@ def main() -> None:
     ap.add_argument("--url", default=None, help="an OpenAI-compatible server to measure (default: start `distserve serve`)")
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--dtype", type=harness.model_dtype, default="auto")
-    ap.add_argument("--requests", type=int, default=30, help="requests of each kind per mode")
-    ap.add_argument("--max-tokens", type=int, default=32)
-    ap.add_argument("--startup-timeout", type=float, default=600.0)
+    ap.add_argument("--requests", type=positive_int, default=30, help="requests of each kind per mode")
+    ap.add_argument("--max-tokens", type=positive_int, default=32)
+    ap.add_argument("--startup-timeout", type=positive_float, default=600.0)
     args = ap.parse_args()
     if args.quick:
         args.model, args.requests, args.max_tokens = "tiny", 4, 8

@@ -27,6 +27,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import harness
+from distserve.cli.arg_types import non_negative_float, positive_int
 from distserve.kvtransfer import KVLayout, StagingBuffers, TorchDistTransport, init_process_group, recv_kv, send_kv
 from distserve.kvtransfer.migration import DEFAULT_CHUNK_BYTES, messages
 from distserve.kvtransfer.plan import reshard_plan
@@ -208,14 +209,14 @@ def main() -> None:
     ap = harness.parser(__doc__, "lengths 256 and 1024, tiny model, 3 repeats")
     ap.add_argument("--lengths", default="1024,2048,4096,8192,16384", help="request lengths in tokens")
     ap.add_argument("--cases", default=",".join(CASES), help=f"comma-separated subset of {', '.join(CASES)}")
-    ap.add_argument("--repeats", type=int, default=7)
-    ap.add_argument("--threads", type=int, default=1, help="torch threads per transfer process")
-    ap.add_argument("--chunk-mb", type=float, default=DEFAULT_CHUNK_BYTES / (1 << 20),
+    ap.add_argument("--repeats", type=positive_int, default=7)
+    ap.add_argument("--threads", type=positive_int, default=1, help="torch threads per transfer process")
+    ap.add_argument("--chunk-mb", type=non_negative_float, default=DEFAULT_CHUNK_BYTES / (1 << 20),
                     help="layer-piece size for big slices in MiB (0: one message per slice)")
     ap.add_argument("--model", default="smollm2-135m", help="engine for the decode-step timing")
-    ap.add_argument("--decode-batch", type=int, default=16)
-    ap.add_argument("--decode-prompt-len", type=int, default=256)
-    ap.add_argument("--decode-steps", type=int, default=10)
+    ap.add_argument("--decode-batch", type=positive_int, default=16)
+    ap.add_argument("--decode-prompt-len", type=positive_int, default=256)
+    ap.add_argument("--decode-steps", type=positive_int, default=10)
     args = ap.parse_args()
     if args.quick:
         args.lengths, args.repeats, args.model, args.decode_prompt_len, args.decode_steps = "256,1024", 3, "tiny", 64, 5

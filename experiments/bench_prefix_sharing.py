@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 import harness
+from distserve.cli.arg_types import non_negative_int, positive_int
 from distserve.config import CacheConfig, SamplingParams, SchedulerConfig
 from distserve.engine.llm_engine import LLMEngine
 from distserve.engine.weights import LoadedModel, load_model
@@ -81,13 +82,13 @@ def run_once(engine: LLMEngine | LocalDisaggEngine, prompts: list[list[int]], sp
 def main() -> None:
     ap = harness.parser(__doc__, "tiny model, 8 siblings x (64 shared + 8 own) tokens, one repeat")
     ap.add_argument("--model", default="smollm2-135m")
-    ap.add_argument("--num-siblings", type=int, default=16)
-    ap.add_argument("--prefix-len", type=int, default=512)
-    ap.add_argument("--suffix-len", type=int, default=32)
-    ap.add_argument("--max-tokens", type=int, default=8)
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--num-siblings", type=positive_int, default=16)
+    ap.add_argument("--prefix-len", type=positive_int, default=512)
+    ap.add_argument("--suffix-len", type=non_negative_int, default=32)
+    ap.add_argument("--max-tokens", type=positive_int, default=8)
+    ap.add_argument("--repeats", type=positive_int, default=3)
     ap.add_argument("--budgets", default="2048,8192", help="step token budgets (max_num_batched_tokens), comma-separated")
-    ap.add_argument("--threads", type=int, default=torch.get_num_threads())
+    ap.add_argument("--threads", type=positive_int, default=torch.get_num_threads())
     harness.add_quiet_args(ap, max_wait_s=600.0, retries=2)
     args = ap.parse_args()
     if args.quick:

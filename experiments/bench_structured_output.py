@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 import harness
+from distserve.cli.arg_types import positive_int
 from distserve.config import CacheConfig, SamplingParams, SchedulerConfig, StructuredOutput
 from distserve.engine.grammar_backends import DEFAULT_STRUCTURED_OUTPUT_BACKEND, STRUCTURED_OUTPUT_BACKENDS
 from distserve.engine.llm_engine import LLMEngine
@@ -164,12 +165,12 @@ def validity(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> tu
 def main() -> None:
     ap = harness.parser(__doc__, "tiny tokenizer and model, small cases, 2 repeats")
     ap.add_argument("--model", default="smollm2-135m")
-    ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--num-prompts", type=int, default=8)
-    ap.add_argument("--max-tokens", type=int, default=64, help="tokens per request in the throughput runs")
-    ap.add_argument("--valid-max-tokens", type=int, default=96, help="token limit of the validity run (the answers end before it)")
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--threads", type=int, default=torch.get_num_threads())
+    ap.add_argument("--repeats", type=positive_int, default=5)
+    ap.add_argument("--num-prompts", type=positive_int, default=8)
+    ap.add_argument("--max-tokens", type=positive_int, default=64, help="tokens per request in the throughput runs")
+    ap.add_argument("--valid-max-tokens", type=positive_int, default=96, help="token limit of the validity run (the answers end before it)")
+    ap.add_argument("--rounds", type=positive_int, default=3)
+    ap.add_argument("--threads", type=positive_int, default=torch.get_num_threads())
     args = ap.parse_args()
     if args.quick:
         args.model, args.repeats, args.num_prompts, args.max_tokens, args.rounds = "tiny", 2, 2, 16, 1

@@ -57,6 +57,7 @@ import aiohttp
 import httpx
 from chaos_rows import DROP_EVERY, dropped_sends, kv_exhaustion, overload, planned_goodput, shutdown, slo_flags, soak, storm
 
+from distserve.cli.arg_types import fraction, non_negative_int, positive_float, positive_int
 from distserve.cli.args import latency_type
 from distserve.measure.benchserve import ServerProcess, distserve_serve_argv, metric_sums, session_pids
 
@@ -70,36 +71,36 @@ def parse_args() -> argparse.Namespace:
     ap = harness.parser(__doc__, "tiny model, 24 in flight, two faults (decode worker, controller), seconds of overload and soak")
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--dtype", type=harness.model_dtype, default="float32")
-    ap.add_argument("--in-flight", type=int, default=200, help="requests per wave, all sent at once")
-    ap.add_argument("--max-tokens", type=int, default=16, help="output tokens per request (exact)")
-    ap.add_argument("--cache-tokens", type=int, default=4096, help="KV cache per instance, in tokens")
-    ap.add_argument("--kv-transfer-timeout", type=float, default=3.0)
+    ap.add_argument("--in-flight", type=positive_int, default=200, help="requests per wave, all sent at once")
+    ap.add_argument("--max-tokens", type=positive_int, default=16, help="output tokens per request (exact)")
+    ap.add_argument("--cache-tokens", type=positive_int, default=4096, help="KV cache per instance, in tokens")
+    ap.add_argument("--kv-transfer-timeout", type=positive_float, default=3.0)
     ap.add_argument("--faults", default=None, help=f"comma-separated, of {','.join(FAULTS)} (default: all; --quick: decode-worker,controller)")
-    ap.add_argument("--storm", type=int, default=500, help="clients in the disconnect storm")
-    ap.add_argument("--goodput-probes", type=int, default=5, help="Poisson probes that search the planned goodput")
-    ap.add_argument("--goodput-confirmations", type=int, default=None,
+    ap.add_argument("--storm", type=positive_int, default=500, help="clients in the disconnect storm")
+    ap.add_argument("--goodput-probes", type=positive_int, default=5, help="Poisson probes that search the planned goodput")
+    ap.add_argument("--goodput-confirmations", type=non_negative_int, default=None,
                     help="repeats in the goodput search (default: --goodput-probes, every pass repeated): a probe that passes is "
                     "repeated at once, and its rate counts as passed only if the repeat passes too (0: no repeat, the planned "
                     "goodput may be a probe that passed by luck)")
-    ap.add_argument("--goodput-probe-s", type=float, default=None,
+    ap.add_argument("--goodput-probe-s", type=positive_float, default=None,
                     help="seconds of arrivals per goodput probe (default: --overload-s, so the planned goodput is a rate the server "
                     "held for as long as the burst lasts: a shorter probe passes rates above what it can sustain, as the backlog "
                     "it builds stays within a loose TTFT SLO until the probe ends)")
-    ap.add_argument("--planned-goodput", type=float, default=None,
+    ap.add_argument("--planned-goodput", type=positive_float, default=None,
                     help="req/s: use this planned goodput (e.g. an earlier run's) instead of searching for it")
     ap.add_argument("--ttft-slo", type=latency_type("--ttft-slo"), default=None, metavar="LATENCY",
                     help="with --tpot-slo: use this SLO (e.g. an earlier run's) instead of twice the fault-free wave's p90 TTFT and TPOT")
     ap.add_argument("--tpot-slo", type=latency_type("--tpot-slo"), default=None, metavar="LATENCY", help="see --ttft-slo")
-    ap.add_argument("--tpot-share", type=float, default=0.75,
+    ap.add_argument("--tpot-share", type=fraction, default=0.75,
                     help="the overload row's server holds decoding to this share of the TPOT SLO (--tpot-slo with "
                     "--tpot-backpressure: the decode headroom); the rest of the SLO is slack for the steps of requests already admitted")
-    ap.add_argument("--queue-share", type=float, default=0.75,
+    ap.add_argument("--queue-share", type=fraction, default=0.75,
                     help="the overload row's server refuses a request predicted to wait more than this share of the TTFT SLO "
                     "(--max-queue-delay); the rest of the SLO is for the prefill, its wait on the instance and the KV migration")
-    ap.add_argument("--overload-s", type=float, default=120.0)
-    ap.add_argument("--soak-s", type=float, default=1200.0)
-    ap.add_argument("--deadline", type=float, default=600.0, help="seconds after which a request counts as hung")
-    ap.add_argument("--startup-timeout", type=float, default=600.0)
+    ap.add_argument("--overload-s", type=positive_float, default=120.0)
+    ap.add_argument("--soak-s", type=positive_float, default=1200.0)
+    ap.add_argument("--deadline", type=positive_float, default=600.0, help="seconds after which a request counts as hung")
+    ap.add_argument("--startup-timeout", type=positive_float, default=600.0)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--rows", default=",".join(ROWS), help=f"comma-separated, of {','.join(ROWS)} (default: all; fault-free always runs: "
                     "it measures the planned goodput and the SLO)")
@@ -115,13 +116,7 @@ def parse_args() -> argparse.Namespace:
         args.goodput_probe_s = args.overload_s
     if args.goodput_confirmations is None:
         args.goodput_confirmations = args.goodput_probes
-    if args.goodput_probes < 1 or args.goodput_probe_s <= 0 or args.goodput_confirmations < 0:
-        ap.error("--goodput-probes must be >= 1, --goodput-probe-s > 0 and --goodput-confirmations >= 0")
-    if args.planned_goodput is not None and not args.planned_goodput > 0:
-        ap.error(f"--planned-goodput must be > 0 req/s, got {args.planned_goodput}")
-    if not 0 < args.tpot_share <= 1:
-        ap.error(f"--tpot-share must be in (0, 1], got {args.tpot_share}")
-    if not 0 < args.queue_share < 1:
+    if args.queue_share == 1:  # in (0, 1] by its type
         ap.error(f"--queue-share must be in (0, 1), got {args.queue_share}")
     if (args.ttft_slo is None) != (args.tpot_slo is None):
         ap.error("--ttft-slo and --tpot-slo go together (the SLO of an earlier run), or neither (the fault-free wave sets it)")

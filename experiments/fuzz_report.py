@@ -21,6 +21,7 @@ from typing import Any
 import httpx
 
 import harness
+from distserve.cli.arg_types import positive_float, positive_int
 from fuzzing import FAMILIES, fuzz_server
 from harness import Outputs
 from hostile_probes import probes_json, run_probes
@@ -81,8 +82,8 @@ def markdown(report: dict[str, Any]) -> list[str]:
 def main() -> None:
     p = harness.parser(__doc__, "20 requests per family and the probes (about a minute)")
     p.add_argument("--runtime", choices=["local", "ray"], default="local")
-    p.add_argument("--per-family", type=int, default=None, help="generated requests per route family (default 2000; --quick 25)")
-    p.add_argument("--deadline", type=float, default=30.0, help="seconds a request may take before it counts as a hang")
+    p.add_argument("--per-family", type=positive_int, default=None, help="generated requests per route family (default 2000; --quick 25)")
+    p.add_argument("--deadline", type=positive_float, default=30.0, help="seconds a request may take before it counts as a hang")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()
     per_family = args.per_family or (20 if args.quick else 2000)

@@ -265,12 +265,14 @@ def watched(fn: Callable[[], T]) -> tuple[T, float]:
 
 
 def add_quiet_args(p: argparse.ArgumentParser, max_wait_s: float, retries: int) -> None:
-    """``QuietGuard``'s options: --max-wait-s, --max-other-cores, --retries."""
-    p.add_argument("--max-wait-s", type=float, default=max_wait_s, help="longest wait for a quiet machine before a measurement")
-    p.add_argument("--max-other-cores", type=float, default=0.25,
+    """``QuietGuard``'s options: --max-wait-s (0: no wait), --max-other-cores (> 0), --retries (0: measured once)."""
+    from distserve.cli.arg_types import non_negative_float, non_negative_int, positive_float
+
+    p.add_argument("--max-wait-s", type=non_negative_float, default=max_wait_s, help="longest wait for a quiet machine before a measurement")
+    p.add_argument("--max-other-cores", type=positive_float, default=0.25,
                    help="CPU the rest of the machine (hypervisor steal included) may use during a measurement (cores, mean) "
                         "before it is redone")
-    p.add_argument("--retries", type=int, default=retries, help="times a measurement is redone when others used the CPU meanwhile")
+    p.add_argument("--retries", type=non_negative_int, default=retries, help="times a measurement is redone when others used the CPU meanwhile")
 
 
 @dataclass(frozen=True)

@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 import harness
+from distserve.cli.arg_types import positive_int
 from distserve.config import SamplingParams
 from distserve.engine.model_runner import ModelRunner
 from distserve.engine.step_plan import ScheduledChunk, StepPlan
@@ -88,9 +89,9 @@ def main() -> None:
     ap.add_argument("--profile", default=str(PROFILE), help="the fitted latency profile to validate")
     ap.add_argument("--requests", default="8,16,32", help="N: requests sharing the prefix")
     ap.add_argument("--prefixes", default="512,2048", help="P: shared prefix tokens")
-    ap.add_argument("--suffix", type=int, default=64, help="each request's own tokens after the prefix")
-    ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: the profile's meta.threads)")
+    ap.add_argument("--suffix", type=positive_int, default=64, help="each request's own tokens after the prefix")
+    ap.add_argument("--repeats", type=positive_int, default=5)
+    ap.add_argument("--threads", type=positive_int, default=None, help="torch threads (default: the profile's meta.threads)")
     ap.add_argument("--dtype", default=None, help="model dtype (default: the profile's meta.dtype)")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()

@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 
+from distserve.cli.arg_types import at_least_one, non_negative_float
 from distserve.config import SamplingParams
 from harness import QuietGuard
 from simulator.calibration import Calibration, StepTrace, calibrate
@@ -37,9 +38,9 @@ def add_profile_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto")
     p.add_argument("--profile", default=None, help="reuse a profile JSON from `distserve profile` (default: measure now)")
     p.add_argument("--profile-grid", default="full", choices=["quick", "full"])
-    p.add_argument("--step-overhead-ms", type=float, default=None,
+    p.add_argument("--step-overhead-ms", type=non_negative_float, default=None,
                    help="runtime cost per step for the simulator (default: calibrated with one solo request)")
-    p.add_argument("--concurrent-slowdown", type=float, default=None,
+    p.add_argument("--concurrent-slowdown", type=at_least_one, default=None,
                    help="step-time factor while both workers compute (default: the profile's measurement; 1 if absent)")
 
 

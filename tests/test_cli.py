@@ -58,11 +58,13 @@ def test_numeric_flag_types_refuse_what_they_do_not_take() -> None:
     message argparse prefixes with the flag (NaN and infinities included)."""
     import argparse
 
-    from distserve.cli.arg_types import fraction, non_negative_float, positive_float, positive_int
+    from distserve.cli.arg_types import at_least_one, fraction, non_negative_float, non_negative_int, positive_float, positive_int
 
     cases = [(positive_int, ["1", "64"], ["0", "-3", "1.5", "x"]),
+             (non_negative_int, ["0", "3"], ["-1", "0.5", "x"]),
              (positive_float, ["0.5", "3", "1e-3"], ["0", "-1", "nan", "inf", "-inf", "x"]),
              (non_negative_float, ["0", "2.5"], ["-0.1", "nan", "inf", "x"]),
+             (at_least_one, ["1", "2.5"], ["0.99", "0", "nan", "inf", "x"]),
              (fraction, ["0.9", "1"], ["0", "1.01", "nan", "x"])]
     for kind, good, bad in cases:
         for text in good:

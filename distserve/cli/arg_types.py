@@ -19,6 +19,17 @@ def positive_int(text: str) -> int:
     return value
 
 
+def non_negative_int(text: str) -> int:
+    """An integer >= 0."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
 def _number(text: str) -> float:
     try:
         return float(text)
@@ -42,6 +53,14 @@ def non_negative_float(text: str) -> float:
     return value
 
 
+def at_least_one(text: str) -> float:
+    """A finite number >= 1 (a factor such as a slowdown)."""
+    value = _number(text)
+    if not (value >= 1 and math.isfinite(value)):
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 1, got {text}")
+    return value
+
+
 def fraction(text: str) -> float:
     """A number in (0, 1]."""
     value = positive_float(text)
@@ -50,4 +69,4 @@ def fraction(text: str) -> float:
     return value
 
 
-__all__ = ["fraction", "non_negative_float", "positive_float", "positive_int"]
+__all__ = ["at_least_one", "fraction", "non_negative_float", "non_negative_int", "positive_float", "positive_int"]

@@ -8,6 +8,7 @@ import argparse
 import ast
 import importlib.util
 import json
+import re
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -252,6 +253,34 @@ def test_every_script_has_a_quick_run_test() -> None:
     assert OWN_TEST <= {p.stem for p in SCRIPTS} and "test_validate_cascade_latency_quick" in globals()
     assert "test_validations_quick_share_one_profile" in globals()
     assert (ROOT / "tests" / "experiments" / "test_distserve_table.py").exists()  # its quick run, JSON last line included
+
+
+# A bad number per kind of check: the flag's type (``distserve.cli.arg_types``, also in ``harness.add_quiet_args``
+# and ``validation.add_profile_args``) or the script's own check of flags that must relate.
+BAD_NUMBERS = [
+    ("bench_engine", ["--num-prompts", "-5"], r"argument --num-prompts: must be >= 1"),
+    ("bench_detokenizer", ["--repeats", "0"], r"argument --repeats: must be >= 1"),
+    ("bench_fairness", ["--duration", "nan"], r"argument --duration: must be a finite number > 0"),
+    ("bench_kv_migration", ["--chunk-mb", "-1"], r"argument --chunk-mb: must be a finite number >= 0"),
+    ("bench_prefix_sharing", ["--retries", "-1"], r"argument --retries: must be >= 0"),
+    ("bench_row_padding", ["--num-requests", "1"], r"--num-requests must be >= 2"),
+    ("bench_attention", ["--min-ctx", "500", "--max-ctx", "100"], r"--max-ctx must be >= --min-ctx"),
+    ("bench_apps", ["--delays-ms", "0,-5"], r"--delays-ms: each delay must be a finite number >= 0"),
+    ("chaos", ["--tpot-share", "1.5"], r"argument --tpot-share: must be in \(0, 1\]"),
+    ("chaos", ["--queue-share", "1"], r"--queue-share must be in \(0, 1\)"),
+    ("fuzz_report", ["--per-family", "0"], r"argument --per-family: must be >= 1"),
+    ("validate_simulator", ["--concurrent-slowdown", "0.5"], r"argument --concurrent-slowdown: must be a finite number >= 1"),
+]
+
+
+@pytest.mark.parametrize(("script", "argv", "message"), BAD_NUMBERS, ids=[f"{s}{a[-2]}" for s, a, _ in BAD_NUMBERS])
+def test_bad_numbers_exit_2_naming_the_flag(script: str, argv: list[str], message: str, tmp_path: Path) -> None:
+    """A bad number is refused before anything runs: exit 2, argparse's message naming the flag, nothing written."""
+    proc = run_script([sys.executable, str(ROOT / "experiments" / f"{script}.py"), "--out-dir", str(tmp_path / "out"), *argv],
+                      cwd=ROOT, timeout=60)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert re.search(f"{script}.py: error: {message}", proc.stderr), proc.stderr[-2000:]
+    assert not (tmp_path / "out").exists()
 
 
 @pytest.mark.parametrize("script", GENERIC, ids=[s.stem for s in GENERIC])
