@@ -95,6 +95,7 @@ class Row:
     plan_nodes: int  # nodes of 8 A100-80G the planner searches
     layout_in_repo: bool  # whether the launch script's layout is DistServe's layout for this application
     eval_prompts_per_gpu: int  # prompts per GPU of each measured rate in DistServe's figures (``EVAL_PLOT_SCRIPT``)
+    eval_scale_rate: float  # the per-GPU rate of its SLO-scale figure (``EVAL_PLOT_SCRIPT``)
 
     @property
     def vllm_tp(self) -> int:
@@ -108,11 +109,12 @@ class Row:
 CHATBOT = (2.0, 4.6)
 # DistServe's figures 8 and 9 (``EVAL_PLOT_SCRIPT``): each point is one run of ``per_gpu_num_prompt x GPUs`` prompts
 # (100 per GPU for OPT-13B chatbot, 50 for code completion, 25 for the others), and a request counts towards the
-# attainment only if it meets both SLOs (``MODE``); the goodput is where that share crosses 90%.
+# attainment only if it meets both SLOs (``MODE``); the goodput is where that share crosses 90%. Its SLO-scale
+# figures are one such run each, at one per-GPU rate (``Row.eval_scale_rate``).
 ROWS = [
-    Row("opt-13b-chatbot", "facebook/opt-13b", "sharegpt-multiturn", "chatbot", 0.25, 0.1, CHATBOT, 1, True, 100),
-    Row("opt-66b-chatbot", "facebook/opt-66b", "sharegpt-multiturn", "chatbot", 2.5, 0.15, CHATBOT, 1, True, 25),
-    Row("opt-175b-chatbot", "facebook/opt-175b", "sharegpt-multiturn", "chatbot", 4.0, 0.2, CHATBOT, 2, True, 25),
-    Row("opt-66b-code", "facebook/opt-66b", "humaneval", "code completion", 0.125, 0.2, (5.7, 5.7), 1, False, 50),
-    Row("opt-66b-summarisation", "facebook/opt-66b", "longbench", "summarisation", 15.0, 0.15, (4.3, 4.3), 1, False, 25),
+    Row("opt-13b-chatbot", "facebook/opt-13b", "sharegpt-multiturn", "chatbot", 0.25, 0.1, CHATBOT, 1, True, 100, 1.5),
+    Row("opt-66b-chatbot", "facebook/opt-66b", "sharegpt-multiturn", "chatbot", 2.5, 0.15, CHATBOT, 1, True, 25, 0.25),
+    Row("opt-175b-chatbot", "facebook/opt-175b", "sharegpt-multiturn", "chatbot", 4.0, 0.2, CHATBOT, 2, True, 25, 0.125),
+    Row("opt-66b-code", "facebook/opt-66b", "humaneval", "code completion", 0.125, 0.2, (5.7, 5.7), 1, False, 50, 0.875),
+    Row("opt-66b-summarisation", "facebook/opt-66b", "longbench", "summarisation", 15.0, 0.15, (4.3, 4.3), 1, False, 25, 0.375),
 ]

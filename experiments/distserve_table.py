@@ -41,6 +41,7 @@ line is one JSON object of figures. ``--quick``: two rows, 8 requests per GPU, t
 from __future__ import annotations
 
 import argparse
+import statistics
 import time
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, replace
@@ -225,6 +226,19 @@ def applies(a: Ablation, row: Row) -> bool:
 
 
 RUN_SEP = "#"  # "<ablation>#<seed>": one of a short-runs ablation's runs
+EVAL_SCALE_ABLATION = "aligned+short-runs"  # whose runs measure the SLO scale at DistServe's figures' rate (``eval_slo_scale``)
+
+
+def eval_slo_scale(row: Row, found: dict[tuple[str, str, str], dict[str, Any]]) -> dict[str, Any] | None:
+    """The SLO scale each system needs at DistServe's SLO-scale figure's per-GPU rate (``row.eval_scale_rate``), over the
+    ``EVAL_SCALE_ABLATION`` runs: each run's tightest scale of both SLOs still meeting the attainment, their median, and
+    vllm-2023's median over DistServe's layout's (how much tighter DistServe's layout goes). None without those runs."""
+    per = {s: [v["min_scale"][MODE] for k, v in sorted(found.items()) if k[0] == row.key and k[2] == s] for s in ("distserve", "vllm-2023")}
+    if not all(per.values()):
+        return None
+    med = {s: statistics.median(v) for s, v in per.items()}
+    return {"per_gpu": row.eval_scale_rate, "prompts_per_gpu": row.eval_prompts_per_gpu, "runs": per,
+            "median": med, "ratio": ratio(med["vllm-2023"], med["distserve"])}
 
 
 def runs_of(a: Ablation, row: Row, common: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
@@ -378,6 +392,11 @@ def main() -> None:
                 scale_jobs[(r.key, s)] = replace(jobs[(r.key, "baseline", s)], scale_rate=rate)
     scale_keys = sorted(scale_jobs, key=lambda k: -Placement.from_dict(scale_jobs[k].placement).num_workers)
     scaled = dict(zip(scale_keys, run_jobs(measure, [scale_jobs[k] for k in scale_keys], args.jobs)))
+    # SLO scale as DistServe's figures measured it: at their per-GPU rate and run length, both engines aligned (the
+    # aligned+short-runs ablation's runs, when it is run).
+    eval_jobs = {k: replace(j, scale_rate=next(r for r in rows if r.key == k[0]).eval_scale_rate, scales=(1.0,))
+                 for k, j in jobs.items() if k[1].split(RUN_SEP)[0] == EVAL_SCALE_ABLATION}
+    eval_scaled = dict(zip(eval_jobs, run_jobs(measure, list(eval_jobs.values()), args.jobs)))
 
     out_rows: list[dict[str, Any]] = []
     for r in rows:
@@ -407,6 +426,7 @@ def main() -> None:
             "ablations": ab, "scale_rate": scale_jobs[(r.key, "distserve")].scale_rate,
             "slo_scale": {s: scaled[(r.key, s)] for s in systems if (r.key, s) in scaled}, "min_slo_scale": min_scale,
             "slo_scale_ratio": ratio(min_scale.get("vllm-2023"), min_scale.get("distserve")),
+            "eval_slo_scale": eval_slo_scale(r, eval_scaled),
             "prefill_pipelining": pipelining[r.key],
             "vllm_overhead_needed_ms": None if needed.get(r.key) is None else round(needed[r.key] * 1e3, 1),
             "vllm_overhead_needed_searched": r.key in needed,
@@ -424,7 +444,8 @@ def main() -> None:
                             "same_direction": r["same_direction"], "per_gpu": r["per_gpu"],
                             "planner_disagg": r["plan"]["disagg"] and r["plan"]["disagg"]["layout"],
                             "planner_colocated": r["plan"]["colocated"] and r["plan"]["colocated"]["layout"],
-                            "slo_scale_ratio": r["slo_scale_ratio"], "prefill_pipelining": r["prefill_pipelining"],
+                            "slo_scale_ratio": r["slo_scale_ratio"],
+                            "eval_slo_scale_ratio": r["eval_slo_scale"] and r["eval_slo_scale"]["ratio"], "prefill_pipelining": r["prefill_pipelining"],
                             "vllm_overhead_needed_ms": r["vllm_overhead_needed_ms"],
                             "ablation_ratios": {a: x["ratio"] for a, x in r["ablations"].items()},
                             "reproduced_by": [a for a, x in r["ablations"].items() if within(x["ratio"], tuple(r["published"]))]}  # type: ignore[arg-type]

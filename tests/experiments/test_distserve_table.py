@@ -119,3 +119,16 @@ def test_short_runs_are_distserve_run_lengths() -> None:
         assert a.changes_distserve  # DistServe's layout is re-measured on the short runs too
     assert table.runs_of(table.ABLATIONS[0], row, common) == [("baseline", common)]
     assert table.mean_or_none([1.0, 3.0]) == 2.0 and table.mean_or_none([1.0, None]) is None
+
+
+def test_eval_slo_scale_is_the_median_over_runs() -> None:
+    """SLO scale at DistServe's figure's rate: each system's median over the aligned+short-runs runs, vllm ÷ DistServe."""
+    row = next(r for r in setting.ROWS if r.key == "opt-66b-summarisation")
+    found = {(row.key, f"{table.EVAL_SCALE_ABLATION}{table.RUN_SEP}{i}", s): {"min_scale": {setting.MODE: x}}
+             for i, (d, v) in enumerate([(0.6, 2.0), (0.7, 9.0), (0.8, 4.0)]) for s, x in (("distserve", d), ("vllm-2023", v))}
+    e = table.eval_slo_scale(row, found)
+    assert e is not None and e["per_gpu"] == row.eval_scale_rate and e["prompts_per_gpu"] == row.eval_prompts_per_gpu
+    assert e["median"] == {"distserve": 0.7, "vllm-2023": 4.0} and e["ratio"] == pytest.approx(4.0 / 0.7, abs=1e-3)
+    assert sorted(e["runs"]["vllm-2023"]) == [2.0, 4.0, 9.0]
+    assert table.eval_slo_scale(row, {k: v for k, v in found.items() if k[2] == "distserve"}) is None
+    assert table.EVAL_SCALE_ABLATION in {a.name for a in table.ABLATIONS}
