@@ -17,10 +17,12 @@ schedulers, goodput per GPU of
 and the ratio DistServe-layout / vllm-2023 against the published one (within +-30% and in the same
 direction, i.e. > 1). Goodput: the highest Poisson rate at which 90% of requests meet both SLOs
 (``joint``: DistServe's plotting script counts a request only if it meets both, ``distserve_setting.MODE``);
-``separate`` (90% meet the TTFT SLO and 90% the TPOT SLO) is in the JSON. Each system is measured by ``sweeper.Sweeper`` (``find_goodput``'s bisection) on the first
-``--requests-per-gpu`` x GPUs requests of one seeded stream (``distserve_setting.request_stream``).
+``separate`` (90% meet the TTFT SLO and 90% the TPOT SLO) is in the JSON. Each system is measured by
+``sweeper.Sweeper`` (``find_goodput``'s bisection) on the first ``--requests-per-gpu`` x GPUs requests of
+one seeded stream (``distserve_setting.request_stream``).
 SLO-scale curves: attainment vs SLO scale (0.25x-4x of both SLOs) at a fixed per-GPU rate (the lower
-of DistServe's and vllm-2023's goodput), DistServe's layout vs vllm-2023 vs the planner's plans.
+of DistServe's and vllm-2023's goodput), DistServe's layout vs vllm-2023 vs the planner's plans; and
+each row's SLO scale as DistServe's figure measured it (``eval_slo_scale``: its per-GPU rate and run length).
 
 Step times: DistServe's fitted A100 coefficients (``simulator/data/distserve-a100-80g-profile.json``)
 for OPT-13B and OPT-66B; the **roofline model** for OPT-175B (no published coefficients).
