@@ -50,6 +50,7 @@ import shlex
 import signal
 import sys
 import time
+from collections import Counter
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -190,6 +191,7 @@ def find_goodput(
         "num_completed": sum(r["num_completed"] for r in rows),
         "num_cancelled": sum(r["num_cancelled"] for r in rows),
         "num_errors": sum(r["num_errors"] for r in rows),
+        "error_kinds": dict(sum((Counter(r.get("error_kinds", {})) for r in rows), Counter())),
         # every completed request had exactly this many tokens when it equals the output length
         "min_mean_output_tokens": min((r["mean_output_tokens"] for r in rows if r["num_completed"]), default=None),
         "max_mean_output_tokens": max((r["mean_output_tokens"] for r in rows if r["num_completed"]), default=None),
