@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass, replace
+from typing import Any
 
 from distserve.config import SchedulerConfig
 from distserve.placement import Placement
@@ -15,6 +16,8 @@ from simulator.simulation import SimConfig
 from sweep_systems import latency_model, with_overrides
 
 UNLIMITED_KV_BLOCKS = 1 << 24  # blocks of 16 tokens per instance: no workload here comes near
+SHORT_RUN_SEEDS = 10  # seeded runs a ``short_runs`` ablation averages (one of DistServe's short runs is noisy)
+RUN_SEP = "#"  # "<ablation>#<seed>": one of a short-runs ablation's runs
 
 
 @dataclass(frozen=True)
@@ -40,6 +43,19 @@ class Ablation:
     def changes_distserve(self) -> bool:
         return (self.seqs is not None or self.mem_utilization is not None or self.kv_unlimited or self.launch_limits or self.first_turn
                 or self.pp_as_replicas or self.distserve_overhead_s > 0 or self.distserve_seq_overhead_s > 0 or self.short_runs)
+
+
+def runs_of(a: Ablation, row: Row, common: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+    """(run name, Job fields) of each goodput search an ablation makes per system: one at ``common``'s size, or (``short_runs``)
+    ``SHORT_RUN_SEEDS`` of DistServe's run length (``row.eval_prompts_per_gpu``), seeded ``common["seed"]`` onwards."""
+    if not a.short_runs:
+        return [(a.name, common)]
+    return [(f"{a.name}{RUN_SEP}{i}", {**common, "requests_per_gpu": row.eval_prompts_per_gpu, "seed": common["seed"] + i})
+            for i in range(SHORT_RUN_SEEDS)]
+
+
+def mean_or_none(xs: list[float | None]) -> float | None:
+    return None if not xs or any(x is None for x in xs) else sum(xs) / len(xs)  # type: ignore[arg-type,misc]
 
 
 _LATENCY: dict[tuple[str, str], tuple[LatencyModel, str | None]] = {}

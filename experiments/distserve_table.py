@@ -55,7 +55,8 @@ from distserve.placement import Placement
 from distserve.slo import SLO
 from distserve_setting import ALIGNED_OVERHEADS_S, ALIGNED_VLLM_KV_SHARE, ATTAINMENT, MODE, ROWS, Row, VLLM_STEP_OVERHEAD_S, request_stream
 from distserve_systems import (
-    UNLIMITED_KV_BLOCKS, Ablation, distserve_config, distserve_placement, has_vllm_fit, row_latency, vllm_config,
+    RUN_SEP, SHORT_RUN_SEEDS, UNLIMITED_KV_BLOCKS, Ablation, distserve_config, distserve_placement, has_vllm_fit, mean_or_none, row_latency,
+    runs_of, vllm_config,
 )
 from simulator.simulation import SimConfig
 from simulator.workload import describe
@@ -113,8 +114,7 @@ ABLATIONS += [
 ]
 # DistServe measured each rate with one short run (``Row.eval_prompts_per_gpu``: 25-100 prompts per GPU): a system whose
 # queue grows slowly (TTFT-bound under a loose TTFT SLO) reads a higher goodput than in steady state. One short run is
-# noisy, so these ablations average the goodput over ``SHORT_RUN_SEEDS`` seeded streams.
-SHORT_RUN_SEEDS = 10
+# noisy, so these ablations average the goodput over ``SHORT_RUN_SEEDS`` seeded streams (``runs_of``).
 ABLATIONS += [
     Ablation("short-runs", "runs as long as DistServe's (its figures' 25-100 prompts per GPU per rate, `_plot.py`; ours 300), "
              f"goodput the mean of {SHORT_RUN_SEEDS} seeds", short_runs=True),
@@ -227,7 +227,6 @@ def applies(a: Ablation, row: Row) -> bool:
     return (not a.first_turn or row.workload == "sharegpt-multiturn") and (not a.pp_as_replicas or row.layout[1] * row.layout[3] > 1)
 
 
-RUN_SEP = "#"  # "<ablation>#<seed>": one of a short-runs ablation's runs
 EVAL_SCALE_ABLATION = "aligned+short-runs"  # whose runs measure the SLO scale at DistServe's figures' rate (``eval_slo_scale``)
 
 
@@ -241,19 +240,6 @@ def eval_slo_scale(row: Row, found: dict[tuple[str, str, str], dict[str, Any]]) 
     med = {s: statistics.median(v) for s, v in per.items()}
     return {"per_gpu": row.eval_scale_rate, "prompts_per_gpu": row.eval_prompts_per_gpu, "runs": per,
             "median": med, "ratio": ratio(med["vllm-2023"], med["distserve"])}
-
-
-def runs_of(a: Ablation, row: Row, common: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
-    """(run name, Job fields) of each goodput search an ablation makes per system: one at ``common``'s size, or (``short_runs``)
-    ``SHORT_RUN_SEEDS`` of DistServe's run length (``row.eval_prompts_per_gpu``), seeded ``common["seed"]`` onwards."""
-    if not a.short_runs:
-        return [(a.name, common)]
-    return [(f"{a.name}{RUN_SEP}{i}", {**common, "requests_per_gpu": row.eval_prompts_per_gpu, "seed": common["seed"] + i})
-            for i in range(SHORT_RUN_SEEDS)]
-
-
-def mean_or_none(xs: list[float | None]) -> float | None:
-    return None if not xs or any(x is None for x in xs) else sum(xs) / len(xs)  # type: ignore[arg-type,misc]
 
 
 def ratio(a: float | None, b: float | None) -> float | None:
