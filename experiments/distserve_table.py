@@ -108,9 +108,8 @@ ALIGNED = ABLATIONS[-1]
 ABLATIONS += [
     Ablation("vllm-padded", "vllm-steps with vLLM's prompt batches padded to the longest prompt (before 0.4 its model runner "
              "made [prompts x longest] input tensors: `_prepare_prompt`)", vllm_engine=True, vllm_padding=True),
-    Ablation("aligned+padded", "aligned, vllm-2023's prompt batches padded to the longest prompt (the overheads as fitted without)",
-             **{k: getattr(ALIGNED, k) for k in ("launch_limits", "vllm_engine", "vllm_overhead_s", "vllm_seq_overhead_s", "vllm_kv_share",
-                                                  "distserve_overhead_s", "distserve_seq_overhead_s")}, vllm_padding=True),
+    replace(ALIGNED, name="aligned+padded", vllm_padding=True,
+            assumption="aligned, vllm-2023's prompt batches padded to the longest prompt (the overheads as fitted without)"),
 ]
 # DistServe measured each rate with one short run (``Row.eval_prompts_per_gpu``: 25-100 prompts per GPU): a system whose
 # queue grows slowly (TTFT-bound under a loose TTFT SLO) reads a higher goodput than in steady state. One short run is
@@ -118,9 +117,7 @@ ABLATIONS += [
 ABLATIONS += [
     Ablation("short-runs", "runs as long as DistServe's (its figures' 25-100 prompts per GPU per rate, `_plot.py`; ours 300), "
              f"goodput the mean of {SHORT_RUN_SEEDS} seeds", short_runs=True),
-    Ablation("aligned+short-runs", "aligned, with runs as long as DistServe's",
-             **{k: getattr(ALIGNED, k) for k in ("launch_limits", "vllm_engine", "vllm_overhead_s", "vllm_seq_overhead_s", "vllm_kv_share",
-                                                  "distserve_overhead_s", "distserve_seq_overhead_s")}, short_runs=True),
+    replace(ALIGNED, name="aligned+short-runs", assumption="aligned, with runs as long as DistServe's", short_runs=True),
 ]
 NEEDED_MAX_S = 0.05  # the extra vLLM overhead per step searched for (needed_vllm_overhead)
 NEEDED_ITERATIONS = 7
