@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import pytest
-from serving_util import wait_until
+from serving_util import process_alive, wait_until
 
 from distserve.cluster.classes import RequestClass
 from distserve.config import CacheConfig, SamplingParams
@@ -57,14 +57,6 @@ def llm(ray_cluster: Any) -> Iterator[DisaggLLM]:
 def colocated_tokens() -> list[list[int]]:
     """Greedy tokens of ``PROMPTS`` under ``SP`` from the colocated engine."""
     return [o.token_ids for o in LLMEngine(load_model("tiny"), cache_config=CACHE).generate(PROMPTS, SP)]
-
-
-def process_alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 def live_placement_groups() -> set[str]:
