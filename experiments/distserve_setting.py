@@ -61,6 +61,12 @@ VLLM_STEP_OVERHEAD_S = 0.006
 # (``align_real_traces.py``; its results: experiments/results/align_real_traces.md).
 ALIGNED_OVERHEADS_S = {"vllm": (0.004, 0.0003), "distserve": (0.004, 0.0001)}  # system -> (per step, per sequence in a step)
 ALIGNED_VLLM_KV_SHARE = 0.82  # vLLM's KV cache in its busiest trace over what our memory model gives it (align_real_traces.py)
+# DistServe's vLLM is v0.2.3 (its evaluation README), where an instance of TP > 1 drives each worker, a Ray actor, by a Ray
+# call per step (vLLM PR #2221 removed that in v0.2.7); its TP1 traces above cannot show the cost. Fitted to the PR's
+# LLaMA-70B TP8 before/after throughputs (``fit_ray_control_plane.py``; experiments/results/fit_ray_control_plane.md), in
+# two forms: per step per TP worker (the better on the PR's second benchmark), or per sequence in the step per TP worker.
+VLLM_RAY_STEP_S = 0.0064
+VLLM_RAY_SEQ_S = 0.000071
 # Read off DistServe's measured vLLM trace (not simulated here).
 REAL_VLLM_TRACE = (
     "DistServe's own measurement of vLLM (OPT-13B, one TP1 A100, ShareGPT, 1 req/s: "

@@ -33,6 +33,10 @@ class Ablation:
     vllm_overhead_s: float = 0.0  # per step, vllm-2023 only
     distserve_overhead_s: float = 0.0  # per step, DistServe's layout only
     vllm_seq_overhead_s: float = 0.0  # per sequence in a step, vllm-2023 only
+    # vLLM v0.2.3's Ray control plane at TP > 1 (``distserve_setting.VLLM_RAY_STEP_S``): per step / per sequence in a
+    # step, each per TP worker of vllm-2023 (none at TP1, where the worker runs in the driver's process)
+    vllm_ray_step_s: float = 0.0
+    vllm_ray_seq_s: float = 0.0
     distserve_seq_overhead_s: float = 0.0  # per sequence in a step, DistServe's layout only
     vllm_kv_share: float | None = None  # vllm-2023's KV cache: this share of the tokens our memory model gives it
     vllm_padding: bool = False  # vllm-2023's prompt batches padded to the longest prompt (``SimConfig.prefill_padding``)
@@ -111,7 +115,9 @@ def vllm_config(a: Ablation, row: Row, ratios: tuple[float, float]) -> tuple[Sim
     if a.vllm_kv_share is not None:
         tokens = row_latency(row.model, engine)[0].max_kv_tokens(row.vllm_tp, 1, cfg.mem_utilization)
         cfg = replace(cfg, num_blocks=max(1, int(tokens * a.vllm_kv_share) // cfg.block_size))
-    return replace(cfg, step_overhead_s=a.vllm_overhead_s, seq_overhead_s=a.vllm_seq_overhead_s, prefill_padding=a.vllm_padding), engine
+    ray_workers = row.vllm_tp if row.vllm_tp > 1 else 0
+    return replace(cfg, step_overhead_s=a.vllm_overhead_s + ray_workers * a.vllm_ray_step_s,
+                   seq_overhead_s=a.vllm_seq_overhead_s + ray_workers * a.vllm_ray_seq_s, prefill_padding=a.vllm_padding), engine
 
 
 def distserve_placement(a: Ablation, row: Row, config: SimConfig) -> tuple[Placement, SimConfig]:

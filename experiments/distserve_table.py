@@ -53,7 +53,8 @@ import harness
 from distserve.cli.arg_types import fraction, positive_int
 from distserve.placement import Placement
 from distserve.slo import SLO
-from distserve_setting import ALIGNED_OVERHEADS_S, ALIGNED_VLLM_KV_SHARE, ATTAINMENT, MODE, ROWS, Row, VLLM_STEP_OVERHEAD_S, request_stream
+from distserve_setting import (ALIGNED_OVERHEADS_S, ALIGNED_VLLM_KV_SHARE, ATTAINMENT, MODE, ROWS, VLLM_RAY_SEQ_S, VLLM_RAY_STEP_S, VLLM_STEP_OVERHEAD_S,
+                               Row, request_stream)
 from distserve_systems import (
     RUN_SEP, SHORT_RUN_SEEDS, UNLIMITED_KV_BLOCKS, Ablation, distserve_config, distserve_placement, has_vllm_fit, mean_or_none, row_latency,
     runs_of, vllm_config,
@@ -118,6 +119,18 @@ ABLATIONS += [
     Ablation("short-runs", "runs as long as DistServe's (its figures' 25-100 prompts per GPU per rate, `_plot.py`; ours 300), "
              f"goodput the mean of {SHORT_RUN_SEEDS} seeds", short_runs=True),
     replace(ALIGNED, name="aligned+short-runs", assumption="aligned, with runs as long as DistServe's", short_runs=True),
+]
+# DistServe's vLLM (v0.2.3) drove each TP worker by a Ray call per step, a cost its TP1 traces cannot show
+# (``fit_ray_control_plane.py``: fitted to vLLM PR #2221's before/after throughputs of LLaMA-70B at TP8).
+ABLATIONS += [
+    replace(ALIGNED, name="aligned+ray", vllm_ray_step_s=VLLM_RAY_STEP_S,
+            assumption=f"aligned, and vllm-2023 at TP > 1 pays v0.2.3's Ray control plane: {VLLM_RAY_STEP_S * 1e3:g} ms per step per "
+                       "TP worker (fitted to vLLM PR #2221's LLaMA-70B TP8 throughputs before/after it removed that; `fit_ray_control_plane.py`)"),
+    replace(ALIGNED, name="aligned+ray-per-seq", vllm_ray_seq_s=VLLM_RAY_SEQ_S,
+            assumption=f"aligned+ray in the form the PR's second benchmark fits less well: {VLLM_RAY_SEQ_S * 1e3:g} ms per sequence "
+                       "in the step per TP worker"),
+    replace(ALIGNED, name="aligned+ray+short-runs", vllm_ray_step_s=VLLM_RAY_STEP_S, short_runs=True,
+            assumption="aligned+ray, with runs as long as DistServe's"),
 ]
 NEEDED_MAX_S = 0.05  # the extra vLLM overhead per step searched for (needed_vllm_overhead)
 NEEDED_ITERATIONS = 7

@@ -132,3 +132,22 @@ def test_eval_slo_scale_is_the_median_over_runs() -> None:
     assert sorted(e["runs"]["vllm-2023"]) == [2.0, 4.0, 9.0]
     assert table.eval_slo_scale(row, {k: v for k, v in found.items() if k[2] == "distserve"}) is None
     assert table.EVAL_SCALE_ABLATION in {a.name for a in table.ABLATIONS}
+
+
+def test_ray_control_plane_is_paid_per_tp_worker_by_vllm_only() -> None:
+    """``aligned+ray``: vllm-2023 at TP > 1 pays v0.2.3's Ray call per step per TP worker on top of ``aligned``; at TP1
+    (the worker in the driver's process) nothing, and DistServe's layout never."""
+    systems = _load("distserve_systems")
+    abl = {a.name: a for a in table.ABLATIONS}
+    aligned, ray, per_seq = abl["aligned"], abl["aligned+ray"], abl["aligned+ray-per-seq"]
+    step_s, seq_s = setting.ALIGNED_OVERHEADS_S["vllm"]
+    for row in setting.ROWS:
+        base, _ = systems.vllm_config(aligned, row, (1.0, 1.0))
+        cfg, _ = systems.vllm_config(ray, row, (1.0, 1.0))
+        cfg_seq, _ = systems.vllm_config(per_seq, row, (1.0, 1.0))
+        workers = row.vllm_tp if row.vllm_tp > 1 else 0
+        assert (base.step_overhead_s, base.seq_overhead_s) == (step_s, seq_s)
+        assert cfg.step_overhead_s == pytest.approx(step_s + workers * setting.VLLM_RAY_STEP_S) and cfg.seq_overhead_s == seq_s
+        assert cfg_seq.seq_overhead_s == pytest.approx(seq_s + workers * setting.VLLM_RAY_SEQ_S) and cfg_seq.step_overhead_s == step_s
+        assert systems.distserve_config(ray) == systems.distserve_config(aligned)
+    assert {r.vllm_tp for r in setting.ROWS} == {1, 4, 8}  # both cases are in the table
