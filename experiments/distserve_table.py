@@ -237,13 +237,16 @@ def applies(a: Ablation, row: Row) -> bool:
     return (not a.first_turn or row.workload == "sharegpt-multiturn") and (not a.pp_as_replicas or row.layout[1] * row.layout[3] > 1)
 
 
-EVAL_SCALE_ABLATION = "aligned+short-runs"  # whose runs measure the SLO scale at DistServe's figures' rate (``eval_slo_scale``)
+# Whose runs measure the SLO scale at DistServe's figures' rate (``eval_slo_scale``): both engines as DistServe's traces show
+# them on DistServe's run lengths, and the same with vLLM v0.2.3's Ray control plane at TP > 1.
+EVAL_SCALE_ABLATIONS = ("aligned+short-runs", "aligned+ray+short-runs")
 
 
 def eval_slo_scale(row: Row, found: dict[tuple[str, str, str], dict[str, Any]]) -> dict[str, Any] | None:
-    """The SLO scale each system needs at DistServe's SLO-scale figure's per-GPU rate (``row.eval_scale_rate``), over the
-    ``EVAL_SCALE_ABLATION`` runs: each run's tightest scale of both SLOs still meeting the attainment, their median, and
-    vllm-2023's median over DistServe's layout's (how much tighter DistServe's layout goes). None without those runs."""
+    """The SLO scale each system needs at DistServe's SLO-scale figure's per-GPU rate (``row.eval_scale_rate``), over the runs
+    in ``found`` (one ablation's of ``EVAL_SCALE_ABLATIONS``): each run's tightest scale of both SLOs still meeting the
+    attainment, their median, and vllm-2023's median over DistServe's layout's (how much tighter DistServe's layout goes).
+    None without those runs."""
     per = {s: [v["min_scale"][MODE] for k, v in sorted(found.items()) if k[0] == row.key and k[2] == s] for s in ("distserve", "vllm-2023")}
     if not all(per.values()):
         return None
@@ -390,10 +393,10 @@ def main() -> None:
                 scale_jobs[(r.key, s)] = replace(jobs[(r.key, "baseline", s)], scale_rate=rate)
     scale_keys = sorted(scale_jobs, key=lambda k: -Placement.from_dict(scale_jobs[k].placement).num_workers)
     scaled = dict(zip(scale_keys, run_jobs(measure, [scale_jobs[k] for k in scale_keys], args.jobs)))
-    # SLO scale as DistServe's figures measured it: at their per-GPU rate and run length, both engines aligned (the
-    # aligned+short-runs ablation's runs, when it is run).
+    # SLO scale as DistServe's figures measured it: at their per-GPU rate and run length (the runs of each of
+    # EVAL_SCALE_ABLATIONS that is run).
     eval_jobs = {k: replace(j, scale_rate=next(r for r in rows if r.key == k[0]).eval_scale_rate, scales=(1.0,))
-                 for k, j in jobs.items() if k[1].split(RUN_SEP)[0] == EVAL_SCALE_ABLATION}
+                 for k, j in jobs.items() if k[1].split(RUN_SEP)[0] in EVAL_SCALE_ABLATIONS}
     eval_scaled = dict(zip(eval_jobs, run_jobs(measure, list(eval_jobs.values()), args.jobs)))
 
     out_rows: list[dict[str, Any]] = []
@@ -424,7 +427,8 @@ def main() -> None:
             "ablations": ab, "scale_rate": scale_jobs[(r.key, "distserve")].scale_rate,
             "slo_scale": {s: scaled[(r.key, s)] for s in systems if (r.key, s) in scaled}, "min_slo_scale": min_scale,
             "slo_scale_ratio": ratio(min_scale.get("vllm-2023"), min_scale.get("distserve")),
-            "eval_slo_scale": eval_slo_scale(r, eval_scaled),
+            "eval_slo_scale": {name: e for name in EVAL_SCALE_ABLATIONS
+                               if (e := eval_slo_scale(r, {k: v for k, v in eval_scaled.items() if k[1].split(RUN_SEP)[0] == name}))},
             "prefill_pipelining": pipelining[r.key],
             "vllm_overhead_needed_ms": None if needed.get(r.key) is None else round(needed[r.key] * 1e3, 1),
             "vllm_overhead_needed_searched": r.key in needed,
@@ -443,7 +447,7 @@ def main() -> None:
                             "planner_disagg": r["plan"]["disagg"] and r["plan"]["disagg"]["layout"],
                             "planner_colocated": r["plan"]["colocated"] and r["plan"]["colocated"]["layout"],
                             "slo_scale_ratio": r["slo_scale_ratio"],
-                            "eval_slo_scale_ratio": r["eval_slo_scale"] and r["eval_slo_scale"]["ratio"], "prefill_pipelining": r["prefill_pipelining"],
+                            "eval_slo_scale_ratio": {name: e["ratio"] for name, e in r["eval_slo_scale"].items()}, "prefill_pipelining": r["prefill_pipelining"],
                             "vllm_overhead_needed_ms": r["vllm_overhead_needed_ms"],
                             "ablation_ratios": {a: x["ratio"] for a, x in r["ablations"].items()},
                             "reproduced_by": [a for a, x in r["ablations"].items() if within(x["ratio"], tuple(r["published"]))]}  # type: ignore[arg-type]
