@@ -53,11 +53,10 @@ import harness
 from distserve.cli.arg_types import fraction, positive_int
 from distserve.placement import Placement
 from distserve.slo import SLO
-from distserve_setting import (ALIGNED_OVERHEADS_S, ALIGNED_VLLM_KV_SHARE, ATTAINMENT, MODE, ROWS, VLLM_RAY_SEQ_S, VLLM_RAY_STEP_S, VLLM_STEP_OVERHEAD_S,
-                               Row, request_stream)
+from distserve_setting import ATTAINMENT, MODE, ROWS, Row, request_stream
 from distserve_systems import (
-    RUN_SEP, SHORT_RUN_SEEDS, UNLIMITED_KV_BLOCKS, Ablation, distserve_config, distserve_placement, has_vllm_fit, mean_or_none, row_latency,
-    runs_of, vllm_config,
+    ABLATIONS, ALIGNED, RUN_SEP, UNLIMITED_KV_BLOCKS, Ablation, distserve_config, distserve_placement, has_vllm_fit,
+    mean_or_none, row_latency, runs_of, vllm_config,
 )
 from simulator.simulation import SimConfig
 from simulator.workload import describe
@@ -74,64 +73,6 @@ PUBLISHED_SLO_SCALE = 12.6  # "up to 12.6x tighter SLOs", over all rows
 QUICK_ROWS = ("opt-13b-chatbot", "opt-66b-code")
 
 
-ABLATIONS = [
-    Ablation("baseline", "our defaults: max_num_seqs 64, 2048 tokens per step, KV at 90% of HBM, DistServe's step times for both"),
-    Ablation("seqs-1024", "sequence cap 1024 on every instance (DistServe's decode cap and vLLM's --max-num-seqs; ours 64)", seqs=1024),
-    Ablation("kv-95", "KV at 95% of HBM on every instance (both launches' --gpu-memory-utilization; ours 90%)", mem_utilization=0.95),
-    Ablation("kv-unlimited", "no KV capacity limit on any instance (with sequence cap 1024), as the workers of DistServe's simulator "
-             "(simdistserve/base/worker.py batches every queued decode; no memory model there)", seqs=1024, kv_unlimited=True),
-    Ablation("launch-limits", "DistServe's launch settings: vLLM 1024 seqs / 16384 tokens per step; DistServe prefill 128 / 8192, "
-             "decode 1024 / 65536; KV at 95%", launch_limits=True),
-    Ablation("first-turn", "first-turn ShareGPT prompts (`chatbot`, mean ~228 tokens) instead of DistServe's multi-turn preparation",
-             first_turn=True),
-    Ablation("pp-as-replicas", "each of DistServe's pp > 1 instances replaced by pp instances of its TP without pipeline stages, "
-             "each with 1/pp of its KV: the throughput of a perfect pipeline (same GPUs, same latency per batch)", pp_as_replicas=True),
-    Ablation("vllm-steps", "vllm-2023 on vLLM's fitted step times (DistServe's profiler-a100-80g.vllm.json; OPT-175B: OPT-66B TP4's "
-             "vLLM/DistServe ratios on the roofline)", vllm_engine=True),
-    Ablation("vllm-steps+6ms", f"vllm-steps plus {VLLM_STEP_OVERHEAD_S * 1000:.0f} ms per vLLM step (DistServe's real vLLM traces)",
-             vllm_engine=True, vllm_overhead_s=VLLM_STEP_OVERHEAD_S),
-    Ablation("distserve-sim", "kv-unlimited + vllm-steps: what DistServe's own simulator assumes (its vLLM profile for vLLM, no KV limit)",
-             seqs=1024, kv_unlimited=True, vllm_engine=True),
-    Ablation("as-evaluated", "launch-limits + vllm-steps+6ms: the closest we model DistServe's real comparison", launch_limits=True,
-             vllm_engine=True, vllm_overhead_s=VLLM_STEP_OVERHEAD_S),
-    Ablation("aligned", "both engines as DistServe's real OPT-13B traces show them (`align_real_traces.py`): launch limits; vllm-2023 on "
-             f"vLLM's step times + {ALIGNED_OVERHEADS_S['vllm'][0] * 1e3:g} ms per step + {ALIGNED_OVERHEADS_S['vllm'][1] * 1e3:g} ms per "
-             f"sequence, its KV cache {ALIGNED_VLLM_KV_SHARE:g} of our memory model's; DistServe's layout + "
-             f"{ALIGNED_OVERHEADS_S['distserve'][0] * 1e3:g} ms per step + {ALIGNED_OVERHEADS_S['distserve'][1] * 1e3:g} ms per sequence",
-             launch_limits=True, vllm_engine=True, vllm_overhead_s=ALIGNED_OVERHEADS_S["vllm"][0],
-             vllm_seq_overhead_s=ALIGNED_OVERHEADS_S["vllm"][1], vllm_kv_share=ALIGNED_VLLM_KV_SHARE,
-             distserve_overhead_s=ALIGNED_OVERHEADS_S["distserve"][0], distserve_seq_overhead_s=ALIGNED_OVERHEADS_S["distserve"][1]),
-]
-ALIGNED = ABLATIONS[-1]
-# vLLM before 0.4 computed a step's prompts as one [prompts x longest prompt] tensor (``SimConfig.prefill_padding``):
-# a batch of mixed lengths costs that many copies of its longest. Neither fitted step times (from batches of one
-# length) nor DistServe's simulator model it.
-ABLATIONS += [
-    Ablation("vllm-padded", "vllm-steps with vLLM's prompt batches padded to the longest prompt (before 0.4 its model runner "
-             "made [prompts x longest] input tensors: `_prepare_prompt`)", vllm_engine=True, vllm_padding=True),
-    replace(ALIGNED, name="aligned+padded", vllm_padding=True,
-            assumption="aligned, vllm-2023's prompt batches padded to the longest prompt (the overheads as fitted without)"),
-]
-# DistServe measured each rate with one short run (``Row.eval_prompts_per_gpu``: 25-100 prompts per GPU): a system whose
-# queue grows slowly (TTFT-bound under a loose TTFT SLO) reads a higher goodput than in steady state. One short run is
-# noisy, so these ablations average the goodput over ``SHORT_RUN_SEEDS`` seeded streams (``runs_of``).
-ABLATIONS += [
-    Ablation("short-runs", "runs as long as DistServe's (its figures' 25-100 prompts per GPU per rate, `_plot.py`; ours 300), "
-             f"goodput the mean of {SHORT_RUN_SEEDS} seeds", short_runs=True),
-    replace(ALIGNED, name="aligned+short-runs", assumption="aligned, with runs as long as DistServe's", short_runs=True),
-]
-# DistServe's vLLM (v0.2.3) drove each TP worker by a Ray call per step, a cost its TP1 traces cannot show
-# (``fit_ray_control_plane.py``: fitted to vLLM PR #2221's before/after throughputs of LLaMA-70B at TP8).
-ABLATIONS += [
-    replace(ALIGNED, name="aligned+ray", vllm_ray_step_s=VLLM_RAY_STEP_S,
-            assumption=f"aligned, and vllm-2023 at TP > 1 pays v0.2.3's Ray control plane: {VLLM_RAY_STEP_S * 1e3:g} ms per step per "
-                       "TP worker (fitted to vLLM PR #2221's LLaMA-70B TP8 throughputs before/after it removed that; `fit_ray_control_plane.py`)"),
-    replace(ALIGNED, name="aligned+ray-per-seq", vllm_ray_seq_s=VLLM_RAY_SEQ_S,
-            assumption=f"aligned+ray in the form the PR's second benchmark fits less well: {VLLM_RAY_SEQ_S * 1e3:g} ms per sequence "
-                       "in the step per TP worker"),
-    replace(ALIGNED, name="aligned+ray+short-runs", vllm_ray_step_s=VLLM_RAY_STEP_S, short_runs=True,
-            assumption="aligned+ray, with runs as long as DistServe's"),
-]
 NEEDED_MAX_S = 0.05  # the extra vLLM overhead per step searched for (needed_vllm_overhead)
 NEEDED_ITERATIONS = 7
 ASSUMPTIONS = {a.name: a.assumption for a in ABLATIONS}

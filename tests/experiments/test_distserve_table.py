@@ -25,6 +25,7 @@ _load = load_experiment
 for _shared in ("harness", "sweep_systems", "sweeper", "distserve_setting", "distserve_systems", "distserve_table_report"):
     _load(_shared)
 setting = _load("distserve_setting")
+systems = _load("distserve_systems")
 report = _load("distserve_table_report")
 table = _load("distserve_table")
 
@@ -113,9 +114,9 @@ def test_short_runs_are_distserve_run_lengths() -> None:
     for name in ("short-runs", "aligned+short-runs"):
         a = next(x for x in table.ABLATIONS if x.name == name)
         runs = table.runs_of(a, row, common)
-        assert [n.split(table.RUN_SEP)[0] for n, _ in runs] == [name] * table.SHORT_RUN_SEEDS
+        assert [n.split(table.RUN_SEP)[0] for n, _ in runs] == [name] * systems.SHORT_RUN_SEEDS
         assert {c["requests_per_gpu"] for _, c in runs} == {row.eval_prompts_per_gpu} and row.eval_prompts_per_gpu < 300
-        assert [c["seed"] for _, c in runs] == list(range(7, 7 + table.SHORT_RUN_SEEDS))
+        assert [c["seed"] for _, c in runs] == list(range(7, 7 + systems.SHORT_RUN_SEEDS))
         assert a.changes_distserve  # DistServe's layout is re-measured on the short runs too
     assert table.runs_of(table.ABLATIONS[0], row, common) == [("baseline", common)]
     assert table.mean_or_none([1.0, 3.0]) == 2.0 and table.mean_or_none([1.0, None]) is None
@@ -137,7 +138,6 @@ def test_eval_slo_scale_is_the_median_over_runs() -> None:
 def test_ray_control_plane_is_paid_per_tp_worker_by_vllm_only() -> None:
     """``aligned+ray``: vllm-2023 at TP > 1 pays v0.2.3's Ray call per step per TP worker on top of ``aligned``; at TP1
     (the worker in the driver's process) nothing, and DistServe's layout never."""
-    systems = _load("distserve_systems")
     abl = {a.name: a for a in table.ABLATIONS}
     aligned, ray, per_seq = abl["aligned"], abl["aligned+ray"], abl["aligned+ray-per-seq"]
     step_s, seq_s = setting.ALIGNED_OVERHEADS_S["vllm"]
