@@ -4,7 +4,8 @@ what an instance's restart budget is charged.
 A failed step (an exception, or its instance's process dying) is blamed on the requests it was
 computing: exactly its plan's requests when the step raised (``StepFailedError.seq_ids``). When
 the process died outright nothing says what it computed; if it held suspects waiting for their
-step alone, the oldest of them was computing (schedulers run them first, oldest first), else
+step alone, the oldest of them was computing (schedulers run them first, oldest first; the Ray
+runtime steps an instance only once the suspects it sent have arrived), else
 every request it held is blamed. Each suspect's crash count goes up and its next step runs alone
 (``Sequence.isolate``), so that a second failure is its own rather than its batch mates'. A request blamed for
 ``MAX_CRASHES_PER_REQUEST`` failures is poison: it fails with a clear error instead of being

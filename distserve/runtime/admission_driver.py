@@ -129,14 +129,16 @@ class AdmissionDriver:
         cc = self.cache_config
         hashes = entry_hashes(seq, cc.block_size, cc.enable_prefix_caching)
         inst = pick_entry(candidates, route_of, hashes, self.config.router, seq.seq_id, seq.request_class)
-        if seq.isolate:
-            inst.solo_pending[seq.seq_id] = seq.arrival_time
         for s in (seq, *seq.forks):  # n > 1: its completions ride with it; each is the instance's from now on
             self._owner[s.seq_id] = inst
             self._dispatched.add(s.seq_id)
         inst.num_added += 1
         inst.unseen.append((inst.num_added, seq.admission_rank, seq.num_prompt_tokens))
-        self._spawn(self._call_then_kick(inst, inst.actor.add.remote(seq.detached_copy())))
+        if seq.isolate:  # a crash suspect: its instance's loop sends it between steps (``_send_suspects``)
+            inst.solo_queue.append(seq.detached_copy())
+            inst.kick()
+        else:
+            self._spawn(self._call_then_kick(inst, inst.actor.add.remote(seq.detached_copy())))
         seq.forks = []  # a later re-run (its instance died) runs each completion on its own
         return inst
 

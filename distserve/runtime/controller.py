@@ -260,6 +260,9 @@ class Controller(AdmissionDriver, RequestFrontend, KVMigrations, InstanceRecover
             if not self._running.is_set():
                 await self._running.wait()  # the world is being formed anew
                 continue
+            if inst.solo_queue:
+                await self._send_suspects(inst)
+                continue  # (the instance may have died, or the world paused, meanwhile)
             inst.kicked = False
             self._steps_in_flight += 1
             issued = time.monotonic()

@@ -53,6 +53,8 @@ from distserve.kvtransfer.layout import KVLayout
 from distserve.runtime.instance_protocol import InstanceServerSpec, StepResult
 from distserve.runtime.worker import TransferResult, Worker, WorkerSpec
 
+LATE_ADD_S = 1.0  # a ``late-add`` test fault's delay of ``add``
+
 
 class InstanceServer:
     def __repr__(self) -> str:
@@ -71,6 +73,7 @@ class InstanceServer:
             grammar_compiler=shared_compiler(spec.scheduler.structured_output_backend, tokenizer, spec.eos_token_ids),
         )
         self._lock = threading.Lock()  # guards the core: requests arrive on other threads than ``step``
+        self._late_adds: set[str] = set()  # test hook (``inject_step_fault(..., "late-add")``)
         self._pending: dict[str, set[int]] = {}  # transfer key (``_transfer_key``) -> ranks still busy
         self._failed: set[str] = set()
         self._timed_out: set[str] = set()
@@ -150,6 +153,8 @@ class InstanceServer:
     # ---- requests ----------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
         """A new request, or one re-run here; after any op still queued for an earlier attempt of its id."""
+        if seq.seq_id in self._late_adds:
+            time.sleep(LATE_ADD_S)  # as a call that lost the race to a step on another thread would
         with self._lock:
             self.core.add(seq)
             self._num_added += 1
@@ -212,7 +217,11 @@ class InstanceServer:
         self._free_later(seq_id, lambda: self.core.cancel(seq_id))
 
     def inject_step_fault(self, seq_id: str, kind: str = "raise") -> None:
-        """Test hook: ``ModelRunner.inject_step_fault`` on rank 0 (``exit`` kills this actor's process)."""
+        """Test hook: ``ModelRunner.inject_step_fault`` on rank 0 (``exit`` kills this actor's process);
+        or ``late-add``: this instance's ``add`` of ``seq_id`` takes ``LATE_ADD_S`` before it applies."""
+        if kind == "late-add":
+            self._late_adds.add(seq_id)
+            return
         assert self.local.runner is not None, "init() first"
         self.local.runner.inject_step_fault(seq_id, kind)
 

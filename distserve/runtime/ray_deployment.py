@@ -20,6 +20,7 @@ from typing import Any
 
 from distserve.cluster.routing import RouteState
 from distserve.engine.frontend import RequestFrontend
+from distserve.engine.sequence import Sequence
 from distserve.errors import InvalidConfigError
 from distserve.kvtransfer.layout import KVLayout
 from distserve.placement import InstanceSpec, Placement
@@ -67,6 +68,7 @@ class DeployedInstance:
     restarts: int = 0
     charged_restarts: int = 0  # of its deaths, those counted against max_instance_restarts (poison's are not)
     solo_pending: dict[str, float] = field(default_factory=dict)  # suspects here before their step alone -> arrival
+    solo_queue: list[Sequence] = field(default_factory=list)  # suspects placed here, sent by its loop between steps
     wake: asyncio.Event = field(default_factory=asyncio.Event)
     route: RouteState = field(default_factory=RouteState)  # what routing knows (``cluster.routing``)
     last_step: StepResult | None = None  # its latest step's result (admission reads its load), None since (re)start

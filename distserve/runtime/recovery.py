@@ -86,6 +86,7 @@ class InstanceRecovery:
         failure = getattr(exc, "cause", None) or exc  # a RayTaskError carries what the step raised
         blamed = suspects_of(failure, lost, inst.solo_pending)
         inst.solo_pending.clear()
+        inst.solo_queue.clear()  # not sent yet: re-run below with the rest of ``lost``
         # One fault, one blame: the deaths noticed until the world is formed anew (steps are paused from
         # the first one's restart until then) are one episode, so a request held by both ends of its
         # migration, or computing on an instance whose peer was killed, is not blamed twice for it.
@@ -238,6 +239,20 @@ class InstanceRecovery:
         self._admit()  # parked re-runs first, then the admission queue
         if self._pending:
             await self._migrate_pending()
+
+    async def _send_suspects(self, inst: DeployedInstance) -> None:
+        """Send the crash suspects placed on ``inst`` (its loop calls this between steps) and wait until
+        its actor has them all. The actor is threaded: a suspect's ``add`` racing a step could land after
+        the step ran another suspect alone, and a death of that step would be blamed on the wrong one
+        (``suspects_of`` blames the oldest suspect the controller sent). Sent between steps, and a step
+        issued only once they arrived, the suspects the instance's scheduler picks from are exactly the
+        ones counted in ``solo_pending``."""
+        queued, inst.solo_queue = inst.solo_queue, []
+        sent = [s for s in queued if self._owner.get(s.seq_id) is inst and s.seq_id in self._seqs]  # not aborted since
+        for seq in sent:
+            inst.solo_pending[seq.seq_id] = seq.arrival_time
+        # A dead actor fails these calls; its next step notices the death.
+        await asyncio.gather(*(inst.actor.add.remote(seq) for seq in sent), return_exceptions=True)
 
     async def _notice_deaths(self) -> None:
         """Handle the death of every instance that died unnoticed (idle: no step of it failed yet), so that

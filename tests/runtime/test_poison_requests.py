@@ -1,7 +1,8 @@
 """Poison requests on the Ray runtime: a request whose every step kills its instance — by raising,
 or by ending the process outright — is failed after the second death instead of being re-run on
 every replacement; its batch mates finish with their exact tokens; the restarts it caused are not
-charged to ``max_instance_restarts``; an outage (a phase with no instance left) is a
+charged to ``max_instance_restarts``; a suspect whose re-run reaches the replacement late is not
+blamed for another's death; an outage (a phase with no instance left) is a
 ``ServiceUnavailableError`` (HTTP 503), never a 4xx."""
 
 from __future__ import annotations
@@ -72,6 +73,21 @@ def test_poison_request_fails_alone_and_costs_no_restart_budget(
     assert wait_until(lambda: runtime.stats()["instance_restarts_total"] == before["instance_restarts_total"] + 2, 120)
     assert all(i.charged_restarts == 0 for i in runtime.controller.instances)  # refunded
     assert runtime.generate(PROMPTS["a"]) == reference["a"]  # served on by the replacement
+    assert wait_until(runtime.all_freed, 30), runtime.stats()
+
+
+def test_a_suspect_whose_add_arrives_late_is_not_blamed_for_the_next_ones_death(
+    runtime: ControllerRuntime, reference: dict[str, list[int]]
+) -> None:
+    # Instance actors are threaded: a re-run suspect's ``add`` can reach the replacement after a step
+    # has run a younger suspect alone. Here "a" always arrives late: the first death (a batch of "b"
+    # and the poison) is blamed on all three; on the replacement, "a" must still get its step alone
+    # first, so that the poison's second death is blamed on the poison, not on "a", the oldest.
+    runtime.run(runtime.controller.inject_step_fault("a", "late-add"))
+    final = run_with_poison(runtime, "poison-late", "exit")
+    assert final["poison-late"].finish_reason == "error"
+    for rid in PROMPTS:
+        assert final[rid].error is None and final[rid].token_ids == reference[rid]
     assert wait_until(runtime.all_freed, 30), runtime.stats()
 
 
