@@ -19,8 +19,10 @@ start to the last end). With ``--baseline-ref REF`` it also times the packages (
 ``kernels``) as they were at git ``REF`` (extracted into a temporary tree), interleaved with the
 current code, and reports the speed-up; with
 ``--baseline-step-by-step`` the baseline is the current code with ``SimConfig(fast_forward=False)``
-(every decode step through the scheduler, no jumps over steady stretches). Every measurement runs
-in its own subprocess. Writes JSON + markdown + PNG under --out-dir; the last
+(every decode step through the scheduler, no jumps over steady stretches); with
+``--baseline-interpreted`` the baseline is the current code interpreted (``DISTSERVE_COMPILED=0``)
+against its mypyc build (``make sim-fast``, ``distserve.compiled``; each row records which ran).
+Every measurement runs in its own subprocess. Writes JSON + markdown + PNG under --out-dir; the last
 stdout line is the JSON.
 """
 
@@ -90,7 +92,16 @@ def measure(deployment: str, num_requests: int, rate_per_entry: float, profile: 
         "simulated_s": result.duration_s, "wall_s": wall_s, "cpu_s": cpu_s, "started": started, "ended": time.monotonic(),
         "num_fast_forward_steps": getattr(sim, "num_fast_forward_steps", 0),  # steps whose decodes were lazy
         "latency_model": repr(latency), "scheduler_source": scheduler_module.__file__,
+        "simulator_mode": simulator_mode(),
     }
+
+
+def simulator_mode() -> str:
+    try:
+        from distserve.compiled import mode
+    except ImportError:  # a tree from before the compiled simulator (--baseline-ref)
+        return "interpreted"
+    return mode()
 
 
 def worker_cmd(args: argparse.Namespace, deployment: str, profile: str | None, fast_forward: bool = True) -> list[str]:
@@ -110,16 +121,16 @@ def worker_row(proc: subprocess.Popen[str], src_root: Path, deployment: str) -> 
     return row
 
 
-def start_worker(src_root: Path, cmd: list[str]) -> subprocess.Popen[str]:
-    env = {**os.environ, "PYTHONPATH": str(src_root)}
+def start_worker(src_root: Path, cmd: list[str], env_extra: dict[str, str] | None = None) -> subprocess.Popen[str]:
+    env = {**os.environ, "PYTHONPATH": str(src_root), **(env_extra or {})}
     return subprocess.Popen(cmd, cwd=src_root, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
 
 
 def run_worker(src_root: Path, args: argparse.Namespace, deployment: str, profile: str | None,
-               fast_forward: bool = True) -> dict[str, Any]:
+               fast_forward: bool = True, env_extra: dict[str, str] | None = None) -> dict[str, Any]:
     """``measure`` in a fresh interpreter importing ``distserve``/``simulator`` from ``src_root``."""
-    return worker_row(start_worker(src_root, worker_cmd(args, deployment, profile, fast_forward)), src_root, deployment)
+    return worker_row(start_worker(src_root, worker_cmd(args, deployment, profile, fast_forward), env_extra), src_root, deployment)
 
 
 def run_parallel(args: argparse.Namespace, deployment: str, profile: str | None) -> dict[str, Any]:
@@ -213,6 +224,10 @@ def write_outputs(out: Outputs, rows: list[dict[str, Any]], figures: dict[str, A
         md.append("\nBaseline: the same code with `SimConfig(fast_forward=False)` (every decode step through the "
                   "scheduler); the same workloads and results (steps, tokens, simulated time), interleaved with the "
                   "fast-forward runs.")
+    elif figures["baseline_ref"] == "interpreted":
+        md.append(f"\nBaseline: the same code interpreted (`DISTSERVE_COMPILED=0`); the current code ran "
+                  f"{figures['simulator_mode']} (`make sim-fast`, `distserve.compiled`). The same workloads and results, "
+                  "interleaved.")
     elif has_baseline:
         md.append(f"\nBaseline: {', '.join(f'`{p}`' for p in PACKAGES)} as of `{figures['baseline_ref']}`; "
                   "same workloads and results, interleaved with the current code.")
@@ -256,13 +271,15 @@ def main() -> None:
                     help="also time the hot-path files as of this git ref (e.g. the commit before the speed-up)")
     ap.add_argument("--baseline-step-by-step", action="store_true",
                     help="the baseline is the current code with fast-forward off (SimConfig(fast_forward=False))")
+    ap.add_argument("--baseline-interpreted", action="store_true",
+                    help="the baseline is the current code interpreted (DISTSERVE_COMPILED=0), against its mypyc build")
     ap.add_argument("--jobs", type=count, default=2, help="also run this many simulations at once (a sweep's view; 1: off)")
     ap.add_argument("--step-by-step", action="store_true", help=argparse.SUPPRESS)  # worker: fast-forward off
     ap.add_argument("--wait-go", action="store_true", help=argparse.SUPPRESS)  # worker: start on "go" from stdin
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # internal: one measurement, JSON out
     args = ap.parse_args()
-    if args.baseline_ref and args.baseline_step_by_step:
-        ap.error("--baseline-ref and --baseline-step-by-step are two baselines: pick one")
+    if sum(map(bool, (args.baseline_ref, args.baseline_step_by_step, args.baseline_interpreted))) > 1:
+        ap.error("--baseline-ref, --baseline-step-by-step and --baseline-interpreted are three baselines: pick one")
     profile = args.profile if args.profile and Path(args.profile).is_file() else None
     if args.worker:
         harness.finish(measure(args.worker, args.num_requests, args.rate_per_prefill, profile, args.seed,
@@ -282,17 +299,20 @@ def main() -> None:
     rows: list[dict[str, Any]] = []
     parallel: list[dict[str, Any]] = []  # --jobs: simulations run at once
     with tempfile.TemporaryDirectory(prefix="bench_simulator_") as tmp:
-        variants = [("current", ROOT, True)]
+        variants: list[tuple[str, Path, bool, dict[str, str]]] = [("current", ROOT, True, {})]
         if args.baseline_ref:
-            variants.append(("baseline", baseline_tree(args.baseline_ref, Path(tmp)), True))
+            variants.append(("baseline", baseline_tree(args.baseline_ref, Path(tmp)), True, {}))
         elif args.baseline_step_by_step:
-            variants.append(("baseline", ROOT, False))
+            variants.append(("baseline", ROOT, False, {}))
+        elif args.baseline_interpreted:
+            variants.append(("baseline", ROOT, True, {"DISTSERVE_COMPILED": "0"}))
         for _ in range(args.repeats):  # interleaved, so every variant sees the same machine state
             for d in deployments:
-                for variant, src_root, fast_forward in variants:
-                    row = {"variant": variant, "fast_forward": fast_forward, **run_worker(src_root, args, d, profile, fast_forward)}
+                for variant, src_root, fast_forward, env_extra in variants:
+                    row = {"variant": variant, "fast_forward": fast_forward,
+                           **run_worker(src_root, args, d, profile, fast_forward, env_extra)}
                     rows.append(row)
-                    print(f"{variant:<8} {d:<10} {row['num_requests'] / row['wall_s']:8.0f} req/s "
+                    print(f"{variant:<8} {row['simulator_mode']:<11} {d:<10} {row['num_requests'] / row['wall_s']:8.0f} req/s "
                           f"({row['wall_s']:.1f} s wall, {row['cpu_s']:.1f} s CPU)", flush=True)
                 if args.jobs > 1:
                     prow = run_parallel(args, d, profile)
@@ -308,7 +328,9 @@ def main() -> None:
     figures: dict[str, Any] = {
         "num_requests": args.num_requests, "rate_per_prefill": args.rate_per_prefill, "repeats": args.repeats,
         "latency_model": rows[0]["latency_model"], "profile_used": profile is not None,
-        "baseline_ref": args.baseline_ref or ("step-by-step" if args.baseline_step_by_step else None), "deployments": deployments,
+        "baseline_ref": args.baseline_ref or ("step-by-step" if args.baseline_step_by_step else None)
+        or ("interpreted" if args.baseline_interpreted else None), "deployments": deployments,
+        "simulator_mode": next(r["simulator_mode"] for r in rows if r["variant"] == "current"),
         "target_requests_per_s": TARGET_REQUESTS_PER_S, "num_cpus": os.cpu_count(),
         "load_average_start": load_start, "load_average_end": [round(x, 2) for x in os.getloadavg()],
         "python_loop_ns": round(loop_ns, 2),

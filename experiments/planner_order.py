@@ -31,6 +31,7 @@ from dataclasses import replace
 from typing import Any
 
 import harness
+from distserve import compiled
 from distserve.cli.arg_types import positive_int
 from distserve.planner.chains import Chain, FollowUp, chain_order, evaluate, rounded, run_follow_ups
 from distserve.planner.plan import Candidate, PlanRequest, PlanResult
@@ -139,14 +140,15 @@ def main() -> None:
               f"{row['oracle_order_cpu_s']:.2f} s ({row['oracle_order_probes']}), 2 workers {row['two_workers_wall_s']:.2f} s wall, "
               f"same plan {row['same_plan'] and row['two_workers_same_plan']}", flush=True)
     figures = {"cluster": f"{nodes} x {gpus} a100-80g", "num_requests": n, "load_avg_at_start": load,
-               "python_loop_ns": round(loop_ns, 2), "rows": rows,
+               "python_loop_ns": round(loop_ns, 2), "simulator_mode": compiled.mode(), "rows": rows,
                "all_same_plan": all(r["same_plan"] and r["two_workers_same_plan"] for r in rows),
                "max_two_workers_wall_s": max(r["two_workers_wall_s"] for r in rows),
                "max_best_first_cpu_s": max(r["best_first_cpu_s"] for r in rows),
                "max_bound_order_cpu_s": max(r["bound_order_cpu_s"] for r in rows),
                "max_oracle_order_cpu_s": max(r["oracle_order_cpu_s"] for r in rows)}
     md = [f"# Planner: search order ({figures['cluster']}, {n} requests per probe, CPU s of one worker; load {load:.2f}; "
-          f"Python speed {loop_ns:.1f} ns per loop iteration, `harness.python_loop_ns`)", "",
+          f"Python speed {loop_ns:.1f} ns per loop iteration, `harness.python_loop_ns`; simulator "
+          f"{figures['simulator_mode']}, `distserve.compiled`)", "",
           "| model | workload | SLO TTFT / TPOT | plan | best first: CPU s (probes) | 2 workers: wall s | bound order: CPU s (probes) | "
           "bound order / best first | oracle order: CPU s (probes) | same plan |",
           "|---|---|---|---|---:|---:|---:|---:|---:|---|"]

@@ -21,14 +21,12 @@ boundary is counted in solo seconds of work, and moves with the node's speed as 
 from __future__ import annotations
 
 import math
-import weakref
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING
 
 from distserve.engine.preemptible import PlanPart, PreemptibleSteps
 from distserve.engine.sequence import Sequence
 from distserve.engine.step_plan import SampledToken, StepPlan
-from simulator.sim_instance import driven_instance
 
 if TYPE_CHECKING:
     from simulator.sim_instance import SharedCompute, SimInstance
@@ -49,7 +47,7 @@ class LayeredPrefill:
     """One simulated prefill instance's plans, computed a layer at a time by ``PreemptibleSteps``."""
 
     def __init__(self, inst: SimInstance, num_layers: int) -> None:
-        self._inst = weakref.ref(inst)
+        # (It does not keep ``inst``: its caller passes it, so that the two make no reference cycle.)
         self.num_layers = num_layers
         self.steps = PreemptibleSteps(inst.core, _unused, _unused, _unused, send_finished=False)  # type: ignore[arg-type]
         self.part: PlanPart | None = None  # the part computing now
@@ -59,8 +57,6 @@ class LayeredPrefill:
         self.start_layer = self.end_layer = 0  # the layers the part in flight computes: [start, end)
         self.started_at = 0.0
 
-    inst = driven_instance()
-
     @property
     def plan(self) -> StepPlan:
         assert self.part is not None
@@ -69,7 +65,7 @@ class LayeredPrefill:
     def stats(self) -> dict[str, int]:
         return self.steps.stats()
 
-    def launch(self, now: float, shared: SharedCompute | None, on_plan: Callable[[str, StepPlan], None] | None) -> list[SimInstance]:
+    def launch(self, inst: SimInstance, now: float, shared: SharedCompute | None, on_plan: Callable[[str, StepPlan], None] | None) -> list[SimInstance]:
         """Start the next part if none computes; the instances whose step end is (re)set (their
         ``stage_free[0]`` and ``step_version``), for the driver to queue."""
         if self.part is not None:
@@ -78,7 +74,6 @@ class LayeredPrefill:
         if taken is None:
             return []
         part, fresh, should_yield = taken
-        inst = self.inst
         plan = part.launched.plan
         key = part.launched.plan_seq
         if fresh:
@@ -93,9 +88,9 @@ class LayeredPrefill:
         inst.busy_s += solo_s
         if shared is not None:
             return shared.start(inst, plan, solo_s, now)
-        return self._set_end(now + solo_s)
+        return _set_end(inst, now + solo_s)
 
-    def arrived(self, seq: Sequence, now: float, shared: SharedCompute | None) -> list[SimInstance]:
+    def arrived(self, inst: SimInstance, seq: Sequence, now: float, shared: SharedCompute | None) -> list[SimInstance]:
         """A prompt was dispatched here: if it ranks below the running plan and the part computing may
         yield, the part ends at the next layer boundary (the instances whose step end moved)."""
         running = self.steps.running_rank
@@ -103,16 +98,16 @@ class LayeredPrefill:
             return []
         key = self.part.launched.plan_seq
         layer_s = self._plan_s[key] / self.num_layers
-        done_s = shared.progress(self.inst, now) if shared is not None else now - self.started_at
+        done_s = shared.progress(inst, now) if shared is not None else now - self.started_at
         boundary = self.start_layer + (math.floor(done_s / layer_s + _EPS) + 1 if layer_s > 0 else 1)
         if boundary >= self.end_layer:
             return []  # it stops there anyway (or runs its last layer, which never yields)
         solo_s = self._seconds(key, self.start_layer, boundary)
-        self.inst.busy_s -= self._seconds(key, self.start_layer, self.end_layer) - solo_s
+        inst.busy_s -= self._seconds(key, self.start_layer, self.end_layer) - solo_s
         self.end_layer = boundary
         if shared is not None:
-            return shared.shorten(self.inst, now, solo_s)
-        return self._set_end(self.started_at + solo_s)
+            return shared.shorten(inst, now, solo_s)
+        return _set_end(inst, self.started_at + solo_s)
 
     def done(self, now: float, tokens: Mapping[str, SampledToken]) -> list[Sequence]:
         """The part in flight ended at ``now``: it yielded (suspended) or its plan is applied. The
@@ -134,11 +129,11 @@ class LayeredPrefill:
         plan_s = self._plan_s[key]
         return plan_s if end - start == self.num_layers else plan_s * (end - start) / self.num_layers
 
-    def _set_end(self, end: float) -> list[SimInstance]:
-        inst = self.inst
-        inst.stage_free[0] = end
-        inst.step_version += 1
-        return [inst]
+
+def _set_end(inst: SimInstance, end: float) -> list[SimInstance]:
+    inst.stage_free[0] = end
+    inst.step_version += 1
+    return [inst]
 
 
 def layered_prefill(inst: SimInstance, num_layers: int, enabled: bool) -> LayeredPrefill | None:

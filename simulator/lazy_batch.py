@@ -152,7 +152,9 @@ class LazyBatch:
     def _compact(self) -> None:
         """Renumber the live members 0.. in order (dead slots dropped), their buckets and finish steps with them."""
         new = {}
-        seqs, bases, alive = [], [], []
+        seqs: list[Sequence] = []
+        bases: list[int] = []
+        alive: list[bool] = []
         for i, (seq, base, a) in enumerate(zip(self.seqs, self.bases, self.alive)):
             if a:
                 new[i] = len(seqs)

@@ -23,7 +23,6 @@ It ends with a step in flight or at a step boundary; a marker event there (``Sim
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -34,7 +33,6 @@ from simulator.fast_forward import horizon
 from simulator.latency import BatchShape
 from simulator.lazy_batch import LazyBatch, usable
 from simulator.sim_events import STEP_DONE
-from simulator.sim_instance import driven_instance
 
 if TYPE_CHECKING:
     from simulator.simulation import Simulation
@@ -46,13 +44,12 @@ _NO_PLAN = StepPlan()  # what observe_step sees of a step of lazy decodes alone
 class LazyDecodes(LazyBatch):
     """The decoding head of ``inst``'s running list (see the module docstring)."""
 
-    __slots__ = ("_inst",)
+    __slots__ = ("inst",)
 
     def __init__(self, inst: SimInstance, token_id: int) -> None:
         super().__init__(inst.core, token_id)
-        self._inst = weakref.ref(inst)
+        self.inst = inst  # (the run breaks the cycle at its end: ``Simulation.run``)
 
-    inst = driven_instance()
 
     @property
     def num_members(self) -> int:

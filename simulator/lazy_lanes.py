@@ -27,7 +27,6 @@ stage 0) carry it on from there.
 
 from __future__ import annotations
 
-import weakref
 from collections import deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING
@@ -39,7 +38,6 @@ from simulator.fast_forward import horizon
 from simulator.latency import BatchShape
 from simulator.lazy_batch import LazyBatch, plain, usable
 from simulator.sim_events import LAUNCH, STEP_DONE
-from simulator.sim_instance import driven_instance
 
 if TYPE_CHECKING:
     from simulator.simulation import Simulation
@@ -52,10 +50,10 @@ _NO_PLAN = StepPlan()
 class LazyLanes:
     """The lanes of a pipelined instance (see the module docstring)."""
 
-    __slots__ = ("_inst", "core", "sched", "bm", "pp", "token_id", "lanes", "free", "marker_s", "num_members")
+    __slots__ = ("inst", "core", "sched", "bm", "pp", "token_id", "lanes", "free", "marker_s", "num_members")
 
     def __init__(self, inst: SimInstance, token_id: int) -> None:
-        self._inst = weakref.ref(inst)
+        self.inst = inst  # (the run breaks the cycle at its end: ``Simulation.run``)
         self.core, self.pp, self.token_id = inst.core, inst.pp, token_id
         self.sched = inst.core.scheduler
         self.bm = self.sched.block_manager
@@ -64,7 +62,6 @@ class LazyLanes:
         self.marker_s: float | None = None  # the latest marker queued (at the then oldest lane's end)
         self.num_members = 0  # of all lanes: the head of ``running``
 
-    inst = driven_instance()
 
     @classmethod
     def enter(cls, sim: Simulation, inst: SimInstance, token_id: int) -> LazyLanes | None:

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from mypy_extensions import mypyc_attr
+
 from distserve.cluster.admission import AdmissionItem, AdmissionQueue, EntryLoad, measured_tpot_s
 from distserve.cluster.backpressure import decode_headroom, decode_room_tokens, held_prompt_tokens, held_requests
 from distserve.cluster.routing import entry_hashes, pick_entry
@@ -22,6 +24,7 @@ from distserve.engine.step_plan import SampledToken
 from distserve.errors import QueueFullError
 from simulator.sim_config import SimConfig
 from simulator.sim_instance import SharedCompute, SimInstance, route_of
+from simulator.sim_migration import SimMigrations
 
 if TYPE_CHECKING:
     from simulator.metrics import RequestRecord
@@ -41,7 +44,8 @@ def filler_hashes(num_tokens: int, block_size: int) -> list[int]:
     return hashes
 
 
-class SimAdmission:
+@mypyc_attr(allow_interpreted_subclasses=True)
+class SimAdmission(SimMigrations):
     """``Simulation``'s admission: the attributes below are ``Simulation``'s."""
 
     config: SimConfig
@@ -64,9 +68,10 @@ class SimAdmission:
         if r.prompt_token_ids is not None:
             prompt = list(r.prompt_token_ids)
         else:
-            prompt = prompts.get(r.prompt_len)
-            if prompt is None:
-                prompt = prompts[r.prompt_len] = [SAMPLED_TOKEN] * r.prompt_len
+            cached = prompts.get(r.prompt_len)
+            if cached is None:
+                cached = prompts[r.prompt_len] = [SAMPLED_TOKEN] * r.prompt_len
+            prompt = cached
         sampling = _SAMPLING.get(r.output_len)
         if sampling is None:  # frozen: one per output length, for every simulation
             sampling = _SAMPLING[r.output_len] = SamplingParams(max_tokens=r.output_len, ignore_eos=True)
@@ -103,7 +108,8 @@ class SimAdmission:
             if self.decodes:
                 room = decode_room_tokens((i.core.num_free_blocks * block_size for i in self.decodes),
                                           (held_prompt_tokens(i.core.scheduler) for i in self.entry))
-                headroom = decode_headroom(decoding, slo, sum(held_requests(i.core.scheduler) for i in self.entry))
+                if self.config.decode_headroom:
+                    headroom = decode_headroom(decoding, slo, sum(held_requests(i.core.scheduler) for i in self.entry))
 
         def load(inst: SimInstance) -> EntryLoad:
             return inst.entry_load(tpot, room, headroom)
@@ -121,6 +127,6 @@ class SimAdmission:
             inst.core.add(seq)
             inst.last_load = None
             if inst.layered is not None:
-                self._push_completions(inst.layered.arrived(seq, now, self.shared))
+                self._push_completions(inst.layered.arrived(inst, seq, now, self.shared))
             self._launch_at_end(inst)
         return len(expired)

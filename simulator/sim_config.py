@@ -55,6 +55,11 @@ class SimConfig:
     # (``simulator.fast_forward``): the same results, step for step; off, every step goes through
     # the scheduler one sequence at a time (to compare).
     fast_forward: bool = True
+    # Under TPOT backpressure (``admission.tpot_slo_s``) on a disaggregated deployment, the prefill side
+    # holds only as many requests as the decode instances' time per token leaves room for
+    # (``cluster.backpressure.decode_headroom``), as the runtimes do; off (an ablation), the rule reads
+    # only the latest decode step, all or nothing.
+    decode_headroom: bool = True
 
     def __post_init__(self) -> None:
         check_router(self.router)

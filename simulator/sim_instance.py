@@ -240,14 +240,6 @@ def cascade_rule_of(latency: LatencyModel) -> CascadeRule | None:
     return rule
 
 
-def driven_instance() -> property:
-    """The ``inst`` of a driver an instance owns (its lazy decodes or lanes, its layer-by-layer prefill):
-    the instance, held weakly in the driver's ``_inst`` (a ``weakref.ref``). A strong reference would be a
-    cycle, and a finished simulation would wait for the cyclic collector instead of being freed by
-    reference counting (the planner keeps the collector off over its whole search)."""
-    return property(lambda driver: driver._inst(), doc="the instance driven (held weakly)")
-
-
 def route_of(inst: SimInstance) -> RouteState:
     return inst.route
 

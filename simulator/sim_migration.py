@@ -11,8 +11,11 @@ the prefill instance frees its copy.
 from __future__ import annotations
 
 import heapq
+import itertools
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
+
+from mypy_extensions import mypyc_attr
 
 from distserve.cluster.counters import ClusterCounters
 from distserve.cluster.migration_queue import MigrationQueue
@@ -22,6 +25,7 @@ from simulator.latency import LatencyModel
 from simulator.sim_config import SimConfig
 from simulator.sim_events import MIGRATE, MIGRATED
 from simulator.sim_instance import SimInstance, route_of
+from simulator.sim_records import SimRecords
 
 if TYPE_CHECKING:
     from simulator.metrics import RequestRecord
@@ -29,7 +33,8 @@ if TYPE_CHECKING:
 Pending = tuple[SimInstance, Sequence, Sequence]  # (prefill instance, its sequence, the copy a decode instance reserves for)
 
 
-class SimMigrations:
+@mypyc_attr(allow_interpreted_subclasses=True)
+class SimMigrations(SimRecords):
     """``Simulation``'s migrations: the attributes below are ``Simulation``'s."""
 
     pending: MigrationQueue[Pending]
@@ -39,10 +44,10 @@ class SimMigrations:
     latency: LatencyModel
     kv_bytes_per_token: int
     counters: ClusterCounters
-    records: dict[int, RequestRecord]
+    records: dict[str, RequestRecord]
     on_migration: Callable[[str, str, str], None] | None
     _events: list[tuple[float, int, int, object]]
-    _seq_no: Iterator[int]
+    _seq_no: itertools.count[int]
     _migrate_at: float
     _no_room: set[str]  # the waiting prefills that found no room when last offered
     _admission_stale: bool
@@ -88,7 +93,7 @@ class SimMigrations:
         heapq.heappush(self._events, (end, MIGRATED, next(self._seq_no), (src, dst, seq.seq_id)))
         return True
 
-    def _migrated(self, src: SimInstance, dst: SimInstance, seq_id: int, now: float) -> None:
+    def _migrated(self, src: SimInstance, dst: SimInstance, seq_id: str, now: float) -> None:
         """A transfer arrived: the decode instance takes the request, the prefill instance frees it."""
         dst.rx_ends.popleft()
         self._admission_stale = True  # the entry (prefill) instance changed

@@ -14,6 +14,8 @@ import itertools
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from mypy_extensions import mypyc_attr
+
 from distserve.engine.sequence import Sequence
 from distserve.engine.step_plan import SampledToken
 from simulator.sim_events import STEP_DONE
@@ -23,6 +25,7 @@ if TYPE_CHECKING:
     from simulator.sim_instance import SimInstance
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)
 class SimRecords:
     """``Simulation``'s records and early stop: the attributes below are ``Simulation``'s."""
 

@@ -59,7 +59,9 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import fields
 from operator import attrgetter
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, cast
+
+from mypy_extensions import mypyc_attr
 
 from distserve.cluster.counters import ClusterCounters
 from distserve.cluster.migration_queue import MigrationQueue
@@ -86,7 +88,8 @@ from simulator.workload import Request, check_positive
 if TYPE_CHECKING:
     from collections.abc import Sequence as Seq
 
-class Simulation(SimAdmission, SimMigrations, SimRecords):
+@mypyc_attr(allow_interpreted_subclasses=True)
+class Simulation(SimAdmission):  # (mypyc: SimAdmission(SimMigrations(SimRecords)), the same MRO)
     """Run a list of requests through a placement; ``run()`` returns a ``SimResult``."""
 
     def __init__(self, placement: Placement, latency: LatencyModel, config: SimConfig | None = None) -> None:
@@ -152,7 +155,7 @@ class Simulation(SimAdmission, SimMigrations, SimRecords):
         return times[n] if n < len(times) else float("inf")
 
     # ---- the event loop ------------------------------------------------------------------------
-    def run(self, requests: Seq[Request], stop_when: Callable[[RequestRecord], bool] | None = None, rate: float = 1.0) -> SimResult:
+    def run(self, requests: Seq[Request], stop_when: Callable[[RequestRecord], bool] | None = None, rate: Any = 1.0) -> SimResult:
         """Simulate ``requests`` (their arrival times divided by ``rate``: ``with_rate(requests, rate)``'s
         workload, without copying it) until all finish, or until ``stop_when(record)``, called with each
         request as it finishes, returns True (then ``SimResult.stopped_early`` is set and the
@@ -163,9 +166,16 @@ class Simulation(SimAdmission, SimMigrations, SimRecords):
         ``first_token_s`` then set), and ends the run the same way if it returns True."""
         if not requests:
             raise InvalidConfigError("the workload has no requests")
-        check_positive("rate", rate)
-        with gc_paused():
-            return self._run(requests, stop_when, rate)
+        check_positive("rate", rate)  # (``rate: Any``: compiled, a ``float`` parameter would take True as 1.0)
+        try:
+            with gc_paused():
+                return self._run(requests, stop_when, float(rate))
+        finally:
+            # A lazy driver still attached (a run stopped early) and its instance refer to each other:
+            # drop it, so that the simulation is freed by reference counting, not left to the cyclic
+            # collector (the planner keeps it off over its whole search).
+            for inst in self.instances:
+                inst.lazy = None
 
     def _run(self, requests: Seq[Request], stop_when: Callable[[RequestRecord], bool] | None, rate: float) -> SimResult:
         if self.config.instant_prefill:
@@ -231,7 +241,7 @@ class Simulation(SimAdmission, SimMigrations, SimRecords):
                 unfinished -= self._arrive(r, now, prompts)
             elif (event := pop(events))[1] == STEP_DONE:
                 now = event[0]
-                inst, plan, version = event[3]  # type: ignore[misc]
+                inst, plan, version = cast("tuple[SimInstance, Any, int]", event[3])
                 inst.last_load = None
                 if version != inst.step_version:
                     if self.shared is not None:
@@ -264,9 +274,10 @@ class Simulation(SimAdmission, SimMigrations, SimRecords):
                 if kind == MIGRATE:
                     self._migrate_pending(now)
                 elif kind == MIGRATED:
-                    self._migrated(*payload, now)  # type: ignore[misc]
+                    src_, dst_, mid_ = cast("tuple[SimInstance, SimInstance, str]", payload)
+                    self._migrated(src_, dst_, mid_, now)
                 else:  # LAUNCH
-                    inst = payload  # type: ignore[assignment]
+                    inst = cast(SimInstance, payload)
                     inst.launch_pending = False
                     self._launch_at_end(inst)
             if (self._due or self._admit_due) and (not events or events[0][0] > now) and next_arrival > now:
@@ -320,7 +331,7 @@ class Simulation(SimAdmission, SimMigrations, SimRecords):
         if inst.kind != "decode":
             self._admission_stale = True  # its load may change: the next dispatch attempt reads it again
         if inst.layered is not None:
-            self._push_completions(inst.layered.launch(now, self.shared, self.on_plan))
+            self._push_completions(inst.layered.launch(inst, now, self.shared, self.on_plan))
             return
         if inst.lazy is not None and inst.lazy.try_launch(self, now, self._finished_in_jump):
             return  # busy, or launched with its lazy decodes (else handed back: planned as usual)

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from distserve.config import SchedulerConfig
+from distserve.engine.block_manager import BlockManager
 from distserve.engine.scheduler import Scheduler
 from distserve.engine.sequence import Sequence, SequenceStatus
 
@@ -38,8 +40,9 @@ class DecodeScheduler(Scheduler):
 
     phase = "decode"
 
-    def __init__(self, *args: object, **kwargs: object) -> None:
-        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager, max_model_len: int,
+                 eos_token_ids: tuple[int, ...] = (), pipeline_depth: int = 1) -> None:
+        super().__init__(config, block_manager, max_model_len, eos_token_ids, pipeline_depth)  # (mypyc: no *args to a native super)
         self.migrating: dict[str, Sequence] = {}
         self.num_held_reservations = 0  # reserve calls answered "wait for the shared prefix in flight"
 

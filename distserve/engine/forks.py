@@ -16,21 +16,21 @@ from typing import TYPE_CHECKING
 from distserve.engine.block_manager import BlockManager
 from distserve.engine.sequence import Sequence, SequenceStatus
 from distserve.engine.step_plan import SampledToken, StepPlan
+from distserve.engine.step_outputs import StepOutputs
 
 
-class ForkedCompletions:
+class ForkedCompletions(StepOutputs):
     """The ``n`` > 1 rules of ``Scheduler`` (a mixin: it works on the scheduler's queues)."""
 
     forking: dict[str, Sequence]  # leaders whose completions are not forked yet
     num_forked_completions: int
     block_manager: BlockManager
 
-    if TYPE_CHECKING:  # the scheduler's own (declared for type checkers only: the MRO must not see them)
-        def _stamp(self, seq: Sequence) -> None: ...
-        def _enqueue(self, seq: Sequence) -> None: ...
-        def _append_running(self, seq: Sequence) -> None: ...
-        def finish(self, seq: Sequence, reason: str) -> None: ...
-        def check_token_stop(self, seq: Sequence) -> str | None: ...
+    # the scheduler's own (mypyc: unconditional, each overridden by Scheduler; check_token_stop is StepOutputs', later in the MRO)
+    def _stamp(self, seq: Sequence) -> None: ...
+    def _enqueue(self, seq: Sequence) -> None: ...
+    def _append_running(self, seq: Sequence) -> None: ...
+    def finish(self, seq: Sequence, reason: str) -> None: ...
 
     def _unfork(self, leader: Sequence) -> None:
         """``leader`` ended before its completions were forked: the live ones run on their own."""
@@ -88,7 +88,7 @@ class ForkedCompletions:
             if lead is not None and lead.prompt_logprobs is not None:
                 f.prompt_logprobs = lead.prompt_logprobs  # the same prompt: computed once, for the leader
             f.first_token_time = now
-            reason = self.check_token_stop(f)
+            reason = self.check_token_stop(f)  # type: ignore[attr-defined]
             if reason is not None:
                 f.finish_time = now
                 self.finish(f, reason)

@@ -91,6 +91,8 @@ class InstanceCore:
         grammar_compiler: compiles the grammars of structured-output requests (``engine.structured_output``).
     """
 
+    scheduler: Scheduler
+
     def __init__(
         self,
         phase: str,
@@ -145,7 +147,7 @@ class InstanceCore:
         self.grammars = SequenceGrammars(self.grammar_compiler) if self.grammar_compiler is not None else None
         self.scheduler.grammars = self.grammars
         self.in_flight: deque[PlanInFlight] = deque()  # oldest first
-        self._deferred: list[tuple[str, Callable[[], None]]] = []  # (seq_id, op) waiting for its plans
+        self._deferred: list[tuple[str, Callable[[], object]]] = []  # (seq_id, op) waiting for its plans
         self._reported: dict[str, int] = {}  # output tokens already reported per request (``delta``)
         self._next_plan_seq = 0
 
@@ -239,7 +241,7 @@ class InstanceCore:
         self.defer(seq_id, run)
 
     # ---- deferred ops --------------------------------------------------------------------------
-    def defer(self, seq_id: str, run: Callable[[], None]) -> None:
+    def defer(self, seq_id: str, run: Callable[[], object]) -> None:
         """Run now if no plan in flight computes ``seq_id``, else once none does (a step boundary).
 
         Ops of one request run in call order: one arriving behind a queued op of its id queues too
@@ -261,7 +263,7 @@ class InstanceCore:
         """The deferred ops whose request no plan in flight computes any more, in order."""
         if not self._deferred:
             return
-        waiting: list[tuple[str, Callable[[], None]]] = []
+        waiting: list[tuple[str, Callable[[], object]]] = []
         for seq_id, run in self._deferred:
             if self.computes(seq_id):
                 waiting.append((seq_id, run))

@@ -51,8 +51,8 @@ def group_by_prefix(running: list[Sequence]) -> list[Sequence] | None:
     if not shared:
         return None
     order: list[Sequence] = []
-    for seq, key in zip(running, keys):
-        group = groups[key] if key is not None else None
+    for seq, key_ in zip(running, keys):
+        group = groups[key_] if key_ is not None else None
         if group is None or len(group) == 1:
             order.append(seq)
         elif group:  # the group's best-ranked member: the whole group goes here, once

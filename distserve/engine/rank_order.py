@@ -34,6 +34,7 @@ from distserve.cluster.fair_queue import LEVELS
 from distserve.config import SchedulerConfig
 from distserve.engine.block_manager import BlockManager
 from distserve.engine.sequence import Sequence
+from distserve.engine.forks import ForkedCompletions
 
 
 RESERVE_DIVISOR = 32  # a rank's unit of KV held back for lower ranks: 1/32 of a prefill instance's cache
@@ -44,7 +45,7 @@ RECENT_ADMISSIONS = 64
 PROMPT_COST_DECAY = 0.9
 
 
-class AdmissionRankOrder:
+class AdmissionRankOrder(ForkedCompletions):
     """The admission-rank rules of ``Scheduler`` (a mixin: it reads the scheduler's queues and policy)."""
 
     waiting: list[Sequence]

@@ -13,6 +13,7 @@ import bisect
 from collections import deque
 from collections.abc import Callable
 from operator import attrgetter
+from typing import Any
 
 from distserve.cluster.classes import GroupArrivals
 from distserve.cluster.recovery import solo_order
@@ -41,7 +42,7 @@ _priority_key: PolicyKey = attrgetter("class_rank", "admission_rank", "priority"
 
 SCHEDULING_POLICIES: dict[str, PolicyKey] = {"fcfs": _fcfs_key, "priority": _priority_key}
 
-_LAZY_DECODE: ScheduledChunk = None  # type: ignore[assignment]  # a lazy decode's place in a plan (``schedule``)
+_LAZY_DECODE: Any = None  # a lazy decode's place in a plan (``schedule``); Any: mypyc checks a ScheduledChunk's type
 
 
 def get_policy(name: str) -> PolicyKey:
@@ -50,7 +51,7 @@ def get_policy(name: str) -> PolicyKey:
     return SCHEDULING_POLICIES[name]
 
 
-class Scheduler(AdmissionRankOrder, ForkedCompletions, StepOutputs):
+class Scheduler(AdmissionRankOrder):  # (mypyc: AdmissionRankOrder(ForkedCompletions(StepOutputs)), the same MRO)
     """Colocated continuous batching: running sequences first, then admissions by policy.
 
     Crash suspects (``Sequence.isolate``, set by ``distserve.cluster.recovery``) wait in
@@ -214,7 +215,7 @@ class Scheduler(AdmissionRankOrder, ForkedCompletions, StepOutputs):
                 self._plan_forks(plan)
             return plan
         except Exception as exc:
-            seq = self._scheduling
+            seq: Sequence | None = self._scheduling
             if seq is None:
                 raise
             raise StepFailedError(f"scheduling {seq.seq_id} failed: {type(exc).__name__}: {exc}", [seq.seq_id]) from exc

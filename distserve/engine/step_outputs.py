@@ -5,7 +5,7 @@ step took, which the step budget and the backlog cap learn from (``observe_step`
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence as Seq
 from typing import TYPE_CHECKING
 
 from distserve.engine.block_manager import BlockManager
@@ -28,11 +28,11 @@ class StepOutputs:
     _static_budget: bool
     _observe_prompts: bool
 
-    if TYPE_CHECKING:  # the scheduler's own and its other mixins' (for type checkers only: the MRO must not see them)
-        def finish(self, seq: Sequence, reason: str) -> None: ...
-        def observe_prompt_cost(self, prompt_tokens: int, seconds: float) -> None: ...
-        def _fork(self, leader: Sequence, get_token: Callable[[str], SampledToken | None], now: float,
-                  updated: list[Sequence]) -> None: ...
+    # the scheduler's own and its other mixins' (mypyc: unconditional; each is overridden earlier in Scheduler's MRO)
+    def finish(self, seq: Sequence, reason: str) -> None: ...
+    def observe_prompt_cost(self, prompt_tokens: int, seconds: float) -> None: ...
+    def _fork(self, leader: Sequence, get_token: Callable[[str], SampledToken | None], now: float,
+              updated: list[Sequence]) -> None: ...
 
     def observe_step(self, plan: StepPlan, seconds: float, num_lazy_decodes: int = 0, lazy_decode_ctx: int = 0) -> None:
         """The executor's report of how long ``plan`` took (measured, or modelled in the simulator),
@@ -53,7 +53,7 @@ class StepOutputs:
             self.step_budget.observe(num_decodes, decode_ctx, prefill_tokens, seconds)
 
     def update_from_output(
-        self, plan: StepPlan, sampled: list[SampledToken], seqs: dict[str, Sequence], now: float
+        self, plan: StepPlan, sampled: Seq[SampledToken], seqs: dict[str, Sequence], now: float
     ) -> list[Sequence]:
         """Advance computed counts, append sampled tokens, apply token-level stop rules.
 

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence as Seq
+
+from distserve.config import SchedulerConfig
+from distserve.engine.block_manager import BlockManager
 from distserve.engine.scheduler import Scheduler
 from distserve.engine.step_plan import SampledToken, StepPlan
 from distserve.engine.sequence import Sequence, SequenceStatus
@@ -22,12 +26,13 @@ class PrefillScheduler(Scheduler):
     forks_run_here = False  # ``n`` completions wait for migration, not in the batch: a prompt is one prefill
     phase = "prefill"
 
-    def __init__(self, *args: object, **kwargs: object) -> None:
-        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager, max_model_len: int,
+                 eos_token_ids: tuple[int, ...] = (), pipeline_depth: int = 1) -> None:
+        super().__init__(config, block_manager, max_model_len, eos_token_ids, pipeline_depth)  # (mypyc: no *args to a native super)
         self.awaiting_migration: dict[str, Sequence] = {}
 
     def update_from_output(
-        self, plan: StepPlan, sampled: list[SampledToken], seqs: dict[str, Sequence], now: float
+        self, plan: StepPlan, sampled: Seq[SampledToken], seqs: dict[str, Sequence], now: float
     ) -> list[Sequence]:
         updated = super().update_from_output(plan, sampled, seqs, now)
         for seq in updated:

@@ -264,8 +264,8 @@ def test_dispatch_retries_skipped_only_where_they_do_nothing(case: str) -> None:
 
 @pytest.mark.parametrize("case", ["colocated", "1p1d layered prefill", "pipelines", "stopped early"])
 def test_a_finished_simulation_leaves_nothing_for_the_cyclic_collector(case: str) -> None:
-    """No reference cycle in a simulation (the lazy-decode, lane and layer drivers hold their instance
-    weakly; the admission policy a function of the tenants, not the queue's bound method): it is freed by
+    """No reference cycle in a simulation (the layer driver is handed its instance, not kept; a lazy-decode
+    or lane driver left attached is dropped at the run's end; the admission policy a function of the tenants, not the queue's bound method): it is freed by
     reference counting as it goes out of use. The planner pauses the cyclic collector over its whole
     search; cycles left ~160k objects of its probes (in flight when they stopped early) for one pass at
     its end (~0.35 s of a 5 s plan)."""
