@@ -46,6 +46,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
+from mypy_extensions import mypyc_attr
+
 from distserve.cluster.classes import GroupArrivals, RequestClass
 from distserve.cluster.fair_queue import ADMISSION_POLICIES, DEFAULT_ADMISSION_POLICY, DEFAULT_QUANTUM_TOKENS, check_admission_policy
 from distserve.cluster.backpressure import (
@@ -117,6 +119,7 @@ def _check_bound(max_queued_requests: object) -> int | None:
     return max_queued_requests
 
 
+@mypyc_attr(native_class=False)  # compiled native, a frozen dataclass would not unpickle
 @dataclass(frozen=True)
 class AdmissionConfig:
     """How a deployment admits requests: one value shared by ``DeploymentConfig`` (both runtimes),

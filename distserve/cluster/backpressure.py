@@ -33,6 +33,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Protocol
 
+from mypy_extensions import mypyc_attr
+
 from distserve.cluster.tenants import BATCH
 from distserve.errors import InvalidConfigError
 
@@ -45,6 +47,7 @@ WAITING_UNITS = (TOKENS, REQUESTS)
 DEFAULT_WAITING_UNIT = TOKENS
 
 
+@mypyc_attr(native_class=False)  # compiled native, a frozen dataclass would not unpickle
 @dataclass(frozen=True, slots=True)
 class EntryLoad:
     """What backpressure reads of an entry instance."""
@@ -99,6 +102,7 @@ def add_pending(pending: tuple[int, ...], rank: int, tokens: int) -> tuple[int, 
     return tuple(out)
 
 
+@mypyc_attr(native_class=False)  # compiled native, a frozen dataclass would not unpickle
 @dataclass(frozen=True)
 class Backpressure:
     """Whether an entry instance may take one more request now.

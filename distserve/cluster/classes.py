@@ -27,6 +27,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass
 
+from mypy_extensions import mypyc_attr
+
 from distserve.cluster.tenants import ANONYMOUS, DEFAULT_TIER, InvalidTenantError, check_tenant_name, check_tier, tier_rank
 from distserve.errors import DistServeError
 
@@ -40,6 +42,7 @@ class InvalidRequestClassError(DistServeError):
     """A request's scheduling class is malformed (``param`` names the field: objective, group)."""
 
 
+@mypyc_attr(native_class=False)  # compiled native, a frozen dataclass would not unpickle
 @dataclass(frozen=True, slots=True)
 class RequestClass:
     """How a request is to be served: its ``objective``, the task ``group`` it belongs to (None:

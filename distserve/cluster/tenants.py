@@ -17,6 +17,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from mypy_extensions import mypyc_attr
+
 from distserve.errors import DistServeError
 
 INTERACTIVE, DEFAULT_TIER, BATCH = "interactive", "default", "batch"
@@ -49,6 +51,7 @@ def check_tenant_name(value: object, param: str = "tenant") -> str:
     return value
 
 
+@mypyc_attr(native_class=False)  # compiled native, a frozen dataclass would not unpickle
 @dataclass(frozen=True, slots=True)
 class TenantSpec:
     """One tenant's share and limits (None: unlimited)."""

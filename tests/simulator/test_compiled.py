@@ -1,5 +1,6 @@
 """The simulator compiled with mypyc (``distserve.compiled``) gives every record the interpreted
-simulator gives; a build is loaded only if it was made from the sources as they are now."""
+simulator gives, and its objects pickle as the Ray runtime needs; a build is loaded only if it was made
+from the sources as they are now."""
 
 from __future__ import annotations
 
@@ -30,6 +31,7 @@ def test_compiled_simulations_give_the_interpreted_records() -> None:
     fast, slow = run({compiled.ENV: ""}), run({compiled.ENV: "0"})
     assert (fast["mode"], slow["mode"]) == ("compiled", "interpreted")
     assert fast["digests"] == slow["digests"]
+    assert fast["round_trips"] == slow["round_trips"] and all(slow["round_trips"].values()), fast["round_trips"]  # type: ignore[union-attr]
 
 
 def test_only_a_build_of_the_current_sources_is_loaded(tmp_path: Path) -> None:
