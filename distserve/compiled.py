@@ -7,12 +7,19 @@ the same behaviour: every simulation's records are identical (``tests/simulator/
 
 ``build()`` (``make sim-fast``, also part of ``make install``) compiles ``MODULES`` into
 ``build/mypyc/`` beside the sources, never next to them, with a stamp: the digest of the sources
-it compiled. ``activate()`` (run by ``import distserve``) puts a finder first on ``sys.meta_path``
-that loads those extensions instead of the sources only if the stamp matches the sources as they
-are now, so an edited module never runs stale compiled code: a stale build is reported once and
-everything runs interpreted until it is rebuilt. ``DISTSERVE_COMPILED=0`` runs interpreted
-whatever is built. It is all or nothing: compiled classes subclass compiled classes, so a process
-must not mix the two forms of these modules (``activate`` refuses if one was imported before it).
+it compiled. ``activate()`` puts a finder first on ``sys.meta_path`` that loads those extensions
+instead of the sources, only if the stamp matches the sources as they are now (an edited module
+never runs stale compiled code: a stale build is reported once and everything runs interpreted).
+
+Who runs compiled: ``import simulator`` activates, so a process that imports the simulator before
+the modules it drives does — the ``simulate`` and ``plan`` commands (``distserve.cli``), the
+sweeps and speed benchmarks under ``experiments/`` — and one that imports them first does not:
+the server, the Ray instances and the test suite run them interpreted, as they did. It is all or
+nothing per process (compiled classes subclass compiled classes), and ``DISTSERVE_COMPILED=0``
+runs interpreted whatever is built. Compiled, a function checks its arguments' declared types
+(``True`` is no ``float``), classes take no new attributes or weak references, and patching a
+module's function or a class is not seen by compiled callers (tests that patch are marked
+``interpreted``: ``tests/conftest.py``).
 """
 
 from __future__ import annotations
@@ -37,11 +44,13 @@ BUILD_DIR = ROOT / "build" / "mypyc"
 STAMP = "sources.sha256"
 ENV = "DISTSERVE_COMPILED"  # "0": interpreted, whatever is built
 
-# The simulator's event loop and what it drives every step; nothing here imports torch.
+# The simulator's event loop and what it drives every step; nothing here imports torch. Not the latency
+# models (``simulator.latency``): the planner sends them to its worker processes, and a compiled class whose
+# ``__init__`` takes arguments does not unpickle.
 MODULES: tuple[str, ...] = (
     "simulator.simulation", "simulator.sim_instance", "simulator.sim_admission", "simulator.sim_migration",
     "simulator.sim_records", "simulator.sim_events", "simulator.lazy_decodes", "simulator.lazy_batch",
-    "simulator.lazy_lanes", "simulator.fast_forward", "simulator.layer_preemption", "simulator.latency",
+    "simulator.lazy_lanes", "simulator.fast_forward", "simulator.layer_preemption",
     "distserve.engine.scheduler", "distserve.engine.block_manager", "distserve.engine.sequence",
     "distserve.engine.instance_core", "distserve.engine.step_plan", "distserve.engine.step_outputs",
     "distserve.engine.preemptible", "distserve.engine.rank_order", "distserve.engine.prefix_grouping",
@@ -121,15 +130,21 @@ def unusable(build_dir: Path = BUILD_DIR, env: Mapping[str, str] = os.environ) -
 
 
 def activate(build_dir: Path = BUILD_DIR) -> bool:
-    """Load ``MODULES`` compiled from now on if ``build_dir`` holds a build of the current sources."""
+    """Load ``MODULES`` compiled from now on if ``build_dir`` holds a build of the current sources
+    and none of them is imported yet; the first call decides for the process."""
     if not _state:
         why = unusable(build_dir)
-        if why and not why.startswith((ENV, "not built")):
+        if why.startswith("the compiled build is stale"):
             log.warning("distserve: %s; the simulator runs interpreted", why)
         if not why:
             sys.meta_path.insert(0, CompiledFinder(build_dir))
         _state.update(mode="interpreted" if why else "compiled", why=why)
     return _state["mode"] == "compiled"
+
+
+def active() -> bool:
+    """Whether this process loads ``MODULES`` compiled (``activate`` decided)."""
+    return _state.get("mode") == "compiled"
 
 
 def mode() -> str:

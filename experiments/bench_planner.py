@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 import harness
+import simulator  # noqa: F401 - first of ours: the simulator's modules load compiled (distserve.compiled)
 from distserve.cli.arg_types import fraction, positive_int
 from distserve.cli.args import latency_type
 from distserve.planner.report import PlanArgs, build_request

@@ -56,6 +56,7 @@ PACKAGES = ("distserve", "simulator", "kernels")  # what --baseline-ref takes fr
 # ---- one measurement (runs in a subprocess whose PYTHONPATH picks the code under test) ----------
 def measure(deployment: str, num_requests: int, rate_per_entry: float, profile: str | None, seed: int,
             fast_forward: bool = True, wait_go: bool = False) -> dict[str, Any]:
+    import simulator  # noqa: F401 - first: the modules it drives load compiled, if built (distserve.compiled)
     from distserve.engine import scheduler as scheduler_module
     from distserve.placement import Placement
     from simulator.latency import FittedLatencyModel, LatencyModel, RooflineLatencyModel

@@ -50,6 +50,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 import harness
+import simulator  # noqa: F401 - first of ours: the simulator's modules load compiled (distserve.compiled)
 from distserve.cli.arg_types import fraction, positive_int
 from distserve.placement import Placement
 from distserve.slo import SLO

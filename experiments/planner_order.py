@@ -31,6 +31,7 @@ from dataclasses import replace
 from typing import Any
 
 import harness
+import simulator  # noqa: F401 - first of ours: the simulator's modules load compiled (distserve.compiled)
 from distserve import compiled
 from distserve.cli.arg_types import positive_int
 from distserve.planner.chains import Chain, FollowUp, chain_order, evaluate, rounded, run_follow_ups

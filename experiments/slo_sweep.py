@@ -52,6 +52,7 @@ from typing import Any
 import numpy as np
 
 import harness
+import simulator  # noqa: F401 - first of ours: the simulator's modules load compiled (distserve.compiled)
 from distserve.cli.arg_types import fraction, non_negative_float, positive_float, positive_int
 from distserve.cli.args import latency_type
 from distserve.errors import DistServeError, InvalidConfigError

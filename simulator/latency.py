@@ -15,15 +15,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from mypy_extensions import mypyc_attr
-
 from distserve.errors import InvalidConfigError
 from simulator.hardware import HardwareSpec, get_hardware
 from simulator.models import ModelSpec, get_model_spec
 from simulator.profiles import DECODE_ATTENTION_READS, DEFAULT_HARDWARE, TpCoefficients, profile_json, read_profile
 
 
-@mypyc_attr(native_class=False)  # compiled native, a frozen dataclass would not unpickle
 @dataclass(frozen=True, slots=True)
 class BatchShape:
     """Aggregates of one batch; cheap to build (the simulator builds one per step, keep it light)."""

@@ -24,6 +24,8 @@ from typing import Any, NoReturn
 
 import pytest
 
+from distserve import compiled
+
 # The stdlib runs `uname -p` in a subprocess the first time anyone asks for the processor (the
 # openai client does, per request) and caches the answer: ask once here, before any guard is up.
 platform.processor()
@@ -39,6 +41,24 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             continue
         if item.get_closest_marker("slow") is not None or INTEGRATION_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.integration)
+        elif item.get_closest_marker("interpreted") is not None and compiled.active():
+            item.add_marker(pytest.mark.integration)  # it runs in a subprocess (``pytest_pyfunc_call``)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
+    """A test marked ``interpreted`` patches functions or classes of the modules ``distserve.compiled``
+    compiles, which compiled callers do not see: where this process runs them compiled, the test runs
+    in a pytest of its own with them interpreted (``DISTSERVE_COMPILED=0``)."""
+    if pyfuncitem.get_closest_marker("interpreted") is None or not compiled.active():
+        return None
+    run = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", pyfuncitem.nodeid],
+        cwd=pyfuncitem.config.rootpath, env={**os.environ, compiled.ENV: "0"}, capture_output=True, text=True, timeout=600,
+    )
+    if run.returncode != 0:
+        pytest.fail(f"{pyfuncitem.nodeid}, run interpreted, failed:\n{run.stdout[-4000:]}{run.stderr[-2000:]}")
+    return True
 
 
 @pytest.fixture(autouse=True)

@@ -123,6 +123,7 @@ def test_an_engine_whose_every_step_fails_is_declared_dead(tiny: LoadedModel) ->
         engine.step_or_recover()
 
 
+@pytest.mark.interpreted  # patches BlockManager.can_allocate
 def test_a_request_that_breaks_scheduling_fails_alone(
     tiny: LoadedModel, reference: dict[str, list[int]], monkeypatch: pytest.MonkeyPatch
 ) -> None:

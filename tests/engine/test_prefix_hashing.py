@@ -48,6 +48,7 @@ def assert_hashes_right(s: Sequence) -> None:
     assert s.prefix_hashes == prefix_block_hashes(s.token_ids, BS)[: len(s.prefix_hashes)]
 
 
+@pytest.mark.interpreted  # counts ``hash_block`` calls through the module attribute
 def test_admission_hashes_each_block_once_even_while_the_prompt_waits(hash_calls: Counter) -> None:
     bm = BlockManager(num_blocks=6, block_size=BS)
     sched = Scheduler(SchedulerConfig(), bm, 1024)
@@ -74,6 +75,7 @@ def test_admission_hashes_each_block_once_even_while_the_prompt_waits(hash_calls
     assert_hashes_right(b)
 
 
+@pytest.mark.interpreted  # counts ``hash_block`` calls through the module attribute
 def test_decode_reservation_and_routing_reuse_the_same_hashes(hash_calls: Counter) -> None:
     decode = DecodeScheduler(SchedulerConfig(), BlockManager(num_blocks=16, block_size=BS), 1024)
     s = seq("a", list(range(13)))  # prompt + first token
@@ -86,6 +88,7 @@ def test_decode_reservation_and_routing_reuse_the_same_hashes(hash_calls: Counte
     assert hash_calls.total() == 3 and s.block_hashes == routed
 
 
+@pytest.mark.interpreted  # counts ``hash_block`` calls through the module attribute
 def test_preempted_sequence_hits_its_own_blocks_and_hashes_nothing_twice(hash_calls: Counter) -> None:
     bm = BlockManager(num_blocks=7, block_size=BS)
     sched = Scheduler(SchedulerConfig(), bm, 1024)
@@ -112,6 +115,7 @@ def test_preempted_sequence_hits_its_own_blocks_and_hashes_nothing_twice(hash_ca
         assert_hashes_right(s)
 
 
+@pytest.mark.interpreted  # counts ``hash_block`` calls through the module attribute
 def test_a_rerun_after_a_crash_and_a_copy_keep_correct_hashes(hash_calls: Counter) -> None:
     core = InstanceCore("colocated", SchedulerConfig(), 32, BS, 1024)
     s = seq("a", list(range(10)))
