@@ -12,6 +12,7 @@ from dataclasses import replace
 
 import ray.cloudpickle
 
+import simulator  # noqa: F401 - first of ours: it loads the modules it drives compiled, if built (distserve.compiled)
 from distserve import compiled
 from distserve.cluster.admission import AdmissionConfig
 from distserve.cluster.classes import RequestClass
