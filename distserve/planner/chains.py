@@ -279,6 +279,29 @@ def run_all(fn: Callable[..., T], args: list[tuple[Any, ...]], workers: int) -> 
         return pool.starmap(fn, args)
 
 
+WORKER_CHECK_S = 1.0  # how often a wait for an outcome checks that the pool's workers are alive
+
+
+class WorkerDiedError(RuntimeError):
+    """A planner worker process died (killed, out of memory, a crash): its probe is lost."""
+
+
+def _next_outcome(finished: queue.SimpleQueue[tuple[Any, Any]], pool: multiprocessing.pool.Pool) -> tuple[Any, Any]:
+    """The next probe's or task's outcome. ``multiprocessing.Pool`` replaces a worker that dies but never
+    reports the task it was running, so waiting for that task would never end: a worker gone (its process
+    no longer among the pool's: they end only with the pool) is a ``WorkerDiedError`` instead."""
+    workers = list(pool._pool)  # type: ignore[attr-defined]  # (Pool keeps no public list of its processes)
+    while True:
+        try:
+            return finished.get(timeout=WORKER_CHECK_S)
+        except queue.Empty:
+            dead = [w for w in workers if w.exitcode is not None]
+            if dead:
+                raise WorkerDiedError(
+                    f"a planner worker process died (pid {dead[0].pid}, exit code {dead[0].exitcode}); "
+                    "its probe is lost: run again, or with --workers 1") from None
+
+
 @contextlib.contextmanager
 def _pool(workers: int, jobs: list[list[Job]] | None = None) -> Iterator[multiprocessing.pool.Pool]:
     """A pool of forked workers that ``terminate`` (on leaving it) kills outright: each starts with
@@ -409,7 +432,7 @@ def _run_on_pool(searches: list[BestFirst], workers: int, progress: Progress, fo
                         submit((c, *step))
                     if len(running) >= workers:
                         break
-            key, out = finished.get()
+            key, out = _next_outcome(finished, pool)
             running.discard(key)
             if isinstance(out, BaseException):
                 raise out

@@ -206,6 +206,29 @@ def test_a_candidate_that_can_only_tie_the_best_stops_and_loses(workers: int) ->
         assert chosen[-1] is first
 
 
+def exit_at_once(*args: object) -> None:
+    """A probe whose worker process dies (``test_a_dead_worker_fails_the_plan_instead_of_hanging``)."""
+    import os
+
+    os._exit(3)
+
+
+@pytest.mark.integration  # (a process pool)
+@needs_profile
+@pytest.mark.timeout(120)
+def test_a_dead_worker_fails_the_plan_instead_of_hanging(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``multiprocessing.Pool`` replaces a worker that dies but never reports its task: the search
+    raises, naming the exit code, instead of waiting for that probe forever."""
+    from distserve.planner import chains
+
+    monkeypatch.setattr(chains, "_probe_in_worker", exit_at_once)
+    args = plan_report.PlanArgs(model="facebook/opt-13b", gpu="a100-80g", nodes=1, gpus_per_node=8, workload="chatbot",
+                                ttft_s=0.25, tpot_s=0.1, profile=str(PROFILE), num_requests=60)
+    req = replace(plan_report.build_request(args), max_workers=2)
+    with pytest.raises(chains.WorkerDiedError, match="exit code 3"):
+        Planner(req).plan()
+
+
 @pytest.mark.integration  # (a process pool)
 @needs_profile
 @pytest.mark.parametrize("stop", [True, False])
