@@ -25,7 +25,7 @@ $(STAMP): pyproject.toml
 # faster simulations, sweeps and plans. Rebuilt only when those sources changed; a stale or missing
 # build is never loaded (everything then runs interpreted), so `make install` goes on if it fails.
 sim-fast: $(STAMP)
-	$(PY) -c "import sys; from distserve.compiled import main; sys.exit(main(['build']))"
+	$(PY) -c "import sys; from distserve.compiled import main; sys.exit(main())"
 
 install: $(STAMP)
 	-@$(MAKE) --no-print-directory sim-fast

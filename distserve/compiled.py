@@ -149,9 +149,9 @@ def active() -> bool:
 
 def mode() -> str:
     """"compiled" or "interpreted": how this process runs ``MODULES`` (benchmarks report it)."""
-    import simulator.simulation
+    import simulator  # noqa: F401 - decides, if nothing imported it yet
 
-    return "interpreted" if (simulator.simulation.__file__ or "").endswith(".py") else "compiled"
+    return _state["mode"]
 
 
 def build(build_dir: Path = BUILD_DIR, quiet: bool = True) -> Path:
@@ -186,24 +186,15 @@ def build(build_dir: Path = BUILD_DIR, quiet: bool = True) -> Path:
     return build_dir
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    import argparse
-
-    parser = argparse.ArgumentParser(prog="python -m distserve.compiled", description=__doc__.splitlines()[0])
-    parser.add_argument("command", choices=["build", "status"], help="build: compile the modules; status: is the build fresh?")
-    args = parser.parse_args(argv)
-    if args.command == "build":
-        if built_digest() == sources_digest():
-            print(f"{BUILD_DIR} is up to date")
-            return 0
-        print(f"compiling {len(MODULES)} modules with mypyc into {BUILD_DIR} (about a minute)")
-        build()
-        print("done")
+def main() -> int:
+    """``make sim-fast``: build unless the build is fresh."""
+    if built_digest() == sources_digest():
+        print(f"{BUILD_DIR} is up to date")
         return 0
-    stamp = built_digest()
-    fresh = stamp == sources_digest()
-    print("fresh" if fresh else ("stale" if stamp else "not built"), BUILD_DIR)
-    return 0 if fresh else 1
+    print(f"compiling {len(MODULES)} modules with mypyc into {BUILD_DIR} (about a minute)")
+    build()
+    print("done")
+    return 0
 
 
 if __name__ == "__main__":

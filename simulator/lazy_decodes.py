@@ -50,7 +50,6 @@ class LazyDecodes(LazyBatch):
         super().__init__(inst.core, token_id)
         self.inst = inst  # (the run breaks the cycle at its end: ``Simulation.run``)
 
-
     @property
     def num_members(self) -> int:
         """The live members: the head of ``running`` (as ``LazyLanes.num_members``)."""

@@ -62,7 +62,6 @@ class LazyLanes:
         self.marker_s: float | None = None  # the latest marker queued (at the then oldest lane's end)
         self.num_members = 0  # of all lanes: the head of ``running``
 
-
     @classmethod
     def enter(cls, sim: Simulation, inst: SimInstance, token_id: int) -> LazyLanes | None:
         """Right after a launch at ``now``: every plan in flight (each decodes, together all running
