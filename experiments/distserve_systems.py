@@ -11,8 +11,9 @@ from typing import Any
 
 from distserve.config import SchedulerConfig
 from distserve.placement import Placement
-from distserve_setting import (ALIGNED_OVERHEADS_S, ALIGNED_VLLM_KV_SHARE, DISTSERVE_DECODE_LIMITS, DISTSERVE_PREFILL_LIMITS, EVAL_MEM_UTILIZATION,
-                               VLLM_A100_PROFILE, VLLM_LIMITS, VLLM_RAY_SEQ_S, VLLM_RAY_STEP_S, VLLM_STEP_OVERHEAD_S, Row)
+from distserve_setting import (ALIGNED_OVERHEADS_S, ALIGNED_PREFILL_SCALE, ALIGNED_VLLM_KV_SHARE, DISTSERVE_DECODE_LIMITS,
+                               DISTSERVE_PREFILL_LIMITS, EVAL_MEM_UTILIZATION, FITTED_VLLM, VLLM_A100_PROFILE, VLLM_LIMITS,
+                               VLLM_RAY_SEQ_S, VLLM_RAY_STEP_S, VLLM_STEP_OVERHEAD_S, Row)
 from simulator.latency import FittedLatencyModel, LatencyModel
 from simulator.simulation import SimConfig
 from sweep_systems import latency_model, with_overrides
@@ -30,7 +31,7 @@ class Ablation:
     mem_utilization: float | None = None
     kv_unlimited: bool = False  # every instance holds any number of KV tokens, as the workers of DistServe's simulator
     launch_limits: bool = False  # DistServe's launch settings: vLLM 1024 seqs / 16384 tokens, prefill 128 / 8192, decode 1024 / 65536, KV at 95%
-    first_turn: bool = False  # `chatbot` (first-turn prompts) instead of `sharegpt-multiturn`
+    chatbot_workload: str | None = None  # the chatbot rows' workload instead of `sharegpt-multiturn` (other rows: not run)
     vllm_engine: bool = False  # the vllm-2023 baseline on vLLM's fitted step times
     vllm_overhead_s: float = 0.0  # per step, vllm-2023 only
     distserve_overhead_s: float = 0.0  # per step, DistServe's layout only
@@ -42,13 +43,18 @@ class Ablation:
     distserve_seq_overhead_s: float = 0.0  # per sequence in a step, DistServe's layout only
     vllm_kv_share: float | None = None  # vllm-2023's KV cache: this share of the tokens our memory model gives it
     vllm_padding: bool = False  # vllm-2023's prompt batches padded to the longest prompt (``SimConfig.prefill_padding``)
+    # vllm-2023's prompt steps x this on the one row whose vLLM DistServe's real traces measured (OPT-13B at TP1: the
+    # ``FITTED_VLLM`` model and TP; ``align_real_traces.py``); other rows' vLLM profile entries have no trace to correct them
+    vllm_prefill_scale: float = 1.0
+    distserve_prefill_scale: float = 1.0  # DistServe's prompt steps x this (``align_real_traces.py`` fits it as well)
     pp_as_replicas: bool = False  # DistServe's pp > 1 instances as pp instances without stages (the ideal pipeline's throughput)
     short_runs: bool = False  # runs as long as DistServe's (``Row.eval_prompts_per_gpu`` prompts per GPU), goodput averaged over seeds
 
     @property
     def changes_distserve(self) -> bool:
-        return (self.seqs is not None or self.mem_utilization is not None or self.kv_unlimited or self.launch_limits or self.first_turn
-                or self.pp_as_replicas or self.distserve_overhead_s > 0 or self.distserve_seq_overhead_s > 0 or self.short_runs)
+        return (self.seqs is not None or self.mem_utilization is not None or self.kv_unlimited or self.launch_limits or self.chatbot_workload is not None
+                or self.pp_as_replicas or self.distserve_overhead_s > 0 or self.distserve_seq_overhead_s > 0 or self.short_runs
+                or self.distserve_prefill_scale != 1.0)
 
 
 def runs_of(a: Ablation, row: Row, common: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
@@ -94,6 +100,8 @@ def distserve_config(a: Ablation) -> SimConfig:
     if a.mem_utilization is not None:
         cfg = replace(cfg, mem_utilization=a.mem_utilization)
     cfg = replace(cfg, step_overhead_s=a.distserve_overhead_s, seq_overhead_s=a.distserve_seq_overhead_s)
+    if a.distserve_prefill_scale != 1.0:
+        cfg = replace(cfg, prefill_time_scale=a.distserve_prefill_scale)
     return replace(cfg, num_blocks=UNLIMITED_KV_BLOCKS) if a.kv_unlimited else cfg
 
 
@@ -112,6 +120,8 @@ def vllm_config(a: Ablation, row: Row, ratios: tuple[float, float]) -> tuple[Sim
     if a.vllm_engine:
         if has_vllm_fit(row.model):
             engine = "vllm"
+            if (row.model, row.vllm_tp) == FITTED_VLLM and a.vllm_prefill_scale != 1.0:
+                cfg = replace(cfg, prefill_time_scale=a.vllm_prefill_scale)
         else:
             cfg = replace(cfg, prefill_time_scale=ratios[0], step_time_scale=ratios[1])
     if a.vllm_kv_share is not None:
@@ -143,7 +153,7 @@ ABLATIONS = [
     Ablation("launch-limits", "DistServe's launch settings: vLLM 1024 seqs / 16384 tokens per step; DistServe prefill 128 / 8192, "
              "decode 1024 / 65536; KV at 95%", launch_limits=True),
     Ablation("first-turn", "first-turn ShareGPT prompts (`chatbot`, mean ~228 tokens) instead of DistServe's multi-turn preparation",
-             first_turn=True),
+             chatbot_workload="chatbot"),
     Ablation("pp-as-replicas", "each of DistServe's pp > 1 instances replaced by pp instances of its TP without pipeline stages, "
              "each with 1/pp of its KV: the throughput of a perfect pipeline (same GPUs, same latency per batch)", pp_as_replicas=True),
     Ablation("vllm-steps", "vllm-2023 on vLLM's fitted step times (DistServe's profiler-a100-80g.vllm.json; OPT-175B: OPT-66B TP4's "
@@ -155,12 +165,14 @@ ABLATIONS = [
     Ablation("as-evaluated", "launch-limits + vllm-steps+6ms: the closest we model DistServe's real comparison", launch_limits=True,
              vllm_engine=True, vllm_overhead_s=VLLM_STEP_OVERHEAD_S),
     Ablation("aligned", "both engines as DistServe's real OPT-13B traces show them (`align_real_traces.py`): launch limits; vllm-2023 on "
-             f"vLLM's step times + {ALIGNED_OVERHEADS_S['vllm'][0] * 1e3:g} ms per step + {ALIGNED_OVERHEADS_S['vllm'][1] * 1e3:g} ms per "
+             f"vLLM's step times (OPT-13B TP1's prompt steps x{ALIGNED_PREFILL_SCALE['vllm']:g}) + {ALIGNED_OVERHEADS_S['vllm'][0] * 1e3:g} ms "
+             f"per step + {ALIGNED_OVERHEADS_S['vllm'][1] * 1e3:g} ms per "
              f"sequence, its KV cache {ALIGNED_VLLM_KV_SHARE:g} of our memory model's; DistServe's layout + "
              f"{ALIGNED_OVERHEADS_S['distserve'][0] * 1e3:g} ms per step + {ALIGNED_OVERHEADS_S['distserve'][1] * 1e3:g} ms per sequence",
              launch_limits=True, vllm_engine=True, vllm_overhead_s=ALIGNED_OVERHEADS_S["vllm"][0],
              vllm_seq_overhead_s=ALIGNED_OVERHEADS_S["vllm"][1], vllm_kv_share=ALIGNED_VLLM_KV_SHARE,
-             distserve_overhead_s=ALIGNED_OVERHEADS_S["distserve"][0], distserve_seq_overhead_s=ALIGNED_OVERHEADS_S["distserve"][1]),
+             distserve_overhead_s=ALIGNED_OVERHEADS_S["distserve"][0], distserve_seq_overhead_s=ALIGNED_OVERHEADS_S["distserve"][1],
+             vllm_prefill_scale=ALIGNED_PREFILL_SCALE["vllm"], distserve_prefill_scale=ALIGNED_PREFILL_SCALE["distserve"]),
 ]
 ALIGNED = ABLATIONS[-1]
 # vLLM before 0.4 computed a step's prompts as one [prompts x longest prompt] tensor (``SimConfig.prefill_padding``):
@@ -191,4 +203,14 @@ ABLATIONS += [
                        "in the step per TP worker"),
     replace(ALIGNED, name="aligned+ray+short-runs", vllm_ray_step_s=VLLM_RAY_STEP_S, short_runs=True,
             assumption="aligned+ray, with runs as long as DistServe's"),
+]
+# DistServe's own requests: its real runs' traces record 300 of its prepared ShareGPT requests (``sharegpt-distserve``),
+# with longer prompts than ``sharegpt-multiturn`` rebuilds from published statistics (mean 780 vs 649, p90 1,512 vs 1,394).
+ABLATIONS += [
+    Ablation("distserve-prompts", "the chatbot rows on DistServe's own requests (`sharegpt-distserve`: the 300 its real OPT-13B runs "
+             "served, resampled) instead of `sharegpt-multiturn`", chatbot_workload="sharegpt-distserve"),
+    replace(ALIGNED, name="aligned+distserve-prompts", chatbot_workload="sharegpt-distserve",
+            assumption="aligned, the chatbot rows on DistServe's own requests"),
+    replace(ALIGNED, name="aligned+ray+distserve-prompts+short-runs", vllm_ray_step_s=VLLM_RAY_STEP_S, short_runs=True,
+            chatbot_workload="sharegpt-distserve", assumption="aligned+ray+short-runs, the chatbot rows on DistServe's own requests"),
 ]

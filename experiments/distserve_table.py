@@ -176,7 +176,7 @@ def engine_ratios(row: Row, unit_stats: dict[str, float]) -> tuple[float, float]
 
 
 def applies(a: Ablation, row: Row) -> bool:
-    return (not a.first_turn or row.workload == "sharegpt-multiturn") and (not a.pp_as_replicas or row.layout[1] * row.layout[3] > 1)
+    return (a.chatbot_workload is None or row.workload == "sharegpt-multiturn") and (not a.pp_as_replicas or row.layout[1] * row.layout[3] > 1)
 
 
 # Whose runs measure the SLO scale at DistServe's figures' rate (``eval_slo_scale``): both engines as DistServe's traces show
@@ -294,7 +294,7 @@ def main() -> None:
         for a in ablations:
             if not applies(a, r):
                 continue
-            workload = "chatbot" if a.first_turn else r.workload
+            workload = a.chatbot_workload or r.workload
             modes = tuple(MODES) if a.name == "baseline" else (MODE,)
             placement, config = distserve_placement(a, r, distserve_config(a))
             cfg, engine = vllm_config(a, r, ratios[r.key])

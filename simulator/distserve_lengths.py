@@ -32,6 +32,8 @@ over 1024 tokens, ...), so long pasted messages are missing and prompts are some
 any correlation of lengths within a conversation. Result (``describe_sharegpt_multiturn``, 200k
 draws, seed 0): prompt mean 649, p50 556, p90 1,394; output mean 212, p50 139, p90 513 —
 the prompts 2.8x the first-turn ``chatbot`` prompts (mean 228), the heavier prefill load of DistServe's runs.
+DistServe's own requests (``sharegpt-distserve``, below: 300 of them, recorded in its real runs' traces)
+have longer prompts still (mean 780, p90 1,512) and shorter outputs (mean 176).
 
 ``humaneval``: HumanEval's 164 problems as DistServe builds them (prompt, canonical solution; none
 reaches 2048 tokens), entry ``humaneval_distserve_style_computed`` — the statistics ``code`` uses.
@@ -55,16 +57,20 @@ output, so 11% of requests had a 1-token output, no TPOT, and met any TPOT SLO.
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import numpy as np
 
 from distserve.errors import InvalidConfigError
 from simulator.lengths import HUMANEVAL_OPT, LengthDistribution, LengthTarget, LogNormalLengths, chatbot_lengths, check_int
 
 __all__ = [
-    "DISTSERVE_MAX_TOTAL", "LONGBENCH_ANSWER", "SHAREGPT_MEAN_ROUNDS", "LongBenchLengths", "ShareGPTMultiTurn",
-    "describe_sharegpt_multiturn", "humaneval_lengths",
+    "DISTSERVE_MAX_TOTAL", "DISTSERVE_TRACES", "LONGBENCH_ANSWER", "SHAREGPT_MEAN_ROUNDS", "DistServeShareGPTSample", "LongBenchLengths",
+    "ShareGPTMultiTurn", "describe_sharegpt_multiturn", "humaneval_lengths",
 ]
 
+DISTSERVE_TRACES = Path(__file__).resolve().parent / "data" / "distserve-opt13b-vllm-traces.json"  # its real runs' requests
 DISTSERVE_MAX_TOTAL = 2048  # OPT's max_position_embeddings: DistServe keeps prompt + output < 2048
 SHAREGPT_MEAN_ROUNDS = 3.51  # 330,239 turns / 94,145 conversations
 LONGBENCH_ANSWER = LengthTarget(mean=90.0, median=15.0, min=1, max=1024)
@@ -163,3 +169,32 @@ class LongBenchLengths(LengthDistribution):
         output = answer + 1  # [n] DistServe's answer_len = len(tokenizer(answer).input_ids): OPT's tokenizer adds a BOS
         prompt = np.minimum(self.cut - output, rng.integers(self.min_prompt, self.max_prompt + 1, size=n))  # [n]
         return prompt.astype(np.int64), output
+
+
+class DistServeShareGPTSample(LengthDistribution):
+    """``sharegpt-distserve``: (prompt, output) pairs resampled, with replacement, from the requests DistServe itself served.
+
+    DistServe's repository records the requests of its real OPT-13B runs (``data/distserve-opt13b-vllm-traces.json``:
+    its ShareGPT preparation, OPT tokens with the BOS; every trace there is a prefix of ``vllm-300-3``): 300 draws of
+    the distribution ``sharegpt-multiturn`` rebuilds from statistics. They have longer prompts (mean 780, p90 1,512 against
+    649 and 1,394: the rebuilt conversations lack the long pasted messages vLLM's filter dropped) and shorter outputs
+    (mean 176 against 212). 300 draws hold the distribution's bulk, not its far tail.
+    """
+
+    def __init__(self, trace: str = "vllm-300-3"):
+        data = json.loads(DISTSERVE_TRACES.read_text())
+        if trace not in data["traces"]:
+            raise InvalidConfigError(f"sharegpt-distserve: trace must be one of {sorted(data['traces'])}, got {trace!r}", "trace")
+        rows = data["traces"][trace]
+        col = data["fields"].index
+        self.prompt_lens = np.array([r[col("prompt_len")] for r in rows], dtype=np.int64)  # [num_requests]
+        self.output_lens = np.maximum(1, np.array([r[col("output_len")] for r in rows], dtype=np.int64))  # [num_requests]
+        self.name = "sharegpt-distserve"
+        self.description = (
+            f"the {len(rows)} requests of DistServe's real OPT-13B runs (its ShareGPT preparation; {trace}), resampled: prompt mean "
+            f"{self.prompt_lens.mean():.0f}, output mean {self.output_lens.mean():.0f}"
+        )
+
+    def sample(self, n: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+        idx = rng.integers(0, len(self.prompt_lens), size=n)  # [n]
+        return self.prompt_lens[idx], self.output_lens[idx]

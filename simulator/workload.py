@@ -26,7 +26,7 @@ from distserve.cluster.classes import DEFAULT, DEFAULT_CLASS, RequestClass
 from distserve.cluster.tenants import ANONYMOUS, DEFAULT_TIER
 from distserve.config import PRIORITY_MAX, PRIORITY_MIN
 from distserve.errors import DistServeError, InvalidConfigError
-from simulator.distserve_lengths import LongBenchLengths, ShareGPTMultiTurn, humaneval_lengths
+from simulator.distserve_lengths import DistServeShareGPTSample, LongBenchLengths, ShareGPTMultiTurn, humaneval_lengths
 from simulator.lengths import FixedLengths, LengthDistribution, chatbot_lengths, check_int, code_lengths, summarization_lengths
 
 __all__ = [
@@ -110,19 +110,21 @@ LENGTH_DISTRIBUTIONS: dict[str, Callable[..., LengthDistribution]] = {
     "summarization": summarization_lengths,
     # DistServe's datasets as its preparation script builds them (``simulator.distserve_lengths``)
     "sharegpt-multiturn": ShareGPTMultiTurn,
+    "sharegpt-distserve": DistServeShareGPTSample,  # the requests of DistServe's real OPT-13B runs, resampled
     "humaneval": humaneval_lengths,
     "longbench": LongBenchLengths,
     "fixed": FixedLengths,  # FixedLengths(prompt_len, output_len), or the spec "fixed:<prompt>:<output>"
     "trace": TraceLengths,  # TraceLengths(path), or the spec "<path>.jsonl"
 }
-_SPEC_CHOICES = "chatbot, code, summarization, fixed:<prompt>:<output>, sharegpt-multiturn, humaneval, longbench, or a path to a .jsonl trace"
+_SPEC_CHOICES = ("chatbot, code, summarization, fixed:<prompt>:<output>, sharegpt-multiturn, sharegpt-distserve, humaneval, longbench, "
+                 "or a path to a .jsonl trace")
 
 
 def get_length_distribution(spec: str, **params: Any) -> LengthDistribution:
     """The length distribution named by ``spec``.
 
     Args:
-        spec: ``"chatbot" | "code" | "summarization" | "sharegpt-multiturn" | "humaneval" | "longbench" |
+        spec: ``"chatbot" | "code" | "summarization" | "sharegpt-multiturn" | "sharegpt-distserve" | "humaneval" | "longbench" |
             "fixed:<prompt>:<output>"`` or the path of a
             ``.jsonl`` trace whose (prompt_len, output_len) pairs are resampled.
         params: keyword parameters of the distribution's factory (``LENGTH_DISTRIBUTIONS[name]``).

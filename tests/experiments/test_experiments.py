@@ -165,6 +165,11 @@ CHECKS = {
     and f["total_5xx"] == 0 and f["total_hangs"] == 0 and f["num_probes_ok"] == f["num_probes"] == 10
     and f["plain_failed_during_probes"] == 0 and f["served_after"] and f["healthy_after"] and f["idle_all_free"]
     and f["processes_left"] == 0,
+    # Each system's best fit replays its traces at least as well as the best with the profile's prompt steps unscaled
+    # (a grid point of the same search), and better than no overhead at all.
+    "align_real_traces": lambda f: f["quick"] and set(f["systems"]) == {"vllm", "distserve"} and all(
+        r["best_prefill_scale"] in (0.8, 1.0) and r["best_error"] <= r["unscaled"]["error"] <= r["error_at_0"] and r["best"]
+        for r in f["systems"].values()),
     # Every run chose a plan, and every enumerated candidate was either simulated or pruned; 2 workers searched as 1.
     # Candidate order never changes the plan; with the best candidates first (the oracle) fewer probes.
     # The fit meets vLLM PR #2221's ShareGPT figures it was fitted to (both forms), is checked on the other benchmark

@@ -7,12 +7,14 @@ import numpy as np
 import pytest
 
 from distserve.errors import InvalidConfigError
-from simulator.distserve_lengths import SHAREGPT_MEAN_ROUNDS, LongBenchLengths, ShareGPTMultiTurn, describe_sharegpt_multiturn
+from simulator.distserve_lengths import (
+    DISTSERVE_TRACES, SHAREGPT_MEAN_ROUNDS, DistServeShareGPTSample, LongBenchLengths, ShareGPTMultiTurn, describe_sharegpt_multiturn,
+)
 from simulator.lengths import HUMANEVAL_OPT, FixedLengths, LengthTarget
 from simulator.workload import generate_requests, get_length_distribution
 
 N = 50_000
-NAMES = ("sharegpt-multiturn", "humaneval", "longbench")
+NAMES = ("sharegpt-multiturn", "sharegpt-distserve", "humaneval", "longbench")
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -36,6 +38,20 @@ def test_sharegpt_multiturn_statistics_as_documented() -> None:
         assert got[key] == pytest.approx(target, rel=0.05), key
     # Far longer prompts than the first turns alone (``chatbot``: mean 228): earlier turns are concatenated.
     assert got["prompt_mean"] > 2.5 * get_length_distribution("chatbot").sample(N, np.random.default_rng(1))[0].mean()
+
+
+def test_sharegpt_distserve_resamples_exactly_the_requests_distserve_served() -> None:
+    import json
+
+    rows = json.loads(DISTSERVE_TRACES.read_text())["traces"]["vllm-300-3"]
+    pairs = {(r[1], r[2]) for r in rows}
+    prompt, output = get_length_distribution("sharegpt-distserve").sample(N, np.random.default_rng(0))
+    assert set(zip(prompt.tolist(), output.tolist())) == pairs  # every draw is one of them, and 50k draws meet all 300
+    # Longer prompts than the rebuilt distribution (mean 780 against 649; the docstrings' figures), shorter outputs.
+    assert prompt.mean() == pytest.approx(780, rel=0.03) and np.percentile(prompt, 90) == pytest.approx(1512, rel=0.03)
+    assert output.mean() == pytest.approx(176, rel=0.05)
+    with pytest.raises(InvalidConfigError, match="trace must be one of"):
+        DistServeShareGPTSample(trace="vllm-999-9")
 
 
 def test_sharegpt_multiturn_applies_distserve_rule_to_the_conversations() -> None:
