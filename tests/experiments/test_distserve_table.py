@@ -151,3 +151,25 @@ def test_ray_control_plane_is_paid_per_tp_worker_by_vllm_only() -> None:
         assert cfg_seq.seq_overhead_s == pytest.approx(seq_s + workers * setting.VLLM_RAY_SEQ_S) and cfg_seq.step_overhead_s == step_s
         assert systems.distserve_config(ray) == systems.distserve_config(aligned)
     assert {r.vllm_tp for r in setting.ROWS} == {1, 4, 8}  # both cases are in the table
+
+
+def test_vllm_prompt_step_scale_applies_only_where_the_traces_measured_it() -> None:
+    """``aligned``: vLLM's prompt steps are scaled (``align_real_traces.py``'s fit) on the row whose vLLM the traces measured
+    (OPT-13B at TP1) and nowhere else; DistServe's prompt steps as fitted (1.0: its profile needs no correction)."""
+    aligned = next(a for a in table.ABLATIONS if a.name == "aligned")
+    assert aligned.vllm_prefill_scale == setting.ALIGNED_PREFILL_SCALE["vllm"] != 1.0
+    for row in setting.ROWS:
+        cfg, engine = systems.vllm_config(aligned, row, (1.0, 1.0))
+        fitted = (row.model, row.vllm_tp) == setting.FITTED_VLLM
+        assert cfg.prefill_scale == (aligned.vllm_prefill_scale if fitted else 1.0), row.key
+        assert fitted == (row.key == "opt-13b-chatbot")
+    assert systems.distserve_config(aligned).prefill_scale == setting.ALIGNED_PREFILL_SCALE["distserve"]
+
+
+def test_distserve_prompts_ablations_run_the_chatbot_rows_on_distserves_own_requests() -> None:
+    abl = {a.name: a for a in table.ABLATIONS}
+    for name in ("distserve-prompts", "aligned+distserve-prompts", "aligned+ray+distserve-prompts+short-runs"):
+        a = abl[name]
+        assert a.chatbot_workload == "sharegpt-distserve" and a.changes_distserve
+        assert [r.key for r in setting.ROWS if table.applies(a, r)] == [r.key for r in setting.ROWS if r.workload == "sharegpt-multiturn"]
+    assert abl["first-turn"].chatbot_workload == "chatbot" and abl["aligned"].chatbot_workload is None
