@@ -17,8 +17,8 @@ table runs vLLM at TP 4 or 8. This script simulates the benchmark — LLaMA-2-70
 ``vllm-2023`` step policy at v0.2.3's defaults (256 sequences, 4096 tokens per step, KV at 90%), ShareGPT
 first-turn lengths (``chatbot``: what vLLM's benchmark samples), every request arriving at once — and fits:
 
-1. the engine's own overhead per sequence in a step (with ``aligned``'s 4 ms per step) to the *after* ShareGPT
-   throughput: to compare with the 0.3 ms that DistServe's TP1 traces give (``ALIGNED_OVERHEADS_S``);
+1. the engine's own overhead per sequence in a step (with ``aligned``'s per-step overhead) to the *after* ShareGPT
+   throughput: to compare with the per-sequence overhead DistServe's TP1 traces give (``ALIGNED_OVERHEADS_S``);
 2. the Ray control plane on top, to the *before* ShareGPT throughput, in two forms: a fixed cost per step per
    worker, or a cost per sequence per worker (both scale with TP: the driver serialises and sends each worker's call,
    and receives each worker's output, one after another);
