@@ -41,6 +41,7 @@ from distserve.planner.search import Planner
 from harness import Outputs
 from simulator import DISTSERVE_A100_PROFILE
 
+TARGET_PLAN_WALL_S = 2.0  # issue 18: any 4 x 8 plan in <= 2 s on these 2 cores (two workers: `distserve plan`'s default)
 # (model, workload, TTFT s, TPOT s): bench_planner's two chatbot rows, then DistServe's Table 1 settings.
 SETTINGS = [
     ("facebook/opt-13b", "chatbot", 0.25, 0.1),
@@ -144,6 +145,9 @@ def main() -> None:
                "python_loop_ns": round(loop_ns, 2), "simulator_mode": compiled.mode(), "rows": rows,
                "all_same_plan": all(r["same_plan"] and r["two_workers_same_plan"] for r in rows),
                "max_two_workers_wall_s": max(r["two_workers_wall_s"] for r in rows),
+               # issue 18's target: any 4 x 8 plan in <= 2 s on these 2 cores (<= 1: met)
+               "target_plan_wall_s": TARGET_PLAN_WALL_S,
+               "max_two_workers_wall_of_target": round(max(r["two_workers_wall_s"] for r in rows) / TARGET_PLAN_WALL_S, 3),
                "max_best_first_cpu_s": max(r["best_first_cpu_s"] for r in rows),
                "max_bound_order_cpu_s": max(r["bound_order_cpu_s"] for r in rows),
                "max_oracle_order_cpu_s": max(r["oracle_order_cpu_s"] for r in rows)}
@@ -159,6 +163,8 @@ def main() -> None:
                   f"{r['best_first_cpu_s']:.2f} ({r['best_first_probes']}) | {r['two_workers_wall_s']:.2f} | "
                   f"{r['bound_order_cpu_s']:.2f} ({r['bound_order_probes']}) | {r['speedup_vs_bound_order']:.2f}x | "
                   f"{r['oracle_order_cpu_s']:.2f} ({r['oracle_order_probes']}) | {r['same_plan'] and r['two_workers_same_plan']} |")
+    md += ["", f"Slowest plan with 2 workers: {figures['max_two_workers_wall_s']:.2f} s wall, "
+           f"{figures['max_two_workers_wall_of_target']:.0%} of issue 18's {TARGET_PLAN_WALL_S:g} s target (a 4 x 8 plan on 2 cores)."]
     out.markdown(md)
     out.json(figures)
     harness.finish(figures)
