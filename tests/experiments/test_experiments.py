@@ -179,6 +179,11 @@ CHECKS = {
         for k, p in (("after", "published_after"), ("before (per step)", "published_before"), ("before (per sequence)", "published_before")))
     and set(f["checks"]) == {"sharegpt", "fixed/512-prompts", "fixed/512-seqs"} and f["better_form"] in f["validation_error"]
     and f["ray_step_ms_per_worker"] > 0 and f["ray_seq_ms_per_worker"] > 0 and f["engine_seq_ms"] > 0,
+    # v0.2.3's step over real Ray actors: the driver's median step time grows with the sequences (16 vs 1) at each
+    # worker count and with the workers (2 vs 1) at each batch; the fixed cost per call is positive; no Ray process left.
+    "bench_ray_step_calls": lambda f: f["quick"] and f["ray_processes_left"] == 0 and f["a_ms"] > 0
+    and all((m := f["median_ms"])[f"W{w} N16 L200"] > m[f"W{w} N1 L200"] for w in (1, 2))
+    and all(m[f"W2 N{n} L200"] > m[f"W1 N{n} L200"] for n in (1, 16)) and all(t["k"] > 0 for t in f["translation"].values()),
     "planner_order": lambda f: f["all_same_plan"] and all(r["best_first_probes"] < r["bound_order_probes"] for r in f["rows"]),
     "bench_planner": lambda f: f["wall_s"] > 0 and f["num_simulated"] > 0 and f["best"] is not None and f["identical_across_workers"] and all(
         r["num_enumerated"] == r["num_candidates_simulated"] + r["num_pruned_by_bound"] + r["num_pruned_by_floor"]
