@@ -26,7 +26,7 @@ from typing import Any
 
 import httpx
 
-from distserve.measure.profiler import cpu_jiffies
+from distserve.measure.machine import cpu_jiffies
 
 # What `distserve serve` prints once it listens (with --port 0 the port is only known from this line).
 READY_LINE = re.compile(r"at (http://\S+)/v1")
