@@ -97,7 +97,7 @@ class Controller(AdmissionDriver, RequestFrontend, KVMigrations, InstanceRecover
         self._closed = False
         self._crashes = CrashLedger()
         self._blamed_in_episode: set[str] = set()  # requests blamed for a death since the last world was formed
-        self._step_faults: dict[str, str] = {}  # test hook: request id -> fault kind, armed on every instance
+        self._step_faults: dict[str, tuple[str, str | None]] = {}  # test hook: request id -> (fault kind, phase or None: all)
         self.counters = ClusterCounters()  # migrations and recovery events (``stats()`` reports them)
         self._migration_started: dict[str, float] = {}
         self._step_listeners: list[Callable[[StepEvent], None]] = []

@@ -308,9 +308,9 @@ class ControllerActor:
             raise ServiceUnavailableError("the controller is not started")
         await self.controller.check_health()
 
-    async def inject_step_fault(self, request_id: str, kind: str = "raise") -> None:
+    async def inject_step_fault(self, request_id: str, kind: str = "raise", phase: str | None = None) -> None:
         """Test hook: ``Controller.inject_step_fault``."""
-        await self._started().inject_step_fault(request_id, kind)
+        await self._started().inject_step_fault(request_id, kind, phase)
 
     async def placement_report(self) -> list[dict[str, Any]]:
         return await self._started().placement_report()

@@ -78,6 +78,9 @@ class InstanceServer:
         self._failed: set[str] = set()
         self._timed_out: set[str] = set()
         self._receiving: dict[str, str] = {}  # seq_id -> key of its receive in flight
+        # Crash suspects whose KV arrived in the last step: reported received then, decoding from the next step on
+        # (``_collect_transfers``), so that the controller knows of a suspect before its step alone.
+        self._arrived_suspects: list[str] = []
         self._after_recv: dict[str, list[Callable[[], None]]] = {}  # block-freeing ops waiting for that receive
         self._num_added = 0  # ``add`` calls applied (``StepResult.num_added``)
 
@@ -340,6 +343,9 @@ class InstanceServer:
                 result.updates.append(self.core.delta(seq))
 
     def _collect_transfers(self, result: StepResult) -> None:
+        for seq_id in self._arrived_suspects:
+            self.core.complete(seq_id)  # None if aborted since (its reservation is freed then)
+        self._arrived_suspects.clear()
         if not self._pending:
             return
         done: list[TransferResult] = list(self.local.poll())
@@ -376,6 +382,12 @@ class InstanceServer:
                 result.failed_transfers.append(seq_id)
                 if timed_out:
                     result.timed_out_transfers.append(seq_id)
+            elif (seq := self.core.seqs.get(seq_id)) is not None and seq.isolate:
+                # A crash suspect runs its first decode step alone. Not in this step: a death of that step is blamed
+                # on the suspect only if the controller knows it arrived (``suspects_of``), which it learns from this
+                # step's result; else it would blame every request this instance holds.
+                self._arrived_suspects.append(seq_id)
+                result.received.append(seq_id)
             elif self.core.complete(seq_id) is not None:
                 result.received.append(seq_id)
 

@@ -56,7 +56,7 @@ class InstanceRecovery:
     _world_lock: asyncio.Lock
     _migration_lock: asyncio.Lock
     _migration_started: dict[str, float]
-    _step_faults: dict[str, str]
+    _step_faults: dict[str, tuple[str, str | None]]
     _tasks: list[asyncio.Task[None]]
 
     if TYPE_CHECKING:  # the Controller's, which this half calls
@@ -212,8 +212,9 @@ class InstanceRecovery:
                 )
                 for dead in group:
                     dead.layout = await dead.actor.layout.remote()
-                    for request_id, kind in self._step_faults.items():
-                        await dead.actor.inject_step_fault.remote(request_id, kind)
+                    for request_id, (kind, phase) in self._step_faults.items():
+                        if phase in (None, dead.phase):
+                            await dead.actor.inject_step_fault.remote(request_id, kind)
                 log.info("restart %s: the new world of %d ranks is formed", names, self._world_size)
             except Exception as exc:  # noqa: BLE001 - the instances stay dead; survivors that broke fail their next step
                 log.error("restarting instance(s) %s failed: %r", ", ".join(i.spec.instance_id for i in group), exc)
@@ -272,8 +273,9 @@ class InstanceRecovery:
                 self._on_death(inst, exc)
                 inst.kick()  # its idle step loop wakes and ends
 
-    async def inject_step_fault(self, request_id: str, kind: str = "raise") -> None:
-        """Test hook: every step computing ``request_id`` fails on every instance, replacements
-        included (``ModelRunner.inject_step_fault``): a poison request."""
-        self._step_faults[request_id] = kind
-        await asyncio.gather(*(i.actor.inject_step_fault.remote(request_id, kind) for i in self.instances if i.alive))
+    async def inject_step_fault(self, request_id: str, kind: str = "raise", phase: str | None = None) -> None:
+        """Test hook: every step computing ``request_id`` fails on every instance of ``phase`` (None: every
+        instance), replacements included (``ModelRunner.inject_step_fault``): a poison request."""
+        self._step_faults[request_id] = (kind, phase)
+        await asyncio.gather(*(i.actor.inject_step_fault.remote(request_id, kind) for i in self.instances
+                               if i.alive and phase in (None, i.phase)))

@@ -276,8 +276,8 @@ class RemoteController:
             log.warning("the controller is redeployed (%.1f s)", time.monotonic() - started)
             return
 
-    async def inject_step_fault(self, request_id: str, kind: str = "raise") -> None:
-        await _call(self.actor.inject_step_fault.remote(request_id, kind))
+    async def inject_step_fault(self, request_id: str, kind: str = "raise", phase: str | None = None) -> None:
+        await _call(self.actor.inject_step_fault.remote(request_id, kind, phase))
 
     async def stats(self) -> dict[str, object]:
         return await _call(self.actor.stats.remote())  # type: ignore[no-any-return]

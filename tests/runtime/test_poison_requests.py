@@ -1,8 +1,9 @@
 """Poison requests on the Ray runtime: a request whose every step kills its instance — by raising,
 or by ending the process outright — is failed after the second death instead of being re-run on
 every replacement; its batch mates finish with their exact tokens; the restarts it caused are not
-charged to ``max_instance_restarts``; a suspect whose re-run reaches the replacement late is not
-blamed for another's death; an outage (a phase with no instance left) is a
+charged to ``max_instance_restarts``; a suspect whose re-run reaches the replacement late, or whose
+KV reaches a decode instance in the step that would run it alone, is not blamed for another's death;
+an outage (a phase with no instance left) is a
 ``ServiceUnavailableError`` (HTTP 503), never a 4xx."""
 
 from __future__ import annotations
@@ -46,11 +47,13 @@ def runtime(ray_cluster: Any) -> Iterator[ControllerRuntime]:
         rt.close()
 
 
-def run_with_poison(rt: ControllerRuntime, poison_id: str, kind: str) -> dict[str, RequestOutput]:
-    rt.run(rt.controller.inject_step_fault(poison_id, kind))
+def run_with_poison(rt: ControllerRuntime, poison_id: str, kind: str, phase: str | None = None, prefix: str = "") -> dict[str, RequestOutput]:
+    """PROMPTS (as ``prefix`` + their ids) and a poison request, at once; the poison's steps fail on ``phase``'s instances
+    (None: every instance)."""
+    rt.run(rt.controller.inject_step_fault(poison_id, kind, phase))
 
     async def all_of() -> dict[str, RequestOutput]:
-        ids = [*PROMPTS, poison_id]
+        ids = [*(prefix + rid for rid in PROMPTS), poison_id]
         prompts = [*PROMPTS.values(), POISON_PROMPT]
         outs = await asyncio.gather(*(rt.final_output(p, rid) for rid, p in zip(ids, prompts)))
         return dict(zip(ids, outs))
@@ -88,6 +91,23 @@ def test_a_suspect_whose_add_arrives_late_is_not_blamed_for_the_next_ones_death(
     assert final["poison-late"].finish_reason == "error"
     for rid in PROMPTS:
         assert final[rid].error is None and final[rid].token_ids == reference[rid]
+    assert wait_until(runtime.all_freed, 30), runtime.stats()
+
+
+def test_a_suspect_that_dies_decoding_is_blamed_alone_not_its_batch_mates(
+    runtime: ControllerRuntime, reference: dict[str, list[int]]
+) -> None:
+    # The poison kills only decode instances. The first death (its decode batch with "d-a" and "d-b") is blamed on all
+    # three; re-run, each suspect's first decode step on the replacement runs alone. The poison's KV arrives in some
+    # step: were that step to run it alone too, the controller would not yet know it had arrived and would blame
+    # everything the instance holds — "d-a" and "d-b" a second time, failing them as poison.
+    before = runtime.stats()
+    final = run_with_poison(runtime, "poison-decode", "exit", phase="decode", prefix="d-")
+    assert final["poison-decode"].finish_reason == "error" and f"failed {MAX_CRASHES_PER_REQUEST} times" in (final["poison-decode"].error or "")
+    for rid in PROMPTS:
+        assert final[f"d-{rid}"].error is None and final[f"d-{rid}"].token_ids == reference[rid], final[f"d-{rid}"].error
+    after = runtime.stats()
+    assert after["requests_failed_poison_total"] == before["requests_failed_poison_total"] + 1
     assert wait_until(runtime.all_freed, 30), runtime.stats()
 
 
