@@ -108,7 +108,8 @@ def parse_args() -> argparse.Namespace:
     if args.quick:
         args.model, args.in_flight, args.max_tokens, args.cache_tokens = "tiny", 24, 12, 768
         args.storm, args.overload_s, args.soak_s, args.deadline = 30, 3.0, 4.0, 150.0
-        args.goodput_probes, args.goodput_probe_s, args.goodput_confirmations = 2, 3.0, 1
+        # One probe and its repeat: both paths of the search run (its bisection is tested on its own: test_chaos_search.py).
+        args.goodput_probes, args.goodput_probe_s, args.goodput_confirmations = 1, 3.0, 1
         args.faults = args.faults or "decode-worker,controller"
     args.faults = [f for f in (args.faults or ",".join(FAULTS)).split(",") if f]
     args.rows = [r for r in args.rows.split(",") if r]
