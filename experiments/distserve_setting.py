@@ -73,6 +73,9 @@ FITTED_VLLM = ("facebook/opt-13b", 1)
 # two forms: per step per TP worker (the better on the PR's second benchmark), or per sequence in the step per TP worker.
 VLLM_RAY_STEP_S = 0.0064
 VLLM_RAY_SEQ_S = 0.000071
+# A third form, per worker: a fixed cost per call + one per sequence (holding ShareGPT's ~440 tokens), in the shape
+# ``bench_ray_step_calls.py`` measured with real Ray actors, scaled by one factor fitted as above. (per step, per sequence)
+VLLM_RAY_MEASURED_S = (0.001144, 0.0000585)  # k = 0.59; the PR's second benchmark fits it worst (31% off)
 # Read off DistServe's measured vLLM trace (not simulated here).
 REAL_VLLM_TRACE = (
     "DistServe's own measurement of vLLM (OPT-13B, one TP1 A100, ShareGPT, 1 req/s: "

@@ -13,7 +13,7 @@ from distserve.config import SchedulerConfig
 from distserve.placement import Placement
 from distserve_setting import (ALIGNED_OVERHEADS_S, ALIGNED_PREFILL_SCALE, ALIGNED_VLLM_KV_SHARE, DISTSERVE_DECODE_LIMITS,
                                DISTSERVE_PREFILL_LIMITS, EVAL_MEM_UTILIZATION, FITTED_VLLM, VLLM_A100_PROFILE, VLLM_LIMITS,
-                               VLLM_RAY_SEQ_S, VLLM_RAY_STEP_S, VLLM_STEP_OVERHEAD_S, Row)
+                               VLLM_RAY_MEASURED_S, VLLM_RAY_SEQ_S, VLLM_RAY_STEP_S, VLLM_STEP_OVERHEAD_S, Row)
 from simulator.latency import FittedLatencyModel, LatencyModel
 from simulator.simulation import SimConfig
 from sweep_systems import latency_model, with_overrides
@@ -203,6 +203,9 @@ ABLATIONS += [
                        "in the step per TP worker"),
     replace(ALIGNED, name="aligned+ray+short-runs", vllm_ray_step_s=VLLM_RAY_STEP_S, short_runs=True,
             assumption="aligned+ray, with runs as long as DistServe's"),
+    replace(ALIGNED, name="aligned+ray-measured", vllm_ray_step_s=VLLM_RAY_MEASURED_S[0], vllm_ray_seq_s=VLLM_RAY_MEASURED_S[1],
+            assumption=f"aligned+ray in the shape `bench_ray_step_calls.py` measured with real Ray actors, scaled to the PR: "
+                       f"{VLLM_RAY_MEASURED_S[0] * 1e3:g} ms per step + {VLLM_RAY_MEASURED_S[1] * 1e3:g} ms per sequence, per TP worker"),
 ]
 # DistServe's own requests: its real runs' traces record 300 of its prepared ShareGPT requests (``sharegpt-distserve``),
 # with longer prompts than ``sharegpt-multiturn`` rebuilds from published statistics (mean 780 vs 649, p90 1,512 vs 1,394).

@@ -176,7 +176,8 @@ CHECKS = {
     # both ways, and names the form that checks better.
     "fit_ray_control_plane": lambda f: f["quick"] and f["tp"] == 8 and all(
         abs(f["checks"]["sharegpt"][k] / f["checks"]["sharegpt"][p] - 1) < 0.1
-        for k, p in (("after", "published_after"), ("before (per step)", "published_before"), ("before (per sequence)", "published_before")))
+        for k, p in (("after", "published_after"), ("before (per step)", "published_before"), ("before (per sequence)", "published_before"),
+                     ("before (measured shape)", "published_before")))
     and set(f["checks"]) == {"sharegpt", "fixed/512-prompts", "fixed/512-seqs"} and f["better_form"] in f["validation_error"]
     and f["ray_step_ms_per_worker"] > 0 and f["ray_seq_ms_per_worker"] > 0 and f["engine_seq_ms"] > 0,
     # v0.2.3's step over real Ray actors: the driver's median step time grows with the sequences (16 vs 1) at each
