@@ -109,7 +109,7 @@ class SequenceOutput:
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, SequenceOutput):
-            raise NotImplementedError()
+            return NotImplemented  # (vLLM v0.2.x raised NotImplementedError here; only same-type outputs are compared)
         return (self.parent_seq_id == other.parent_seq_id and self.output_token == other.output_token
                 and self.logprobs == other.logprobs)
 
@@ -121,7 +121,7 @@ class SequenceGroupOutput:
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, SequenceGroupOutput):
-            raise NotImplementedError()
+            return NotImplemented  # (vLLM v0.2.x raised NotImplementedError here; only same-type outputs are compared)
         return self.samples == other.samples and self.prompt_logprobs == other.prompt_logprobs
 
 

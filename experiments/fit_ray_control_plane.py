@@ -131,6 +131,7 @@ def main() -> None:
         return throughput(latency, w, STEP_S + TP * k * call_s, engine_seq_s + TP * k * (per_seq_s + per_token_s * held_tokens(w[0])))
 
     k = solve(lambda x: measured(sharegpt, x), before, 2.0, iterations)
+    sharegpt_tokens = held_tokens(sharegpt[0])
     checks = {}
     for name, w in work.items():
         pub = PUBLISHED["sharegpt" if name == "sharegpt" else "fixed-1031-317"]
@@ -151,7 +152,7 @@ def main() -> None:
         # the measured shape x k: per call, per sequence (holding ShareGPT's tokens), per token held
         "measured_shape_ms": {"call": call_s * 1e3, "seq": per_seq_s * 1e3, "token": per_token_s * 1e3}, "measured_k": round(k, 4),
         "ray_measured_ms_per_worker": {"call": round(k * call_s * 1e3, 4),
-                                       "seq": round(k * (per_seq_s + per_token_s * held_tokens(sharegpt[0])) * 1e3, 5)},
+                                       "seq": round(k * (per_seq_s + per_token_s * sharegpt_tokens) * 1e3, 5)},
         "checks": checks, "validation_error": error, "better_form": min(error, key=error.get),  # type: ignore[arg-type]
         "in_setting": {"ray_step_ms_per_worker": VLLM_RAY_STEP_S * 1e3, "ray_seq_ms_per_worker": VLLM_RAY_SEQ_S * 1e3,
                        "ray_measured_ms_per_worker": [x * 1e3 for x in VLLM_RAY_MEASURED_S]},
@@ -172,8 +173,8 @@ def main() -> None:
              f"worker**; or, in the shape `bench_ray_step_calls.py` measured with real Ray actors ({call_s * 1e3:.2f} ms per call "
              f"+ {per_seq_s * 1e3:.4f} ms per sequence + {per_token_s * 1e6:.3f} µs per token held, per worker, on its machine) "
              f"times **k = {k:.3f}**: {k * call_s * 1e3:.3f} ms per call + "
-             f"{k * (per_seq_s + per_token_s * held_tokens(sharegpt[0])) * 1e3:.4f} ms per sequence (holding ShareGPT's "
-             f"{held_tokens(sharegpt[0]):.0f} tokens) per worker. Checked on the other benchmark (mean |simulated/published − 1| "
+             f"{k * (per_seq_s + per_token_s * sharegpt_tokens) * 1e3:.4f} ms per sequence (holding ShareGPT's "
+             f"{sharegpt_tokens:.0f} tokens) per worker. Checked on the other benchmark (mean |simulated/published − 1| "
              f"of *before*): per step {error['per step']:.3f}, per sequence {error['per sequence']:.3f}, measured shape "
              f"{error['measured shape']:.3f}.", "",
              "Columns: requests and the sequence cap of each run; *after* and *before* in req/s, published and simulated "

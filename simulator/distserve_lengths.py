@@ -63,7 +63,9 @@ from pathlib import Path
 import numpy as np
 
 from distserve.errors import InvalidConfigError
-from simulator.lengths import HUMANEVAL_OPT, LengthDistribution, LengthTarget, LogNormalLengths, chatbot_lengths, check_int
+from simulator.lengths import (
+    HUMANEVAL_OPT, LengthDistribution, LengthTarget, LogNormalLengths, ResampledLengths, chatbot_lengths, check_int,
+)
 
 __all__ = [
     "DISTSERVE_MAX_TOTAL", "DISTSERVE_TRACES", "LONGBENCH_ANSWER", "SHAREGPT_MEAN_ROUNDS", "DistServeShareGPTSample", "LongBenchLengths",
@@ -171,7 +173,7 @@ class LongBenchLengths(LengthDistribution):
         return prompt.astype(np.int64), output
 
 
-class DistServeShareGPTSample(LengthDistribution):
+class DistServeShareGPTSample(ResampledLengths):
     """``sharegpt-distserve``: (prompt, output) pairs resampled, with replacement, from the requests DistServe itself served.
 
     DistServe's repository records the requests of its real OPT-13B runs (``data/distserve-opt13b-vllm-traces.json``:
@@ -187,14 +189,8 @@ class DistServeShareGPTSample(LengthDistribution):
             raise InvalidConfigError(f"sharegpt-distserve: trace must be one of {sorted(data['traces'])}, got {trace!r}", "trace")
         rows = data["traces"][trace]
         col = data["fields"].index
-        self.prompt_lens = np.array([r[col("prompt_len")] for r in rows], dtype=np.int64)  # [num_requests]
-        self.output_lens = np.maximum(1, np.array([r[col("output_len")] for r in rows], dtype=np.int64))  # [num_requests]
-        self.name = "sharegpt-distserve"
-        self.description = (
-            f"the {len(rows)} requests of DistServe's real OPT-13B runs (its ShareGPT preparation; {trace}), resampled: prompt mean "
-            f"{self.prompt_lens.mean():.0f}, output mean {self.output_lens.mean():.0f}"
-        )
-
-    def sample(self, n: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
-        idx = rng.integers(0, len(self.prompt_lens), size=n)  # [n]
-        return self.prompt_lens[idx], self.output_lens[idx]
+        prompt = np.array([r[col("prompt_len")] for r in rows], dtype=np.int64)  # [num_requests]
+        output = np.maximum(1, np.array([r[col("output_len")] for r in rows], dtype=np.int64))  # [num_requests]
+        super().__init__(prompt, output, "sharegpt-distserve",
+                         f"the {len(rows)} requests of DistServe's real OPT-13B runs (its ShareGPT preparation; {trace}), "
+                         f"resampled: prompt mean {prompt.mean():.0f}, output mean {output.mean():.0f}")

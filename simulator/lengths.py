@@ -51,7 +51,7 @@ from scipy import optimize, special
 from distserve.errors import InvalidConfigError
 
 __all__ = [
-    "ARXIV_4K_LLAMA2", "AZURE2023_CODE", "HUMANEVAL_OPT", "SHAREGPT_OPT", "FixedLengths", "LengthDistribution",
+    "ARXIV_4K_LLAMA2", "AZURE2023_CODE", "HUMANEVAL_OPT", "SHAREGPT_OPT", "FixedLengths", "LengthDistribution", "ResampledLengths",
     "LengthTarget", "LogNormalLengths", "PublishedLengths", "chatbot_lengths", "check_int", "code_lengths",
     "summarization_lengths",
 ]
@@ -307,6 +307,19 @@ def code_lengths(**overrides: float) -> LogNormalLengths:
 def summarization_lengths(**overrides: float) -> LogNormalLengths:
     """arXiv-summarization-like long-prompt lengths (stands in for DistServe's LongBench)."""
     return ARXIV_4K_LLAMA2.build("summarization", **overrides)
+
+
+class ResampledLengths(LengthDistribution):
+    """Resamples recorded (prompt_len, output_len) pairs with replacement (a trace's, a dataset's)."""
+
+    def __init__(self, prompt_lens: np.ndarray, output_lens: np.ndarray, name: str, description: str):
+        self.prompt_lens = prompt_lens.astype(np.int64)  # [num_recorded]
+        self.output_lens = output_lens.astype(np.int64)  # [num_recorded]
+        self.name, self.description = name, description
+
+    def sample(self, n: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+        idx = rng.integers(0, len(self.prompt_lens), size=n)  # [n]
+        return self.prompt_lens[idx], self.output_lens[idx]
 
 
 class FixedLengths(LengthDistribution):

@@ -27,7 +27,7 @@ from distserve.cluster.tenants import ANONYMOUS, DEFAULT_TIER
 from distserve.config import PRIORITY_MAX, PRIORITY_MIN
 from distserve.errors import DistServeError, InvalidConfigError
 from simulator.distserve_lengths import DistServeShareGPTSample, LongBenchLengths, ShareGPTMultiTurn, humaneval_lengths
-from simulator.lengths import FixedLengths, LengthDistribution, chatbot_lengths, check_int, code_lengths, summarization_lengths
+from simulator.lengths import FixedLengths, LengthDistribution, ResampledLengths, chatbot_lengths, check_int, code_lengths, summarization_lengths
 
 __all__ = [
     "ARRIVAL_PROCESSES", "LENGTH_DISTRIBUTIONS", "MIX_PREFIX", "Request", "TraceLengths", "arrival_times", "check_positive", "describe",
@@ -85,23 +85,17 @@ def check_priority(value: object) -> int:
 
 
 # ---- length distributions by name ----------------------------------------------------------
-class TraceLengths(LengthDistribution):
+class TraceLengths(ResampledLengths):
     """Resamples (prompt_len, output_len) pairs, with replacement, from a JSONL trace."""
 
     def __init__(self, path: str | os.PathLike[str]):
         requests = load_trace(path)
         self.path = os.fspath(path)
-        self.prompt_lens = np.array([r.prompt_len for r in requests], dtype=np.int64)  # [num_trace]
-        self.output_lens = np.array([r.output_len for r in requests], dtype=np.int64)  # [num_trace]
-        self.name = f"trace:{os.path.basename(self.path)}"
-        self.description = (
-            f"(prompt_len, output_len) pairs resampled from {self.path} ({len(requests)} requests; prompt mean "
-            f"{self.prompt_lens.mean():.1f}, output mean {self.output_lens.mean():.1f})"
-        )
-
-    def sample(self, n: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
-        idx = rng.integers(0, len(self.prompt_lens), size=n)
-        return self.prompt_lens[idx], self.output_lens[idx]
+        prompt = np.array([r.prompt_len for r in requests], dtype=np.int64)  # [num_trace]
+        output = np.array([r.output_len for r in requests], dtype=np.int64)  # [num_trace]
+        super().__init__(prompt, output, f"trace:{os.path.basename(self.path)}",
+                         f"(prompt_len, output_len) pairs resampled from {self.path} ({len(requests)} requests; prompt mean "
+                         f"{prompt.mean():.1f}, output mean {output.mean():.1f})")
 
 
 LENGTH_DISTRIBUTIONS: dict[str, Callable[..., LengthDistribution]] = {
