@@ -112,8 +112,14 @@ def test_a_shared_controller_whose_holders_all_died_tears_itself_down(ray_cluste
     assert ray.get(actor.attach.remote("ghost", ghost))
     assert ray.get(actor.check_holders.remote()) == 1
     ray.kill(ghost, no_restart=True)
-    try:
-        left = ray.get(actor.check_holders.remote(), timeout=60)
-    except ray.exceptions.RayActorError:  # it killed itself before answering
-        left = 0
+    # ray.kill is asynchronous: a ping sent before the kill lands is answered, so the holder counts as alive until a
+    # later check (the watch repeats every HOLDER_CHECK_INTERVAL_S). Check again until the death is seen.
+    left, deadline = 1, time.monotonic() + 60
+    while left and time.monotonic() < deadline:
+        try:
+            left = ray.get(actor.check_holders.remote(), timeout=60)
+        except ray.exceptions.RayActorError:  # it killed itself before answering
+            left = 0
+        if left:
+            time.sleep(0.5)
     assert left == 0 and wait_gone(name)
