@@ -315,7 +315,8 @@ class InstanceServer:
     def _report(self, result: StepResult) -> None:
         """The scheduler's state after a step (the caller holds the lock)."""
         core = self.core
-        result.has_work = bool(core.has_work() or self._pending)
+        # An arrived suspect joins the scheduler at the next step, which must come even if nothing else is left.
+        result.has_work = bool(core.has_work() or self._pending or self._arrived_suspects)
         result.num_waiting, result.num_running = core.scheduler.num_waiting, core.scheduler.num_running
         result.num_added = self._num_added
         result.pending_prompt_tokens = core.scheduler.pending_prompt_tokens()

@@ -111,6 +111,17 @@ def test_a_suspect_that_dies_decoding_is_blamed_alone_not_its_batch_mates(
     assert wait_until(runtime.all_freed, 30), runtime.stats()
 
 
+def test_a_lone_suspect_whose_kv_reaches_an_idle_decode_instance_still_gets_its_step(runtime: ControllerRuntime) -> None:
+    # The suspect's KV arrives in a step that leaves the instance with nothing else to do: that step must still report
+    # work, or the controller never steps the instance again and the suspect (here the poison, alone) hangs.
+    before = runtime.stats()
+    runtime.run(runtime.controller.inject_step_fault("poison-alone", "exit", "decode"))
+    final = runtime.run(runtime.final_output(POISON_PROMPT, "poison-alone"), timeout_s=120)
+    assert final.finish_reason == "error" and f"failed {MAX_CRASHES_PER_REQUEST} times" in (final.error or "")
+    assert runtime.stats()["requests_failed_poison_total"] == before["requests_failed_poison_total"] + 1
+    assert wait_until(runtime.all_freed, 30), runtime.stats()
+
+
 def test_an_outage_is_service_unavailable(runtime: ControllerRuntime) -> None:
     runtime.controller.max_instance_restarts = 0  # the next death is final
     decode = next(i for i in runtime.controller.instances if i.phase == "decode")
