@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from distserve.dtypes import DTYPE_BYTES
 from distserve.errors import InvalidConfigError, InvalidSamplingParamsError
 
 
@@ -43,8 +44,8 @@ class ModelConfig:
             raise InvalidConfigError(
                 f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}"
             )
-        if self.dtype not in ("float32", "bfloat16", "float16"):
-            raise InvalidConfigError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.dtype not in DTYPE_BYTES:
+            raise InvalidConfigError(f"dtype must be one of {', '.join(DTYPE_BYTES)}, got {self.dtype!r}")
 
     @property
     def kv_bytes_per_token(self) -> int:

@@ -17,7 +17,7 @@ import harness
 from distserve.cli.arg_types import positive_int
 from distserve.config import CacheConfig, SamplingParams
 from distserve.engine.llm_engine import LLMEngine
-from distserve.engine.model import cpu_has_fast_bf16
+from distserve.dtypes import cpu_has_fast_bf16
 from distserve.engine.tiny_model import build_tiny_hf_model
 from distserve.engine.weights import load_model, resolve_model_dir
 from harness import Outputs

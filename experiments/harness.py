@@ -59,7 +59,7 @@ def model_dtype(value: str) -> str:
     """``--dtype``'s type: ``auto`` resolved here (bf16 only on a CPU with native bf16: elsewhere it runs
     ~70x slower than fp32, as on an AVX2-only machine), so both servers of a comparison and the results
     name the dtype that ran."""
-    from distserve.engine.model import resolve_dtype
+    from distserve.dtypes import resolve_dtype
 
     if value not in ("auto", "float32", "bfloat16", "float16"):
         raise argparse.ArgumentTypeError(f"must be auto, float32, bfloat16 or float16, got {value!r}")

@@ -11,7 +11,7 @@ from typing import Any
 from distserve.config import CacheConfig, SchedulerConfig
 from distserve.engine.block_manager import BlockManager
 from distserve.engine.instance_core import InstanceCore
-from distserve.engine.model import resolve_dtype
+from distserve.dtypes import resolve_dtype
 from distserve.engine.model_runner import ModelRunner
 from distserve.engine.frontend import EngineBase
 from distserve.engine.outputs import RequestMetrics, RequestOutput

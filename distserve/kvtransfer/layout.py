@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
+from distserve.dtypes import DTYPE_BYTES, torch_dtype
+
+if TYPE_CHECKING:
+    import torch
 
 
 def layer_range(num_layers: int, pp: int, pp_rank: int) -> tuple[int, int]:
@@ -63,8 +67,8 @@ class KVLayout:
     def __post_init__(self) -> None:
         if min(self.num_layers, self.num_kv_heads, self.head_dim, self.block_size, self.tp, self.pp) < 1:
             raise ValueError(f"every KVLayout size must be >= 1: {self}")
-        if not isinstance(getattr(torch, self.dtype, None), torch.dtype):
-            raise ValueError(f"unknown torch dtype {self.dtype!r}")
+        if self.dtype not in DTYPE_BYTES:
+            raise ValueError(f"unknown KV dtype {self.dtype!r}: one of {', '.join(DTYPE_BYTES)}")
         layer_range(self.num_layers, self.pp, 0)  # validates the splits
         kv_head_range(self.num_kv_heads, self.tp, 0)
 
@@ -74,11 +78,11 @@ class KVLayout:
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        return getattr(torch, self.dtype)  # type: ignore[no-any-return]
+        return torch_dtype(self.dtype)
 
     @property
     def itemsize(self) -> int:
-        return torch.empty((), dtype=self.torch_dtype).element_size()
+        return DTYPE_BYTES[self.dtype]
 
     def same_model(self, other: "KVLayout") -> bool:
         """True when both layouts describe the same KV (only the parallel split may differ)."""

@@ -26,8 +26,8 @@ from dataclasses import dataclass
 import torch
 
 from distserve.kvtransfer.layout import KVLayout, layer_range
-from distserve.kvtransfer.plan import TransferSlice, reshard_plan
-from distserve.kvtransfer.transport import MAX_TAG, Handle, KVTransport, TransferCancelled
+from distserve.kvtransfer.plan import MAX_TAG, TransferSlice, num_tags, reshard_plan
+from distserve.kvtransfer.transport import Handle, KVTransport, TransferCancelled
 
 RankMap = Sequence[int] | Mapping[int, int]  # instance-local rank -> global transport rank
 BlockIds = Sequence[int] | torch.Tensor
@@ -210,11 +210,6 @@ def messages(
             piece = TransferSlice(s.src_rank, s.dst_rank, (s.layers[0] + c0, s.layers[0] + c1), s.kv_heads)
             out.append((i * layout.num_layers + c0, piece))
     return out
-
-
-def num_tags(layout_src: KVLayout, layout_dst: KVLayout) -> int:
-    """Tags one request may use (``tag_base`` .. ``tag_base + num_tags - 1``); space concurrent requests by this."""
-    return len(reshard_plan(layout_src, layout_dst)) * layout_src.num_layers + 1  # + 1: the header
 
 
 def _check_tags(tag_base: int, layout_src: KVLayout, layout_dst: KVLayout) -> int:

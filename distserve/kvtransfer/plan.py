@@ -7,6 +7,8 @@ from dataclasses import dataclass
 
 from distserve.kvtransfer.layout import KVLayout
 
+MAX_TAG = 2**31 - 1  # gloo wants a non-negative 32-bit tag: every message of every migration has one in [0, MAX_TAG]
+
 
 @dataclass(frozen=True)
 class TransferSlice:
@@ -74,3 +76,8 @@ def _cached_plan(src: KVLayout, dst: KVLayout) -> tuple[TransferSlice, ...]:
 
 
 reshard_plan.cache_info = _cached_plan.cache_info  # type: ignore[attr-defined]
+
+
+def num_tags(layout_src: KVLayout, layout_dst: KVLayout) -> int:
+    """Tags one request may use (``tag_base`` .. ``tag_base + num_tags - 1``); space concurrent requests by this."""
+    return len(reshard_plan(layout_src, layout_dst)) * layout_src.num_layers + 1  # + 1: the header

@@ -14,7 +14,8 @@ from urllib.parse import urlsplit
 import torch
 import torch.distributed as dist
 
-MAX_TAG = 2**31 - 1  # gloo wants a non-negative 32-bit tag
+from distserve.kvtransfer.plan import MAX_TAG
+
 CANCEL_POLL_S = 0.02  # how often a wait that can be cancelled looks at its cancel event
 # The backend timeout of the KV group (``new_kv_group``): effectively never. Transfers enforce their
 # own deadline in ``Handle.wait``; this one would only fire in a thread left waiting on an op whose

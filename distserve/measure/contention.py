@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from distserve.config import SamplingParams
-from distserve.engine.model import resolve_dtype
+from distserve.dtypes import resolve_dtype
 from distserve.engine.model_runner import ModelRunner
 from distserve.engine.step_plan import ScheduledChunk, StepPlan
 from distserve.engine.weights import load_weights

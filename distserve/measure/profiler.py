@@ -26,8 +26,8 @@ from typing import Any
 import torch
 
 from distserve.config import ModelConfig
-from distserve.engine.model import resolve_dtype
-from distserve.engine.parallel import ShardSpec
+from distserve.dtypes import resolve_dtype
+from distserve.engine.shard import ShardSpec
 from distserve.engine.weights import load_model, resolve_model_dir
 from distserve.errors import InvalidConfigError
 from distserve.measure.contention import measure_concurrent_slowdown

@@ -40,7 +40,8 @@ import torch.distributed as dist
 from distserve.config import SamplingParams, SchedulerConfig
 from distserve.engine.instance_core import InstanceCore
 from distserve.engine.model_runner import ModelRunner
-from distserve.engine.parallel import ParallelState, ShardSpec, build_parallel_state
+from distserve.engine.parallel import ParallelState, build_parallel_state
+from distserve.engine.shard import ShardSpec
 from distserve.engine.step_plan import SampledToken, StepPlan
 from distserve.engine.sequence import Sequence
 from distserve.engine.weights import load_weights

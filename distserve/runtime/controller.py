@@ -31,7 +31,7 @@ from distserve.cluster.migration_queue import MigrationQueue
 from distserve.cluster.recovery import CrashLedger
 from distserve.cluster.classes import RequestClass
 from distserve.config import SamplingParams
-from distserve.engine.model import resolve_dtype
+from distserve.dtypes import resolve_dtype
 from distserve.engine.frontend import RequestFrontend
 from distserve.engine.outputs import RequestOutput
 from distserve.engine.sequence import Sequence, SequenceStatus

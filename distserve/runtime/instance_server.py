@@ -38,12 +38,12 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from distserve.cluster.backpressure import held_prompt_tokens, held_requests
 from distserve.decode.scheduler import Reservation
 from distserve.engine.instance_core import SCHEDULERS, InstanceCore, PlanInFlight
-from distserve.engine.parallel import ShardSpec
+from distserve.engine.shard import ShardSpec
 from distserve.engine.preemptible import PreemptibleSteps
 from distserve.engine.step_plan import attributed_to
 from distserve.engine.structured_output import shared_compiler
@@ -51,7 +51,9 @@ from distserve.engine.weights import load_model
 from distserve.engine.sequence import Sequence
 from distserve.kvtransfer.layout import KVLayout
 from distserve.runtime.instance_protocol import InstanceServerSpec, StepResult
-from distserve.runtime.worker import TransferResult, Worker, WorkerSpec
+
+if TYPE_CHECKING:  # (torch: loaded in this instance's own process only, when its workers are made)
+    from distserve.runtime.worker import TransferResult, Worker, WorkerSpec
 
 LATE_ADD_S = 1.0  # a ``late-add`` test fault's delay of ``add``
 
@@ -62,6 +64,8 @@ class InstanceServer:
         return f"InstanceServer({self.spec.instance_id})"
 
     def __init__(self, spec: InstanceServerSpec, create_remote_worker: Callable[[WorkerSpec], Any] | None = None) -> None:
+        from distserve.runtime.worker import Worker, WorkerSpec  # (this module is imported by the controller: no torch there)
+
         if spec.phase not in SCHEDULERS:
             raise ValueError(f"unknown phase {spec.phase!r}")
         self.spec = spec

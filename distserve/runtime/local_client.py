@@ -20,7 +20,7 @@ def build_local_engine_client(config: DeploymentConfig) -> ThreadedEngineClient:
     which computes with ``config.num_threads_per_worker`` torch threads (or the placement's, if its
     instances say). In-process instances have no TP/PP: a placement that asks for it is refused.
     """
-    from distserve.engine.model import resolve_dtype
+    from distserve.dtypes import resolve_dtype
     from distserve.engine.weights import load_model
 
     placement = config.placement

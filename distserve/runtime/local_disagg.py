@@ -35,7 +35,7 @@ from distserve.cluster.migration_queue import MigrationQueue
 from distserve.cluster.routing import DEFAULT_ROUTER, RouteState, check_router, decode_lane, decode_order, entry_hashes, pick_entry
 from distserve.config import CacheConfig, SchedulerConfig
 from distserve.engine.instance_core import InstanceCore
-from distserve.engine.model import resolve_dtype
+from distserve.dtypes import resolve_dtype
 from distserve.engine.model_runner import LayerPass, ModelRunner
 from distserve.engine.preemptible import PreemptibleSteps
 from distserve.engine.frontend import EngineBase

@@ -23,8 +23,7 @@ from distserve.cluster.migration_queue import MigrationQueue
 from distserve.cluster.routing import decode_lane, decode_order
 from distserve.config import SchedulerConfig
 from distserve.engine.sequence import Sequence
-from distserve.kvtransfer.migration import num_tags
-from distserve.kvtransfer.transport import MAX_TAG
+from distserve.kvtransfer.plan import MAX_TAG, num_tags
 from distserve.runtime.ray_deployment import DeployedInstance, route_of
 
 log = logging.getLogger(__name__)

@@ -16,7 +16,7 @@ import asyncio
 import concurrent.futures
 import threading
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from distserve.cluster.routing import RouteState
 from distserve.engine.frontend import RequestFrontend
@@ -28,7 +28,9 @@ from distserve.runtime.config import DeploymentConfig
 from distserve.runtime.instance_protocol import InstanceServerSpec, StepResult
 from distserve.runtime.instance_server import InstanceServer
 from distserve.runtime.ray_env import ACTOR_TASK_EVENTS
-from distserve.runtime.worker import Worker, WorkerSpec
+
+if TYPE_CHECKING:
+    from distserve.runtime.worker import WorkerSpec
 
 CPUS_PER_WORKER = 0.1  # Ray bookkeeping only: on 2 cores, the OS shares the cores among workers.
 PLACEMENT_GROUP_TIMEOUT_S = 120.0
@@ -43,6 +45,8 @@ class RayWorkerFactory:
     def __call__(self, spec: WorkerSpec) -> Any:
         import ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        from distserve.runtime.worker import Worker  # (called in the instance's process: the controller never loads torch)
 
         strategy = PlacementGroupSchedulingStrategy(self.placement_group, placement_group_bundle_index=spec.shard.rank)
         return (

@@ -27,7 +27,7 @@ from typing import Any
 from distserve.cluster.admission import check_timeout
 from distserve.cluster.classes import RequestClass, check_request_class
 from distserve.config import SamplingParams
-from distserve.engine.model import resolve_dtype
+from distserve.dtypes import resolve_dtype
 from distserve.engine.frontend import RequestFrontend
 from distserve.engine.outputs import RequestOutput
 from distserve.engine.sequence import Sequence

@@ -20,7 +20,8 @@ import torch.distributed as dist
 
 from distserve.engine.compute_thread import compute_executor
 from distserve.engine.model_runner import LayerPass, ModelRunner
-from distserve.engine.parallel import ShardSpec, build_parallel_state
+from distserve.engine.parallel import build_parallel_state
+from distserve.engine.shard import ShardSpec
 from distserve.engine.step_plan import SampledToken, StepPlan
 from distserve.engine.weights import load_weights
 from distserve.kvtransfer.layout import KVLayout

@@ -13,7 +13,8 @@ from distserve.config import SamplingParams, SchedulerConfig
 from distserve.engine.block_manager import BlockManager
 from distserve.engine.llm_engine import LLMEngine
 from distserve.engine.model_runner import ModelRunner
-from distserve.engine.parallel import ShardSpec, build_parallel_state
+from distserve.engine.parallel import build_parallel_state
+from distserve.engine.shard import ShardSpec
 from distserve.engine.scheduler import Scheduler
 from distserve.engine.sequence import Sequence
 from distserve.engine.weights import load_model

@@ -12,7 +12,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from distserve.kvtransfer import KVLayout, TorchDistTransport, init_process_group, recv_kv, send_kv, trim_block_lists
-from distserve.kvtransfer.migration import num_tags
+from distserve.kvtransfer.plan import num_tags
 from distserve.kvtransfer.transport import TransferCancelled, TransferTimeout, join_rendezvous, new_kv_group, open_rendezvous
 from distserve.ports import free_port
 

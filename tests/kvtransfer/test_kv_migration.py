@@ -26,8 +26,8 @@ from distserve.kvtransfer import (
     trim_block_lists,
     unpack_blocks,
 )
-from distserve.kvtransfer.migration import messages, num_tags
-from distserve.kvtransfer.plan import reshard_plan
+from distserve.kvtransfer.migration import messages
+from distserve.kvtransfer.plan import num_tags, reshard_plan
 from distserve.kvtransfer.transport import InProcessHub, TransferCancelled, TransferTimeout
 
 SENTINEL = -7.0  # decode cache content that must survive outside the request's blocks

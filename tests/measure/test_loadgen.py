@@ -17,7 +17,7 @@ from scipy import stats
 from distserve.measure import loadgen
 from distserve.config import CacheConfig
 from distserve.engine.llm_engine import LLMEngine
-from distserve.engine.model import resolve_dtype
+from distserve.dtypes import resolve_dtype
 from distserve.engine.weights import load_model
 from distserve.measure import load_summary
 from distserve.measure.load_summary import summarize

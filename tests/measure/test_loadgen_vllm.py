@@ -19,7 +19,7 @@ from scipy import stats
 
 from distserve.config import CacheConfig
 from distserve.engine.llm_engine import LLMEngine
-from distserve.engine.model import resolve_dtype
+from distserve.dtypes import resolve_dtype
 from distserve.engine.weights import load_model
 from distserve.measure import loadgen
 from distserve.measure.loadgen import run_load

@@ -21,7 +21,7 @@ from openai.types.chat import ChatCompletionMessageParam
 from distserve.cli import main as cli_main
 from distserve.config import CacheConfig, SamplingParams
 from distserve.engine.llm_engine import LLMEngine
-from distserve.engine.model import resolve_dtype
+from distserve.dtypes import resolve_dtype
 from distserve.engine.frontend import EngineBase
 from distserve.engine.outputs import RequestOutput
 from distserve.engine.weights import LoadedModel, load_model
