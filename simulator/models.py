@@ -7,10 +7,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from distserve.dtypes import DTYPE_BYTES
 from distserve.errors import InvalidConfigError, ModelNotFoundError
 
 _GATED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
-_DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "fp32": 4, "fp16": 2, "bf16": 2}
+_DTYPE_BYTES = {**DTYPE_BYTES, "fp32": 4, "fp16": 2, "bf16": 2}  # (and the short names some configs use)
 
 
 @dataclass(frozen=True)

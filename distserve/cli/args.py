@@ -12,6 +12,7 @@ from distserve.cluster.admission import DEFAULT_MAX_WAITING, DEFAULT_WAITING_UNI
 from distserve.cluster.fair_queue import ADMISSION_POLICIES, DEFAULT_ADMISSION_POLICY
 from distserve.cluster.routing import DEFAULT_ROUTER, ROUTERS
 from distserve.dataflow.limits import DEFAULT_LIMITS
+from distserve.dtypes import DTYPE_BYTES
 from distserve.engine.step_budget import STEP_POLICIES
 from distserve.errors import DistServeError
 from distserve.runtime.config import SERVER_MAX_QUEUED_REQUESTS
@@ -31,7 +32,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--dtype",
         default="auto",
-        choices=["auto", "float32", "bfloat16", "float16"],
+        choices=["auto", *DTYPE_BYTES],
         help="auto: bfloat16 on CUDA or CPUs with AMX/AVX512-BF16, else float32",
     )
     p.add_argument("--kv-cache-gb", type=float, default=0.5, help="memory for the paged KV cache")

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from distserve.config import ModelConfig
-from distserve.dtypes import resolve_dtype
+from distserve.dtypes import DTYPE_BYTES, resolve_dtype
 from distserve.engine.shard import ShardSpec
 from distserve.engine.weights import load_model, resolve_model_dir
 from distserve.errors import InvalidConfigError
@@ -149,7 +149,7 @@ def _architecture(config: ModelConfig) -> dict[str, Any]:
         "gated_mlp": True,
         "tie_word_embeddings": config.tie_word_embeddings,
         "max_position_embeddings": config.max_position_embeddings,
-        "dtype_bytes": 4 if config.dtype == "float32" else 2,
+        "dtype_bytes": DTYPE_BYTES[config.dtype],
     }
 
 
