@@ -14,9 +14,11 @@ DTYPE_BYTES: dict[str, int] = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 def torch_dtype(name: str) -> torch.dtype:
     """The torch dtype of a name of ``DTYPE_BYTES`` (KeyError for any other)."""
+    if name not in DTYPE_BYTES:
+        raise KeyError(name)
     import torch
 
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+    return getattr(torch, name)  # type: ignore[no-any-return]
 
 
 def cpu_has_fast_bf16() -> bool:

@@ -46,7 +46,7 @@ import torch
 import harness
 from distserve.cli.arg_types import positive_int
 from distserve.config import SamplingParams
-from distserve.engine.model import TORCH_DTYPES
+from distserve.dtypes import torch_dtype
 from distserve.engine.model_runner import ModelRunner
 from distserve.engine.step_plan import ScheduledChunk, StepPlan
 from distserve.engine.weights import load_model
@@ -267,7 +267,7 @@ def main() -> None:
     if not args.quick:
         kernel_cases.update({"~300": around(args.batch, 300, rng), "~1000": around(args.batch, 1000, rng),
                              f"1 x {args.max_ctx}": [args.max_ctx]})
-    dtypes = [TORCH_DTYPES[d] for d in args.dtypes.split(",") if d]
+    dtypes = [torch_dtype(d) for d in args.dtypes.split(",") if d]
     lo, hi = ints(args.suffix)
     trees = [tuple(ints(t)) for t in args.trees.split(",") if t]
     head_n, head_p = ints(args.headline)

@@ -13,12 +13,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from distserve.config import ModelConfig
-from distserve.dtypes import DTYPE_BYTES, torch_dtype
 from distserve.engine.shard import ShardSpec
 from kernels.paged_attention import AttentionMetadata, paged_attention, write_kv
-
-TORCH_DTYPES: dict[str, torch.dtype] = {name: torch_dtype(name) for name in DTYPE_BYTES}
-
 
 # Row counts a ``PrepackedLinear`` runs oneDNN at: up to 64 a multiple of 4, above it 8 per power of two
 # (4, 8, ..., 64, 72, 80, ..., 128, 144, ...): 56 sizes up to 2048, ~4% padded rows on average.

@@ -15,7 +15,8 @@ from dataclasses import dataclass, field
 import torch
 
 from distserve.config import ModelConfig
-from distserve.engine.model import TORCH_DTYPES, LlamaForCausalLM, prepack_linears
+from distserve.dtypes import torch_dtype
+from distserve.engine.model import LlamaForCausalLM, prepack_linears
 from distserve.engine.parallel import ParallelState
 from distserve.engine.shard import ShardSpec
 from distserve.engine.logprobs import PromptLogprobsBuilder
@@ -62,7 +63,7 @@ class ModelRunner:
         self.parallel = parallel or ParallelState(ShardSpec())
         shard = self.parallel.shard
         self.device = torch.device(device)
-        self.dtype = TORCH_DTYPES[config.dtype]
+        self.dtype = torch_dtype(config.dtype)
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.decode_attention = decode_attention or default_decode_attention(self.device)
